@@ -1,0 +1,52 @@
+"""Naive fp32 reference for the lightning indexer: scores and causal top-k.
+
+I[b,t,s] = sum_j w[b,t,j] * relu(q[b,t,j,:] . k[b,s,:]), visible iff 0 <= s <= positions[b,t] and s < S.
+Queries are processed in chunks so a 128K context never materialises the whole T x S score matrix.
+"""
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def visible_mask(positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """positions [B, T] int -> bool [B, T, S]: key s is visible to query t iff 0 <= s <= positions[b, t]."""
+    s = torch.arange(num_keys, device=positions.device)
+    return s.view(1, 1, -1) <= positions.unsqueeze(-1)
+
+
+def indexer_scores_naive(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Differentiable index scores in fp32, masked with -inf where a key is not visible.
+
+    q [B, T, H, D], k [B, S, D], w [B, T, H], positions [B, T] -> scores [B, T, S] fp32.
+    """
+    logits = torch.einsum("bthd,bsd->bths", q.float(), k.float()).relu()
+    scores = torch.einsum("bths,bth->bts", logits, w.float())
+    return scores.masked_fill(~visible_mask(positions, k.shape[1]), NEG_INF)
+
+
+def topk_from_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """scores [B, T, S] (-inf = invisible) -> int32 [B, T, topk], best first, -1 where fewer keys are visible."""
+    k = min(topk, scores.shape[-1])
+    vals, idx = scores.topk(k, dim=-1)
+    idx = torch.where(vals == NEG_INF, torch.full_like(idx, -1), idx).to(torch.int32)
+    if k < topk:  # fewer keys than topk in the whole context: pad to the static width
+        idx = torch.nn.functional.pad(idx, (0, topk - k), value=-1)
+    return idx
+
+
+@torch.no_grad()
+def indexer_topk_naive(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int, chunk: int = 1024
+) -> torch.Tensor:
+    """Causal top-k key selection, chunked over queries.
+
+    q [B, T, H, D], k [B, S, D], w [B, T, H], positions [B, T] (absolute position of each query; < 0 = padding)
+    -> int32 [B, T, topk]: key indices by descending score, -1 padding where fewer than topk keys are visible.
+    """
+    out = []
+    for t0 in range(0, q.shape[1], chunk):
+        sl = slice(t0, t0 + chunk)
+        out.append(topk_from_scores(indexer_scores_naive(q[:, sl], k, w[:, sl], positions[:, sl]), topk))
+    return torch.cat(out, dim=1)

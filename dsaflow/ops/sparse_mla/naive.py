@@ -1,0 +1,34 @@
+"""Naive fp32 reference for MQA-mode sparse MLA attention.
+
+Every head of query t attends to the same selected latent rows kv[b, indices[b, t, :]]. The first `d_v` columns of a
+row are its value. An index of -1 or >= S selects nothing. A query with no valid key gets out = 0 and lse = -inf.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def sparse_mla_naive(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, chunk: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int -> out [B, T, H, d_v] (q.dtype), lse [B, T, H] fp32.
+
+    Differentiable in q and kv (autograd through gather). lse is the natural-log sum of exp(scaled scores).
+    """
+    S = kv.shape[1]
+    outs, lses = [], []
+    for t0 in range(0, q.shape[1], chunk):
+        qc, ic = q[:, t0 : t0 + chunk].float(), indices[:, t0 : t0 + chunk].long()
+        valid = (ic >= 0) & (ic < S)  # [B, t, K]
+        rows = torch.gather(
+            kv.float().unsqueeze(1).expand(-1, ic.shape[1], -1, -1),
+            2,
+            ic.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, -1, kv.shape[-1]),
+        )  # [B, t, K, D_qk]
+        scores = torch.einsum("bthd,btkd->bthk", qc, rows) * sm_scale
+        scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # -inf when a row has no valid key
+        p = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
+        outs.append(torch.einsum("bthk,btkd->bthd", p, rows[..., :d_v]).to(q.dtype))
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)

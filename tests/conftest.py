@@ -1,0 +1,12 @@
+"""Shared test setup: GPU markers skip cleanly on machines without CUDA devices."""
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "gpu" in item.keywords and n_gpu < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "multigpu" in item.keywords and n_gpu < 2:
+            item.add_marker(pytest.mark.skip(reason="needs 2+ CUDA GPUs"))
