@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Sets up ./.venv with dsaflow (editable) and its dependencies; idempotent, quiet when already done.
+# Machines without an NVIDIA GPU get the CPU build of torch (torch==2.13.0 resolves to a local CPU wheel on our
+# machines; elsewhere set TORCH_SPEC and PIP_EXTRA_INDEX_URL, e.g. https://download.pytorch.org/whl/cpu).
+# A machine whose python3 already has torch (the GPU image) reuses it through --system-site-packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv --system-site-packages .venv
+pip_q() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip_q "${TORCH_SPEC:-torch}"
+  else
+    pip_q "${TORCH_SPEC:-torch==2.13.0}"
+  fi
+fi
+.venv/bin/python -c "import torch" || { echo "setup: torch did not install (see above)" >&2; exit 1; }
+if ! .venv/bin/python -c "import dsaflow, hydra, omegaconf, wandb, rich, pytest, hypothesis" 2>/dev/null; then
+  pip_q -e ".[dev]"
+fi
+.venv/bin/python -c "import dsaflow, torch; print(f'setup: dsaflow ready (torch {torch.__version__}, cuda={torch.cuda.is_available()})')"
