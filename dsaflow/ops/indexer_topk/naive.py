@@ -27,9 +27,15 @@ def indexer_scores_naive(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, posi
 
 
 def topk_from_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """scores [B, T, S] (-inf = invisible) -> int32 [B, T, topk], best first, -1 where fewer keys are visible."""
+    """scores [B, T, S] (-inf = invisible) -> int32 [B, T, topk], best first, -1 where fewer keys are visible.
+
+    Ties are broken towards the lower key index (stable sort). `torch.topk` leaves tie order unspecified, and exact
+    ties are common here (a key whose relu logits are all 0 scores exactly 0), so without a rule the same scores over a
+    longer key row (a serving cache) could select a different set than over the sequence itself.
+    """
     k = min(topk, scores.shape[-1])
-    vals, idx = scores.topk(k, dim=-1)
+    vals, idx = scores.sort(dim=-1, descending=True, stable=True)
+    vals, idx = vals[..., :k], idx[..., :k]
     idx = torch.where(vals == NEG_INF, torch.full_like(idx, -1), idx).to(torch.int32)
     if k < topk:  # fewer keys than topk in the whole context: pad to the static width
         idx = torch.nn.functional.pad(idx, (0, topk - k), value=-1)

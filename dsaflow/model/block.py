@@ -1,0 +1,47 @@
+"""One DSA transformer block (pre-norm residual): h += MLA(attn_norm(h)); h += SwiGLU(ffn_norm(h)).
+
+The block's role comes from the plan: F blocks own an indexer (`attn.indexer`), S blocks read the indices their
+planned source wrote on the same stage.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsaflow.config.schema import ModelConfig
+from dsaflow.plan.plan import LayerPlan
+
+from .context import ForwardContext
+from .mla import MLA
+from .norms import RMSNorm
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x): x [..., dim] -> [..., dim] with hidden size inter_dim."""
+
+    def __init__(self, dim: int, inter_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter_dim, bias=False)
+        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class DSABlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: LayerPlan):
+        super().__init__()
+        if layer.role not in ("F", "S"):
+            raise ValueError(f"layer {layer.index}: role={layer.role!r} must be 'F' or 'S' (check plan.json).")
+        self.layer_index, self.role, self.source = layer.index, layer.role, layer.source
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = MLA(cfg, layer.index, layer.role, layer.source)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.dim, cfg.inter_dim)
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """h [B, T, dim] -> [B, T, dim]."""
+        h = h + self.attn(self.attn_norm(h), ctx)
+        return h + self.mlp(self.ffn_norm(h))

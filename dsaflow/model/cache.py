@@ -1,0 +1,149 @@
+"""Serving caches of one pipeline stage, preallocated once (CUDA-graph safe), plus the stage's index slot.
+
+Buffers (all allocated by `StageCache.allocate`, never inside forward):
+- `kv[layer]`      [max_batch, max_context + 1, kv_lora_rank + qk_rope_head_dim] per DSA layer: the latent MLA row
+                   (kv_norm(c_kv) | rope(k_pe)) of every cached position.
+- `index_k[layer]` [max_batch, max_context + 1, index_head_dim], F layers only: the indexer key of every position.
+- `index`          [max_batch, max_tokens, topk] int32, one per stage: top-k indices written by the F layer that ran
+                   last and read by the S layers it serves (max_tokens = the largest chunk of one forward).
+
+Row `max_context` of `kv` / `index_k` is a trash row: a padding query (position < 0, or a position out of range)
+writes there, so padded batches never corrupt real rows, and no query can see it (key s is visible iff
+s <= position < max_context). Writes are branchless scatters at the query positions, so prefill chunks (T > 1) and
+decode (T = 1) with different lengths per sequence share one code path.
+
+Host-side bookkeeping (plain Python, no GPU sync): the `IndexSlot` records which layer wrote the indices in the
+current forward, and an S layer whose planned source did not write them raises `IndexCacheError`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+
+from dsaflow.config.schema import ModelConfig
+from dsaflow.plan.plan import Plan
+
+
+class IndexCacheError(RuntimeError):
+    """An S layer tried to read indices that its planned source F layer did not write in this forward."""
+
+
+class IndexSlot:
+    """The stage's current top-k indices: written by F layers, read by S layers.
+
+    Without a serving cache it just holds the F layer's tensor; with one it copies into the preallocated
+    `buffer [max_batch, max_tokens, topk]` and hands out the view `buffer[:B, :T]`.
+    """
+
+    def __init__(self, buffer: Optional[torch.Tensor] = None):
+        self.buffer = buffer
+        self.indices: Optional[torch.Tensor] = None
+        self.writer: Optional[int] = None  # global index of the layer that wrote `indices` in this forward
+
+    def begin(self) -> None:
+        """Start of a stage forward: nothing has been written yet."""
+        self.indices, self.writer = None, None
+
+    def write(self, layer: int, indices: torch.Tensor) -> torch.Tensor:
+        """indices [B, T, topk] int32 from F layer `layer` -> the tensor S layers will read."""
+        if self.buffer is not None:
+            B, T, K = indices.shape
+            mb, mt, mk = self.buffer.shape
+            if B > mb or T > mt or K != mk:
+                raise ValueError(
+                    f"index cache is [max_batch={mb}, max_tokens={mt}, topk={mk}] but layer {layer} wrote indices of "
+                    f"shape [{B}, {T}, {K}]: allocate the StageCache with max_batch >= {B} and max_tokens >= {T} "
+                    f"(the largest prefill chunk), or send smaller chunks."
+                )
+            view = self.buffer[:B, :T]
+            view.copy_(indices)
+            indices = view
+        self.indices, self.writer = indices, layer
+        return indices
+
+    def read(self, layer: int, source: int) -> torch.Tensor:
+        """Indices for S layer `layer`, whose planned source is F layer `source`; raises if `source` did not write."""
+        if self.writer != source or self.indices is None:
+            wrote = "no layer has written it" if self.writer is None else f"it was last written by layer {self.writer}"
+            raise IndexCacheError(
+                f"S layer {layer} reads the index cache of its planned source F layer {source}, but in this forward "
+                f"{wrote}. An S layer may only reuse indices written by its source on the same stage during the same "
+                f"forward: run the stage as a whole (StageModule.forward), not single layers, and build it from the "
+                f"plan that assigned layer {layer} -> source {source}."
+            )
+        return self.indices
+
+
+def write_rows(buffer: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Scatter rows [B, T, D] into buffer [max_batch, max_context + 1, D] at their positions [B, T].
+
+    Positions outside [0, max_context) go to the trash row max_context. Returns the view buffer[:B] (all cached rows of
+    the batch, S = max_context + 1). Branchless and allocation-free apart from static-shape temporaries.
+    """
+    trash = buffer.shape[1] - 1
+    slot = torch.where((positions >= 0) & (positions < trash), positions, trash).long()
+    view = buffer[: rows.shape[0]]
+    view.scatter_(1, slot.unsqueeze(-1).expand(-1, -1, rows.shape[-1]), rows.to(buffer.dtype))
+    return view
+
+
+@dataclass
+class StageCache:
+    """Preallocated serving state of one stage. Build with `StageCache.allocate(...)`; see the module docstring."""
+
+    max_batch: int
+    max_context: int
+    max_tokens: int
+    kv: Dict[int, torch.Tensor]
+    index_k: Dict[int, torch.Tensor]
+    index_slot: IndexSlot = field(default_factory=IndexSlot)
+
+    @classmethod
+    def allocate(
+        cls,
+        model_cfg: ModelConfig,
+        plan: Plan,
+        stage_index: int,
+        max_batch: int,
+        max_context: int,
+        max_tokens: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> "StageCache":
+        """Allocate every buffer of stage `stage_index` of `plan` (kv/index_k in `dtype`, index int32 = -1)."""
+        for name, value in (("max_batch", max_batch), ("max_context", max_context), ("max_tokens", max_tokens)):
+            if value < 1:
+                raise ValueError(f"StageCache.allocate: {name}={value} must be >= 1.")
+        d_kv = model_cfg.kv_lora_rank + model_cfg.qk_rope_head_dim
+        rows = max_context + 1  # + trash row
+        kv, index_k = {}, {}
+        for i in plan.stages[stage_index].layers:
+            kv[i] = torch.zeros(max_batch, rows, d_kv, device=device, dtype=dtype)
+            if plan.layer(i).role == "F":
+                index_k[i] = torch.zeros(max_batch, rows, model_cfg.index_head_dim, device=device, dtype=dtype)
+        index = torch.full((max_batch, max_tokens, model_cfg.index_topk), -1, device=device, dtype=torch.int32)
+        return cls(max_batch, max_context, max_tokens, kv, index_k, IndexSlot(index))
+
+    @property
+    def index(self) -> torch.Tensor:
+        """The stage's index cache [max_batch, max_tokens, topk] int32."""
+        return self.index_slot.buffer
+
+    @property
+    def index_writer(self) -> Optional[int]:
+        """Global index of the layer that wrote the index cache in the current forward (None before any F layer)."""
+        return self.index_slot.writer
+
+    def reset(self) -> None:
+        """Forget every cached row (new requests). Outside any captured graph; keeps the same storage."""
+        for t in (*self.kv.values(), *self.index_k.values()):
+            t.zero_()
+        self.index_slot.buffer.fill_(-1)
+        self.index_slot.begin()
+
+    def nbytes(self) -> int:
+        """Bytes held by all buffers (for reports; the planner estimates the same)."""
+        ts = (*self.kv.values(), *self.index_k.values(), self.index_slot.buffer)
+        return sum(t.numel() * t.element_size() for t in ts)

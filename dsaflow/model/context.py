@@ -1,0 +1,41 @@
+"""What one stage forward hands to every layer: positions, RoPE tables, attention mode, caches, loss recorder."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .cache import IndexSlot, StageCache
+
+if TYPE_CHECKING:
+    from .indexer_loss import IndexerLossRecorder
+
+ATTN_MODES = ("sparse", "dense")
+
+
+@dataclass
+class ForwardContext:
+    """positions [B, T] int64 absolute positions (< 0 = padding query); rope_* = (cos, sin) [B, T, rope_dim // 2].
+
+    attn: "sparse" (top-k keys from the indexer) | "dense" (every causal key). cache: serving caches or None
+    (training / full-sequence forward: the keys are the T tokens themselves, token t at position t).
+    index_slot: where F layers write and S layers read the stage's top-k indices. recorder: collects what the
+    indexer loss needs (training only), else None.
+    """
+
+    positions: torch.Tensor
+    rope_mla: tuple[torch.Tensor, torch.Tensor]
+    rope_index: tuple[torch.Tensor, torch.Tensor]
+    attn: str
+    cache: Optional[StageCache]
+    index_slot: IndexSlot
+    recorder: Optional["IndexerLossRecorder"] = None
+
+
+def causal_indices(positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """positions [B, T] -> int32 [B, T, num_keys]: column s holds key s if visible (s <= position), else -1.
+
+    The "dense" attention mode: sparse_mla over every causal key (static shape, graph safe)."""
+    s = torch.arange(num_keys, device=positions.device, dtype=torch.int32)
+    return torch.where(s.view(1, 1, -1) <= positions.unsqueeze(-1), s.view(1, 1, -1), -1).to(torch.int32)

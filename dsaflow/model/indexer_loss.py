@@ -1,0 +1,111 @@
+"""Training-time indexer loss: KL distillation of attention into the lightning indexer, local to one stage.
+
+Enabled when the stage is in training mode, has no serving cache, and `compute_indexer_loss` is on (attribute
+`StageModule.compute_indexer_loss`, or the forward kwarg of the same name). During the forward:
+- every layer records, under no_grad, its attention distribution over its key set: the softmax attention probs summed
+  over heads then L1-normalised, [B, T, K] aligned with the layer's indices (K = topk in sparse mode: its selected
+  keys; K = S in dense mode: every causal key, column s = key s);
+- every F layer records its index scores on the same key set, with gradient only to its indexer weights (the
+  indexer's inputs are detached, V3.2 recipe).
+Target of F layer f (IndexCache distillation) = the mean of the distributions of f and of every S layer whose source
+is f (all on the same stage, by construction). S layers reuse f's indices, so all the sets line up column by column.
+Loss_f = KL(target || softmax(index scores on the key set)), averaged over valid queries (>= 1 visible key).
+The stage loss `StageModule.indexer_loss` is the SUM over the stage's F layers, so each F layer's gradient is the same
+whichever way the layers are split into stages (PP=1 vs PP=N).
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+
+from dsaflow.ops.indexer_topk import indexer_scores_naive
+
+
+@torch.no_grad()
+def attention_distribution(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float, chunk: int = 256
+) -> torch.Tensor:
+    """Head-summed, L1-normalised attention probs over each query's key set.
+
+    q [B, T, H, D], kv [B, S, D], indices [B, T, K] (-1 / >= S = no key), lse [B, T, H] from sparse_mla
+    -> fp32 [B, T, K] (0 on invalid keys; an all-zero row for a query with no key). Chunked over queries.
+    """
+    S, out = kv.shape[1], []
+    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse.float())
+    for t0 in range(0, q.shape[1], chunk):
+        idx = indices[:, t0 : t0 + chunk].long()
+        valid = (idx >= 0) & (idx < S)
+        rows = torch.gather(
+            kv.float().unsqueeze(1).expand(-1, idx.shape[1], -1, -1),
+            2,
+            idx.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, -1, kv.shape[-1]),
+        )  # [B, t, K, D]
+        s = torch.einsum("bthd,btkd->bthk", q[:, t0 : t0 + chunk].float(), rows) * sm_scale
+        p = torch.exp(s - lse[:, t0 : t0 + chunk].unsqueeze(-1)).sum(dim=2) * valid  # [B, t, K]
+        out.append(p / p.sum(dim=-1, keepdim=True).clamp_min(1e-30))
+    return torch.cat(out, dim=1)
+
+
+def index_scores_on_keys(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, indices: torch.Tensor, dense: bool
+) -> torch.Tensor:
+    """Index scores on a layer's key set, differentiable in q, k, w.
+
+    q [B, T, H_I, D_I], k [B, S, D_I], w [B, T, H_I], indices [B, T, K] -> fp32 [B, T, K], -inf on invalid keys.
+    dense=True means indices are `causal_indices` (column s = key s), so the full causal score matrix is the answer.
+    """
+    if dense:
+        return indexer_scores_naive(q, k, w, positions)
+    S = k.shape[1]
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < S)
+    k_sel = torch.gather(
+        k.float().unsqueeze(1).expand(-1, idx.shape[1], -1, -1),
+        2,
+        idx.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, -1, k.shape[-1]),
+    )  # [B, T, K, D_I]
+    logits = torch.einsum("bthd,btkd->bthk", q.float(), k_sel).relu()
+    scores = torch.einsum("bthk,bth->btk", logits, w.float())
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def indexer_kl_loss(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """KL(target || softmax(scores)) per query, averaged over queries with at least one valid key.
+
+    scores [B, T, K] fp32 (-inf = not in the key set), target [B, T, K] (rows sum to 1, 0 off the set) -> scalar.
+    """
+    finite = torch.isfinite(scores)
+    valid_q = finite.any(dim=-1)  # [B, T]
+    # A row with no valid key would make log_softmax NaN (and its gradient NaN): give it zeros, then drop it.
+    safe = torch.where(valid_q.unsqueeze(-1), scores, torch.zeros_like(scores))
+    logp = torch.where(finite, torch.log_softmax(safe, dim=-1), torch.zeros_like(safe))
+    target = target.float() * finite
+    kl = (torch.xlogy(target, target) - target * logp).sum(dim=-1)  # [B, T]
+    return (kl * valid_q).sum() / valid_q.sum().clamp_min(1)
+
+
+class IndexerLossRecorder:
+    """Collects, during one stage forward, what `indexer_kl_loss` needs; `loss(sources)` combines it."""
+
+    def __init__(self):
+        self.attention: Dict[int, torch.Tensor] = {}  # layer -> [B, T, K] distribution (no grad)
+        self.scores: Dict[int, torch.Tensor] = {}  # F layer -> [B, T, K] index scores (grad to indexer only)
+
+    def record_attention(self, layer: int, q, kv, indices, lse, sm_scale: float) -> None:
+        self.attention[layer] = attention_distribution(q.detach(), kv.detach(), indices, lse.detach(), sm_scale)
+
+    def record_index_scores(self, layer: int, q, k, w, positions, indices, dense: bool) -> None:
+        self.scores[layer] = index_scores_on_keys(q, k, w, positions, indices, dense)
+
+    def loss(self, sources: Iterable[Tuple[int, int]]) -> Optional[torch.Tensor]:
+        """sources: (layer, source) for every layer of the stage -> sum over F layers of Loss_f, or None if none."""
+        groups: Dict[int, list] = {}
+        for layer, source in sources:
+            groups.setdefault(source, []).append(layer)
+        total = None
+        for f, scores in self.scores.items():
+            target = torch.stack([self.attention[l] for l in groups[f]]).mean(dim=0)
+            loss_f = indexer_kl_loss(scores, target)
+            total = loss_f if total is None else total + loss_f
+        return total

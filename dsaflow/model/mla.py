@@ -1,0 +1,86 @@
+"""Multi-head latent attention (DeepSeek-V3 MLA), always computed in MQA (absorbed) mode through `sparse_mla`.
+
+Shapes (H = n_heads, C = kv_lora_rank, R = qk_rope_head_dim, N = qk_nope_head_dim, V = v_head_dim):
+  q_latent = q_norm(wq_a(x))                          [B, T, q_lora]
+  q        = wq_b(q_latent) -> [q_nope | q_pe]        [B, T, H, N + R], RoPE on q_pe
+  kv row   = [kv_norm(c_kv) | rope(k_pe)]             [B, S, C + R]   (wkv_a(x) = [c_kv | k_pe]; shared by all heads)
+  wkv_b.weight viewed as [H, N + V, C]: W_UK = [:, :N], W_UV = [:, N:]
+  q_abs    = [q_nope @ W_UK | q_pe]                   [B, T, H, C + R]   (d_qk = C + R)
+  o_lat    = sparse_mla(q_abs, kv, indices, sm_scale=(N + R)^-0.5, d_v=C)  [B, T, H, C]
+  out      = wo(o_lat @ W_UV^T)                       [B, T, dim]
+The absorbed form is exactly the naive MLA (q_nope . (W_UK c) = (W_UK^T q_nope) . c), and it is the same computation
+in training, prefill and decode. The indices come from the layer's own indexer (F), from the stage's index slot
+written by its source (S), or are every causal key (attn="dense").
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsaflow.config.schema import ModelConfig
+from dsaflow.ops import indexer_topk, sparse_mla
+from dsaflow.ops.indexer_topk import indexer_scores_naive
+
+from .cache import write_rows
+from .context import ForwardContext, causal_indices
+from .indexer import Indexer
+from .norms import RMSNorm
+from .rope import apply_rope
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int, role: str, source: int):
+        super().__init__()
+        self.layer_index, self.role, self.source = layer_index, role, source
+        self.n_heads, self.kv_lora_rank, self.topk = cfg.n_heads, cfg.kv_lora_rank, cfg.index_topk
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.sm_scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+        self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * (self.nope + self.rope), bias=False)
+        self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + self.rope, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
+        # S layers reuse their source's indices and carry no indexer weights at all.
+        self.indexer = Indexer(cfg) if role == "F" else None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x [B, T, dim] (already attn_norm'ed) -> [B, T, dim]."""
+        B, T, _ = x.shape
+        H, C = self.n_heads, self.kv_lora_rank
+        cos, sin = ctx.rope_mla
+        q_latent = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_latent).view(B, T, H, self.nope + self.rope)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        c_kv, k_pe = self.wkv_a(x).split([C, self.rope], dim=-1)
+        kv = torch.cat([self.kv_norm(c_kv), apply_rope(k_pe, cos, sin)], dim=-1)  # [B, T, C + R]
+        if ctx.cache is not None:
+            kv = write_rows(ctx.cache.kv[self.layer_index], ctx.positions, kv)  # [B, max_context + 1, C + R]
+
+        w = self.wkv_b.weight.view(H, self.nope + self.v_dim, C)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        q_abs = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w_uk), apply_rope(q_pe, cos, sin)], dim=-1)
+
+        indices = self._indices(x, q_latent, kv.shape[1], ctx)
+        o_lat, lse = sparse_mla(q_abs, kv, indices, self.sm_scale, C)
+        if ctx.recorder is not None:
+            ctx.recorder.record_attention(self.layer_index, q_abs, kv, indices, lse, self.sm_scale)
+        out = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * self.v_dim)
+        return self.wo(out)
+
+    def _indices(self, x: torch.Tensor, q_latent: torch.Tensor, num_keys: int, ctx: ForwardContext) -> torch.Tensor:
+        """int32 [B, T, K]: the keys each query attends to (K = index_topk, or num_keys in dense mode)."""
+        dense = ctx.attn == "dense"
+        if self.role == "S":
+            return causal_indices(ctx.positions, num_keys) if dense else ctx.index_slot.read(self.layer_index, self.source)
+        q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
+        if ctx.cache is not None:  # F layers always keep their indexer keys current, whatever the attention mode
+            k_i = write_rows(ctx.cache.index_k[self.layer_index], ctx.positions, k_i)
+        if dense:
+            indices = causal_indices(ctx.positions, num_keys)
+        else:
+            indices = ctx.index_slot.write(self.layer_index, indexer_topk(q_i, k_i, w_i, ctx.positions, self.topk))
+        if ctx.recorder is not None:
+            ctx.recorder.record_index_scores(self.layer_index, q_i, k_i, w_i, ctx.positions, indices, dense)
+        return indices
