@@ -1,6 +1,12 @@
 """Shared test setup: GPU markers skip cleanly on machines without CUDA devices."""
+import os
+
 import pytest
 import torch
+
+# Without a CUDA device, Triton kernels run in the CPU interpreter; this must be set before any @triton.jit runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

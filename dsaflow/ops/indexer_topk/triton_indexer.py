@@ -1,0 +1,125 @@
+"""Triton lightning-indexer logits + torch.topk, chunked over queries so a 128K context stays bounded.
+
+Logits I[b,t,s] = sum_j w[b,t,j] * relu(q[b,t,j] . k[b,s]) for a tile of BLOCK_T queries x BLOCK_S keys per program:
+the key tile [BLOCK_S, D] is loaded once and reused by all H_I heads; per head one dot [BLOCK_T, D] x [D, BLOCK_S]
+(bf16 in, fp32 accumulate), relu, times w, summed elementwise into an fp32 tile (no cross-thread reduction). Key
+tiles past the largest visible position of the query tile skip the dots and only write -inf (causal skip; the grid
+stays fixed). The logits chunk [B, T_chunk, S] fp32 then goes through `topk_from_scores` (torch.topk, -1 where a
+score is -inf). Chunk size and grid depend on shapes only, so the whole op is CUDA-graph safe.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .naive import topk_from_scores
+
+SCORE_BUDGET_ELEMS = 1 << 28  # at most 1 GiB of fp32 logits per chunk
+
+
+@triton.jit
+def _indexer_logits_kernel(
+    q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr,
+    T, S, H, D,
+    s_qb, s_qt, s_qh,
+    s_kb, s_ks,
+    s_wb, s_wt, s_wh,
+    s_pb, s_pt,
+    s_ob, s_ot,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < T
+    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_ok = offs_s < S
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    pos = tl.load(pos_ptr + b * s_pb + offs_t * s_pt, mask=t_ok, other=-1)
+    acc = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
+    if pid_s * BLOCK_S <= tl.max(pos, 0):  # some key of this tile is visible to some query of the tile
+        k = tl.load(k_ptr + b * s_kb + offs_s[:, None] * s_ks + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        k_t = tl.trans(k)
+        q_rows = q_ptr + b * s_qb + offs_t[:, None] * s_qt + offs_d[None, :]
+        w_rows = w_ptr + b * s_wb + offs_t * s_wt
+        for h in range(H):
+            qh = tl.load(q_rows + h * s_qh, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            wh = tl.load(w_rows + h * s_wh, mask=t_ok, other=0.0).to(tl.float32)
+            acc += tl.maximum(tl.dot(qh, k_t), 0.0) * wh[:, None]
+    visible = (offs_s[None, :] <= pos[:, None]) & s_ok[None, :]
+    acc = tl.where(visible, acc, float("-inf"))
+    tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + offs_s[None, :], acc, mask=t_ok[:, None] & s_ok[None, :])
+
+
+def logits_config(T: int, S: int, D: int, overrides: dict | None = None) -> dict:
+    cfg = dict(
+        BLOCK_T=min(64, max(16, triton.next_power_of_2(T))),
+        BLOCK_S=min(128, max(16, triton.next_power_of_2(S))),
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        num_warps=4,
+        num_stages=3,
+    )
+    cfg.update(overrides or {})
+    return cfg
+
+
+def indexer_logits_triton(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None,
+    overrides: dict | None = None,
+) -> torch.Tensor:
+    """q [B, T, H, D], k [B, S, D], w [B, T, H], positions [B, T] -> logits [B, T, S] fp32, -inf where invisible.
+
+    `out` may be a preallocated [B, T, S] fp32 buffer with a contiguous last dim (reused across chunks)."""
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    if out is None:
+        out = torch.empty(B, T, S, device=q.device, dtype=torch.float32)
+    cfg = logits_config(T, S, D, overrides)
+    grid = (triton.cdiv(S, cfg["BLOCK_S"]), triton.cdiv(T, cfg["BLOCK_T"]), B)
+    _indexer_logits_kernel[grid](
+        q, k, w, positions, out,
+        T, S, H, D,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1),
+        w.stride(0), w.stride(1), w.stride(2),
+        positions.stride(0), positions.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def query_chunk(B: int, T: int, S: int) -> int:
+    """Queries per chunk so the fp32 logits [B, chunk, S] stay under SCORE_BUDGET_ELEMS (shape-only)."""
+    return max(1, min(T, SCORE_BUDGET_ELEMS // max(1, B * S)))
+
+
+@torch.no_grad()
+def indexer_topk_triton(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int,
+    chunk: int | None = None, overrides: dict | None = None,
+) -> torch.Tensor:
+    """Same contract as `dsaflow.ops.indexer_topk.indexer_topk`: q [B, T, H_I, D_I], k [B, S, D_I], w [B, T, H_I],
+    positions [B, T] int -> int32 [B, T, topk], best first, -1 where fewer than topk keys are visible."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    B, T = q.shape[:2]
+    S = k.shape[1]
+    out = torch.empty(B, T, topk, device=q.device, dtype=torch.int32)
+    if S == 0:
+        return out.fill_(-1)
+    chunk = chunk or query_chunk(B, T, S)
+    scores = torch.empty(B, min(chunk, T), S, device=q.device, dtype=torch.float32)
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        buf = scores[:, : t1 - t0]
+        indexer_logits_triton(q[:, t0:t1], k, w[:, t0:t1], positions[:, t0:t1], buf, overrides)
+        out[:, t0:t1] = topk_from_scores(buf, topk)
+    return out

@@ -1,0 +1,90 @@
+"""Sparse MLA decode: split-K (flash-decoding) over the selected rows, then a combine kernel.
+
+Decode has few queries (B sequences x one or a few tokens), so one program per (head block, query) would leave most
+of the 132 SMs idle. Each query's K selected rows are split into `num_splits` ranges, each handled by its own program
+(the prefill kernel with a key range), writing a normalised partial output and lse in fp32; `_combine_kernel` merges
+them with weights exp(lse_s - lse). num_splits is a function of the shapes only, so grids and buffers are fixed for a
+captured CUDA graph; the kv argument can be a preallocated cache [B, S_max, D_qk] (rows past a sequence's length are
+never read as long as its indices are -1 there).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_prefill import fwd_config, launch_sparse_mla_fwd
+
+
+@triton.jit
+def _combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, n_rows, D_V, num_splits,
+    s_po_split, s_pl_split,
+    BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """part_out [NS, n_rows, D_V] fp32, part_lse [NS, n_rows] fp32 -> out [n_rows, D_V], lse [n_rows] fp32.
+
+    A row is one (b, t, h). All partial tensors are contiguous over (b, t, h, d)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < n_rows
+    offs_d = tl.arange(0, BLOCK_DV)
+    ok = r_ok[:, None] & (offs_d < D_V)[None, :]
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(part_lse_ptr + s * s_pl_split + offs_r, mask=r_ok, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    for s in range(num_splits):
+        w = tl.exp(tl.load(part_lse_ptr + s * s_pl_split + offs_r, mask=r_ok, other=float("-inf")) - m_safe)
+        part = tl.load(part_out_ptr + s * s_po_split + offs_r[:, None] * D_V + offs_d[None, :], mask=ok, other=0.0)
+        acc += w[:, None] * part
+        denom += w
+    d_safe = tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + offs_r[:, None] * D_V + offs_d[None, :], (acc / d_safe[:, None]).to(out_ptr.dtype.element_ty),
+             mask=ok)
+    tl.store(lse_ptr + offs_r, tl.where(denom == 0.0, float("-inf"), m_safe + tl.log(d_safe)), mask=r_ok)
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(q: torch.Tensor, K: int, block_h: int, block_k: int) -> int:
+    """Splits so the grid reaches about two waves of SMs, never below one row block per split. Shape-only."""
+    B, T, H = q.shape[:3]
+    n_sm = _num_sms(q.device.index or 0) if q.is_cuda else 132
+    programs = B * T * triton.cdiv(H, block_h)
+    want = triton.cdiv(2 * n_sm, programs)
+    return max(1, min(want, triton.cdiv(K, block_k), 64))
+
+
+def sparse_mla_decode_triton(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+    num_splits: int | None = None, overrides: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode forward, no autograd: q [B, T, H, D_qk] (T small), kv [B, S, D_qk] (a cache), indices [B, T, K] int32
+    -> out [B, T, H, d_v] q.dtype, lse [B, T, H] fp32. Same contract as `sparse_mla`."""
+    B, T, H, D_qk = q.shape
+    K = indices.shape[2]
+    cfg = fwd_config(q, d_v, D_qk - d_v, K, overrides)
+    ns = num_splits or choose_num_splits(q, K, cfg["BLOCK_H"], cfg["BLOCK_K"])
+    out = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    if ns == 1:
+        launch_sparse_mla_fwd(q, kv, indices, sm_scale, d_v, out, lse, 1, overrides)
+        return out, lse
+    part_out = torch.empty(ns, B, T, H, d_v, device=q.device, dtype=torch.float32)
+    part_lse = torch.empty(ns, B, T, H, device=q.device, dtype=torch.float32)
+    launch_sparse_mla_fwd(q, kv, indices, sm_scale, d_v, part_out, part_lse, ns, overrides)
+    n_rows = B * T * H
+    block_dv = max(16, triton.next_power_of_2(d_v))
+    block_r = max(1, 4096 // block_dv)
+    _combine_kernel[(triton.cdiv(n_rows, block_r),)](
+        part_out, part_lse, out, lse, n_rows, d_v, ns, part_out.stride(0), part_lse.stride(0),
+        BLOCK_R=block_r, BLOCK_DV=block_dv, num_warps=4,
+    )
+    return out, lse

@@ -1,0 +1,69 @@
+"""CUDA entry of `sparse_mla`: picks the prefill, decode or naive path and wraps the kernels in autograd.
+
+- grad needed (grad mode on and q or kv requires grad): `SparseMLATriton` (prefill forward + Triton backward).
+- no grad: the split-K decode launcher, which uses one split (= the prefill kernel) when the grid already fills the
+  GPU and several when B * T is small.
+- shapes the kernels cannot take (see `kernel_supports`) go to the naive reference, which is correct but slow; this
+  is the documented fallback, and `kernel_supports` says why a shape was refused.
+All CUDA paths are graph-safe: grids and buffers depend on shapes only, and invalid indices are masked in-kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+from .naive import sparse_mla_naive
+from .triton_backward import sparse_mla_bwd_triton
+from .triton_decode import sparse_mla_decode_triton
+from .triton_prefill import sparse_mla_fwd_triton
+
+MAX_D_V = 512  # the fp32 accumulator [64, 512] is the most two warpgroups' registers hold
+MAX_D_TAIL = 128
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def kernel_supports(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> str | None:
+    """None if the Triton kernels take these shapes, else the reason they do not (the naive path runs instead)."""
+    d_qk = q.shape[-1]
+    if q.dtype not in _DTYPES or kv.dtype != q.dtype:
+        return f"dtypes q={q.dtype} kv={kv.dtype} (kernels take bf16/fp16/fp32 with q.dtype == kv.dtype)"
+    if not 0 < d_v <= MAX_D_V or not 0 <= d_qk - d_v <= MAX_D_TAIL:
+        return f"d_v={d_v}, d_qk={d_qk} (kernels take 0 < d_v <= {MAX_D_V} and 0 <= d_qk - d_v <= {MAX_D_TAIL})"
+    if q.dtype == torch.float32 and d_qk > 256:
+        return f"fp32 with d_qk={d_qk} > 256 (the fp32 tiles do not fit in shared memory; use bf16)"
+    if kv.shape[1] == 0 or indices.shape[-1] == 0 or q.shape[0] * q.shape[1] == 0:
+        return "empty kv, indices or queries"
+    return None
+
+
+class SparseMLATriton(torch.autograd.Function):
+    """Differentiable in q and kv (and through lse); indices are integer inputs without gradient."""
+
+    @staticmethod
+    def forward(ctx, q, kv, indices, sm_scale: float, d_v: int):
+        out, lse = sparse_mla_fwd_triton(q, kv, indices, sm_scale, d_v)
+        ctx.save_for_backward(q, kv, indices, out, lse)
+        ctx.sm_scale, ctx.d_v = sm_scale, d_v
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, kv, indices, out, lse = ctx.saved_tensors
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        dq, dkv = sparse_mla_bwd_triton(q, kv, indices, out, lse, d_out, d_lse, ctx.sm_scale, ctx.d_v)
+        return dq, dkv, None, None, None
+
+
+def sparse_mla_triton(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `dsaflow.ops.sparse_mla.sparse_mla` (q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K])."""
+    if kernel_supports(q, kv, indices, d_v) is not None:
+        return sparse_mla_naive(q, kv, indices, sm_scale, d_v)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    indices = indices.to(torch.int32)
+    indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+    if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad):
+        return SparseMLATriton.apply(q, kv, indices, float(sm_scale), int(d_v))
+    return sparse_mla_decode_triton(q, kv, indices, float(sm_scale), int(d_v))

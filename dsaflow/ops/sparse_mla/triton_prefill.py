@@ -1,0 +1,146 @@
+"""Triton forward kernel for MQA-mode sparse MLA: one program per (head block, query, key split).
+
+Every head of a query attends to the same K gathered latent rows, so a program holds BLOCK_H heads of one query and
+streams the selected rows in blocks of BLOCK_K: each row block is loaded once ([BLOCK_K, d_v] + [BLOCK_K, tail]) and
+feeds both dots (S = Q.K^T split as value part + rope tail, then acc += P.V with V = the value part of the same tile).
+Online softmax in base 2. Invalid indices (-1 or >= S) are masked branchlessly: their rows are not read and their
+scores are -inf. A query with no valid key writes out = 0 and lse = -inf.
+
+The key range can be split across programs (flash-decoding): each split writes its normalised partial output and
+lse in fp32, and `triton_decode.combine_splits` merges them. With one split the kernel writes out/lse directly.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    T, S, K, H, D_V, D_T, k_per_split, scale_log2,
+    s_qb, s_qt, s_qh,
+    s_kvb, s_kvs,
+    s_ib, s_it,
+    s_osplit, s_ob, s_ot, s_oh,
+    s_lsplit, s_lb, s_lt,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+):
+    pid_h = tl.program_id(0)  # fastest-varying: head blocks of one query run together and share rows in L2
+    pid_q = tl.program_id(1).to(tl.int64)
+    pid_s = tl.program_id(2)
+    b = pid_q // T
+    t = pid_q % T
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < D_V
+    q_rows = q_ptr + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
+    q_nope = tl.load(q_rows + offs_dv[None, :], mask=h_ok[:, None] & dv_ok[None, :], other=0.0)
+    if HAS_TAIL:
+        offs_dt = tl.arange(0, BLOCK_DT)
+        dt_ok = offs_dt < D_T
+        q_tail = tl.load(q_rows + D_V + offs_dt[None, :], mask=h_ok[:, None] & dt_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    kv_base = kv_ptr + b * s_kvb
+    idx_base = idx_ptr + b * s_ib + t * s_it
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_base + offs_k, mask=offs_k < k_hi, other=-1)
+        valid = (idx >= 0) & (idx < S)
+        rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * s_kvs
+        k_nope = tl.load(rows + offs_dv[None, :], mask=valid[:, None] & dv_ok[None, :], other=0.0)  # [BK, DV]
+        s = tl.dot(q_nope, tl.trans(k_nope))
+        if HAS_TAIL:
+            k_tail = tl.load(rows + D_V + offs_dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0)
+            s = tl.dot(q_tail, tl.trans(k_tail), s)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked so far: keep exp2 finite
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None])
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    o_ptrs = out_ptr + pid_s * s_osplit + b * s_ob + t * s_ot + offs_h[:, None] * s_oh + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & dv_ok[None, :])
+    tl.store(lse_ptr + pid_s * s_lsplit + b * s_lb + t * s_lt + offs_h, lse, mask=h_ok)
+
+
+def fwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict | None = None) -> dict:
+    """Block sizes and launch options for a shape. Deterministic in the shape (fixed grids for CUDA graphs)."""
+    H = q.shape[2]
+    cfg = dict(
+        BLOCK_H=min(64, max(16, triton.next_power_of_2(H))),
+        BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
+        BLOCK_DT=max(16, triton.next_power_of_2(max(d_tail, 1))),
+        BLOCK_K=min(64, max(16, triton.next_power_of_2(K))),
+        num_warps=4,
+        num_stages=2,
+    )
+    big = cfg["BLOCK_DV"] * cfg["BLOCK_H"] >= 64 * 256
+    if big:  # the fp32 accumulator [64, 512] needs two warpgroups' registers
+        cfg.update(num_warps=8, BLOCK_K=min(cfg["BLOCK_K"], 32 if q.element_size() > 2 else 64))
+    if q.element_size() > 2:
+        cfg.update(num_stages=1)
+    cfg.update(overrides or {})
+    return cfg
+
+
+def launch_sparse_mla_fwd(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+    out: torch.Tensor, lse: torch.Tensor, num_splits: int = 1, overrides: dict | None = None,
+) -> None:
+    """Fill out/lse for q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32 (last dims contiguous).
+
+    num_splits == 1: out [B, T, H, d_v] (any float dtype), lse [B, T, H] fp32.
+    num_splits > 1: out [num_splits, B, T, H, d_v] fp32 and lse [num_splits, B, T, H] fp32 hold per-split partials.
+    """
+    B, T, H, D_qk = q.shape
+    S, K = kv.shape[1], indices.shape[2]
+    d_tail = D_qk - d_v
+    cfg = fwd_config(q, d_v, d_tail, K, overrides)
+    bk = cfg["BLOCK_K"]
+    k_per_split = triton.cdiv(triton.cdiv(K, num_splits), bk) * bk
+    if num_splits == 1:
+        s_o, s_l = (0,) + tuple(out.stride()[:3]), (0,) + tuple(lse.stride()[:2])
+    else:
+        s_o, s_l = tuple(out.stride()[:4]), tuple(lse.stride()[:3])
+    grid = (triton.cdiv(H, cfg["BLOCK_H"]), B * T, num_splits)
+    _sparse_mla_fwd_kernel[grid](
+        q, kv, indices, out, lse,
+        T, S, K, H, d_v, d_tail, k_per_split, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        indices.stride(0), indices.stride(1),
+        *s_o, *s_l,
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_K=bk, BLOCK_DV=cfg["BLOCK_DV"], BLOCK_DT=cfg["BLOCK_DT"],
+        HAS_TAIL=d_tail > 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def sparse_mla_fwd_triton(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, overrides: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill forward: q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32 -> out [B, T, H, d_v] q.dtype,
+    lse [B, T, H] fp32 (natural log). Inputs must have contiguous last dims (the dispatcher ensures it)."""
+    B, T, H, _ = q.shape
+    out = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    launch_sparse_mla_fwd(q, kv, indices, sm_scale, d_v, out, lse, 1, overrides)
+    return out, lse
