@@ -91,38 +91,44 @@ class GraphsConfig:
 
 @dataclass
 class TrainConfig:
+    """Optimisation, the DSA recipe, eval, checkpoints. Defaults: the embedded main job (retrieval, 2-core CPU)."""
+
     name: str = "default"
-    steps: int = 200
+    steps: int = 300
     seed: int = 0
-    seq_len: int = 256
-    batch_size: int = 8  # sequences per step (split into pipeline.microbatches)
+    seq_len: int = 128
+    batch_size: int = 16  # sequences per step (split into pipeline.microbatches)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # global norm over every stage (main and indexer params clipped separately); 0 = off
     dsa_stage: str = "sparse"  # dense_warmup | sparse
     dense_warmup_steps: int = 0  # steps of dense_warmup before `sparse` (when dsa_stage=sparse)
     indexer_lr: float = 1e-3
     indexer_loss_weight: float = 1.0
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     log_every: int = 10
-    eval_every: int = 50
+    eval_every: int = 50  # 0 = only at the end
     eval_batches: int = 4
     ckpt_every: int = 0  # 0 = only at the end
-    resume: bool = False
+    resume: bool = False  # continue from the latest checkpoint in run_dir
+    stop_at_step: Optional[int] = None  # pre-emption drill: exit after this step without the final checkpoint
     device: str = "auto"  # auto | cpu | cuda
+    peak_tflops: Optional[float] = None  # per-rank peak for the MFU estimate; None = known GPU table / CPU nominal
+    progress: str = "auto"  # auto (rich bar on a TTY, lines otherwise) | rich | lines | off
 
 
 @dataclass
 class DataConfig:
     name: str = "retrieval"
     kind: str = "retrieval"  # retrieval | text | bin
-    path: Optional[str] = None  # text file/folder or nanoGPT-style .bin token file
+    path: Optional[str] = None  # text file/folder or nanoGPT-style .bin token file (uint16)
     num_pairs: int = 4  # retrieval: key-value pairs hidden in the filler
-    key_len: int = 3
-    value_len: int = 3
+    key_len: int = 2
+    value_len: int = 2
+    loss_on: str = "answer"  # retrieval: LM loss on the answer bytes only (answer) or on every byte (all)
     val_fraction: float = 0.05
 
 
@@ -150,6 +156,8 @@ class ServeConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
+    eos_id: Optional[int] = None  # stop a row at this token id (one small host sync per decode step when set)
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16: weights, caches and activations
 
 
 @dataclass
@@ -167,6 +175,7 @@ class DSAFlowConfig:
     run_dir: Optional[str] = None  # default: runs/<timestamp>
     nproc: Optional[int] = None  # processes to launch; default = pipeline ranks
     format: str = "table"  # table | json (for `dsaflow plan`)
+    estimate_context: int = 131072  # context (keys per query) at which the plan reports indexer FLOPs saved by S layers
     extra: Any = None  # free-form user metadata, logged with the run
 
 

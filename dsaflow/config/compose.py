@@ -1,0 +1,142 @@
+"""Compose the typed config: Hydra in the parent process, plain OmegaConf in workers.
+
+`compose(overrides)` runs Hydra's compose API over `configs/` (or $DSAFLOW_CONFIG_DIR) and returns a
+`DSAFlowConfig`; Hydra/OmegaConf failures (unknown key, wrong type, missing group option, bad override syntax)
+become a `ConfigError` naming the key, the value and the fix. Workers never import Hydra: they read the run dir's
+resolved `config.yaml` with `load_config`.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import List, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+import dsaflow
+from dsaflow.config.errors import ConfigError, explain_omegaconf_error
+from dsaflow.config.schema import DSAFlowConfig, register_configs
+
+# Values written in the layout language contain characters that Hydra's override grammar reserves ("(", ")", "|",
+# spaces); these keys are quoted for Hydra so `layout=(FSSS)*2|(FSSS)*2` works as typed.
+LAYOUT_KEYS = ("layout", "index.pattern")
+_OVERRIDE_KEY = re.compile(r"^(\+{0,2})([\w.]+)=(.*)$", re.S)
+
+
+def default_config_dir() -> Path:
+    env = os.environ.get("DSAFLOW_CONFIG_DIR")
+    return Path(env) if env else Path(dsaflow.__file__).resolve().parents[1] / "configs"
+
+
+def quote_layout_overrides(overrides: List[str]) -> List[str]:
+    out = []
+    for ov in overrides:
+        m = _OVERRIDE_KEY.match(ov)
+        if m and m.group(2) in LAYOUT_KEYS:
+            value = m.group(3)
+            if value and value not in ("null", "None") and value[0] not in "'\"":
+                ov = f"{m.group(1)}{m.group(2)}='" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        out.append(ov)
+    return out
+
+
+def _group_options(config_dir: Path, group: str) -> List[str]:
+    d = config_dir / group
+    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+
+
+def _explain_hydra_error(exc: Exception, config_dir: Path) -> str:
+    """Turn a Hydra exception into one paragraph: what was wrong, and the fix."""
+    cause = exc
+    while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        return explain_omegaconf_error(cause)
+    text = str(exc).strip()
+    m = re.search(r"Could not find '([\w/]+)/([^']+)'", text) or re.search(r"Could not load '([\w/]+)/([^']+)'", text)
+    if m:
+        group, option = m.group(1), m.group(2)
+        opts = _group_options(config_dir, group)
+        return (
+            f"{group}={option}: there is no option {option!r} in the config group {group!r} ({config_dir / group}). "
+            f"Fix: use one of {', '.join(opts) if opts else '(none found)'}."
+        )
+    first = " ".join(text.split())
+    groups = sorted(p.name for p in config_dir.iterdir() if p.is_dir()) if config_dir.is_dir() else []
+    return (
+        f"could not compose the config: {first} Fix: overrides are key=value (e.g. model.dim=128), group=option "
+        f"(groups: {', '.join(groups)}) or +new_key=value; quote values that contain spaces or brackets."
+    )
+
+
+def _unknown_keys(node, schema, prefix: str = "") -> List[str]:
+    """Keys in a composed DictConfig that its dataclass does not declare. Hydra lets `+key=value` add them even to
+    a typed config, and OmegaConf.to_object then drops them silently: a typo would be ignored, so we refuse it."""
+    import dataclasses
+    import typing
+
+    if not (dataclasses.is_dataclass(schema) and OmegaConf.is_dict(node)):
+        return []
+    hints = typing.get_type_hints(schema)
+    out = []
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if key not in hints:
+            out.append(path)
+            continue
+        hint = hints[key]
+        child = node._get_node(key)
+        if dataclasses.is_dataclass(hint):
+            out += _unknown_keys(child, hint, path + ".")
+        elif typing.get_origin(hint) in (list, typing.List) and OmegaConf.is_list(child):
+            (item,) = typing.get_args(hint) or (None,)
+            for i, sub in enumerate(child):
+                out += _unknown_keys(sub, item, f"{path}[{i}].")
+    return out
+
+
+def compose(overrides: Optional[List[str]] = None, config_dir: Optional[str] = None) -> DSAFlowConfig:
+    """Hydra-compose `configs/config.yaml` with `overrides` and return the typed DSAFlowConfig."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    cdir = Path(config_dir) if config_dir else default_config_dir()
+    if not (cdir / "config.yaml").is_file():
+        raise ConfigError(
+            f"config dir {cdir} has no config.yaml. Fix: point DSAFLOW_CONFIG_DIR at the repository's configs/ folder."
+        )
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(cdir.resolve()), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=quote_layout_overrides(list(overrides or [])))
+        unknown = _unknown_keys(cfg, DSAFlowConfig)
+        if unknown:
+            raise ConfigError(
+                f"unknown key {unknown[0]} (all unknown: {', '.join(unknown)}): the schema in dsaflow/config/schema.py "
+                "does not declare it, so it would be ignored. Fix: remove it or correct its spelling; free-form "
+                "metadata goes under `+extra.<name>=...`."
+            )
+        return OmegaConf.to_object(cfg)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_explain_hydra_error(exc, cdir)) from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def to_yaml(cfg: DSAFlowConfig) -> str:
+    """Resolved YAML of a typed config (what the run dir's config.yaml holds)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def load_config(path) -> DSAFlowConfig:
+    """Read a resolved config.yaml into a DSAFlowConfig with OmegaConf only (no Hydra): for workers."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(DSAFlowConfig), OmegaConf.load(str(path)))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{path}: " + explain_omegaconf_error(exc)) from None

@@ -1,0 +1,136 @@
+"""Human-readable rendering of a Plan: a per-stage table, promotions with reasons, boundary trade-offs, graph blocks.
+
+Layer notation in the stage table: `5:S<4` = layer 5 is S and reads layer 4's indices; `4:F!` = declared S,
+promoted to F (its reason is listed under the table); `6:F` = declared F.
+"""
+from __future__ import annotations
+
+import io
+from typing import Iterable
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from dsaflow.plan.plan import Plan
+
+
+def human(n: float, unit: str = "", base: int = 1000) -> str:
+    """1234567 -> '1.23M' (base 1000) or bytes -> '1.18 MiB' (base 1024)."""
+    prefixes = ["", "K", "M", "G", "T", "P", "E"]
+    x, i = float(n), 0
+    while abs(x) >= base and i < len(prefixes) - 1:
+        x /= base
+        i += 1
+    suffix = prefixes[i] + ("i" if base == 1024 and i else "") + unit
+    text = f"{x:.0f}" if i == 0 else f"{x:.3g}"
+    return f"{text} {suffix}".rstrip() if base == 1024 or unit else f"{text}{suffix}"
+
+
+def ntokens(n: int) -> str:
+    """Token counts in the units people say: 131072 -> '128K', 1024 -> '1K', 1000 -> '1000'."""
+    for div, unit in ((1 << 20, "M"), (1 << 10, "K")):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+def nbytes(n: float) -> str:
+    return human(n, "B", 1024)
+
+
+def flops(n: float) -> str:
+    return human(n, "FLOP")
+
+
+def layer_marks(plan: Plan, layer_ids: Iterable[int]) -> str:
+    out = []
+    for i in layer_ids:
+        l = plan.layers[i]
+        if l.promoted:
+            out.append(f"{i}:F!")
+        elif l.role == "F":
+            out.append(f"{i}:F")
+        else:
+            out.append(f"{i}:S<{l.source}")
+    return " ".join(out)
+
+
+def _stage_table(plan: Plan, est) -> Table:
+    ctx = est.get("savings_context", 0)
+    t = Table(title="stages", box=box.SIMPLE_HEAD)
+    for col in ("stage", "rank", "layers (F / S<source / F! promoted)", "F/S/!", "params",
+                f"indexer FLOPs saved per token @{ntokens(ctx)}", "KV cache per seq", "activations per microbatch",
+                "fwd cost share"):
+        t.add_column(col, overflow="fold")
+    total_cost = sum(s["forward_flops_per_token"] for s in est["stages"]) or 1
+    for st, se in zip(plan.stages, est["stages"]):
+        t.add_row(
+            str(st.index), str(st.rank), layer_marks(plan, st.layers),
+            f"{se['f_layers']}/{se['s_layers']}/{se['promoted']}",
+            human(se["params"]),
+            flops(se["indexer_flops_saved_per_token"]),
+            nbytes(se["kv_cache_bytes_per_seq"]),
+            f"{nbytes(se['activation_bytes_per_microbatch'])} x{se['microbatches_in_flight']}",
+            f"{100 * se['forward_flops_per_token'] / total_cost:.1f}%",
+        )
+    return t
+
+
+def _boundary_table(est) -> Table:
+    t = Table(title="stage boundaries: sending indices vs recomputing them (transfer is off; this is the trade)",
+              box=box.SIMPLE_HEAD)
+    for col in ("after stage", "next starts with", "index payload / microbatch", "indexer recompute / microbatch",
+                "payload / decode token", "recompute / decode token", "indexer params on next stage"):
+        t.add_column(col)
+    for b in est["boundaries"]:
+        start = f"layer {b['first_layer']}: " + ("S -> promoted" if b["promoted"] else b["declared"])
+        t.add_row(
+            str(b["after_stage"]), start,
+            nbytes(b["index_payload_bytes_per_microbatch"]), flops(b["recompute_indexer_flops_per_microbatch"]),
+            nbytes(b["index_payload_bytes_per_decode_token"]), flops(b["recompute_indexer_flops_per_decode_token"]),
+            human(b["recompute_indexer_params"]),
+        )
+    return t
+
+
+def render_table(plan: Plan, cfg) -> str:
+    """The `dsaflow plan` text: header, stage table, promotions, boundary trade-offs, graph blocks, totals."""
+    est = plan.estimates
+    buf = io.StringIO()
+    con = Console(file=buf, width=160, force_terminal=False, color_system=None, soft_wrap=False)
+    p, m = plan.pipeline, cfg.model
+    con.print(
+        f"model={m.name}: {plan.num_layers} layers, dim {m.dim}, {m.n_heads} heads, indexer {m.index_n_heads}x"
+        f"{m.index_head_dim}, topk {m.index_topk} | {plan.num_stages} stages on {p.ranks} ranks "
+        f"({p.stages_per_rank} per rank), schedule {p.schedule}, {p.microbatches} microbatches | mode={cfg.mode}"
+    )
+    con.print(_stage_table(plan, est))
+    promoted = [l for l in plan.layers if l.promoted]
+    if promoted:
+        con.print("promoted layers (declared S, run as F):")
+        for l in promoted:
+            con.print(f"  layer {l.index} (stage {l.stage}): {l.reason}")
+    else:
+        con.print("promoted layers: none")
+    if est["boundaries"]:
+        con.print(_boundary_table(est))
+    if plan.graph_blocks:
+        con.print("graph blocks:")
+        for b in plan.graph_blocks:
+            span = f" layers {b.layers[0]}..{b.layers[-1]}" if b.layers else ""
+            con.print(f"  {b.name} ({b.kind}{span}) on stages {list(b.stages)}, shape classes {list(b.shape_classes)}")
+    else:
+        con.print("graph blocks: none")
+    tot = est["total"]
+    saved, full = tot["indexer_flops_saved_per_token"], tot["indexer_flops_all_full_per_token"]
+    con.print(
+        f"total: {human(tot['params'])} params, {tot['f_layers']} F / {tot['s_layers']} S layers ({tot['promoted']} promoted)\n"
+        f"indexer per token at {ntokens(est['savings_context'])} context: {flops(full - saved)} instead of "
+        f"{flops(full)} with every layer F ({100 * saved / full if full else 0:.1f}% saved; sparse attention "
+        f"{flops(tot['sparse_attn_flops_per_token'])})\n"
+        f"KV cache: {nbytes(tot['kv_cache_bytes_per_seq'])} per {ntokens(est['kv_context'])}-token sequence; "
+        f"activations per microbatch of {est['microbatch_tokens']} tokens; stage cost balance max/mean {est['balance']:.2f}"
+    )
+    con.print(f"assumptions: {est['assumptions']}")
+    return buf.getvalue()

@@ -1,0 +1,97 @@
+"""Pipeline schedule rules: ranks, virtual stages, stage -> rank placement, microbatch constraints.
+
+Placement follows torch.distributed.pipelining:
+  * looped (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble): stage s lives on rank s % R;
+  * V (ZBVZeroBubble, exactly 2 stages per rank): rank r owns stages r and 2R-1-r, so the first and last stage
+    share rank 0 and the turn-around at the middle needs no send.
+"""
+from __future__ import annotations
+
+from typing import List
+
+from dsaflow.plan.plan import PipelinePlan, PlanError
+
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+# Schedules whose microbatch count must divide by the ranks. Recent torch relaxes this to a multiple of
+# max(1, microbatches // ranks) "rounds"; the strict rule is the one every torch >= 2.6 accepts.
+ROUND_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+
+
+def resolve_pipeline(pipe, num_stages: int, *, mode: str, batch_size: int, nproc) -> PipelinePlan:
+    """Check the schedule against the stage count; returns ranks, schedule, microbatches and stages per rank."""
+    if pipe.schedule not in SCHEDULES:
+        raise PlanError(
+            f"pipeline.schedule={pipe.schedule!r} is not a known schedule. Fix: use one of {', '.join(SCHEDULES)}."
+        )
+    ranks = num_stages if pipe.ranks is None else pipe.ranks
+    if ranks < 1:
+        raise PlanError(f"pipeline.ranks={ranks}: must be >= 1. Fix: set pipeline.ranks to the number of GPUs.")
+    if num_stages % ranks != 0:
+        raise PlanError(
+            f"pipeline.ranks={ranks} does not divide the {num_stages} stages: every rank must own the same number "
+            f"of virtual stages. Fix: use a stage count that is a multiple of {ranks} (pipeline.stages="
+            f"{ranks * max(1, round(num_stages / ranks))}) or set pipeline.ranks to a divisor of {num_stages}."
+        )
+    v = num_stages // ranks
+    if pipe.schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+        raise PlanError(
+            f"pipeline.schedule={pipe.schedule} runs one stage per rank, but {num_stages} stages on {ranks} ranks "
+            f"gives {v} per rank. Fix: use pipeline.schedule=Interleaved1F1B (or LoopedBFS) for several stages per "
+            f"rank, or set pipeline.ranks={num_stages}."
+        )
+    if pipe.schedule in MULTI_STAGE_SCHEDULES and v < 2:
+        raise PlanError(
+            f"pipeline.schedule={pipe.schedule} needs at least 2 stages per rank, but {num_stages} stages on {ranks} "
+            f"ranks gives {v}. Fix: set pipeline.stages={2 * ranks} with pipeline.ranks={ranks}, or use "
+            "pipeline.schedule=1F1B."
+        )
+    if pipe.schedule == "ZBVZeroBubble" and v != 2:
+        raise PlanError(
+            f"pipeline.schedule=ZBVZeroBubble needs exactly 2 stages per rank (V placement), got {v} "
+            f"({num_stages} stages on {ranks} ranks). Fix: pipeline.stages={2 * ranks}."
+        )
+    mb = pipe.microbatches
+    if mb < 1:
+        raise PlanError(f"pipeline.microbatches={mb}: must be >= 1. Fix: e.g. pipeline.microbatches={max(1, ranks)}.")
+    if pipe.schedule in ROUND_SCHEDULES and mb % ranks != 0:
+        raise PlanError(
+            f"pipeline.microbatches={mb} is not a multiple of pipeline.ranks={ranks}, which {pipe.schedule} "
+            f"requires. Fix: pipeline.microbatches={ranks * max(1, -(-mb // ranks))}."
+        )
+    if pipe.schedule == "1F1B" and mb < num_stages:
+        raise PlanError(
+            f"pipeline.microbatches={mb} is below the {num_stages} stages, which 1F1B rejects. Fix: "
+            f"pipeline.microbatches={num_stages} (or more), or pipeline.schedule=GPipe."
+        )
+    if mode == "train" and batch_size % mb != 0:
+        raise PlanError(
+            f"train.batch_size={batch_size} does not split into pipeline.microbatches={mb} equal microbatches. "
+            f"Fix: make train.batch_size a multiple of {mb} (e.g. train.batch_size={mb * max(1, batch_size // mb)})."
+        )
+    if nproc is not None and nproc != ranks:
+        raise PlanError(
+            f"nproc={nproc} but the plan has {ranks} pipeline ranks (one process per rank; no data parallelism). "
+            f"Fix: drop nproc or set nproc={ranks}."
+        )
+    return PipelinePlan(ranks=ranks, schedule=pipe.schedule, microbatches=mb, stages_per_rank=v)
+
+
+def stage_ranks(num_stages: int, pipeline: PipelinePlan) -> List[int]:
+    """rank of each stage: looped placement, or V placement for ZBVZeroBubble."""
+    R = pipeline.ranks
+    if pipeline.schedule == "ZBVZeroBubble":
+        return [s if s < R else 2 * R - 1 - s for s in range(num_stages)]
+    return [s % R for s in range(num_stages)]
+
+
+def microbatches_in_flight(stage: int, rank: int, pipeline: PipelinePlan) -> int:
+    """How many microbatches' activations a stage holds at its peak (drives its activation memory).
+
+    GPipe runs every forward before any backward: all microbatches. 1F1B-style schedules warm up with
+    (ranks - rank) forwards before the first backward; interleaved ones keep at most that many per local stage.
+    Rough by design: it is what the estimate column multiplies by, and the doc says so."""
+    if pipeline.schedule in ("GPipe", "LoopedBFS"):
+        return pipeline.microbatches
+    return max(1, min(pipeline.microbatches, pipeline.ranks - rank))

@@ -1,0 +1,129 @@
+"""Per-stage and per-boundary estimates for the plan (the `estimates` object of plan.json).
+
+Contexts: savings at `estimate_context` (default 128K: the long-context case DSA exists for), KV cache at
+`model.max_seq_len` per sequence, activations at one microbatch of train.seq_len tokens
+(train.batch_size / pipeline.microbatches sequences; in serve mode one prefill chunk of serve.prefill_chunk tokens).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence
+
+from dsaflow.plan import estimates as E
+from dsaflow.plan.plan import LayerPlan, PipelinePlan, StagePlan
+from dsaflow.plan.schedule import microbatches_in_flight
+
+
+def cost_context(cfg) -> int:
+    """Attention context for the cost-balanced split: average causal context of the sequences actually run."""
+    length = cfg.train.seq_len if cfg.mode == "train" else cfg.serve.max_context
+    return max(1, length // 2)
+
+
+def layer_costs(cfg, roles: Sequence[str]) -> List[float]:
+    """Forward FLOPs per token per layer (declared roles), with the LM head folded into the last layer's cost
+    because it always lands on the last stage. Embedding lookups cost no FLOPs."""
+    m, ctx = cfg.model, cost_context(cfg)
+    costs = [float(E.layer_forward_flops_per_token(m, r, ctx)) for r in roles]
+    costs[-1] += E.head_forward_flops_per_token(m)
+    return costs
+
+
+def promotion_costs(cfg, roles: Sequence[str]) -> List[float]:
+    """Extra cost of layer i if it opens a stage: an S layer there is promoted and runs the indexer."""
+    m, ctx = cfg.model, cost_context(cfg)
+    extra = float(E.layer_forward_flops_per_token(m, "F", ctx) - E.layer_forward_flops_per_token(m, "S", ctx))
+    return [extra if r == "S" else 0.0 for r in roles]
+
+
+def microbatch_tokens(cfg, pipeline: PipelinePlan) -> int:
+    if cfg.mode == "serve":
+        return cfg.serve.prefill_chunk
+    return cfg.train.seq_len * max(1, cfg.train.batch_size // pipeline.microbatches)
+
+
+def build_estimates(cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan], pipeline: PipelinePlan) -> Dict[str, Any]:
+    m = cfg.model
+    L_save, L_kv = cfg.estimate_context, m.max_seq_len
+    seq = cfg.train.seq_len if cfg.mode == "train" else cfg.serve.prefill_chunk
+    tokens = microbatch_tokens(cfg, pipeline)
+    seqs_per_mb = max(1, tokens // seq)
+    ctx = cost_context(cfg)
+    last = len(stages) - 1
+    per_stage: List[Dict[str, Any]] = []
+    for st in stages:
+        ls = [layers[i] for i in st.layers]
+        n_f = sum(l.role == "F" for l in ls)
+        n_s = len(ls) - n_f
+        params = sum(E.layer_params(m, l.role) for l in ls)
+        cost = sum(E.layer_forward_flops_per_token(m, l.role, ctx) for l in ls)
+        act = sum(E.activation_bytes_per_token(m, l.role) for l in ls) * tokens
+        if st.index == 0:
+            params += E.embed_params(m)
+            act += m.dim * E.BF16 * tokens
+        if st.index == last:
+            params += E.head_params(m)
+            cost += E.head_forward_flops_per_token(m)
+            act += E.head_activation_bytes_per_token(m) * tokens
+        in_flight = microbatches_in_flight(st.index, st.rank, pipeline)
+        per_stage.append({
+            "index": st.index,
+            "rank": st.rank,
+            "num_layers": len(ls),
+            "f_layers": n_f,
+            "s_layers": n_s,
+            "promoted": sum(l.promoted for l in ls),
+            "params": params,
+            "indexer_params_saved": n_s * E.indexer_params(m),
+            "indexer_flops_saved_per_token": n_s * E.indexer_flops_per_query(m, L_save),
+            "indexer_flops_saved_prefill": n_s * E.indexer_flops_prefill(m, L_save),
+            "indexer_flops_per_token": n_f * E.indexer_flops_per_query(m, L_save),
+            "kv_cache_bytes_per_token": sum(E.kv_bytes_per_token(m, l.role) for l in ls),
+            "kv_cache_bytes_per_seq": sum(E.kv_bytes_per_token(m, l.role) for l in ls) * L_kv,
+            "activation_bytes_per_microbatch": act,
+            "microbatches_in_flight": in_flight,
+            "activation_bytes_peak": act * in_flight,
+            "forward_flops_per_token": cost,
+        })
+    boundaries = []
+    for st, nxt in zip(stages, stages[1:]):
+        first = layers[nxt.layers[0]]
+        boundaries.append({
+            "after_stage": st.index,
+            "first_layer": first.index,
+            "declared": first.declared,
+            "promoted": first.promoted,
+            # Sending the previous stage's indices would let a promoted layer stay S; these are the two sides.
+            "index_payload_bytes_per_microbatch": E.index_payload_bytes(m, tokens, seq),
+            "recompute_indexer_flops_per_microbatch": seqs_per_mb * E.indexer_flops_prefill(m, seq),
+            "index_payload_bytes_per_decode_token": E.index_payload_bytes(m, 1, L_save),
+            "recompute_indexer_flops_per_decode_token": E.indexer_flops_per_query(m, L_save),
+            "recompute_indexer_params": E.indexer_params(m),
+        })
+    costs = [s["forward_flops_per_token"] for s in per_stage]
+    n_f_all = sum(l.role == "F" for l in layers)
+    n_s_all = len(layers) - n_f_all
+    return {
+        "savings_context": L_save,
+        "kv_context": L_kv,
+        "microbatch_tokens": tokens,
+        "microbatch_seq_len": seq,
+        "cost_context": ctx,
+        "stages": per_stage,
+        "boundaries": boundaries,
+        "total": {
+            "params": sum(s["params"] for s in per_stage),
+            "f_layers": n_f_all,
+            "s_layers": n_s_all,
+            "promoted": sum(l.promoted for l in layers),
+            "indexer_flops_saved_per_token": n_s_all * E.indexer_flops_per_query(m, L_save),
+            "indexer_flops_all_full_per_token": len(layers) * E.indexer_flops_per_query(m, L_save),
+            "sparse_attn_flops_per_token": len(layers) * E.sparse_attn_flops_per_query(m, L_save),
+            "kv_cache_bytes_per_seq": sum(s["kv_cache_bytes_per_seq"] for s in per_stage),
+        },
+        "balance": (max(costs) / (sum(costs) / len(costs))) if costs else 1.0,
+        "assumptions": (
+            "bf16 activations and caches, int32 indices; FLOPs = 2 per multiply-add, matmuls only; indexer FLOPs = "
+            "2*L*Hi*Di scores + q/k/weights projections; activations per the formula in docs/planning.md; "
+            "one index group (indices shared by all heads)."
+        ),
+    }
