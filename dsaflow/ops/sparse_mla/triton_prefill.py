@@ -105,11 +105,12 @@ def fwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict |
 def launch_sparse_mla_fwd(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
     out: torch.Tensor, lse: torch.Tensor, num_splits: int = 1, overrides: dict | None = None,
-) -> None:
+):
     """Fill out/lse for q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32 (last dims contiguous).
 
     num_splits == 1: out [B, T, H, d_v] (any float dtype), lse [B, T, H] fp32.
     num_splits > 1: out [num_splits, B, T, H, d_v] fp32 and lse [num_splits, B, T, H] fp32 hold per-split partials.
+    Returns the launched compiled kernel (its n_regs / n_spills feed the benchmark's notes).
     """
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
@@ -122,7 +123,7 @@ def launch_sparse_mla_fwd(
     else:
         s_o, s_l = tuple(out.stride()[:4]), tuple(lse.stride()[:3])
     grid = (triton.cdiv(H, cfg["BLOCK_H"]), B * T, num_splits)
-    _sparse_mla_fwd_kernel[grid](
+    return _sparse_mla_fwd_kernel[grid](
         q, kv, indices, out, lse,
         T, S, K, H, d_v, d_tail, k_per_split, sm_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),

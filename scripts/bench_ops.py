@@ -1,0 +1,293 @@
+"""Benchmark the DSA kernels at DeepSeek-V3.2 shapes against the device's measured ceilings.
+
+Measures (CUDA only): the bf16 matmul and copy ceilings; sparse MLA prefill forward and backward (h128, d_qk 576,
+d_v 512, topk 2048, 4096 / 2048 queries at the end of 8K, 32K, 128K contexts); split-K decode; the indexer logits
+kernel and its torch.topk (64 heads x 128); the same shapes through torch references; and dense causal SDPA as the
+no-sparsity baseline. A small config sweep runs first at 32K and the best config is used for the table.
+Writes <out>/bench_ops.json and <out>/bench_ops.md.
+
+    PYTHONPATH=. python scripts/bench_ops.py --out bench_out [--contexts 8192,32768,131072] [--no-sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from dsaflow.ops.indexer_topk.naive import topk_from_scores
+from dsaflow.ops.indexer_topk.triton_indexer import indexer_logits_triton, indexer_topk_triton, query_chunk
+from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
+from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
+from dsaflow.ops.sparse_mla.triton_prefill import sparse_mla_fwd_triton
+
+H, D_QK, D_V, TOPK = 128, 576, 512, 2048
+H_I, D_I = 64, 128
+ROWS: list[dict] = []
+CEIL = {}
+
+
+def bench(fn, rep_ms=200, warmup_ms=50) -> float:
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def timed_slow(fn, n=3) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def record(kernel, impl, ctx, ms, flops=None, nbytes=None, **extra):
+    row = dict(kernel=kernel, impl=impl, context=ctx, time_ms=round(ms, 4), flops=flops, bytes=nbytes, **extra)
+    if flops:
+        row["tflops"] = round(flops / ms / 1e9, 1)
+        row["frac_matmul"] = round(row["tflops"] / CEIL["matmul_tflops"], 3)
+    if nbytes:
+        row["tbps"] = round(nbytes / ms / 1e9, 3)
+        row["frac_copy"] = round(row["tbps"] / CEIL["copy_tbps"], 3)
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def measure_ceilings():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = bench(lambda: a @ b, rep_ms=300)
+    CEIL["matmul_tflops"] = round(2 * 8192**3 / ms / 1e9, 1)
+    x = torch.randn(2**29 // 2, device="cuda", dtype=torch.bfloat16)  # 512 MiB
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x), rep_ms=300)
+    CEIL["copy_tbps"] = round(2 * x.numel() * 2 / ms / 1e9, 3)
+    print("ceilings", CEIL, flush=True)
+
+
+def mla_inputs(ctx, n_q, h=H, batch=1, t_per_seq=None, seed=0):
+    """Queries at the end of a ctx-token context; each selects TOPK random visible rows (all valid)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    T = t_per_seq or n_q
+    q = torch.randn(batch, T, h, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(batch, ctx, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
+    pos = torch.arange(ctx - T, ctx, device="cuda").view(1, T, 1)
+    idx = (torch.rand(batch, T, TOPK, device="cuda", generator=g) * (pos + 1)).to(torch.int32)
+    return q, kv, idx
+
+
+def torch_sparse_mla(q, kv, idx, scale, chunk=256):
+    """bf16 torch reference: gather rows, einsum, fp32 softmax, einsum."""
+    out = torch.empty(*q.shape[:3], D_V, device=q.device, dtype=q.dtype)
+    for t0 in range(0, q.shape[1], chunk):
+        rows = kv[0][idx[0, t0 : t0 + chunk].long()]  # [t, K, D]
+        s = torch.einsum("thd,tkd->thk", q[0, t0 : t0 + chunk], rows).float() * scale
+        p = s.softmax(-1).to(q.dtype)
+        out[0, t0 : t0 + chunk] = torch.einsum("thk,tkd->thd", p, rows[..., :D_V])
+    return out
+
+
+def sweep(name, make_fn, configs):
+    best = None
+    for cfg in configs:
+        try:
+            ms = bench(make_fn(cfg), rep_ms=150)
+        except Exception as e:  # a config that does not compile (shared memory, registers) is reported, not fatal
+            print(f"sweep {name} {cfg}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+            continue
+        print(f"sweep {name} {cfg}: {ms:.3f} ms", flush=True)
+        ROWS.append(dict(kernel=name, impl="sweep", config=cfg, time_ms=round(ms, 4)))
+        if best is None or ms < best[1]:
+            best = (cfg, ms)
+    return best[0] if best else None
+
+
+def bench_sparse_mla(contexts, do_sweep):
+    scale = D_QK**-0.5
+    n_fwd, n_bwd = 4096, 2048
+    fwd_flops = 2 * H * TOPK * (D_QK + D_V) * n_fwd
+    bwd_flops = 2 * H * TOPK * (3 * D_QK + 2 * D_V) * n_bwd
+    fwd_cfg = bwd_cfg = None
+    if do_sweep:
+        q, kv, idx = mla_inputs(32768, n_fwd)
+        fwd_cfg = sweep("sparse_mla_fwd", lambda c: lambda: sparse_mla_fwd_triton(q, kv, idx, scale, D_V, c), [
+            {}, dict(BLOCK_K=32), dict(BLOCK_K=32, num_stages=3), dict(BLOCK_K=64, num_stages=1),
+            dict(BLOCK_K=16, num_stages=3), dict(BLOCK_K=64, num_stages=3),
+        ])
+        qb, kvb, idxb = q[:, :n_bwd], kv, idx[:, :n_bwd]
+        out, lse = sparse_mla_fwd_triton(qb, kvb, idxb, scale, D_V)
+        do = torch.randn_like(out)
+        bwd_cfg = sweep("sparse_mla_bwd", lambda c: lambda: sparse_mla_bwd_triton(
+            qb, kvb, idxb, out, lse, do, None, scale, D_V, c), [
+            {}, dict(BLOCK_K=16), dict(BLOCK_K=32, num_stages=2), dict(BLOCK_K=64),
+        ])
+        del q, kv, idx, out, lse, do
+    for ctx in contexts:
+        q, kv, idx = mla_inputs(ctx, n_fwd)
+        ms = bench(lambda: sparse_mla_fwd_triton(q, kv, idx, scale, D_V, fwd_cfg))
+        record("sparse_mla_fwd", "triton", ctx, ms, flops=fwd_flops, queries=n_fwd, config=fwd_cfg)
+        if ctx == contexts[0]:
+            ms = bench(lambda: torch_sparse_mla(q, kv, idx, scale), rep_ms=300)
+            record("sparse_mla_fwd", "torch", ctx, ms, flops=fwd_flops, queries=n_fwd)
+        qb, idxb = q[:, :n_bwd].contiguous(), idx[:, :n_bwd].contiguous()
+        out, lse = sparse_mla_fwd_triton(qb, kv, idxb, scale, D_V)
+        do = torch.randn_like(out)
+        ms = bench(lambda: sparse_mla_bwd_triton(qb, kv, idxb, out, lse, do, None, scale, D_V, bwd_cfg), rep_ms=300)
+        record("sparse_mla_bwd", "triton", ctx, ms, flops=bwd_flops, queries=n_bwd, config=bwd_cfg)
+        del q, kv, idx, qb, idxb, out, lse, do
+    for batch, t, h in [(64, 1, 128), (32, 2, 128), (128, 1, 16), (64, 2, 16)]:
+        ctx = 32768
+        q, kv, idx = mla_inputs(ctx, t, h=h, batch=batch, t_per_seq=t)
+        nbytes = batch * t * TOPK * D_QK * 2 + q.numel() * 2 + batch * t * h * D_V * 2
+        flops = 2 * h * TOPK * (D_QK + D_V) * batch * t
+        ms = bench(lambda: sparse_mla_decode_triton(q, kv, idx, scale, D_V))
+        record("sparse_mla_decode", "triton", ctx, ms, flops=flops, nbytes=nbytes, batch=batch, tokens=t, heads=h)
+        del q, kv, idx
+
+
+def indexer_inputs(ctx, n_q, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, n_q, H_I, D_I, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, ctx, D_I, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(1, n_q, H_I, device="cuda", dtype=torch.bfloat16, generator=g)
+    pos = torch.arange(ctx - n_q, ctx, device="cuda").unsqueeze(0)
+    return q, k, w, pos
+
+
+def torch_indexer(q, k, w, pos, topk):
+    """bf16 torch reference: per query chunk, logits einsum, relu, weighted head sum in fp32, torch.topk."""
+    T, S = q.shape[1], k.shape[1]
+    chunk = max(1, min(T, 2**31 // (H_I * S * 2)))
+    out = torch.empty(1, T, topk, device=q.device, dtype=torch.int32)
+    s_ar = torch.arange(S, device=q.device)
+    for t0 in range(0, T, chunk):
+        logits = torch.einsum("thd,sd->ths", q[0, t0 : t0 + chunk], k[0]).relu_()
+        sc = torch.einsum("ths,th->ts", logits.float(), w[0, t0 : t0 + chunk].float())
+        sc = sc.masked_fill(s_ar[None] > pos[0, t0 : t0 + chunk, None], float("-inf"))
+        out[0, t0 : t0 + chunk] = topk_from_scores(sc.unsqueeze(0), topk)[0]
+    return out
+
+
+def bench_indexer(contexts, do_sweep):
+    n_q = 4096
+    cfg = None
+    if do_sweep:
+        q, k, w, pos = indexer_inputs(32768, n_q)
+        buf = torch.empty(1, n_q, 32768, device="cuda")
+        cfg = sweep("indexer_logits", lambda c: lambda: indexer_logits_triton(q, k, w, pos, buf, c), [
+            {}, dict(num_warps=8), dict(BLOCK_T=128, num_warps=8), dict(BLOCK_S=256, num_warps=8),
+            dict(BLOCK_T=128, BLOCK_S=64), dict(BLOCK_T=128, BLOCK_S=256, num_warps=8, num_stages=2),
+        ])
+        del q, k, w, pos, buf
+    for ctx in contexts:
+        q, k, w, pos = indexer_inputs(ctx, n_q)
+        pairs = int(sum(range(ctx - n_q + 1, ctx + 1)))
+        flops = 2 * H_I * D_I * pairs
+        chunk = query_chunk(1, n_q, ctx)
+        buf = torch.empty(1, chunk, ctx, device="cuda")
+        qc, wc, pc = q[:, :chunk], w[:, :chunk], pos[:, -chunk:]
+        ms = bench(lambda: indexer_logits_triton(qc, k, wc, pc, buf, cfg))
+        chunk_pairs = int(sum(range(ctx - chunk + 1, ctx + 1)))
+        record("indexer_logits", "triton", ctx, ms, flops=2 * H_I * D_I * chunk_pairs, nbytes=chunk * ctx * 4,
+               queries=chunk, config=cfg)
+        ms = bench(lambda: topk_from_scores(buf, TOPK))
+        record("indexer_topk_only", "torch.topk", ctx, ms, nbytes=chunk * ctx * 4, queries=chunk)
+        ms = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, overrides=cfg), rep_ms=300)
+        record("indexer_logits+topk", "triton+torch.topk", ctx, ms, flops=flops, queries=n_q)
+        ms = timed_slow(lambda: torch_indexer(q, k, w, pos, TOPK))
+        record("indexer_logits+topk", "torch", ctx, ms, flops=flops, queries=n_q)
+        del q, k, w, pos, buf
+
+
+def bench_dense(contexts):
+    for ctx in contexts:
+        q = torch.randn(1, H, ctx, 192, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, H, ctx, 192, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, H, ctx, 128, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * H * (ctx * (ctx + 1) // 2) * (192 + 128)
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        ms = bench(fn, rep_ms=300) if ctx <= 32768 else timed_slow(fn, n=2)
+        record("dense_causal_sdpa", "torch sdpa", ctx, ms, flops=flops, queries=ctx)
+        del q, k, v
+
+
+def kernel_stats():
+    """Registers, spills and shared memory of every compiled variant of the benchmarked kernels."""
+    from dsaflow.ops.indexer_topk import triton_indexer
+    from dsaflow.ops.sparse_mla import triton_backward, triton_decode, triton_prefill
+
+    stats = []
+    for fn in (triton_prefill._sparse_mla_fwd_kernel, triton_backward._sparse_mla_bwd_kernel,
+               triton_decode._combine_kernel, triton_indexer._indexer_logits_kernel):
+        try:
+            for cache in fn.device_caches.values():
+                for key, k in cache[0].items():
+                    stats.append(dict(kernel=fn.__name__, n_regs=k.n_regs, n_spills=k.n_spills,
+                                      shared=k.metadata.shared, num_warps=k.metadata.num_warps,
+                                      num_stages=k.metadata.num_stages, key=str(key)[-160:]))
+        except Exception as e:  # the cache layout is a Triton internal; report rather than fail
+            stats.append(dict(kernel=fn.__name__, error=repr(e)[:200]))
+    for s in stats:
+        print("stats", json.dumps(s), flush=True)
+    return stats
+
+
+def write_markdown(path, meta):
+    lines = [f"# bench_ops ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})", "",
+             f"Ceilings measured here: bf16 8192^3 matmul {CEIL['matmul_tflops']} TFLOP/s, "
+             f"device copy {CEIL['copy_tbps']} TB/s (read + write).", "",
+             "| kernel | impl | context | shape | time ms | TFLOP/s | % matmul | TB/s | % copy |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in ROWS:
+        if r["impl"] == "sweep":
+            continue
+        shape = ", ".join(f"{k}={r[k]}" for k in ("queries", "batch", "tokens", "heads") if k in r)
+        lines.append(
+            f"| {r['kernel']} | {r['impl']} | {r['context']} | {shape} | {r['time_ms']:.3f} | "
+            f"{r.get('tflops', '')} | {'' if 'frac_matmul' not in r else round(100 * r['frac_matmul'], 1)} | "
+            f"{r.get('tbps', '')} | {'' if 'frac_copy' not in r else round(100 * r['frac_copy'], 1)} |")
+    lines += ["", "Sweeps (ms at 32K):", ""]
+    lines += [f"- {r['kernel']} {r['config']}: {r['time_ms']}" for r in ROWS if r["impl"] == "sweep"]
+    open(path, "w").write("\n".join(lines) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--contexts", default="8192,32768,131072")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--only", default="ceil,mla,indexer,dense")
+    args = ap.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    t0 = time.time()
+    only = args.only.split(",")
+    measure_ceilings()
+    if "mla" in only:
+        bench_sparse_mla(contexts, not args.no_sweep)
+    if "indexer" in only:
+        bench_indexer(contexts, not args.no_sweep)
+    if "dense" in only:
+        bench_dense(contexts)
+    meta["seconds"] = round(time.time() - t0, 1)
+    stats = kernel_stats()
+    with open(os.path.join(args.out, "bench_ops.json"), "w") as f:
+        json.dump(dict(meta=meta, ceilings=CEIL, rows=ROWS, kernel_stats=stats), f, indent=1)
+    write_markdown(os.path.join(args.out, "bench_ops.md"), meta)
+    print(open(os.path.join(args.out, "bench_ops.md")).read())
+
+
+if __name__ == "__main__":
+    main()
