@@ -1,0 +1,255 @@
+"""CUDA graph manager: capture named blocks once per shape class on this rank's device, replay them with padding.
+
+One `GraphManager` per device (per rank). A block is a callable over static input buffers, e.g. "the decode step of
+stage 1 for a batch of c rows". For each requested shape class c the manager
+
+1. allocates the static input buffers once, at the largest class (before any capture), filled with pad values;
+2. captures `fn(views of the first c rows)` with `CudaGraphCapturer`: under `torch.cuda.device(dev)`, on one side
+   stream, into one graph memory pool shared by every block of this device (they never replay concurrently), after
+   warm-up runs under `torch.cuda.set_sync_debug_mode("error")` so a hidden host sync fails loudly;
+3. at `run(block, n, inputs)` picks the smallest captured class >= n, copies the inputs into the static buffers and
+   pads the rest (padding rows get position -1, so they write only the cache's trash row), replays, and returns a
+   view of the first n rows of the static output. The view is overwritten by the next replay: consume it first.
+
+`cache=False` is the debug bypass: every `run` evicts the (block, class) graph and captures it afresh, so cached and
+bypassed outputs can be compared bit for bit. `on_failure="error"` stops on a capture failure; `"eager"` runs that
+block eagerly (same padding, same buffers) and records it as eager in the report.
+
+Everything but the capture itself is pure Python over tensors, so it is tested on CPU with a fake capturer.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .report import CaptureRecord, CaptureReport, check_complete
+
+
+class GraphCaptureError(RuntimeError):
+    """Capturing a requested block failed and graphs.on_failure=error."""
+
+
+class ShapeClassError(ValueError):
+    """A call is larger than the largest shape class captured for its block."""
+
+
+def choose_shape_class(classes: Sequence[int], n: int) -> int:
+    """Smallest class >= n from sorted positive `classes`; raises ShapeClassError when n exceeds them all."""
+    if n < 1:
+        raise ShapeClassError(f"a graph block was called with size {n}; sizes start at 1.")
+    for c in classes:
+        if c >= n:
+            return c
+    raise ShapeClassError(
+        f"size {n} exceeds the largest shape class {max(classes)} of the block (classes {list(classes)}): add a class "
+        f">= {n} to graphs.blocks[..].shape_classes or lower serve.max_batch / serve.prefill_chunk."
+    )
+
+
+def pad_into(dst: torch.Tensor, src: torch.Tensor, dim: int, pad_value: float) -> None:
+    """Copy src into the first src.shape[dim] entries of dst along `dim` and fill the rest with pad_value.
+
+    dst [.., c, ..] (a static buffer view), src [.., n, ..] with n <= c and equal other dims. No allocation."""
+    n = src.shape[dim]
+    if n > dst.shape[dim] or src.dim() != dst.dim():
+        raise ShapeClassError(f"input of shape {tuple(src.shape)} does not fit the static buffer {tuple(dst.shape)}")
+    dst.narrow(dim, 0, n).copy_(src)
+    if n < dst.shape[dim]:
+        dst.narrow(dim, n, dst.shape[dim] - n).fill_(pad_value)
+
+
+@dataclass(frozen=True)
+class StaticInput:
+    """One static input of a block: shape at the largest class, dtype, and the value that pads unused rows."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    pad: float = 0
+
+
+@dataclass
+class Block:
+    name: str  # block name from the config (decode, prefill)
+    kind: str
+    stage: int
+    classes: Tuple[int, ...]  # sorted shape classes
+    class_dim: int  # the padded dimension (0 = batch for decode, 1 = tokens for prefill)
+    fn: Callable[[Dict[str, torch.Tensor]], torch.Tensor]
+    inputs: Dict[str, StaticInput]
+    buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def views(self, c: int) -> Dict[str, torch.Tensor]:
+        return {k: b.narrow(self.class_dim, 0, c) for k, b in self.buffers.items()}
+
+
+class CudaGraphCapturer:
+    """Captures callables as CUDA graphs on one device: one side stream and one memory pool for all of them."""
+
+    def __init__(self, device: torch.device, warmup: int = 2):
+        self.device, self.warmup = torch.device(device), warmup
+        with torch.cuda.device(self.device):
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device=self.device)
+
+    def __call__(self, fn: Callable[[], torch.Tensor]) -> "CapturedGraph":
+        with torch.cuda.device(self.device):
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                fn()  # prime: first calls compile/autotune Triton kernels, which may sync by design
+                previous = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")  # any host sync in the block itself now raises
+                try:
+                    for _ in range(self.warmup):
+                        fn()
+                finally:
+                    torch.cuda.set_sync_debug_mode(previous)
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # torch.cuda.graph does this too; doing it first makes the pool delta honest
+            before = torch.cuda.memory_reserved(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                output = fn()
+            torch.cuda.synchronize(self.device)
+            grown = torch.cuda.memory_reserved(self.device) - before
+        return CapturedGraph(graph, output, self.device, max(grown, 0))
+
+
+@dataclass
+class CapturedGraph:
+    graph: "torch.cuda.CUDAGraph"
+    output: torch.Tensor  # static output, lives in the graph pool
+    device: torch.device
+    pool_bytes: int
+
+    def replay(self) -> torch.Tensor:
+        with torch.cuda.device(self.device):
+            self.graph.replay()
+        return self.output
+
+
+class GraphManager:
+    """Graph blocks of one device. `capturer(fn) -> object with .replay() -> Tensor and .pool_bytes` is injectable
+    (tests pass a fake); by default a CudaGraphCapturer for `device` is built on first capture."""
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        *,
+        cache: bool = True,
+        on_failure: str = "error",
+        force_eager: bool = False,
+        rank: int = 0,
+        warmup: int = 2,
+        capturer: Optional[Callable] = None,
+    ):
+        if on_failure not in ("error", "eager"):
+            raise ValueError(f"graphs.on_failure={on_failure!r} is not valid: use error or eager.")
+        self.device, self.cache, self.on_failure, self.rank = torch.device(device), cache, on_failure, rank
+        self.force_eager = force_eager  # run every block eagerly with the same padding (the reference for tests)
+        self.warmup = warmup
+        self._capturer = capturer
+        self.blocks: Dict[Tuple[str, int], Block] = {}
+        self._graphs: Dict[Tuple[str, int, int], object] = {}
+        self._eager: Dict[Tuple[str, int, int], str] = {}  # key -> reason it runs eagerly
+        self._records: Dict[Tuple[str, int, int], CaptureRecord] = {}
+        self.captures = 0  # number of captures performed (grows per call when cache=False)
+
+    # --- registration and capture -----------------------------------------------------------------------------
+    def register(
+        self,
+        name: str,
+        kind: str,
+        stage: int,
+        classes: Sequence[int],
+        class_dim: int,
+        fn: Callable[[Dict[str, torch.Tensor]], torch.Tensor],
+        inputs: Dict[str, StaticInput],
+    ) -> Block:
+        """Declare a block and allocate its static buffers once, at the largest class, filled with pad values."""
+        classes = tuple(int(c) for c in classes)
+        if not classes or list(classes) != sorted(set(classes)) or classes[0] < 1:
+            raise ValueError(f"block {name!r}: shape classes must be positive and strictly increasing, got {classes}")
+        block = Block(name, kind, stage, classes, class_dim, fn, dict(inputs))
+        for key, spec in inputs.items():
+            if spec.shape[class_dim] != classes[-1]:
+                raise ValueError(f"block {name!r}: input {key} must be sized to the largest class {classes[-1]}")
+            block.buffers[key] = torch.full(spec.shape, spec.pad, dtype=spec.dtype, device=self.device)
+        self.blocks[(name, stage)] = block
+        return block
+
+    def requested(self) -> List[Tuple[str, int, int]]:
+        return [(b.name, b.stage, c) for b in self.blocks.values() for c in b.classes]
+
+    def capture_all(self) -> CaptureReport:
+        """Capture every (block, class); returns the report. Raises per on_failure; checks nothing is missing."""
+        for name, stage, c in self.requested():
+            self._capture((name, stage, c))
+        report = self.report()
+        check_complete(self.requested(), report.records, allow_eager=self.on_failure == "eager" or self.force_eager)
+        return report
+
+    def report(self) -> CaptureReport:
+        return CaptureReport(self.rank, [self._records[k] for k in self.requested() if k in self._records], self.cache)
+
+    def _mark_eager(self, key: Tuple[str, int, int], reason: str) -> None:
+        block = self.blocks[key[:2]]
+        self._eager[key] = reason
+        self._records[key] = CaptureRecord(block.name, block.kind, key[2], str(self.device), key[1], "eager", 0, 0.0, reason)
+
+    def _capture(self, key: Tuple[str, int, int]) -> None:
+        block = self.blocks[key[:2]]
+        if self.force_eager:
+            return self._mark_eager(key, "forced eager (reference run)")
+        if self._capturer is None:
+            if self.device.type != "cuda":
+                return self._fail(key, f"CUDA graphs need a CUDA device, this rank runs on {self.device}")
+            self._capturer = CudaGraphCapturer(self.device, self.warmup)
+        views = block.views(key[2])
+        t0 = time.perf_counter()
+        try:
+            graph = self._capturer(lambda: block.fn(views))
+        except Exception as exc:  # noqa: BLE001 - any capture failure is reported with its cause
+            return self._fail(key, f"{type(exc).__name__}: {exc}")
+        self.captures += 1
+        self._graphs[key] = graph
+        ms = (time.perf_counter() - t0) * 1e3
+        self._records[key] = CaptureRecord(
+            block.name, block.kind, key[2], str(self.device), key[1], "captured", int(graph.pool_bytes), ms
+        )
+
+    def _fail(self, key: Tuple[str, int, int], cause: str) -> None:
+        name, stage, c = key
+        if self.on_failure == "error":
+            raise GraphCaptureError(
+                f"capturing graph block {name!r} (shape class {c}, stage {stage}) on {self.device} failed: {cause}. "
+                f"Fix the cause, or set graphs.on_failure=eager to run it eagerly (reported), or graphs=off."
+            )
+        print(f"[rank {self.rank}] graph block {name}[{c}] stage {stage} runs EAGERLY (graphs.on_failure=eager): {cause}")
+        self._mark_eager(key, cause)
+
+    def evict(self, key: Tuple[str, int, int]) -> None:
+        self._graphs.pop(key, None)
+
+    # --- calls -------------------------------------------------------------------------------------------------
+    def run(self, name: str, stage: int, n: int, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Run block (name, stage) for n rows: pad inputs into the static buffers of the smallest class >= n, replay
+        (or run eagerly), return the first n rows of the output along the class dim."""
+        block = self.blocks[(name, stage)]
+        c = choose_shape_class(block.classes, n)
+        views = block.views(c)
+        for k, x in inputs.items():
+            pad_into(views[k], x, block.class_dim, block.inputs[k].pad)
+        key = (name, stage, c)
+        if key in self._eager:
+            out = block.fn(views)
+        else:
+            if not self.cache:  # debug bypass: evict before lookup, capture afresh
+                self.evict(key)
+            if key not in self._graphs:
+                self._capture(key)
+            out = self._graphs[key].replay() if key in self._graphs else block.fn(views)
+        return out.narrow(block.class_dim, 0, n)

@@ -1,0 +1,58 @@
+"""Point-to-point moves between pipeline ranks for serving, always outside any CUDA graph.
+
+Each move is posted with `dist.batch_isend_irecv` and waited: with NCCL the wait only orders the current stream after
+the transfer (no host sync), so a decode step never blocks the host. Received tensors land in persistent buffers
+(one per shape/dtype/peer) that the caller consumes (copies into a graph's static input or feeds an eager forward)
+before the next receive; NCCL orders the next receive after those consumers on the current stream.
+
+NCCL note: a communicator's first P2P call must not be a batch of P2P ops posted by only some ranks, so `warm_up`
+runs one collective over the whole group first.
+"""
+from __future__ import annotations
+
+from typing import Dict, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+class StageLink:
+    """Send/recv of activations and token ids between ranks. `device` is where buffers live (cuda for NCCL)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._buffers: Dict[Tuple[Tuple[int, ...], torch.dtype, int], torch.Tensor] = {}
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def warm_up(self) -> None:
+        """One small all_reduce so every rank has joined the communicator before the first P2P batch."""
+        probe = torch.ones(1, device=self.device)
+        dist.all_reduce(probe)
+        if int(probe.item()) != dist.get_world_size():  # a host sync here is fine: setup, not a step
+            raise RuntimeError(f"process group warm-up saw {probe.item()} ranks, expected {dist.get_world_size()}")
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send `tensor` to rank `dst` (made contiguous; the peer must post a matching recv of the same shape)."""
+        tensor = tensor.contiguous()
+        for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, dst)]):
+            req.wait()
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
+        """Receive a tensor of `shape`/`dtype` from rank `src` into a reused buffer (valid until the next recv of the
+        same shape from the same peer)."""
+        key = (tuple(int(s) for s in shape), dtype, src)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(key[0], dtype=dtype, device=self.device)
+        for req in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, src)]):
+            req.wait()
+        self.bytes_received += buf.numel() * buf.element_size()
+        return buf
+
+    def all_ranks_max(self, flag: torch.Tensor) -> torch.Tensor:
+        """Max of a small tensor over all ranks (used for the optional EOS stop, once per step)."""
+        flag = flag.clone()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag

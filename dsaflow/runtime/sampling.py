@@ -1,0 +1,52 @@
+"""Next-token sampling on the device, with no host sync: greedy, temperature and top-p.
+
+Everything is a fixed-shape tensor op (sort, cumsum, where, scatter, argmax), so a step never waits on the host and
+the same code could sit inside a CUDA graph. Randomness comes from a seeded `torch.Generator` on the logits' device:
+sampling from `p` is done by the exponential race `argmax(p / E)` with `E ~ Exp(1)` i.i.d., which picks token i with
+probability p_i (the Gumbel-max trick in another form) and needs no `torch.multinomial` (whose CUDA kernel may sync).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def top_p_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [B, V] (rows sum to 1) -> bool [B, V]: True for the smallest set of most likely tokens whose mass
+    reaches top_p (the nucleus). The most likely token is always kept, so a row is never empty.
+
+    Branchless: sort descending, keep token j iff the mass strictly before it is < top_p, scatter back.
+    """
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    keep_sorted = mass_before < top_p
+    keep_sorted[:, 0] = True  # the argmax survives any top_p > 0 (and rounding in cumsum)
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """logits [B, V] fp32 -> token ids [B] int64.
+
+    temperature == 0 -> greedy argmax (ties resolve to the lowest id). Otherwise softmax(logits / temperature),
+    restricted to the top-p nucleus when top_p < 1, sampled by the exponential race with `generator`. `temperature`
+    and `top_p` are host floats (from the config), so choosing the branch never reads the device.
+    """
+    if temperature < 0 or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"sample_next: temperature must be >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        probs = torch.where(top_p_mask(probs, top_p), probs, torch.zeros_like(probs))
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    # An Exp(1) draw can round to exactly 0; 0/0 = NaN would win argmax for a masked token.
+    return (probs / race.clamp_min(torch.finfo(race.dtype).tiny)).argmax(dim=-1)
+
+
+def make_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A generator on `device` seeded with `seed`: same seed, same device type -> same samples."""
+    gen = torch.Generator(device=torch.device(device))
+    gen.manual_seed(int(seed))
+    return gen
