@@ -19,6 +19,7 @@ from dsaflow.ops.sparse_mla.triton_prefill import launch_sparse_mla_fwd
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]
+FP32_TOL = 1e-4 if DEV == "cpu" else 3e-3  # on the GPU an fp32 tl.dot runs in tf32
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -72,23 +73,23 @@ def check_forward_backward(B, T, H, d_qk, d_v, S, K, dtype, tol):
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_sparse_mla_forward_backward_tiny(dtype):
     """The model's tiny config (H=4, d_qk=40, d_v=32, K=16): padded head/dim blocks, invalid and empty rows."""
-    tol = 1e-4 if dtype == torch.float32 else 5e-3
+    tol = FP32_TOL if dtype == torch.float32 else 5e-3
     check_forward_backward(B=2, T=5, H=4, d_qk=40, d_v=32, S=23, K=16, dtype=dtype, tol=tol)
 
 
 def test_sparse_mla_no_tail_and_ragged_k():
     """d_qk == d_v (no rope tail), K not a multiple of the key block, H not a power of two."""
-    check_forward_backward(B=1, T=3, H=3, d_qk=16, d_v=16, S=9, K=21, dtype=torch.float32, tol=1e-4)
+    check_forward_backward(B=1, T=3, H=3, d_qk=16, d_v=16, S=9, K=21, dtype=torch.float32, tol=FP32_TOL)
 
 
 def test_forward_writes_every_element():
     q, kv, idx = make_mla(2, 4, 4, 40, 19, 16, torch.float32)
-    out = torch.full((2, 4, 4, 32), float("nan"))
-    lse = torch.full((2, 4, 4), float("nan"))
+    out = torch.full((2, 4, 4, 32), float("nan"), device=DEV)
+    lse = torch.full((2, 4, 4), float("nan"), device=DEV)
     launch_sparse_mla_fwd(q, kv, idx, 0.2, 32, out, lse)
     ref_out, ref_lse = sparse_mla_naive(q, kv, idx, 0.2, 32)
-    assert rel_err(out, ref_out) < 1e-5
-    check_lse(lse, ref_lse, 1e-5)
+    assert rel_err(out, ref_out) < FP32_TOL
+    check_lse(lse, ref_lse, FP32_TOL)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3])
@@ -97,8 +98,8 @@ def test_decode_split_k_matches_naive(num_splits):
     with torch.no_grad():
         out, lse = sparse_mla_decode_triton(q, kv, idx, 0.3, 32, num_splits=num_splits)
     ref_out, ref_lse = sparse_mla_naive(q, kv, idx, 0.3, 32)
-    assert rel_err(out, ref_out) < 1e-5
-    check_lse(lse, ref_lse, 1e-5)
+    assert rel_err(out, ref_out) < FP32_TOL
+    check_lse(lse, ref_lse, FP32_TOL)
 
 
 def test_backward_dlse_only_and_poisoned_buffers():
@@ -110,7 +111,7 @@ def test_backward_dlse_only_and_poisoned_buffers():
     q2, kv2 = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
     _, ref_lse = sparse_mla_naive(q2, kv2, idx, 0.25, 32)
     ref_dq, ref_dkv = torch.autograd.grad((ref_lse.masked_fill(torch.isinf(ref_lse), 0) * g_lse).sum(), (q2, kv2))
-    assert rel_err(dq, ref_dq) < 1e-4 and rel_err(dkv, ref_dkv) < 1e-4
+    assert rel_err(dq, ref_dq) < 2 * FP32_TOL and rel_err(dkv, ref_dkv) < 2 * FP32_TOL
 
 
 def test_unsupported_shapes_fall_back_to_naive():
@@ -161,10 +162,10 @@ def test_indexer_logits_and_topk_tiny(dtype):
     logits = indexer_logits_triton(q, k, w, positions, out=buf)
     ref = indexer_scores_naive(q, k, w, positions)
     assert torch.equal(torch.isinf(logits), torch.isinf(ref))
-    assert rel_err(logits.nan_to_num(0, 0, 0), ref.nan_to_num(0, 0, 0)) < 1e-5
+    assert rel_err(logits.nan_to_num(0, 0, 0), ref.nan_to_num(0, 0, 0)) < FP32_TOL
     idx = indexer_topk_triton(q, k, w, positions, topk, chunk=4)
     assert idx.dtype == torch.int32 and idx.shape == (B, T, topk)
-    check_topk(idx, q, k, w, positions, topk, atol=1e-4 * ref[torch.isfinite(ref)].abs().max().item())
+    check_topk(idx, q, k, w, positions, topk, atol=FP32_TOL * ref[torch.isfinite(ref)].abs().max().item())
 
 
 def test_indexer_topk_wider_than_context():
@@ -172,7 +173,7 @@ def test_indexer_topk_wider_than_context():
     q, k, w = make_indexer(1, 3, 2, 16, 5, torch.float32)
     positions = torch.tensor([[0, 2, 4]], device=DEV)
     idx = indexer_topk_triton(q, k, w, positions, 8)
-    check_topk(idx, q, k, w, positions, 8, atol=1e-4)
+    check_topk(idx, q, k, w, positions, 8, atol=FP32_TOL * 10)
 
 
 # ---------------------------------------------------------------------------------------------- GPU, real shapes
