@@ -49,12 +49,14 @@ def _group_options(config_dir: Path, group: str) -> List[str]:
 
 def _explain_hydra_error(exc: Exception, config_dir: Path) -> str:
     """Turn a Hydra exception into one paragraph: what was wrong, and the fix."""
-    cause = exc
-    while cause.__cause__ is not None and not isinstance(cause, OmegaConfBaseException):
-        cause = cause.__cause__
-    if isinstance(cause, OmegaConfBaseException):
-        return explain_omegaconf_error(cause)
     text = str(exc).strip()
+    cause = exc
+    while not isinstance(cause, OmegaConfBaseException) and (cause.__cause__ or cause.__context__) is not None:
+        cause = cause.__cause__ or cause.__context__  # Hydra raises from inside `except`, so follow __context__ too
+    if isinstance(cause, OmegaConfBaseException):
+        where = re.match(r"In '([^']+)'", text)  # the group file being merged, e.g. model/typo
+        prefix = f"in {config_dir / where.group(1)}.yaml: " if where else ""
+        return prefix + explain_omegaconf_error(cause)
     m = re.search(r"Could not find '([\w/]+)/([^']+)'", text) or re.search(r"Could not load '([\w/]+)/([^']+)'", text)
     if m:
         group, option = m.group(1), m.group(2)
