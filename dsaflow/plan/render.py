@@ -59,10 +59,12 @@ def layer_marks(plan: Plan, layer_ids: Iterable[int]) -> str:
 def _stage_table(plan: Plan, est) -> Table:
     ctx = est.get("savings_context", 0)
     t = Table(title="stages", box=box.SIMPLE_HEAD)
-    for col in ("stage", "rank", "layers (F / S<source / F! promoted)", "F/S/!", "params",
-                f"indexer FLOPs saved per token @{ntokens(ctx)}", "KV cache per seq", "activations per microbatch",
-                "fwd cost share"):
-        t.add_column(col, overflow="fold")
+    t.add_column("stage", no_wrap=True)
+    t.add_column("rank", no_wrap=True)
+    t.add_column("layers (F, S<source, F! promoted)", overflow="fold", min_width=24, max_width=44)
+    for col in ("F/S/!", "params", f"indexer saved/token @{ntokens(ctx)}", "KV cache/seq", "activations/microbatch",
+                "fwd cost"):
+        t.add_column(col, no_wrap=True, justify="right")
     total_cost = sum(s["forward_flops_per_token"] for s in est["stages"]) or 1
     for st, se in zip(plan.stages, est["stages"]):
         t.add_row(
@@ -78,11 +80,13 @@ def _stage_table(plan: Plan, est) -> Table:
 
 
 def _boundary_table(est) -> Table:
-    t = Table(title="stage boundaries: sending indices vs recomputing them (transfer is off; this is the trade)",
-              box=box.SIMPLE_HEAD)
-    for col in ("after stage", "next starts with", "index payload / microbatch", "indexer recompute / microbatch",
-                "payload / decode token", "recompute / decode token", "indexer params on next stage"):
-        t.add_column(col)
+    t = Table(title="stage boundaries: sending the top-k indices across vs recomputing them on the next stage "
+              "(transfer is off: this is the trade)", box=box.SIMPLE_HEAD)
+    t.add_column("after stage", no_wrap=True)
+    t.add_column("next stage starts with", no_wrap=True)
+    for col in ("payload/microbatch", "recompute/microbatch", "payload/decode token", "recompute/decode token",
+                "indexer params"):
+        t.add_column(col, no_wrap=True, justify="right")
     for b in est["boundaries"]:
         start = f"layer {b['first_layer']}: " + ("S -> promoted" if b["promoted"] else b["declared"])
         t.add_row(

@@ -1,0 +1,109 @@
+"""`dsaflow plan`: the table, the JSON, and every user mistake as exit 2 with one paragraph and no traceback."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsaflow.cli import main
+from dsaflow.plan import Plan
+
+DSAFLOW = [sys.executable, "-m", "dsaflow.cli"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(capsys, *args):
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_issue_example_table(capsys):
+    code, out, err = run(capsys, "model=tiny", "layout=FSSS|SSFS")
+    assert code == 0 and err == ""
+    assert "4:F! 5:S<4 6:F 7:S<6" in out
+    assert "0:F 1:S<0 2:S<0 3:S<0" in out
+    assert "layer 4 (stage 1): declared S but first layer of stage 1" in out
+
+
+def test_issue_example_json(capsys):
+    code, out, err = run(capsys, "model=tiny", "layout=FSSS|SSFS", "format=json")
+    assert code == 0
+    d = json.loads(out)  # stdout is only the plan JSON
+    layers = d["layers"]
+    assert layers[4]["promoted"] and layers[4]["role"] == "F" and layers[4]["declared"] == "S"
+    assert layers[5]["source"] == 4 and layers[7]["source"] == 6
+    assert [s["layers"] for s in d["stages"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert json.loads(Plan.from_dict(d).to_json()) == d
+
+
+def test_dsv32_every4_pp8_table(capsys):
+    code, out, _ = run(capsys, "model=dsv32", "index=every4", "pipeline=pp8")
+    assert code == 0
+    plan = Plan.from_json(_json(capsys, "model=dsv32", "index=every4", "pipeline=pp8"))
+    assert plan.num_stages == 8
+    for l in plan.layers:
+        if l.promoted:
+            assert f"layer {l.index} (stage {l.stage}): declared S" in out
+    assert "indexer saved/token @128K" in out
+    assert "payload/microbatch" in out and "recompute/microbatch" in out
+    assert len(plan.estimates["boundaries"]) == 7
+
+
+def _json(capsys, *args):
+    code, out, _ = run(capsys, *args, "format=json")
+    assert code == 0
+    return out
+
+
+BAD = [
+    (["layout=FSXSFSSS"], "unknown role letter 'X'"),
+    (["layout=(FSSS*2"], "unbalanced '('"),
+    (["layout=FSSS"], "describes 4 layers but model.num_layers=8"),
+    (["pipeline.boundaries=[0,4,2]"], "strictly increasing"),
+    (["pipeline.boundaries=[0,9]"], "boundary 9 is out of range"),
+    (["layout=FSSS||FSSS"], "is empty"),
+    (["pipeline.stages=9", "pipeline.microbatches=9"], "pipeline.stages=9 is more than model.num_layers=8"),
+    (["model.index_topk=0"], "model.index_topk=0"),
+    (["graphs.enabled=true", "graphs.blocks=[{name:x,kind:layers,layers:[6,9]}]"], "layer 9 does not exist"),
+    (["graphs.enabled=true", "graphs.blocks=[{name:x,kind:layers,layers:[2,5]}]", "pipeline=pp2"],
+     "spans stage 0 and stage 1"),
+    (["mode=serve", "graphs=decode", "graphs.blocks.0.shape_classes=[4,2,8]"], "sorted strictly increasing"),
+    (["graphs.blocks=[{name:lm,kind:head}]"], "graphs.enabled=false"),
+    (["pipeline=pp4_interleaved", "pipeline.stages=6"], "does not divide the 6 stages"),
+    (["graphs=decode"], "exists only when serving"),
+    (["layout=FSSSFSSS", "index=every4"], "conflicting role knobs"),
+    (["model.dimm=3"], "unknown key model.dimm"),
+    (["model.dim=wide"], "model.dim='wide'"),
+    (["model=huge"], "no option 'huge' in the config group 'model'"),
+    (["format=xml"], "format='xml'"),
+]
+
+
+@pytest.mark.parametrize("args, needle", BAD, ids=[b[1][:40] for b in BAD])
+def test_mistakes_exit_2_with_one_paragraph(capsys, args, needle):
+    code, out, err = run(capsys, *args)
+    assert code == 2
+    assert out == ""
+    assert needle in err
+    assert err.startswith("dsaflow: error: ") and "Fix:" in err
+    assert "Traceback" not in err
+
+
+def _subprocess(*args):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([*DSAFLOW, *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+
+
+def test_console_entry_point_exit_codes_and_streams():
+    bad = _subprocess("plan", "model=tiny", "layout=FS(SS")
+    assert bad.returncode == 2 and "unbalanced '('" in bad.stderr and "Traceback" not in bad.stderr + bad.stdout
+    good = _subprocess("plan", "model=tiny", "index=every2", "pipeline=pp2", "format=json")
+    assert good.returncode == 0
+    assert json.loads(good.stdout)["num_layers"] == 8  # nothing but JSON on stdout
+    helped = _subprocess("--help")
+    assert helped.returncode == 0 and "plan" in helped.stdout and "train" in helped.stdout
+    plan_help = _subprocess("plan", "--help")
+    assert plan_help.returncode == 0 and "OVERRIDE" in plan_help.stdout and "format=json" in plan_help.stdout
