@@ -166,3 +166,18 @@ def test_sparse_equals_dense_causal_when_topk_covers_the_context():
     ref_out, ref_lse = dense_attention_f64(q, kv, causal, 0.25, 6)
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_mla_missing_keys_ignore_garbage_rows():
+    """-1 / out-of-range indices are clamped for the gather; the row they land on must not leak (NaN cache rows)."""
+    q, kv, idx, mask = _sparse_inputs(6)
+    idx = torch.where(idx == 0, torch.full_like(idx, -1), idx)  # no query selects row 0 ...
+    mask[..., 0] = False
+    with torch.no_grad():
+        kv[:, 0] = float("nan")  # ... and row 0 is garbage
+    out, lse = sparse_mla(q, kv, idx, 0.3, 8)
+    ref_out, ref_lse = dense_attention_f64(q.detach(), kv.detach().nan_to_num(), mask, 0.3, 8)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin].double(), ref_lse[fin], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(out).all() and torch.equal(torch.isinf(lse), ~fin)

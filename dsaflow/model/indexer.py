@@ -39,6 +39,7 @@ class Indexer(nn.Module):
         cos, sin = rope
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)
         q = apply_rope_prefix(q, cos, sin, self.rope_dim)
-        k = apply_rope_prefix(self.k_norm(self.wk(x)), cos, sin, self.rope_dim)
+        # LayerNorm runs in fp32 under autocast; keep q and k in one dtype for the kernels.
+        k = apply_rope_prefix(self.k_norm(self.wk(x)), cos, sin, self.rope_dim).to(q.dtype)
         w = self.weights_proj(x) * self.weight_scale
         return q, k, w

@@ -41,6 +41,7 @@ def attention_distribution(
             2,
             idx.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, -1, kv.shape[-1]),
         )  # [B, t, K, D]
+        rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))  # missing keys: no garbage rows
         s = torch.einsum("bthd,btkd->bthk", q[:, t0 : t0 + chunk].float(), rows) * sm_scale
         p = torch.exp(s - lse[:, t0 : t0 + chunk].unsqueeze(-1)).sum(dim=2) * valid  # [B, t, K]
         out.append(p / p.sum(dim=-1, keepdim=True).clamp_min(1e-30))

@@ -25,6 +25,9 @@ def sparse_mla_naive(
             2,
             ic.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, -1, kv.shape[-1]),
         )  # [B, t, K, D_qk]
+        # A missing key must contribute nothing even if the row it was clamped to holds garbage (an unwritten cache
+        # row may be NaN): 0 * NaN would leak through the masked score and the value product.
+        rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
         scores = torch.einsum("bthd,btkd->bthk", qc, rows) * sm_scale
         scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # -inf when a row has no valid key
