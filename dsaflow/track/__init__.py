@@ -1,0 +1,21 @@
+"""Experiment tracking kept out of core: `make_tracker` returns a Tracker (wandb) or a NullTracker."""
+from __future__ import annotations
+
+from .base import NullTracker, Tracker, flatten
+from .progress import Progress
+
+
+def make_tracker(cfg, run_dir: str, is_logging_rank: bool, resume: bool = False) -> Tracker:
+    """One tracker per run, on the logging rank (the last pipeline stage's rank); NullTracker everywhere else,
+    and for `track.backend=none` or `track.mode=disabled`."""
+    t = cfg.track
+    if not is_logging_rank or t.backend == "none" or t.mode == "disabled":
+        return NullTracker()
+    if t.backend == "wandb":
+        from .wandb_tracker import WandbTracker
+
+        return WandbTracker(t, run_dir, run_name=str(run_dir).rstrip("/").split("/")[-1], resume=resume)
+    raise ValueError(f"track.backend={t.backend!r} is not one of wandb | none.")
+
+
+__all__ = ["NullTracker", "Progress", "Tracker", "flatten", "make_tracker"]

@@ -1,0 +1,68 @@
+"""Batches for training and evaluation, a pure function of (data config, seed, step).
+
+A batch is `(inputs, targets)`:
+    inputs  int64 [B, T]     token ids
+    targets int64 [B, 2, T]  row 0: next-token targets for the LM loss (-100 = ignored)
+                             row 1: answer targets for retrieval accuracy (-100 = not an answer position)
+Both are split along dim 0 into microbatches by the pipeline schedule. Because batch `step` never depends on what
+came before, resuming at step k continues exactly, on any pipeline layout.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+import torch
+
+from .corpus import TokenCorpus, load_tokens
+from .retrieval import RetrievalSpec, retrieval_batch
+
+IGNORE = -100
+TRAIN, VAL = 0, 1
+
+
+class BatchSource:
+    """`batch(step)` for training, `val_batch(i)` for evaluation (a fixed held-out set)."""
+
+    def __init__(self, data_cfg, seq_len: int, batch_size: int, seed: int, vocab_size: int):
+        self.cfg, self.seq_len, self.batch_size, self.seed = data_cfg, seq_len, batch_size, seed
+        self.kind = data_cfg.kind
+        self.has_answers = self.kind == "retrieval"
+        if self.kind == "retrieval":
+            self.spec = RetrievalSpec(seq_len, data_cfg.num_pairs, data_cfg.key_len, data_cfg.value_len)
+            self.spec.check()
+            self.corpus = None
+        elif self.kind in ("text", "bin"):
+            if not data_cfg.path:
+                raise ValueError(f"data.kind={self.kind} needs data.path (a {'text file or folder' if self.kind == 'text' else '.bin file'}).")
+            self.corpus = TokenCorpus(load_tokens(self.kind, data_cfg.path), seq_len, data_cfg.val_fraction, data_cfg.path)
+        else:
+            raise ValueError(f"data.kind={self.kind!r} is not one of retrieval | text | bin.")
+        self.vocab_size = vocab_size
+
+    def _raw(self, split: int, step: int) -> np.ndarray:
+        if self.corpus is None:
+            return retrieval_batch(self.spec, self.seed, split, step, self.batch_size).astype(np.int64)
+        return self.corpus.batch(self.seed, split, step, self.batch_size)
+
+    def _make(self, split: int, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        raw = torch.from_numpy(self._raw(split, step))
+        if int(raw.max()) >= self.vocab_size:
+            raise ValueError(
+                f"data.path={self.cfg.path} holds token id {int(raw.max())} >= model.vocab_size={self.vocab_size}; "
+                "raise model.vocab_size to the tokenizer's vocabulary."
+            )
+        inputs, nxt = raw[:, :-1].contiguous(), raw[:, 1:]
+        T = inputs.shape[1]
+        answers = torch.full_like(nxt, IGNORE)
+        if self.has_answers:
+            v = self.spec.value_len
+            answers[:, T - v :] = nxt[:, T - v :]
+        lm = answers.clone() if (self.has_answers and self.cfg.loss_on == "answer") else nxt.clone()
+        return inputs, torch.stack([lm, answers], dim=1).contiguous()
+
+    def batch(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self._make(TRAIN, step)
+
+    def val_batch(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self._make(VAL, i)

@@ -1,0 +1,60 @@
+"""Throughput and MFU estimates, and the run's own records (metrics.jsonl + train.log) on the logging rank.
+
+MFU = achieved model FLOP/s / peak FLOP/s of the ranks, with the usual 6 * N FLOPs per trained token (N = parameters
+outside the embedding table, which is a lookup; attention-score FLOPs are left out, as in the 6N rule). Peak per rank:
+`train.peak_tflops` if set, else dense bf16 tensor-core peaks for known GPUs (H100/H200 SXM: 989 TFLOP/s,
+A100: 312), else a nominal 0.1 TFLOP/s for a CPU process (a laptop-class figure; CPU MFU is indicative only).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+from .rundir import LOG, METRICS
+
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+CPU_NOMINAL_TFLOPS = 0.1
+
+
+def peak_tflops_per_rank(train_cfg, device: torch.device) -> Optional[float]:
+    if train_cfg.peak_tflops:
+        return float(train_cfg.peak_tflops)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, v in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return v
+        return None
+    return CPU_NOMINAL_TFLOPS
+
+
+def flops_per_token(model_params: int, embedding_params: int) -> float:
+    return 6.0 * (model_params - embedding_params)
+
+
+class RunRecords:
+    """Appends to metrics.jsonl and train.log (logging rank only; others hold a disabled instance)."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self.metrics_path, self.log_path = Path(run_dir) / METRICS, Path(run_dir) / LOG
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop records of steps the interrupted run logged after its last checkpoint."""
+        if not self.enabled or not self.metrics_path.is_file():
+            return
+        keep = [l for l in self.metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+        self.metrics_path.write_text("".join(l + "\n" for l in keep))
+
+    def metrics(self, record: Mapping) -> None:
+        if self.enabled:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(dict(record)) + "\n")
+
+    def log(self, line: str) -> None:
+        if self.enabled:
+            with self.log_path.open("a") as f:
+                f.write(line + "\n")

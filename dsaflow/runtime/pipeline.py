@@ -1,0 +1,152 @@
+"""Pipeline plumbing: plan stages -> torch.distributed.pipelining stages -> the configured schedule.
+
+TrainStage wraps a StageModule for the schedule. The indexer KL loss is stage-local (S layers never cross a stage,
+and the indexer's inputs and targets are detached), so its graph touches only this stage's indexer weights and
+is disjoint from the pipeline's: TrainStage backpropagates it right where it is computed, once per microbatch
+forward, and the schedule carries only the LM loss. Both gradients then sit in the same `.grad` buffers, and the
+schedule's end-of-step `scale_grads(n_microbatches)` turns both sums into microbatch means, under every schedule.
+
+TimedPipelineStage records the compute time of every forward / backward / weight-backward chunk (CUDA events on a
+GPU, so pipeline waits are excluded), which gives per-stage busy time and the measured pipeline efficiency.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from dsaflow.data import IGNORE
+
+
+class TrainStage(nn.Module):
+    """x -> stage(x, attn=self.attn); backpropagates `indexer_loss * weight` immediately when grad is on.
+
+    `attn` ("sparse" | "dense") is an attribute, not a forward argument, because the schedule only forwards
+    activations. `indexer_losses` collects the detached per-microbatch values for logging.
+
+    `live` is set by TimedPipelineStage only around a real microbatch forward. torch's pipelining also calls the
+    module to infer shapes (2.13: under enable_grad, on uninitialised tensors for non-first stages); such calls
+    must neither compute nor backpropagate an indexer loss, or garbage gradients leak into the indexers."""
+
+    def __init__(self, stage: nn.Module, indexer_loss_weight: float = 1.0):
+        super().__init__()
+        self.stage = stage
+        self.attn = "sparse"
+        self.live = False
+        self.weight = indexer_loss_weight
+        self.indexer_losses: List[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        learn = self.live and torch.is_grad_enabled()
+        out = self.stage(x, attn=self.attn, compute_indexer_loss=learn)
+        loss = self.stage.indexer_loss
+        self.stage.indexer_loss = None
+        if learn and loss is not None and loss.requires_grad:
+            (loss * self.weight).backward()
+            self.indexer_losses.append(loss.detach())
+        return out
+
+
+class ChunkTimer:
+    """Sums compute time of chunks: CUDA events (no host sync per chunk) or perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self._events: list = []
+        self._cpu = 0.0
+
+    def run(self, fn: Callable, *args, **kwargs):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            self._events.append((start, end))
+            return out
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self._cpu += time.perf_counter() - t0
+        return out
+
+    def seconds(self) -> float:
+        """Total since reset (synchronises on CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(s.elapsed_time(e) for s, e in self._events) / 1000.0
+        return self._cpu
+
+
+class TimedPipelineStage(PipelineStage):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.timer = ChunkTimer(self.device)
+
+    def forward_one_chunk(self, *args, **kwargs):
+        self.submod.live = True
+        try:
+            return self.timer.run(super().forward_one_chunk, *args, **kwargs)
+        finally:
+            self.submod.live = False
+
+    def backward_one_chunk(self, *args, **kwargs):
+        return self.timer.run(super().backward_one_chunk, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        return self.timer.run(super().backward_weight_one_chunk, *args, **kwargs)
+
+
+class LMLoss:
+    """Per-microbatch loss for the schedule, plus retrieval-accuracy counters (no host sync).
+
+    logits [b, T, V] fp32, target [b, 2, T] (row 0 LM targets, row 1 answers; -100 = ignored) -> scalar mean CE.
+    A sample counts as correct when the argmax matches at every answer position (exact match)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.correct: torch.Tensor | int = 0
+        self.total: torch.Tensor | int = 0
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        lm, ans = target[:, 0], target[:, 1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lm.reshape(-1), ignore_index=IGNORE)
+        with torch.no_grad():
+            is_ans = ans != IGNORE
+            hit = (logits.argmax(dim=-1) == ans) | ~is_ans
+            has = is_ans.any(dim=-1)
+            self.correct = self.correct + (hit.all(dim=-1) & has).sum()
+            self.total = self.total + has.sum()
+        return loss
+
+    def accuracy(self) -> float:
+        total = int(self.total)
+        return float(int(self.correct) / total) if total else float("nan")
+
+
+def build_pipeline_stages(
+    modules: Sequence[nn.Module], stage_indices: Sequence[int], num_stages: int, device: torch.device, group=None
+) -> List[TimedPipelineStage]:
+    """One PipelineStage per local module. Shapes are inferred at the first step (no example inputs needed)."""
+    return [
+        TimedPipelineStage(m, s, num_stages, device, group=group) for m, s in zip(modules, stage_indices)
+    ]
+
+
+def build_schedule(name: str, stages: List[PipelineStage], microbatches: int, loss_fn: Callable):
+    """The torch schedule class `name` (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
+    ZBVZeroBubble, ...). Single-stage schedules take this rank's one stage, multi-stage ones the list."""
+    cls = get_schedule_class(name)
+    if issubclass(cls, PipelineScheduleSingle):
+        if len(stages) != 1:
+            raise ValueError(f"pipeline.schedule={name} runs one stage per rank, this rank has {len(stages)}.")
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)

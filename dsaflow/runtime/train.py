@@ -1,0 +1,77 @@
+"""`run_train(ctx)`: the training loop of one pipeline rank (resume, steps, eval, checkpoints, tracking)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from dsaflow.track import Progress, make_tracker
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .context import RunContext
+from .metrics import RunRecords
+from .rundir import checkpoint_dir, latest_checkpoint
+from .trainer import Trainer
+
+
+def config_dict(cfg) -> dict:
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def run_train(ctx: RunContext) -> list:
+    """Train from step 0 (or the latest checkpoint with train.resume=true) to train.steps; returns the logged
+    metric records of this rank (complete on the logging rank)."""
+    t = ctx.cfg.train
+    tr = Trainer(ctx)
+    records = RunRecords(ctx.run_dir, ctx.is_logging_rank)
+    start = 0
+    if t.resume:
+        latest = latest_checkpoint(ctx.run_dir)
+        if latest is None:
+            raise FileNotFoundError(f"train.resume=true but {ctx.run_dir}/checkpoints holds no complete checkpoint.")
+        start = load_checkpoint(latest[1], tr.modules, tr.opt, ctx.rank, ctx.group)
+        records.truncate_after(start)
+        records.log(f"resumed from {latest[1]} at step {start}")
+    tracker = make_tracker(ctx.cfg, str(ctx.run_dir), ctx.is_logging_rank, resume=t.resume)
+    tracker.log_config(config_dict(ctx.cfg), ctx.plan.to_dict())
+    progress = Progress(t.steps, start, enabled=ctx.is_logging_rank, mode=t.progress)
+    if start == 0:
+        msg = (f"training {tr.params:,} parameters on {ctx.plan.pipeline.ranks} rank(s) x {ctx.device.type}, "
+               f"{ctx.plan.num_stages} stage(s), schedule {ctx.plan.pipeline.schedule}, "
+               f"{ctx.plan.pipeline.microbatches} microbatches")
+        progress.message(msg)
+        records.log(msg)
+    history = []
+    step = start
+    stopped = False
+    try:
+        for step in range(start, t.steps):
+            m = tr.step(step)
+            done = step + 1
+            eval_due = done == t.steps or (t.eval_every and done % t.eval_every == 0)
+            if eval_due:
+                m.update(tr.evaluate(step))
+            record = {"step": done, "time": time.time(), **m}
+            records.metrics(record)
+            tracker.log(m, step=done)
+            history.append(record)
+            show = done % t.log_every == 0 or done == t.steps or eval_due
+            progress.update(done, m, print_line=show)
+            if show:
+                records.log(" ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
+                                     if k in ("step", "loss", "indexer_loss", "lr", "tokens_per_s", "acc", "eval_loss", "eval_acc")))
+            if t.ckpt_every and done % t.ckpt_every == 0 and done != t.steps:
+                save_checkpoint(checkpoint_dir(ctx.run_dir, done), tr.modules, tr.opt, ctx.rank, done, ctx.group)
+            if t.stop_at_step is not None and done == t.stop_at_step and done != t.steps:
+                stopped = True
+                progress.message(f"stopping after step {done} (train.stop_at_step); resume with train.resume=true")
+                break
+        if not stopped:
+            save_checkpoint(checkpoint_dir(ctx.run_dir, t.steps), tr.modules, tr.opt, ctx.rank, t.steps, ctx.group)
+    finally:
+        progress.close()
+        tracker.finish()
+    return history

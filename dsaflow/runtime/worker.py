@@ -1,0 +1,27 @@
+"""The worker: read the run dir, join the process group, run the job. One process per pipeline rank."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .context import init_distributed
+from .rundir import read_run_dir
+
+JOBS = ("train", "generate")
+
+
+def run_worker(run_dir: str, job: str = "train") -> None:
+    if job not in JOBS:
+        raise ValueError(f"job={job!r} is not one of {JOBS}.")
+    cfg, plan = read_run_dir(run_dir)
+    ctx = init_distributed(cfg, plan, run_dir)
+    try:
+        if job == "train":
+            from .train import run_train
+
+            run_train(ctx)
+        else:
+            from .serve import run_serve
+
+            run_serve(ctx)
+    finally:
+        dist.destroy_process_group()

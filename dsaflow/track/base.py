@@ -1,0 +1,43 @@
+"""The tracker interface and its null object. Core code calls these methods unconditionally; there are no
+`if wandb:` branches anywhere: a rank that does not log, or a run with `track=none`, holds a NullTracker."""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping
+
+
+class Tracker:
+    """What the training loop may ask of an experiment tracker."""
+
+    def log_config(self, cfg_dict: Mapping[str, Any], plan_dict: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+
+class NullTracker(Tracker):
+    """Accepts everything, records nothing."""
+
+    def log_config(self, cfg_dict: Mapping[str, Any], plan_dict: Mapping[str, Any]) -> None:
+        pass
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}; keeps lists as they are."""
+    out: Dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
