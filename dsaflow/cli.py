@@ -12,17 +12,27 @@ from typing import List, Optional
 from dsaflow.plan.plan import PlanError
 
 EXIT_USER_ERROR = 2
-USAGE_EPILOG = """overrides (Hydra syntax):
-  model=tiny|small|dsv32|glm47flash|glm5   index=all_full|every2|every4   graphs=off|decode
-  pipeline=single|pp2|pp4|pp8|pp2_interleaved|pp4_interleaved
-  layout="(FSSS)*2|(FSSS)*2"   index.freq=4 index.offset=1   pipeline.boundaries=[0,4]   pipeline.stages=4
-  format=json (plan only: print only the plan JSON)   mode=serve
-
-examples:
+EXAMPLES = """examples:
   dsaflow plan model=tiny layout="FSSS|SSFS"
   dsaflow plan model=dsv32 index=every4 pipeline=pp8
   dsaflow plan model=dsv32 index=every4 pipeline=pp8 format=json
+  dsaflow plan model=small index.freq=4 index.offset=1 pipeline.boundaries=[0,5]
 """
+
+
+def usage_epilog() -> str:
+    """Override help listing the options that actually exist in the config dir (so it never goes stale)."""
+    from dsaflow.config.compose import default_config_dir
+
+    cdir = default_config_dir()
+    groups = sorted(p for p in cdir.iterdir() if p.is_dir()) if cdir.is_dir() else []
+    lines = ["overrides (Hydra syntax: key=value, group=option, +key=value); groups and options:"]
+    for g in groups:
+        lines.append(f"  {g.name}={'|'.join(sorted(p.stem for p in g.glob('*.yaml')))}")
+    lines.append('  layout="(FSSS)*2|(FSSS)*2"  index.freq=4 index.offset=0  pipeline.boundaries=[0,4]  pipeline.stages=4')
+    lines.append("  format=json (plan: print only the plan JSON)  mode=train|serve  estimate_context=131072")
+    lines.append("see docs/planning.md for the layout language, the planner rules and the plan JSON contract.")
+    return "\n".join(lines) + "\n\n" + EXAMPLES
 
 
 def run_cli_errors(fn, *args) -> int:
@@ -67,10 +77,11 @@ def cmd_launch(job: str, overrides: List[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    epilog = usage_epilog()
     parser = argparse.ArgumentParser(
         prog="dsaflow",
         description="Plan, train and serve DSA transformers with IndexCache across pipeline stages.",
-        epilog=USAGE_EPILOG,
+        epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="{plan,train,generate}")
@@ -80,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         "generate": "plan, write the run dir, launch generation (sets mode=serve unless given)",
     }
     for name, text in helps.items():
-        p = sub.add_parser(name, help=text, description=text, epilog=USAGE_EPILOG,
+        p = sub.add_parser(name, help=text, description=text, epilog=epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra override: key=value, group=option, +key=value")
     return parser

@@ -107,3 +107,18 @@ def test_console_entry_point_exit_codes_and_streams():
     assert helped.returncode == 0 and "plan" in helped.stdout and "train" in helped.stdout
     plan_help = _subprocess("plan", "--help")
     assert plan_help.returncode == 0 and "OVERRIDE" in plan_help.stdout and "format=json" in plan_help.stdout
+
+
+def test_train_and_generate_plan_first_and_stop_on_mistakes(capsys, monkeypatch):
+    import dsaflow.runtime.launch as launch_mod
+
+    calls = []
+    monkeypatch.setattr(launch_mod, "launch", lambda cfg, plan, job: calls.append((cfg, plan, job)) or 0)
+    assert main(["train", "layout=FSXSFSSS"]) == 2
+    assert calls == [] and "unknown role letter" in capsys.readouterr().err
+    assert main(["train", "model=tiny", "index=every2"]) == 0
+    cfg, plan, job = calls[-1]
+    assert job == "train" and cfg.mode == "train" and plan.layers[1].source == 0
+    assert main(["generate", "graphs=decode"]) == 0  # generate implies mode=serve, so decode graphs are valid
+    cfg, plan, job = calls[-1]
+    assert job == "generate" and cfg.mode == "serve" and plan.graph_blocks[0].kind == "decode"

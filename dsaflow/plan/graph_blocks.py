@@ -89,10 +89,11 @@ def plan_graph_blocks(cfg, stage_of: Sequence[int], num_stages: int) -> Tuple[Gr
                     f"0..{n - 1}). Fix: choose a span inside 0..{n - 1}."
                 )
             if stage_of[first] != stage_of[lst]:
+                cut = next(i for i in range(first, lst + 1) if stage_of[i] != stage_of[first])
                 raise PlanError(
                     f"{field}.layers={span} spans stage {stage_of[first]} and stage {stage_of[lst]}; a graph is "
-                    "captured on one device, so a block must sit inside one stage. Fix: split it at the stage "
-                    "boundary into two blocks."
+                    f"captured on one device, so a block must sit inside one stage. Fix: split it where stage "
+                    f"{stage_of[cut]} starts, into layers=[{first}, {cut - 1}] and layers=[{cut}, {lst}]."
                 )
             out.append(GraphBlockPlan(b.name, b.kind, (stage_of[first],), tuple(range(first, lst + 1)), shapes))
     return tuple(out)
