@@ -22,7 +22,9 @@ import triton
 import triton.testing
 
 from dsaflow.ops.indexer_topk.naive import topk_from_scores
-from dsaflow.ops.indexer_topk.triton_indexer import indexer_logits_triton, indexer_topk_triton, query_chunk
+from dsaflow.ops.indexer_topk.triton_indexer import (
+    indexer_logits_triton, indexer_topk_triton, query_chunk, topk_from_keys,
+)
 from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
 from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
 from dsaflow.ops.sparse_mla.triton_prefill import sparse_mla_fwd_triton
@@ -158,6 +160,11 @@ def bench_decode(contexts, do_sweep):
         flops = 2 * h * TOPK * (D_QK + D_V) * batch * t
         ms = bench(lambda: sparse_mla_decode_triton(q, kv, idx, scale, D_V))
         record("sparse_mla_decode", "triton", ctx, ms, flops=flops, nbytes=nbytes, batch=batch, tokens=t, heads=h)
+        if do_sweep:
+            splits = [2, 4, 8] if h >= 64 else [4, 8, 16, 32]
+            sweep(f"sparse_mla_decode b{batch} t{t} h{h}", lambda c: lambda: sparse_mla_decode_triton(
+                q, kv, idx, scale, D_V, num_splits=c["num_splits"], overrides=c.get("kernel")),
+                [dict(num_splits=n, kernel=dict(num_stages=st)) for n in splits for st in (2, 3)])
         del q, kv, idx
 
 
@@ -184,6 +191,14 @@ def torch_indexer(q, k, w, pos, topk):
     return out
 
 
+def unsorted_topk_then_sort(scores, topk):
+    """Candidate replacement for topk_from_scores: unsorted radix select, then sort only the topk survivors."""
+    vals, idx = scores.topk(topk, dim=-1, sorted=False)
+    vals, order = vals.sort(dim=-1, descending=True)
+    idx = torch.gather(idx, -1, order)
+    return torch.where(vals == float("-inf"), -1, idx).to(torch.int32)
+
+
 def bench_indexer(contexts, do_sweep):
     n_q = 4096
     cfg = None
@@ -206,8 +221,19 @@ def bench_indexer(contexts, do_sweep):
         chunk_pairs = int(sum(range(ctx - chunk + 1, ctx + 1)))
         record("indexer_logits", "triton", ctx, ms, flops=2 * H_I * D_I * chunk_pairs, nbytes=chunk * ctx * 4,
                queries=chunk, config=cfg)
+        keys = torch.empty(1, chunk, ctx, device="cuda", dtype=torch.int64)
+        ms = bench(lambda: indexer_logits_triton(qc, k, wc, pc, keys, cfg))
+        record("indexer_logits (int64 keys)", "triton", ctx, ms, flops=2 * H_I * D_I * chunk_pairs,
+               nbytes=chunk * ctx * 8, queries=chunk, config=cfg)
         ms = bench(lambda: topk_from_scores(buf, TOPK))
-        record("indexer_topk_only", "torch.topk", ctx, ms, nbytes=chunk * ctx * 4, queries=chunk)
+        record("indexer_topk_only", "naive stable sort", ctx, ms, nbytes=chunk * ctx * 4, queries=chunk)
+        ms = bench(lambda: unsorted_topk_then_sort(buf, TOPK))
+        record("indexer_topk_only", "fp32 topk(sorted=False)+sort, no tie rule", ctx, ms, nbytes=chunk * ctx * 4,
+               queries=chunk)
+        ms = bench(lambda: topk_from_keys(keys, TOPK))
+        record("indexer_topk_only", "int64 keys topk(sorted=False)+sort", ctx, ms, nbytes=chunk * ctx * 8,
+               queries=chunk)
+        del keys
         ms = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, overrides=cfg), rep_ms=300)
         record("indexer_logits+topk", "triton+torch.topk", ctx, ms, flops=flops, queries=n_q)
         ms = timed_slow(lambda: torch_indexer(q, k, w, pos, TOPK))
@@ -233,7 +259,8 @@ def kernel_stats():
     from dsaflow.ops.sparse_mla import triton_backward, triton_decode, triton_prefill
 
     stats = []
-    for fn in (triton_prefill._sparse_mla_fwd_kernel, triton_backward._sparse_mla_bwd_kernel,
+    for fn in (triton_prefill._sparse_mla_fwd_kernel, triton_backward._sparse_mla_bwd_dq_kernel,
+               triton_backward._sparse_mla_bwd_dkv_kernel,
                triton_decode._combine_kernel, triton_indexer._indexer_logits_kernel):
         try:
             for cache in fn.device_caches.values():

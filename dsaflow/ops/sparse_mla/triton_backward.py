@@ -152,7 +152,7 @@ def bwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict |
         dkv_BLOCK_H=min(bh, 32), dkv_BLOCK_K=bk, dkv_num_warps=4, dkv_num_stages=1,
     )
     if cfg["BLOCK_DV"] >= 256:  # [64, 512] fp32 accumulators need two warpgroups' registers
-        cfg.update(dq_num_warps=8, dkv_num_warps=8)
+        cfg.update(dq_num_warps=8, dkv_num_warps=8, dq_BLOCK_K=min(64, max(16, triton.next_power_of_2(K))))
     if q.element_size() > 2:
         cfg.update(dq_BLOCK_K=16, dkv_BLOCK_K=16, dkv_BLOCK_H=min(bh, 16))
     cfg.update(overrides or {})
