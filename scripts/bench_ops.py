@@ -161,10 +161,10 @@ def bench_decode(contexts, do_sweep):
         ms = bench(lambda: sparse_mla_decode_triton(q, kv, idx, scale, D_V))
         record("sparse_mla_decode", "triton", ctx, ms, flops=flops, nbytes=nbytes, batch=batch, tokens=t, heads=h)
         if do_sweep:
-            splits = [2, 4, 8] if h >= 64 else [4, 8, 16, 32]
+            splits = [1, 2, 4] if h >= 64 else [2, 4, 8]
             sweep(f"sparse_mla_decode b{batch} t{t} h{h}", lambda c: lambda: sparse_mla_decode_triton(
                 q, kv, idx, scale, D_V, num_splits=c["num_splits"], overrides=c.get("kernel")),
-                [dict(num_splits=n, kernel=dict(num_stages=st)) for n in splits for st in (2, 3)])
+                [dict(num_splits=n, kernel=dict(num_stages=st)) for n in splits for st in (2,)])
         del q, kv, idx
 
 
