@@ -5,9 +5,7 @@ from dsaflow.config.schema import DSAFlowConfig, GraphBlockConfig
 def make_cfg(**dotted):
     cfg = DSAFlowConfig()
     for key, value in dotted.items():
-        obj, *path = key.split(".")
-        target = cfg
-        parts = key.split(".")
+        target, parts = cfg, key.split(".")
         for part in parts[:-1]:
             target = getattr(target, part)
         if not hasattr(target, parts[-1]):

@@ -83,6 +83,8 @@ def test_stage_estimates_follow_roles_and_stages():
     assert s0["indexer_flops_saved_per_token"] == 3 * E.indexer_flops_per_query(m, 1024)
     assert s0["kv_cache_bytes_per_seq"] == m.max_seq_len * (4 * E.kv_bytes_per_token(m, "S") + m.index_head_dim * 2)
     assert est["microbatch_tokens"] == 64 * 2
+    cfg = make_cfg()
+    assert s1["kv_cache_bytes_serve"] == s1["kv_cache_bytes_per_token"] * cfg.serve.max_batch * cfg.serve.max_context
     (b,) = est["boundaries"]
     assert b["first_layer"] == 4 and b["promoted"]
     assert b["index_payload_bytes_per_microbatch"] == 128 * m.index_topk * 4

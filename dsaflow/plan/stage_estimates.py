@@ -79,6 +79,9 @@ def build_estimates(cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan
             "indexer_flops_per_token": n_f * E.indexer_flops_per_query(m, L_save),
             "kv_cache_bytes_per_token": sum(E.kv_bytes_per_token(m, l.role) for l in ls),
             "kv_cache_bytes_per_seq": sum(E.kv_bytes_per_token(m, l.role) for l in ls) * L_kv,
+            # what a serving engine allocates: serve.max_batch sequences of serve.max_context tokens
+            "kv_cache_bytes_serve": sum(E.kv_bytes_per_token(m, l.role) for l in ls)
+            * cfg.serve.max_batch * cfg.serve.max_context,
             "activation_bytes_per_microbatch": act,
             "microbatches_in_flight": in_flight,
             "activation_bytes_peak": act * in_flight,
