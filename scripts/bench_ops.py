@@ -124,17 +124,27 @@ def bench_sparse_mla(contexts, do_sweep):
     if do_sweep:
         q, kv, idx = mla_inputs(32768, n_fwd)
         fwd_cfg = sweep("sparse_mla_fwd", lambda c: lambda: sparse_mla_fwd_triton(q, kv, idx, scale, D_V, c), [
-            {}, dict(BLOCK_K=64, num_stages=3), dict(BLOCK_K=128, num_stages=1), dict(BLOCK_K=128, num_stages=2),
-            dict(BLOCK_K=32, num_stages=4),
+            {}, dict(BLOCK_K=64, num_stages=3), dict(BLOCK_K=32, num_stages=4), dict(num_warps=16),
         ])
         qb, kvb, idxb = q[:, :n_bwd], kv, idx[:, :n_bwd]
         out, lse = sparse_mla_fwd_triton(qb, kvb, idxb, scale, D_V)
         do = torch.randn_like(out)
         bwd_cfg = sweep("sparse_mla_bwd", lambda c: lambda: sparse_mla_bwd_triton(
             qb, kvb, idxb, out, lse, do, None, scale, D_V, c), [
-            {}, dict(dq_BLOCK_K=64), dict(dq_num_stages=2), dict(dkv_BLOCK_K=64), dict(dkv_BLOCK_H=64),
-            dict(dkv_BLOCK_K=64, dkv_BLOCK_H=64), dict(dkv_BLOCK_K=16, dkv_BLOCK_H=64),
+            {}, dict(dq_BLOCK_K=32), dict(dkv_S_FIRST=True), dict(dkv_S_FIRST=True, dkv_BLOCK_H=64),
+            dict(dkv_S_FIRST=True, dkv_BLOCK_K=64), dict(dkv_S_FIRST=True, dkv_BLOCK_K=64, dkv_BLOCK_H=64),
+            dict(dkv_BLOCK_K=64, dkv_BLOCK_H=16), dict(dkv_num_warps=4), dict(dkv_BLOCK_K=16, dkv_BLOCK_H=64),
         ])
+        # the sweep only times: check the winner against the default (tested) config on the same inputs
+        ref = sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V)
+        got = sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V, bwd_cfg)
+        errs = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref)]
+        print(f"verify bwd {bwd_cfg} vs default: rel err dq {errs[0]:.2e} dkv {errs[1]:.2e}", flush=True)
+        assert max(errs) < 1e-2, "swept backward config disagrees with the tested default"
+        for part, per_hk in (("dq", 2 * D_QK + D_V), ("dkv", 2 * D_QK + 2 * D_V)):  # S + dP + dq / S + dP + dkv
+            ms = bench(lambda: sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V, bwd_cfg, (part,)))
+            record(f"sparse_mla_bwd {part} kernel only", "triton", 32768, ms, flops=2 * H * TOPK * per_hk * n_bwd,
+                   queries=n_bwd, config=bwd_cfg)
         del q, kv, idx, out, lse, do
     for ctx in contexts:
         q, kv, idx = mla_inputs(ctx, n_fwd)
@@ -161,10 +171,11 @@ def bench_decode(contexts, do_sweep):
         ms = bench(lambda: sparse_mla_decode_triton(q, kv, idx, scale, D_V))
         record("sparse_mla_decode", "triton", ctx, ms, flops=flops, nbytes=nbytes, batch=batch, tokens=t, heads=h)
         if do_sweep:
-            splits = [1, 2, 4] if h >= 64 else [2, 4, 8]
+            splits = [1, 2, 4] if h >= 64 else [1, 2, 4]
+            blocks = [64] if h >= 64 else [64, 128]
             sweep(f"sparse_mla_decode b{batch} t{t} h{h}", lambda c: lambda: sparse_mla_decode_triton(
                 q, kv, idx, scale, D_V, num_splits=c["num_splits"], overrides=c.get("kernel")),
-                [dict(num_splits=n, kernel=dict(num_stages=st)) for n in splits for st in (2,)])
+                [dict(num_splits=n, kernel=dict(BLOCK_K=bk)) for n in splits for bk in blocks])
         del q, kv, idx
 
 

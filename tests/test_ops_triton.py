@@ -114,6 +114,20 @@ def test_backward_dlse_only_and_poisoned_buffers():
     assert rel_err(dq, ref_dq) < 2 * FP32_TOL and rel_err(dkv, ref_dkv) < 2 * FP32_TOL
 
 
+@pytest.mark.parametrize("s_first", [False, True])
+def test_backward_dkv_kernel_variants(s_first):
+    """Both formulations of the dkv kernel (S^T = K.Q^T, or S = Q.K^T then small transposes) match the reference."""
+    q, kv, idx = make_mla(2, 3, 5, 40, 17, 24, torch.float32)
+    out, lse = sparse_mla_naive(q, kv, idx, 0.2, 32)
+    g_out, g_lse = torch.randn_like(out), torch.randn_like(lse)
+    _, dkv = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, g_lse, 0.2, 32,
+                                   overrides=dict(dkv_S_FIRST=s_first, dkv_BLOCK_H=16, dkv_BLOCK_K=16))
+    q2, kv2 = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
+    ref_out, ref_lse = sparse_mla_naive(q2, kv2, idx, 0.2, 32)
+    (ref_dkv,) = torch.autograd.grad(loss_of(ref_out, ref_lse, g_out, g_lse), (kv2,))
+    assert rel_err(dkv, ref_dkv) < 2 * FP32_TOL
+
+
 def test_unsupported_shapes_fall_back_to_naive():
     q, kv, idx = make_mla(1, 2, 2, 700, 8, 4, torch.float32, device="cpu")
     assert "d_v=600" in kernel_supports(q, kv, idx, 600)

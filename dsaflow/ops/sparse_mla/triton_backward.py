@@ -92,10 +92,12 @@ def _sparse_mla_bwd_dkv_kernel(
     T, S, K, H, D_V, D_T, sm_scale, scale_log2,
     s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_dob, s_dot, s_doh, s_lb, s_lt, s_dkvb, s_dkvs,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
+    HAS_TAIL: tl.constexpr, S_FIRST: tl.constexpr,
 ):
     """One program per (row block, query): loops over all head blocks, so each selected row gets one atomic add
-    per query. Works on transposed scores S^T [BK, BH] so the dkv dots need no register transposes."""
+    per query. S_FIRST=False works on transposed scores S^T = K . Q^T [BK, BH] (the row tile is the A operand, no
+    register transposes); S_FIRST=True computes S = Q . K^T [BH, BK] (row tile as B operand, from shared memory)
+    and transposes the small dS / P tiles instead."""
     pid_k = tl.program_id(0)
     pid_q = tl.program_id(1).to(tl.int64)
     b = pid_q // T
@@ -121,15 +123,27 @@ def _sparse_mla_bwd_dkv_kernel(
         q_nope, q_tail, do, lse2, delta = _load_q_do(
             q_ptr, do_ptr, lse_ptr, delta_ptr, b, t, offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok,
             s_qb, s_qt, s_qh, s_dob, s_dot, s_doh, s_lb, s_lt, D_V, HAS_TAIL)
-        s_t = tl.dot(k_nope, tl.trans(q_nope))  # [BK, BH]
-        if HAS_TAIL:
-            s_t = tl.dot(k_tail, tl.trans(q_tail), s_t)
-        p_t = tl.exp2(s_t * scale_log2 - lse2[None, :])
-        p_t = tl.where(valid[:, None] & h_ok[None, :], p_t, 0.0)
-        dp_t = tl.dot(k_nope, tl.trans(do))
-        ds_t = (p_t * (dp_t - delta[None, :]) * sm_scale).to(q_nope.dtype)
+        if S_FIRST:
+            s = tl.dot(q_nope, tl.trans(k_nope))  # [BH, BK]
+            if HAS_TAIL:
+                s = tl.dot(q_tail, tl.trans(k_tail), s)
+            p = tl.exp2(s * scale_log2 - lse2[:, None])
+            p = tl.where(h_ok[:, None] & valid[None, :], p, 0.0)
+            dp = tl.dot(do, tl.trans(k_nope))
+            ds = (p * (dp - delta[:, None]) * sm_scale).to(q_nope.dtype)
+            ds_t = tl.trans(ds)
+            p_t = tl.trans(p.to(do.dtype))
+        else:
+            s_t = tl.dot(k_nope, tl.trans(q_nope))  # [BK, BH]
+            if HAS_TAIL:
+                s_t = tl.dot(k_tail, tl.trans(q_tail), s_t)
+            p_t = tl.exp2(s_t * scale_log2 - lse2[None, :])
+            p_t = tl.where(valid[:, None] & h_ok[None, :], p_t, 0.0)
+            dp_t = tl.dot(k_nope, tl.trans(do))
+            ds_t = (p_t * (dp_t - delta[None, :]) * sm_scale).to(q_nope.dtype)
+            p_t = p_t.to(do.dtype)
         acc_nope = tl.dot(ds_t, q_nope, acc_nope)
-        acc_nope = tl.dot(p_t.to(do.dtype), do, acc_nope)
+        acc_nope = tl.dot(p_t, do, acc_nope)
         if HAS_TAIL:
             acc_tail = tl.dot(ds_t, q_tail, acc_tail)
     dkv_rows = dkv_ptr + b * s_dkvb + row * s_dkvs
@@ -149,7 +163,7 @@ def bwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict |
         BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
         BLOCK_DT=max(16, triton.next_power_of_2(max(d_tail, 1))),
         dq_BLOCK_H=bh, dq_BLOCK_K=bk, dq_num_warps=4, dq_num_stages=1,
-        dkv_BLOCK_H=min(bh, 32), dkv_BLOCK_K=bk, dkv_num_warps=4, dkv_num_stages=1,
+        dkv_BLOCK_H=min(bh, 32), dkv_BLOCK_K=bk, dkv_num_warps=4, dkv_num_stages=1, dkv_S_FIRST=False,
     )
     if cfg["BLOCK_DV"] >= 256:  # [64, 512] fp32 accumulators need two warpgroups' registers
         cfg.update(dq_num_warps=8, dkv_num_warps=8, dq_BLOCK_K=min(64, max(16, triton.next_power_of_2(K))))
@@ -162,9 +176,11 @@ def bwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict |
 def sparse_mla_bwd_triton(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     d_out: torch.Tensor, d_lse: torch.Tensor | None, sm_scale: float, d_v: int, overrides: dict | None = None,
+    parts: tuple[str, ...] = ("dq", "dkv"),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32, out/d_out [B, T, H, d_v], lse/d_lse [B, T, H]
-    -> dq [B, T, H, D_qk] q.dtype, dkv [B, S, D_qk] kv.dtype. Last dims contiguous (the dispatcher ensures it)."""
+    -> dq [B, T, H, D_qk] q.dtype, dkv [B, S, D_qk] kv.dtype. Last dims contiguous (the dispatcher ensures it).
+    `parts` lets the benchmark time one kernel alone (the other output is then left unwritten)."""
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
     d_tail = D_qk - d_v
@@ -182,14 +198,16 @@ def sparse_mla_bwd_triton(
               q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
               d_out.stride(0), d_out.stride(1), d_out.stride(2), lse.stride(0), lse.stride(1))
     dims = dict(BLOCK_DV=cfg["BLOCK_DV"], BLOCK_DT=cfg["BLOCK_DT"], HAS_TAIL=d_tail > 0)
-    _sparse_mla_bwd_dq_kernel[(triton.cdiv(H, cfg["dq_BLOCK_H"]), B * T)](
-        q, kv, indices, d_out, lse, delta, dq, *common,
-        BLOCK_H=cfg["dq_BLOCK_H"], BLOCK_K=cfg["dq_BLOCK_K"], **dims,
-        num_warps=cfg["dq_num_warps"], num_stages=cfg["dq_num_stages"],
-    )
-    _sparse_mla_bwd_dkv_kernel[(triton.cdiv(K, cfg["dkv_BLOCK_K"]), B * T)](
-        q, kv, indices, d_out, lse, delta, dkv, *common, dkv.stride(0), dkv.stride(1),
-        BLOCK_H=cfg["dkv_BLOCK_H"], BLOCK_K=cfg["dkv_BLOCK_K"], **dims,
-        num_warps=cfg["dkv_num_warps"], num_stages=cfg["dkv_num_stages"],
-    )
+    if "dq" in parts:
+        _sparse_mla_bwd_dq_kernel[(triton.cdiv(H, cfg["dq_BLOCK_H"]), B * T)](
+            q, kv, indices, d_out, lse, delta, dq, *common,
+            BLOCK_H=cfg["dq_BLOCK_H"], BLOCK_K=cfg["dq_BLOCK_K"], **dims,
+            num_warps=cfg["dq_num_warps"], num_stages=cfg["dq_num_stages"],
+        )
+    if "dkv" in parts:
+        _sparse_mla_bwd_dkv_kernel[(triton.cdiv(K, cfg["dkv_BLOCK_K"]), B * T)](
+            q, kv, indices, d_out, lse, delta, dkv, *common, dkv.stride(0), dkv.stride(1),
+            BLOCK_H=cfg["dkv_BLOCK_H"], BLOCK_K=cfg["dkv_BLOCK_K"], S_FIRST=cfg["dkv_S_FIRST"], **dims,
+            num_warps=cfg["dkv_num_warps"], num_stages=cfg["dkv_num_stages"],
+        )
     return dq, dkv.to(kv.dtype)
