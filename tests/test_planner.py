@@ -190,6 +190,14 @@ def test_schedule_rank_errors(knobs, needle):
     assert needle in str(e.value) and "Fix:" in str(e.value)
 
 
+def test_serving_skips_training_microbatch_rules_but_keeps_placement():
+    plan = build_plan(make_cfg(layout="F|S|F|S|F|S|F|S", mode="serve", **{"pipeline.microbatches": 3}))
+    assert plan.num_stages == 8 and [s.rank for s in plan.stages] == list(range(8))
+    with pytest.raises(PlanError, match="does not divide"):
+        build_plan(make_cfg(mode="serve", **{"pipeline.stages": 6, "pipeline.ranks": 4,
+                                             "pipeline.schedule": "Interleaved1F1B"}))
+
+
 def test_gpipe_accepts_fewer_microbatches_than_stages():
     plan = build_plan(make_cfg(**{"pipeline.stages": 4, "pipeline.microbatches": 2, "pipeline.schedule": "GPipe"}))
     assert plan.pipeline.microbatches == 2

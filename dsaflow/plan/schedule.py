@@ -55,6 +55,17 @@ def resolve_pipeline(pipe, num_stages: int, *, mode: str, batch_size: int, nproc
     mb = pipe.microbatches
     if mb < 1:
         raise PlanError(f"pipeline.microbatches={mb}: must be >= 1. Fix: e.g. pipeline.microbatches={max(1, ranks)}.")
+    if mode == "train":  # serving runs no training schedule: only placement matters there
+        _check_training_microbatches(pipe, mb, ranks, num_stages, batch_size)
+    if nproc is not None and nproc != ranks:
+        raise PlanError(
+            f"nproc={nproc} but the plan has {ranks} pipeline ranks (one process per rank; no data parallelism). "
+            f"Fix: drop nproc or set nproc={ranks}."
+        )
+    return PipelinePlan(ranks=ranks, schedule=pipe.schedule, microbatches=mb, stages_per_rank=v)
+
+
+def _check_training_microbatches(pipe, mb: int, ranks: int, num_stages: int, batch_size: int) -> None:
     if pipe.schedule in ROUND_SCHEDULES and mb % ranks != 0:
         raise PlanError(
             f"pipeline.microbatches={mb} is not a multiple of pipeline.ranks={ranks}, which {pipe.schedule} "
@@ -65,17 +76,11 @@ def resolve_pipeline(pipe, num_stages: int, *, mode: str, batch_size: int, nproc
             f"pipeline.microbatches={mb} is below the {num_stages} stages, which 1F1B rejects. Fix: "
             f"pipeline.microbatches={num_stages} (or more), or pipeline.schedule=GPipe."
         )
-    if mode == "train" and batch_size % mb != 0:
+    if batch_size % mb != 0:
         raise PlanError(
             f"train.batch_size={batch_size} does not split into pipeline.microbatches={mb} equal microbatches. "
             f"Fix: make train.batch_size a multiple of {mb} (e.g. train.batch_size={mb * max(1, batch_size // mb)})."
         )
-    if nproc is not None and nproc != ranks:
-        raise PlanError(
-            f"nproc={nproc} but the plan has {ranks} pipeline ranks (one process per rank; no data parallelism). "
-            f"Fix: drop nproc or set nproc={ranks}."
-        )
-    return PipelinePlan(ranks=ranks, schedule=pipe.schedule, microbatches=mb, stages_per_rank=v)
 
 
 def stage_ranks(num_stages: int, pipeline: PipelinePlan) -> List[int]:
