@@ -22,6 +22,11 @@ import torch
 from dsaflow.ops.indexer_topk import indexer_scores_naive
 
 
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, S, D], idx [B, T, K] in [0, S) -> [B, T, K, D]; backward accumulates into [B, S, D] (no [B, T, S, D])."""
+    return x[torch.arange(x.shape[0], device=x.device).view(-1, 1, 1), idx]
+
+
 @torch.no_grad()
 def attention_distribution(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float, chunk: int = 256
@@ -36,11 +41,7 @@ def attention_distribution(
     for t0 in range(0, q.shape[1], chunk):
         idx = indices[:, t0 : t0 + chunk].long()
         valid = (idx >= 0) & (idx < S)
-        rows = torch.gather(
-            kv.float().unsqueeze(1).expand(-1, idx.shape[1], -1, -1),
-            2,
-            idx.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, -1, kv.shape[-1]),
-        )  # [B, t, K, D]
+        rows = gather_rows(kv.float(), idx.clamp(0, S - 1))  # [B, t, K, D]
         rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))  # missing keys: no garbage rows
         s = torch.einsum("bthd,btkd->bthk", q[:, t0 : t0 + chunk].float(), rows) * sm_scale
         p = torch.exp(s - lse[:, t0 : t0 + chunk].unsqueeze(-1)).sum(dim=2) * valid  # [B, t, K]
@@ -61,11 +62,7 @@ def index_scores_on_keys(
     S = k.shape[1]
     idx = indices.long()
     valid = (idx >= 0) & (idx < S)
-    k_sel = torch.gather(
-        k.float().unsqueeze(1).expand(-1, idx.shape[1], -1, -1),
-        2,
-        idx.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, -1, k.shape[-1]),
-    )  # [B, T, K, D_I]
+    k_sel = gather_rows(k.float(), idx.clamp(0, S - 1))  # [B, T, K, D_I]
     logits = torch.einsum("bthd,btkd->bthk", q.float(), k_sel).relu()
     scores = torch.einsum("bthk,bth->btk", logits, w.float())
     return scores.masked_fill(~valid, float("-inf"))

@@ -44,13 +44,17 @@ def topk_from_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 @torch.no_grad()
 def indexer_topk_naive(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int, chunk: int = 1024
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int, chunk: int | None = None
 ) -> torch.Tensor:
     """Causal top-k key selection, chunked over queries.
 
     q [B, T, H, D], k [B, S, D], w [B, T, H], positions [B, T] (absolute position of each query; < 0 = padding)
     -> int32 [B, T, topk]: key indices by descending score, -1 padding where fewer than topk keys are visible.
+    chunk: queries per step; default keeps the per-head logits [B, chunk, H, S] near 2^26 elements, so a 128K
+    context with 64 index heads never holds more than a few hundred MB at once.
     """
+    if chunk is None:
+        chunk = max(1, min(1024, (1 << 26) // max(1, q.shape[0] * q.shape[2] * k.shape[1])))
     out = []
     for t0 in range(0, q.shape[1], chunk):
         sl = slice(t0, t0 + chunk)

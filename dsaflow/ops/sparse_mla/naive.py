@@ -13,18 +13,17 @@ def sparse_mla_naive(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int -> out [B, T, H, d_v] (q.dtype), lse [B, T, H] fp32.
 
-    Differentiable in q and kv (autograd through gather). lse is the natural-log sum of exp(scaled scores).
+    Differentiable in q and kv (autograd through indexing). lse is the natural-log sum of exp(scaled scores).
     """
     S = kv.shape[1]
     outs, lses = [], []
     for t0 in range(0, q.shape[1], chunk):
         qc, ic = q[:, t0 : t0 + chunk].float(), indices[:, t0 : t0 + chunk].long()
         valid = (ic >= 0) & (ic < S)  # [B, t, K]
-        rows = torch.gather(
-            kv.float().unsqueeze(1).expand(-1, ic.shape[1], -1, -1),
-            2,
-            ic.clamp(0, S - 1).unsqueeze(-1).expand(-1, -1, -1, kv.shape[-1]),
-        )  # [B, t, K, D_qk]
+        # Advanced indexing, not gather over an expanded kv: its backward accumulates into [B, S, D_qk] instead of
+        # materialising a [B, t, S, D_qk] gradient (prohibitive at long context).
+        batch = torch.arange(kv.shape[0], device=kv.device).view(-1, 1, 1)
+        rows = kv.float()[batch, ic.clamp(0, S - 1)]  # [B, t, K, D_qk]
         # A missing key must contribute nothing even if the row it was clamped to holds garbage (an unwritten cache
         # row may be NaN): 0 * NaN would leak through the masked score and the value product.
         rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
