@@ -55,6 +55,7 @@ def check_same_model(model_cfg, checkpoint: Path) -> None:
 def load_model_weights(stages: Dict[int, torch.nn.Module], path: str | Path, model_cfg=None) -> Path:
     """Load the weights of `stages` ({stage index: StageModule}, on CPU) in place from a DCP checkpoint."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     ckpt = resolve_checkpoint(path)
     if model_cfg is not None:
@@ -62,7 +63,7 @@ def load_model_weights(stages: Dict[int, torch.nn.Module], path: str | Path, mod
     sd = {f"model.{k}": v for m in stages.values() for k, v in m.state_dict().items()}
     try:
         dcp.load(sd, checkpoint_id=str(ckpt))
-    except Exception as exc:  # noqa: BLE001 - DCP reports missing keys in many exception types
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps missing keys in several types
         raise ServeError(
             f"serve.checkpoint={path}: could not load this rank's weights from {ckpt} ({type(exc).__name__}: "
             f"{str(exc)[:300]}). Fix: serve with the same model and index layout the checkpoint was trained with "

@@ -1,0 +1,211 @@
+"""Serving on CPU, in one process: chunked prefill + decode vs a full forward, stage splits, padding through the graph
+manager (with a fake capturer), batching, EOS, prompts/outputs files, checkpoints, and every serve-config error."""
+import json
+
+import pytest
+import torch
+
+from dsaflow.config.compose import compose
+from dsaflow.model import build_stages
+from dsaflow.plan import build_plan
+from dsaflow.runtime.engine import ServeError
+from dsaflow.runtime.serve import build_engine, check_serve, load_prompts, write_outputs
+
+from test_graphs_cpu import FakeCapturer
+
+PROMPTS = ["hello", "hi there, friend", "abc", "x"]
+
+
+def setup(overrides=(), edit=None):
+    base = ["mode=serve", "track=none", "model.num_layers=4", "layout=FSFF", "serve.max_new_tokens=5",
+            "serve.prefill_chunk=4", "serve.max_context=40"]
+    cfg = compose(base + list(overrides))
+    if edit:
+        edit(cfg)
+    return cfg, build_plan(cfg)
+
+
+def ids_of(prompts):
+    return [list(p.encode()) for p in prompts]
+
+
+def run(cfg, plan, prompts=PROMPTS, record=False, **kw):
+    eng = build_engine(cfg, plan, 0, "cpu", all_stages=True, **kw)
+    eng.capture()
+    eng.record_logits = record
+    return eng.generate(ids_of(prompts)), eng
+
+
+def greedy_reference(cfg, plan, prompt, steps):
+    """Greedy continuation by full forwards without any cache (the model's training-mode path)."""
+    stages = build_stages(cfg.model, plan, seed=cfg.train.seed)
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            h = torch.tensor([seq])
+            for s in stages:
+                h = s(h)
+            seq.append(int(h[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_chunked_prefill_then_decode_matches_full_forward(chunk):
+    cfg, plan = setup([f"serve.prefill_chunk={chunk}", "layout=FSFS"])
+    out, _ = run(cfg, plan)
+    for p, o in zip(ids_of(PROMPTS), out):
+        assert o == greedy_reference(cfg, plan, p, 5)
+
+
+def test_two_local_stages_equal_one_stage_with_sampling():
+    sampled = ["serve.temperature=0.8", "serve.top_p=0.9", "serve.seed=5"]
+    cfg1, plan1 = setup(["layout=FSFF", *sampled])
+    cfg2, plan2 = setup(["layout=FS|FF", *sampled])
+    assert plan2.num_stages == 2
+    out1, e1 = run(cfg1, plan1, record=True)
+    out2, e2 = run(cfg2, plan2, record=True)
+    assert out1 == out2
+    assert all(torch.equal(a, b) for a, b in zip(e1.logits_log, e2.logits_log))
+    greedy, _ = run(*setup(["layout=FSFF"]))
+    assert out1 != greedy  # temperature sampling really sampled
+
+
+def _graph_cfg(cache=True):
+    def edit(cfg):
+        cfg.serve.prefill_chunk, cfg.serve.max_batch = 8, 4
+        cfg.graphs.blocks[0].shape_classes = [1, 2, 4]
+        cfg.graphs.blocks[1].shape_classes = [2, 8]
+        cfg.graphs.cache = cache
+
+    return setup(["graphs=decode_prefill", "layout=FS|FF"], edit)
+
+
+def test_padded_graph_path_matches_plain_eager():
+    """n=3 prompts run as decode class 4 and prefill rows = max_batch (4), token classes 2/8: same tokens, logits."""
+    cfg, plan = _graph_cfg()
+    cap = FakeCapturer()
+    out_g, eg = run(cfg, plan, PROMPTS[:3], record=True, capturer=cap)
+    assert cap.calls == 2 * (3 + 2)  # decode 1,2,4 and prefill 2,8 on each of 2 stages, captured at setup only
+    assert {(r.block, r.shape_class, r.stage) for r in eg.graphs.report().records} == {
+        (b, c, s) for s in (0, 1) for b, cs in (("decode", (1, 2, 4)), ("prefill", (2, 8))) for c in cs
+    }
+    cfg_e, plan_e = setup(["layout=FS|FF", "serve.prefill_chunk=8"])
+    out_e, ee = run(cfg_e, plan_e, PROMPTS[:3], record=True)
+    assert out_g == out_e
+    for a, b in zip(eg.logits_log, ee.logits_log):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the force-eager reference runs the identical padded shapes: bit-identical
+    out_f, ef = run(cfg, plan, PROMPTS[:3], record=True, force_eager=True)
+    assert out_f == out_g and all(torch.equal(a, b) for a, b in zip(eg.logits_log, ef.logits_log))
+
+
+def test_graph_cache_bypass_is_bit_identical():
+    (cfg_on, plan_on), (cfg_off, plan_off) = _graph_cfg(True), _graph_cfg(False)
+    cap_on, cap_off = FakeCapturer(), FakeCapturer()
+    out_on, e_on = run(cfg_on, plan_on, PROMPTS[:3], record=True, capturer=cap_on)
+    out_off, e_off = run(cfg_off, plan_off, PROMPTS[:3], record=True, capturer=cap_off)
+    assert out_on == out_off and all(torch.equal(a, b) for a, b in zip(e_on.logits_log, e_off.logits_log))
+    assert cap_off.calls > cap_on.calls  # the bypass captured afresh on every call
+
+
+def test_batch_composition_does_not_change_a_prompt():
+    cfg, plan = setup(["serve.max_batch=2"])
+    together, eng = run(cfg, plan, PROMPTS[:3])  # 3 prompts in batches of 2 and 1
+    assert eng.batch_cap == 2
+    alone, _ = run(cfg, plan, [PROMPTS[1], PROMPTS[0], PROMPTS[2]], record=False)  # other partners, other order
+    assert [alone[1], alone[0], alone[2]] == together
+
+
+def test_eos_stops_every_row_early():
+    cfg, plan = setup(["serve.max_new_tokens=8"])
+    free, _ = run(cfg, plan, PROMPTS[:1])
+    eos = free[0][2]
+    cfg2, plan2 = setup(["serve.max_new_tokens=8", f"serve.eos_id={eos}"])
+    out, eng = run(cfg2, plan2, PROMPTS[:1])
+    assert out[0] == free[0][: free[0].index(eos) + 1]
+    assert eng.timings["decode_steps"] == free[0].index(eos)
+
+
+def test_prompts_file_and_output_file(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "one"}\n\n{"prompt": "two"}\n')
+    cfg, _ = setup([f"serve.prompts_file={f}"])
+    assert load_prompts(cfg.serve) == ["one", "two"]
+    out = tmp_path / "o" / "out.jsonl"
+    write_outputs(["one", "two"], [[104, 105], [33]], str(out))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows == [{"prompt": "one", "completion": "hi", "tokens": [104, 105]},
+                    {"prompt": "two", "completion": "!", "tokens": [33]}]
+    write_outputs(["one"], [[104, 105]], None)
+    assert "hi" in capsys.readouterr().out
+
+
+def test_checkpoint_weights_are_served(tmp_path):
+    """A DCP folder in the trainer's layout (model.<key>) written from seed-1 weights serves like a seed-1 model."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg1, plan1 = setup(["layout=FS|FF", "train.seed=1"])
+    sd = {f"model.{k}": v for s in build_stages(cfg1.model, plan1, seed=1) for k, v in s.state_dict().items()}
+    ckpt = tmp_path / "checkpoints" / "step-000001"
+    dcp.save(sd, checkpoint_id=str(ckpt))
+    want, _ = run(cfg1, plan1)
+    cfg0, plan0 = setup(["layout=FS|FF", f"serve.checkpoint={tmp_path}"])  # a run dir: latest checkpoint
+    got, _ = run(cfg0, plan0)
+    plain, _ = run(*setup(["layout=FS|FF"]))
+    assert got == want and got != plain
+
+
+def test_checkpoint_with_other_roles_is_a_clear_error(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    cfg1, plan1 = setup(["layout=FSSS"])
+    sd = {f"model.{k}": v for s in build_stages(cfg1.model, plan1) for k, v in s.state_dict().items()}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"))
+    cfg, plan = setup(["layout=FFFF", f"serve.checkpoint={tmp_path / 'ck'}"])
+    with pytest.raises(ServeError, match="could not load this rank's weights"):
+        build_engine(cfg, plan, 0, "cpu", all_stages=True)
+
+
+ERRORS = [
+    (["serve.prompts=[]"], "no prompts"),
+    (["serve.prompts=[]", "serve.prompts_file=/nonexistent.jsonl"], "does not exist"),
+    (["serve.max_context=20"], r"prompt 1 is 16 tokens.*serve.max_context=20. Fix: serve.max_context=21"),
+    (["serve.max_new_tokens=0"], "serve.max_new_tokens=0"),
+    (["serve.top_p=0"], "serve.top_p=0"),
+    (["serve.temperature=-1"], "serve.temperature=-1"),
+    (["serve.dtype=fp16"], "serve.dtype='fp16'"),
+    (["serve.eos_id=999"], "serve.eos_id=999"),
+    (["serve.checkpoint=/nope"], "serve.checkpoint=/nope does not exist"),
+    (["graphs=decode", "serve.max_batch=4"], r"shape_classes=\[1, 2, 4, 8\] go beyond serve.max_batch=4"),
+    (["graphs=decode_prefill"], r"largest prefill class must equal serve.prefill_chunk=4"),
+]
+
+
+@pytest.mark.parametrize("overrides,match", ERRORS)
+def test_serve_config_errors(overrides, match):
+    cfg, plan = setup(['serve.prompts=["hello","hi there, friend"]', *overrides])
+    with pytest.raises(ServeError, match=match):
+        check_serve(cfg, plan, "cuda")
+
+
+def test_more_serve_errors(tmp_path):
+    cfg, plan = setup(["serve.prompts=[a]", f"serve.prompts_file={tmp_path}/x"])
+    with pytest.raises(ServeError, match="both serve.prompts"):
+        check_serve(cfg, plan)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no"}\n')
+    cfg, plan = setup([f"serve.prompts_file={bad}"])
+    with pytest.raises(ServeError, match="line 2"):
+        check_serve(cfg, plan)
+    cfg, plan = setup(["serve.prompts=[a]", "graphs=decode"], lambda c: setattr(c.serve, "max_batch", 8))
+    with pytest.raises(ServeError, match="workers run on cpu"):
+        check_serve(cfg, plan, "cpu")
+    cfg, plan = setup(["serve.prompts=[a]", "graphs=decode", "graphs.on_failure=eager"])
+    check_serve(cfg, plan, "cpu")  # explicit eager on CPU is allowed (and reported as eager)
+
+    def head_block(c):
+        c.graphs.blocks[0].kind = "head"
+
+    cfg, plan = setup(["serve.prompts=[a]", "graphs=decode"], head_block)
+    with pytest.raises(ServeError, match="kind=head"):
+        check_serve(cfg, plan, "cuda")
