@@ -1,4 +1,6 @@
 """The DSA model on CPU: architecture, state-dict contract, F/S roles, sparse vs dense, partition-independent init."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -27,8 +29,9 @@ def run_stages(stages, x, **kw):
     return x
 
 
-def test_param_count_equals_planner_estimate_and_s_layers_have_no_indexer():
-    model, plan = planned("FSSS|FSSS")
+@pytest.mark.parametrize("layout", ["FSSS|FSSS", "FSSSSS|SS"])  # the second promotes layer 6 to F
+def test_param_count_equals_planner_estimate_and_s_layers_have_no_indexer(layout):
+    model, plan = planned(layout)
     stages = build_stages(model, plan)
     for stage, est in zip(stages, plan.estimates["stages"]):
         assert sum(p.numel() for p in stage.parameters()) == est["params"]
@@ -37,7 +40,8 @@ def test_param_count_equals_planner_estimate_and_s_layers_have_no_indexer():
             assert layer.role == role and sum(p.numel() for p in layer.parameters()) == layer_params(model, role)
             has_indexer = any(".indexer." in n for n, _ in layer.named_parameters(prefix=f"layers.{key}"))
             assert has_indexer == (role == "F") and (layer.attn.indexer is None) == (role == "S")
-    assert [n for n, _ in stages[1].named_parameters() if "indexer" in n and not n.startswith("layers.4.")] == []
+    f_layers = sorted({int(n.split(".")[1]) for s in stages for n, _ in s.named_parameters() if ".indexer." in n})
+    assert f_layers == [l.index for l in plan.layers if l.role == "F"] == ([0, 4] if layout == "FSSS|FSSS" else [0, 6])
 
 
 MLA_KEYS = ["attn_norm.weight", "attn.wq_a.weight", "attn.q_norm.weight", "attn.wq_b.weight", "attn.wkv_a.weight",
@@ -59,6 +63,7 @@ def test_state_dict_keys_are_the_documented_contract():
     assert s0.embed is not None and s0.head is None and s1.embed is None and s1.norm is not None
 
 
+@torch.no_grad()
 def test_stages_built_separately_get_the_single_stage_weights_and_logits():
     model, plan1 = planned("FSSSFSSS")
     _, plan2 = planned("FSSS|FSSS")
@@ -72,6 +77,7 @@ def test_stages_built_separately_get_the_single_stage_weights_and_logits():
     torch.testing.assert_close(run_stages(two, x), one(x), rtol=0, atol=0)
 
 
+@torch.no_grad()
 def test_absorbed_mla_equals_textbook_mla_attention():
     """MQA-mode (absorbed) MLA over all causal keys == per-head K = [W_UK c | k_pe], V = W_UV c attention, float64."""
     model, plan = planned("FSSS", "model.num_layers=4", "model.init_std=0.3")
@@ -100,6 +106,7 @@ def test_absorbed_mla_equals_textbook_mla_attention():
     torch.testing.assert_close(got.double(), a.wo(o), rtol=1e-5, atol=1e-5)
 
 
+@torch.no_grad()
 def test_sparse_equals_dense_when_topk_covers_the_sequence_and_differs_otherwise():
     T = 12
     model, plan = planned("FSSS|FSSS", "model.init_std=0.3", f"model.index_topk={T}")
@@ -112,6 +119,7 @@ def test_sparse_equals_dense_when_topk_covers_the_sequence_and_differs_otherwise
     assert (run_stages(stages4, x, attn="sparse") - dense).abs().max() > 1e-2  # selection really matters
 
 
+@torch.no_grad()
 def test_s_layer_given_source_indices_equals_f_layer_recomputing_them():
     model, plan = planned("FSSS", "model.num_layers=4", "model.init_std=0.3", "model.index_topk=5")
     f_block = DSABlock(model, plan.layer(0))
@@ -135,6 +143,7 @@ def test_s_layer_given_source_indices_equals_f_layer_recomputing_them():
     assert (s_block(x, ctx(other)) - out_f).abs().max() > 1e-3
 
 
+@torch.no_grad()
 def test_padding_queries_leave_real_tokens_unchanged():
     model, plan = planned("FSSS|FSSS", "model.init_std=0.3", "model.index_topk=4")
     stages = build_stages(model, plan)
@@ -149,6 +158,10 @@ def test_padding_queries_leave_real_tokens_unchanged():
 
 def test_user_mistakes_raise_clear_errors():
     model, plan = planned("FSSS|FSSS")
+    layers = list(plan.layers)
+    layers[5] = dataclasses.replace(layers[5], source=0)  # a hand-edited plan.json: source on another stage
+    with pytest.raises(ValueError, match="S layer 5 on stage 1 has source=0"):
+        StageModule(model, dataclasses.replace(plan, layers=tuple(layers)), 1)
     with pytest.raises(ValueError, match="attn='topk'"):
         build_stages(model, plan)[0](tokens(1, 4), attn="topk")
     tied, plan = planned("FSSS|FSSS", "model.tie_embeddings=true")

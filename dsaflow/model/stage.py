@@ -32,6 +32,14 @@ class StageModule(nn.Module):
         self.cfg, self.stage_index = model_cfg, stage_index
         self.is_first, self.is_last = plan.is_first(stage_index), plan.is_last(stage_index)
         layer_ids = plan.stages[stage_index].layers
+        for i in layer_ids:  # fail closed: an S layer may only reuse indices written earlier on this very stage
+            lp = plan.layer(i)
+            if lp.role == "S" and not (lp.source in layer_ids and lp.source < i and plan.layer(lp.source).role == "F"):
+                raise ValueError(
+                    f"plan: S layer {i} on stage {stage_index} has source={lp.source}, which is not an earlier F layer "
+                    f"of the same stage (layers {list(layer_ids)}): rebuild plan.json with `dsaflow plan`, which "
+                    f"promotes such layers to F."
+                )
         self.layers = nn.ModuleDict({str(i): DSABlock(model_cfg, plan.layer(i)) for i in layer_ids})
         self.embed = nn.Embedding(model_cfg.vocab_size, model_cfg.dim) if self.is_first else None
         self.norm = RMSNorm(model_cfg.dim, model_cfg.norm_eps) if self.is_last else None
