@@ -65,6 +65,10 @@ def check_launch(cfg, plan: Plan, job: str = "train") -> None:
                 f"use pipeline.ranks<={n_gpu} (e.g. pipeline.stages={n_gpu}), or launch across nodes with "
                 "launch/multi_node.sh."
             )
+    if job == "generate":  # serve config, prompts and graph blocks (dsaflow.runtime.serve; raises ServeError)
+        from .serve import check_serve
+
+        check_serve(cfg, plan, device)
     if job != "train":
         return
     t = cfg.train
