@@ -1,0 +1,59 @@
+"""`dsaflow generate` end to end on CPU: parent plan + torchrun + 2 gloo workers (one stage each) + p2p between
+stages, against the same model served by one process with one stage. Plus the CLI's user-error exits."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dsaflow.config.compose import compose
+from dsaflow.plan import build_plan
+from dsaflow.runtime.serve import build_engine
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMON = ["model.num_layers=4", "serve.max_new_tokens=5", "serve.prefill_chunk=4", "serve.max_context=40",
+          "serve.temperature=0.9", "serve.top_p=0.8", "serve.seed=3", "track=none"]
+PROMPTS = ["hello", "hi there, friend", "abc"]
+
+
+def dsaflow(*args, timeout=240):
+    cmd = [sys.executable, "-c", "from dsaflow.cli import main; main()", "generate", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_two_stage_pipeline_generates_the_same_tokens_as_one_stage(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "out.jsonl"
+    res = dsaflow("layout=FS|FF", f"serve.prompts_file={prompts}", f"serve.output_file={out}",
+                  f"run_dir={tmp_path / 'run'}", *COMMON)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == PROMPTS
+    # both ranks wrote a capture report (nothing requested on CPU) and a log
+    for r in (0, 1):
+        assert json.loads((tmp_path / "run" / f"graphs_rank{r}.json").read_text())["rank"] == r
+        assert (tmp_path / "run" / f"serve_rank{r}.log").is_file()
+    cfg = compose(["mode=serve", "layout=FSFF", *COMMON])
+    eng = build_engine(cfg, build_plan(cfg), 0, "cpu")
+    eng.capture()
+    want = eng.generate([list(p.encode()) for p in PROMPTS])
+    assert [r["tokens"] for r in rows] == want
+    assert all(len(t) == 5 for t in want)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["serve.prompts=[]"], "no prompts"),
+        (["serve.prompts=[hi]", "graphs=decode"], "workers run on cpu"),
+        (["serve.prompts=[hi]", "serve.top_p=2"], "serve.top_p=2"),
+    ],
+)
+def test_user_errors_exit_2_without_traceback(args, match, tmp_path):
+    res = dsaflow(*args, f"run_dir={tmp_path / 'run'}", "track=none", timeout=120)
+    assert res.returncode == 2
+    assert match in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()  # stopped before any run dir or process
