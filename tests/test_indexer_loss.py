@@ -132,3 +132,20 @@ def test_indexer_gradients_are_identical_under_pp1_and_pp2():
     assert grads1.keys() == grads2.keys() and len(grads1) == 10
     for n in grads1:
         torch.testing.assert_close(grads2[n], grads1[n], rtol=1e-5, atol=1e-7)
+
+
+def test_indexer_loss_stays_fp32_under_bf16_autocast():
+    """KL >= 0 and equal to the fp32 value up to bf16 noise in the model itself (not in the loss arithmetic)."""
+    model, plan = planned("FSSS|FSSS", "model.init_std=0.02")
+    stage = build_stages(model, plan)[0]
+    stage.train()
+    x = tokens(2, 16, seed=4)
+    stage(x, compute_indexer_loss=True)
+    fp32 = stage.indexer_loss.detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stage(x, compute_indexer_loss=True)
+    loss = stage.indexer_loss
+    assert loss.dtype == torch.float32 and 0 < loss.item() and fp32.item() > 0
+    torch.testing.assert_close(loss.detach(), fp32, rtol=0.05, atol=1e-8)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in stage.indexer_parameters())

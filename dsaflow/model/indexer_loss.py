@@ -90,11 +90,15 @@ class IndexerLossRecorder:
         self.attention: Dict[int, torch.Tensor] = {}  # layer -> [B, T, K] distribution (no grad)
         self.scores: Dict[int, torch.Tensor] = {}  # F layer -> [B, T, K] index scores (grad to indexer only)
 
+    # Autocast off: under bf16 autocast the einsums would round the scores to bf16, and a KL between near-uniform
+    # distributions is smaller than that rounding (it even turns negative). These are fp32 by contract.
     def record_attention(self, layer: int, q, kv, indices, lse, sm_scale: float) -> None:
-        self.attention[layer] = attention_distribution(q.detach(), kv.detach(), indices, lse.detach(), sm_scale)
+        with torch.autocast(q.device.type, enabled=False):
+            self.attention[layer] = attention_distribution(q.detach(), kv.detach(), indices, lse.detach(), sm_scale)
 
     def record_index_scores(self, layer: int, q, k, w, positions, indices, dense: bool) -> None:
-        self.scores[layer] = index_scores_on_keys(q, k, w, positions, indices, dense)
+        with torch.autocast(q.device.type, enabled=False):
+            self.scores[layer] = index_scores_on_keys(q, k, w, positions, indices, dense)
 
     def loss(self, sources: Iterable[Tuple[int, int]]) -> Optional[torch.Tensor]:
         """sources: (layer, source) for every layer of the stage -> sum over F layers of Loss_f, or None if none."""
@@ -104,6 +108,7 @@ class IndexerLossRecorder:
         total = None
         for f, scores in self.scores.items():
             target = torch.stack([self.attention[l] for l in groups[f]]).mean(dim=0)
-            loss_f = indexer_kl_loss(scores, target)
+            with torch.autocast(scores.device.type, enabled=False):
+                loss_f = indexer_kl_loss(scores, target)
             total = loss_f if total is None else total + loss_f
         return total
