@@ -17,6 +17,7 @@ ranks) to stop when every row has produced EOS.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Dict, List, Optional
 
@@ -110,6 +111,9 @@ class PipelineEngine:
             for b in blocks:
                 self._register(s, b)
         self.record_logits = False
+        # strict_sync: run every decode step under torch.cuda.set_sync_debug_mode("error") (proof of no host sync;
+        # needs graphs.cache=true and no eos_id, since a fresh capture and the EOS check do sync by design)
+        self.strict_sync = False
         self.logits_log: List[torch.Tensor] = []  # last stage, when record_logits: [n, V] per generated token
         self.timings: Dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
 
@@ -136,10 +140,31 @@ class PipelineEngine:
             fn = lambda v: module(v["x"].contiguous(), v["positions"].contiguous(), cache)  # noqa: E731
             self.graphs.register(block.name, "prefill", stage, block.shape_classes, 1, fn, inputs)
 
+    def _on_device(self):
+        """Device guard: every kernel (eager Triton launches included) runs on this rank's device, whatever the
+        process's current device is."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def _sync_guard(self):
+        if not (self.strict_sync and self.device.type == "cuda"):
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def guard():
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+
+        return guard()
+
     @torch.no_grad()
     def capture(self) -> CaptureReport:
         """Capture every requested block of this rank (at setup), check none is missing, reset the caches."""
-        report = self.graphs.capture_all()
+        with self._on_device():
+            report = self.graphs.capture_all()
         for c in self.caches.values():
             c.reset()
         return report
@@ -214,7 +239,8 @@ class PipelineEngine:
         self.logits_log = []
         out: List[List[int]] = []
         for i in range(0, len(prompts), self.batch_cap):
-            got = self._generate_batch(prompts[i : i + self.batch_cap])
+            with self._on_device():
+                got = self._generate_batch(prompts[i : i + self.batch_cap])
             if got is not None:
                 out.extend(got)
         return out if self.owner[self.last] == self.rank else None
@@ -263,9 +289,11 @@ class PipelineEngine:
                 generated[:, k] = tok
             if k == s.max_new_tokens - 1 or self._all_done(generated, k):
                 break
-            tok = self._tokens_to_first(tok, n)
-            logits = self._forward("decode", tok.view(n, 1) if tok is not None else None, (lens_dev + k).view(n, 1))
-            tok = self._sample(logits[:, -1]) if is_last else None
+            with self._sync_guard():  # one decode step: no host sync from here to the next token
+                tok = self._tokens_to_first(tok, n)
+                pos = (lens_dev + k).view(n, 1)
+                logits = self._forward("decode", tok.view(n, 1) if tok is not None else None, pos)
+                tok = self._sample(logits[:, -1]) if is_last else None
             steps += 1
         self._sync()
         t2 = time.perf_counter()
