@@ -74,6 +74,8 @@ class MLA(nn.Module):
         dense = ctx.attn == "dense"
         if self.role == "S":
             return causal_indices(ctx.positions, num_keys) if dense else ctx.index_slot.read(self.layer_index, self.source)
+        if dense and ctx.cache is None and ctx.recorder is None:  # nothing would use the indexer's output
+            return causal_indices(ctx.positions, num_keys)
         q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
         if ctx.cache is not None:  # F layers always keep their indexer keys current, whatever the attention mode
             k_i = write_rows(ctx.cache.index_k[self.layer_index], ctx.positions, k_i)
