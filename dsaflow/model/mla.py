@@ -19,7 +19,6 @@ from torch import nn
 
 from dsaflow.config.schema import ModelConfig
 from dsaflow.ops import indexer_topk, sparse_mla
-from dsaflow.ops.indexer_topk import indexer_scores_naive
 
 from .cache import write_rows
 from .context import ForwardContext, causal_indices
