@@ -1,0 +1,41 @@
+"""scripts/bench_decode.py runs end to end on CPU at tiny size (eager only; graphs need CUDA): in-process for one
+stage and through torchrun + gloo for two, writing consistent JSON and markdown."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_decode", os.path.join(REPO, "scripts", "bench_decode.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_bench_decode_cpu_one_and_two_stages(tmp_path):
+    bench = load_bench()
+    argv = ["--device", "cpu", "--models", "tiny", "--batches", "1,3", "--steps", "3", "--repeats", "1",
+            "--prompt-len", "6", "--gpus", "1,2", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    data = json.loads((tmp_path / "bench_decode.json").read_text())
+    rows = data["rows"]
+    assert {(r["gpus"], r["batch"], r["mode"]) for r in rows} == {(g, b, "eager") for g in (1, 2) for b in (1, 3)}
+    for r in rows:
+        assert r["per_token_ms"] > 0 and r["decode_steps"] == 3
+        assert abs(r["tokens_per_s"] - r["batch"] / (r["per_token_ms"] / 1e3)) < 1e-6 * r["tokens_per_s"]
+        assert r["graphs_remove"] is None  # no graph row on CPU
+    md = (tmp_path / "bench_decode.md").read_text()
+    assert "| stages (GPUs) | batch |" in md and md.count("\n| 1 |") == 2 and md.count("\n| 2 |") == 2
+
+
+def test_bench_savings_pairing():
+    bench = load_bench()
+    rows = [{"model": "m", "gpus": 1, "batch": 4, "mode": "eager", "per_token_ms": 10.0},
+            {"model": "m", "gpus": 1, "batch": 4, "mode": "graphs", "per_token_ms": 4.0}]
+    out = bench.add_savings(rows)
+    assert out[0]["graphs_remove"] is None and abs(out[1]["graphs_remove"] - 0.6) < 1e-12
