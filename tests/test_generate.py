@@ -153,6 +153,16 @@ def test_checkpoint_weights_are_served(tmp_path):
     got, _ = run(cfg0, plan0)
     plain, _ = run(*setup(["layout=FS|FF"]))
     assert got == want and got != plain
+    # a run dir records its model: serving it with another model is caught in the parent
+    from dsaflow.config.compose import to_yaml
+
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg1))
+    check_serve(*setup(["layout=FS|FF", "serve.prompts=[a]", f"serve.checkpoint={tmp_path}"]), "cpu")
+    cfg_bad, plan_bad = setup(["layout=FS|FF", "model.inter_dim=96", f"serve.checkpoint={tmp_path}"])
+    with pytest.raises(ServeError, match="model.inter_dim: trained 128 vs serving 96"):
+        check_serve(cfg_bad, plan_bad, "cpu")
+    with pytest.raises(ServeError, match="neither a checkpoint folder"):
+        check_serve(*setup([f"serve.checkpoint={tmp_path / 'checkpoints'}"]), "cpu")
 
 
 def test_checkpoint_with_other_roles_is_a_clear_error(tmp_path):

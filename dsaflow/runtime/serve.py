@@ -84,8 +84,12 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Tuple[Lis
         raise ServeError(f"serve.dtype={s.dtype!r} is not a choice. Fix: use auto, fp32 or bf16.")
     if s.eos_id is not None and not 0 <= s.eos_id < cfg.model.vocab_size:
         raise ServeError(f"serve.eos_id={s.eos_id} is outside model.vocab_size={cfg.model.vocab_size}. Fix: a valid id.")
-    if s.checkpoint and not os.path.exists(s.checkpoint):
-        raise ServeError(f"serve.checkpoint={s.checkpoint} does not exist. Fix: a run dir or a checkpoint folder.")
+    if s.checkpoint:
+        if not os.path.exists(s.checkpoint):
+            raise ServeError(f"serve.checkpoint={s.checkpoint} does not exist. Fix: a run dir or a checkpoint folder.")
+        from .serve_checkpoint import check_same_model, resolve_checkpoint
+
+        check_same_model(cfg.model, resolve_checkpoint(s.checkpoint))
     check_graph_blocks(plan, s)
     if plan.graph_blocks and device_type == "cpu" and cfg.graphs.on_failure == "error":
         raise ServeError(
