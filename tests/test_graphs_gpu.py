@@ -8,6 +8,7 @@ gpu:      graph replay == eager bit for bit over 32 decode steps at several batc
 multigpu: capture on cuda:1 works like cuda:0 (nothing lands on cuda:0); a 2-stage NCCL pipeline (torchrun, two
           processes) generates the same tokens as one stage.
 """
+import gc
 import json
 import os
 import subprocess
@@ -122,13 +123,14 @@ def test_capture_on_cuda1_like_cuda0():
     cfg, plan = make()
     ps = prompts(4, seed=2)
     out0, e0, _ = run(cfg, plan, ps, device="cuda:0", strict=True)
+    gc.collect()
     torch.cuda.synchronize(0)
     before0 = torch.cuda.memory_allocated(0)
     out1, e1, report1 = run(cfg, plan, ps, device="cuda:1", strict=True)
     torch.cuda.synchronize(1)
     assert torch.cuda.current_device() == 0  # the engine guarded its device; the process's current device is 0
     assert [(r.status, r.device) for r in report1.records] == [("captured", "cuda:1")] * (4 + 2)
-    assert torch.cuda.memory_allocated(0) == before0  # nothing of the cuda:1 engine landed on cuda:0
+    assert torch.cuda.memory_allocated(0) <= before0  # nothing of the cuda:1 engine landed on cuda:0
     assert torch.cuda.memory_reserved(1) > 0
     assert all(t.device == torch.device("cuda:1") for t in e1.logits_log)
     assert_bitwise(e0.logits_log, e1.logits_log)
