@@ -219,3 +219,82 @@ def test_report_contents_json_and_missing_check(tmp_path):
         check_complete([("decode", 0, 1)], eager, allow_eager=False)
     check_complete([("decode", 0, 1)], eager, allow_eager=True)
     assert "no graph blocks" in CaptureReport(3, []).render()
+
+
+class FakeCuda:
+    """Stands in for the torch.cuda calls CudaGraphCapturer makes, recording their order (CPU-only check of the
+    capture protocol; the real thing runs in tests/test_graphs_gpu.py)."""
+
+    def __init__(self):
+        self.log, self.mode, self.reserved = [], 0, 1000
+
+    def install(self, monkeypatch):
+        import contextlib
+
+        cuda = torch.cuda
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None):
+                fake.log.append(("stream", str(device)))
+
+            def wait_stream(self, other):
+                fake.log.append(("wait",))
+
+        class Graph:
+            def replay(self):
+                fake.log.append(("replay",))
+
+        @contextlib.contextmanager
+        def ctx(name, *a, **k):
+            fake.log.append((name + ">",) + tuple(str(x) for x in a) + tuple(sorted(k)))
+            yield
+            fake.log.append(("<" + name,))
+
+        def graph_ctx(g, pool=None, stream=None):
+            fake.reserved += 4096  # the capture grows the pool
+            return ctx("graph", pool=pool, stream=stream)
+
+        patches = {
+            "device": lambda d: ctx("device", d), "graph_pool_handle": lambda: "pool0", "Stream": Stream,
+            "current_stream": lambda d=None: Stream("current"), "stream": lambda s: ctx("on_stream"),
+            "get_sync_debug_mode": lambda: fake.mode, "set_sync_debug_mode": self.set_mode,
+            "synchronize": lambda d=None: None, "empty_cache": lambda: None,
+            "memory_reserved": lambda d=None: fake.reserved, "CUDAGraph": Graph, "graph": graph_ctx,
+        }
+        for name, value in patches.items():
+            monkeypatch.setattr(cuda, name, value)
+
+    def set_mode(self, mode):
+        self.log.append(("sync_debug", mode))
+        self.mode = mode
+
+
+def test_cuda_capturer_protocol(monkeypatch):
+    from dsaflow.runtime.graphs import CudaGraphCapturer
+
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    calls = []
+
+    def fn():
+        calls.append(fake.mode)  # the sync-debug mode in force during each call
+        return torch.ones(2)
+
+    cap = CudaGraphCapturer(torch.device("cpu"), warmup=2)
+    g = cap(fn)
+    assert calls == [0, "error", "error", 0]  # prime (may sync: Triton compile), 2 guarded warm-ups, the capture
+    assert fake.mode == 0 and ("sync_debug", 0) in fake.log  # the previous mode is restored
+    assert ("graph>", "pool", "stream") in fake.log  # captured into the device pool, on the side stream
+    assert g.pool_bytes == 4096
+    g.replay()
+    assert fake.log[-1] == ("<device",) and ("replay",) in fake.log
+
+    def broken():
+        if fake.mode == "error":
+            raise RuntimeError("called a synchronizing op")
+        return torch.ones(2)
+
+    with pytest.raises(RuntimeError, match="synchronizing"):
+        cap(broken)
+    assert fake.mode == 0  # restored even when a warm-up fails
