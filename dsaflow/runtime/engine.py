@@ -98,7 +98,7 @@ class PipelineEngine:
         self.batch_cap = min([serve_cfg.max_batch] + decode)
         self.caches = {
             s: StageCache.allocate(
-                model_cfg, plan, s, self.batch_cap, serve_cfg.max_context, serve_cfg.prefill_chunk, self.device, dtype
+                model_cfg, plan, s, serve_cfg.max_batch, serve_cfg.max_context, serve_cfg.prefill_chunk, self.device, dtype
             )
             for s in stages
         }
