@@ -168,7 +168,8 @@ def markdown(rows: list, env: dict) -> str:
     for model in dict.fromkeys(r["model"] for r in rows):
         mr = [r for r in rows if r["model"] == model]
         lines += [f"## {model} ({mr[0]['params'] / 1e6:.2f}M parameters)", "",
-                  "| stages (GPUs) | batch | eager ms/token | graphs ms/token | eager tokens/s | graphs tokens/s | graphs remove |",
+                  "| stages (GPUs) | batch | eager ms/token | graphs ms/token | eager tokens/s | graphs tokens/s "
+                  "| graphs remove |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
         for gpus in sorted({r["gpus"] for r in mr}):
             for batch in sorted({r["batch"] for r in mr if r["gpus"] == gpus}):

@@ -98,7 +98,8 @@ class PipelineEngine:
         self.batch_cap = min([serve_cfg.max_batch] + decode)
         self.caches = {
             s: StageCache.allocate(
-                model_cfg, plan, s, serve_cfg.max_batch, serve_cfg.max_context, serve_cfg.prefill_chunk, self.device, dtype
+                model_cfg, plan, s, serve_cfg.max_batch, serve_cfg.max_context, serve_cfg.prefill_chunk,
+                self.device, dtype,
             )
             for s in stages
         }
@@ -227,7 +228,8 @@ class PipelineEngine:
                 )
             bad = [t for t in p if not 0 <= t < self.model_cfg.vocab_size]
             if bad:
-                raise ServeError(f"prompt {i} has token id {bad[0]} outside model.vocab_size={self.model_cfg.vocab_size}.")
+                vocab = self.model_cfg.vocab_size
+                raise ServeError(f"prompt {i} has token id {bad[0]} outside model.vocab_size={vocab}.")
 
     @torch.no_grad()
     def generate(self, prompts: List[List[int]]) -> Optional[List[List[int]]]:

@@ -198,7 +198,9 @@ class GraphManager:
     def _mark_eager(self, key: Tuple[str, int, int], reason: str) -> None:
         block = self.blocks[key[:2]]
         self._eager[key] = reason
-        self._records[key] = CaptureRecord(block.name, block.kind, key[2], str(self.device), key[1], "eager", 0, 0.0, reason)
+        self._records[key] = CaptureRecord(
+            block.name, block.kind, key[2], str(self.device), key[1], "eager", 0, 0.0, reason
+        )
 
     def _capture(self, key: Tuple[str, int, int]) -> None:
         block = self.blocks[key[:2]]
