@@ -3,6 +3,7 @@
     python scripts/bench_decode.py                                   # models small,mid; batch 1..64; 1 GPU
     python scripts/bench_decode.py --gpus 1,2,4                      # + 2- and 4-stage pipelines (torchrun, NCCL)
     python scripts/bench_decode.py --device cpu --models tiny --batches 1,2 --steps 4 --gpus 1,2   # CPU smoke test
+    python scripts/bench_decode.py --merge out_g1/bench_decode.json out_g4/bench_decode.json --out bench_out/decode
 
 For every (model, GPUs, batch): the model is split into `GPUs` pipeline stages (one process per stage, p2p between
 them), B prompts of --prompt-len random bytes are prefilled, then --steps decode steps are timed — once with every
@@ -49,6 +50,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
     ap.add_argument("--overrides", default="", help="extra config overrides, space separated (e.g. index=every4)")
     ap.add_argument("--out", default="bench_out/decode")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="only combine earlier bench_decode.json files (e.g. one per machine) into one JSON + table")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set when started by torchrun
     ap.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)
@@ -184,10 +187,28 @@ def markdown(rows: list, env: dict) -> str:
     return "\n".join(lines)
 
 
+def write(out: Path, rows: list, env: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_decode.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+    md = markdown(rows, env)
+    (out / "bench_decode.md").write_text(md + "\n")
+    print(md)
+    print(f"wrote {out / 'bench_decode.json'} and {out / 'bench_decode.md'}")
+
+
+def merge(paths, out: Path) -> None:
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    rows = add_savings([r for part in parts for r in part["rows"]])
+    write(out, rows, dict(parts[0]["env"], merged_from=[str(p) for p in paths]))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
+        return 0
+    if args.merge:
+        merge(args.merge, Path(args.out))
         return 0
     device = torch.device(args.device)
     rows = []
@@ -202,13 +223,7 @@ def main(argv=None) -> int:
     env = {"torch": torch.__version__, "device": args.device, "dtype": str(serve_dtype(args.dtype, device)),
            "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU",
            "prompt_len": args.prompt_len, "steps": args.steps, "repeats": args.repeats, "overrides": args.overrides}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_decode.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
-    md = markdown(rows, env)
-    (out / "bench_decode.md").write_text(md + "\n")
-    print(md)
-    print(f"wrote {out / 'bench_decode.json'} and {out / 'bench_decode.md'}")
+    write(Path(args.out), rows, env)
     return 0
 
 

@@ -31,6 +31,10 @@ def test_bench_decode_cpu_one_and_two_stages(tmp_path):
         assert r["graphs_remove"] is None  # no graph row on CPU
     md = (tmp_path / "bench_decode.md").read_text()
     assert "| stages (GPUs) | batch |" in md and md.count("\n| 1 |") == 2 and md.count("\n| 2 |") == 2
+    # results of several machines merge into one table
+    assert bench.main(["--merge", str(tmp_path / "bench_decode.json"), str(tmp_path / "bench_decode.json"),
+                       "--out", str(tmp_path / "merged")]) == 0
+    assert len(json.loads((tmp_path / "merged" / "bench_decode.json").read_text())["rows"]) == 2 * len(rows)
 
 
 def test_bench_savings_pairing():
