@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dsaflow.config.compose import compose
 from dsaflow.plan import build_plan
@@ -57,3 +58,28 @@ def test_user_errors_exit_2_without_traceback(args, match, tmp_path):
     assert res.returncode == 2
     assert match in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "run").exists()  # stopped before any run dir or process
+
+
+@pytest.mark.slow
+def test_serves_a_checkpoint_written_by_dsaflow_train(tmp_path):
+    """Train 2 steps on 2 gloo stages, then serve the run's checkpoint from 1 stage: the worker loads the trained
+    weights (not the init), and its tokens equal an in-process engine that loads the same checkpoint."""
+    model = ["model.num_layers=4", "track=none"]
+    train = [sys.executable, "-c", "from dsaflow.cli import main; main()", "train", *model, "layout=FS|FF",
+             "train.steps=2", "train.eval_every=0", f"run_dir={tmp_path / 'train'}"]
+    res = subprocess.run(train, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "out.jsonl"
+    serve = ["layout=FSFF", f"serve.checkpoint={tmp_path / 'train'}", "serve.max_new_tokens=4",
+             "serve.max_context=40", "serve.prompts=[hello]"]
+    res = dsaflow(*model, *serve, f"serve.output_file={out}", f"run_dir={tmp_path / 'serve'}")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads(out.read_text())["tokens"]
+    cfg = compose(["mode=serve", *model, *serve])
+    plan = build_plan(cfg)
+    eng = build_engine(cfg, plan, 0, "cpu")
+    init = build_engine(compose(["mode=serve", *model, *serve[:1], *serve[2:]]), plan, 0, "cpu")
+    trained_w = eng.stages[0].layers["0"].attn.wq_a.weight
+    assert not torch.equal(trained_w, init.stages[0].layers["0"].attn.wq_a.weight)
+    eng.capture()
+    assert eng.generate([list(b"hello")]) == [got]
