@@ -2,8 +2,9 @@
 
 A batch is `(inputs, targets)`:
     inputs  int64 [B, T]     token ids
-    targets int64 [B, 2, T]  row 0: next-token targets for the LM loss (-100 = ignored)
+    targets int64 [B, 3, T]  row 0: next-token targets for the LM loss (-100 = ignored)
                              row 1: answer targets for retrieval accuracy (-100 = not an answer position)
+                             row 2: which query each answer position belongs to (-1 = none)
 Both are split along dim 0 into microbatches by the pipeline schedule. Because batch `step` never depends on what
 came before, resuming at step k continues exactly, on any pipeline layout.
 """
@@ -29,7 +30,7 @@ class BatchSource:
         self.kind = data_cfg.kind
         self.has_answers = self.kind == "retrieval"
         if self.kind == "retrieval":
-            self.spec = RetrievalSpec(seq_len, data_cfg.num_pairs, data_cfg.key_len, data_cfg.value_len)
+            self.spec = RetrievalSpec(seq_len, data_cfg.num_pairs, data_cfg.key_len, data_cfg.value_len, data_cfg.num_queries)
             self.spec.check()
             self.corpus = None
         elif self.kind in ("text", "bin"):
@@ -40,26 +41,25 @@ class BatchSource:
             raise ValueError(f"data.kind={self.kind!r} is not one of retrieval | text | bin.")
         self.vocab_size = vocab_size
 
-    def _raw(self, split: int, step: int) -> np.ndarray:
+    def _raw(self, split: int, step: int):
+        """-> tokens int64 [B, T + 1], query ids int64 [B, T + 1] (-1 where no answer)."""
         if self.corpus is None:
-            return retrieval_batch(self.spec, self.seed, split, step, self.batch_size).astype(np.int64)
-        return self.corpus.batch(self.seed, split, step, self.batch_size)
+            tokens, qid = retrieval_batch(self.spec, self.seed, split, step, self.batch_size)
+            return torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(qid.astype(np.int64))
+        tokens = torch.from_numpy(self.corpus.batch(self.seed, split, step, self.batch_size))
+        return tokens, torch.full_like(tokens, -1)
 
     def _make(self, split: int, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        raw = torch.from_numpy(self._raw(split, step))
+        raw, qid = self._raw(split, step)
         if int(raw.max()) >= self.vocab_size:
             raise ValueError(
                 f"data.path={self.cfg.path} holds token id {int(raw.max())} >= model.vocab_size={self.vocab_size}; "
                 "raise model.vocab_size to the tokenizer's vocabulary."
             )
-        inputs, nxt = raw[:, :-1].contiguous(), raw[:, 1:]
-        T = inputs.shape[1]
-        answers = torch.full_like(nxt, IGNORE)
-        if self.has_answers:
-            v = self.spec.value_len
-            answers[:, T - v :] = nxt[:, T - v :]
+        inputs, nxt, qid = raw[:, :-1].contiguous(), raw[:, 1:], qid[:, 1:]
+        answers = torch.where(qid >= 0, nxt, torch.full_like(nxt, IGNORE))
         lm = answers.clone() if (self.has_answers and self.cfg.loss_on == "answer") else nxt.clone()
-        return inputs, torch.stack([lm, answers], dim=1).contiguous()
+        return inputs, torch.stack([lm, answers, qid], dim=1).contiguous()
 
     def batch(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return self._make(TRAIN, step)

@@ -73,7 +73,7 @@ def check_launch(cfg, plan: Plan, job: str = "train") -> None:
         return
     t = cfg.train
     positive = {"train.steps": t.steps, "train.seq_len": t.seq_len, "train.batch_size": t.batch_size,
-                "train.log_every": t.log_every, "train.eval_batches": t.eval_batches}
+                "train.log_every": t.log_every, "train.eval_batches": t.eval_batches, "train.cpu_threads": t.cpu_threads}
     for name, v in positive.items():
         if v < 1:
             raise PlanError(f"{name}={v}: must be >= 1. Fix: set {name} to a positive value.")

@@ -106,10 +106,12 @@ class TimedPipelineStage(PipelineStage):
 class LMLoss:
     """Per-microbatch loss for the schedule, plus retrieval-accuracy counters (no host sync).
 
-    logits [b, T, V] fp32, target [b, 2, T] (row 0 LM targets, row 1 answers; -100 = ignored) -> scalar mean CE.
-    A sample counts as correct when the argmax matches at every answer position (exact match)."""
+    logits [b, T, V] fp32, target [b, 3, T] (row 0 LM targets, row 1 answers, -100 = ignored; row 2 query id of
+    each answer position, -1 = none) -> scalar mean cross-entropy. A query counts as correct when the argmax
+    matches at every one of its answer positions (exact match)."""
 
-    def __init__(self):
+    def __init__(self, num_queries: int = 0):
+        self.num_queries = num_queries  # answers per sample (0: no accuracy); static, so no host sync
         self.reset()
 
     def reset(self) -> None:
@@ -117,14 +119,18 @@ class LMLoss:
         self.total: torch.Tensor | int = 0
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        lm, ans = target[:, 0], target[:, 1]
+        lm, ans, qid = target[:, 0], target[:, 1], target[:, 2]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lm.reshape(-1), ignore_index=IGNORE)
         with torch.no_grad():
-            is_ans = ans != IGNORE
-            hit = (logits.argmax(dim=-1) == ans) | ~is_ans
-            has = is_ans.any(dim=-1)
-            self.correct = self.correct + (hit.all(dim=-1) & has).sum()
-            self.total = self.total + has.sum()
+            n_q = self.num_queries
+            if n_q > 0:
+                slot = torch.where(qid >= 0, qid, torch.full_like(qid, n_q))  # non-answers go to a spare slot
+                hit = (logits.argmax(dim=-1) == ans).long()
+                ok = torch.ones(qid.shape[0], n_q + 1, dtype=torch.long, device=qid.device)
+                ok.scatter_reduce_(1, slot, hit, reduce="amin")
+                seen = torch.zeros_like(ok).scatter_reduce_(1, slot, torch.ones_like(hit), reduce="amax")
+                self.correct = self.correct + (ok[:, :n_q] * seen[:, :n_q]).sum()
+                self.total = self.total + seen[:, :n_q].sum()
         return loss
 
     def accuracy(self) -> float:

@@ -21,11 +21,14 @@ def config_dict(cfg) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def run_train(ctx: RunContext) -> list:
+def run_train(ctx: RunContext, on_trainer=None) -> list:
     """Train from step 0 (or the latest checkpoint with train.resume=true) to train.steps; returns the logged
-    metric records of this rank (complete on the logging rank)."""
+    metric records of this rank (complete on the logging rank). `on_trainer(trainer)` lets tests and benchmarks
+    inspect the Trainer (gradients, stages) after the run."""
     t = ctx.cfg.train
     tr = Trainer(ctx)
+    if on_trainer is not None:
+        on_trainer(tr)
     records = RunRecords(ctx.run_dir, ctx.is_logging_rank)
     start = 0
     if t.resume:

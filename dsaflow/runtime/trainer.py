@@ -33,10 +33,10 @@ class Trainer:
         self.pstages = build_pipeline_stages(
             self.wrappers, [s.index for s in self.local], plan.num_stages, ctx.device, ctx.group
         )
-        self.loss_fn = LMLoss()
+        self.data = BatchSource(cfg.data, t.seq_len, t.batch_size, t.seed, cfg.model.vocab_size)
+        self.loss_fn = LMLoss(cfg.data.num_queries if self.data.has_answers else 0)
         self.schedule = build_schedule(plan.pipeline.schedule, self.pstages, plan.pipeline.microbatches, self.loss_fn)
         self.opt = build_optimizers(self.modules, t)
-        self.data = BatchSource(cfg.data, t.seq_len, t.batch_size, t.seed, cfg.model.vocab_size)
         self.has_first = any(plan.is_first(s.index) for s in self.local)
         self.has_last = any(plan.is_last(s.index) for s in self.local)
         use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and ctx.is_cuda)
@@ -122,7 +122,11 @@ class Trainer:
 
         Runs the training schedule itself and discards the gradients: torch's `schedule.eval()` keeps the backward
         actions of runtime schedules (it fails on ZBVZeroBubble's same-rank hand-offs), while `step()` works for
-        every schedule. The wasted backward is a few batches every train.eval_every steps."""
+        every schedule. The wasted backward is a few batches every train.eval_every steps; the step's own
+        gradients are set aside and put back, so evaluating leaves the training state untouched."""
+        saved = {p: p.grad for p in self.opt.names}
+        for p in saved:
+            p.grad = None
         dense = self.dense_phase(step)
         for w in self.wrappers:
             w.attn = "dense" if dense else "sparse"
@@ -133,8 +137,8 @@ class Trainer:
             x, y = self.data.val_batch(i)
             self._run_schedule(x, y, losses)
             all_losses.extend(losses)
-        for o in (self.opt.main, self.opt.indexer):
-            o.zero_grad(set_to_none=True)
+        for p, g in saved.items():
+            p.grad = g
         if not self.has_last:
             return {}
         out = {"eval_loss": float(torch.stack([l.detach().float() for l in all_losses]).mean())}

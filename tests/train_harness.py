@@ -1,0 +1,93 @@
+"""Multi-process gloo harness for the training tests: run several training configs in one spawn of `world` CPU
+processes (sequentially, sharing the process group), and collect per-step losses and final gradients."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dsaflow.config.schema import DSAFlowConfig
+from dsaflow.plan import build_plan
+
+
+def tiny_cfg(stages: int = 1, ranks=None, schedule: str = "1F1B", steps: int = 3, **train) -> DSAFlowConfig:
+    """8 layers "FS" x 4 of width 32: every stage split used by the tests keeps the PP=1 roles (no promotion)."""
+    cfg = DSAFlowConfig()
+    m = cfg.model
+    m.num_layers, m.dim, m.inter_dim, m.index_topk = 8, 32, 64, 8
+    cfg.index.pattern = "FS"
+    cfg.pipeline.stages, cfg.pipeline.ranks, cfg.pipeline.schedule = stages, ranks, schedule
+    cfg.pipeline.balance, cfg.pipeline.microbatches = "layers", 4
+    t = cfg.train
+    t.steps, t.seq_len, t.batch_size, t.warmup_steps, t.eval_every, t.eval_batches = steps, 32, 8, 1, 0, 1
+    t.progress, cfg.track.backend = "off", "none"
+    for k, v in train.items():
+        setattr(t, k, v)
+    return cfg
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+GRAD_STEPS = (0, 1)  # the gradients of these steps are captured (step 0 is dense_warmup in the tests, 1 sparse)
+
+
+def _capture_grads(tr, out: dict, steps) -> None:
+    """Wrap Trainer.step so that the (clipped) gradients of `steps` are copied into out[step][name]."""
+    inner = tr.step
+
+    def step(i: int):
+        metrics = inner(i)
+        if i in steps:
+            out[i] = {tr.opt.names[p]: p.grad.clone() for p in tr.opt.names if p.grad is not None}
+        return metrics
+
+    tr.step = step
+
+
+def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from dsaflow.runtime.context import RunContext
+    from dsaflow.runtime.train import run_train
+
+    try:
+        for i, cfg in enumerate(cfgs):
+            plan = build_plan(cfg)
+            run_dir = Path(cfg.run_dir or Path(out_dir) / f"run{i}")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            ctx = RunContext(cfg, plan, rank, world, rank, torch.device("cpu"), run_dir)
+            grads: dict = {}
+            history = run_train(ctx, on_trainer=lambda tr: _capture_grads(tr, grads, GRAD_STEPS))
+            torch.save({"history": history, "grads": grads, "logging": ctx.is_logging_rank},
+                       Path(out_dir) / f"cfg{i}_rank{rank}.pt")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_configs(world: int, cfgs: List[DSAFlowConfig], out_dir: Path) -> List[dict]:
+    """-> per config: {"losses": [..], "history": [...], "grads": {step: {name: tensor}} (union over ranks)}."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_worker, args=(world, free_port(), cfgs, str(out_dir)), nprocs=world, start_method="spawn")
+    results = []
+    for i in range(len(cfgs)):
+        merged = {"grads": {}}
+        for r in range(world):
+            d = torch.load(out_dir / f"cfg{i}_rank{r}.pt", weights_only=False)
+            for step, g in d["grads"].items():
+                merged["grads"].setdefault(step, {}).update(g)
+            if d["logging"]:
+                merged["history"] = d["history"]
+                merged["losses"] = [h["loss"] for h in d["history"]]
+        results.append(merged)
+    return results
