@@ -116,6 +116,7 @@ class TrainConfig:
     resume: bool = False  # continue from the latest checkpoint in run_dir
     stop_at_step: Optional[int] = None  # pre-emption drill: exit after this step without the final checkpoint
     device: str = "auto"  # auto | cpu | cuda
+    cpu_threads: int = 1  # torch threads per CPU rank: tiny models gain nothing from more, oversubscription costs 100x
     peak_tflops: Optional[float] = None  # per-rank peak for the MFU estimate; None = known GPU table / CPU nominal
     progress: str = "auto"  # auto (rich bar on a TTY, lines otherwise) | rich | lines | off
 
@@ -126,8 +127,9 @@ class DataConfig:
     kind: str = "retrieval"  # retrieval | text | bin
     path: Optional[str] = None  # text file/folder or nanoGPT-style .bin token file (uint16)
     num_pairs: int = 4  # retrieval: key-value pairs hidden in the filler
-    key_len: int = 2
-    value_len: int = 2
+    num_queries: int = 4  # retrieval: queries at the end (keys drawn with replacement); accuracy is per query
+    key_len: int = 1
+    value_len: int = 1
     loss_on: str = "answer"  # retrieval: LM loss on the answer bytes only (answer) or on every byte (all)
     val_fraction: float = 0.05
 
