@@ -35,10 +35,11 @@ class BatchSource:
             self.corpus = None
         elif self.kind in ("text", "bin"):
             if not data_cfg.path:
-                raise ValueError(f"data.kind={self.kind} needs data.path (a {'text file or folder' if self.kind == 'text' else '.bin file'}).")
+                raise ValueError(f"data.kind={self.kind} needs data.path. Fix: set data.path to a "
+                                 f"{'text file or folder' if self.kind == 'text' else 'nanoGPT .bin token file'}.")
             self.corpus = TokenCorpus(load_tokens(self.kind, data_cfg.path), seq_len, data_cfg.val_fraction, data_cfg.path)
         else:
-            raise ValueError(f"data.kind={self.kind!r} is not one of retrieval | text | bin.")
+            raise ValueError(f"data.kind={self.kind!r} is not a data kind. Fix: use retrieval | text | bin.")
         self.vocab_size = vocab_size
 
     def _raw(self, split: int, step: int):
@@ -53,8 +54,8 @@ class BatchSource:
         raw, qid = self._raw(split, step)
         if int(raw.max()) >= self.vocab_size:
             raise ValueError(
-                f"data.path={self.cfg.path} holds token id {int(raw.max())} >= model.vocab_size={self.vocab_size}; "
-                "raise model.vocab_size to the tokenizer's vocabulary."
+                f"data.path={self.cfg.path} holds token id {int(raw.max())} >= model.vocab_size={self.vocab_size}. "
+                "Fix: raise model.vocab_size to the tokenizer's vocabulary."
             )
         inputs, nxt, qid = raw[:, :-1].contiguous(), raw[:, 1:], qid[:, 1:]
         answers = torch.where(qid >= 0, nxt, torch.full_like(nxt, IGNORE))

@@ -24,7 +24,7 @@ def text_files(path: Path) -> List[Path]:
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     if not files:
-        raise CorpusError(f"data.path={path} holds no {'/'.join(TEXT_SUFFIXES)} files; point it at a text file or folder.")
+        raise CorpusError(f"data.path={path} holds no {'/'.join(TEXT_SUFFIXES)} files. Fix: point it at a text file or a folder of them.")
     return files
 
 
@@ -32,12 +32,12 @@ def load_tokens(kind: str, path: str | os.PathLike) -> np.ndarray:
     """kind 'text' -> uint8 [N] bytes; kind 'bin' -> uint16 [N] memmap."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise CorpusError(f"data.path={p} does not exist; set data.path to a {'text file/folder' if kind == 'text' else '.bin token file'}.")
+        raise CorpusError(f"data.path={p} does not exist. Fix: set data.path to an existing {'text file/folder' if kind == 'text' else '.bin token file'}.")
     if kind == "bin":
         if not p.is_file():
-            raise CorpusError(f"data.kind=bin needs a file, but data.path={p} is a folder.")
+            raise CorpusError(f"data.kind=bin needs a file, but data.path={p} is a folder. Fix: point data.path at the .bin file.")
         if p.stat().st_size % 2:
-            raise CorpusError(f"data.path={p} has an odd size; a nanoGPT .bin is a flat uint16 array.")
+            raise CorpusError(f"data.path={p} has an odd size, so it is not a flat uint16 array. Fix: use a nanoGPT-style .bin (np.uint16 tokens).")
         return np.memmap(p, dtype=np.uint16, mode="r")
     chunks = [np.fromfile(f, dtype=np.uint8) for f in text_files(p)]
     sep = np.frombuffer(b"\n", dtype=np.uint8)
@@ -62,7 +62,7 @@ class TokenCorpus:
                 what = "training" if split == 0 else "validation (data.val_fraction)"
                 raise CorpusError(
                     f"data.path={source}: the {what} part has {hi - lo} tokens, fewer than train.seq_len + 1 = "
-                    f"{seq_len + 1}; use more data, a shorter train.seq_len or a different data.val_fraction."
+                    f"{seq_len + 1}. Fix: use more data, a shorter train.seq_len or a different data.val_fraction."
                 )
         if val_fraction == 0:
             self.ranges[1] = self.ranges[0]  # evaluate on training windows rather than on nothing

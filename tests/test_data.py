@@ -1,0 +1,133 @@
+"""Data: byte tokenizer, retrieval task structure and determinism, text / nanoGPT .bin corpora, step-indexed batches."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsaflow.config.schema import DataConfig
+from dsaflow.data import IGNORE, BatchSource, ByteTokenizer, CorpusError, RetrievalSpec, retrieval_batch
+from dsaflow.runtime.pipeline import LMLoss
+
+
+def test_byte_tokenizer_round_trips_unicode():
+    tok = ByteTokenizer()
+    text = "key K7; naïve → ok"
+    ids = tok.encode(text)
+    assert max(ids) < 256 and len(ids) == len(text.encode())
+    assert tok.decode(ids) == text
+    assert tok.encode_array(text).tolist() == ids
+
+
+@pytest.mark.parametrize("pairs,queries,klen,vlen,T", [(4, 4, 1, 1, 64), (6, 2, 2, 3, 128), (1, 1, 1, 1, 8)])
+def test_retrieval_answers_are_the_queried_values(pairs, queries, klen, vlen, T):
+    spec = RetrievalSpec(T, pairs, klen, vlen, queries)
+    spec.check()
+    tokens, qid = retrieval_batch(spec, seed=3, split=0, step=5, batch=16)
+    assert tokens.shape == qid.shape == (16, T + 1)
+    for row, q in zip(tokens, qid):
+        text = bytes(row).decode()
+        body = text[: T + 1 - queries * spec.query_len]
+        assert "?" not in body
+        pairs_found = {}
+        for chunk in body.split(";")[:-1]:
+            item = chunk.split(" ")[-1]
+            pairs_found[item[:klen]] = item[klen:]
+        assert len(pairs_found) == pairs and all(k.isupper() for k in pairs_found)
+        for i in range(queries):
+            start = T + 1 - (queries - i) * spec.query_len
+            query = text[start : start + spec.query_len]
+            key, value = query[1 : 1 + klen], query[1 + klen :]
+            assert query[0] == "?" and pairs_found[key] == value
+            answer = "".join(chr(c) for c, k in zip(row, q) if k == i)
+            assert answer == value
+
+
+def test_retrieval_is_deterministic_and_varies_by_step():
+    spec = RetrievalSpec(64, 4, 1, 1, 4)
+    a, _ = retrieval_batch(spec, 0, 0, 7, 4)
+    b, _ = retrieval_batch(spec, 0, 0, 7, 4)
+    c, _ = retrieval_batch(spec, 0, 0, 8, 4)
+    v, _ = retrieval_batch(spec, 0, 1, 7, 4)
+    assert (a == b).all() and not (a == c).all() and not (a == v).all()
+    # row r does not depend on the batch size (resume and re-sharding keep samples)
+    assert (retrieval_batch(spec, 0, 0, 7, 2)[0] == a[:2]).all()
+
+
+def test_retrieval_spec_errors_name_the_field():
+    with pytest.raises(ValueError, match="train.seq_len=10"):
+        RetrievalSpec(10, 4, 1, 1, 4).check()
+    with pytest.raises(ValueError, match="data.key_len=1"):
+        RetrievalSpec(1024, 30, 1, 1, 1).check()
+
+
+def _source(**kw) -> BatchSource:
+    return BatchSource(DataConfig(**kw), seq_len=64, batch_size=4, seed=1, vocab_size=256)
+
+
+def test_batch_targets_and_loss_modes():
+    x, y = _source().batch(3)
+    assert x.shape == (4, 64) and y.shape == (4, 3, 64) and x.dtype == y.dtype == torch.int64
+    lm, ans, qid = y[:, 0], y[:, 1], y[:, 2]
+    assert ((ans != IGNORE) == (qid >= 0)).all() and (qid.max(dim=1).values == 3).all()
+    assert (lm == ans).all(), "loss_on=answer trains on the answers only"
+    x2, y2 = _source(loss_on="all").batch(3)
+    assert (x2 == x).all()
+    assert (y2[:, 0, :-1] == x[:, 1:]).all(), "loss_on=all: next-token targets everywhere"
+
+
+def test_lm_loss_accuracy_is_per_query_exact_match():
+    _, y = BatchSource(DataConfig(value_len=2), 64, 2, 0, 256).batch(0)
+    ans, qid = y[:, 1], y[:, 2]
+    logits = torch.zeros(2, 64, 256)
+    logits.scatter_(2, ans.clamp_min(0).unsqueeze(-1), 1.0)  # perfect on every answer byte
+    loss_fn = LMLoss(num_queries=4)
+    loss_fn(logits, y)
+    assert loss_fn.accuracy() == 1.0
+    # break one byte of query 2 in row 0: that query (only) is wrong
+    pos = int((qid[0] == 2).nonzero()[0])
+    logits[0, pos] = 0.0
+    logits[0, pos, (int(ans[0, pos]) + 1) % 256] = 1.0
+    loss_fn.reset()
+    loss_fn(logits, y)
+    assert loss_fn.accuracy() == 7 / 8
+
+
+def test_text_folder_corpus(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("alpha " * 50)
+    (tmp_path / "sub" / "b.md").write_text("beta " * 50)
+    (tmp_path / "skip.bin").write_bytes(b"\xff" * 1000)
+    src = BatchSource(DataConfig(kind="text", path=str(tmp_path), val_fraction=0.2), 16, 3, 0, 256)
+    x, y = src.batch(0)
+    assert x.shape == (3, 16)
+    assert (y[:, 0, :-1] == x[:, 1:]).all() and (y[:, 1] == IGNORE).all()
+    assert set(bytes(x.flatten().tolist()).decode()) <= set("alphbet \n")
+    assert (src.batch(0)[0] == x).all() and not (src.batch(1)[0] == x).all()
+
+
+def test_bin_corpus_memmap(tmp_path):
+    tokens = (np.arange(5000) % 1000).astype(np.uint16)
+    path = tmp_path / "train.bin"
+    tokens.tofile(path)
+    src = BatchSource(DataConfig(kind="bin", path=str(path), val_fraction=0.1), 32, 4, 0, 1024)
+    x, y = src.batch(2)
+    assert ((x[:, 1:] - x[:, :-1]) % 1000 == 1).all(), "windows are contiguous slices of the file"
+    vx, _ = src.val_batch(0)
+    assert (vx >= 0).all() and ((vx[:, 0] - tokens[4500]) % 1000 < 500).all()
+    with pytest.raises(ValueError, match="model.vocab_size=256"):
+        BatchSource(DataConfig(kind="bin", path=str(path)), 32, 4, 0, 256).batch(0)
+
+
+def test_corpus_errors(tmp_path):
+    with pytest.raises(CorpusError, match="does not exist"):
+        _source(kind="text", path=str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CorpusError, match="holds no"):
+        _source(kind="text", path=str(tmp_path / "empty"))
+    (tmp_path / "short.txt").write_text("tiny")
+    with pytest.raises(CorpusError, match="train.seq_len"):
+        _source(kind="text", path=str(tmp_path / "short.txt"))
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    with pytest.raises(CorpusError, match="odd size"):
+        _source(kind="bin", path=str(tmp_path / "odd.bin"))
