@@ -113,6 +113,7 @@ class TrainConfig:
     eval_every: int = 50  # 0 = only at the end
     eval_batches: int = 4
     ckpt_every: int = 0  # 0 = only at the end
+    final_ckpt: bool = True  # save a checkpoint after the last step (benchmarks turn it off)
     resume: bool = False  # continue from the latest checkpoint in run_dir
     stop_at_step: Optional[int] = None  # pre-emption drill: exit after this step without the final checkpoint
     device: str = "auto"  # auto | cpu | cuda

@@ -45,25 +45,26 @@ def _get(cfg, dotted: str):
     return obj
 
 
-def check_launch(cfg, plan: Plan, job: str = "train") -> None:
-    """Everything a worker would otherwise trip over, checked in the parent. Raises PlanError."""
+def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> None:
+    """Everything a worker would otherwise trip over, checked in the parent. Raises PlanError.
+    local=False (a run dir prepared for other nodes): skip the checks about this machine's GPUs."""
     for field, allowed in _CHOICES.items():
         v = _get(cfg, field)
         if v not in allowed:
             raise PlanError(f"{field}={v!r} is not a valid choice. Fix: use one of {', '.join(allowed)}.")
     ranks = plan.pipeline.ranks
     device = resolve_device_type(cfg.train.device)
-    if device == "cuda":
+    if device == "cuda" and local:
         import torch
 
         n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n_gpu == 0:
             raise PlanError("train.device=cuda but no CUDA GPU is visible. Fix: train.device=auto (or cpu).")
-        if ranks > n_gpu and not os.environ.get("DSAFLOW_MULTINODE"):
+        if ranks > n_gpu:
             raise PlanError(
                 f"the plan has {ranks} pipeline ranks but this node has {n_gpu} GPUs (one process per GPU). Fix: "
-                f"use pipeline.ranks<={n_gpu} (e.g. pipeline.stages={n_gpu}), or launch across nodes with "
-                "launch/multi_node.sh."
+                f"use pipeline.ranks<={n_gpu} (e.g. pipeline.stages={n_gpu}), or prepare the run dir with "
+                "`python -m dsaflow.runtime.launch prepare ...` and start it on several nodes with launch/multi_node.sh."
             )
     if job == "generate":  # serve config, prompts and graph blocks (dsaflow.runtime.serve; raises ServeError)
         from .serve import check_serve
@@ -133,3 +134,33 @@ def launch(cfg, plan: Plan, job: str = "train") -> int:
         print(f"dsaflow {job}: workers exited with status {rc}; see the output above and {run_dir}/train.log",
               file=sys.stderr, flush=True)
     return rc
+
+
+def prepare(cfg, plan: Plan, job: str = "train") -> Path:
+    """Check and write the run dir without starting anything (multi-node: every node's torchrun reads it)."""
+    check_launch(cfg, plan, job, local=False)
+    from dsaflow.plan import render_table
+
+    return write_run_dir(cfg, plan, render_table(plan, cfg))
+
+
+def main(argv=None) -> int:
+    """`python -m dsaflow.runtime.launch prepare [overrides]`: compose + plan + write the run dir, print its path."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] != "prepare":
+        print("usage: python -m dsaflow.runtime.launch prepare [hydra overrides]", file=sys.stderr)
+        return 2
+    from dsaflow.config.compose import compose
+    from dsaflow.plan import build_plan
+
+    try:
+        cfg = compose(args[1:])
+        print(prepare(cfg, build_plan(cfg)))
+    except PlanError as exc:
+        print(f"dsaflow: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -72,7 +72,7 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
                 stopped = True
                 progress.message(f"stopping after step {done} (train.stop_at_step); resume with train.resume=true")
                 break
-        if not stopped:
+        if not stopped and t.final_ckpt:
             save_checkpoint(checkpoint_dir(ctx.run_dir, t.steps), tr.modules, tr.opt, ctx.rank, t.steps, ctx.group)
     finally:
         progress.close()
