@@ -7,6 +7,7 @@ indexer loss) reach the logging rank through one small all-reduce.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Dict, List
 
@@ -85,9 +86,13 @@ class Trainer:
         grad_norm, idx_norm = clip_global(self.opt, self.t.grad_clip, self.ctx.device, self.ctx.group)
         lr_f = lr_factor(step, self.t.steps, self.t.warmup_steps, self.t.min_lr_ratio)
         set_lr(self.opt, lr_f)
-        if not dense:
+        # A non-finite global norm (the same on every rank) skips that optimiser's update everywhere: one bad
+        # batch must not turn the weights into NaN. The skip is logged (`skipped_main`, `skipped_indexer`).
+        skip_main, skip_idx = not math.isfinite(grad_norm), not math.isfinite(idx_norm)
+        if not dense and not skip_main:
             self.opt.main.step()
-        self.opt.indexer.step()
+        if not skip_idx:
+            self.opt.indexer.step()
 
         S = self.ctx.plan.num_stages
         vec = torch.zeros(2 * S, dtype=torch.float64, device=self.ctx.device)
@@ -102,6 +107,7 @@ class Trainer:
         busy = vec[:S].tolist()
         m: Dict[str, float] = {
             "lr": self.t.lr * lr_f, "grad_norm": grad_norm, "indexer_grad_norm": idx_norm, "dense": float(dense),
+            "skipped_main": float(skip_main), "skipped_indexer": float(skip_idx),
             "step_time_s": wall, "tokens_per_s": self.tokens_per_step / wall,
             "indexer_loss": float(vec[S:].sum()),
             "pipeline_efficiency": sum(busy) / (self.ctx.plan.pipeline.ranks * wall),

@@ -1,0 +1,62 @@
+"""The DSA recipe on one rank: dense_warmup trains only the indexers (main weights bit-identical), sparse trains
+everything; lr schedule; a non-finite gradient skips the update instead of poisoning the weights."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dsaflow.plan import build_plan
+from dsaflow.runtime.context import RunContext
+from dsaflow.runtime.optim import lr_factor
+from dsaflow.runtime.trainer import Trainer
+from train_harness import tiny_cfg
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    cfg = tiny_cfg(1, None, "1F1B", steps=4, dense_warmup_steps=1)
+    ctx = RunContext(cfg, build_plan(cfg), 0, 1, 0, torch.device("cpu"), Path(tmp_path))
+    yield Trainer(ctx)
+    dist.destroy_process_group()
+
+
+def _snapshot(tr):
+    return {tr.opt.names[p]: p.detach().clone() for p in tr.opt.names}
+
+
+def test_dense_warmup_trains_only_indexers_then_sparse_trains_all(trainer):
+    before = _snapshot(trainer)
+    m = trainer.step(0)
+    assert m["dense"] == 1.0 and m["indexer_loss"] > 0
+    after = _snapshot(trainer)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    indexer = {k for k in before if ".attn.indexer." in k}
+    assert changed == indexer, f"dense_warmup changed {sorted(changed - indexer)[:3]}, missed {sorted(indexer - changed)[:3]}"
+    m = trainer.step(1)
+    assert m["dense"] == 0.0
+    final = _snapshot(trainer)
+    assert all(not torch.equal(after[k], final[k]) for k in after if k not in indexer and "norm" not in k)
+
+
+def test_nonfinite_gradient_skips_the_update(trainer):
+    before = _snapshot(trainer)
+    wo = trainer.modules[0].layers["1"].attn.wo.weight
+    hook = wo.register_hook(lambda g: torch.full_like(g, float("nan")))
+    m = trainer.step(1)  # sparse step: main weights would move
+    hook.remove()
+    assert math.isnan(m["grad_norm"]) and m["skipped_main"] == 1.0 and m["skipped_indexer"] == 0.0
+    after = _snapshot(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before if ".attn.indexer." not in k)
+    assert all(torch.isfinite(v).all() for v in after.values())
+
+
+def test_lr_schedule_warmup_then_cosine():
+    f = [lr_factor(s, 100, 10, 0.1) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert lr_factor(100, 100, 10, 0.1) == pytest.approx(0.1)
