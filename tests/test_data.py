@@ -62,6 +62,7 @@ def test_retrieval_spec_errors_name_the_field():
 
 
 def _source(**kw) -> BatchSource:
+    kw = {"num_pairs": 4, "num_queries": 4, **kw}
     return BatchSource(DataConfig(**kw), seq_len=64, batch_size=4, seed=1, vocab_size=256)
 
 
@@ -77,7 +78,7 @@ def test_batch_targets_and_loss_modes():
 
 
 def test_lm_loss_accuracy_is_per_query_exact_match():
-    _, y = BatchSource(DataConfig(value_len=2), 64, 2, 0, 256).batch(0)
+    _, y = BatchSource(DataConfig(num_pairs=4, num_queries=4, value_len=2), 64, 2, 0, 256).batch(0)
     ans, qid = y[:, 1], y[:, 2]
     logits = torch.zeros(2, 64, 256)
     logits.scatter_(2, ans.clamp_min(0).unsqueeze(-1), 1.0)  # perfect on every answer byte

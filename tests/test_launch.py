@@ -18,7 +18,7 @@ TINY = ["model.num_layers=4", "model.dim=32", "model.inter_dim=64", "model.index
 
 BAD = [
     (["train.seq_len=4096"], "train.seq_len=4096"),
-    (["train.seq_len=16"], "train.seq_len=16"),  # too short for 4 pairs + 4 queries
+    (["train.seq_len=16", "data.num_pairs=4", "data.num_queries=4"], "train.seq_len=16"),  # too short
     (["data.kind=text"], "data.kind=text needs data.path"),
     (["data.kind=bin", "data.path=/nonexistent/tokens.bin"], "data.path=/nonexistent/tokens.bin"),
     (["train.resume=true"], "train.resume=true needs run_dir"),

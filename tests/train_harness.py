@@ -26,6 +26,7 @@ def tiny_cfg(stages: int = 1, ranks=None, schedule: str = "1F1B", steps: int = 3
     t = cfg.train
     t.steps, t.seq_len, t.batch_size, t.warmup_steps, t.eval_every, t.eval_batches = steps, 32, 8, 1, 0, 1
     t.progress, cfg.track.backend = "off", "none"
+    cfg.data.num_pairs, cfg.data.num_queries = 4, 4  # 4 answers per sequence: more loss positions to compare
     for k, v in train.items():
         setattr(t, k, v)
     return cfg

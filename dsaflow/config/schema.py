@@ -127,8 +127,8 @@ class DataConfig:
     name: str = "retrieval"
     kind: str = "retrieval"  # retrieval | text | bin
     path: Optional[str] = None  # text file/folder or nanoGPT-style .bin token file (uint16)
-    num_pairs: int = 4  # retrieval: key-value pairs hidden in the filler
-    num_queries: int = 4  # retrieval: queries at the end (keys drawn with replacement); accuracy is per query
+    num_pairs: int = 1  # retrieval: key-value pairs hidden in the filler (1 = needle in a haystack)
+    num_queries: int = 1  # retrieval: queries at the end (keys drawn with replacement); accuracy is per query
     key_len: int = 1
     value_len: int = 1
     loss_on: str = "answer"  # retrieval: LM loss on the answer bytes only (answer) or on every byte (all)
