@@ -100,3 +100,27 @@ def test_dsaflow_train_end_to_end(tmp_path, monkeypatch, capfd):
     offline = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(offline) == 1, list((run / "wandb").rglob("*"))
     assert "step 3/3" in out.out
+
+
+def test_prepare_writes_the_run_dir_and_starts_nothing(no_launch, capsys):
+    from dsaflow.runtime.launch import main as launch_main
+
+    assert launch_main(["prepare", "run_dir=shared/exp1", "pipeline=pp2"]) == 0
+    assert capsys.readouterr().out.strip() == "shared/exp1"
+    assert sorted(p.name for p in (no_launch / "shared" / "exp1").iterdir()) == ["config.yaml", "plan.json", "plan.txt"]
+    assert launch_main(["prepare", "run_dir=shared/bad", "train.seq_len=99999"]) == 2
+    assert not (no_launch / "shared" / "bad").exists()
+
+
+def test_resume_refuses_a_different_stage_layout(no_launch, capsys):
+    from dsaflow.runtime.launch import main as launch_main
+
+    assert launch_main(["prepare", "run_dir=r", "pipeline=pp2"]) == 0
+    ckpt = no_launch / "r" / "checkpoints" / "step-000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / ".metadata").write_bytes(b"")
+    capsys.readouterr()
+    assert cli.main(["train", "run_dir=r", "pipeline=pp4", "train.resume=true"]) == 2
+    assert "cannot be loaded" in capsys.readouterr().err
+    assert cli.main(["train", "run_dir=r", "pipeline=pp2"]) == 2  # checkpoints present, resume not asked
+    assert "already holds checkpoints" in capsys.readouterr().err
