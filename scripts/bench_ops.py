@@ -25,7 +25,7 @@ from dsaflow.ops.indexer_topk.naive import topk_from_scores
 from dsaflow.ops.indexer_topk.triton_indexer import (
     indexer_logits_triton, indexer_topk_triton, query_chunk, topk_from_keys,
 )
-from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
+from dsaflow.ops.sparse_mla.triton_backward import bwd_config, sparse_mla_bwd_triton
 from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
 from dsaflow.ops.sparse_mla.triton_prefill import sparse_mla_fwd_triton
 
@@ -124,27 +124,37 @@ def bench_sparse_mla(contexts, do_sweep):
     if do_sweep:
         q, kv, idx = mla_inputs(32768, n_fwd)
         fwd_cfg = sweep("sparse_mla_fwd", lambda c: lambda: sparse_mla_fwd_triton(q, kv, idx, scale, D_V, c), [
-            {}, dict(BLOCK_K=64, num_stages=3), dict(BLOCK_K=32, num_stages=4), dict(num_warps=16),
+            {}, dict(num_stages=3), dict(BLOCK_H=128, num_warps=16),
         ])
         qb, kvb, idxb = q[:, :n_bwd], kv, idx[:, :n_bwd]
         out, lse = sparse_mla_fwd_triton(qb, kvb, idxb, scale, D_V)
         do = torch.randn_like(out)
+        gemm = lambda bk, bn, bj, w, st: dict(gemm_BLOCK_K=bk, gemm_BLOCK_N=bn, gemm_BLOCK_J=bj,  # noqa: E731
+                                              gemm_num_warps=w, gemm_num_stages=st)
         bwd_cfg = sweep("sparse_mla_bwd", lambda c: lambda: sparse_mla_bwd_triton(
             qb, kvb, idxb, out, lse, do, None, scale, D_V, c), [
-            {}, dict(dq_BLOCK_K=32), dict(dkv_S_FIRST=True), dict(dkv_S_FIRST=True, dkv_BLOCK_H=64),
-            dict(dkv_S_FIRST=True, dkv_BLOCK_K=64), dict(dkv_S_FIRST=True, dkv_BLOCK_K=64, dkv_BLOCK_H=64),
-            dict(dkv_BLOCK_K=64, dkv_BLOCK_H=16), dict(dkv_num_warps=4), dict(dkv_BLOCK_K=16, dkv_BLOCK_H=64),
+            dict(dkv_mode="fused"), {}, dict(dq_BLOCK_K=32), gemm(64, 256, 64, 8, 3), gemm(128, 256, 32, 8, 3),
+            gemm(64, 128, 64, 4, 3), gemm(64, 512, 64, 8, 2),
         ])
-        # the sweep only times: check the winner against the default (tested) config on the same inputs
-        ref = sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V)
+        # the sweep only times: check the winner against the fused one-pass config on the same inputs
+        ref = sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V, dict(dkv_mode="fused"))
         got = sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V, bwd_cfg)
         errs = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref)]
-        print(f"verify bwd {bwd_cfg} vs default: rel err dq {errs[0]:.2e} dkv {errs[1]:.2e}", flush=True)
-        assert max(errs) < 1e-2, "swept backward config disagrees with the tested default"
-        for part, per_hk in (("dq", 2 * D_QK + D_V), ("dkv", 2 * D_QK + 2 * D_V)):  # S + dP + dq / S + dP + dkv
-            ms = bench(lambda: sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V, bwd_cfg, (part,)))
-            record(f"sparse_mla_bwd {part} kernel only", "triton", 32768, ms, flops=2 * H * TOPK * per_hk * n_bwd,
-                   queries=n_bwd, config=bwd_cfg)
+        print(f"verify bwd {bwd_cfg} vs fused: rel err dq {errs[0]:.2e} dkv {errs[1]:.2e}", flush=True)
+        assert max(errs) < 1e-2, "swept backward config disagrees with the fused one-pass kernel"
+        gemm_mode = bwd_config(qb, D_V, D_QK - D_V, TOPK, bwd_cfg)["dkv_mode"] == "gemm"
+        parts = [("dq", 2 * D_QK + D_V, bwd_cfg)]  # S + dP + dq
+        if gemm_mode:  # the GEMM alone (no recompute), then with plain stores instead of atomics (diagnostic)
+            parts += [("dkv", D_QK + D_V, bwd_cfg), ("dkv", D_QK + D_V, dict(bwd_cfg or {}, gemm_ATOMIC=False))]
+        parts += [("dkv", 2 * D_QK + 2 * D_V, dict(dkv_mode="fused"))]  # S + dP + dkv
+        for part, per_hk, c in parts:
+            c = c or {}
+            ms = bench(lambda: sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V, c, (part,)))
+            name = f"sparse_mla_bwd {part} kernel only"
+            if part == "dkv":
+                name += " (fused)" if c.get("dkv_mode") == "fused" else (
+                    " (gemm, stores not atomics)" if c.get("gemm_ATOMIC") is False else " (gemm)")
+            record(name, "triton", 32768, ms, flops=2 * H * TOPK * per_hk * n_bwd, queries=n_bwd, config=c)
         del q, kv, idx, out, lse, do
     for ctx in contexts:
         q, kv, idx = mla_inputs(ctx, n_fwd)
@@ -170,12 +180,12 @@ def bench_decode(contexts, do_sweep):
         flops = 2 * h * TOPK * (D_QK + D_V) * batch * t
         ms = bench(lambda: sparse_mla_decode_triton(q, kv, idx, scale, D_V))
         record("sparse_mla_decode", "triton", ctx, ms, flops=flops, nbytes=nbytes, batch=batch, tokens=t, heads=h)
-        if do_sweep:
-            splits = [1, 2, 4] if h >= 64 else [1, 2, 4]
-            blocks = [64] if h >= 64 else [64, 128]
+        if do_sweep and h < 64:  # h128 is compute-bound (the prefill kernel's loop); sweep the memory-bound case
+            kernels = [dict(BLOCK_K=64, num_stages=2), dict(BLOCK_K=64, num_stages=3), dict(BLOCK_K=64, num_stages=4),
+                       dict(BLOCK_K=32, num_stages=4)]
             sweep(f"sparse_mla_decode b{batch} t{t} h{h}", lambda c: lambda: sparse_mla_decode_triton(
                 q, kv, idx, scale, D_V, num_splits=c["num_splits"], overrides=c.get("kernel")),
-                [dict(num_splits=n, kernel=dict(BLOCK_K=bk)) for n in splits for bk in blocks])
+                [dict(num_splits=n, kernel=k) for n in (2, 4) for k in kernels])
         del q, kv, idx
 
 
@@ -271,7 +281,7 @@ def kernel_stats():
 
     stats = []
     for fn in (triton_prefill._sparse_mla_fwd_kernel, triton_backward._sparse_mla_bwd_dq_kernel,
-               triton_backward._sparse_mla_bwd_dkv_kernel,
+               triton_backward._sparse_mla_bwd_dkv_kernel, triton_backward._sparse_mla_bwd_dkv_gemm_kernel,
                triton_decode._combine_kernel, triton_indexer._indexer_logits_kernel):
         try:
             for cache in fn.device_caches.values():

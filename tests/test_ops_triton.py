@@ -114,18 +114,27 @@ def test_backward_dlse_only_and_poisoned_buffers():
     assert rel_err(dq, ref_dq) < 2 * FP32_TOL and rel_err(dkv, ref_dkv) < 2 * FP32_TOL
 
 
-@pytest.mark.parametrize("s_first", [False, True])
-def test_backward_dkv_kernel_variants(s_first):
-    """Both formulations of the dkv kernel (S^T = K.Q^T, or S = Q.K^T then small transposes) match the reference."""
+DKV_VARIANTS = {
+    "fused": dict(dkv_mode="fused", dkv_BLOCK_H=16, dkv_BLOCK_K=16),
+    "fused_s_first": dict(dkv_mode="fused", dkv_S_FIRST=True, dkv_BLOCK_H=16, dkv_BLOCK_K=16),
+    # two-pass in 2 query chunks of at most 4 queries (the last one partial), head and row blocks padded
+    "gemm_chunked": dict(dkv_mode="gemm", g_max_bytes=4 * 2 * 5 * 24 * 4, gemm_BLOCK_K=16, gemm_BLOCK_N=16),
+}
+
+
+@pytest.mark.parametrize("variant", list(DKV_VARIANTS))
+def test_backward_dkv_kernel_variants(variant):
+    """Every formulation of dkv (one-pass S^T = K.Q^T or S = Q.K^T; two-pass dS/P buffer + GEMM in query chunks)
+    matches the reference, and so does dq on the chunked path."""
     q, kv, idx = make_mla(2, 3, 5, 40, 17, 24, torch.float32)
     out, lse = sparse_mla_naive(q, kv, idx, 0.2, 32)
     g_out, g_lse = torch.randn_like(out), torch.randn_like(lse)
-    _, dkv = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, g_lse, 0.2, 32,
-                                   overrides=dict(dkv_S_FIRST=s_first, dkv_BLOCK_H=16, dkv_BLOCK_K=16))
+    dq, dkv = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, g_lse, 0.2, 32, overrides=DKV_VARIANTS[variant])
     q2, kv2 = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
     ref_out, ref_lse = sparse_mla_naive(q2, kv2, idx, 0.2, 32)
-    (ref_dkv,) = torch.autograd.grad(loss_of(ref_out, ref_lse, g_out, g_lse), (kv2,))
+    ref_dq, ref_dkv = torch.autograd.grad(loss_of(ref_out, ref_lse, g_out, g_lse), (q2, kv2))
     assert rel_err(dkv, ref_dkv) < 2 * FP32_TOL
+    assert rel_err(dq, ref_dq) < 2 * FP32_TOL
 
 
 def test_unsupported_shapes_fall_back_to_naive():
@@ -227,6 +236,22 @@ def test_gpu_sparse_mla_deepseek_shapes():
     g_out, g_lse = torch.randn_like(ref_out), torch.randn_like(ref_lse)
     dq, dkv = torch.autograd.grad(loss_of(out, lse, g_out, g_lse), (q, kv))
     ref_dq, ref_dkv = torch.autograd.grad(loss_of(ref_out, ref_lse, g_out, g_lse), (q, kv))
+    assert rel_err(dq, ref_dq) < 2e-2 and rel_err(dkv, ref_dkv) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fused", "gemm"])
+def test_gpu_backward_modes_deepseek_shapes(mode):
+    """Both dkv modes at h128/576/512/topk 2048 in bf16, with a dlse term and the gemm path in 3 query chunks."""
+    q, kv, idx = make_mla(1, 40, 128, 576, 4096, 2048, torch.bfloat16, device="cuda", seed=4)
+    out, lse = sparse_mla_naive(q.float(), kv.float(), idx, 576**-0.5, 512)
+    g_out, g_lse = torch.randn_like(out), torch.randn_like(lse)
+    over = dict(dkv_mode=mode, g_max_bytes=16 * 2 * 128 * 2048 * 2)
+    dq, dkv = sparse_mla_bwd_triton(q, kv, idx, out.bfloat16(), lse, g_out.bfloat16(), g_lse, 576**-0.5, 512,
+                                    overrides=over)
+    q2, kv2 = q.float().requires_grad_(True), kv.float().requires_grad_(True)
+    ref_out, ref_lse = sparse_mla_naive(q2, kv2, idx, 576**-0.5, 512)
+    ref_dq, ref_dkv = torch.autograd.grad(loss_of(ref_out, ref_lse, g_out, g_lse), (q2, kv2))
     assert rel_err(dq, ref_dq) < 2e-2 and rel_err(dkv, ref_dkv) < 2e-2
 
 
