@@ -124,7 +124,7 @@ def bench_sparse_mla(contexts, do_sweep):
     if do_sweep:
         q, kv, idx = mla_inputs(32768, n_fwd)
         fwd_cfg = sweep("sparse_mla_fwd", lambda c: lambda: sparse_mla_fwd_triton(q, kv, idx, scale, D_V, c), [
-            {}, dict(num_stages=3), dict(BLOCK_H=128, num_warps=16),
+            {},  # round 2 sweeps (docs/kernels.md): num_stages 3, BLOCK_H 128 x 16 warps, d_v split: all lost
         ])
         qb, kvb, idxb = q[:, :n_bwd], kv, idx[:, :n_bwd]
         out, lse = sparse_mla_fwd_triton(qb, kvb, idxb, scale, D_V)
@@ -133,20 +133,22 @@ def bench_sparse_mla(contexts, do_sweep):
                                               gemm_num_warps=w, gemm_num_stages=st)
         bwd_cfg = sweep("sparse_mla_bwd", lambda c: lambda: sparse_mla_bwd_triton(
             qb, kvb, idxb, out, lse, do, None, scale, D_V, c), [
-            dict(dkv_mode="fused"), {}, dict(dq_BLOCK_K=32), gemm(64, 256, 64, 8, 3), gemm(128, 256, 32, 8, 3),
-            gemm(64, 128, 64, 4, 3), gemm(64, 512, 64, 8, 2),
+            dict(dkv_mode="fused", dq_mode="fused"), dict(dq_mode="fused"), {},
+            dict(dqg_BLOCK_K=32, dqg_num_stages=3), dict(dqg_BLOCK_K=128, dqg_num_stages=1), dict(dq_BLOCK_K=32, dq_num_stages=2), dict(dqg_num_stages=1),
+            gemm(64, 128, 64, 4, 3),
         ])
         # the sweep only times: check the winner against the fused one-pass config on the same inputs
-        ref = sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V, dict(dkv_mode="fused"))
+        ref = sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V,
+                                    dict(dkv_mode="fused", dq_mode="fused"))
         got = sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V, bwd_cfg)
         errs = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref)]
         print(f"verify bwd {bwd_cfg} vs fused: rel err dq {errs[0]:.2e} dkv {errs[1]:.2e}", flush=True)
         assert max(errs) < 1e-2, "swept backward config disagrees with the fused one-pass kernel"
         gemm_mode = bwd_config(qb, D_V, D_QK - D_V, TOPK, bwd_cfg)["dkv_mode"] == "gemm"
-        parts = [("dq", 2 * D_QK + D_V, bwd_cfg)]  # S + dP + dq
+        parts = [("dq", 2 * D_QK + D_V, bwd_cfg)]  # S + dP + dq (one or two kernels, per dq_mode)
         if gemm_mode:  # the GEMM alone (no recompute), then with plain stores instead of atomics (diagnostic)
             parts += [("dkv", D_QK + D_V, bwd_cfg), ("dkv", D_QK + D_V, dict(bwd_cfg or {}, gemm_ATOMIC=False))]
-        parts += [("dkv", 2 * D_QK + 2 * D_V, dict(dkv_mode="fused"))]  # S + dP + dkv
+        parts += [("dkv", 2 * D_QK + 2 * D_V, dict(dkv_mode="fused", dq_mode="fused"))]  # S + dP + dkv
         for part, per_hk, c in parts:
             c = c or {}
             ms = bench(lambda: sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V, c, (part,)))
@@ -181,11 +183,9 @@ def bench_decode(contexts, do_sweep):
         ms = bench(lambda: sparse_mla_decode_triton(q, kv, idx, scale, D_V))
         record("sparse_mla_decode", "triton", ctx, ms, flops=flops, nbytes=nbytes, batch=batch, tokens=t, heads=h)
         if do_sweep and h < 64:  # h128 is compute-bound (the prefill kernel's loop); sweep the memory-bound case
-            kernels = [dict(BLOCK_K=64, num_stages=2), dict(BLOCK_K=64, num_stages=3), dict(BLOCK_K=64, num_stages=4),
-                       dict(BLOCK_K=32, num_stages=4)]
+            configs = [dict(num_splits=n) for n in (1, 2, 4)]  # round 2: more stages and a d_v split lost
             sweep(f"sparse_mla_decode b{batch} t{t} h{h}", lambda c: lambda: sparse_mla_decode_triton(
-                q, kv, idx, scale, D_V, num_splits=c["num_splits"], overrides=c.get("kernel")),
-                [dict(num_splits=n, kernel=k) for n in (2, 4) for k in kernels])
+                q, kv, idx, scale, D_V, num_splits=c["num_splits"]), configs)
         del q, kv, idx
 
 

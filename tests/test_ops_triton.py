@@ -119,6 +119,8 @@ DKV_VARIANTS = {
     "fused_s_first": dict(dkv_mode="fused", dkv_S_FIRST=True, dkv_BLOCK_H=16, dkv_BLOCK_K=16),
     # two-pass in 2 query chunks of at most 4 queries (the last one partial), head and row blocks padded
     "gemm_chunked": dict(dkv_mode="gemm", g_max_bytes=4 * 2 * 5 * 24 * 4, gemm_BLOCK_K=16, gemm_BLOCK_N=16),
+    "gemm_dq_fused": dict(dkv_mode="gemm", dq_mode="fused", g_max_bytes=4 * 2 * 5 * 24 * 4),
+    "fused_dq_gemm": dict(dkv_mode="fused", dq_mode="gemm", g_max_bytes=4 * 2 * 5 * 24 * 4),
 }
 
 
@@ -240,13 +242,13 @@ def test_gpu_sparse_mla_deepseek_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fused", "gemm"])
-def test_gpu_backward_modes_deepseek_shapes(mode):
-    """Both dkv modes at h128/576/512/topk 2048 in bf16, with a dlse term and the gemm path in 3 query chunks."""
+@pytest.mark.parametrize("mode,dq_mode", [("fused", "fused"), ("gemm", "fused"), ("gemm", "gemm")])
+def test_gpu_backward_modes_deepseek_shapes(mode, dq_mode):
+    """dkv/dq modes at h128/576/512/topk 2048 in bf16, with a dlse term and the gemm paths in 3 query chunks."""
     q, kv, idx = make_mla(1, 40, 128, 576, 4096, 2048, torch.bfloat16, device="cuda", seed=4)
     out, lse = sparse_mla_naive(q.float(), kv.float(), idx, 576**-0.5, 512)
     g_out, g_lse = torch.randn_like(out), torch.randn_like(lse)
-    over = dict(dkv_mode=mode, g_max_bytes=16 * 2 * 128 * 2048 * 2)
+    over = dict(dkv_mode=mode, dq_mode=dq_mode, g_max_bytes=16 * 2 * 128 * 2048 * 2)
     dq, dkv = sparse_mla_bwd_triton(q, kv, idx, out.bfloat16(), lse, g_out.bfloat16(), g_lse, 576**-0.5, 512,
                                     overrides=over)
     q2, kv2 = q.float().requires_grad_(True), kv.float().requires_grad_(True)

@@ -42,11 +42,12 @@ def _sparse_mla_bwd_dq_kernel(
     T, S, K, H, D_V, D_T, sm_scale, scale_log2, q0,
     s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_dob, s_dot, s_doh, s_lb, s_lt, s_gq, s_gh,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
-    HAS_TAIL: tl.constexpr, STORE_G: tl.constexpr,
+    HAS_TAIL: tl.constexpr, STORE_G: tl.constexpr, COMPUTE_DQ: tl.constexpr,
 ):
     """One program per (head block, query): dq = sum over row blocks of dS . K, kept in registers.
     STORE_G: also write dS and P (the dkv kernel's A operand) to g [chunk, 2H, K] (rows 0..H-1 dS, H..2H-1 P)
-    for the queries q0 + program_id(1) of this launch."""
+    for the queries q0 + program_id(1) of this launch. COMPUTE_DQ=False: only S, dP and the G stores (dq then
+    comes from `_sparse_mla_bwd_dq_gemm_kernel`), which frees the [BH, d_qk] fp32 accumulator's registers."""
     pid_h = tl.program_id(0)
     pid_l = tl.program_id(1).to(tl.int64)
     pid_q = q0 + pid_l
@@ -84,8 +85,56 @@ def _sparse_mla_bwd_dq_kernel(
             g_ok = h_ok[:, None] & (offs_k < K)[None, :]
             tl.store(g_rows, ds.to(g_ptr.dtype.element_ty), mask=g_ok)
             tl.store(g_rows + H * s_gh, p.to(g_ptr.dtype.element_ty), mask=g_ok)
+        if COMPUTE_DQ:
+            dq_nope = tl.dot(ds, k_nope, dq_nope)
+            if HAS_TAIL:
+                dq_tail = tl.dot(ds, k_tail, dq_tail)
+    if COMPUTE_DQ:
+        dq_rows = dq_ptr + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
+        tl.store(dq_rows + offs_dv[None, :], dq_nope.to(dq_ptr.dtype.element_ty),
+                 mask=h_ok[:, None] & dv_ok[None, :])
+        if HAS_TAIL:
+            tl.store(dq_rows + D_V + offs_dt[None, :], dq_tail.to(dq_ptr.dtype.element_ty),
+                     mask=h_ok[:, None] & dt_ok[None, :])
+
+
+@triton.jit
+def _sparse_mla_bwd_dq_gemm_kernel(
+    g_ptr, kv_ptr, idx_ptr, dq_ptr,
+    T, S, K, H, D_V, D_T, q0,
+    s_gq, s_gh, s_kvb, s_kvs, s_ib, s_it, s_qb, s_qt, s_qh,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+):
+    """Two-pass dq: one program per (head block, query), dq = dS [BH, K] . K_rows [K, d_qk] with dS read from G
+    (a gathered GEMM, no softmax recompute)."""
+    pid_h = tl.program_id(0)
+    pid_l = tl.program_id(1).to(tl.int64)
+    pid_q = q0 + pid_l
+    b = pid_q // T
+    t = pid_q % T
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < D_V
+    offs_dt = tl.arange(0, BLOCK_DT)
+    dt_ok = offs_dt < D_T
+    dq_nope = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    dq_tail = tl.zeros([BLOCK_H, BLOCK_DT], tl.float32)
+    kv_base = kv_ptr + b * s_kvb
+    idx_base = idx_ptr + b * s_ib + t * s_it
+    g_rows = g_ptr + pid_l * s_gq + offs_h[:, None] * s_gh
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        idx = tl.load(idx_base + offs_k, mask=k_ok, other=-1)
+        valid = (idx >= 0) & (idx < S)
+        rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * s_kvs
+        ds = tl.load(g_rows + offs_k[None, :], mask=h_ok[:, None] & k_ok[None, :], other=0.0)  # 0 where invalid
+        k_nope = tl.load(rows + offs_dv[None, :], mask=valid[:, None] & dv_ok[None, :], other=0.0)
         dq_nope = tl.dot(ds, k_nope, dq_nope)
         if HAS_TAIL:
+            k_tail = tl.load(rows + D_V + offs_dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0)
             dq_tail = tl.dot(ds, k_tail, dq_tail)
     dq_rows = dq_ptr + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
     tl.store(dq_rows + offs_dv[None, :], dq_nope.to(dq_ptr.dtype.element_ty), mask=h_ok[:, None] & dv_ok[None, :])
@@ -217,7 +266,8 @@ def bwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict |
         BLOCK_DT=max(16, triton.next_power_of_2(max(d_tail, 1))),
         dq_BLOCK_H=bh, dq_BLOCK_K=bk, dq_num_warps=4, dq_num_stages=1,
         dkv_BLOCK_H=min(bh, 32), dkv_BLOCK_K=bk, dkv_num_warps=4, dkv_num_stages=1, dkv_S_FIRST=False,
-        dkv_mode="gemm", g_max_bytes=2**30,
+        dkv_mode="gemm", dq_mode="gemm", g_max_bytes=2**30,
+        dqg_BLOCK_H=bh, dqg_BLOCK_K=min(64, max(16, triton.next_power_of_2(K))), dqg_num_warps=4, dqg_num_stages=2,
         gemm_BLOCK_K=min(128, max(16, triton.next_power_of_2(K))),
         gemm_BLOCK_N=min(128, max(16, triton.next_power_of_2(d_v))),
         gemm_BLOCK_J=min(64, max(16, triton.next_power_of_2(H))), gemm_num_warps=8, gemm_num_stages=3,
@@ -225,9 +275,11 @@ def bwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict |
         gemm_ATOMIC=True,  # False only in the benchmark's diagnostic (plain stores: wrong dkv)
     )
     if cfg["BLOCK_DV"] >= 256:  # [64, 512] fp32 accumulators need two warpgroups' registers
-        cfg.update(dq_num_warps=8, dkv_num_warps=8, dq_BLOCK_K=min(64, max(16, triton.next_power_of_2(K))))
+        cfg.update(dq_num_warps=8, dkv_num_warps=8, dq_BLOCK_K=min(64, max(16, triton.next_power_of_2(K))),
+                   dqg_num_warps=8)
     if q.element_size() > 2:
-        cfg.update(dq_BLOCK_K=16, dkv_BLOCK_K=16, dkv_BLOCK_H=min(bh, 16), gemm_BLOCK_K=min(cfg["gemm_BLOCK_K"], 64),
+        cfg.update(dq_BLOCK_K=16, dkv_BLOCK_K=16, dkv_BLOCK_H=min(bh, 16), dqg_BLOCK_K=16, dqg_num_stages=1,
+                   gemm_BLOCK_K=min(cfg["gemm_BLOCK_K"], 64),
                    gemm_BLOCK_N=min(cfg["gemm_BLOCK_N"], 64), gemm_BLOCK_J=min(cfg["gemm_BLOCK_J"], 32),
                    gemm_num_stages=2)
     if cfg["gemm_BLOCK_K"] * cfg["gemm_BLOCK_N"] < 128 * 128:
@@ -245,6 +297,8 @@ def sparse_mla_bwd_triton(
     -> dq [B, T, H, D_qk] q.dtype, dkv [B, S, D_qk] kv.dtype. Last dims contiguous (the dispatcher ensures it).
     `parts` lets the benchmark time one kernel alone (the other output is then left unwritten; in "gemm" mode the
     dkv part alone runs only the GEMM kernels on an unwritten dS/P buffer, so its dkv is garbage: timing only).
+    dq_mode "gemm" (two-pass dq: the first kernel only writes dS and P, `_sparse_mla_bwd_dq_gemm_kernel` forms
+    dq = dS . K) or "fused" (dq accumulated in the first kernel).
 
     gemm mode works in query chunks so that the [chunk, 2H, K] dS/P buffer stays under g_max_bytes; the chunk
     count and every grid depend on shapes only (CUDA-graph safe)."""
@@ -262,9 +316,11 @@ def sparse_mla_bwd_triton(
     dkv = torch.zeros(B, S, D_qk, device=kv.device, dtype=torch.float32)
     cfg = bwd_config(q, d_v, d_tail, K, overrides)
     gemm = cfg["dkv_mode"] == "gemm"  # the dq kernel then also writes dS and P (timed with it when parts=("dq",))
+    dq_gemm = cfg["dq_mode"] == "gemm" and "dq" in parts
+    store_g = gemm or dq_gemm
     n_q = B * T
-    chunk = max(1, min(n_q, cfg["g_max_bytes"] // (2 * H * K * q.element_size()))) if gemm else n_q
-    g = torch.empty(chunk, 2 * H, K, device=q.device, dtype=q.dtype) if gemm else dq  # dq: an unused placeholder
+    chunk = max(1, min(n_q, cfg["g_max_bytes"] // (2 * H * K * q.element_size()))) if store_g else n_q
+    g = torch.empty(chunk, 2 * H, K, device=q.device, dtype=q.dtype) if store_g else dq  # dq: unused placeholder
     common = (T, S, K, H, d_v, d_tail, sm_scale, sm_scale * LOG2E)
     strides = (q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0),
                indices.stride(1), d_out.stride(0), d_out.stride(1), d_out.stride(2), lse.stride(0), lse.stride(1))
@@ -274,8 +330,15 @@ def sparse_mla_bwd_triton(
         if "dq" in parts:
             _sparse_mla_bwd_dq_kernel[(triton.cdiv(H, cfg["dq_BLOCK_H"]), n)](
                 q, kv, indices, d_out, lse, delta, dq, g, *common, q0, *strides, g.stride(0), g.stride(1),
-                BLOCK_H=cfg["dq_BLOCK_H"], BLOCK_K=cfg["dq_BLOCK_K"], STORE_G=gemm, **dims,
-                num_warps=cfg["dq_num_warps"], num_stages=cfg["dq_num_stages"],
+                BLOCK_H=cfg["dq_BLOCK_H"], BLOCK_K=cfg["dq_BLOCK_K"], STORE_G=store_g, COMPUTE_DQ=not dq_gemm,
+                **dims, num_warps=cfg["dq_num_warps"], num_stages=cfg["dq_num_stages"],
+            )
+        if dq_gemm:
+            _sparse_mla_bwd_dq_gemm_kernel[(triton.cdiv(H, cfg["dqg_BLOCK_H"]), n)](
+                g, kv, indices, dq, T, S, K, H, d_v, d_tail, q0, g.stride(0), g.stride(1), kv.stride(0),
+                kv.stride(1), indices.stride(0), indices.stride(1), q.stride(0), q.stride(1), q.stride(2),
+                BLOCK_H=cfg["dqg_BLOCK_H"], BLOCK_K=cfg["dqg_BLOCK_K"], **dims,
+                num_warps=cfg["dqg_num_warps"], num_stages=cfg["dqg_num_stages"],
             )
         if gemm and "dkv" in parts:
             bk, bn = cfg["gemm_BLOCK_K"], cfg["gemm_BLOCK_N"]
