@@ -124,7 +124,7 @@ def bench_sparse_mla(contexts, do_sweep):
     if do_sweep:
         q, kv, idx = mla_inputs(32768, n_fwd)
         fwd_cfg = sweep("sparse_mla_fwd", lambda c: lambda: sparse_mla_fwd_triton(q, kv, idx, scale, D_V, c), [
-            {},  # round 2 sweeps (docs/kernels.md): num_stages 3, BLOCK_H 128 x 16 warps, d_v split: all lost
+            {},  # round 2 (docs/kernels.md): stages 3, BLOCK_H 128 x 16 warps, d_v split, warp_specialize: none won
         ])
         qb, kvb, idxb = q[:, :n_bwd], kv, idx[:, :n_bwd]
         out, lse = sparse_mla_fwd_triton(qb, kvb, idxb, scale, D_V)
@@ -281,6 +281,7 @@ def kernel_stats():
 
     stats = []
     for fn in (triton_prefill._sparse_mla_fwd_kernel, triton_backward._sparse_mla_bwd_dq_kernel,
+               triton_backward._sparse_mla_bwd_dq_gemm_kernel,
                triton_backward._sparse_mla_bwd_dkv_kernel, triton_backward._sparse_mla_bwd_dkv_gemm_kernel,
                triton_decode._combine_kernel, triton_indexer._indexer_logits_kernel):
         try:
