@@ -94,8 +94,10 @@ class Trainer:
         if not skip_idx:
             self.opt.indexer.step()
 
-        S = self.ctx.plan.num_stages
-        vec = torch.zeros(2 * S, dtype=torch.float64, device=self.ctx.device)
+        S, R = self.ctx.plan.num_stages, self.ctx.plan.pipeline.ranks
+        vec = torch.zeros(2 * S + R, dtype=torch.float64, device=self.ctx.device)
+        if self.ctx.is_cuda:  # peak device memory of this rank since the run started (weights, optimiser, activations)
+            vec[2 * S + self.ctx.rank % R] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**30
         for ps, w, sp in zip(self.pstages, self.wrappers, self.local):
             vec[sp.index] = ps.timer.seconds()
             if w.indexer_losses:
@@ -115,6 +117,9 @@ class Trainer:
         for s in range(S):
             m[f"stage{s}_time_s"] = busy[s]
             m[f"stage{s}_indexer_loss"] = float(vec[S + s])
+        if self.ctx.is_cuda:
+            for r in range(R):
+                m[f"rank{r}_peak_mem_gib"] = float(vec[2 * S + r])
         if self.peak_flops:
             m["mfu"] = flops_per_token(self.params, self.embedding_params) * m["tokens_per_s"] / self.peak_flops
         if self.has_last:
