@@ -28,13 +28,13 @@ train)
     cp /tmp/bt$r/bench_train.json "$OUT/bench_train_r$r.json"; cp /tmp/bt$r/bench_train.md "$OUT/bench_train_r$r.md"
     cat "$OUT/bench_train_r$r.md"; done ;;
 serve)
-  step bench_decode 330 python3 scripts/bench_decode.py --gpus 1,2,4 --models small,mid --batches 1,4,16,64 \
+  step bench_decode 230 python3 scripts/bench_decode.py --gpus 1,2,4 --models small,mid --batches 1,8,64 \
     --steps 32 --repeats 2 --out /tmp/bd
   grab /tmp/bd/bench_decode.json /tmp/bd/bench_decode.md; cat /tmp/bd/bench_decode.md 2>/dev/null
-  step dsv32_train_8v 150 python3 -m dsaflow.cli train $DSV32_ATTN model.num_layers=16 pipeline=pp4_interleaved \
+  step dsv32_train_8v 130 python3 -m dsaflow.cli train $DSV32_ATTN model.num_layers=16 pipeline=pp4_interleaved \
     train.seq_len=4096 train.batch_size=8 train.steps=6 train.log_every=1 train.device=cuda \
     train.eval_every=0 train.final_ckpt=false track=none run_dir=/tmp/r/dsv32_8v
-  step dsv32_generate_8v 120 python3 -m dsaflow.cli generate $DSV32_ATTN model.num_layers=16 \
+  step dsv32_generate_8v 100 python3 -m dsaflow.cli generate $DSV32_ATTN model.num_layers=16 \
     pipeline=pp4_interleaved graphs=decode serve.max_context=4096 'serve.prompts=["hello world","abc"]' \
     serve.max_new_tokens=32 run_dir=/tmp/r/dsv32_gen ;;
 esac
