@@ -5,7 +5,7 @@
 #          (training with Interleaved1F1B and 1F1B, generation with per-device decode graphs)
 # Results (JSON + markdown) and one log per phase go to $OUT (default gpu_out/).
 set -uo pipefail
-PHASE=${1:?usage: gpu_multi.sh train|serve}
+PHASE=${1:?usage: gpu_multi.sh train|serve|issue7}
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; LOG="$OUT/$PHASE.log"; : > "$LOG"
 if [ -d .whl ]; then bash .whl/install-wheels.sh .whl >/dev/null || exit 1; export PYTHONPATH=/tmp/site:$PWD; fi
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -37,5 +37,14 @@ serve)
   step dsv32_generate_8v 100 python3 -m dsaflow.cli generate $DSV32_ATTN model.num_layers=16 \
     pipeline=pp4_interleaved graphs=decode serve.max_context=4096 'serve.prompts=["hello world","abc"]' \
     serve.max_new_tokens=32 run_dir=/tmp/r/dsv32_gen ;;
+issue7)  # V3.2 attention shapes, 16 layers: 1F1B on 4 stages, Interleaved1F1B on 8 virtual stages, decode bench
+  for pl in pp4 pp4_interleaved; do
+    step dsv32_train_$pl 110 python3 -m dsaflow.cli train $DSV32_ATTN model.num_layers=16 pipeline=$pl \
+      train.seq_len=4096 train.batch_size=8 train.steps=5 train.log_every=1 train.lr=3e-4 train.device=cuda \
+      train.eval_every=0 train.eval_batches=1 train.final_ckpt=false track=none run_dir=/tmp/r/dsv32_$pl
+    cp /tmp/r/dsv32_$pl/metrics.jsonl "$OUT/dsv32_${pl}_metrics.jsonl"; done
+  step dsv32_decode 110 python3 scripts/bench_decode.py --gpus 4 --models dsv32 --batches 1,8,32 --steps 16 \
+    --repeats 2 --overrides "model.vocab_size=256 model.inter_dim=2048 model.num_layers=16 index=every4" --out /tmp/bd7
+  grab /tmp/bd7/bench_decode.json /tmp/bd7/bench_decode.md; cat /tmp/bd7/bench_decode.md 2>/dev/null ;;
 esac
 grep -E "^=== .* rc=" "$LOG"
