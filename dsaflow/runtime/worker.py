@@ -23,5 +23,9 @@ def run_worker(run_dir: str, job: str = "train") -> None:
             from .serve import run_serve
 
             run_serve(ctx)
+        # Tear down together: a rank that destroys its gloo group while a peer still finishes its last collective
+        # (final checkpoint, tracker) can abort at exit ("terminate called without an active exception", seen once
+        # under load in the end-to-end test). Only on success: after an error a peer may never reach the barrier.
+        dist.barrier(group=ctx.group)
     finally:
         dist.destroy_process_group()
