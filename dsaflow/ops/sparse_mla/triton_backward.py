@@ -20,6 +20,15 @@ from .triton_prefill import LOG2E
 
 
 @triton.jit
+def _head_tile(pid_h, H, D_V, D_T, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr):
+    """Offsets and masks of one head block: heads, value (latent) columns, rope-tail columns."""
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dt = tl.arange(0, BLOCK_DT)
+    return offs_h, offs_h < H, offs_dv, offs_dv < D_V, offs_dt, offs_dt < D_T
+
+
+@triton.jit
 def _load_q_do(q_ptr, do_ptr, lse_ptr, delta_ptr, b, t, offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok,
                s_qb, s_qt, s_qh, s_dob, s_dot, s_doh, s_lb, s_lt, D_V, HAS_TAIL: tl.constexpr):
     """q [BH, DV] (+ tail [BH, DT]), dO [BH, DV], lse in base 2 (0 where -inf: every P is 0 then), delta [BH]."""
@@ -53,12 +62,7 @@ def _sparse_mla_bwd_dq_kernel(
     pid_q = q0 + pid_l
     b = pid_q // T
     t = pid_q % T
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = offs_h < H
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_ok = offs_dv < D_V
-    offs_dt = tl.arange(0, BLOCK_DT)
-    dt_ok = offs_dt < D_T
+    offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok = _head_tile(pid_h, H, D_V, D_T, BLOCK_H, BLOCK_DV, BLOCK_DT)
     q_nope, q_tail, do, lse2, delta = _load_q_do(
         q_ptr, do_ptr, lse_ptr, delta_ptr, b, t, offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok,
         s_qb, s_qt, s_qh, s_dob, s_dot, s_doh, s_lb, s_lt, D_V, HAS_TAIL)
@@ -113,12 +117,7 @@ def _sparse_mla_bwd_dq_gemm_kernel(
     pid_q = q0 + pid_l
     b = pid_q // T
     t = pid_q % T
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = offs_h < H
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_ok = offs_dv < D_V
-    offs_dt = tl.arange(0, BLOCK_DT)
-    dt_ok = offs_dt < D_T
+    offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok = _head_tile(pid_h, H, D_V, D_T, BLOCK_H, BLOCK_DV, BLOCK_DT)
     dq_nope = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     dq_tail = tl.zeros([BLOCK_H, BLOCK_DT], tl.float32)
     kv_base = kv_ptr + b * s_kvb
