@@ -41,11 +41,6 @@ class Trainer:
         self.has_first = any(plan.is_first(s.index) for s in self.local)
         self.has_last = any(plan.is_last(s.index) for s in self.local)
         use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and ctx.is_cuda)
-        if use_bf16 and ctx.is_cuda:
-            # The fp32 matmuls left under bf16 autocast are the indexer loss's (its target and scores run with
-            # autocast off); TF32 puts them on tensor cores with fp32 range and accumulation. train.dtype=fp32 stays
-            # exact fp32 (the PP-equality GPU tests use it).
-            torch.backends.cuda.matmul.allow_tf32 = True
         self.autocast = (
             (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
         )
