@@ -2,20 +2,21 @@
 `if wandb:` branches anywhere: a rank that does not log, or a run with `track=none`, holds a NullTracker."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Dict, Mapping
 
 
-class Tracker:
+class Tracker(ABC):
     """What the training loop may ask of an experiment tracker."""
 
-    def log_config(self, cfg_dict: Mapping[str, Any], plan_dict: Mapping[str, Any]) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def log_config(self, cfg_dict: Mapping[str, Any], plan_dict: Mapping[str, Any]) -> None: ...
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
 
-    def finish(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def finish(self) -> None: ...
 
 
 class NullTracker(Tracker):
