@@ -38,7 +38,7 @@ serve)
     pipeline=pp4_interleaved graphs=decode serve.max_context=4096 'serve.prompts=["hello world","abc"]' \
     serve.max_new_tokens=32 run_dir=/tmp/r/dsv32_gen ;;
 issue7)  # V3.2 attention shapes, 16 layers: 1F1B on 4 stages, Interleaved1F1B on 8 virtual stages, decode bench
-  for pl in pp4 pp4_interleaved; do
+  for pl in ${PIPELINES:-pp4 pp4_interleaved}; do  # 8 GPUs: PIPELINES=pp8
     step dsv32_train_$pl 110 python3 -m dsaflow.cli train $DSV32_ATTN model.num_layers=16 pipeline=$pl \
       train.seq_len=4096 train.batch_size=8 train.steps=5 train.log_every=1 train.lr=3e-4 train.device=cuda \
       train.eval_every=0 train.eval_batches=1 train.final_ckpt=false track=none run_dir=/tmp/r/dsv32_$pl
