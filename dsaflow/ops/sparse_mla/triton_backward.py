@@ -20,12 +20,15 @@ from .triton_prefill import LOG2E
 
 
 @triton.jit
-def _head_tile(pid_h, H, D_V, D_T, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr):
-    """Offsets and masks of one head block: heads, value (latent) columns, rope-tail columns."""
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+def _head_tile(q0, T, H, D_V, D_T, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr):
+    """This (head block, query) program's tile: its query row in the launch (pid_l), batch b and token t of query
+    q0 + pid_l, and the offsets and masks of its heads, value (latent) columns and rope-tail columns."""
+    pid_l = tl.program_id(1).to(tl.int64)
+    pid_q = q0 + pid_l
+    offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dt = tl.arange(0, BLOCK_DT)
-    return offs_h, offs_h < H, offs_dv, offs_dv < D_V, offs_dt, offs_dt < D_T
+    return pid_l, pid_q // T, pid_q % T, offs_h, offs_h < H, offs_dv, offs_dv < D_V, offs_dt, offs_dt < D_T
 
 
 @triton.jit
@@ -57,12 +60,8 @@ def _sparse_mla_bwd_dq_kernel(
     STORE_G: also write dS and P (the dkv kernel's A operand) to g [chunk, 2H, K] (rows 0..H-1 dS, H..2H-1 P)
     for the queries q0 + program_id(1) of this launch. COMPUTE_DQ=False: only S, dP and the G stores (dq then
     comes from `_sparse_mla_bwd_dq_gemm_kernel`), which frees the [BH, d_qk] fp32 accumulator's registers."""
-    pid_h = tl.program_id(0)
-    pid_l = tl.program_id(1).to(tl.int64)
-    pid_q = q0 + pid_l
-    b = pid_q // T
-    t = pid_q % T
-    offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok = _head_tile(pid_h, H, D_V, D_T, BLOCK_H, BLOCK_DV, BLOCK_DT)
+    pid_l, b, t, offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok = _head_tile(
+        q0, T, H, D_V, D_T, BLOCK_H, BLOCK_DV, BLOCK_DT)
     q_nope, q_tail, do, lse2, delta = _load_q_do(
         q_ptr, do_ptr, lse_ptr, delta_ptr, b, t, offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok,
         s_qb, s_qt, s_qh, s_dob, s_dot, s_doh, s_lb, s_lt, D_V, HAS_TAIL)
@@ -112,12 +111,8 @@ def _sparse_mla_bwd_dq_gemm_kernel(
 ):
     """Two-pass dq: one program per (head block, query), dq = dS [BH, K] . K_rows [K, d_qk] with dS read from G
     (a gathered GEMM, no softmax recompute)."""
-    pid_h = tl.program_id(0)
-    pid_l = tl.program_id(1).to(tl.int64)
-    pid_q = q0 + pid_l
-    b = pid_q // T
-    t = pid_q % T
-    offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok = _head_tile(pid_h, H, D_V, D_T, BLOCK_H, BLOCK_DV, BLOCK_DT)
+    pid_l, b, t, offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok = _head_tile(
+        q0, T, H, D_V, D_T, BLOCK_H, BLOCK_DV, BLOCK_DT)
     dq_nope = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     dq_tail = tl.zeros([BLOCK_H, BLOCK_DT], tl.float32)
     kv_base = kv_ptr + b * s_kvb
