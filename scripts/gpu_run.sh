@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Multi-GPU runs on a device machine (2-8 H200s). Usage: bash scripts/gpu_multi.sh train|serve
+# Multi-GPU runs on a device machine (2-8 H200s). Usage: bash scripts/gpu_run.sh train|serve
 #   train: all gpu/multigpu tests, the main job on 2 and 4 GPUs, bench_train.py on 2 and 4 ranks
 #   serve: bench_decode.py on 1/2/4 GPUs, and DeepSeek-V3.2 attention shapes over 8 virtual stages on 4 GPUs
 #          (training with Interleaved1F1B and 1F1B, generation with per-device decode graphs)
 # Results (JSON + markdown) and one log per phase go to $OUT (default gpu_out/).
 set -uo pipefail
-PHASE=${1:?usage: gpu_multi.sh train|serve|issue7}
+PHASE=${1:?usage: gpu_run.sh smoke|train|serve|issue7}
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; LOG="$OUT/$PHASE.log"; : > "$LOG"
 if [ -d .whl ]; then bash .whl/install-wheels.sh .whl >/dev/null || exit 1; export PYTHONPATH=/tmp/site:$PWD; fi
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -16,6 +16,14 @@ grab() { for f in "$@"; do [ -f "$f" ] && cp "$f" "$OUT/"; done; }
 DSV32_ATTN="model=dsv32 model.vocab_size=256 model.inter_dim=2048 index=every4"  # V3.2 attention, small MLP/vocab
 BENCH="model=small train.seq_len=2048 train.batch_size=32 pipeline.microbatches=8"
 case $PHASE in
+smoke)
+  step gpu_tests 300 python3 -m pytest -q -m "gpu or multigpu" tests/
+  tail -n 4 "$LOG"
+  step train_1gpu 150 python3 -m dsaflow.cli train model=small train.steps=30 train.seq_len=512 train.batch_size=8 \
+    train.log_every=10 train.device=cuda run_dir=/tmp/r/train1 track=none
+  step generate_1gpu 150 python3 -m dsaflow.cli generate model=small graphs=decode run_dir=/tmp/r/gen1 \
+    'serve.prompts=["hello world","the quick brown fox"]' serve.max_new_tokens=16
+  grep -E "^step|captured|generated" "$LOG" ;;
 train)
   step gpu_tests 240 python3 -m pytest -q -m "gpu or multigpu" tests/
   tail -n 4 "$LOG"
