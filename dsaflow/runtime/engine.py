@@ -38,6 +38,24 @@ class ServeError(PlanError):
     """A serving config or request mistake (a PlanError: the CLI prints it and exits 2); names field, value, fix."""
 
 
+def check_prompts(prompts: List[List[int]], serve, vocab_size: int) -> None:
+    """Token-id prompts must be non-empty, fit serve.max_context with serve.max_new_tokens, and stay in the vocab.
+    The parent checks them before launch (serve.check_serve) and the engine again per request."""
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ServeError(f"prompt {i} is empty. Fix: every prompt needs at least one token.")
+        if len(p) + serve.max_new_tokens > serve.max_context:
+            raise ServeError(
+                f"prompt {i} is {len(p)} tokens; with serve.max_new_tokens={serve.max_new_tokens} it exceeds "
+                f"serve.max_context={serve.max_context}. Fix: serve.max_context={len(p) + serve.max_new_tokens} or "
+                f"more, or shorten the prompt / lower serve.max_new_tokens."
+            )
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ServeError(f"prompt {i} has token id {bad[0]} outside model.vocab_size={vocab_size}. Fix: "
+                             f"token ids in [0, {vocab_size}).")
+
+
 def check_graph_blocks(plan: Plan, serve_cfg) -> None:
     """The plan's graph blocks must be servable: decode / prefill only, one of each; decode classes <=
     serve.max_batch (cache rows); the largest prefill class == serve.prefill_chunk (the index cache holds one chunk)."""
@@ -216,20 +234,7 @@ class PipelineEngine:
 
     # --- generation --------------------------------------------------------------------------------------------
     def check_request(self, prompts: List[List[int]]) -> None:
-        s = self.serve
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ServeError(f"prompt {i} is empty: every prompt needs at least one token.")
-            if len(p) + s.max_new_tokens > s.max_context:
-                raise ServeError(
-                    f"prompt {i} has {len(p)} tokens and serve.max_new_tokens={s.max_new_tokens}, which exceeds "
-                    f"serve.max_context={s.max_context}. Fix: serve.max_context={len(p) + s.max_new_tokens} (or more), "
-                    f"or shorten the prompt / lower serve.max_new_tokens."
-                )
-            bad = [t for t in p if not 0 <= t < self.model_cfg.vocab_size]
-            if bad:
-                vocab = self.model_cfg.vocab_size
-                raise ServeError(f"prompt {i} has token id {bad[0]} outside model.vocab_size={vocab}.")
+        check_prompts(prompts, self.serve, self.model_cfg.vocab_size)
 
     @torch.no_grad()
     def generate(self, prompts: List[List[int]]) -> Optional[List[List[int]]]:

@@ -24,7 +24,7 @@ from dsaflow.data.tokenizer import ByteTokenizer
 from dsaflow.model import StageModule
 from dsaflow.plan.plan import Plan
 
-from .engine import PipelineEngine, ServeError, check_graph_blocks
+from .engine import PipelineEngine, ServeError, check_graph_blocks, check_prompts
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -99,14 +99,7 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Tuple[Lis
     tok = ByteTokenizer()
     prompts = load_prompts(s)
     ids = [tok.encode(p) for p in prompts]
-    for i, p in enumerate(ids):
-        if not p:
-            raise ServeError(f"prompt {i} is empty. Fix: every prompt needs at least one byte.")
-        if len(p) + s.max_new_tokens > s.max_context:
-            raise ServeError(
-                f"prompt {i} is {len(p)} tokens; with serve.max_new_tokens={s.max_new_tokens} it exceeds "
-                f"serve.max_context={s.max_context}. Fix: serve.max_context={len(p) + s.max_new_tokens} or more."
-            )
+    check_prompts(ids, s, cfg.model.vocab_size)
     return prompts, ids
 
 
