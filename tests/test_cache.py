@@ -3,16 +3,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsaflow.config.compose import compose
 from dsaflow.model import IndexCacheError, StageCache, build_stages
-from dsaflow.plan import build_plan
+from model_helpers import planned_sharp
+
 
 V = 256
 
-
-def planned(layout, *overrides):
-    cfg = compose(["model=tiny", f"layout={layout}", "model.init_std=0.3", *overrides])
-    return cfg.model, build_plan(cfg)
 
 
 def run(stages, caches, x, pos, attn="sparse"):
@@ -35,7 +31,7 @@ def allocate(model, plan, max_batch, max_context, max_tokens, poison=True):
 def test_chunked_prefill_then_decode_reproduces_full_logits_at_every_position(attn, topk):
     """Two sequences of different prompt and total lengths, prefill in chunks of 8 (padded with position -1),
     then one token per step; every real position's logits equal the full-sequence forward of that sequence."""
-    model, plan = planned("FSSS|FSS", "model.num_layers=7", f"model.index_topk={topk}")
+    model, plan = planned_sharp("FSSS|FSS", "model.num_layers=7", f"model.index_topk={topk}")
     stages = build_stages(model, plan, seed=1)
     g = torch.Generator()
     g.manual_seed(0)
@@ -65,7 +61,7 @@ def test_chunked_prefill_then_decode_reproduces_full_logits_at_every_position(at
 
 
 def test_allocation_shapes_and_reset():
-    model, plan = planned("FSSS|FSSS")
+    model, plan = planned_sharp("FSSS|FSSS")
     c = StageCache.allocate(model, plan, 1, max_batch=2, max_context=10, max_tokens=4)
     assert sorted(c.kv) == [4, 5, 6, 7] and sorted(c.index_k) == [4]  # indexer K cache on F layers only
     assert c.kv[5].shape == (2, 11, model.kv_lora_rank + model.qk_rope_head_dim)  # + one trash row
@@ -81,7 +77,7 @@ def test_allocation_shapes_and_reset():
 
 @torch.no_grad()
 def test_padding_queries_never_touch_real_rows():
-    model, plan = planned("FSSS|FSSS")
+    model, plan = planned_sharp("FSSS|FSSS")
     stage = build_stages(model, plan)[1]
     c = StageCache.allocate(model, plan, 1, max_batch=2, max_context=6, max_tokens=4)
     stage(torch.randn(2, 4, model.dim), torch.arange(4).expand(2, 4), c)
@@ -97,7 +93,7 @@ def test_padding_queries_never_touch_real_rows():
 
 
 def test_s_layer_whose_source_did_not_write_raises_naming_both_layers():
-    model, plan = planned("FSSS|FSSS")
+    model, plan = planned_sharp("FSSS|FSSS")
     stage = build_stages(model, plan)[1]
     c = StageCache.allocate(model, plan, 1, max_batch=1, max_context=8, max_tokens=4)
     stage.eval()
@@ -119,7 +115,7 @@ def test_s_layer_whose_source_did_not_write_raises_naming_both_layers():
 
 
 def test_chunk_larger_than_the_index_cache_is_a_clear_error():
-    model, plan = planned("FSSS|FSSS")
+    model, plan = planned_sharp("FSSS|FSSS")
     stage = build_stages(model, plan)[1]
     c = StageCache.allocate(model, plan, 1, max_batch=1, max_context=16, max_tokens=4)
     with pytest.raises(ValueError, match="max_tokens >= 6"), torch.no_grad():
@@ -148,7 +144,7 @@ class RecordOps(TorchDispatchMode):
 def test_forward_with_cache_has_no_host_sync_and_static_shapes():
     """The CPU stand-in for CUDA-graph safety: no op that reads tensor values on the host, and the same op sequence
     with the same shapes whatever the positions hold (decode and prefill chunk shapes)."""
-    model, plan = planned("FSSS|FSSS")
+    model, plan = planned_sharp("FSSS|FSSS")
     stages = build_stages(model, plan)
     for T, pos_a, pos_b in [(1, [[3], [0]], [[9], [-1]]), (4, [[0, 1, 2, 3], [5, 6, -1, -1]], [[8, 9, 10, 11], [-1] * 4])]:
         traces = []

@@ -2,21 +2,12 @@
 import pytest
 import torch
 
-from dsaflow.config.compose import compose
 from dsaflow.model import build_stages
 from dsaflow.model.rope import apply_rope, apply_rope_prefix, rope_angles
-from dsaflow.plan import build_plan
+from model_helpers import planned_sharp, tokens
 
 
-def planned(layout, *overrides):
-    cfg = compose(["model=tiny", f"layout={layout}", "model.init_std=0.3", *overrides])
-    return cfg.model, build_plan(cfg)
 
-
-def tokens(B, T, seed=0):
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return torch.randint(0, 256, (B, T), generator=g)
 
 
 def textbook_head_probs(attn, x, pos, m):
@@ -73,7 +64,7 @@ def reference_loss(stage, inputs, pos, m, topk):
 
 @pytest.mark.parametrize("attn,topk", [("sparse", 4), ("dense", 16)])
 def test_indexer_loss_matches_textbook_recomputation(attn, topk):
-    model, plan = planned("FSSFS", "model.num_layers=5", f"model.index_topk={topk}")
+    model, plan = planned_sharp("FSSFS", "model.num_layers=5", f"model.index_topk={topk}")
     (stage,) = build_stages(model, plan, seed=2)
     inputs = {}
     for key, layer in stage.layers.items():
@@ -89,11 +80,11 @@ def test_indexer_loss_matches_textbook_recomputation(attn, topk):
 
 
 def test_indexer_loss_gradients_reach_only_indexer_weights():
-    model, plan = planned("FSSS|FSSS")
+    model, plan = planned_sharp("FSSS|FSSS")
     stage = build_stages(model, plan)[0]
     stage.train()
     stage.compute_indexer_loss = True
-    h = stage(tokens(2, 10))
+    stage(tokens(2, 10))
     stage.indexer_loss.backward()
     indexer = {n for n, _ in stage.named_parameters() if ".attn.indexer." in n}
     assert indexer and {n for n, _ in stage.named_parameters() if "indexer" in n} == indexer
@@ -115,8 +106,8 @@ def test_indexer_loss_gradients_reach_only_indexer_weights():
 
 
 def test_indexer_gradients_are_identical_under_pp1_and_pp2():
-    model, plan1 = planned("FSSSFSSS")
-    _, plan2 = planned("FSSS|FSSS")
+    model, plan1 = planned_sharp("FSSSFSSS")
+    _, plan2 = planned_sharp("FSSS|FSSS")
     (one,) = build_stages(model, plan1, seed=5)
     two = build_stages(model, plan2, seed=5)
     x = tokens(2, 12, seed=3)
@@ -136,7 +127,7 @@ def test_indexer_gradients_are_identical_under_pp1_and_pp2():
 
 def test_indexer_loss_stays_fp32_under_bf16_autocast():
     """KL >= 0 and equal to the fp32 value up to bf16 noise in the model itself (not in the loss arithmetic)."""
-    model, plan = planned("FSSS|FSSS", "model.init_std=0.02")
+    model, plan = planned_sharp("FSSS|FSSS", "model.init_std=0.02")
     stage = build_stages(model, plan)[0]
     stage.train()
     x = tokens(2, 16, seed=4)

@@ -4,23 +4,14 @@ import dataclasses
 import pytest
 import torch
 
-from dsaflow.config.compose import compose
 from dsaflow.model import DSABlock, IndexSlot, StageModule, build_stages, full_state_dict
 from dsaflow.model.context import ForwardContext, causal_indices
 from dsaflow.model.rope import apply_rope, rope_angles
-from dsaflow.plan import build_plan
 from dsaflow.plan.estimates import layer_params
+from model_helpers import planned, tokens
 
 
-def planned(layout, *overrides):
-    cfg = compose(["model=tiny", f"layout={layout}", *overrides])
-    return cfg.model, build_plan(cfg)
 
-
-def tokens(B, T, seed=0):
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return torch.randint(0, 256, (B, T), generator=g)
 
 
 def run_stages(stages, x, **kw):
