@@ -163,7 +163,7 @@ def add_savings(rows: list) -> list:
 
 
 def markdown(rows: list, env: dict) -> str:
-    lines = [f"# Decode benchmark: eager vs CUDA graphs", "",
+    lines = ["# Decode benchmark: eager vs CUDA graphs", "",
              f"{env['device_name']}, torch {env['torch']}, dtype {env['dtype']}, prompt {env['prompt_len']} tokens, "
              f"{env['steps']} decode steps x {env['repeats']} repeats (median). Per-token latency = one decode step "
              f"of the whole pipeline (all stages + p2p hops); tokens/s = batch / latency; graphs remove = 1 - graphs "

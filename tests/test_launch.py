@@ -3,9 +3,7 @@ one writes the run dir and trains through torchrun (2 gloo ranks), with the offl
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch

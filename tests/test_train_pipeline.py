@@ -3,7 +3,6 @@ gradients included (the stage-local indexer loss is backpropagated inside the st
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dsaflow.plan import build_plan
 from train_harness import GRAD_STEPS, run_configs, tiny_cfg

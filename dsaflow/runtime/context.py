@@ -59,7 +59,7 @@ def resolve_device_type(train_device: str) -> str:
 
 def init_distributed(cfg, plan: Plan, run_dir: Path) -> RunContext:
     """Initialise the default process group from torchrun's env: NCCL on GPUs (one per local rank), gloo on CPU."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if world != plan.pipeline.ranks:
         raise RuntimeError(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Mapping, Optional
+from typing import Mapping
 
 
 def _fmt(metrics: Mapping[str, float], keys) -> str:
