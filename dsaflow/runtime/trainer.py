@@ -111,7 +111,7 @@ class Trainer:
             "lr": self.t.lr * lr_f, "grad_norm": grad_norm, "indexer_grad_norm": idx_norm, "dense": float(dense),
             "skipped_main": float(skip_main), "skipped_indexer": float(skip_idx),
             "step_time_s": wall, "tokens_per_s": self.tokens_per_step / wall,
-            "indexer_loss": float(vec[S:].sum()),
+            "indexer_loss": float(vec[S : 2 * S].sum()),  # vec = [busy | indexer loss | memory]
             "pipeline_efficiency": sum(busy) / (self.ctx.plan.pipeline.ranks * wall),
         }
         for s in range(S):
