@@ -18,7 +18,7 @@ from dsaflow.data import BatchSource
 from dsaflow.model import StageModule
 
 from .context import RunContext
-from .metrics import flops_per_token, peak_tflops_per_rank
+from .metrics import model_flops_per_token, peak_tflops_per_rank
 from .optim import build_optimizers, clip_global, lr_factor, set_lr
 from .pipeline import LMLoss, TrainStage, build_pipeline_stages, build_schedule
 
@@ -57,6 +57,8 @@ class Trainer:
         self.params, self.embedding_params = int(n[0]), int(n[1])
         peak = peak_tflops_per_rank(self.t, self.ctx.device)
         self.peak_flops = None if peak is None else peak * 1e12 * self.ctx.plan.pipeline.ranks
+        self.flops_per_token = model_flops_per_token(
+            self.ctx.cfg.model, self.ctx.plan, self.t.seq_len, self.params, self.embedding_params)
 
     def dense_phase(self, step: int) -> bool:
         """dense_warmup: dense attention, only the indexers learn (main model frozen)."""
@@ -121,7 +123,7 @@ class Trainer:
             for r in range(R):
                 m[f"rank{r}_peak_mem_gib"] = float(vec[2 * S + r])
         if self.peak_flops:
-            m["mfu"] = flops_per_token(self.params, self.embedding_params) * m["tokens_per_s"] / self.peak_flops
+            m["mfu"] = self.flops_per_token * m["tokens_per_s"] / self.peak_flops
         if self.has_last:
             m["loss"] = float(torch.stack([l.detach().float() for l in losses]).mean())
             if self.data.has_answers:
