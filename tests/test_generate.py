@@ -7,7 +7,7 @@ import torch
 
 from dsaflow.config.compose import compose
 from dsaflow.model import build_stages
-from dsaflow.plan import build_plan
+from dsaflow.plan import PlanError, build_plan
 from dsaflow.runtime.engine import ServeError
 from dsaflow.runtime.serve import build_engine, check_serve, load_prompts, write_outputs
 
@@ -216,6 +216,5 @@ def test_more_serve_errors(tmp_path):
     def head_block(c):
         c.graphs.blocks[0].kind = "head"
 
-    cfg, plan = setup(["serve.prompts=[a]", "graphs=decode"], head_block)
-    with pytest.raises(ServeError, match="kind=head"):
-        check_serve(cfg, plan, "cuda")
+    with pytest.raises(PlanError, match="kind=head exists in the plan but is never captured"):
+        setup(["serve.prompts=[a]", "graphs=decode"], head_block)
