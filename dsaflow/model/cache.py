@@ -142,8 +142,3 @@ class StageCache:
             t.zero_()
         self.index_slot.buffer.fill_(-1)
         self.index_slot.begin()
-
-    def nbytes(self) -> int:
-        """Bytes held by all buffers (for reports; the planner estimates the same)."""
-        ts = (*self.kv.values(), *self.index_k.values(), self.index_slot.buffer)
-        return sum(t.numel() * t.element_size() for t in ts)

@@ -1,7 +1,7 @@
 """Experiment tracking kept out of core: `make_tracker` returns a Tracker (wandb) or a NullTracker."""
 from __future__ import annotations
 
-from .base import NullTracker, Tracker, flatten
+from .base import NullTracker, Tracker
 from .progress import Progress
 
 
@@ -18,4 +18,4 @@ def make_tracker(cfg, run_dir: str, is_logging_rank: bool, resume: bool = False)
     raise ValueError(f"track.backend={t.backend!r} is not one of wandb | none.")
 
 
-__all__ = ["NullTracker", "Progress", "Tracker", "flatten", "make_tracker"]
+__all__ = ["NullTracker", "Progress", "Tracker", "make_tracker"]
