@@ -13,7 +13,7 @@ def main(argv=None) -> None:
     ap.add_argument("run_dir", help="a run dir written by `dsaflow train` (config.yaml + plan.json)")
     ap.add_argument("--job", default="train", choices=("train", "generate"))
     args = ap.parse_args(argv)
-    from dsaflow.runtime.worker import run_worker
+    from dsaflow.launch.worker import run_worker
 
     run_worker(args.run_dir, args.job)
 

@@ -63,7 +63,7 @@ def build(layers: int, index: str, seq: int):
     from dsaflow.config.compose import compose
     from dsaflow.model import StageModule
     from dsaflow.plan import build_plan
-    from dsaflow.runtime.metrics import model_flops_per_token
+    from dsaflow.train.metrics import model_flops_per_token
 
     cfg = compose(["model=dsv32", "model.vocab_size=256", "model.inter_dim=2048", f"model.num_layers={layers}",
                    f"model.max_seq_len={max(seq, 4096)}", f"index={index}", f"train.seq_len={seq}"])
@@ -78,7 +78,7 @@ def build(layers: int, index: str, seq: int):
 
 
 def make_step(stage, opts, x, with_loss: bool):
-    from dsaflow.runtime.pipeline import attach_aux_loss
+    from dsaflow.train.pipeline import attach_aux_loss
 
     def step():
         for o in opts:

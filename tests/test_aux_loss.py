@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dsaflow.model import StageModule
-from dsaflow.runtime.pipeline import TrainStage, attach_aux_loss
+from dsaflow.train.pipeline import TrainStage, attach_aux_loss
 from model_helpers import planned
 
 

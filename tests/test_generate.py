@@ -8,8 +8,8 @@ import torch
 from dsaflow.config.compose import compose
 from dsaflow.model import build_stages
 from dsaflow.plan import PlanError, build_plan
-from dsaflow.runtime.engine import ServeError
-from dsaflow.runtime.serve import build_engine, check_serve, load_prompts, write_outputs
+from dsaflow.serve.engine import ServeError
+from dsaflow.serve.generate import build_engine, check_serve, load_prompts, write_outputs
 
 from test_graphs_cpu import FakeCapturer
 

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from dsaflow.plan import build_plan
-from dsaflow.runtime.context import RunContext
-from dsaflow.runtime.optim import lr_factor
-from dsaflow.runtime.trainer import Trainer
+from dsaflow.run.context import RunContext
+from dsaflow.train.optim import lr_factor
+from dsaflow.train.trainer import Trainer
 from train_harness import tiny_cfg
 
 

@@ -20,8 +20,8 @@ from typing import Dict, List
 
 from dsaflow.plan.plan import Plan, PlanError
 
-from .context import resolve_device_type
-from .rundir import latest_checkpoint, write_run_dir
+from dsaflow.run.context import resolve_device_type
+from dsaflow.run.rundir import latest_checkpoint, write_run_dir
 
 # Kept on the GPU machines (NVLink multicast off); a user's own values win.
 GPU_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -64,10 +64,10 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
             raise PlanError(
                 f"the plan has {ranks} pipeline ranks but this node has {n_gpu} GPUs (one process per GPU). Fix: "
                 f"use pipeline.ranks<={n_gpu} (e.g. pipeline.stages={n_gpu}), or prepare the run dir with "
-                "`python -m dsaflow.runtime.launch prepare ...` and start it on several nodes with launch/multi_node.sh."
+                "`python -m dsaflow.launch.launch prepare ...` and start it on several nodes with launch/multi_node.sh."
             )
-    if job == "generate":  # serve config, prompts and graph blocks (dsaflow.runtime.serve; raises ServeError)
-        from .serve import check_serve
+    if job == "generate":  # serve config, prompts and graph blocks (dsaflow.serve.generate; raises ServeError)
+        from dsaflow.serve.generate import check_serve
 
         check_serve(cfg, plan, device)
     if job != "train":
@@ -145,10 +145,10 @@ def prepare(cfg, plan: Plan, job: str = "train") -> Path:
 
 
 def main(argv=None) -> int:
-    """`python -m dsaflow.runtime.launch prepare [overrides]`: compose + plan + write the run dir, print its path."""
+    """`python -m dsaflow.launch.launch prepare [overrides]`: compose + plan + write the run dir, print its path."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] != "prepare":
-        print("usage: python -m dsaflow.runtime.launch prepare [hydra overrides]", file=sys.stderr)
+        print("usage: python -m dsaflow.launch.launch prepare [hydra overrides]", file=sys.stderr)
         return 2
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan

@@ -4,12 +4,12 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from dsaflow.run.context import RunContext
+from dsaflow.run.rundir import checkpoint_dir, latest_checkpoint
 from dsaflow.track import Progress, make_tracker
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .context import RunContext
 from .metrics import RunRecords
-from .rundir import checkpoint_dir, latest_checkpoint
 from .trainer import Trainer
 
 

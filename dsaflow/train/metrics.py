@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from .rundir import LOG, METRICS
+from dsaflow.run.rundir import LOG, METRICS
 
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 CPU_NOMINAL_TFLOPS = 0.1

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from dsaflow.data import BatchSource
 from dsaflow.model import StageModule
+from dsaflow.run.context import RunContext
 
-from .context import RunContext
 from .metrics import model_flops_per_token, peak_tflops_per_rank
 from .optim import build_optimizers, clip_global, lr_factor, set_lr
 from .pipeline import LMLoss, TrainStage, build_pipeline_stages, build_schedule

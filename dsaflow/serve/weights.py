@@ -1,7 +1,7 @@
 """Load model weights (only) for serving from a training checkpoint written by `dsaflow train`.
 
 Training checkpoints are torch.distributed.checkpoint folders whose model entries are `model.<global state-dict key>`
-(dsaflow.runtime.checkpoint). The keys are global (`layers.5.attn.wkv_b.weight`), so a model trained with PP=N can be
+(dsaflow.train.checkpoint). The keys are global (`layers.5.attn.wkv_b.weight`), so a model trained with PP=N can be
 served with any other stage split: each rank asks DCP for the keys of its own stages and nothing else (no optimiser,
 no RNG).
 
@@ -17,7 +17,7 @@ from typing import Dict
 import torch
 
 from .engine import ServeError
-from .rundir import CONFIG, latest_checkpoint
+from dsaflow.run.rundir import CONFIG, latest_checkpoint
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
