@@ -39,6 +39,16 @@ def _is_empty(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> bool:
     return kv.shape[1] == 0 or indices.shape[-1] == 0 or q.shape[0] * q.shape[1] * q.shape[2] == 0
 
 
+def _empty_result(q, kv, indices, sm_scale, d_v):
+    """No query, no key slot or no kv row: out = 0, lse = -inf (every query has no key), through the reference so
+    that gradients (zero) still reach q and kv."""
+    B, T, H = q.shape[:3]
+    if B * T * H == 0:
+        out = q.new_zeros(B, T, H, d_v) + q.sum() * 0 + kv.sum() * 0
+        return out, torch.full((B, T, H), float("-inf"), device=q.device)
+    return sparse_mla_naive(q, kv, indices[..., :0], sm_scale, d_v)
+
+
 class SparseMLATriton(torch.autograd.Function):
     """Differentiable in q and kv (and through lse); indices are integer inputs without gradient."""
 
@@ -64,8 +74,8 @@ def sparse_mla_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `dsaflow.ops.sparse_mla.sparse_mla` (q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K]).
     Raises ValueError for shapes the kernels refuse (`kernel_supports`)."""
-    if _is_empty(q, kv, indices):  # nothing to launch: the reference's result, exactly as on CPU
-        return sparse_mla_naive(q, kv, indices, sm_scale, d_v)
+    if _is_empty(q, kv, indices):  # nothing to launch
+        return _empty_result(q, kv, indices, sm_scale, d_v)
     reason = kernel_supports(q, kv, indices, d_v)
     if reason is not None:
         raise ValueError(
