@@ -72,9 +72,10 @@ def test_forward_large(B, T, H, S, K, gib):
     ref_out, ref_lse = sparse_mla_naive(q[:, ts].float(), kv.float(), idx[:, ts], SCALE, D_V)
     assert rel_err(out[:, ts], ref_out) < 1e-2
     check_lse(lse[:, ts], ref_lse, atol=2e-2)
-    with torch.no_grad():  # the public op without grad (decode launcher, one split at this size) agrees exactly
+    with torch.no_grad():  # the public op without grad (decode launcher: 1 or 2 key splits by its rule) agrees
         out2, lse2 = sparse_mla(q[:, -4096:], kv, idx[:, -4096:], SCALE, D_V)
-    assert torch.equal(out2, out[:, -4096:]) and torch.equal(lse2, lse[:, -4096:])
+    assert rel_err(out2, out[:, -4096:]) < 1e-2
+    check_lse(lse2, lse[:, -4096:], atol=1e-4)
 
 
 def test_decode_combine_past_int32_offsets():
