@@ -26,22 +26,28 @@ def _combine_kernel(
 ):
     """part_out [NS, n_rows, D_V] fp32, part_lse [NS, n_rows] fp32 -> out [n_rows, D_V], lse [n_rows] fp32.
 
-    A row is one (b, t, h). All partial tensors are contiguous over (b, t, h, d)."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    A row is one (b, t, h). All partial tensors are contiguous over (b, t, h, d). Offsets are int64: n_rows * D_V
+    and num_splits * s_po_split exceed 2^31 at 2^20 queries x 128 heads."""
+    offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < n_rows
     offs_d = tl.arange(0, BLOCK_DV)
     ok = r_ok[:, None] & (offs_d < D_V)[None, :]
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    pl = part_lse_ptr + offs_r  # advanced by whole splits: 64-bit pointer steps, no int32 products
     for s in range(num_splits):
-        m = tl.maximum(m, tl.load(part_lse_ptr + s * s_pl_split + offs_r, mask=r_ok, other=float("-inf")))
+        m = tl.maximum(m, tl.load(pl, mask=r_ok, other=float("-inf")))
+        pl += s_pl_split
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     denom = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    pl = part_lse_ptr + offs_r
+    po = part_out_ptr + offs_r[:, None] * D_V + offs_d[None, :]
     for s in range(num_splits):
-        w = tl.exp(tl.load(part_lse_ptr + s * s_pl_split + offs_r, mask=r_ok, other=float("-inf")) - m_safe)
-        part = tl.load(part_out_ptr + s * s_po_split + offs_r[:, None] * D_V + offs_d[None, :], mask=ok, other=0.0)
-        acc += w[:, None] * part
+        w = tl.exp(tl.load(pl, mask=r_ok, other=float("-inf")) - m_safe)
+        acc += w[:, None] * tl.load(po, mask=ok, other=0.0)
         denom += w
+        pl += s_pl_split
+        po += s_po_split
     d_safe = tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + offs_r[:, None] * D_V + offs_d[None, :], (acc / d_safe[:, None]).to(out_ptr.dtype.element_ty),
              mask=ok)

@@ -1,16 +1,18 @@
-"""CUDA entry of `sparse_mla`: picks the prefill, decode or naive path and wraps the kernels in autograd.
+"""CUDA entry of `sparse_mla`: picks the prefill or decode path and wraps the kernels in autograd.
 
-- grad needed (grad mode on and q or kv requires grad): `SparseMLATriton` (prefill forward + Triton backward).
+- grad needed (grad mode on and q or kv requires grad): `SparseMLATriton` (prefill forward + Triton backward; the
+  backward is deterministic when `determinism.is_deterministic()` holds at backward time).
 - no grad: the split-K decode launcher, which uses one split (= the prefill kernel) when the grid already fills the
   GPU and several when B * T is small.
-- shapes the kernels cannot take (see `kernel_supports`) go to the naive reference, which is correct but slow; this
-  is the documented fallback, and `kernel_supports` says why a shape was refused.
+- shapes the kernels cannot take (see `kernel_supports`) raise `ValueError` naming the shape and the reason: no
+  silent slow path. Empty inputs (no query, key or kv row) launch nothing and return the reference's result.
 All CUDA paths are graph-safe: grids and buffers depend on shapes only, and invalid indices are masked in-kernel.
 """
 from __future__ import annotations
 
 import torch
 
+from .determinism import is_deterministic
 from .naive import sparse_mla_naive
 from .triton_backward import sparse_mla_bwd_triton
 from .triton_decode import sparse_mla_decode_triton
@@ -22,7 +24,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def kernel_supports(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> str | None:
-    """None if the Triton kernels take these shapes, else the reason they do not (the naive path runs instead)."""
+    """None if the Triton kernels take these shapes, else the reason they do not (`sparse_mla_triton` raises it)."""
     d_qk = q.shape[-1]
     if q.dtype not in _DTYPES or kv.dtype != q.dtype:
         return f"dtypes q={q.dtype} kv={kv.dtype} (kernels take bf16/fp16/fp32 with q.dtype == kv.dtype)"
@@ -30,9 +32,21 @@ def kernel_supports(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_
         return f"d_v={d_v}, d_qk={d_qk} (kernels take 0 < d_v <= {MAX_D_V} and 0 <= d_qk - d_v <= {MAX_D_TAIL})"
     if q.dtype == torch.float32 and d_qk > 256:
         return f"fp32 with d_qk={d_qk} > 256 (the fp32 tiles do not fit in shared memory; use bf16)"
-    if kv.shape[1] == 0 or indices.shape[-1] == 0 or q.shape[0] * q.shape[1] == 0:
-        return "empty kv, indices or queries"
     return None
+
+
+def _is_empty(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> bool:
+    return kv.shape[1] == 0 or indices.shape[-1] == 0 or q.shape[0] * q.shape[1] * q.shape[2] == 0
+
+
+def _empty_result(q, kv, indices, sm_scale, d_v):
+    """No query, no key slot or no kv row: out = 0, lse = -inf (every query has no key), through the reference so
+    that gradients (zero) still reach q and kv."""
+    B, T, H = q.shape[:3]
+    if B * T * H == 0:
+        out = q.new_zeros(B, T, H, d_v) + q.sum() * 0 + kv.sum() * 0
+        return out, torch.full((B, T, H), float("-inf"), device=q.device)
+    return sparse_mla_naive(q, kv, indices[..., :0], sm_scale, d_v)
 
 
 class SparseMLATriton(torch.autograd.Function):
@@ -50,16 +64,23 @@ class SparseMLATriton(torch.autograd.Function):
         q, kv, indices, out, lse = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
-        dq, dkv = sparse_mla_bwd_triton(q, kv, indices, out, lse, d_out, d_lse, ctx.sm_scale, ctx.d_v)
+        dq, dkv = sparse_mla_bwd_triton(q, kv, indices, out, lse, d_out, d_lse, ctx.sm_scale, ctx.d_v,
+                                        deterministic=is_deterministic())
         return dq, dkv, None, None, None
 
 
 def sparse_mla_triton(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `dsaflow.ops.sparse_mla.sparse_mla` (q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K])."""
-    if kernel_supports(q, kv, indices, d_v) is not None:
-        return sparse_mla_naive(q, kv, indices, sm_scale, d_v)
+    """Same contract as `dsaflow.ops.sparse_mla.sparse_mla` (q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K]).
+    Raises ValueError for shapes the kernels refuse (`kernel_supports`)."""
+    if _is_empty(q, kv, indices):  # nothing to launch
+        return _empty_result(q, kv, indices, sm_scale, d_v)
+    reason = kernel_supports(q, kv, indices, d_v)
+    if reason is not None:
+        raise ValueError(
+            f"sparse_mla on CUDA: the Triton kernels do not take q {tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)} "
+            f"{kv.dtype}, indices {tuple(indices.shape)}, d_v={d_v}: {reason}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     indices = indices.to(torch.int32)
