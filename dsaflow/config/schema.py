@@ -109,6 +109,9 @@ class TrainConfig:
     indexer_lr: float = 1e-3
     indexer_loss_weight: float = 1.0
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    # Fixed reduction orders instead of atomics (sparse-attention backward, torch ops that have a deterministic
+    # implementation): repeated runs give bit-identical results; slower (docs/training.md).
+    deterministic: bool = False
     log_every: int = 10
     eval_every: int = 50  # 0 = only at the end
     eval_batches: int = 4

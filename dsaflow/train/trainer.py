@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from typing import Dict, List
 
@@ -23,11 +24,22 @@ from .optim import build_optimizers, clip_global, lr_factor, set_lr
 from .pipeline import LMLoss, TrainStage, build_pipeline_stages, build_schedule
 
 
+def enable_determinism() -> None:
+    """train.deterministic: fixed reduction orders for this process. cuBLAS needs its workspace config before its
+    first handle is created (no matmul has run yet when the Trainer is built); torch's mode also switches the
+    sparse-attention backward (dsaflow.ops.sparse_mla.determinism) and the indexer loss to their fixed-order
+    paths. warn_only: an op without a deterministic implementation warns (naming itself) instead of stopping."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 class Trainer:
     def __init__(self, ctx: RunContext):
         self.ctx, cfg, plan = ctx, ctx.cfg, ctx.plan
         self.t = t = cfg.train
         torch.manual_seed(t.seed)
+        if t.deterministic:
+            enable_determinism()
         self.local = ctx.stages
         self.modules: List[StageModule] = [StageModule(cfg.model, plan, s.index, seed=t.seed).to(ctx.device) for s in self.local]
         self.wrappers = [TrainStage(m, t.indexer_loss_weight) for m in self.modules]
