@@ -61,14 +61,14 @@ def matmul_ceiling_tflops() -> float:
 
 def build(layers: int, index: str, seq: int):
     from dsaflow.config.compose import compose
-    from dsaflow.model import StageModule
+    from dsaflow.run.stages import stage_module
     from dsaflow.plan import build_plan
     from dsaflow.train.metrics import model_flops_per_token
 
     cfg = compose(["model=dsv32", "model.vocab_size=256", "model.inter_dim=2048", f"model.num_layers={layers}",
                    f"model.max_seq_len={max(seq, 4096)}", f"index={index}", f"train.seq_len={seq}"])
     plan = build_plan(cfg)
-    stage = StageModule(cfg.model, plan, 0, seed=0).cuda().train()
+    stage = stage_module(cfg.model, plan, 0, seed=0).cuda().train()
     n = sum(p.numel() for p in stage.parameters())
     flops = model_flops_per_token(cfg.model, plan, seq, n, stage.embed.weight.numel()) * seq
     idx = stage.indexer_parameters()

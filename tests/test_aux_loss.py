@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dsaflow.model import StageModule
+from dsaflow.run.stages import stage_module
 from dsaflow.train.pipeline import TrainStage, attach_aux_loss
 from model_helpers import planned
 
@@ -24,7 +24,7 @@ def test_attach_aux_loss_adds_weighted_gradient():
 
 def test_train_stage_defers_indexer_gradient_to_the_output_backward():
     mcfg, plan = planned("(FS)*4")
-    stage = StageModule(mcfg, plan, 0, seed=0).train()
+    stage = stage_module(mcfg, plan, 0, seed=0).train()
     wrapper = TrainStage(stage, indexer_loss_weight=1.0)
     wrapper.live = True
     tokens = torch.randint(0, mcfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -38,7 +38,7 @@ def test_train_stage_defers_indexer_gradient_to_the_output_backward():
 
 def test_shape_inference_calls_compute_no_indexer_loss():
     mcfg, plan = planned("(FS)*4")
-    stage = StageModule(mcfg, plan, 0, seed=0).train()
+    stage = stage_module(mcfg, plan, 0, seed=0).train()
     wrapper = TrainStage(stage)  # live stays False: torch's shape inference calls the module like this
     out = wrapper(torch.zeros(1, 8, dtype=torch.long))
     out.float().sum().backward()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsaflow.config.compose import compose
-from dsaflow.model import build_stages
+from dsaflow.run.stages import build_stages
 from dsaflow.plan import PlanError, build_plan
 from dsaflow.serve.engine import ServeError
 from dsaflow.serve.generate import build_engine, check_serve, load_prompts, write_outputs

@@ -24,8 +24,8 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from dsaflow.model.cache import StageCache
 from dsaflow.plan.plan import Plan, PlanError
+from dsaflow.run.stages import stage_cache
 
 from .graphs import GraphManager, StaticInput
 from .report import CaptureReport
@@ -111,7 +111,7 @@ class PipelineEngine:
         decode = [max(b.shape_classes) for blocks in self.blocks.values() for b in blocks if b.kind == "decode"]
         self.batch_cap = min([serve_cfg.max_batch] + decode)
         self.caches = {
-            s: StageCache.allocate(
+            s: stage_cache(
                 model_cfg, plan, s, serve_cfg.max_batch, serve_cfg.max_context, serve_cfg.prefill_chunk,
                 self.device, dtype,
             )

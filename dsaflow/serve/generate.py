@@ -21,8 +21,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from dsaflow.data.tokenizer import ByteTokenizer
-from dsaflow.model import StageModule
 from dsaflow.plan.plan import Plan
+from dsaflow.run.stages import stage_module
 
 from .engine import PipelineEngine, ServeError, check_graph_blocks, check_prompts
 
@@ -107,7 +107,7 @@ def build_stage_modules(cfg, plan: Plan, rank: Optional[int], device, dtype) -> 
     """{stage index: StageModule} for the stages of `rank` (every stage when rank is None), weights from
     serve.checkpoint or seeded random init (train.seed, the same init as training)."""
     owned = plan.stages if rank is None else plan.stages_of_rank(rank)
-    stages = {sp.index: StageModule(cfg.model, plan, sp.index, seed=cfg.train.seed) for sp in owned}
+    stages = {sp.index: stage_module(cfg.model, plan, sp.index, seed=cfg.train.seed) for sp in owned}
     if cfg.serve.checkpoint:
         from .weights import load_model_weights
 

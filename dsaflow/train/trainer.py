@@ -18,6 +18,7 @@ import torch.distributed as dist
 from dsaflow.data import BatchSource
 from dsaflow.model import StageModule
 from dsaflow.run.context import RunContext
+from dsaflow.run.stages import stage_module
 
 from .metrics import model_flops_per_token, peak_tflops_per_rank
 from .optim import build_optimizers, clip_global, lr_factor, set_lr
@@ -41,7 +42,8 @@ class Trainer:
         if t.deterministic:
             enable_determinism()
         self.local = ctx.stages
-        self.modules: List[StageModule] = [StageModule(cfg.model, plan, s.index, seed=t.seed).to(ctx.device) for s in self.local]
+        self.modules: List[StageModule] = [stage_module(cfg.model, plan, s.index, t.seed).to(ctx.device)
+                                           for s in self.local]
         self.wrappers = [TrainStage(m, t.indexer_loss_weight) for m in self.modules]
         self.pstages = build_pipeline_stages(
             self.wrappers, [s.index for s in self.local], plan.num_stages, ctx.device, ctx.group
