@@ -54,8 +54,10 @@ def dense_indexer_kl_naive(
     return (kl * valid).sum() / valid.sum().clamp_min(1)
 
 
-def query_chunk(L: int, B: int, H: int, H_I: int, S: int, budget: int = CHUNK_BUDGET_ELEMS) -> int:
-    """Queries per chunk so that [L, B, H, chunk, S] and [B, chunk, H_I, S] stay under `budget` elements."""
+def query_chunk(L: int, B: int, H: int, H_I: int, S: int, budget: int | None = None) -> int:
+    """Queries per chunk so that [L, B, H, chunk, S] and [B, chunk, H_I, S] stay under `budget` elements
+    (default CHUNK_BUDGET_ELEMS)."""
+    budget = CHUNK_BUDGET_ELEMS if budget is None else budget
     return max(1, budget // max(1, B * S * max(L * H, H_I)))
 
 
