@@ -27,7 +27,7 @@ def _pos_block(pos_ptr, b, s_pb, s_pt, T, S, BLOCK_T: tl.constexpr):
     offs_t = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = offs_t < T
     pos = tl.load(pos_ptr + b * s_pb + offs_t * s_pt, mask=t_ok, other=-1)
-    hi = tl.minimum(tl.max(pos, 0) + 1, S)
+    hi = tl.minimum(tl.max(pos, 0) + 1, S).to(tl.int32)
     return offs_t, t_ok, pos, hi
 
 
@@ -39,10 +39,11 @@ def _attn_scores(q_base, k_base, offs_t, t_ok, offs_s, s_ok, D, s_qt, s_ks,
     acc = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d_ok = d0 + offs_d < D
-        qa = tl.load(q_base + offs_t[:, None] * s_qt + (d0 + offs_d)[None, :], mask=t_ok[:, None] & d_ok[None, :],
-                     other=0.0)
-        ka = tl.load(k_base + offs_s[None, :] * s_ks + (d0 + offs_d)[:, None], mask=s_ok[None, :] & d_ok[:, None],
-                     other=0.0)
+        # int64 row offsets: T * H * D passes 2^31 elements at 128K context
+        qa = tl.load(q_base + offs_t.to(tl.int64)[:, None] * s_qt + (d0 + offs_d)[None, :],
+                     mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        ka = tl.load(k_base + offs_s.to(tl.int64)[None, :] * s_ks + (d0 + offs_d)[:, None],
+                     mask=s_ok[None, :] & d_ok[:, None], other=0.0)
         acc = tl.dot(qa, ka, acc, input_precision=PREC)
     return acc
 
@@ -54,7 +55,7 @@ def _target_tile(q_ptr, k_ptr, lse_ptr, b, offs_t, t_ok, offs_s, s_ok, visible, 
     """pbar tile [BLOCK_T, BLOCK_S] fp32: mean over (layer, head) of the attention probs, 0 where invisible."""
     p = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
     for lh in range(L * H):
-        l = lh // H
+        l = (lh // H).to(tl.int64)
         h = lh % H
         s = _attn_scores(q_ptr + l * s_ql + b * s_qb + h * s_qh, k_ptr + l * s_kl + b * s_kb + h * s_kh,
                          offs_t, t_ok, offs_s, s_ok, D, s_qt, s_ks, BLOCK_T, BLOCK_S, BLOCK_D, PREC)
@@ -86,7 +87,7 @@ def _attn_lse_kernel(
     BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
 ):
     lh = tl.program_id(1)
-    l = lh // H
+    l = (lh // H).to(tl.int64)
     h = lh % H
     b = tl.program_id(2).to(tl.int64)
     offs_t, t_ok, pos, hi = _pos_block(pos_ptr, b, s_pb, s_pt, T, S, BLOCK_T)
