@@ -64,7 +64,8 @@ def cuda_ms(fn) -> float:
     return a.elapsed_time(b)
 
 
-def model_step(layout: str, T: int, reps: int) -> dict:
+def model_step(layout: str, T: int, reps: int, frozen: bool = False) -> dict:
+    """frozen=True: main weights requires_grad=False and no LM backward (what a dense phase strictly needs)."""
     from dsaflow.config.compose import compose
     from dsaflow.model import StageModule
     from dsaflow.plan import build_plan
@@ -72,6 +73,9 @@ def model_step(layout: str, T: int, reps: int) -> dict:
     cfg = compose(["model=dsv32", "model.vocab_size=256", "model.inter_dim=2048", f"model.num_layers={len(layout)}",
                    f"layout={layout}"])
     stage = StageModule(cfg.model, build_plan(cfg), 0).cuda().train()
+    if frozen:
+        for n, p in stage.named_parameters():
+            p.requires_grad_(".attn.indexer." in n)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (1, T), generator=g).cuda()
     y = torch.randint(0, 256, (1, T), generator=g).cuda()
@@ -89,7 +93,8 @@ def model_step(layout: str, T: int, reps: int) -> dict:
         idx_loss = stage.indexer_loss
         idx_loss.backward()  # TrainStage backpropagates the indexer loss inside the forward
         ev[2].record()
-        F.cross_entropy(logits.view(T, -1), y.view(-1)).backward()  # the schedule's LM backward
+        if not frozen:
+            F.cross_entropy(logits.view(T, -1), y.view(-1)).backward()  # the schedule's LM backward
         ev[3].record()
         torch.cuda.synchronize()
         times.append([ev[j].elapsed_time(ev[j + 1]) for j in range(3)])
@@ -97,7 +102,7 @@ def model_step(layout: str, T: int, reps: int) -> dict:
     fwd, ib, lb = (sorted(t[j] for t in times[1:])[(reps - 1) // 2] if reps > 1 else times[-1][j] for j in range(3))
     del stage
     torch.cuda.empty_cache()
-    return dict(layout=layout, context=T, step_ms=fwd + ib + lb, fwd_ms=fwd, idx_bwd_ms=ib, lm_bwd_ms=lb,
+    return dict(layout=layout + (" frozen main, no LM bwd" if frozen else ""), context=T, step_ms=fwd + ib + lb, fwd_ms=fwd, idx_bwd_ms=ib, lm_bwd_ms=lb,
                 peak_gib=peak, indexer_loss=float(idx_loss))
 
 
@@ -113,10 +118,10 @@ def op_inputs(L: int, T: int, seed: int = 0):
     return q, k, q_i, k_i, w, pos
 
 
-def op_rows(L: int, T: int, chunked_max: int) -> None:
+def op_rows(L: int, T: int, chunked_max: int, overrides: dict | None = None) -> None:
     q, k, q_i, k_i, w, pos = op_inputs(L, T)
     scale = D**-0.5
-    cfg = _config(T, T, D, D_I, None)
+    cfg = _config(T, T, D, D_I, overrides)
     pairs = T * (T + 1) / 2  # causal (query, key) pairs
     att, idx = 2 * pairs * L * H * D, 2 * pairs * H_I * D_I  # one q.k pass over the target / one indexer dot pass
     lse = attn_lse_triton(q, k, pos, scale, cfg)
@@ -132,12 +137,12 @@ def op_rows(L: int, T: int, chunked_max: int) -> None:
     for name, (fn, fl) in parts.items():
         ms = triton.testing.do_bench(fn, warmup=25, rep=100 if T <= 8192 else 60, return_mode="median")
         total_ms, total_fl = total_ms + ms, total_fl + fl
-        OUT["op"].append(dict(L=L, context=T, part=name, time_ms=ms, flops=fl, tflops=fl / ms / 1e9,
+        OUT["op"].append(dict(L=L, context=T, part=name + (f" {overrides}" if overrides else ""), time_ms=ms, flops=fl, tflops=fl / ms / 1e9,
                               frac_matmul=fl / ms / 1e9 / ceil))
-    OUT["op"].append(dict(L=L, context=T, part="Triton total (fwd + bwd)", time_ms=total_ms, flops=total_fl,
+    OUT["op"].append(dict(L=L, context=T, part="Triton total (fwd + bwd)" + (f" {overrides}" if overrides else ""), time_ms=total_ms, flops=total_fl,
                           tflops=total_fl / total_ms / 1e9, frac_matmul=total_fl / total_ms / 1e9 / ceil))
     OUT["op"][-1]["loss"] = float(kl.sum() / T)
-    if T <= chunked_max:  # the torch baseline: the chunked reference, forward + backward
+    if T <= chunked_max and not overrides:  # the torch baseline: the chunked reference, forward + backward
         qi, ki, wi = (t.detach().requires_grad_(True) for t in (q_i, k_i, w))
 
         def ref():
@@ -173,15 +178,18 @@ def main() -> None:
     jobs = [("step", lay, T) for lay in a.layouts.split(",") for T in sorted(contexts, reverse=True)]
     jobs += [("op", int(L), T) for L in a.op_layers.split(",") for T in contexts]
     jobs.sort(key=lambda j: (j[2] != max(contexts), j[0] != "step"))  # the 16K bar first, then the rest
-    for kind, arg, T in jobs:
+    jobs.insert(len(a.layouts.split(",")), ("frozen", a.layouts.split(",")[0], max(contexts)))
+    # Last, if time remains: two other block shapes for the KL kernels at 8K (the table above uses the default).
+    jobs += [("op", 1, 8192, dict(BLOCK_T=128, BLOCK_S=64)), ("op", 1, 8192, dict(BLOCK_T=64, BLOCK_S=128))]
+    for kind, arg, T, *extra in jobs:
         if time.time() - t_start > a.budget_s:
             OUT["errors"].append(f"skipped {kind} {arg} {T}: past --budget-s")
             continue
         try:
-            if kind == "step":
-                OUT["steps"].append(model_step(arg, T, a.reps))
+            if kind in ("step", "frozen"):
+                OUT["steps"].append(model_step(arg, T, a.reps, frozen=kind == "frozen"))
             else:
-                op_rows(arg, T, a.chunked_max)
+                op_rows(arg, T, a.chunked_max, *extra)
         except Exception as e:  # keep what was measured (one call to the device): record and go on
             OUT["errors"].append(f"{kind} {arg} {T}: {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc()
