@@ -10,6 +10,10 @@ Enabled when the stage is in training mode, has no serving cache, and `compute_i
 Target of F layer f (IndexCache distillation) = the mean of the distributions of f and of every S layer whose source
 is f (all on the same stage, by construction). S layers reuse f's indices, so all the sets line up column by column.
 Loss_f = KL(target || softmax(index scores on the key set)), averaged over valid queries (>= 1 visible key).
+
+Dense mode (the dense warm-up, no cache) records no [B, T, S] tensor: each layer hands over its per-head attention
+queries and keys, each F layer its indexer outputs, and `dsaflow.ops.dense_indexer_kl` streams the same loss over
+key blocks (the target over all causal keys is the mean over heads and layers of the softmax probs).
 The stage loss `StageModule.indexer_loss` is the SUM over the stage's F layers, so each F layer's gradient is the same
 whichever way the layers are split into stages (PP=1 vs PP=N).
 """
@@ -19,6 +23,7 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
+from dsaflow.ops.dense_indexer_kl import dense_indexer_kl
 from dsaflow.ops.indexer_topk import indexer_scores_naive
 
 
@@ -94,6 +99,8 @@ class IndexerLossRecorder:
     def __init__(self):
         self.attention: Dict[int, torch.Tensor] = {}  # layer -> [B, T, K] distribution (no grad)
         self.scores: Dict[int, torch.Tensor] = {}  # F layer -> [B, T, K] index scores (grad to indexer only)
+        self.dense_attention: Dict[int, Tuple[torch.Tensor, torch.Tensor, float]] = {}  # layer -> (q, k, sm_scale)
+        self.dense_index: Dict[int, Tuple[torch.Tensor, ...]] = {}  # F layer -> (q_I, k_I, w, positions)
 
     # Autocast off: under bf16 autocast the einsums would round the scores to bf16, and a KL between near-uniform
     # distributions is smaller than that rounding (it even turns negative). These are fp32 by contract.
@@ -105,6 +112,26 @@ class IndexerLossRecorder:
         with torch.autocast(q.device.type, enabled=False):
             self.scores[layer] = index_scores_on_keys(q, k, w, positions, indices, dense)
 
+    def record_dense_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, sm_scale: float) -> None:
+        """Dense mode: per-head attention q [B, T, H, D], k [B, S, H, D] (scores sm_scale * q.k over causal keys).
+        Kept detached: the attention's own autograd already holds these tensors, so this costs no memory."""
+        self.dense_attention[layer] = (q.detach(), k.detach(), sm_scale)
+
+    def record_dense_index(self, layer: int, q, k, w, positions) -> None:
+        """Dense mode: an F layer's indexer outputs q_I [B, T, H_I, D_I], k_I [B, S, D_I], w [B, T, H_I]."""
+        self.dense_index[layer] = (q, k, w, positions)
+
+    def _dense_loss(self, f: int, layers: list) -> torch.Tensor:
+        """Loss_f over every causal key, streamed (never a [B, T, S] tensor)."""
+        qs, ks, scales = zip(*(self.dense_attention[l] for l in layers))
+        if len(set(scales)) != 1:
+            raise ValueError(f"layers {layers} served by F layer {f} use different softmax scales {scales}")
+        q = qs[0].unsqueeze(0) if len(qs) == 1 else torch.stack(qs)  # [L, B, T, H, D]
+        k = ks[0].unsqueeze(0) if len(ks) == 1 else torch.stack(ks)
+        q_i, k_i, w, positions = self.dense_index[f]
+        with torch.autocast(q_i.device.type, enabled=False):
+            return dense_indexer_kl(q, k, scales[0], q_i, k_i, w, positions)
+
     def loss(self, sources: Iterable[Tuple[int, int]]) -> Optional[torch.Tensor]:
         """sources: (layer, source) for every layer of the stage -> sum over F layers of Loss_f, or None if none."""
         groups: Dict[int, list] = {}
@@ -115,5 +142,8 @@ class IndexerLossRecorder:
             target = torch.stack([self.attention[l] for l in groups[f]]).mean(dim=0)
             with torch.autocast(scores.device.type, enabled=False):
                 loss_f = indexer_kl_loss(scores, target)
+            total = loss_f if total is None else total + loss_f
+        for f in self.dense_index:
+            loss_f = self._dense_loss(f, groups[f])
             total = loss_f if total is None else total + loss_f
         return total

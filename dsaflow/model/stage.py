@@ -86,10 +86,15 @@ class StageModule(nn.Module):
             raise ValueError(f"attn={attn!r} is not an attention mode: use one of {ATTN_MODES}.")
         h = self.embed(x) if self.embed is not None else x
         B, T = h.shape[:2]
+        causal_rows = False  # see ForwardContext.causal_rows (only dense attention reads it)
         if positions is None:
             if cache is not None:
                 raise ValueError("StageModule.forward with a cache needs positions [B, T] (absolute, < 0 = padding).")
             positions = torch.arange(T, device=h.device).expand(B, T)
+            causal_rows = True
+        elif cache is None and attn == "dense":  # caller-given positions (padding): one host sync, a rare path
+            row = torch.arange(T, device=positions.device)
+            causal_rows = bool(((positions == row) | (positions < 0)).all())
         want_loss = self.compute_indexer_loss if compute_indexer_loss is None else compute_indexer_loss
         recorder = IndexerLossRecorder() if (want_loss and self.training and cache is None) else None
         slot = cache.index_slot if cache is not None else IndexSlot()
@@ -103,6 +108,7 @@ class StageModule(nn.Module):
             cache=cache,
             index_slot=slot,
             recorder=recorder,
+            causal_rows=causal_rows,
         )
         for layer in self.layers.values():
             h = layer(h, ctx)
