@@ -67,12 +67,12 @@ def cuda_ms(fn) -> float:
 def model_step(layout: str, T: int, reps: int, frozen: bool = False) -> dict:
     """frozen=True: main weights requires_grad=False and no LM backward (what a dense phase strictly needs)."""
     from dsaflow.config.compose import compose
-    from dsaflow.model import StageModule
+    from dsaflow.run.stages import stage_module
     from dsaflow.plan import build_plan
 
     cfg = compose(["model=dsv32", "model.vocab_size=256", "model.inter_dim=2048", f"model.num_layers={len(layout)}",
                    f"layout={layout}"])
-    stage = StageModule(cfg.model, build_plan(cfg), 0).cuda().train()
+    stage = stage_module(cfg.model, build_plan(cfg), 0).cuda().train()
     if frozen:
         for n, p in stage.named_parameters():
             p.requires_grad_(".attn.indexer." in n)

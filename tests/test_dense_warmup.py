@@ -10,7 +10,7 @@ import torch
 
 import dsaflow.model.indexer_loss as indexer_loss_mod
 import dsaflow.model.mla as mla_mod
-from dsaflow.model import build_stages
+from dsaflow.run.stages import build_stages
 from model_helpers import planned_sharp, tokens
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsaflow.model import build_stages
+from dsaflow.run.stages import build_stages
 from dsaflow.ops.dense_indexer_kl import dense_indexer_kl, dense_indexer_kl_chunked, dense_indexer_kl_naive
 from dsaflow.ops.dense_indexer_kl.triton_launch import (
     _config, attn_lse_triton, dense_indexer_kl_triton, kl_backward_triton, kl_forward_triton,
