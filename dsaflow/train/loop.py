@@ -36,6 +36,7 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
         if latest is None:
             raise FileNotFoundError(f"train.resume=true but {ctx.run_dir}/checkpoints holds no complete checkpoint.")
         start = load_checkpoint(latest[1], tr.modules, tr.opt, ctx.rank, ctx.group)
+        tr.start_at(start)
         records.truncate_after(start)
         records.log(f"resumed from {latest[1]} at step {start}")
     tracker = make_tracker(ctx.cfg, str(ctx.run_dir), ctx.is_logging_rank, resume=t.resume)
