@@ -31,11 +31,15 @@ td = importlib.import_module("dsaflow.ops.sparse_mla.triton_decode")
 naive = importlib.import_module("dsaflow.ops.sparse_mla.naive")
 
 H, D_QK, D_V, TOPK = 128, 576, 512, 2048
-VARIANTS = {
-    "early": dict(EARLY_QK=1),
-    "plain": dict(EARLY_QK=0),
-    "bk32s4": dict(EARLY_QK=1, BLOCK_K=32, NUM_STAGES=4),
-    "prod2w": dict(EARLY_QK=1, PRODUCER_WARPS=2, PRODUCER_REGS=88),
+VARIANTS = {  # all with the producer's index prefetch (round 1's "plain" = pf with EARLY_QK 0 minus the prefetch)
+    "pf": dict(),
+    "pf_early": dict(EARLY_QK=1),
+    "pf_lazy": dict(LAZY_SUM=1),
+    "pf_p88": dict(PRODUCER_REGS=88),
+    "pf_bk32s4": dict(BLOCK_K=32, NUM_STAGES=4),
+    "pf_bk32s4_early": dict(BLOCK_K=32, NUM_STAGES=4, EARLY_QK=1),
+    "diag1_no_copies": dict(DIAG=1),  # timing only: the consumer alone (stale tiles)
+    "diag2_no_math": dict(DIAG=2),  # timing only: the producer alone
 }
 ROWS: list[dict] = []
 
@@ -131,13 +135,15 @@ def decode_part(cp, configs):
 
 
 DECODE_CONFIGS = [
-    {},  # the committed rule
-    dict(num_splits=2), dict(num_splits=4), dict(num_splits=8),
-    dict(num_splits=4, BLOCK_K=32), dict(num_splits=8, BLOCK_K=32), dict(num_splits=16, BLOCK_K=32),
-    dict(num_splits=4, BLOCK_K=32, num_stages=3), dict(num_splits=8, BLOCK_K=32, num_stages=3),
-    dict(num_splits=8, BLOCK_K=16, num_stages=4), dict(num_splits=16, BLOCK_K=16, num_stages=4),
-    dict(num_splits=4, num_warps=8), dict(num_splits=8, BLOCK_K=32, num_warps=2),
-    dict(num_splits=16, BLOCK_K=32, num_warps=2), dict(num_splits=16, BLOCK_K=32, num_stages=3, num_warps=2),
+    {},  # the committed rule (2 splits, BLOCK_K 64, 2 stages, 4 warps)
+    dict(num_splits=4, BLOCK_K=64, num_stages=1), dict(num_splits=8, BLOCK_K=64, num_stages=1),
+    dict(num_splits=16, BLOCK_K=64, num_stages=1), dict(num_splits=8, BLOCK_K=32, num_stages=1),
+    dict(num_splits=16, BLOCK_K=32, num_stages=1), dict(num_splits=32, BLOCK_K=32, num_stages=1),
+    dict(num_splits=8, BLOCK_K=64, num_stages=1, num_warps=8), dict(num_splits=16, BLOCK_K=32, num_stages=1,
+                                                                     num_warps=2),
+    dict(num_splits=2, BLOCK_K=128, num_stages=1, num_warps=8), dict(num_splits=4, BLOCK_K=128, num_stages=1,
+                                                                     num_warps=8),
+    dict(num_splits=2, BLOCK_K=32, num_stages=2), dict(num_splits=2, BLOCK_K=64, num_stages=2, num_warps=8),
 ]
 
 

@@ -83,36 +83,47 @@ def _shape_reason(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v:
 if _GLUON_ERROR is None:
 
     @gluon.jit
+    def _issue_rows(smem, kv_base, idx, S, s_kvs, col0, offs_d, mask_cols):
+        """cp.async the rows kv_base[idx] (columns col0 + offs_d) into one stage tile; invalid rows zero-filled."""
+        ok = (idx >= 0) & (idx < S)
+        rows = kv_base + gl.where(ok, idx, 0).to(gl.int64) * s_kvs + col0
+        ptrs = gl.max_contiguous(gl.multiple_of(rows[:, None] + offs_d[None, :], [1, 8]), [1, 8])
+        async_copy.async_copy_global_to_shared(smem, ptrs, mask=ok[:, None] & mask_cols[None, :])
+
+    @gluon.jit
     def _producer(kv_ptr, idx_ptr, kn_smem, kr_smem, ready, empty, b, t, S, K, s_kvb, s_kvs, s_ib, s_it,
                   BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_T: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  PRODUCER_WARPS: gl.constexpr):
-        """Gather rows of kv into the stage ring with cp.async; every thread arrives (noinc) on `ready`."""
+                  PRODUCER_WARPS: gl.constexpr, DIAG: gl.constexpr):
+        """Gather rows of kv into the stage ring with cp.async; every thread arrives (noinc) on `ready`.
+        The next block's indices are loaded before waiting for a free stage, so their global-load latency is off
+        the critical path (the copies cannot start before the indices are known)."""
         s_kvb = gl.multiple_of(s_kvb, 8)  # checked by hopper_fwd_supports: 16-byte cp.async per thread
         s_kvs = gl.multiple_of(s_kvs, 8)
         nope_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
         rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
         offs_dv = gl.arange(0, D_V, layout=gl.SliceLayout(0, nope_l))
         offs_dt = gl.arange(0, D_T, layout=gl.SliceLayout(0, rope_l))
+        all_v = offs_dv < D_V
+        all_t = offs_dt < D_T
         kv_base = kv_ptr + b * s_kvb
         idx_base = idx_ptr + b * s_ib + t * s_it
+        offs_n = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, nope_l))
+        offs_r = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, rope_l))
+        idx_n = gl.load(idx_base + offs_n, mask=offs_n < K, other=-1)
+        idx_r = gl.load(idx_base + offs_r, mask=offs_r < K, other=-1)
         n_blocks = gl.cdiv(K, BLOCK_K)
         for it in range(n_blocks):
             s = it % NUM_STAGES
+            k1 = (it + 1) * BLOCK_K
+            nxt_n = gl.load(idx_base + k1 + offs_n, mask=k1 + offs_n < K, other=-1)  # prefetch block it + 1
+            nxt_r = gl.load(idx_base + k1 + offs_r, mask=k1 + offs_r < K, other=-1)
             mbarrier.wait(empty.index(s), ((it // NUM_STAGES) & 1) ^ 1)  # fresh barrier: parity 1 passes at once
-            k0 = it * BLOCK_K
-            offs_n = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, nope_l))
-            idx_n = gl.load(idx_base + offs_n, mask=offs_n < K, other=-1)
-            ok_n = (idx_n >= 0) & (idx_n < S)
-            rows_n = kv_base + gl.where(ok_n, idx_n, 0).to(gl.int64) * s_kvs
-            p_n = gl.max_contiguous(gl.multiple_of(rows_n[:, None] + offs_dv[None, :], [1, 8]), [1, 8])
-            async_copy.async_copy_global_to_shared(kn_smem.index(s), p_n, mask=ok_n[:, None])
-            offs_r = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, rope_l))
-            idx_r = gl.load(idx_base + offs_r, mask=offs_r < K, other=-1)
-            ok_r = (idx_r >= 0) & (idx_r < S)
-            rows_r = kv_base + gl.where(ok_r, idx_r, 0).to(gl.int64) * s_kvs + D_V
-            p_r = gl.max_contiguous(gl.multiple_of(rows_r[:, None] + offs_dt[None, :], [1, 8]), [1, 8])
-            async_copy.async_copy_global_to_shared(kr_smem.index(s), p_r, mask=ok_r[:, None])
+            if DIAG != 1:  # DIAG 1 (timing only): no copies, the consumer reads stale tiles
+                _issue_rows(kn_smem.index(s), kv_base, idx_n, S, s_kvs, 0, offs_dv, all_v)
+                _issue_rows(kr_smem.index(s), kv_base, idx_r, S, s_kvs, D_V, offs_dt, all_t)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            idx_n = nxt_n
+            idx_r = nxt_r
 
     @gluon.jit
     def _qk(qn_smem, qr_smem, kn_smem, kr_smem, ready, it, s_zero, NUM_STAGES: gl.constexpr):
@@ -125,7 +136,7 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _softmax_pv(sc, it, idx_base, S, K, m_i, l_i, acc, p_smem, kn, scale_log2,
-                    BLOCK_K: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr):
+                    BLOCK_K: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr, LAZY_SUM: gl.constexpr):
         """Online softmax of one S block (base 2), P to shared memory, then O += P.V issued asynchronously."""
         offs_k = it * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
         idx = gl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
@@ -135,7 +146,10 @@ if _GLUON_ERROR is None:
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: keep exp2 finite
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(sc - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
+        if LAZY_SUM:  # per-thread partial sums [64, BLOCK_K]: no cross-warpgroup reduction until the end
+            l_i = l_i * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + gl.sum(p, 1)
         p_smem.store(p.to(p_smem.dtype))
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         fence_async_shared()
@@ -146,7 +160,8 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _consumer(qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty, idx_ptr, out_ptr, lse_ptr,
                   b, t, h0, S, K, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2,
-                  BLOCK_K: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, EARLY_QK: gl.constexpr):
+                  BLOCK_K: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, EARLY_QK: gl.constexpr,
+                  DIAG: gl.constexpr, LAZY_SUM: gl.constexpr):
         """Two warpgroups: S by wgmma, softmax, P to shared memory, O += P.V by wgmma; then the epilogue.
         EARLY_QK issues block i+1's S right behind block i's P.V, so the tensor cores see no gap between them."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -156,17 +171,26 @@ if _GLUON_ERROR is None:
         row_s: gl.constexpr = gl.SliceLayout(1, s_l)
         idx_base = idx_ptr + b * s_ib + t * s_it
         m_i = gl.full([_BH], float("-inf"), gl.float32, row_s)
-        l_i = gl.zeros([_BH], gl.float32, row_s)
+        if LAZY_SUM:
+            l_i = gl.zeros([_BH, BLOCK_K], gl.float32, s_l)
+        else:
+            l_i = gl.zeros([_BH], gl.float32, row_s)
         acc = gl.zeros([_BH, D_V], gl.float32, o_l)
         s_zero = gl.zeros([_BH, BLOCK_K], gl.float32, s_l)
         n_blocks = gl.cdiv(K, BLOCK_K)
-        if EARLY_QK:
+        if DIAG == 2:  # timing only: the producer alone (no MMA, no softmax)
+            for it in range(n_blocks):
+                st = it % NUM_STAGES
+                mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(st), count=1)
+        elif EARLY_QK:
             sc_tok = _qk(qn_smem, qr_smem, kn_smem, kr_smem, ready, 0, s_zero, NUM_STAGES)
             for it in range(n_blocks - 1):
                 st = it % NUM_STAGES
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc_tok, ))
                 m_i, l_i, acc = _softmax_pv(sc, it, idx_base, S, K, m_i, l_i, acc, p_smem, kn_smem.index(st),
-                                            scale_log2, BLOCK_K, s_l, o_l)
+                                            scale_log2, BLOCK_K, s_l, o_l, LAZY_SUM)
                 sc_tok = _qk(qn_smem, qr_smem, kn_smem, kr_smem, ready, it + 1, s_zero, NUM_STAGES)
                 acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, ))  # P.V done; the two S groups may run
                 gl.thread_barrier()  # both warpgroups are done with this stage (and with P)
@@ -174,7 +198,7 @@ if _GLUON_ERROR is None:
             last = n_blocks - 1
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc_tok, ))
             m_i, l_i, acc = _softmax_pv(sc, last, idx_base, S, K, m_i, l_i, acc, p_smem,
-                                        kn_smem.index(last % NUM_STAGES), scale_log2, BLOCK_K, s_l, o_l)
+                                        kn_smem.index(last % NUM_STAGES), scale_log2, BLOCK_K, s_l, o_l, LAZY_SUM)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         else:
             for it in range(n_blocks):
@@ -182,10 +206,12 @@ if _GLUON_ERROR is None:
                 sc_tok = _qk(qn_smem, qr_smem, kn_smem, kr_smem, ready, it, s_zero, NUM_STAGES)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc_tok, ))
                 m_i, l_i, acc = _softmax_pv(sc, it, idx_base, S, K, m_i, l_i, acc, p_smem, kn_smem.index(st),
-                                            scale_log2, BLOCK_K, s_l, o_l)
+                                            scale_log2, BLOCK_K, s_l, o_l, LAZY_SUM)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 gl.thread_barrier()  # both warpgroups are done with this stage (and with P)
                 mbarrier.arrive(empty.index(st), count=1)
+        if LAZY_SUM:
+            l_i = gl.sum(l_i, 1)
         _epilogue(acc, m_i, l_i, qn_smem, out_ptr, lse_ptr, b, t, h0, s_ob, s_ot, s_oh, s_lb, s_lt, D_V, s_l, o_l)
 
     @gluon.jit
@@ -215,6 +241,7 @@ if _GLUON_ERROR is None:
         s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt,
         BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_T: gl.constexpr, NUM_STAGES: gl.constexpr,
         PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EARLY_QK: gl.constexpr,
+        DIAG: gl.constexpr, LAZY_SUM: gl.constexpr,
     ):
         # hopper_fwd_supports checks these: every row starts on 16 bytes (16-byte loads and cp.async)
         s_qb = gl.multiple_of(s_qb, 8)
@@ -261,16 +288,16 @@ if _GLUON_ERROR is None:
             [
                 (_consumer, (qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty, idx_ptr, out_ptr, lse_ptr,
                              b, t, h0, S, K, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2,
-                             BLOCK_K, D_V, NUM_STAGES, EARLY_QK)),
+                             BLOCK_K, D_V, NUM_STAGES, EARLY_QK, DIAG, LAZY_SUM)),
                 (_producer, (kv_ptr, idx_ptr, kn_smem, kr_smem, ready, empty, b, t, S, K, s_kvb, s_kvs, s_ib, s_it,
-                             BLOCK_K, D_V, D_T, NUM_STAGES, PRODUCER_WARPS)),
+                             BLOCK_K, D_V, D_T, NUM_STAGES, PRODUCER_WARPS, DIAG)),
             ],
             [PRODUCER_WARPS],
             [PRODUCER_REGS],
         )
 
 
-DEFAULT_CFG = dict(BLOCK_K=64, NUM_STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=56, EARLY_QK=1)
+DEFAULT_CFG = dict(BLOCK_K=64, NUM_STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=104, EARLY_QK=0, DIAG=0, LAZY_SUM=0)
 
 
 def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None = None):
@@ -287,7 +314,7 @@ def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None 
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         BLOCK_K=c["BLOCK_K"], D_V=d_v, D_T=D_qk - d_v, NUM_STAGES=c["NUM_STAGES"],
         PRODUCER_WARPS=c["PRODUCER_WARPS"], PRODUCER_REGS=c["PRODUCER_REGS"], EARLY_QK=bool(c["EARLY_QK"]),
-        num_warps=8,
+        DIAG=c["DIAG"], LAZY_SUM=bool(c["LAZY_SUM"]), num_warps=8,
     )
 
 
