@@ -85,8 +85,11 @@ def fwd_part(variants, contexts, mm):
     for name in variants:
         t0 = time.time()
         try:
-            o, l = hp.sparse_mla_fwd_hopper(q, kv, idx, scale, D_V, VARIANTS[name])
+            o = torch.full((*q.shape[:3], D_V), float("nan"), device="cuda", dtype=q.dtype)
+            l = torch.full(q.shape[:3], float("nan"), device="cuda")
+            k = hp.launch_hopper_fwd(q, kv, idx, scale, D_V, o, l, VARIANTS[name])
             torch.cuda.synchronize()
+            regs, spills = getattr(k, "n_regs", None), getattr(k, "n_spills", None)
         except Exception as e:
             rec(kind="fwd_check", variant=name, error=f"{type(e).__name__}: {str(e)[:300]}")
             continue
@@ -94,7 +97,8 @@ def fwd_part(variants, contexts, mm):
         fin = torch.isfinite(ref_l)
         lerr = (l[:, :8][fin] - ref_l[fin]).abs().max().item()
         rec(kind="fwd_check", variant=name, rel_err=err, lse_err=lerr, nan=bool(torch.isnan(o).any()),
-            empty_ok=bool(torch.isinf(l[0, 1]).all() and (o[0, 1] == 0).all()), compile_s=round(time.time() - t0, 1))
+            empty_ok=bool(torch.isinf(l[0, 1]).all() and (o[0, 1] == 0).all()), compile_s=round(time.time() - t0, 1),
+            regs=regs, spills=spills, shared=getattr(k, "metadata", None) and k.metadata.shared)
     for ctx in contexts:
         q, kv, idx = inputs(ctx, 4096)
         flops = 2 * H * TOPK * (D_QK + D_V) * 4096
