@@ -31,14 +31,16 @@ td = importlib.import_module("dsaflow.ops.sparse_mla.triton_decode")
 naive = importlib.import_module("dsaflow.ops.sparse_mla.naive")
 
 H, D_QK, D_V, TOPK = 128, 576, 512, 2048
-VARIANTS = {  # all with the producer's index prefetch (round 1's "plain" = pf with EARLY_QK 0 minus the prefetch)
-    "pf": dict(),
+VARIANTS = {  # all with the producer's index prefetch and 16-byte cp.async (round 1: no prefetch, 8-byte copies)
+    "pf": dict(),  # producer 96 registers -> consumers 208
     "pf_early": dict(EARLY_QK=1),
-    "pf_lazy": dict(LAZY_SUM=1),
-    "pf_p88": dict(PRODUCER_REGS=88),
+    "pf_lazy": dict(LAZY_SUM=1, PRODUCER_REGS=80),  # consumers 224: the [64, 64] partial sums need registers
+    "pf_lazy_early": dict(LAZY_SUM=1, EARLY_QK=1, PRODUCER_REGS=80),
+    "pf_p80": dict(PRODUCER_REGS=80),
+    "pf_early_p80": dict(EARLY_QK=1, PRODUCER_REGS=80),
     "pf_bk32s4": dict(BLOCK_K=32, NUM_STAGES=4),
     "pf_bk32s4_early": dict(BLOCK_K=32, NUM_STAGES=4, EARLY_QK=1),
-    "diag1_no_copies": dict(DIAG=1),  # timing only: the consumer alone (stale tiles)
+    "diag1_no_copies": dict(DIAG=1),  # timing only: the consumers alone (stale tiles)
     "diag2_no_math": dict(DIAG=2),  # timing only: the producer alone
 }
 ROWS: list[dict] = []
@@ -156,7 +158,7 @@ def main():
     ap.add_argument("--out", default="bench_out/hopper")
     ap.add_argument("--part", default="all", choices=("all", "fwd", "decode"))
     ap.add_argument("--variant", default=",".join(VARIANTS))
-    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--contexts", default="8192,32768,131072")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -87,7 +87,7 @@ if _GLUON_ERROR is None:
         """cp.async the rows kv_base[idx] (columns col0 + offs_d) into one stage tile; invalid rows zero-filled."""
         ok = (idx >= 0) & (idx < S)
         rows = kv_base + gl.where(ok, idx, 0).to(gl.int64) * s_kvs + col0
-        ptrs = gl.max_contiguous(gl.multiple_of(rows[:, None] + offs_d[None, :], [1, 8]), [1, 8])
+        ptrs = gl.max_contiguous(gl.multiple_of(rows[:, None] + offs_d[None, :], [1, 16]), [1, 8])
         async_copy.async_copy_global_to_shared(smem, ptrs, mask=ok[:, None] & mask_cols[None, :])
 
     @gluon.jit
@@ -297,7 +297,7 @@ if _GLUON_ERROR is None:
         )
 
 
-DEFAULT_CFG = dict(BLOCK_K=64, NUM_STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=104, EARLY_QK=0, DIAG=0, LAZY_SUM=0)
+DEFAULT_CFG = dict(BLOCK_K=64, NUM_STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=96, EARLY_QK=0, DIAG=0, LAZY_SUM=0)
 
 
 def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None = None):
