@@ -31,15 +31,11 @@ td = importlib.import_module("dsaflow.ops.sparse_mla.triton_decode")
 naive = importlib.import_module("dsaflow.ops.sparse_mla.naive")
 
 H, D_QK, D_V, TOPK = 128, 576, 512, 2048
-VARIANTS = {  # all with the producer's index prefetch and 16-byte cp.async (round 1: no prefetch, 8-byte copies)
-    "pf": dict(),  # producer 96 registers -> consumers 208
-    "pf_early": dict(EARLY_QK=1),
-    "pf_lazy": dict(LAZY_SUM=1, PRODUCER_REGS=80),  # consumers 224: the [64, 64] partial sums need registers
-    "pf_lazy_early": dict(LAZY_SUM=1, EARLY_QK=1, PRODUCER_REGS=80),
+VARIANTS = {  # round 3 also timed EARLY_QK (block i+1's S issued behind block i's P.V) and LAZY_SUM (row sums
+    # kept per thread until the end): both slower or equal, removed; docs/kernels.md has the numbers.
+    "pf": dict(),  # the default: producer 96 registers -> consumers 208
     "pf_p80": dict(PRODUCER_REGS=80),
-    "pf_early_p80": dict(EARLY_QK=1, PRODUCER_REGS=80),
     "pf_bk32s4": dict(BLOCK_K=32, NUM_STAGES=4),
-    "pf_bk32s4_early": dict(BLOCK_K=32, NUM_STAGES=4, EARLY_QK=1),
     "diag1_no_copies": dict(DIAG=1),  # timing only: the consumers alone (stale tiles)
     "diag2_no_math": dict(DIAG=2),  # timing only: the producer alone
 }
@@ -140,16 +136,10 @@ def decode_part(cp, configs):
             rec(kind="decode", cfg=cfg, error=f"{type(e).__name__}: {str(e)[:200]}")
 
 
-DECODE_CONFIGS = [
-    {},  # the committed rule (2 splits, BLOCK_K 64, 2 stages, 4 warps)
-    dict(num_splits=4, BLOCK_K=64, num_stages=1), dict(num_splits=8, BLOCK_K=64, num_stages=1),
-    dict(num_splits=16, BLOCK_K=64, num_stages=1), dict(num_splits=8, BLOCK_K=32, num_stages=1),
-    dict(num_splits=16, BLOCK_K=32, num_stages=1), dict(num_splits=32, BLOCK_K=32, num_stages=1),
-    dict(num_splits=8, BLOCK_K=64, num_stages=1, num_warps=8), dict(num_splits=16, BLOCK_K=32, num_stages=1,
-                                                                     num_warps=2),
-    dict(num_splits=2, BLOCK_K=128, num_stages=1, num_warps=8), dict(num_splits=4, BLOCK_K=128, num_stages=1,
-                                                                     num_warps=8),
-    dict(num_splits=2, BLOCK_K=32, num_stages=2), dict(num_splits=2, BLOCK_K=64, num_stages=2, num_warps=8),
+DECODE_CONFIGS = [  # merged over triton_decode.decode_overrides (8 warps for this shape)
+    {},  # the committed rule: 2 splits, BLOCK_K 64, 2 stages, 8 warps
+    dict(num_warps=4),  # round 2's default
+    dict(num_splits=4), dict(num_splits=2, BLOCK_K=32),
 ]
 
 

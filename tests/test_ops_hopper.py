@@ -81,7 +81,7 @@ def test_shape_rule_refuses_what_it_must():
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("cfg", [None, dict(EARLY_QK=1), dict(LAZY_SUM=1), dict(BLOCK_K=32, NUM_STAGES=4, EARLY_QK=1)])
+@pytest.mark.parametrize("cfg", [None, dict(PRODUCER_REGS=80), dict(BLOCK_K=32, NUM_STAGES=4)])
 def test_hopper_fwd_deepseek_shapes_poisoned(cfg):
     """V3.2 shapes (h128, 576/512, topk 2048) in bf16, invalid indices, a query with no key, NaN-poisoned out."""
     B, T, H, S, K = 2, 48, 128, 8192, 2048

@@ -136,7 +136,7 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _softmax_pv(sc, it, idx_base, S, K, m_i, l_i, acc, p_smem, kn, scale_log2,
-                    BLOCK_K: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr, LAZY_SUM: gl.constexpr):
+                    BLOCK_K: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr):
         """Online softmax of one S block (base 2), P to shared memory, then O += P.V issued asynchronously."""
         offs_k = it * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
         idx = gl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
@@ -146,10 +146,7 @@ if _GLUON_ERROR is None:
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: keep exp2 finite
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(sc - m_safe[:, None])
-        if LAZY_SUM:  # per-thread partial sums [64, BLOCK_K]: no cross-warpgroup reduction until the end
-            l_i = l_i * alpha[:, None] + p
-        else:
-            l_i = l_i * alpha + gl.sum(p, 1)
+        l_i = l_i * alpha + gl.sum(p, 1)
         p_smem.store(p.to(p_smem.dtype))
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         fence_async_shared()
@@ -160,10 +157,8 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _consumer(qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty, idx_ptr, out_ptr, lse_ptr,
                   b, t, h0, S, K, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2,
-                  BLOCK_K: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, EARLY_QK: gl.constexpr,
-                  DIAG: gl.constexpr, LAZY_SUM: gl.constexpr):
-        """Two warpgroups: S by wgmma, softmax, P to shared memory, O += P.V by wgmma; then the epilogue.
-        EARLY_QK issues block i+1's S right behind block i's P.V, so the tensor cores see no gap between them."""
+                  BLOCK_K: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, DIAG: gl.constexpr):
+        """Two warpgroups: S by wgmma, softmax, P to shared memory, O += P.V by wgmma; then the epilogue."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_K // 2, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -171,10 +166,7 @@ if _GLUON_ERROR is None:
         row_s: gl.constexpr = gl.SliceLayout(1, s_l)
         idx_base = idx_ptr + b * s_ib + t * s_it
         m_i = gl.full([_BH], float("-inf"), gl.float32, row_s)
-        if LAZY_SUM:
-            l_i = gl.zeros([_BH, BLOCK_K], gl.float32, s_l)
-        else:
-            l_i = gl.zeros([_BH], gl.float32, row_s)
+        l_i = gl.zeros([_BH], gl.float32, row_s)
         acc = gl.zeros([_BH, D_V], gl.float32, o_l)
         s_zero = gl.zeros([_BH, BLOCK_K], gl.float32, s_l)
         n_blocks = gl.cdiv(K, BLOCK_K)
@@ -184,34 +176,16 @@ if _GLUON_ERROR is None:
                 mbarrier.wait(ready.index(st), (it // NUM_STAGES) & 1)
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(st), count=1)
-        elif EARLY_QK:
-            sc_tok = _qk(qn_smem, qr_smem, kn_smem, kr_smem, ready, 0, s_zero, NUM_STAGES)
-            for it in range(n_blocks - 1):
-                st = it % NUM_STAGES
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc_tok, ))
-                m_i, l_i, acc = _softmax_pv(sc, it, idx_base, S, K, m_i, l_i, acc, p_smem, kn_smem.index(st),
-                                            scale_log2, BLOCK_K, s_l, o_l, LAZY_SUM)
-                sc_tok = _qk(qn_smem, qr_smem, kn_smem, kr_smem, ready, it + 1, s_zero, NUM_STAGES)
-                acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, ))  # P.V done; the two S groups may run
-                gl.thread_barrier()  # both warpgroups are done with this stage (and with P)
-                mbarrier.arrive(empty.index(st), count=1)
-            last = n_blocks - 1
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc_tok, ))
-            m_i, l_i, acc = _softmax_pv(sc, last, idx_base, S, K, m_i, l_i, acc, p_smem,
-                                        kn_smem.index(last % NUM_STAGES), scale_log2, BLOCK_K, s_l, o_l, LAZY_SUM)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         else:
             for it in range(n_blocks):
                 st = it % NUM_STAGES
                 sc_tok = _qk(qn_smem, qr_smem, kn_smem, kr_smem, ready, it, s_zero, NUM_STAGES)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc_tok, ))
                 m_i, l_i, acc = _softmax_pv(sc, it, idx_base, S, K, m_i, l_i, acc, p_smem, kn_smem.index(st),
-                                            scale_log2, BLOCK_K, s_l, o_l, LAZY_SUM)
+                                            scale_log2, BLOCK_K, s_l, o_l)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 gl.thread_barrier()  # both warpgroups are done with this stage (and with P)
                 mbarrier.arrive(empty.index(st), count=1)
-        if LAZY_SUM:
-            l_i = gl.sum(l_i, 1)
         _epilogue(acc, m_i, l_i, qn_smem, out_ptr, lse_ptr, b, t, h0, s_ob, s_ot, s_oh, s_lb, s_lt, D_V, s_l, o_l)
 
     @gluon.jit
@@ -240,8 +214,7 @@ if _GLUON_ERROR is None:
         T, S, K, n_hblk, scale_log2,
         s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt,
         BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_T: gl.constexpr, NUM_STAGES: gl.constexpr,
-        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EARLY_QK: gl.constexpr,
-        DIAG: gl.constexpr, LAZY_SUM: gl.constexpr,
+        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DIAG: gl.constexpr,
     ):
         # hopper_fwd_supports checks these: every row starts on 16 bytes (16-byte loads and cp.async)
         s_qb = gl.multiple_of(s_qb, 8)
@@ -288,7 +261,7 @@ if _GLUON_ERROR is None:
             [
                 (_consumer, (qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty, idx_ptr, out_ptr, lse_ptr,
                              b, t, h0, S, K, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2,
-                             BLOCK_K, D_V, NUM_STAGES, EARLY_QK, DIAG, LAZY_SUM)),
+                             BLOCK_K, D_V, NUM_STAGES, DIAG)),
                 (_producer, (kv_ptr, idx_ptr, kn_smem, kr_smem, ready, empty, b, t, S, K, s_kvb, s_kvs, s_ib, s_it,
                              BLOCK_K, D_V, D_T, NUM_STAGES, PRODUCER_WARPS, DIAG)),
             ],
@@ -297,7 +270,7 @@ if _GLUON_ERROR is None:
         )
 
 
-DEFAULT_CFG = dict(BLOCK_K=64, NUM_STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=96, EARLY_QK=0, DIAG=0, LAZY_SUM=0)
+DEFAULT_CFG = dict(BLOCK_K=64, NUM_STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=96, DIAG=0)
 
 
 def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None = None):
@@ -313,8 +286,7 @@ def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None 
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         BLOCK_K=c["BLOCK_K"], D_V=d_v, D_T=D_qk - d_v, NUM_STAGES=c["NUM_STAGES"],
-        PRODUCER_WARPS=c["PRODUCER_WARPS"], PRODUCER_REGS=c["PRODUCER_REGS"], EARLY_QK=bool(c["EARLY_QK"]),
-        DIAG=c["DIAG"], LAZY_SUM=bool(c["LAZY_SUM"]), num_warps=8,
+        PRODUCER_WARPS=c["PRODUCER_WARPS"], PRODUCER_REGS=c["PRODUCER_REGS"], DIAG=c["DIAG"], num_warps=8,
     )
 
 
