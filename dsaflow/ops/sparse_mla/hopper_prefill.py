@@ -18,6 +18,8 @@ Gluon does not run in the CPU interpreter and its API moves between triton relea
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -39,6 +41,7 @@ except Exception as e:  # pragma: no cover - depends on the installed triton
     _GLUON_ERROR = f"triton {triton.__version__} has no usable Gluon ({type(e).__name__}: {e})"
 
 
+@functools.lru_cache(maxsize=1)
 def _gluon_ok() -> str | None:
     if _GLUON_ERROR is not None:
         return _GLUON_ERROR
@@ -270,11 +273,15 @@ if _GLUON_ERROR is None:
         )
 
 
+# PRODUCER_REGS 96 leaves the consumers 208 registers (Triton splits the 168 x 384 launch budget); DIAG 1 / 2 are
+# timing-only diagnostics (no copies / no math) whose outputs are wrong.
 DEFAULT_CFG = dict(BLOCK_K=64, NUM_STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=96, DIAG=0)
 
 
 def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None = None):
-    """Fill out [B, T, H, 512] and lse [B, T, H] fp32. Returns the compiled kernel handle (registers, spills)."""
+    """Fill out [B, T, H, 512] and lse [B, T, H] fp32 (both with unit last stride) for inputs that
+    `hopper_fwd_supports` accepts. Returns the compiled kernel handle (registers, spills)."""
+    assert out.stride(-1) == 1 and lse.stride(-1) == 1, "out and lse need unit last strides"
     c = dict(DEFAULT_CFG, **(cfg or {}))
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
