@@ -125,3 +125,39 @@ def test_hopper_fwd_cuda_graph_replay_bitwise():
     graph.replay()
     out, lse = sparse_mla_fwd_hopper(q, kv, idx, 0.04, 512)
     assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+
+
+# ---- decode options (triton_decode.decode_overrides) ----
+
+def test_decode_overrides_rule():
+    from dsaflow.ops.sparse_mla.triton_decode import decode_overrides
+
+    assert decode_overrides(_t(128, 1, 16, 576), 512) == {"num_warps": 8}
+    assert decode_overrides(_t(64, 1, 128, 576), 512) == {}  # h128 decode is compute-bound: prefill options
+    assert decode_overrides(_t(4, 1, 16, 40, dtype=torch.float32), 32) == {}
+
+
+@pytest.mark.gpu
+def test_decode_tp8_shard_vs_naive_and_graph():
+    """128 x 1 token x 16 heads (8 warps, 2 splits), bf16, invalid indices and an empty query; graph == eager."""
+    from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
+
+    q, kv, idx = make_inputs(128, 1, 16, 2048, 2048, torch.bfloat16, "cuda", seed=21)
+    idx[3] = -1
+    out, lse = sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+    check_against_naive(out, lse, q, kv, idx, 0.04, sample=torch.arange(1))
+    assert torch.isinf(lse[3]).all() and (out[3] == 0).all()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+    q2, _, idx2 = make_inputs(128, 1, 16, 2048, 2048, torch.bfloat16, "cuda", seed=22)
+    q.copy_(q2)
+    idx.copy_(idx2)
+    graph.replay()
+    out, lse = sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
