@@ -73,6 +73,16 @@ def choose_num_splits(q: torch.Tensor, K: int, block_h: int, block_k: int) -> in
     return max(1, min(want, triton.cdiv(K, block_k), 64))
 
 
+def decode_overrides(q: torch.Tensor, d_v: int) -> dict:
+    """Decode-specific launch options on top of `fwd_config` (shape-only). Small-H shards (H <= 32: one 16-head
+    block per program, memory-bound) in bf16/fp16 with a wide value (d_v >= 256) run on 8 warps instead of 4:
+    H200, 128 seqs x 1 token x 16 heads, 32K cache, topk 2048, 2 splits: 0.1045 vs 0.1073 ms (same process;
+    docs/kernels.md, round 3). Other shapes keep the prefill kernel's options."""
+    if q.shape[2] <= 32 and q.element_size() == 2 and d_v >= 256:
+        return {"num_warps": 8}
+    return {}
+
+
 def sparse_mla_decode_triton(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
     num_splits: int | None = None, overrides: dict | None = None,
@@ -81,6 +91,7 @@ def sparse_mla_decode_triton(
     -> out [B, T, H, d_v] q.dtype, lse [B, T, H] fp32. Same contract as `sparse_mla`."""
     B, T, H, D_qk = q.shape
     K = indices.shape[2]
+    overrides = {**decode_overrides(q, d_v), **(overrides or {})}
     cfg = fwd_config(q, d_v, D_qk - d_v, K, overrides)
     ns = num_splits or choose_num_splits(q, K, cfg["BLOCK_H"], cfg["BLOCK_K"])
     out = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype)
