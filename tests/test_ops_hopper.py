@@ -161,3 +161,38 @@ def test_decode_tp8_shard_vs_naive_and_graph():
     graph.replay()
     out, lse = sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
     assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+
+
+def test_dispatch_selects_by_an_explicit_rule(monkeypatch):
+    """On CPU tensors the rule picks the portable kernel; forcing the Gluon kernel where it cannot run raises with
+    the reason; an unknown choice is refused."""
+    from dsaflow.ops.sparse_mla.triton_dispatch import select_forward
+
+    q, kv, idx = torch.zeros(1, 2, 64, 576), torch.zeros(1, 8, 576), torch.zeros(1, 2, 4, dtype=torch.int32)
+    assert select_forward(q, kv, idx, 512) == "triton"
+    monkeypatch.setenv("DSAFLOW_SPARSE_MLA_FWD", "hopper")
+    with pytest.raises(ValueError, match="cannot run these inputs"):
+        select_forward(q, kv, idx, 512)
+    monkeypatch.setenv("DSAFLOW_SPARSE_MLA_FWD", "fastest")
+    with pytest.raises(ValueError, match="use one of"):
+        select_forward(q, kv, idx, 512)
+
+
+@pytest.mark.gpu
+def test_training_forward_uses_the_hopper_kernel_and_matches_the_portable_one(monkeypatch):
+    """At V3.2 shapes on sm_90 the differentiable op runs the Gluon forward; its out/lse (and so the Triton backward
+    built on them) agree with the portable forward to bf16 rounding."""
+    from dsaflow.ops.sparse_mla.triton_dispatch import select_forward, sparse_mla_triton
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 256, 128, 576, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
+    kv = torch.randn(1, 4096, 576, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
+    idx = torch.randint(0, 4096, (1, 256, 2048), generator=g, dtype=torch.int32).to("cuda")
+    assert select_forward(q, kv, idx, 512) == "hopper"
+    out_h, lse_h = sparse_mla_triton(q, kv, idx, 576**-0.5, 512)
+    monkeypatch.setenv("DSAFLOW_SPARSE_MLA_FWD", "triton")
+    out_t, lse_t = sparse_mla_triton(q, kv, idx, 576**-0.5, 512)
+    assert (out_h.float() - out_t.float()).abs().max().item() < 2e-2
+    assert (lse_h - lse_t).abs().max().item() < 1e-3
