@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsaflow.ops.indexer_loss import attention_distribution, attention_target, indexer_kl, indexer_kl_naive
+from dsaflow.ops.indexer_loss import (
+    attention_distribution, attention_target, attention_target_naive, indexer_kl, indexer_kl_naive,
+)
 from dsaflow.ops.indexer_loss.triton_kl import IndexerKLTriton, launch_indexer_kl_bwd, launch_indexer_kl_fwd
 from dsaflow.ops.indexer_loss.triton_target import attention_target_triton, launch_attention_target, split_dims
 from dsaflow.ops.sparse_mla import sparse_mla_naive
@@ -221,3 +223,57 @@ def test_indexer_kl_v32_bf16():
     assert abs(loss.item() - ref.item()) < 1e-3 * ref.item()
     for name, got, want in zip("qkw", torch.autograd.grad(loss, (qa, ka, wa)), ref_grads):
         assert rel_err(got, want) < 2e-2, name
+
+
+# ---------------------------------------------------------------------------------------------- in the model
+def stage_loss_and_grads(stage, x):
+    stage.zero_grad(set_to_none=True)
+    stage(x, compute_indexer_loss=True)
+    loss = stage.indexer_loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("layout", ["FSSFS", "FSSS|FSSS"])
+def test_model_indexer_loss_with_fused_ops_matches_reference(monkeypatch, layout):
+    """The stage's indexer loss and every indexer gradient with the Triton ops (interpreter, forced on CPU tensors)
+    equal those with the reference: F layers with 2 and 3 served layers, several F layers per stage, topk < T."""
+    from dsaflow.model import build_stages
+    from dsaflow.model import indexer_loss as recorder_mod
+    from model_helpers import planned_sharp, tokens
+
+    model, plan = planned_sharp(layout, "model.num_layers=" + str(len(layout.replace("|", ""))), "model.index_topk=4")
+    stage = build_stages(model, plan, seed=2)[0]
+    stage.train()
+    x = tokens(2, 9, seed=1)
+    ref_loss, ref_grads = stage_loss_and_grads(stage, x)
+    assert ref_grads and all(".attn.indexer." in n for n in ref_grads)
+    monkeypatch.setattr(recorder_mod, "attention_target", attention_target_triton)
+    from dsaflow.ops.indexer_loss.triton_kl import indexer_kl_triton
+
+    monkeypatch.setattr(recorder_mod, "indexer_kl", indexer_kl_triton)
+    loss, grads = stage_loss_and_grads(stage, x)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_model_indexer_loss_cuda_fused_matches_reference(monkeypatch):
+    """On CUDA the recorder uses the fused ops; forcing the reference gives the same loss and indexer gradients."""
+    from dsaflow.model import build_stages
+    from dsaflow.model import indexer_loss as recorder_mod
+    from model_helpers import planned_sharp, tokens
+
+    model, plan = planned_sharp("FSSS|FSSS", "model.index_topk=8")
+    stage = build_stages(model, plan, seed=3)[0].cuda()
+    stage.train()
+    x = tokens(2, 32, seed=2).cuda()
+    loss, grads = stage_loss_and_grads(stage, x)
+    monkeypatch.setattr(recorder_mod, "attention_target", attention_target_naive)
+    monkeypatch.setattr(recorder_mod, "indexer_kl", indexer_kl_naive)
+    ref_loss, ref_grads = stage_loss_and_grads(stage, x)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-7)
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-3, atol=1e-6)

@@ -87,7 +87,8 @@ class StageModule(nn.Module):
                 raise ValueError("StageModule.forward with a cache needs positions [B, T] (absolute, < 0 = padding).")
             positions = torch.arange(T, device=h.device).expand(B, T)
         want_loss = self.compute_indexer_loss if compute_indexer_loss is None else compute_indexer_loss
-        recorder = IndexerLossRecorder() if (want_loss and self.training and cache is None) else None
+        recorder = (IndexerLossRecorder(self.sources(), dense=attn == "dense")
+                    if (want_loss and self.training and cache is None) else None)
         slot = cache.index_slot if cache is not None else IndexSlot()
         slot.begin()
         c = self.cfg
@@ -102,7 +103,7 @@ class StageModule(nn.Module):
         )
         for layer in self.layers.values():
             h = layer(h, ctx)
-        self.indexer_loss = recorder.loss(self.sources()) if recorder is not None else None
+        self.indexer_loss = recorder.loss() if recorder is not None else None
         if self.head is not None:
             return self.head(self.norm(h)).float()
         return h

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_target import dot_precision
+
 
 @triton.jit
 def _query_tile(q_ptr, w_ptr, b, t, H, D, s_qb, s_qt, s_qh, s_wb, s_wt, s_wh,
@@ -36,7 +38,8 @@ def _query_tile(q_ptr, w_ptr, b, t, H, D, s_qb, s_qt, s_qh, s_wb, s_wt, s_wh,
 
 
 @triton.jit
-def _key_block(k_base, idx_base, tgt_row, q, w, k0, K, S, s_ks, offs_d, d_ok, BLOCK_K: tl.constexpr):
+def _key_block(k_base, idx_base, tgt_row, q, w, k0, K, S, s_ks, offs_d, d_ok, BLOCK_K: tl.constexpr,
+               PREC: tl.constexpr):
     """The k_I rows of keys k0 .. k0 + BLOCK_K: their indices, validity, rows [BK, BD], logits [BH, BK] fp32,
     scores [BK] (valid keys only matter) and target [BK] (0 on invalid keys)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -45,7 +48,7 @@ def _key_block(k_base, idx_base, tgt_row, q, w, k0, K, S, s_ks, offs_d, d_ok, BL
     valid = (idx >= 0) & (idx < S)
     safe = tl.where(valid, idx, 0).to(tl.int64)
     rows = tl.load(k_base + safe[:, None] * s_ks + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
-    logits = tl.dot(q, tl.trans(rows))
+    logits = tl.dot(q, tl.trans(rows), input_precision=PREC)
     scores = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
     tgt = tl.load(tgt_row + offs_k, mask=k_ok & valid, other=0.0)
     return safe, valid, rows, logits, scores, tgt
@@ -56,7 +59,7 @@ def _indexer_kl_fwd_kernel(
     q_ptr, k_ptr, w_ptr, idx_ptr, tgt_ptr, stats_ptr,
     T, S, K, H, D,
     s_qb, s_qt, s_qh, s_kb, s_ks, s_wb, s_wt, s_wh, s_ib, s_it, s_tb, s_tt,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
 ):
     """stats [4, B * T] fp32: KL_t (0 without a valid key), LSE_t (0 then), target mass on valid keys, valid flag."""
     pid = tl.program_id(0).to(tl.int64)
@@ -75,7 +78,7 @@ def _indexer_kl_fwd_kernel(
     mass = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         safe, valid, rows, logits, scores, tgt = _key_block(k_base, idx_base, tgt_row, q, w, k0, K, S, s_ks,
-                                                            offs_d, d_ok, BLOCK_K)
+                                                            offs_d, d_ok, BLOCK_K, PREC)
         s = tl.where(valid, scores, float("-inf"))
         m_new = tl.maximum(m, s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -104,7 +107,7 @@ def _indexer_kl_bwd_kernel(
     T, S, K, H, D,
     s_qb, s_qt, s_qh, s_kb, s_ks, s_wb, s_wt, s_wh, s_ib, s_it, s_tb, s_tt,
     s_dqb, s_dqt, s_dqh, s_dkb, s_dks, s_dwb, s_dwt,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
 ):
     """dq [B, T, H, D] and dw [B, T, H] (their dtypes) written per query; dk [B, S, D] fp32 (zeroed) accumulated."""
     pid = tl.program_id(0).to(tl.int64)
@@ -124,13 +127,13 @@ def _indexer_kl_bwd_kernel(
     dw = tl.zeros([BLOCK_H], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         safe, valid, rows, logits, scores, tgt = _key_block(k_base, idx_base, tgt_row, q, w, k0, K, S, s_ks,
-                                                            offs_d, d_ok, BLOCK_K)
+                                                            offs_d, d_ok, BLOCK_K, PREC)
         p = tl.exp(tl.where(valid, scores - lse, float("-inf")))
         ds = tl.where(valid, (mass * p - tgt) * g, 0.0)  # [BK]
         dw += tl.sum(tl.maximum(logits, 0.0) * ds[None, :], 1)
         dlog = tl.where(logits > 0.0, w[:, None] * ds[None, :], 0.0).to(q.dtype)  # [BH, BK]
-        dq = tl.dot(dlog, rows, dq)
-        dk = tl.dot(tl.trans(dlog), q)  # [BK, BD] fp32
+        dq = tl.dot(dlog, rows, dq, input_precision=PREC)
+        dk = tl.dot(tl.trans(dlog), q, input_precision=PREC)  # [BK, BD] fp32
         tl.atomic_add(dk_base + safe[:, None] * s_dks + offs_d[None, :], dk, mask=valid[:, None] & d_ok[None, :],
                       sem="relaxed")
     tl.store(dq_ptr + b * s_dqb + t * s_dqt + offs_h[:, None] * s_dqh + offs_d[None, :],
@@ -167,7 +170,7 @@ def launch_indexer_kl_fwd(q, k, w, indices, target, overrides=None, stats=None) 
         stats = torch.empty(4, B * T, device=q.device, dtype=torch.float32)
     _indexer_kl_fwd_kernel[(B * T,)](
         q, k, w, indices, target, stats, T, S, K, H, D, *_strides(q, k, w, indices, target),
-        BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"],
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], PREC=dot_precision(q),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return stats
@@ -185,7 +188,7 @@ def launch_indexer_kl_bwd(q, k, w, indices, target, stats, g, overrides=None, dq
     _indexer_kl_bwd_kernel[(B * T,)](
         q, k, w, indices, target, stats, g, dq, dk, dw, T, S, K, H, D, *_strides(q, k, w, indices, target),
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dw.stride(0), dw.stride(1),
-        BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"],
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], PREC=dot_precision(q),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return dq, dk.to(k.dtype), dw
