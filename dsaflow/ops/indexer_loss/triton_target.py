@@ -124,7 +124,8 @@ def launch_attention_target(
         scratch.stride(0), scratch.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], BLOCK_DV=cfg["BLOCK_DV"], BLOCK_DT=cfg["BLOCK_DT"],
-        HAS_TAIL=d_tail > 0, ACCUMULATE=accumulate, PREC=dot_precision(q), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_TAIL=d_tail > 0, ACCUMULATE=accumulate, PREC=dot_precision(q),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
