@@ -133,8 +133,7 @@ def bench_ops(do_sweep):
         tcfg = sweep("attention_target", lambda c: lambda: attention_target_triton(
             q, kv, idx, lse, SM_SCALE, overrides=c), [
             {}, dict(BLOCK_K=32, num_stages=3), dict(num_warps=8), dict(BLOCK_K=128, num_warps=8),
-            dict(BLOCK_H=128, BLOCK_K=32, num_warps=8), dict(BLOCK_H=128, BLOCK_K=32, num_warps=8, num_stages=1),
-            dict(BLOCK_H=128, BLOCK_K=16, num_warps=8), dict(num_stages=3),
+            dict(BLOCK_H=128, BLOCK_K=32, num_warps=8), dict(BLOCK_H=128, BLOCK_K=16, num_warps=8),
         ])
     CHOSEN["target"] = tcfg
     ref = attention_distribution(q, kv, idx, lse, SM_SCALE)
@@ -181,10 +180,10 @@ def bench_ops(do_sweep):
     if do_sweep:
         bwd = sweep("indexer_kl fwd+bwd (bwd configs)", lambda c: fused_fb({"bwd": c}), [
             {}, dict(BLOCK_K=32, num_warps=4), dict(BLOCK_K=32, num_warps=8, num_stages=3),
-            dict(BLOCK_K=128, num_warps=8), dict(BLOCK_K=64, num_warps=4),
+            dict(BLOCK_K=128, num_warps=8),
         ])
         fwd = sweep("indexer_kl fwd", lambda c: lambda: indexer_kl_triton(qi, ki, wi, idx, target, {"fwd": c}), [
-            {}, dict(BLOCK_K=128, num_warps=8), dict(BLOCK_K=32, num_warps=4), dict(BLOCK_K=64, num_warps=4),
+            {}, dict(BLOCK_K=128, num_warps=8), dict(BLOCK_K=64, num_warps=4),
         ])
         kcfg = {"fwd": fwd, "bwd": bwd}
     CHOSEN["kl"] = kcfg
