@@ -292,3 +292,29 @@ def test_kernel_support_reasons():
     qi = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
     assert kl_supports(qi, qi[:, :, 0]) is None
     assert "H_I=256" in kl_supports(torch.zeros(1, 2, 256, 128), torch.zeros(1, 2, 128))
+
+
+def test_topk_style_rows_with_trailing_padding():
+    """Rows like the indexer's: valid keys first, then -1 padding of every length 0..K (the kernels stop at the last
+    valid index). Target (accumulated onto a prior) and KL with its gradients vs the references, 3 key blocks."""
+    B, T, H, d_qk, S, K, H_I, D_I = 1, 9, 4, 40, 50, 40, 4, 16
+    g = torch.Generator().manual_seed(33)
+    idx = make_indices(B, T, S, K, g, invalid=False)
+    counts = torch.tensor([0, 1, 15, 16, 17, 33, 39, 40, 40])  # valid keys per query
+    idx[0][torch.arange(K).view(1, -1) >= counts.view(-1, 1).to(idx.device)] = -1
+    q, kv, _, lse, scale = make_attention(B, T, H, d_qk, S, K, torch.float32, seed=34, idx=idx)
+    prior = torch.rand(B, T, K, generator=g).to(DEV)
+    out = prior.clone()
+    attention_target_triton(q, kv, idx, lse, scale, out=out, weight=0.5, overrides=dict(BLOCK_K=16))
+    ref = attention_distribution(q.float(), kv.float(), idx, lse, scale)
+    assert rel_err(out, prior + 0.5 * ref) < 1e-5
+    target = random_target(idx, S, g)
+    qi, ki, wi = make_indexer(B, T, H_I, D_I, S, torch.float32, 35)
+    ov = {"fwd": dict(BLOCK_K=16), "bwd": dict(BLOCK_K=16)}
+    qa, ka, wa = (x.clone().requires_grad_(True) for x in (qi, ki, wi))
+    qr, kr, wr = (x.clone().requires_grad_(True) for x in (qi, ki, wi))
+    loss = IndexerKLTriton.apply(qa, ka, wa, idx, target, ov)
+    ref_loss = indexer_kl_naive(qr, kr, wr, idx, target)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+    for a, b in zip(torch.autograd.grad(loss, (qa, ka, wa)), torch.autograd.grad(ref_loss, (qr, kr, wr))):
+        assert rel_err(a, b) < 1e-4

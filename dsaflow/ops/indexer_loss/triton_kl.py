@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_target import dot_precision
+from .triton_target import dot_precision, valid_extent
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def _key_block(k_base, idx_base, tgt_row, q, w, k0, K, S, s_ks, offs_d, d_ok, BL
     """The k_I rows of keys k0 .. k0 + BLOCK_K: their indices, validity, rows [BK, BD], logits [BH, BK] fp32,
     scores [BK] (valid keys only matter) and target [BK] (0 on invalid keys)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
+    k_ok = offs_k < K  # K = the row's valid extent here
     idx = tl.load(idx_base + offs_k, mask=k_ok, other=-1)
     valid = (idx >= 0) & (idx < S)
     safe = tl.where(valid, idx, 0).to(tl.int64)
@@ -76,8 +76,9 @@ def _indexer_kl_fwd_kernel(
     ts = tl.zeros([BLOCK_K], tl.float32)  # sum tgt * score
     tt = tl.zeros([BLOCK_K], tl.float32)  # sum tgt * log tgt
     mass = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        safe, valid, rows, logits, scores, tgt = _key_block(k_base, idx_base, tgt_row, q, w, k0, K, S, s_ks,
+    k_end = valid_extent(idx_base, K, S, BLOCK_K)
+    for k0 in range(0, k_end, BLOCK_K):
+        safe, valid, rows, logits, scores, tgt = _key_block(k_base, idx_base, tgt_row, q, w, k0, k_end, S, s_ks,
                                                             offs_d, d_ok, BLOCK_K, PREC)
         s = tl.where(valid, scores, float("-inf"))
         m_new = tl.maximum(m, s)
@@ -125,8 +126,9 @@ def _indexer_kl_bwd_kernel(
     tgt_row = tgt_ptr + b * s_tb + t * s_tt
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     dw = tl.zeros([BLOCK_H], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        safe, valid, rows, logits, scores, tgt = _key_block(k_base, idx_base, tgt_row, q, w, k0, K, S, s_ks,
+    k_end = valid_extent(idx_base, K, S, BLOCK_K)
+    for k0 in range(0, k_end, BLOCK_K):
+        safe, valid, rows, logits, scores, tgt = _key_block(k_base, idx_base, tgt_row, q, w, k0, k_end, S, s_ks,
                                                             offs_d, d_ok, BLOCK_K, PREC)
         p = tl.exp(tl.where(valid, scores - lse, float("-inf")))
         ds = tl.where(valid, (mass * p - tgt) * g, 0.0)  # [BK]
