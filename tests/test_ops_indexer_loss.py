@@ -320,7 +320,7 @@ def test_topk_style_rows_with_trailing_padding():
     g = torch.Generator().manual_seed(33)
     idx = make_indices(B, T, S, K, g, invalid=False)
     counts = torch.tensor([0, 1, 15, 16, 17, 33, 39, 40, 40])  # valid keys per query
-    idx[0][torch.arange(K).view(1, -1) >= counts.view(-1, 1).to(idx.device)] = -1
+    idx[0][(torch.arange(K).view(1, -1) >= counts.view(-1, 1)).to(idx.device)] = -1
     q, kv, _, lse, scale = make_attention(B, T, H, d_qk, S, K, torch.float32, seed=34, idx=idx)
     prior = torch.rand(B, T, K, generator=g).to(DEV)
     out = prior.clone()

@@ -100,17 +100,23 @@ def _attention_target_kernel(
 
 
 def target_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict | None = None) -> dict:
-    """Block sizes for a shape (deterministic in the shape). No [BH, d_v] accumulator here, so 4 warps hold a
-    [64, 576] query tile; fp32 inputs take smaller key blocks to stay within shared memory."""
+    """Block sizes for a shape (deterministic in the shape). At DeepSeek-V3.2 shapes (128 heads, 512 + 64, bf16) all
+    128 heads share one pass over the rows (BLOCK_H 128, BLOCK_K 32, 8 warps): 4.1 ms for 4096 queries x top-2048 on
+    one H200, against 5.8 ms for two 64-head passes (BLOCK_K 64, 4 warps), which the other shapes use; BLOCK_K 128
+    does not fit in shared memory. fp32 inputs take smaller key blocks and one stage."""
     H = q.shape[2]
+    half = q.element_size() <= 2
+    block_dv = max(16, triton.next_power_of_2(d_v))
     cfg = dict(
         BLOCK_H=min(64, max(16, triton.next_power_of_2(H))),
-        BLOCK_K=min(64 if q.element_size() <= 2 else 32, max(16, triton.next_power_of_2(K))),
-        BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
+        BLOCK_K=min(64 if half else 32, max(16, triton.next_power_of_2(K))),
+        BLOCK_DV=block_dv,
         BLOCK_DT=max(16, triton.next_power_of_2(max(d_tail, 1))),
         num_warps=4,
-        num_stages=2 if q.element_size() <= 2 else 1,
+        num_stages=2 if half else 1,
     )
+    if half and H > 64 and block_dv >= 512:
+        cfg.update(BLOCK_H=128, BLOCK_K=min(32, cfg["BLOCK_K"]), num_warps=8)
     cfg.update(overrides or {})
     return cfg
 
