@@ -315,7 +315,8 @@ def test_kernel_support_reasons():
 
 def test_topk_style_rows_with_trailing_padding():
     """Rows like the indexer's: valid keys first, then -1 padding of every length 0..K (the kernels stop at the last
-    valid index). Target (accumulated onto a prior) and KL with its gradients vs the references, 3 key blocks."""
+    valid index). Target (accumulated onto a prior) and KL with its gradients vs the references, 3 key blocks and
+    3 row-sweep blocks."""
     B, T, H, d_qk, S, K, H_I, D_I = 1, 9, 4, 40, 50, 40, 4, 16
     g = torch.Generator().manual_seed(33)
     idx = make_indices(B, T, S, K, g, invalid=False)
@@ -324,12 +325,12 @@ def test_topk_style_rows_with_trailing_padding():
     q, kv, _, lse, scale = make_attention(B, T, H, d_qk, S, K, torch.float32, seed=34, idx=idx)
     prior = torch.rand(B, T, K, generator=g).to(DEV)
     out = prior.clone()
-    attention_target_triton(q, kv, idx, lse, scale, out=out, weight=0.5, overrides=dict(BLOCK_K=16))
+    attention_target_triton(q, kv, idx, lse, scale, out=out, weight=0.5, overrides=dict(BLOCK_K=16, BLOCK_F=16))
     ref = attention_distribution(q.float(), kv.float(), idx, lse, scale)
     assert rel_err(out, prior + 0.5 * ref) < 1e-5
     target = random_target(idx, S, g)
     qi, ki, wi = make_indexer(B, T, H_I, D_I, S, torch.float32, 35)
-    ov = {"fwd": dict(BLOCK_K=16), "bwd": dict(BLOCK_K=16)}
+    ov = {"fwd": dict(BLOCK_K=16, BLOCK_F=16), "bwd": dict(BLOCK_K=16, BLOCK_F=16)}
     qa, ka, wa = (x.clone().requires_grad_(True) for x in (qi, ki, wi))
     qr, kr, wr = (x.clone().requires_grad_(True) for x in (qi, ki, wi))
     loss = IndexerKLTriton.apply(qa, ka, wa, idx, target, ov)

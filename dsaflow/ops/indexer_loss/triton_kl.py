@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_target import dot_precision, valid_extent
+from .triton_target import dot_precision, row_block, valid_extent
 
 
 @triton.jit
@@ -60,6 +60,7 @@ def _indexer_kl_fwd_kernel(
     T, S, K, H, D,
     s_qb, s_qt, s_qh, s_kb, s_ks, s_wb, s_wt, s_wh, s_ib, s_it, s_tb, s_tt,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_F: tl.constexpr,
 ):
     """stats [4, B * T] fp32: KL_t (0 without a valid key), LSE_t (0 then), target mass on valid keys, valid flag."""
     pid = tl.program_id(0).to(tl.int64)
@@ -76,7 +77,7 @@ def _indexer_kl_fwd_kernel(
     ts = tl.zeros([BLOCK_K], tl.float32)  # sum tgt * score
     tt = tl.zeros([BLOCK_K], tl.float32)  # sum tgt * log tgt
     mass = tl.zeros([BLOCK_K], tl.float32)
-    k_end = valid_extent(idx_base, K, S, BLOCK_K)
+    k_end = valid_extent(idx_base, K, S, BLOCK_F)
     for k0 in range(0, k_end, BLOCK_K):
         safe, valid, rows, logits, scores, tgt = _key_block(k_base, idx_base, tgt_row, q, w, k0, k_end, S, s_ks,
                                                             offs_d, d_ok, BLOCK_K, PREC)
@@ -109,6 +110,7 @@ def _indexer_kl_bwd_kernel(
     s_qb, s_qt, s_qh, s_kb, s_ks, s_wb, s_wt, s_wh, s_ib, s_it, s_tb, s_tt,
     s_dqb, s_dqt, s_dqh, s_dkb, s_dks, s_dwb, s_dwt,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_F: tl.constexpr,
 ):
     """dq [B, T, H, D] and dw [B, T, H] (their dtypes) written per query; dk [B, S, D] fp32 (zeroed) accumulated."""
     pid = tl.program_id(0).to(tl.int64)
@@ -126,7 +128,7 @@ def _indexer_kl_bwd_kernel(
     tgt_row = tgt_ptr + b * s_tb + t * s_tt
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     dw = tl.zeros([BLOCK_H], tl.float32)
-    k_end = valid_extent(idx_base, K, S, BLOCK_K)
+    k_end = valid_extent(idx_base, K, S, BLOCK_F)
     for k0 in range(0, k_end, BLOCK_K):
         safe, valid, rows, logits, scores, tgt = _key_block(k_base, idx_base, tgt_row, q, w, k0, k_end, S, s_ks,
                                                             offs_d, d_ok, BLOCK_K, PREC)
@@ -153,6 +155,7 @@ def kl_config(q: torch.Tensor, K: int, overrides: dict | None = None, backward: 
         BLOCK_H=max(16, triton.next_power_of_2(H)),
         BLOCK_D=max(16, triton.next_power_of_2(D)),
         BLOCK_K=min(32 if backward or not half else 64, max(16, triton.next_power_of_2(K))),
+        BLOCK_F=row_block(K),
         num_warps=4,
         num_stages=2,
     )
@@ -176,6 +179,7 @@ def launch_indexer_kl_fwd(q, k, w, indices, target, overrides=None, stats=None) 
     _indexer_kl_fwd_kernel[(B * T,)](
         q, k, w, indices, target, stats, T, S, K, H, D, *_strides(q, k, w, indices, target),
         BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], PREC=dot_precision(q),
+        BLOCK_F=cfg["BLOCK_F"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return stats
@@ -194,6 +198,7 @@ def launch_indexer_kl_bwd(q, k, w, indices, target, stats, g, overrides=None, dq
         q, k, w, indices, target, stats, g, dq, dk, dw, T, S, K, H, D, *_strides(q, k, w, indices, target),
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dw.stride(0), dw.stride(1),
         BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], PREC=dot_precision(q),
+        BLOCK_F=cfg["BLOCK_F"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return dq, dk.to(k.dtype), dw

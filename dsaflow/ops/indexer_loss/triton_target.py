@@ -22,13 +22,14 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def valid_extent(idx_base, K, S, BLOCK_K: tl.constexpr):
+def valid_extent(idx_base, K, S, BLOCK_F: tl.constexpr):
     """1 + the last position of a valid index in this query's row (0 if none). Top-k rows put their -1 padding
     last (early queries of a causal sequence see fewer than K keys), so the key loops stop there: at 4096 tokens
-    and top-2048 this skips a quarter of the work. Correct for any row: nothing valid lies past the extent."""
+    and top-2048 this skips a quarter of the work. Correct for any row: nothing valid lies past the extent.
+    BLOCK_F (up to 1024) entries per step: a few long steps, not K / BLOCK_K dependent round trips."""
     k_end = 0
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_F):
+        offs_k = k0 + tl.arange(0, BLOCK_F)
         idx = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
         k_end = tl.maximum(k_end, tl.max(tl.where((idx >= 0) & (idx < S), offs_k + 1, 0), 0))
     return k_end
@@ -45,7 +46,7 @@ def _attention_target_kernel(
     s_pb, s_pt,
     s_ob, s_ot,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
-    HAS_TAIL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr,
+    HAS_TAIL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
@@ -58,7 +59,7 @@ def _attention_target_kernel(
     idx_base = idx_ptr + b * s_ib + t * s_it
     p_row = p_ptr + b * s_pb + t * s_pt
     total = tl.zeros([BLOCK_K], tl.float32)  # per-lane partial sums of the whole row; reduced once at the end
-    k_end = valid_extent(idx_base, K, S, BLOCK_K)
+    k_end = valid_extent(idx_base, K, S, BLOCK_F)
 
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -90,8 +91,8 @@ def _attention_target_kernel(
 
     inv = weight / tl.maximum(tl.sum(total, 0), 1e-30)
     out_row = out_ptr + b * s_ob + t * s_ot
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_F):  # long steps: with one program per SM, short ones would be latency-bound
+        offs_k = k0 + tl.arange(0, BLOCK_F)
         k_ok = offs_k < K
         val = tl.load(p_row + offs_k, mask=offs_k < k_end, other=0.0) * inv  # past the extent: probability 0
         if ACCUMULATE:
@@ -112,6 +113,7 @@ def target_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dic
         BLOCK_K=min(64 if half else 32, max(16, triton.next_power_of_2(K))),
         BLOCK_DV=block_dv,
         BLOCK_DT=max(16, triton.next_power_of_2(max(d_tail, 1))),
+        BLOCK_F=row_block(K),
         num_warps=4,
         num_stages=2 if half else 1,
     )
@@ -144,9 +146,14 @@ def launch_attention_target(
         scratch.stride(0), scratch.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], BLOCK_DV=cfg["BLOCK_DV"], BLOCK_DT=cfg["BLOCK_DT"],
-        HAS_TAIL=d_tail > 0, ACCUMULATE=accumulate, PREC=dot_precision(q),
+        HAS_TAIL=d_tail > 0, ACCUMULATE=accumulate, PREC=dot_precision(q), BLOCK_F=cfg["BLOCK_F"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def row_block(K: int) -> int:
+    """Entries per step of the loops that only sweep a query's index / target row (no dots)."""
+    return min(1024, max(16, triton.next_power_of_2(K)))
 
 
 def dot_precision(x: torch.Tensor) -> str:
