@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -132,10 +133,8 @@ def profile_kinds(step) -> tuple[dict, list]:
 
 
 def set_impl(impl: str) -> None:
-    """fused: the op's CUDA kernels; naive: force the fp32 reference (the pre-kernel path) on CUDA tensors."""
-    from dsaflow.model import indexer_loss
-
-    indexer_loss.force_naive(impl == "naive")
+    """fused: the op's CUDA kernels; naive: the fp32 reference (the pre-kernel path) on CUDA tensors."""
+    os.environ["DSAFLOW_INDEXER_LOSS"] = "reference" if impl == "naive" else "auto"
 
 
 def run_case(seq: int, layers: int, index: str, impl: str, reps: int, profile: bool, ceiling: float) -> dict:

@@ -19,8 +19,8 @@ def _forbid(monkeypatch):
         raise AssertionError("a [B, T, S] tensor was built in dense training mode")
 
     monkeypatch.setattr(mla_mod, "causal_indices", boom)
-    monkeypatch.setattr(indexer_loss_mod, "indexer_scores_naive", boom)
-    monkeypatch.setattr(indexer_loss_mod, "attention_distribution", boom)
+    monkeypatch.setattr(indexer_loss_mod, "attention_target", boom)  # the sparse-path target ([B, T, K] per key set)
+    monkeypatch.setattr(indexer_loss_mod, "indexer_kl", boom)
 
 
 def test_dense_training_builds_no_t_by_s_tensor_and_trains_only_indexers(monkeypatch):

@@ -116,5 +116,5 @@ class MLA(nn.Module):
             return causal_indices(ctx.positions, num_keys)
         indices = ctx.index_slot.write(self.layer_index, indexer_topk(q_i, k_i, w_i, ctx.positions, self.topk))
         if ctx.recorder is not None:
-            ctx.recorder.record_index_scores(self.layer_index, q_i, k_i, w_i, ctx.positions, indices, dense)
+            ctx.recorder.record_index_scores(self.layer_index, q_i, k_i, w_i, indices)
         return indices

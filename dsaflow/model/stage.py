@@ -96,7 +96,8 @@ class StageModule(nn.Module):
             row = torch.arange(T, device=positions.device)
             causal_rows = bool(((positions == row) | (positions < 0)).all())
         want_loss = self.compute_indexer_loss if compute_indexer_loss is None else compute_indexer_loss
-        recorder = IndexerLossRecorder() if (want_loss and self.training and cache is None) else None
+        recorder = (IndexerLossRecorder(self.sources())
+                    if (want_loss and self.training and cache is None) else None)
         slot = cache.index_slot if cache is not None else IndexSlot()
         slot.begin()
         c = self.cfg
@@ -112,7 +113,7 @@ class StageModule(nn.Module):
         )
         for layer in self.layers.values():
             h = layer(h, ctx)
-        self.indexer_loss = recorder.loss(self.sources()) if recorder is not None else None
+        self.indexer_loss = recorder.loss() if recorder is not None else None
         if self.head is not None:
             return self.head(self.norm(h)).float()
         return h

@@ -1,6 +1,8 @@
 """Dense indexer KL (the DeepSeek-V3.2 dense warm-up loss) without [T, S] tensors.
 
-CUDA tensors use the Triton kernels, CPU tensors the chunked reference (same loss, O(chunk * S) memory).
+CUDA tensors use the Triton kernels, CPU tensors the chunked reference (same loss, O(chunk * S) memory). Under
+`torch.use_deterministic_algorithms(True)` (train.deterministic) CUDA runs the chunked reference too: the kernels'
+key-gradient atomics would make the result depend on scheduling.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def dense_indexer_kl(
     padding and is left out of the mean. Returns a fp32 scalar, differentiable in q_i, k_i and w only (q, k are
     treated as constants). Run it outside autocast: the arithmetic is fp32 whatever the input dtypes.
     """
-    if q_i.is_cuda:
+    if q_i.is_cuda and not torch.are_deterministic_algorithms_enabled():
         from .triton_launch import dense_indexer_kl_triton, kernel_supports
 
         reason = kernel_supports(q, k, q_i, k_i, w)
