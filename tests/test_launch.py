@@ -24,7 +24,8 @@ BAD = [
     (["track.mode=sometimes"], "track.mode='sometimes'"),
     (["train.stop_at_step=500"], "train.stop_at_step=500"),
     (["pipeline=pp2", "pipeline.schedule=Interleaved1F1B"], "pipeline.schedule=Interleaved1F1B"),
-    (["pipeline=pp2", "nproc=3"], "nproc=3"),
+    (["pipeline=pp2", "nproc=3"], "--nproc 3 but the plan has 2"),
+    (["pipeline=pp2", "--nproc", "3"], "--nproc 3 but the plan has 2"),
     (["train.batch_size=6"], "train.batch_size=6"),
 ]
 

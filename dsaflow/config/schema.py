@@ -193,8 +193,6 @@ class DSAFlowConfig:
     layout: Optional[str] = None  # e.g. "(FSSS)*2 | (FSSS)*2": roles and stage boundaries in one string
     mode: str = "train"  # train | serve: which graph blocks make sense
     run_dir: Optional[str] = None  # default: runs/<timestamp>
-    nproc: Optional[int] = None  # processes to launch; default = pipeline ranks
-    format: str = "table"  # table | json (for `dsaflow plan`)
     estimate_context: int = 131072  # context (keys per query) at which the plan reports indexer FLOPs saved by S layers
     extra: Any = None  # free-form user metadata, logged with the run
 
