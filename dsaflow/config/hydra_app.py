@@ -196,6 +196,30 @@ def run_command(command: str, cfg, plan, fmt: str = "table") -> int:
     return launch(cfg, plan, command) or 0
 
 
+def _save_logging():
+    """Hydra configures Python logging for its run (--info turns it to DEBUG); undo that afterwards, so that a
+    caller in the same process (tests, notebooks) keeps its own logging."""
+    import logging
+
+    names = [None] + [n for n in logging.root.manager.loggerDict if n.split(".")[0] == "hydra"]
+    return [(logging.getLogger(n), logging.getLogger(n).level, list(logging.getLogger(n).handlers),
+             logging.getLogger(n).propagate, logging.getLogger(n).disabled) for n in names]
+
+
+def _restore_logging(saved) -> None:
+    import logging
+
+    for lg, level, handlers, propagate, disabled in saved:
+        lg.setLevel(level)
+        lg.handlers[:] = handlers
+        lg.propagate, lg.disabled = propagate, disabled
+    for name in logging.root.manager.loggerDict:  # loggers Hydra created during the run
+        if name.split(".")[0] == "hydra" and all(name != (s[0].name) for s in saved):
+            lg = logging.getLogger(name)
+            lg.setLevel(logging.NOTSET)
+            lg.handlers[:] = []
+
+
 def run_hydra_app(command: str, rest: List[str], nproc: Optional[int], fmt: str,
                   task: Callable = job_task) -> int:
     """Hand `rest` (Hydra flags + overrides) to Hydra's app runner with `task` as the task function.
@@ -224,6 +248,7 @@ def run_hydra_app(command: str, rest: List[str], nproc: Optional[int], fmt: str,
     register_configs()
     GlobalHydra.instance().clear()
     code = 0
+    saved_logging = _save_logging()
     try:
         _run_hydra(args=args, args_parser=parser, task_function=task, config_path=str(default_config_dir().resolve()),
                    config_name="config")
@@ -231,6 +256,7 @@ def run_hydra_app(command: str, rest: List[str], nproc: Optional[int], fmt: str,
         code = exc.code if isinstance(exc.code, int) else 1
     finally:
         GlobalHydra.instance().clear()
+        _restore_logging(saved_logging)
     state, _STATE = _STATE, None
     if args.multirun and state.sweep_dir:
         from dsaflow.track.sweep_summary import write_summary

@@ -42,8 +42,10 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
     tracker.log_config(config_dict(ctx.cfg), ctx.plan.to_dict())
     progress = Progress(t.steps, start, enabled=ctx.is_logging_rank, mode=t.progress)
     if start == 0:
-        msg = (f"training {tr.params:,} parameters on {ctx.plan.pipeline.ranks} rank(s) x {ctx.device.type}, "
-               f"{ctx.plan.num_stages} stage(s), schedule {ctx.plan.pipeline.schedule}, "
+        from .run_summary import plural
+
+        msg = (f"training {tr.params:,} parameters on {plural(ctx.plan.pipeline.ranks, 'rank')} x {ctx.device.type}, "
+               f"{plural(ctx.plan.num_stages, 'stage')}, schedule {ctx.plan.pipeline.schedule}, "
                f"{ctx.plan.pipeline.microbatches} microbatches")
         progress.message(msg)
         records.log(msg)
