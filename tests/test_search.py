@@ -139,3 +139,54 @@ def test_search_resumes_after_an_interruption(tmp_path):
 def test_uniform_roles_keep_stage_firsts():
     assert "".join(uniform_roles(4, 8, (0,))) == "FSSSFSSS"
     assert "".join(uniform_roles(4, 8, (0, 3))) == "FSSFFSSS"
+
+
+def _fake_run(tmp_path, overrides):
+    """A run dir as `dsaflow train` leaves it (config.yaml, plan.json, a DCP checkpoint of freshly initialised
+    weights), written in-process: the search only needs the files."""
+    import torch.distributed.checkpoint as dcp
+
+    from dsaflow.config.compose import compose
+    from dsaflow.model import full_state_dict
+    from dsaflow.plan import build_plan
+    from dsaflow.runtime.rundir import write_run_dir
+
+    cfg = compose(overrides + [f"run_dir={tmp_path / 'run'}"])
+    plan = build_plan(cfg)
+    rd = write_run_dir(cfg, plan, "")
+    sd = full_state_dict(build_stages(cfg.model, plan, seed=cfg.train.seed))
+    dcp.save({f"model.{k}": v for k, v in sd.items()}, checkpoint_id=str(rd / "checkpoints" / "step-000001"))
+    return rd
+
+
+def test_dsaflow_search_end_to_end_and_resume(tmp_path, capsys):
+    from dsaflow import cli
+
+    small = ["model.num_layers=4", "model.dim=32", "model.inter_dim=64", "model.index_topk=4", "train.seq_len=32",
+             "train.batch_size=4", "data=retrieval_hard"]
+    rd = _fake_run(tmp_path, small)
+    args = ["search", f"search.checkpoint={rd}", "search.calib_batches=1", "search.eval_batches=1", "search.ratio=0.5",
+            "pipeline.boundaries=[0,2]"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    s = rd / "search"
+    layout = (s / "layout.txt").read_text().strip()
+    assert f'layout="{layout}"' in out and "|" in layout  # two stages: 2 of 4 layers F = both stage firsts
+    assert layout == "FS|FS"
+    rows = (s / "search.csv").read_text().splitlines()
+    assert rows[0].startswith("step,removed_layer,num_f") and len(rows) == 1 + 3
+    assert (s / "search.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (s / "eval.md").read_text()
+    assert "all-F" in table and "uniform 1/2" in table and "searched 1/2" in table
+    assert cli.main(args) == 0  # rerun: everything is in the log
+    assert "resumed after step 2/2" in capsys.readouterr().out
+    assert cli.main(["search", "search.checkpoint=" + str(tmp_path / "nothing")]) == 2
+    assert "search.checkpoint=" in capsys.readouterr().err
+
+
+def test_search_refuses_a_checkpoint_with_S_layers(tmp_path, capsys):
+    from dsaflow import cli
+
+    rd = _fake_run(tmp_path, ["model.num_layers=4", "model.dim=32", "model.inter_dim=64", "index=every2"])
+    assert cli.main(["search", f"search.checkpoint={rd}"]) == 2
+    assert "index=all_full" in capsys.readouterr().err

@@ -85,9 +85,14 @@ def load_search_model(cfg, device: torch.device):
     run_cfg.index.pattern, run_cfg.index.freq, run_cfg.index.offset, run_cfg.layout = None, None, 0, None
     run_cfg.pipeline = cfg.pipeline
     run_cfg.graphs.enabled, run_cfg.graphs.blocks = False, []
+    run_cfg.mode = "serve"  # no training schedule runs: the microbatch rules do not apply
     plan = build_plan(run_cfg)
     stages = build_stages(run_cfg.model, plan, seed=0)
-    load_model_weights({i: m for i, m in enumerate(stages)}, ckpt, run_cfg.model)
+    import warnings
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        load_model_weights({i: m for i, m in enumerate(stages)}, ckpt, run_cfg.model)
     for m in stages:
         m.to(device).eval()
     return run_cfg, plan, stages, ckpt
