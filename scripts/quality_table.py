@@ -42,12 +42,22 @@ def finished(rd: Path) -> bool:
 
 
 def cmd_train(a) -> None:
+    """Train every (seed, kind) not finished yet. Several drivers may run at once: each run is claimed with a lock
+    file (runs/quality/<name>.lock), so drivers share the work instead of repeating it."""
     ROOT.mkdir(parents=True, exist_ok=True)
     for seed in a.seeds:
         for kind in a.kinds:
             rd = run_dir(kind, seed)
             if finished(rd):
                 print(f"{rd.name}: done already", flush=True)
+                continue
+            lock = ROOT / f"{rd.name}.lock"
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                os.write(fd, str(os.getpid()).encode())
+                os.close(fd)
+            except FileExistsError:
+                print(f"{rd.name}: claimed by another driver ({lock})", flush=True)
                 continue
             if rd.exists():
                 import shutil
@@ -57,6 +67,8 @@ def cmd_train(a) -> None:
             rc = dsaflow("train", *TASK, f"index={kind}", f"train.seed={seed}", f"train.steps={a.steps}",
                          f"run_dir={rd}", log=ROOT / f"{rd.name}.log")
             print(f"{rd.name}: exit {rc}", flush=True)
+            if rc != 0:
+                lock.unlink()
 
 
 def cmd_search(a) -> None:
