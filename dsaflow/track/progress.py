@@ -33,12 +33,13 @@ class Progress:
         else:
             self.mode = "lines"
         if self.mode == "rich":
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress
 
             self._bar = RichProgress(
                 TextColumn("[bold]train"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"), transient=False,
+                TextColumn("{task.fields[info]}"), transient=False, console=Console(file=self.stream),
             )
             self._bar.start()
             self._task = self._bar.add_task("train", total=total, completed=start, info="")
