@@ -162,9 +162,6 @@ def cmd_single(command: str, overrides: List[str], nproc: Optional[int], fmt: st
     from dsaflow.config.hydra_app import run_command
 
     cfg, plan = _compose_and_plan(overrides, nproc, command)
-    if command == "generate" and not cfg.serve.checkpoint:
-        print("dsaflow generate: WARNING: no serve.checkpoint: the weights are RANDOM and the output is noise. "
-              "Fix: serve.checkpoint=runs/<a dsaflow train run>.", file=sys.stderr, flush=True)
     return run_command(command, cfg, plan, fmt)
 
 

@@ -22,7 +22,7 @@ def fake_launch(monkeypatch, tmp_path):
 
     def fake(cfg, plan, job):
         calls.append((cfg, plan, job))
-        rd = Path(cfg.run_dir)
+        rd = Path(cfg.run_dir or "runs/single")
         rd.mkdir(parents=True, exist_ok=True)
         recs = [{"step": 1, "loss": 3.0, "indexer_loss": 0.5, "tokens_per_s": 100.0},
                 {"step": 2, "loss": 2.5 - cfg.train.lr, "indexer_loss": 0.25, "tokens_per_s": 120.0,
@@ -126,3 +126,11 @@ def test_optuna_sweeper_through_the_same_path(fake_launch, tmp_path):
     assert code == 0 and len(fake_launch) == 2
     assert "best_value: 2.4" in (tmp_path / "opt" / "optimization_results.yaml").read_text()
     assert len(list(csv.DictReader((tmp_path / "opt" / "summary.csv").open()))) == 2
+
+
+def test_generate_without_checkpoint_warns_loudly(fake_launch, capsys):
+    assert cli.main(["generate"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "WARNING" in err and "RANDOM" in err and "serve.checkpoint=" in err
+    assert cli.main(["generate", "serve.checkpoint=runs/x"]) == 0
+    assert capsys.readouterr().err == ""

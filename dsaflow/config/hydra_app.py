@@ -191,6 +191,9 @@ def run_command(command: str, cfg, plan, fmt: str = "table") -> int:
         from dsaflow.search.run import run_search
 
         return run_search(cfg)
+    if command == "generate" and not cfg.serve.checkpoint:
+        print("dsaflow generate: WARNING: no serve.checkpoint: the weights are RANDOM and the output is noise. "
+              "Fix: serve.checkpoint=runs/<a dsaflow train run>.", file=sys.stderr, flush=True)
     from dsaflow.runtime.launch import launch
 
     return launch(cfg, plan, command) or 0
