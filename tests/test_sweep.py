@@ -134,3 +134,13 @@ def test_generate_without_checkpoint_warns_loudly(fake_launch, capsys):
     assert err.count("\n") == 1 and "WARNING" in err and "RANDOM" in err and "serve.checkpoint=" in err
     assert cli.main(["generate", "serve.checkpoint=runs/x"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_run_dirs_written_with_nproc_and_format_keys_still_load(tmp_path):
+    """nproc and format moved from the config to the command line; older run dirs keep loading."""
+    from dsaflow.config.compose import load_config, to_yaml
+    from dsaflow.config.schema import DSAFlowConfig
+
+    p = tmp_path / "config.yaml"
+    p.write_text(to_yaml(DSAFlowConfig()) + "nproc: null\nformat: table\n")
+    assert load_config(p).model.name == "tiny"

@@ -25,6 +25,10 @@ LAYOUT_KEYS = ("layout", "index.pattern")
 _OVERRIDE_KEY = re.compile(r"^(\+{0,2})([\w.]+)=(.*)$", re.S)
 
 
+# Former config keys that are now options of the command (`dsaflow plan --format`, `dsaflow train --nproc`).
+COMMAND_KEYS = ("nproc", "format")
+
+
 def default_config_dir() -> Path:
     env = os.environ.get("DSAFLOW_CONFIG_DIR")
     return Path(env) if env else Path(dsaflow.__file__).resolve().parents[1] / "configs"
@@ -174,7 +178,10 @@ def to_yaml(cfg: DSAFlowConfig) -> str:
 def load_config(path) -> DSAFlowConfig:
     """Read a resolved config.yaml into a DSAFlowConfig with OmegaConf only (no Hydra): for workers."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(DSAFlowConfig), OmegaConf.load(str(path)))
+        loaded = OmegaConf.load(str(path))
+        for key in COMMAND_KEYS:  # run dirs written before these moved to the command line still load
+            loaded.pop(key, None)
+        merged = OmegaConf.merge(OmegaConf.structured(DSAFlowConfig), loaded)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{path}: " + explain_omegaconf_error(exc)) from None
