@@ -38,7 +38,11 @@ EXAMPLES = {
   dsaflow generate serve.checkpoint=runs/<name> serve.prompts='["qmzj xwv K7; pllr ?K"]'
   dsaflow generate serve.checkpoint=runs/<name> serve.prompts_file=prompts.txt pipeline=pp2
   dsaflow generate model=small graphs=decode_prefill serve.checkpoint=runs/<name>   # CUDA graphs (GPU)""",
-    "search": """examples:
+    "search": """search options (search.*): checkpoint=RUN_DIR (an index=all_full run)  ratio=0.25 | target_f=N
+  calib_batches=8  eval_batches=16  eval_ratios=[0.5,0.25]  out_dir=DIR (default RUN_DIR/search)  restart=true
+  device=auto|cpu|cuda; the stage split comes from pipeline.* (each stage's first layer stays F)
+
+examples:
   dsaflow search search.checkpoint=runs/<all-F run> search.ratio=0.25
   dsaflow search search.checkpoint=runs/<all-F run> search.target_f=3 pipeline=pp2
   (then: dsaflow train layout="<printed layout>" ...; see docs/search.md)""",
