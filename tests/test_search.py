@@ -1,5 +1,4 @@
 """The IndexCache layer search: role switching, the prefix-cached evaluator, the greedy choice, resume, `dsaflow search`."""
-import json
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ from dsaflow.model import build_stages
 from dsaflow.model.roles import set_roles, stage_roles
 from dsaflow.search import PatternEvaluator, SearchLog, greedy_search
 from dsaflow.search.run import uniform_roles
-from model_helpers import planned, planned_sharp, tokens
+from model_helpers import planned_sharp, tokens
 
 T, TOPK = 32, 4
 

@@ -20,14 +20,14 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
 import torch
 
 from dsaflow.config.layout import format_layout, freq_roles
 from dsaflow.plan.plan import PlanError
 
-from .evaluate import PatternEvaluator, Score
+from .evaluate import PatternEvaluator
 from .greedy import SearchLog, Step, greedy_search
 from .png import line_plot_png
 
