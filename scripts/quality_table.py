@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's dsaflow, whatever else is installed
 ROOT = REPO / "runs" / "quality"
 TASK = ["data=retrieval_hard", "train.seq_len=128", "model.index_topk=16", "train.eval_every=100",
         "train.eval_batches=8", "train.log_every=50", "train.cpu_threads=1", "track=none", "train.progress=lines"]
@@ -132,6 +133,12 @@ def cmd_collect(a) -> None:
         rd = run_dir("every4", seed)
         if finished(rd):
             per_pattern.setdefault("distilled uniform 1/4", []).append({"seed": seed, **_distilled_eval(rd, 32)})
+    base = {r["seed"]: r for r in per_pattern.get("all-F", [])}
+    for runs in per_pattern.values():  # paired with the all-F model of the same seed (same held-out batches)
+        for r in runs:
+            b = base.get(r["seed"])
+            r["d_loss"] = r["loss"] - b["loss"] if b else float("nan")
+            r["d_acc_points"] = 100 * (r["acc"] - b["acc"]) if b else float("nan")
     order = ["all-F", "uniform 1/2", "searched 1/2", "uniform 1/4", "searched 1/4", "distilled uniform 1/4"]
     rows = []
     for name in order + sorted(set(per_pattern) - set(order)):
@@ -140,17 +147,22 @@ def cmd_collect(a) -> None:
             continue
         lm, ls = _mean_sd([r["loss"] for r in runs])
         am, asd = _mean_sd([r["acc"] for r in runs])
+        dlm, dls = _mean_sd([r["d_loss"] for r in runs])
+        dam, das = _mean_sd([r["d_acc_points"] for r in runs])
         rows.append({"pattern": name, "seeds": [r["seed"] for r in runs], "loss_mean": lm, "loss_sd": ls,
-                     "acc_mean": am, "acc_sd": asd, "per_seed": runs})
+                     "acc_mean": am, "acc_sd": asd, "d_loss_mean": dlm, "d_loss_sd": dls, "d_acc_points_mean": dam,
+                     "d_acc_points_sd": das, "per_seed": runs})
     ROOT.mkdir(parents=True, exist_ok=True)
     (ROOT / "quality.json").write_text(json.dumps({"task": TASK, "rows": rows}, indent=2) + "\n")
-    md = ["| pattern | seeds | eval loss (mean ± sd) | eval acc (mean ± sd) | per-seed acc | per-seed layouts |",
-          "|---|---|---|---|---|---|"]
+    md = ["| pattern | seeds | eval loss (mean ± sd) | eval acc (mean ± sd) | Δ loss vs all-F | Δ acc vs all-F "
+          "(points) | per-seed acc | per-seed layouts |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        accs = " / ".join(f"{x['acc']:.2f}" for x in r["per_seed"])
-        lays = " / ".join(sorted({x["roles"] for x in r["per_seed"]}))
+        accs = " / ".join(f"{x['acc']:.3f}" for x in r["per_seed"])
+        lays = " / ".join(x["roles"] for x in r["per_seed"]) if len({x["roles"] for x in r["per_seed"]}) > 1 \
+            else r["per_seed"][0]["roles"]
         md.append(f"| {r['pattern']} | {len(r['seeds'])} | {r['loss_mean']:.3f} ± {r['loss_sd']:.3f} | "
-                  f"{r['acc_mean']:.3f} ± {r['acc_sd']:.3f} | {accs} | {lays} |")
+                  f"{r['acc_mean']:.3f} ± {r['acc_sd']:.3f} | {r['d_loss_mean']:+.3f} ± {r['d_loss_sd']:.3f} | "
+                  f"{r['d_acc_points_mean']:+.1f} ± {r['d_acc_points_sd']:.1f} | {accs} | {lays} |")
     text = "\n".join(md) + "\n"
     (ROOT / "quality.md").write_text(text)
     print(text)
