@@ -71,6 +71,13 @@ def test_prefix_cached_scores_equal_full_forwards():
         assert stage_roles(stages[0]) == dict(enumerate("FFFF"))  # score() leaves the base pattern in place
         fresh = PatternEvaluator(stages, _batches(), torch.device("cpu")).rebase(tuple(roles))
         assert got.loss == pytest.approx(fresh.loss, rel=1e-6)
+    before = ev.layer_calls
+    moved = ev.rebase(tuple(roles))  # the new base reuses the cached layers before its first change
+    assert ev.layer_calls - before == 2 * (8 - first)
+    assert moved.loss == pytest.approx(fresh.loss, rel=1e-6)
+    back = ev.score(tuple("FFFFFFFF"))
+    assert back.loss == pytest.approx(PatternEvaluator(stages, _batches(), torch.device("cpu")).rebase(
+        tuple("FFFFFFFF")).loss, rel=1e-6)
 
 
 def _unlike_model(unlike: int, layout="FFFFFFFF"):

@@ -96,14 +96,21 @@ class PatternEvaluator:
         return Score(loss_sum / max(count, 1), correct / total if total else float("nan"))
 
     def rebase(self, roles: Roles) -> Score:
-        """Make `roles` the base pattern: run every batch from layer 0, cache the prefix state, return its score."""
-        self._apply(tuple(roles))
-        self.base, self.prefix = tuple(roles), []
-        outs = []
-        for x, y in self.batches:
-            cap: dict = {}
-            outs.append((self._run(x, 0, None, cap), y))
-            self.prefix.append(cap)
+        """Make `roles` the base pattern, cache its prefix state and return its score. Layers before the first one
+        that differs from the old base keep their cached state; the rest run again."""
+        roles = tuple(roles)
+        start = 0
+        if self.base is not None and self.prefix:
+            diff = [i for i in range(self.num_layers) if roles[i] != self.base[i]]
+            start = diff[0] if diff else self.num_layers - 1
+        self._apply(roles)
+        self.base = roles
+        outs, prefix = [], []
+        for (x, y), old in zip(self.batches, self.prefix or [None] * len(self.batches)):
+            cap = {i: v for i, v in old.items() if i < start} if start else {}
+            outs.append((self._run(x, start, old.get(start) if start else None, cap), y))
+            prefix.append(cap)
+        self.prefix = prefix
         return self._score_logits(outs)
 
     def score(self, roles: Roles) -> Score:
