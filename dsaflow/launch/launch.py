@@ -118,6 +118,9 @@ def launch_env(base: Dict[str, str] | None = None) -> Dict[str, str]:
     env = dict(os.environ if base is None else base)
     for k, v in GPU_ENV_DEFAULTS.items():
         env.setdefault(k, v)
+    # torchrun sets OMP_NUM_THREADS=1 on multi-process runs anyway, with a warning banner; say it ourselves
+    # (workers set their torch threads from train.cpu_threads).
+    env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
@@ -128,11 +131,15 @@ def launch(cfg, plan: Plan, job: str = "train") -> int:
 
     run_dir = write_run_dir(cfg, plan, render_table(plan, cfg))
     cmd = torchrun_command(run_dir, plan.pipeline.ranks, job)
-    print(f"run dir: {run_dir}\nlaunch:  {' '.join(cmd[1:])}", flush=True)
+    from .run_summary import shell_command, train_summary
+
+    print(f"run dir: {run_dir}\nlaunch:  {shell_command(cmd)}", flush=True)
     rc = subprocess.call(cmd, env=launch_env())
     if rc != 0:
         print(f"dsaflow {job}: workers exited with status {rc}; see the output above and {run_dir}/train.log",
               file=sys.stderr, flush=True)
+    if job == "train":
+        print(train_summary(cfg, run_dir, rc), flush=True)
     return rc
 
 

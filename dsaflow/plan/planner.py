@@ -20,7 +20,6 @@ from dsaflow.plan.schedule import resolve_pipeline, stage_ranks
 from dsaflow.plan.stage_estimates import build_estimates, layer_costs, promotion_costs
 
 MODES = ("train", "serve")
-FORMATS = ("table", "json")
 _POSITIVE_MODEL_FIELDS = (
     "num_layers", "dim", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
     "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "inter_dim", "vocab_size", "max_seq_len",
@@ -31,8 +30,6 @@ def check_fields(cfg) -> None:
     """Single-field rules that the type system cannot express (enumerations, positivity)."""
     if cfg.mode not in MODES:
         raise PlanError(f"mode={cfg.mode!r} is not a mode. Fix: use one of {', '.join(MODES)}.")
-    if cfg.format not in FORMATS:
-        raise PlanError(f"format={cfg.format!r} is not an output format. Fix: use one of {', '.join(FORMATS)}.")
     m = cfg.model
     for name in _POSITIVE_MODEL_FIELDS:
         v = getattr(m, name)
@@ -76,15 +73,16 @@ def resolve_layers(roles: Tuple[str, ...], stage_of: List[int]) -> Tuple[LayerPl
     return tuple(out)
 
 
-def build_plan(cfg) -> Plan:
-    """Resolve and check `cfg` (a DSAFlowConfig); raises PlanError on any config or plan mistake."""
+def build_plan(cfg, nproc=None) -> Plan:
+    """Resolve and check `cfg` (a DSAFlowConfig); raises PlanError on any config or plan mistake.
+    nproc: the process count the command was asked to launch (`dsaflow train --nproc N`); None = pipeline ranks."""
     check_fields(cfg)
     n = cfg.model.num_layers
     roles, layout_starts = declared_roles(cfg)
     starts = stage_starts(cfg, layout_starts, layer_costs(cfg, roles), promotion_costs(cfg, roles))
     stage_of = stage_of_layers(starts, n)
     pipeline = resolve_pipeline(
-        cfg.pipeline, len(starts), mode=cfg.mode, batch_size=cfg.train.batch_size, nproc=cfg.nproc
+        cfg.pipeline, len(starts), mode=cfg.mode, batch_size=cfg.train.batch_size, nproc=nproc
     )
     ranks = stage_ranks(len(starts), pipeline)
     bounds = list(starts[1:]) + [n]
