@@ -1,0 +1,187 @@
+"""Indexer top-k kernels vs the naive reference: the radix select (`triton_select`) and the whole op.
+
+Without CUDA these run in the Triton CPU interpreter (conftest.py) at tiny sizes. Scores are built with many exact
+ties (quantized values, whole rows of one value, values that agree in 1, 2 or 3 of the 4 radix bytes), -inf rows,
+padding rows (position < 0), topk > visible keys and topk > S; the selected indices must equal
+`naive.topk_from_scores` exactly (order included). Outputs are poisoned before the kernel writes them. Whole-op tests
+use small integer q, k, w so every score is exact in fp32 and the op must equal `indexer_topk_naive` bit for bit.
+`gpu` tests: DeepSeek-V3.2 shapes (64 heads x 128, topk 2048, bf16), 256K rows, more than 65,535 batch rows, and
+CUDA-graph replay == eager.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaflow.ops.indexer_topk import indexer_topk_naive, topk_from_scores
+from dsaflow.ops.indexer_topk.triton_indexer import indexer_logits_triton, indexer_topk_triton
+from dsaflow.ops.indexer_topk.triton_select import radix_topk_triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+POISON = -12345
+
+
+def masked(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    s = torch.arange(scores.shape[-1], device=scores.device)
+    return scores.masked_fill(s.view(1, 1, -1) > positions.unsqueeze(-1), float("-inf"))
+
+
+def tie_scores(B: int, T: int, S: int, g: torch.Generator) -> torch.Tensor:
+    """Rows cycling through tie patterns that stop the radix select at each of its four bytes."""
+    rows = []
+    for r in range(B * T):
+        kind = r % 7
+        if kind == 0:
+            row = torch.randn(S, generator=g)  # distinct
+        elif kind == 1:
+            row = torch.zeros(S)  # one value everywhere (and -0.0 == +0.0)
+            row[::3] = -0.0
+        elif kind == 2:
+            row = torch.randint(-2, 3, (S,), generator=g).float()  # 5 values
+        elif kind == 3:  # 1 + j ulp: equal in the top three bytes, the last byte decides
+            row = 1.0 + torch.randint(0, 6, (S,), generator=g).float() * 2.0**-23
+        elif kind == 4:  # equal in the top two bytes
+            row = 1.0 + torch.randint(0, 4, (S,), generator=g).float() * 2.0**-13
+        elif kind == 5:
+            row = torch.full((S,), float("-inf"))  # nothing selectable: all -1
+            row[S // 2] = 3.0
+        else:
+            row = torch.randn(S, generator=g).round()  # wide range, heavy ties, negatives and +-0
+        rows.append(row)
+    return torch.stack(rows).view(B, T, S)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("S,topk", [(300, 16), (70, 64), (40, 100)])
+def test_radix_select_equals_naive(seed, S, topk):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 2, 7
+    scores = tie_scores(B, T, S, g)
+    positions = torch.randint(-3, S + 5, (B, T), generator=g)
+    positions[0, 0], positions[1, 1], positions[1, 2] = -1, S - 1, 0
+    out = torch.full((B, T, topk), POISON, dtype=torch.int32)
+    got = radix_topk_triton(scores.to(DEV), positions.to(DEV), topk, out=out.to(DEV), overrides=dict(BLOCK=64))
+    ref = topk_from_scores(masked(scores, positions), topk)
+    assert (got.cpu() != POISON).all(), "every output slot must be written"
+    assert torch.equal(got.cpu(), ref)
+
+
+def test_radix_select_rows_longer_than_a_block_and_strided_inputs():
+    """Several blocks per row (BLOCK 32), a non-contiguous positions view and an output view inside a wider buffer."""
+    g = torch.Generator().manual_seed(7)
+    B, T, S, topk = 2, 5, 200, 24
+    scores = tie_scores(B, T, S, g)
+    pos_all = torch.randint(0, S, (B, 2 * T), generator=g)
+    positions = pos_all[:, ::2]
+    big = torch.full((B, T + 3, topk), POISON, dtype=torch.int32)
+    radix_topk_triton(scores, positions, topk, out=big[:, 1 : T + 1], overrides=dict(BLOCK=32))
+    assert (big[:, 0] == POISON).all() and (big[:, T + 1 :] == POISON).all(), "writes outside the view"
+    assert torch.equal(big[:, 1 : T + 1], topk_from_scores(masked(scores, positions), topk))
+
+
+def int_inputs(B, T, H, D, S, g):
+    """Small integers: every dot, relu and weighted sum is exact in fp32, so ties are exact and frequent."""
+    q = torch.randint(-2, 3, (B, T, H, D), generator=g).float()
+    k = torch.randint(-1, 2, (B, S, D), generator=g).float()
+    k[:, ::4] = 0.0  # whole zero keys: exact 0 scores for every query
+    w = torch.randint(-2, 3, (B, T, H), generator=g).float()
+    return q, k, w
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_indexer_topk_op_equals_naive_exactly(seed, chunk):
+    g = torch.Generator().manual_seed(seed)
+    B, T, H, D, S, topk = 2, 6, 4, 16, 45, 12
+    q, k, w = int_inputs(B, T, H, D, S, g)
+    positions = torch.tensor([[-1, 0, 5, 11, 30, 44], [44, 44, 3, -7, 20, 12]])
+    ref = indexer_topk_naive(q, k, w, positions, topk)
+    got = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk)
+    assert torch.equal(got.cpu(), ref)
+    old = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk, select="sort")
+    assert torch.equal(old.cpu(), ref)
+
+
+def test_indexer_topk_op_wider_than_context():
+    """topk > S: every visible key in order, then -1."""
+    g = torch.Generator().manual_seed(3)
+    q, k, w = int_inputs(1, 3, 2, 16, 5, g)
+    positions = torch.tensor([[0, 2, 4]])
+    got = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), 8)
+    assert torch.equal(got.cpu(), indexer_topk_naive(q, k, w, positions, 8))
+
+
+def test_logits_unwritten_tiles_are_only_invisible_ones():
+    """write_invisible=False may leave only tiles no query of the tile can see; every visible score is written."""
+    g = torch.Generator().manual_seed(4)
+    B, T, H, D, S = 1, 4, 2, 16, 64
+    q, k, w = int_inputs(B, T, H, D, S, g)
+    positions = torch.tensor([[3, 10, 17, 20]])
+    buf = torch.full((B, T, S), float("nan"))
+    out = indexer_logits_triton(q, k, w, positions, out=buf, overrides=dict(BLOCK_S=16), write_invisible=False)
+    full = indexer_logits_triton(q, k, w, positions, overrides=dict(BLOCK_S=16))
+    vis = torch.arange(S).view(1, 1, -1) <= positions.unsqueeze(-1)
+    assert torch.equal(out[vis], full[vis])
+    assert torch.isnan(out[..., 32:]).all(), "tiles past every query's position need no write"
+
+
+# ---------------------------------------------------------------------------------------------- GPU, real shapes
+def v32_inputs(B, T, S, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, 64, 128, generator=g).to("cuda", torch.bfloat16)
+    k = torch.randn(B, S, 128, generator=g).to("cuda", torch.bfloat16)
+    w = torch.randn(B, T, 64, generator=g).to("cuda", torch.bfloat16)
+    return q, k, w
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [8192, 131072])
+def test_gpu_radix_equals_sort_path_v32(S):
+    """Same fp32 logits -> the radix op equals the stable-sort reference and the old int64-key path exactly."""
+    T, topk = 256, 2048
+    q, k, w = v32_inputs(1, T, S, seed=S)
+    positions = torch.arange(S - T, S, device="cuda").unsqueeze(0)
+    positions[0, :4] = torch.tensor([-1, 5, 1000, 2047])  # padding, short contexts, exactly topk visible
+    scores = indexer_logits_triton(q, k, w, positions)
+    out = torch.full((1, T, topk), POISON, device="cuda", dtype=torch.int32)
+    got = radix_topk_triton(scores, positions, topk, out=out)
+    assert torch.equal(got, topk_from_scores(scores, topk))
+    assert torch.equal(indexer_topk_triton(q, k, w, positions, topk),
+                       indexer_topk_triton(q, k, w, positions, topk, select="sort"))
+
+
+@pytest.mark.gpu
+def test_gpu_radix_ties_and_256k_rows():
+    g = torch.Generator().manual_seed(11)
+    B, T, S, topk = 1, 21, 262144, 2048
+    scores = tie_scores(B, T, S, g).cuda()
+    positions = torch.randint(0, S, (B, T), generator=g).cuda()
+    positions[0, :3] = torch.tensor([S - 1, -1, 100])
+    got = radix_topk_triton(scores, positions, topk)
+    assert torch.equal(got, topk_from_scores(masked(scores, positions), topk))
+
+
+@pytest.mark.gpu
+def test_gpu_logits_grid_takes_more_than_65535_batch_rows():
+    B, T, H, D, S, topk = 70_000, 1, 2, 16, 40, 8
+    g = torch.Generator().manual_seed(5)
+    q, k, w = (x.cuda() for x in int_inputs(B, T, H, D, S, g))
+    positions = torch.randint(-1, S, (B, T), generator=g).cuda()
+    got = indexer_topk_triton(q, k, w, positions, topk)
+    assert torch.equal(got, indexer_topk_naive(q, k, w, positions, topk))
+
+
+@pytest.mark.gpu
+def test_gpu_indexer_topk_graph_equals_eager():
+    B, T, S, topk = 2, 512, 32768, 2048
+    q, k, w = v32_inputs(B, T, S, seed=3)
+    positions = torch.arange(S - T, S, device="cuda").repeat(B, 1)
+    positions[1, :5] = torch.tensor([-1, -1, 0, 100, 3000])
+    eager = indexer_topk_triton(q, k, w, positions, topk, chunk=128)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_idx = indexer_topk_triton(q, k, w, positions, topk, chunk=128)
+    g_idx.fill_(POISON)
+    graph.replay()
+    assert torch.equal(g_idx, eager)
