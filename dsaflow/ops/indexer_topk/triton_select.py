@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-SIGN = -2147483648  # 0x80000000 as int32
-NEG_INF_ORDERED = -2139095041  # the order-preserving int32 of -inf
+SIGN = tl.constexpr(-2147483648)  # 0x80000000 as int32
+NEG_INF_ORDERED = tl.constexpr(-2139095041)  # the order-preserving int32 of -inf
 
 
 @triton.jit
