@@ -3,8 +3,8 @@
 Shapes: DeepSeek-V3.2 indexer (64 heads x 128, topk 2048, bf16), one sequence; by default the last 4096 queries of an
 8K / 32K / 128K context (the same queries as `bench_ops.py`), plus one whole causal prefill (every query of a 32K
 context, chunked). Rows: the whole op with each selector, its parts (fp32 logits with invisible tiles unwritten,
-radix select alone on those scores, int64 keys + torch.topk + sort alone), and a small sweep of the select kernel's
-block size and warps at the largest context. Writes indexer_topk.json and indexer_topk.md to --out.
+radix select alone on those scores, int64 keys + torch.topk + sort alone), and a small sweep of the select kernel
+(sampled-floor vs whole-row histogram, block size, warps, sample size) at the largest context. Writes indexer_topk.json and indexer_topk.md to --out.
 
     python3 scripts/bench_indexer_topk.py --out /tmp/bench [--contexts 8192,32768,131072] [--queries 4096]
 """
@@ -20,7 +20,7 @@ import triton
 from dsaflow.ops.indexer_topk.triton_indexer import (
     indexer_logits_triton, indexer_topk_triton, query_chunk, topk_from_keys,
 )
-from dsaflow.ops.indexer_topk.triton_select import radix_topk_triton
+from dsaflow.ops.indexer_topk.triton_select import radix_topk_triton, select_scratch
 
 H_I, D_I, TOPK = 64, 128, 2048
 
@@ -62,22 +62,26 @@ def run(contexts, n_queries, prefill_ctx, out_dir):
         qc, wc, pc = q[:, :chunk], w[:, :chunk], pos[:, :chunk]
         scores = torch.empty(1, chunk, S, device="cuda")
         keys = torch.empty(1, chunk, S, device="cuda", dtype=torch.int64)
-        cand = torch.empty(chunk, S, device="cuda", dtype=torch.int32)
+        scratch = select_scratch(chunk, S, TOPK, "cuda")
         ms = bench(lambda: indexer_logits_triton(qc, k, wc, pc, scores, write_invisible=False))
         record("part: fp32 logits (invisible tiles unwritten)", S, chunk, ms,
                tflops=round(2 * H_I * D_I * int((pc + 1).sum()) / ms / 1e9, 1))
         indexer_logits_triton(qc, k, wc, pc, keys)
         ms = bench(lambda: topk_from_keys(keys, TOPK))
         record("part: int64 keys torch.topk + sort", S, chunk, ms)
-        ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, cand=cand))
+        ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch))
         record("part: radix select", S, chunk, ms, tbps_one_read=round(4 * int((pc + 1).sum()) / ms / 1e9, 3))
         if S == contexts[-1]:
-            for block in (1024, 2048, 4096):
-                for warps in (4, 8, 16):
-                    cfg = dict(BLOCK=block, num_warps=warps)
-                    ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, cand=cand, overrides=cfg), rep_ms=100)
-                    record(f"sweep: radix select BLOCK {block} warps {warps}", S, chunk, ms)
-        del scores, keys, cand
+            sweep = [dict(algo="sample", BLOCK=bl, num_warps=wp, SAMPLE=2048) for bl in (512, 1024, 2048) for wp in (4, 8)]
+            sweep += [dict(algo="sample", BLOCK=1024, num_warps=4, SAMPLE=sp) for sp in (1024, 4096)]
+            sweep += [dict(algo="scan", BLOCK=1024, num_warps=4), dict(algo="scan", BLOCK=2048, num_warps=8)]
+            for cfg in sweep:
+                if cfg["algo"] == "scan":
+                    sc = select_scratch(chunk, S, TOPK, "cuda", "scan")
+                ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=sc if cfg["algo"] == "scan" else scratch,
+                                                     overrides=cfg), rep_ms=100)
+                record("sweep: radix select " + " ".join(f"{k} {v}" for k, v in cfg.items()), S, chunk, ms)
+        del scores, keys, scratch
     if prefill_ctx:
         S = prefill_ctx
         q, k, w, pos = inputs(S, S)

@@ -51,22 +51,41 @@ def tie_scores(B: int, T: int, S: int, g: torch.Generator) -> torch.Tensor:
     return torch.stack(rows).view(B, T, S)
 
 
+SELECT_CFGS = {"sample": dict(algo="sample", BLOCK=64, SAMPLE=16), "scan": dict(algo="scan", BLOCK=64)}
+
+
+@pytest.mark.parametrize("algo", ["sample", "scan"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("S,topk", [(300, 16), (70, 64), (40, 100)])
-def test_radix_select_equals_naive(seed, S, topk):
+def test_radix_select_equals_naive(algo, seed, S, topk):
     g = torch.Generator().manual_seed(seed)
     B, T = 2, 7
     scores = tie_scores(B, T, S, g)
     positions = torch.randint(-3, S + 5, (B, T), generator=g)
     positions[0, 0], positions[1, 1], positions[1, 2] = -1, S - 1, 0
     out = torch.full((B, T, topk), POISON, dtype=torch.int32)
-    got = radix_topk_triton(scores.to(DEV), positions.to(DEV), topk, out=out.to(DEV), overrides=dict(BLOCK=64))
+    got = radix_topk_triton(scores.to(DEV), positions.to(DEV), topk, out=out.to(DEV), overrides=SELECT_CFGS[algo])
     ref = topk_from_scores(masked(scores, positions), topk)
     assert (got.cpu() != POISON).all(), "every output slot must be written"
     assert torch.equal(got.cpu(), ref)
 
 
-def test_radix_select_rows_longer_than_a_block_and_strided_inputs():
+def test_sampled_floor_that_misses_falls_back_to_the_whole_row():
+    """The sampled positions hold the only large scores: the sample's floor keeps fewer than topk candidates, so the
+    kernel must redo the pass without a floor; the result stays exact."""
+    S, topk, sample = 300, 20, 16
+    g = torch.Generator().manual_seed(9)
+    scores = torch.randn(1, 2, S, generator=g)
+    sampled = torch.arange(sample) * S // sample
+    scores[:, :, sampled] = 10.0 + torch.arange(sample).float()
+    positions = torch.tensor([[S - 1, S - 1]])
+    scores[0, 1, sampled[::2]] = 5.0  # ties inside the sample too
+    got = radix_topk_triton(scores, positions, topk, overrides=dict(algo="sample", BLOCK=64, SAMPLE=sample))
+    assert torch.equal(got, topk_from_scores(masked(scores, positions), topk))
+
+
+@pytest.mark.parametrize("algo", ["sample", "scan"])
+def test_radix_select_rows_longer_than_a_block_and_strided_inputs(algo):
     """Several blocks per row (BLOCK 32), a non-contiguous positions view and an output view inside a wider buffer."""
     g = torch.Generator().manual_seed(7)
     B, T, S, topk = 2, 5, 200, 24
@@ -74,7 +93,7 @@ def test_radix_select_rows_longer_than_a_block_and_strided_inputs():
     pos_all = torch.randint(0, S, (B, 2 * T), generator=g)
     positions = pos_all[:, ::2]
     big = torch.full((B, T + 3, topk), POISON, dtype=torch.int32)
-    radix_topk_triton(scores, positions, topk, out=big[:, 1 : T + 1], overrides=dict(BLOCK=32))
+    radix_topk_triton(scores, positions, topk, out=big[:, 1 : T + 1], overrides={**SELECT_CFGS[algo], "BLOCK": 32})
     assert (big[:, 0] == POISON).all() and (big[:, T + 1 :] == POISON).all(), "writes outside the view"
     assert torch.equal(big[:, 1 : T + 1], topk_from_scores(masked(scores, positions), topk))
 
@@ -100,6 +119,9 @@ def test_indexer_topk_op_equals_naive_exactly(seed, chunk):
     assert torch.equal(got.cpu(), ref)
     old = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk, select="sort")
     assert torch.equal(old.cpu(), ref)
+    scan = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk,
+                               select_overrides=dict(algo="scan"))
+    assert torch.equal(scan.cpu(), ref)
 
 
 def test_indexer_topk_op_wider_than_context():
@@ -144,8 +166,10 @@ def test_gpu_radix_equals_sort_path_v32(S):
     positions[0, :4] = torch.tensor([-1, 5, 1000, 2047])  # padding, short contexts, exactly topk visible
     scores = indexer_logits_triton(q, k, w, positions)
     out = torch.full((1, T, topk), POISON, device="cuda", dtype=torch.int32)
-    got = radix_topk_triton(scores, positions, topk, out=out)
-    assert torch.equal(got, topk_from_scores(scores, topk))
+    ref = topk_from_scores(scores, topk)
+    for algo in ("sample", "scan"):
+        got = radix_topk_triton(scores, positions, topk, out=out.fill_(POISON), overrides=dict(algo=algo))
+        assert torch.equal(got, ref), algo
     assert torch.equal(indexer_topk_triton(q, k, w, positions, topk),
                        indexer_topk_triton(q, k, w, positions, topk, select="sort"))
 
@@ -157,8 +181,9 @@ def test_gpu_radix_ties_and_256k_rows():
     scores = tie_scores(B, T, S, g).cuda()
     positions = torch.randint(0, S, (B, T), generator=g).cuda()
     positions[0, :3] = torch.tensor([S - 1, -1, 100])
-    got = radix_topk_triton(scores, positions, topk)
-    assert torch.equal(got, topk_from_scores(masked(scores, positions), topk))
+    ref = topk_from_scores(masked(scores, positions), topk)
+    for algo in ("sample", "scan"):
+        assert torch.equal(radix_topk_triton(scores, positions, topk, overrides=dict(algo=algo)), ref), algo
 
 
 @pytest.mark.gpu

@@ -18,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_select import radix_topk_triton
+from .triton_select import radix_topk_triton, select_config, select_scratch
 
 
-SCORE_BUDGET_ELEMS = 1 << 28  # at most 2 GiB of int64 sort keys per chunk
+SCORE_BUDGET_ELEMS = 1 << 28  # per chunk at most 2 GiB of int64 sort keys, or 3 GiB of fp32 scores + int64 candidates
 
 
 @triton.jit
@@ -149,12 +149,14 @@ def query_chunk(B: int, T: int, S: int) -> int:
 def indexer_topk_triton(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int,
     chunk: int | None = None, overrides: dict | None = None, select: str = "radix",
+    select_overrides: dict | None = None,
 ) -> torch.Tensor:
     """Same contract as `dsaflow.ops.indexer_topk.indexer_topk`: q [B, T, H_I, D_I], k [B, S, D_I], w [B, T, H_I],
     positions [B, T] int -> int32 [B, T, topk], best first, -1 where fewer than topk keys are visible.
 
     select="radix" (default): fp32 logits (invisible tiles unwritten) + the radix select kernel; select="sort":
-    int64 sort keys + torch.topk + a sort of the survivors (the previous path, kept as the benchmark baseline)."""
+    int64 sort keys + torch.topk + a sort of the survivors (the previous path, kept as the benchmark baseline).
+    overrides: logits kernel config; select_overrides: radix select config (`triton_select.select_config`)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:
@@ -170,7 +172,7 @@ def indexer_topk_triton(
         keys = torch.empty(B, rows, S, device=q.device, dtype=torch.int64)
     elif select == "radix":
         scores = torch.empty(B, rows, S, device=q.device, dtype=torch.float32)
-        cand = torch.empty(B * rows, S, device=q.device, dtype=torch.int32)
+        scratch = select_scratch(B * rows, S, topk, q.device, select_config(S, topk, select_overrides)["algo"])
     else:
         raise ValueError(f"select must be 'radix' or 'sort', got {select!r}")
     for t0 in range(0, T, chunk):
@@ -183,5 +185,5 @@ def indexer_topk_triton(
         else:
             buf = scores[:, : t1 - t0]
             indexer_logits_triton(qc, k, wc, pc, buf, overrides, write_invisible=False)
-            radix_topk_triton(buf, pc, topk, out=out[:, t0:t1], cand=cand)
+            radix_topk_triton(buf, pc, topk, out=out[:, t0:t1], scratch=scratch, overrides=select_overrides)
     return out

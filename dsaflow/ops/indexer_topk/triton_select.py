@@ -148,38 +148,167 @@ def _radix_topk_kernel(
     tl.store(o_row + ks, tl.where(ok, best, -1), mask=ks < TOPK)
 
 
+INT32_MIN = tl.constexpr(-2147483648)
+INT64_MIN = tl.constexpr(-9223372036854775808)
+
+
+@triton.jit
+def _compact_keys(x_row, c_row, n, floor, BLOCK: tl.constexpr):
+    """Write the int64 key (ordered score << 32 | 2^31-1-index) of every s < n with ordered score >= floor to c_row,
+    in ascending index order; return how many."""
+    offs = tl.arange(0, BLOCK)
+    count = n * 0
+    for s0 in range(0, n, BLOCK):
+        idx = s0 + offs
+        m = idx < n
+        o = _ordered(tl.load(x_row + idx, mask=m, other=0.0))
+        keep = m & (o >= floor)
+        slot = count + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(c_row + slot, (o.to(tl.int64) << 32) | (2147483647 - idx).to(tl.int64), mask=keep)
+        count += tl.sum(keep.to(tl.int32), 0)
+    return count
+
+
+@triton.jit
+def _sampled_topk_kernel(
+    x_ptr, pos_ptr, cand_ptr, surv_ptr, out_ptr,
+    S, TOPK, ROWS_PER_B,
+    s_xb, s_xt, s_pb, s_pt, s_cr, s_sr, s_ob, s_ot,
+    BLOCK: tl.constexpr, K_POW2: tl.constexpr, SAMPLE: tl.constexpr,
+):
+    """Sample-then-select: a floor from an evenly spaced sample of the row keeps ~1.5-2 topk candidates in one
+    streaming pass (no histogram over the row), then the radix select runs on the candidates' int64 keys only."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // ROWS_PER_B
+    t = pid % ROWS_PER_B
+    x_row = x_ptr + b * s_xb + t * s_xt
+    o_row = out_ptr + b * s_ob + t * s_ot
+    c_row = cand_ptr + pid * s_cr
+    v_row = surv_ptr + pid * s_sr
+    pos = tl.load(pos_ptr + b * s_pb + t * s_pt).to(tl.int32)
+    n = tl.minimum(tl.maximum(pos + 1, 0), S)
+    kk = tl.minimum(n, TOPK)
+    bins = tl.arange(0, 256)
+    if kk > 0:
+        # 1. floor = the r-th largest of SAMPLE evenly spaced scores, r chosen so that the row count above the floor
+        #    is >= kk with high probability (a miss only costs a second pass); exact when the sample is the row
+        m_eff = tl.minimum(n, SAMPLE)
+        si = tl.arange(0, SAMPLE)
+        sp = (si.to(tl.int64) * n // m_eff).to(tl.int32)
+        sv = _ordered(tl.load(x_row + sp, mask=si < m_eff, other=0.0))
+        sv = tl.sort(tl.where(si < m_eff, sv, INT32_MIN), descending=True)
+        base = (kk * m_eff + n - 1) // n
+        margin = tl.where(m_eff < n, (3.0 * tl.sqrt(base.to(tl.float32))).to(tl.int32) + 8, 0)
+        r = base + margin
+        floor = tl.sum(tl.where(si == r - 1, sv, 0), 0)
+        floor = tl.where(r <= m_eff, floor, INT32_MIN)
+        # 2. one streaming pass: candidates >= floor as int64 keys (a second pass with no floor if the sample missed)
+        n_c = _compact_keys(x_row, c_row, n, floor, BLOCK)
+        if n_c < kk:
+            n_c = _compact_keys(x_row, c_row, n, INT32_MIN, BLOCK)
+        tl.debug_barrier()  # candidates written by other threads are read below
+        # 3. radix select on the candidates' score words, a byte per level, until the whole prefix is needed
+        offs = tl.arange(0, BLOCK)
+        need = kk
+        n_match = n_c
+        prefix = n_c * 0
+        lo = n_c * 0 + 32
+        for level in tl.static_range(4):
+            if need < n_match:
+                shift = 24 - 8 * level
+                hist = tl.zeros([256], tl.int32)
+                for c0 in range(0, n_c, BLOCK):
+                    ci = c0 + offs
+                    m = ci < n_c
+                    u = (tl.load(c_row + ci, mask=m, other=0) >> 32).to(tl.int32) ^ SIGN
+                    if level > 0:
+                        m = m & ((u & ~((1 << (shift + 8)) - 1)) == prefix)
+                    hist += tl.histogram(tl.where(m, (u >> shift) & 255, 0), 256)
+                    hist -= tl.where(bins == 0, BLOCK - tl.sum(m.to(tl.int32), 0), 0)
+                bl, gt, eq_cnt = _threshold_bucket(hist, need, 256)
+                prefix = prefix | (bl << shift)
+                lo = lo * 0 + shift
+                need -= gt
+                n_match = eq_cnt
+        # 4. survivors: candidates above the prefix, then the first `need` inside it (ascending index = tie rule)
+        hi_mask = tl.where(lo >= 32, 0, ~((1 << (lo & 31)) - 1))
+        top_o = (prefix | ~hi_mask) ^ SIGN
+        n_out = n_c * 0
+        n_tie = n_c * 0
+        for c0 in range(0, n_c, BLOCK):
+            ci = c0 + offs
+            m = ci < n_c
+            key = tl.load(c_row + ci, mask=m, other=0)
+            o = (key >> 32).to(tl.int32)
+            match = m & (((o ^ SIGN) & hi_mask) == prefix)
+            rank = n_tie + tl.cumsum(match.to(tl.int32), 0) - 1
+            take = (m & (o > top_o)) | (match & (rank < need))
+            tl.store(v_row + (n_out + tl.cumsum(take.to(tl.int32), 0) - 1), key, mask=take)
+            n_out += tl.sum(take.to(tl.int32), 0)
+            n_tie += tl.sum(match.to(tl.int32), 0)
+        tl.debug_barrier()  # the kk survivors were written by other threads
+    # 5. sort the survivors best first (ties: lower index first) and pad with -1
+    ks = tl.arange(0, K_POW2)
+    key = tl.load(v_row + ks, mask=ks < kk, other=INT64_MIN)
+    key = tl.sort(tl.where(ks < kk, key, INT64_MIN), descending=True)
+    best = 2147483647 - key.to(tl.int32)  # the low word (truncation) is 2^31 - 1 - index
+    ok = (ks < kk) & ((key >> 32) > NEG_INF_ORDERED)
+    tl.store(o_row + ks, tl.where(ok, best, -1), mask=ks < TOPK)
+
+
 def select_config(S: int, topk: int, overrides: dict | None = None) -> dict:
-    cfg = dict(BLOCK=min(2048, max(16, triton.next_power_of_2(S))), num_warps=8)
+    cfg = dict(algo="sample", BLOCK=min(1024, max(16, triton.next_power_of_2(S))), num_warps=4, SAMPLE=2048)
     cfg.update(overrides or {})
     return cfg
 
 
+def select_scratch(rows: int, S: int, topk: int, device, algo: str = "sample") -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for `radix_topk_triton` over up to `rows` rows (reusable across calls): candidates [rows, S] (int64
+    keys for "sample", int32 indices for "scan") and survivors [rows, topk] int64."""
+    cand = torch.empty(rows, max(S, 1), device=device, dtype=torch.int64 if algo == "sample" else torch.int32)
+    return cand, torch.empty(rows, max(topk, 1), device=device, dtype=torch.int64)
+
+
 def radix_topk_triton(
     scores: torch.Tensor, positions: torch.Tensor, topk: int, out: torch.Tensor | None = None,
-    cand: torch.Tensor | None = None, overrides: dict | None = None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None, overrides: dict | None = None,
 ) -> torch.Tensor:
     """scores [B, T, S] fp32 (last dim contiguous; only [0, positions + 1) of each row is read), positions [B, T]
     int (< 0 = padding) -> int32 [B, T, topk]: best first, ties to the lower key index, -1 where the score is -inf
-    or fewer than topk keys are visible. `out` may be a [B, T, topk] int32 view, `cand` an int32 scratch of at least
-    [B * T, S] (reused across chunks)."""
+    or fewer than topk keys are visible. `out` may be a [B, T, topk] int32 view; `scratch` from `select_scratch`
+    with at least B * T rows. overrides: algo "sample" (default: sampled floor, one streaming pass, radix on the
+    candidates) or "scan" (histogram of the top byte over the whole row, then compaction), BLOCK, num_warps, SAMPLE."""
     B, T, S = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError(f"radix_topk_triton needs fp32 scores with a contiguous last dim, got {scores.dtype} "
                          f"strides {scores.stride()}")
     if S >= 2**31 - 1:
         raise ValueError(f"radix_topk_triton: S={S} does not fit the int32 key index")
+    cfg = select_config(S, topk, overrides)
     if out is None:
         out = torch.empty(B, T, topk, device=scores.device, dtype=torch.int32)
-    if cand is None:
-        cand = torch.empty(B * T, max(S, 1), device=scores.device, dtype=torch.int32)
+    cand, surv = scratch if scratch is not None else select_scratch(B * T, S, topk, scores.device, cfg["algo"])
+    if cand.shape[0] < B * T or cand.shape[1] < S or surv.shape[1] < topk:
+        raise ValueError(f"radix_topk_triton: scratch {tuple(cand.shape)}/{tuple(surv.shape)} too small for "
+                         f"{B * T} rows x {S} keys, topk {topk}")
     if B * T == 0:
         return out
-    cfg = select_config(S, topk, overrides)
-    _radix_topk_kernel[(B * T,)](
-        scores, positions, cand, out,
-        S, topk, T,
-        scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1), cand.stride(0),
-        out.stride(0), out.stride(1),
-        BLOCK=cfg["BLOCK"], K_POW2=max(16, triton.next_power_of_2(topk)), num_warps=cfg["num_warps"],
-    )
+    common = dict(BLOCK=cfg["BLOCK"], K_POW2=max(16, triton.next_power_of_2(topk)), num_warps=cfg["num_warps"])
+    if cfg["algo"] == "sample":
+        _sampled_topk_kernel[(B * T,)](
+            scores, positions, cand, surv, out,
+            S, topk, T,
+            scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1), cand.stride(0),
+            surv.stride(0), out.stride(0), out.stride(1),
+            SAMPLE=cfg["SAMPLE"], **common,
+        )
+    elif cfg["algo"] == "scan":
+        _radix_topk_kernel[(B * T,)](
+            scores, positions, cand, out,
+            S, topk, T,
+            scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1), cand.stride(0),
+            out.stride(0), out.stride(1), **common,
+        )
+    else:
+        raise ValueError(f"radix_topk_triton: algo must be 'sample' or 'scan', got {cfg['algo']!r}")
     return out
