@@ -55,7 +55,7 @@ SELECT_CFGS = {"sample": dict(algo="sample", BLOCK=64, SAMPLE=16), "scan": dict(
 
 
 @pytest.mark.parametrize("algo", ["sample", "scan"])
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("S,topk", [(300, 16), (70, 64), (40, 100)])
 def test_radix_select_equals_naive(algo, seed, S, topk):
     g = torch.Generator().manual_seed(seed)
