@@ -184,9 +184,15 @@ def run(a) -> dict:
                        dense_sdpa_ms=a.layers * base[ctx]["sdpa_layer_s"] * 1e3, decode_graphs=graphs)
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            save(result(a, rows, device, dtype), Path(a.out), final=False)  # a cut-off run keeps its rows
         del stage
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return result(a, rows, device, dtype)
+
+
+def result(a, rows: list, device, dtype) -> dict:
+    """Rows with the ratios to all-F at the same context and to dense SDPA, plus the environment and the paper."""
     full = {r["context"]: r for r in rows if r["index"] == "all_full"}
     for r in rows:
         f = full.get(r["context"])
@@ -197,6 +203,20 @@ def run(a) -> dict:
                model=a.model, layers=a.layers, extra=a.extra, prefill_chunk=a.prefill_chunk,
                decode_steps=a.decode_steps, repeats=a.repeats, batch=1, dtype=str(dtype))
     return dict(env=env, rows=rows, paper=PAPER)
+
+
+def save(res: dict, out: Path, final: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "indexcache.json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    (out / "indexcache.md").write_text(md)
+    if final:
+        print(md)
+        print("plot:", plot(res, out / "indexcache.png"))
+
+
+def ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def markdown(res: dict) -> str:
@@ -210,9 +230,9 @@ def markdown(res: dict) -> str:
              "| SDPA / prefill | decode tokens/s | decode speedup |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         lines.append(f"| {r['index']} | {r['f_layers']} | {r['context']} | {r['prefill_ms']:.1f} | "
-                     f"{r['prefill_speedup_vs_all_f']:.2f}x | {r['indexer_ms']:.1f} ({r['indexer_share'] * 100:.0f} %) "
+                     f"{ratio(r['prefill_speedup_vs_all_f'])} | {r['indexer_ms']:.1f} ({r['indexer_share'] * 100:.0f} %) "
                      f"| {r['dense_sdpa_ms']:.1f} | {r['vs_dense_sdpa']:.2f}x | {r['decode_tokens_per_s']:.1f} | "
-                     f"{r['decode_speedup_vs_all_f']:.2f}x |")
+                     f"{ratio(r['decode_speedup_vs_all_f'])} |")
     p = res["paper"]
     lines += ["", f"{p['setup']}: prefill {' / '.join(f'{x}x' for x in p['prefill_1_4'])}, decode "
               f"{' / '.join(f'{x}x' for x in p['decode_1_4'])} at {' / '.join(f'{c // 1000}K' for c in p['contexts'])}; "
@@ -256,14 +276,7 @@ def plot(res: dict, path: Path) -> bool:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    res = run(a)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "indexcache.json").write_text(json.dumps(res, indent=1))
-    md = markdown(res)
-    (out / "indexcache.md").write_text(md)
-    print(md)
-    print("plot:", plot(res, out / "indexcache.png"))
+    save(run(a), Path(a.out))
     return 0
 
 

@@ -4,7 +4,7 @@ Shapes: DeepSeek-V3.2 indexer (64 heads x 128, topk 2048, bf16), one sequence; b
 8K / 32K / 128K context (the same queries as `bench_ops.py`), plus one whole causal prefill (every query of a 32K
 context, chunked). Rows: the whole op with each selector, its parts (fp32 logits with invisible tiles unwritten,
 radix select alone on those scores, int64 keys + torch.topk + sort alone), and a small sweep of the select kernel
-(sampled-floor vs whole-row histogram, block size, warps, sample size) at the largest context. Writes indexer_topk.json and indexer_topk.md to --out.
+(block size, warps, sample size, candidate cap) and decode-like row counts at the largest context. Writes indexer_topk.json and indexer_topk.md to --out.
 
     python3 scripts/bench_indexer_topk.py --out /tmp/bench [--contexts 8192,32768,131072] [--queries 4096]
 """
@@ -72,15 +72,17 @@ def run(contexts, n_queries, prefill_ctx, out_dir):
         ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch))
         record("part: radix select", S, chunk, ms, tbps_one_read=round(4 * int((pc + 1).sum()) / ms / 1e9, 3))
         if S == contexts[-1]:
-            sweep = [dict(algo="sample", BLOCK=bl, num_warps=wp, SAMPLE=2048) for bl in (512, 1024, 2048) for wp in (4, 8)]
-            sweep += [dict(algo="sample", BLOCK=1024, num_warps=4, SAMPLE=sp) for sp in (1024, 4096)]
-            sweep += [dict(algo="scan", BLOCK=1024, num_warps=4), dict(algo="scan", BLOCK=2048, num_warps=8)]
+            sweep = [dict(BLOCK=bl, warps_compact=wp) for bl in (512, 1024, 2048) for wp in (4, 8)]
+            sweep += [dict(SAMPLE=2048), dict(CAP=8192), dict(warps_finish=4), dict(warps_finish=16),
+                      dict(warps_floor=8), dict(CAP=2048)]  # CAP 2048: nearly every row takes the radix fallback
             for cfg in sweep:
-                if cfg["algo"] == "scan":
-                    sc = select_scratch(chunk, S, TOPK, "cuda", "scan")
-                ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=sc if cfg["algo"] == "scan" else scratch,
-                                                     overrides=cfg), rep_ms=100)
-                record("sweep: radix select " + " ".join(f"{k} {v}" for k, v in cfg.items()), S, chunk, ms)
+                ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch, overrides=cfg), rep_ms=100)
+                record("sweep: select " + " ".join(f"{k} {v}" for k, v in cfg.items()), S, chunk, ms)
+            for rows in (1, 8, 64):  # decode-like: a few rows of the longest context
+                ms = bench(lambda: radix_topk_triton(scores[:, :rows], pc[:, :rows], TOPK, scratch=scratch))
+                record(f"decode-like: select, {rows} rows", S, rows, ms)
+                ms = bench(lambda: topk_from_keys(keys[:, :rows], TOPK))
+                record(f"decode-like: int64 keys torch.topk + sort, {rows} rows", S, rows, ms)
         del scores, keys, scratch
     if prefill_ctx:
         S = prefill_ctx

@@ -51,10 +51,18 @@ def tie_scores(B: int, T: int, S: int, g: torch.Generator) -> torch.Tensor:
     return torch.stack(rows).view(B, T, S)
 
 
-SELECT_CFGS = {"sample": dict(algo="sample", BLOCK=64, SAMPLE=16), "scan": dict(algo="scan", BLOCK=64)}
+# "sort": small sample and splits, candidates usually sorted in registers; "radix": CAP 16 sends most rows through
+# the fallback (whole-row compaction + radix select); "split": many compaction programs per row (unordered slots)
+SELECT_CFGS = {"sort": dict(BLOCK=64, SAMPLE=16, CAP=64, programs=4),
+               "radix": dict(BLOCK=64, SAMPLE=16, CAP=16, programs=4),
+               "split": dict(BLOCK=32, SAMPLE=32, CAP=128, programs=64)}
 
 
-@pytest.mark.parametrize("algo", ["sample", "scan"])
+# the whole-op tests below pass this on CPU: the interpreter's sort of a 4096 sample / cap takes minutes
+CPU_SELECT = SELECT_CFGS["sort"] if DEV == "cpu" else None
+
+
+@pytest.mark.parametrize("algo", list(SELECT_CFGS))
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("S,topk", [(300, 16), (70, 64), (40, 100)])
 def test_radix_select_equals_naive(algo, seed, S, topk):
@@ -80,11 +88,11 @@ def test_sampled_floor_that_misses_falls_back_to_the_whole_row():
     scores[:, :, sampled] = 10.0 + torch.arange(sample).float()
     positions = torch.tensor([[S - 1, S - 1]])
     scores[0, 1, sampled[::2]] = 5.0  # ties inside the sample too
-    got = radix_topk_triton(scores, positions, topk, overrides=dict(algo="sample", BLOCK=64, SAMPLE=sample))
+    got = radix_topk_triton(scores, positions, topk, overrides=dict(BLOCK=64, SAMPLE=sample, CAP=64))
     assert torch.equal(got, topk_from_scores(masked(scores, positions), topk))
 
 
-@pytest.mark.parametrize("algo", ["sample", "scan"])
+@pytest.mark.parametrize("algo", list(SELECT_CFGS))
 def test_radix_select_rows_longer_than_a_block_and_strided_inputs(algo):
     """Several blocks per row (BLOCK 32), a non-contiguous positions view and an output view inside a wider buffer."""
     g = torch.Generator().manual_seed(7)
@@ -115,13 +123,14 @@ def test_indexer_topk_op_equals_naive_exactly(seed, chunk):
     q, k, w = int_inputs(B, T, H, D, S, g)
     positions = torch.tensor([[-1, 0, 5, 11, 30, 44], [44, 44, 3, -7, 20, 12]])
     ref = indexer_topk_naive(q, k, w, positions, topk)
-    got = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk)
+    got = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk,
+                              select_overrides=CPU_SELECT)
     assert torch.equal(got.cpu(), ref)
     old = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk, select="sort")
     assert torch.equal(old.cpu(), ref)
-    scan = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk,
-                               select_overrides=dict(algo="scan"))
-    assert torch.equal(scan.cpu(), ref)
+    radix = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk,
+                                select_overrides=SELECT_CFGS["radix"])
+    assert torch.equal(radix.cpu(), ref)
 
 
 def test_indexer_topk_op_wider_than_context():
@@ -129,7 +138,7 @@ def test_indexer_topk_op_wider_than_context():
     g = torch.Generator().manual_seed(3)
     q, k, w = int_inputs(1, 3, 2, 16, 5, g)
     positions = torch.tensor([[0, 2, 4]])
-    got = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), 8)
+    got = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), 8, select_overrides=CPU_SELECT)
     assert torch.equal(got.cpu(), indexer_topk_naive(q, k, w, positions, 8))
 
 
@@ -167,9 +176,9 @@ def test_gpu_radix_equals_sort_path_v32(S):
     scores = indexer_logits_triton(q, k, w, positions)
     out = torch.full((1, T, topk), POISON, device="cuda", dtype=torch.int32)
     ref = topk_from_scores(scores, topk)
-    for algo in ("sample", "scan"):
-        got = radix_topk_triton(scores, positions, topk, out=out.fill_(POISON), overrides=dict(algo=algo))
-        assert torch.equal(got, ref), algo
+    for cfg in ({}, dict(CAP=2048), dict(programs=4096)):  # default; fallback for most rows; more splits
+        got = radix_topk_triton(scores, positions, topk, out=out.fill_(POISON), overrides=cfg)
+        assert torch.equal(got, ref), cfg
     assert torch.equal(indexer_topk_triton(q, k, w, positions, topk),
                        indexer_topk_triton(q, k, w, positions, topk, select="sort"))
 
@@ -182,8 +191,8 @@ def test_gpu_radix_ties_and_256k_rows():
     positions = torch.randint(0, S, (B, T), generator=g).cuda()
     positions[0, :3] = torch.tensor([S - 1, -1, 100])
     ref = topk_from_scores(masked(scores, positions), topk)
-    for algo in ("sample", "scan"):
-        assert torch.equal(radix_topk_triton(scores, positions, topk, overrides=dict(algo=algo)), ref), algo
+    for cfg in ({}, dict(CAP=2048)):
+        assert torch.equal(radix_topk_triton(scores, positions, topk, overrides=cfg), ref), cfg
 
 
 @pytest.mark.gpu

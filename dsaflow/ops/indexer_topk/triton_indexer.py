@@ -7,8 +7,9 @@ tiles past the largest visible position of the query tile skip the dots and only
 nothing at all for the top-k path, whose radix select reads only each row's visible prefix. The grid is one axis
 (key tile fastest, then query tile, then batch), so B * T and the context length are bounded only by 2^31 programs.
 
-Top-k (`indexer_topk_triton`): fp32 logits, then `triton_select.radix_topk_triton` (an exact radix select, not a
-sort: ties to the lower key index, best first, -1 padding, exactly `naive.topk_from_scores`' order). The older path
+Top-k (`indexer_topk_triton`): fp32 logits, then `triton_select.radix_topk_triton` (an exact select, not a sort of
+the row: sampled floor, one streaming compaction, a sort of ~1.4 topk candidate keys, radix select as the fallback;
+ties to the lower key index, best first, -1 padding, exactly `naive.topk_from_scores`' order). The older path
 (int64 sort keys from the kernel + torch.topk + a sort of the survivors, `topk_from_keys`) is kept for comparison.
 Chunk size, grids and buffers depend on shapes only, so the whole op is CUDA-graph safe.
 """
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_select import radix_topk_triton, select_config, select_scratch
+from .triton_select import radix_topk_triton, select_scratch
 
 
 SCORE_BUDGET_ELEMS = 1 << 28  # per chunk at most 2 GiB of int64 sort keys, or 3 GiB of fp32 scores + int64 candidates
@@ -154,7 +155,7 @@ def indexer_topk_triton(
     """Same contract as `dsaflow.ops.indexer_topk.indexer_topk`: q [B, T, H_I, D_I], k [B, S, D_I], w [B, T, H_I],
     positions [B, T] int -> int32 [B, T, topk], best first, -1 where fewer than topk keys are visible.
 
-    select="radix" (default): fp32 logits (invisible tiles unwritten) + the radix select kernel; select="sort":
+    select="radix" (default): fp32 logits (invisible tiles unwritten) + the select kernels; select="sort":
     int64 sort keys + torch.topk + a sort of the survivors (the previous path, kept as the benchmark baseline).
     overrides: logits kernel config; select_overrides: radix select config (`triton_select.select_config`)."""
     if q.stride(-1) != 1:
@@ -172,7 +173,7 @@ def indexer_topk_triton(
         keys = torch.empty(B, rows, S, device=q.device, dtype=torch.int64)
     elif select == "radix":
         scores = torch.empty(B, rows, S, device=q.device, dtype=torch.float32)
-        scratch = select_scratch(B * rows, S, topk, q.device, select_config(S, topk, select_overrides)["algo"])
+        scratch = select_scratch(B * rows, S, topk, q.device)
     else:
         raise ValueError(f"select must be 'radix' or 'sort', got {select!r}")
     for t0 in range(0, T, chunk):

@@ -1,23 +1,22 @@
-"""Exact causal top-k of fp32 score rows by radix select (no sort of the row), with the model's tie rule.
+"""Exact causal top-k of fp32 score rows (one row = one query's scores over S keys), not a sort of the row.
 
-One program per score row [S] (one query). Scores are mapped to order-preserving 32-bit keys (-0.0 first made +0.0;
-`o` = signed int whose order is the float order, `u` = o with the sign bit flipped, whose unsigned order is the
-float order, so its top byte is the most significant radix digit). Per row, only the visible prefix [0, n) is read,
-n = clamp(position + 1, 0, S), so the invisible part of the row need not be written at all.
+Scores map to order-preserving int32 (-0.0 made +0.0 first), and a key is the int64 (ordered score << 32 |
+2^31 - 1 - index): keys are distinct and their descending order is the model's order (best first, ties to the lower
+key index), exactly `naive.topk_from_scores`. Only each row's visible prefix [0, n), n = clamp(position + 1, 0, S),
+is read, so the invisible part of the score row need not be written. Three kernels per call:
 
-  1. histogram of u's top byte over the row; the bucket holding the kk-th largest (kk = min(topk, n)) is found from
-     the suffix counts;
-  2. one compaction pass: keys in a higher bucket go straight to the output slots, keys in the threshold bucket go
-     to a per-row candidate list (in ascending key index, so ties keep index order);
-  3. up to three more histograms over the candidates only (next byte each, keys outside the threshold prefix
-     masked) until the threshold is exact or every candidate in the prefix is needed;
-  4. a pass over the candidates takes those above the threshold and the first `need` equal to it (lowest indices);
-  5. the kk survivors are sorted in-kernel (bitonic `tl.sort` of int64 keys: score key << 32 | 2^31-1-index, so
-     ties order by lower index) and written best first, -1 for -inf scores and for slots past kk.
+  1. floor (one program per row): the r-th largest of SAMPLE evenly spaced scores, r chosen so that the row holds
+     >= kk = min(topk, n) scores at or above it with high probability and about 1.4 kk on average (exact when the
+     sample is the whole row); also zeroes the row's candidate count;
+  2. compact (rows x splits programs): one streaming pass writes the keys at or above the floor to the row's
+     candidate list (slots reserved with one atomic per block; splits spread a few long rows over the GPU: decode);
+  3. finish (one program per row): if kk <= candidates <= CAP, one in-register bitonic sort of the candidate keys
+     gives the answer. Otherwise (the sample missed, or massive exact ties put too many keys at the floor) the row
+     is redone alone: ordered compaction of the whole visible row, then a radix select on the keys' score words, a
+     byte per level (histograms, suffix counts) until the threshold is exact, the ties taken lowest index first,
+     and a sort of the kk survivors.
 
-This is exactly `naive.topk_from_scores`' order. Grid and buffers depend on shapes only; the per-row work depends on
-positions read on the device, so the op is CUDA-graph safe. Typical rows read the scores twice from memory; rows of
-massive exact ties (e.g. all-zero scores) make the candidate list as long as the row, which stays correct.
+Grids and buffers depend on shapes only and nothing syncs with the host: the op is CUDA-graph safe.
 """
 from __future__ import annotations
 
@@ -50,104 +49,6 @@ def _threshold_bucket(hist, need, NB: tl.constexpr):
     return b, gt, eq
 
 
-@triton.jit
-def _radix_topk_kernel(
-    x_ptr, pos_ptr, cand_ptr, out_ptr,
-    S, TOPK, ROWS_PER_B,
-    s_xb, s_xt, s_pb, s_pt, s_cr, s_ob, s_ot,
-    BLOCK: tl.constexpr, K_POW2: tl.constexpr,
-):
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // ROWS_PER_B
-    t = pid % ROWS_PER_B
-    x_row = x_ptr + b * s_xb + t * s_xt
-    o_row = out_ptr + b * s_ob + t * s_ot
-    c_row = cand_ptr + pid * s_cr
-    pos = tl.load(pos_ptr + b * s_pb + t * s_pt).to(tl.int32)
-    n = tl.minimum(tl.maximum(pos + 1, 0), S)
-    kk = tl.minimum(n, TOPK)
-    offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
-    if kk > 0:
-        # 1. histogram of the top byte; masked lanes land in bin 0 and are subtracted after the loop
-        hist = tl.zeros([256], tl.int32)
-        for s0 in range(0, n, BLOCK):
-            idx = s0 + offs
-            m = idx < n
-            u = _ordered(tl.load(x_row + idx, mask=m, other=0.0)) ^ SIGN
-            hist += tl.histogram(tl.where(m, (u >> 24) & 255, 0), 256)
-        hist -= tl.where(bins == 0, tl.cdiv(n, BLOCK) * BLOCK - n, 0)
-        b1, nsel, ncand = _threshold_bucket(hist, kk, 256)
-        need = kk - nsel
-        # 2. compaction: higher buckets -> output slots, the threshold bucket -> candidates (ascending index)
-        n_out = nsel * 0
-        n_c = nsel * 0
-        for s0 in range(0, n, BLOCK):
-            idx = s0 + offs
-            m = idx < n
-            d = ((_ordered(tl.load(x_row + idx, mask=m, other=0.0)) ^ SIGN) >> 24) & 255
-            up = m & (d > b1)
-            eq = m & (d == b1)
-            c_up = tl.cumsum(up.to(tl.int32), 0)
-            c_eq = tl.cumsum(eq.to(tl.int32), 0)
-            tl.store(o_row + (n_out + c_up - 1), idx, mask=up)
-            tl.store(c_row + (n_c + c_eq - 1), idx, mask=eq)
-            n_out += tl.sum(up.to(tl.int32), 0)
-            n_c += tl.sum(eq.to(tl.int32), 0)
-        tl.debug_barrier()  # candidates written by other threads are read below
-        # 3. refine the threshold byte by byte over the candidates only; stop once the whole prefix is needed
-        prefix = b1 << 24  # determined high bits of u, in place
-        n_match = ncand
-        lo = ncand * 0 + 24  # number of undetermined low bits
-        for level in tl.static_range(3):
-            if need < n_match:
-                shift = 16 - 8 * level
-                hi_mask = ~((1 << lo) - 1)
-                hist = tl.zeros([256], tl.int32)
-                for c0 in range(0, n_c, BLOCK):
-                    ci = c0 + offs
-                    m = ci < n_c
-                    sidx = tl.load(c_row + ci, mask=m, other=0)
-                    u = _ordered(tl.load(x_row + sidx, mask=m, other=0.0)) ^ SIGN
-                    match = m & ((u & hi_mask) == prefix)
-                    hist += tl.histogram(tl.where(match, (u >> shift) & 255, 0), 256)
-                    hist -= tl.where(bins == 0, BLOCK - tl.sum(match.to(tl.int32), 0), 0)
-                bl, gt, eq_cnt = _threshold_bucket(hist, need, 256)
-                prefix = prefix | (bl << shift)
-                lo = shift
-                need -= gt
-                n_match = eq_cnt
-        # 4. take candidates above the threshold prefix and the first `need` inside it
-        hi_mask = ~((1 << lo) - 1)
-        top_o = (prefix | ~hi_mask) ^ SIGN  # largest ordered key inside the prefix
-        n_tie = n_out * 0
-        for c0 in range(0, n_c, BLOCK):
-            ci = c0 + offs
-            m = ci < n_c
-            sidx = tl.load(c_row + ci, mask=m, other=0)
-            o = _ordered(tl.load(x_row + sidx, mask=m, other=0.0))
-            match = m & (((o ^ SIGN) & hi_mask) == prefix)
-            rank = n_tie + tl.cumsum(match.to(tl.int32), 0) - 1
-            take = (m & (o > top_o)) | (match & (rank < need))
-            c_take = tl.cumsum(take.to(tl.int32), 0)
-            tl.store(o_row + (n_out + c_take - 1), sidx, mask=take)
-            n_out += tl.sum(take.to(tl.int32), 0)
-            n_tie += tl.sum(match.to(tl.int32), 0)
-        tl.debug_barrier()  # the kk survivors were written by other threads
-    # 5. sort the survivors best first (ties: lower index first) and pad with -1
-    ks = tl.arange(0, K_POW2)
-    live = ks < kk
-    sidx = tl.load(o_row + ks, mask=live, other=0)
-    o = _ordered(tl.load(x_row + sidx, mask=live, other=float("-inf")))
-    key = (o.to(tl.int64) << 32) | (2147483647 - sidx).to(tl.int64)
-    key = tl.where(live, key, -9223372036854775807 - 1)
-    tl.debug_barrier()  # every survivor is loaded before slots are overwritten
-    key = tl.sort(key, descending=True)
-    best = 2147483647 - key.to(tl.int32)  # the low word (truncation) is 2^31 - 1 - index
-    ok = (ks < kk) & ((key >> 32) > NEG_INF_ORDERED)
-    tl.store(o_row + ks, tl.where(ok, best, -1), mask=ks < TOPK)
-
-
 INT32_MIN = tl.constexpr(-2147483648)
 INT64_MIN = tl.constexpr(-9223372036854775808)
 
@@ -170,84 +71,50 @@ def _compact_keys(x_row, c_row, n, floor, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sampled_topk_kernel(
-    x_ptr, pos_ptr, cand_ptr, surv_ptr, out_ptr,
-    S, TOPK, ROWS_PER_B,
-    s_xb, s_xt, s_pb, s_pt, s_cr, s_sr, s_ob, s_ot,
-    BLOCK: tl.constexpr, K_POW2: tl.constexpr, SAMPLE: tl.constexpr,
-):
-    """Sample-then-select: a floor from an evenly spaced sample of the row keeps ~1.5-2 topk candidates in one
-    streaming pass (no histogram over the row), then the radix select runs on the candidates' int64 keys only."""
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // ROWS_PER_B
-    t = pid % ROWS_PER_B
-    x_row = x_ptr + b * s_xb + t * s_xt
-    o_row = out_ptr + b * s_ob + t * s_ot
-    c_row = cand_ptr + pid * s_cr
-    v_row = surv_ptr + pid * s_sr
-    pos = tl.load(pos_ptr + b * s_pb + t * s_pt).to(tl.int32)
-    n = tl.minimum(tl.maximum(pos + 1, 0), S)
-    kk = tl.minimum(n, TOPK)
+def _radix_finish(c_row, v_row, o_row, n_c, kk, TOPK, BLOCK: tl.constexpr, K_POW2: tl.constexpr):
+    """The kk best of the n_c candidate keys in c_row (ascending index order) -> o_row, best first, -1 padded."""
     bins = tl.arange(0, 256)
-    if kk > 0:
-        # 1. floor = the r-th largest of SAMPLE evenly spaced scores, r chosen so that the row count above the floor
-        #    is >= kk with high probability (a miss only costs a second pass); exact when the sample is the row
-        m_eff = tl.minimum(n, SAMPLE)
-        si = tl.arange(0, SAMPLE)
-        sp = (si.to(tl.int64) * n // m_eff).to(tl.int32)
-        sv = _ordered(tl.load(x_row + sp, mask=si < m_eff, other=0.0))
-        sv = tl.sort(tl.where(si < m_eff, sv, INT32_MIN), descending=True)
-        base = (kk * m_eff + n - 1) // n
-        margin = tl.where(m_eff < n, (3.0 * tl.sqrt(base.to(tl.float32))).to(tl.int32) + 8, 0)
-        r = base + margin
-        floor = tl.sum(tl.where(si == r - 1, sv, 0), 0)
-        floor = tl.where(r <= m_eff, floor, INT32_MIN)
-        # 2. one streaming pass: candidates >= floor as int64 keys (a second pass with no floor if the sample missed)
-        n_c = _compact_keys(x_row, c_row, n, floor, BLOCK)
-        if n_c < kk:
-            n_c = _compact_keys(x_row, c_row, n, INT32_MIN, BLOCK)
-        tl.debug_barrier()  # candidates written by other threads are read below
-        # 3. radix select on the candidates' score words, a byte per level, until the whole prefix is needed
-        offs = tl.arange(0, BLOCK)
-        need = kk
-        n_match = n_c
-        prefix = n_c * 0
-        lo = n_c * 0 + 32
-        for level in tl.static_range(4):
-            if need < n_match:
-                shift = 24 - 8 * level
-                hist = tl.zeros([256], tl.int32)
-                for c0 in range(0, n_c, BLOCK):
-                    ci = c0 + offs
-                    m = ci < n_c
-                    u = (tl.load(c_row + ci, mask=m, other=0) >> 32).to(tl.int32) ^ SIGN
-                    if level > 0:
-                        m = m & ((u & ~((1 << (shift + 8)) - 1)) == prefix)
-                    hist += tl.histogram(tl.where(m, (u >> shift) & 255, 0), 256)
-                    hist -= tl.where(bins == 0, BLOCK - tl.sum(m.to(tl.int32), 0), 0)
-                bl, gt, eq_cnt = _threshold_bucket(hist, need, 256)
-                prefix = prefix | (bl << shift)
-                lo = lo * 0 + shift
-                need -= gt
-                n_match = eq_cnt
-        # 4. survivors: candidates above the prefix, then the first `need` inside it (ascending index = tie rule)
-        hi_mask = tl.where(lo >= 32, 0, ~((1 << (lo & 31)) - 1))
-        top_o = (prefix | ~hi_mask) ^ SIGN
-        n_out = n_c * 0
-        n_tie = n_c * 0
-        for c0 in range(0, n_c, BLOCK):
-            ci = c0 + offs
-            m = ci < n_c
-            key = tl.load(c_row + ci, mask=m, other=0)
-            o = (key >> 32).to(tl.int32)
-            match = m & (((o ^ SIGN) & hi_mask) == prefix)
-            rank = n_tie + tl.cumsum(match.to(tl.int32), 0) - 1
-            take = (m & (o > top_o)) | (match & (rank < need))
-            tl.store(v_row + (n_out + tl.cumsum(take.to(tl.int32), 0) - 1), key, mask=take)
-            n_out += tl.sum(take.to(tl.int32), 0)
-            n_tie += tl.sum(match.to(tl.int32), 0)
-        tl.debug_barrier()  # the kk survivors were written by other threads
-    # 5. sort the survivors best first (ties: lower index first) and pad with -1
+    # a. radix select on the candidates' score words, a byte per level, until the whole prefix is needed
+    offs = tl.arange(0, BLOCK)
+    need = kk
+    n_match = n_c
+    prefix = n_c * 0
+    lo = n_c * 0 + 32
+    for level in tl.static_range(4):
+        if need < n_match:
+            shift = 24 - 8 * level
+            hist = tl.zeros([256], tl.int32)
+            for c0 in range(0, n_c, BLOCK):
+                ci = c0 + offs
+                m = ci < n_c
+                u = (tl.load(c_row + ci, mask=m, other=0) >> 32).to(tl.int32) ^ SIGN
+                if level > 0:
+                    m = m & ((u & ~((1 << (shift + 8)) - 1)) == prefix)
+                hist += tl.histogram(tl.where(m, (u >> shift) & 255, 0), 256)
+                hist -= tl.where(bins == 0, BLOCK - tl.sum(m.to(tl.int32), 0), 0)
+            bl, gt, eq_cnt = _threshold_bucket(hist, need, 256)
+            prefix = prefix | (bl << shift)
+            lo = lo * 0 + shift
+            need -= gt
+            n_match = eq_cnt
+    # b. survivors: candidates above the prefix, then the first `need` inside it (ascending index = tie rule)
+    hi_mask = tl.where(lo >= 32, 0, ~((1 << (lo & 31)) - 1))
+    top_o = (prefix | ~hi_mask) ^ SIGN
+    n_out = n_c * 0
+    n_tie = n_c * 0
+    for c0 in range(0, n_c, BLOCK):
+        ci = c0 + offs
+        m = ci < n_c
+        key = tl.load(c_row + ci, mask=m, other=0)
+        o = (key >> 32).to(tl.int32)
+        match = m & (((o ^ SIGN) & hi_mask) == prefix)
+        rank = n_tie + tl.cumsum(match.to(tl.int32), 0) - 1
+        take = (m & (o > top_o)) | (match & (rank < need))
+        tl.store(v_row + (n_out + tl.cumsum(take.to(tl.int32), 0) - 1), key, mask=take)
+        n_out += tl.sum(take.to(tl.int32), 0)
+        n_tie += tl.sum(match.to(tl.int32), 0)
+    tl.debug_barrier()  # the kk survivors were written by other threads
+    # c. sort the survivors best first (ties: lower index first) and pad with -1
     ks = tl.arange(0, K_POW2)
     key = tl.load(v_row + ks, mask=ks < kk, other=INT64_MIN)
     key = tl.sort(tl.where(ks < kk, key, INT64_MIN), descending=True)
@@ -256,59 +123,134 @@ def _sampled_topk_kernel(
     tl.store(o_row + ks, tl.where(ok, best, -1), mask=ks < TOPK)
 
 
-def select_config(S: int, topk: int, overrides: dict | None = None) -> dict:
-    cfg = dict(algo="sample", BLOCK=min(1024, max(16, triton.next_power_of_2(S))), num_warps=4, SAMPLE=2048)
+@triton.jit
+def _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt):
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // ROWS_PER_B
+    t = pid % ROWS_PER_B
+    pos = tl.load(pos_ptr + b * s_pb + t * s_pt).to(tl.int32)
+    n = tl.minimum(tl.maximum(pos + 1, 0), S)
+    return pid, b, t, x_ptr + b * s_xb + t * s_xt, n, tl.minimum(n, TOPK)
+
+
+@triton.jit
+def _floor_kernel(x_ptr, pos_ptr, floor_ptr, count_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt,
+                  SAMPLE: tl.constexpr):
+    pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
+    n1 = tl.maximum(n, 1)
+    m_eff = tl.minimum(n1, SAMPLE)
+    si = tl.arange(0, SAMPLE)
+    sp = (si.to(tl.int64) * n1 // m_eff).to(tl.int32)
+    sv = _ordered(tl.load(x_row + sp, mask=si < tl.minimum(n, SAMPLE), other=0.0))
+    sv = tl.sort(tl.where(si < tl.minimum(n, SAMPLE), sv, INT32_MIN), descending=True)
+    base = (kk * m_eff + n1 - 1) // n1  # the kk-th of the row sits near this rank of the sample
+    r = base + tl.where(m_eff < n1, (2.5 * tl.sqrt(base.to(tl.float32))).to(tl.int32) + 4, 0)
+    floor = tl.sum(tl.where(si == r - 1, sv, 0), 0)
+    tl.store(floor_ptr + pid, tl.where((kk > 0) & (r <= m_eff), floor, INT32_MIN))
+    tl.store(count_ptr + pid, 0)
+
+
+@triton.jit
+def _compact_kernel(x_ptr, pos_ptr, floor_ptr, count_ptr, cand_ptr, S, TOPK, ROWS_PER_B,
+                    s_xb, s_xt, s_pb, s_pt, s_cr, SEG, BLOCK: tl.constexpr):
+    pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
+    floor = tl.load(floor_ptr + pid)
+    lo = tl.program_id(1) * SEG
+    hi = tl.minimum(lo + SEG, n)
+    offs = tl.arange(0, BLOCK)
+    for s0 in range(lo, hi, BLOCK):
+        idx = s0 + offs
+        m = idx < hi
+        o = _ordered(tl.load(x_row + idx, mask=m, other=0.0))
+        keep = m & (o >= floor)
+        cnt = tl.sum(keep.to(tl.int32), 0)
+        slot0 = tl.atomic_add(count_ptr + pid, cnt, mask=cnt > 0)
+        slot = slot0 + tl.cumsum(keep.to(tl.int32), 0) - 1
+        key = (o.to(tl.int64) << 32) | (2147483647 - idx).to(tl.int64)
+        tl.store(cand_ptr + pid * s_cr + slot, key, mask=keep)
+
+
+@triton.jit
+def _finish_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, surv_ptr, out_ptr, S, TOPK, ROWS_PER_B,
+                   s_xb, s_xt, s_pb, s_pt, s_cr, s_sr, s_ob, s_ot,
+                   BLOCK: tl.constexpr, K_POW2: tl.constexpr, CAP: tl.constexpr):
+    pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
+    c_row = cand_ptr + pid * s_cr
+    o_row = out_ptr + b * s_ob + t * s_ot
+    n_c = tl.load(count_ptr + pid)
+    if (n_c >= kk) & (n_c <= CAP):  # the common case: sort the candidates, keep the first kk
+        j = tl.arange(0, CAP)
+        key = tl.load(c_row + j, mask=j < n_c, other=INT64_MIN)
+        key = tl.sort(tl.where(j < n_c, key, INT64_MIN), descending=True)
+        best = 2147483647 - key.to(tl.int32)  # the low word (truncation) is 2^31 - 1 - index
+        ok = (j < kk) & ((key >> 32) > NEG_INF_ORDERED)
+        tl.store(o_row + j, tl.where(ok, best, -1), mask=j < TOPK)
+    else:  # redo this row alone: ordered compaction of the whole visible row, then the radix select
+        n_c = _compact_keys(x_row, c_row, n, INT32_MIN, BLOCK)
+        tl.debug_barrier()  # candidates written by other threads are read below
+        _radix_finish(c_row, surv_ptr + pid * s_sr, o_row, n_c, kk, TOPK, BLOCK, K_POW2)
+
+
+def select_config(S: int, overrides: dict | None = None) -> dict:
+    """Shape-only defaults; short rows get a sample and candidate cap no wider than the row (never a fallback)."""
+    p2 = max(16, triton.next_power_of_2(S))
+    cfg = dict(BLOCK=min(1024, p2), SAMPLE=min(4096, p2), CAP=min(4096, p2), warps_floor=4, warps_compact=4,
+               warps_finish=8, programs=None)
     cfg.update(overrides or {})
     return cfg
 
 
-def select_scratch(rows: int, S: int, topk: int, device, algo: str = "sample") -> tuple[torch.Tensor, torch.Tensor]:
-    """Scratch for `radix_topk_triton` over up to `rows` rows (reusable across calls): candidates [rows, S] (int64
-    keys for "sample", int32 indices for "scan") and survivors [rows, topk] int64."""
-    cand = torch.empty(rows, max(S, 1), device=device, dtype=torch.int64 if algo == "sample" else torch.int32)
-    return cand, torch.empty(rows, max(topk, 1), device=device, dtype=torch.int64)
+def select_scratch(rows: int, S: int, topk: int, device) -> dict:
+    """Scratch for `radix_topk_triton` over up to `rows` rows, reusable across calls: int64 candidate keys
+    [rows, S], int64 survivors [rows, topk], int32 floors and counts [rows]."""
+    return dict(cand=torch.empty(rows, max(S, 1), device=device, dtype=torch.int64),
+                surv=torch.empty(rows, max(topk, 1), device=device, dtype=torch.int64),
+                floor=torch.empty(rows, device=device, dtype=torch.int32),
+                count=torch.empty(rows, device=device, dtype=torch.int32))
+
+
+def _splits(rows: int, S: int, block: int, programs: int | None, device) -> int:
+    """Programs per row for the compaction pass (shape-only): enough rows x splits to fill the GPU ~4 times."""
+    if programs is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        programs = 4 * sms
+    return max(1, min(triton.cdiv(programs, rows), triton.cdiv(S, block), 65535))
 
 
 def radix_topk_triton(
     scores: torch.Tensor, positions: torch.Tensor, topk: int, out: torch.Tensor | None = None,
-    scratch: tuple[torch.Tensor, torch.Tensor] | None = None, overrides: dict | None = None,
+    scratch: dict | None = None, overrides: dict | None = None,
 ) -> torch.Tensor:
     """scores [B, T, S] fp32 (last dim contiguous; only [0, positions + 1) of each row is read), positions [B, T]
     int (< 0 = padding) -> int32 [B, T, topk]: best first, ties to the lower key index, -1 where the score is -inf
     or fewer than topk keys are visible. `out` may be a [B, T, topk] int32 view; `scratch` from `select_scratch`
-    with at least B * T rows. overrides: algo "sample" (default: sampled floor, one streaming pass, radix on the
-    candidates) or "scan" (histogram of the top byte over the whole row, then compaction), BLOCK, num_warps, SAMPLE."""
+    with at least B * T rows. overrides: see `select_config` (BLOCK, SAMPLE, CAP, warps, programs)."""
     B, T, S = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError(f"radix_topk_triton needs fp32 scores with a contiguous last dim, got {scores.dtype} "
                          f"strides {scores.stride()}")
-    if S >= 2**31 - 1:
-        raise ValueError(f"radix_topk_triton: S={S} does not fit the int32 key index")
-    cfg = select_config(S, topk, overrides)
+    if S >= 2**31 - 1 or topk < 1:
+        raise ValueError(f"radix_topk_triton: S={S} must fit the int32 key index and topk={topk} be >= 1")
+    cfg = select_config(S, overrides)
     if out is None:
         out = torch.empty(B, T, topk, device=scores.device, dtype=torch.int32)
-    cand, surv = scratch if scratch is not None else select_scratch(B * T, S, topk, scores.device, cfg["algo"])
-    if cand.shape[0] < B * T or cand.shape[1] < S or surv.shape[1] < topk:
-        raise ValueError(f"radix_topk_triton: scratch {tuple(cand.shape)}/{tuple(surv.shape)} too small for "
-                         f"{B * T} rows x {S} keys, topk {topk}")
-    if B * T == 0:
+    rows = B * T
+    sc = scratch if scratch is not None else select_scratch(rows, S, topk, scores.device)
+    if sc["cand"].shape[0] < rows or sc["cand"].shape[1] < S or sc["surv"].shape[1] < topk:
+        raise ValueError(f"radix_topk_triton: scratch {tuple(sc['cand'].shape)} / {tuple(sc['surv'].shape)} too "
+                         f"small for {rows} rows x {S} keys, topk {topk}")
+    if rows == 0:
         return out
-    common = dict(BLOCK=cfg["BLOCK"], K_POW2=max(16, triton.next_power_of_2(topk)), num_warps=cfg["num_warps"])
-    if cfg["algo"] == "sample":
-        _sampled_topk_kernel[(B * T,)](
-            scores, positions, cand, surv, out,
-            S, topk, T,
-            scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1), cand.stride(0),
-            surv.stride(0), out.stride(0), out.stride(1),
-            SAMPLE=cfg["SAMPLE"], **common,
-        )
-    elif cfg["algo"] == "scan":
-        _radix_topk_kernel[(B * T,)](
-            scores, positions, cand, out,
-            S, topk, T,
-            scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1), cand.stride(0),
-            out.stride(0), out.stride(1), **common,
-        )
-    else:
-        raise ValueError(f"radix_topk_triton: algo must be 'sample' or 'scan', got {cfg['algo']!r}")
+    k_pow2 = max(16, triton.next_power_of_2(topk))
+    row_args = (S, topk, T, scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1))
+    _floor_kernel[(rows,)](scores, positions, sc["floor"], sc["count"], *row_args, SAMPLE=cfg["SAMPLE"],
+                           num_warps=cfg["warps_floor"])
+    splits = _splits(rows, S, cfg["BLOCK"], cfg["programs"], scores.device)
+    seg = triton.cdiv(triton.cdiv(S, splits), cfg["BLOCK"]) * cfg["BLOCK"]
+    _compact_kernel[(rows, splits)](scores, positions, sc["floor"], sc["count"], sc["cand"], *row_args,
+                                    sc["cand"].stride(0), seg, BLOCK=cfg["BLOCK"], num_warps=cfg["warps_compact"])
+    _finish_kernel[(rows,)](scores, positions, sc["count"], sc["cand"], sc["surv"], out, *row_args,
+                            sc["cand"].stride(0), sc["surv"].stride(0), out.stride(0), out.stride(1),
+                            BLOCK=cfg["BLOCK"], K_POW2=k_pow2, CAP=max(cfg["CAP"], k_pow2),
+                            num_warps=cfg["warps_finish"])
     return out
