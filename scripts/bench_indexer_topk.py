@@ -51,13 +51,15 @@ def run(contexts, n_queries, prefill_ctx, out_dir):
         visible = int((pos + 1).clamp(max=S).sum())
         flops = 2 * H_I * D_I * visible
         old = indexer_topk_triton(q, k, w, pos, TOPK, select="sort")
-        new = indexer_topk_triton(q, k, w, pos, TOPK)
+        new = indexer_topk_triton(q, k, w, pos, TOPK, select="radix")
         same = bool(torch.equal(old, new))
         ms_old = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="sort"))
-        ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK))
+        ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="radix"))
+        ms_auto = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK))
         record("op: logits + int64 keys + torch.topk + sort (before)", S, T, ms_old)
-        record("op: logits + radix select (after)", S, T, ms_new, speedup=round(ms_old / ms_new, 2), same_indices=same,
+        record("op: logits + select kernels", S, T, ms_new, speedup=round(ms_old / ms_new, 2), same_indices=same,
                tflops=round(flops / ms_new / 1e9, 1))
+        record("op: default (select=auto)", S, T, ms_auto, speedup=round(ms_old / ms_auto, 2))
         chunk = query_chunk(1, T, S)
         qc, wc, pc = q[:, :chunk], w[:, :chunk], pos[:, :chunk]
         scores = torch.empty(1, chunk, S, device="cuda")
@@ -78,20 +80,20 @@ def run(contexts, n_queries, prefill_ctx, out_dir):
             for cfg in sweep:
                 ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch, overrides=cfg), rep_ms=100)
                 record("sweep: select " + " ".join(f"{k} {v}" for k, v in cfg.items()), S, chunk, ms)
-            for rows in (1, 8, 64):  # decode-like: a few rows of the longest context
-                ms = bench(lambda: radix_topk_triton(scores[:, :rows], pc[:, :rows], TOPK, scratch=scratch))
-                record(f"decode-like: select, {rows} rows", S, rows, ms)
-                ms = bench(lambda: topk_from_keys(keys[:, :rows], TOPK))
-                record(f"decode-like: int64 keys torch.topk + sort, {rows} rows", S, rows, ms)
+            for n_rows in (1, 8, 64):  # decode-like: a few rows of the longest context
+                ms = bench(lambda: radix_topk_triton(scores[:, :n_rows], pc[:, :n_rows], TOPK, scratch=scratch))
+                record(f"decode-like: select, {n_rows} rows", S, n_rows, ms)
+                ms = bench(lambda: topk_from_keys(keys[:, :n_rows], TOPK))
+                record(f"decode-like: int64 keys torch.topk + sort, {n_rows} rows", S, n_rows, ms)
         del scores, keys, scratch
     if prefill_ctx:
         S = prefill_ctx
         q, k, w, pos = inputs(S, S)
         old = indexer_topk_triton(q, k, w, pos, TOPK, select="sort")
-        same = bool(torch.equal(old, indexer_topk_triton(q, k, w, pos, TOPK)))
+        same = bool(torch.equal(old, indexer_topk_triton(q, k, w, pos, TOPK, select="radix")))
         del old
         ms_old = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="sort"), rep_ms=300)
-        ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK), rep_ms=300)
+        ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="radix"), rep_ms=300)
         record("whole causal prefill: before", S, S, ms_old)
         record("whole causal prefill: after", S, S, ms_new, speedup=round(ms_old / ms_new, 2), same_indices=same,
                tflops=round(2 * H_I * D_I * S * (S + 1) / 2 / ms_new / 1e9, 1))

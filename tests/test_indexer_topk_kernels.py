@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from dsaflow.ops.indexer_topk import indexer_topk_naive, topk_from_scores
-from dsaflow.ops.indexer_topk.triton_indexer import indexer_logits_triton, indexer_topk_triton
+from dsaflow.ops.indexer_topk.triton_indexer import (
+    choose_select, indexer_logits_triton, indexer_topk_triton, query_chunk,
+)
 from dsaflow.ops.indexer_topk.triton_select import radix_topk_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,12 +126,12 @@ def test_indexer_topk_op_equals_naive_exactly(seed, chunk):
     positions = torch.tensor([[-1, 0, 5, 11, 30, 44], [44, 44, 3, -7, 20, 12]])
     ref = indexer_topk_naive(q, k, w, positions, topk)
     got = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk,
-                              select_overrides=CPU_SELECT)
+                              select="radix", select_overrides=CPU_SELECT)
     assert torch.equal(got.cpu(), ref)
     old = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk, select="sort")
     assert torch.equal(old.cpu(), ref)
     radix = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk,
-                                select_overrides=SELECT_CFGS["radix"])
+                                select="radix", select_overrides=SELECT_CFGS["radix"])
     assert torch.equal(radix.cpu(), ref)
 
 
@@ -138,8 +140,18 @@ def test_indexer_topk_op_wider_than_context():
     g = torch.Generator().manual_seed(3)
     q, k, w = int_inputs(1, 3, 2, 16, 5, g)
     positions = torch.tensor([[0, 2, 4]])
-    got = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), 8, select_overrides=CPU_SELECT)
-    assert torch.equal(got.cpu(), indexer_topk_naive(q, k, w, positions, 8))
+    ref = indexer_topk_naive(q, k, w, positions, 8)
+    for select in ("radix", "sort"):
+        got = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), 8, select=select,
+                                  select_overrides=CPU_SELECT)
+        assert torch.equal(got.cpu(), ref), select
+
+
+def test_auto_select_rule_and_query_chunk_are_shape_only():
+    assert choose_select(2048, 131072) == "radix" and choose_select(4096, 32768) == "sort"
+    assert choose_select(1, 131072) == "sort"  # decode: a few rows
+    assert query_chunk(1, 16384, 131200) % 64 == 0 and query_chunk(1, 16384, 65664) % 64 == 0
+    assert query_chunk(1, 5, 100) == 5 and query_chunk(1, 10**6, 2**27) == 2
 
 
 def test_logits_unwritten_tiles_are_only_invisible_ones():
@@ -179,7 +191,7 @@ def test_gpu_radix_equals_sort_path_v32(S):
     for cfg in ({}, dict(CAP=2048), dict(programs=4096)):  # default; fallback for most rows; more splits
         got = radix_topk_triton(scores, positions, topk, out=out.fill_(POISON), overrides=cfg)
         assert torch.equal(got, ref), cfg
-    assert torch.equal(indexer_topk_triton(q, k, w, positions, topk),
+    assert torch.equal(indexer_topk_triton(q, k, w, positions, topk, select="radix"),
                        indexer_topk_triton(q, k, w, positions, topk, select="sort"))
 
 
@@ -201,8 +213,9 @@ def test_gpu_logits_grid_takes_more_than_65535_batch_rows():
     g = torch.Generator().manual_seed(5)
     q, k, w = (x.cuda() for x in int_inputs(B, T, H, D, S, g))
     positions = torch.randint(-1, S, (B, T), generator=g).cuda()
-    got = indexer_topk_triton(q, k, w, positions, topk)
-    assert torch.equal(got, indexer_topk_naive(q, k, w, positions, topk))
+    ref = indexer_topk_naive(q, k, w, positions, topk)
+    for select in ("radix", "sort"):
+        assert torch.equal(indexer_topk_triton(q, k, w, positions, topk, select=select), ref), select
 
 
 @pytest.mark.gpu
@@ -211,11 +224,12 @@ def test_gpu_indexer_topk_graph_equals_eager():
     q, k, w = v32_inputs(B, T, S, seed=3)
     positions = torch.arange(S - T, S, device="cuda").repeat(B, 1)
     positions[1, :5] = torch.tensor([-1, -1, 0, 100, 3000])
-    eager = indexer_topk_triton(q, k, w, positions, topk, chunk=128)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_idx = indexer_topk_triton(q, k, w, positions, topk, chunk=128)
-    g_idx.fill_(POISON)
-    graph.replay()
-    assert torch.equal(g_idx, eager)
+    for select in ("radix", "auto"):
+        eager = indexer_topk_triton(q, k, w, positions, topk, chunk=128, select=select)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_idx = indexer_topk_triton(q, k, w, positions, topk, chunk=128, select=select)
+        g_idx.fill_(POISON)
+        graph.replay()
+        assert torch.equal(g_idx, eager), select
