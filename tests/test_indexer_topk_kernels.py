@@ -53,11 +53,13 @@ def tie_scores(B: int, T: int, S: int, g: torch.Generator) -> torch.Tensor:
     return torch.stack(rows).view(B, T, S)
 
 
-# "sort": small sample and splits, candidates usually sorted in registers; "radix": CAP 16 sends most rows through
-# the fallback (whole-row compaction + radix select); "split": many compaction programs per row (unordered slots)
-SELECT_CFGS = {"sort": dict(BLOCK=64, SAMPLE=16, CAP=64, programs=4),
-               "radix": dict(BLOCK=64, SAMPLE=16, CAP=16, programs=4),
-               "split": dict(BLOCK=32, SAMPLE=32, CAP=128, programs=64)}
+# sampled: "sort": small sample and splits, candidates usually sorted in registers; "radix": CAP 16 sends most rows
+# through the fallback (whole-row compaction + radix select); "split": many compaction programs per row (unordered
+# slots). "scan": the whole-row histogram kernel.
+SELECT_CFGS = {"sort": dict(algo="sampled", BLOCK=64, SAMPLE=16, CAP=64, programs=4),
+               "radix": dict(algo="sampled", BLOCK=64, SAMPLE=16, CAP=16, programs=4),
+               "split": dict(algo="sampled", BLOCK=32, SAMPLE=32, CAP=128, programs=64),
+               "scan": dict(algo="scan", BLOCK=64)}
 
 
 # the whole-op tests below pass this on CPU: the interpreter's sort of a 4096 sample / cap takes minutes
@@ -90,7 +92,7 @@ def test_sampled_floor_that_misses_falls_back_to_the_whole_row():
     scores[:, :, sampled] = 10.0 + torch.arange(sample).float()
     positions = torch.tensor([[S - 1, S - 1]])
     scores[0, 1, sampled[::2]] = 5.0  # ties inside the sample too
-    got = radix_topk_triton(scores, positions, topk, overrides=dict(BLOCK=64, SAMPLE=sample, CAP=64))
+    got = radix_topk_triton(scores, positions, topk, overrides=dict(algo="sampled", BLOCK=64, SAMPLE=sample, CAP=64))
     assert torch.equal(got, topk_from_scores(masked(scores, positions), topk))
 
 
@@ -133,6 +135,8 @@ def test_indexer_topk_op_equals_naive_exactly(seed, chunk):
     radix = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk,
                                 select="radix", select_overrides=SELECT_CFGS["radix"])
     assert torch.equal(radix.cpu(), ref)
+    scan = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk, select="radix")
+    assert torch.equal(scan.cpu(), ref)  # the default algo at this S is "scan"
 
 
 def test_indexer_topk_op_wider_than_context():
@@ -148,8 +152,8 @@ def test_indexer_topk_op_wider_than_context():
 
 
 def test_auto_select_rule_and_query_chunk_are_shape_only():
-    assert choose_select(2048, 131072) == "radix" and choose_select(4096, 32768) == "sort"
-    assert choose_select(1, 131072) == "sort"  # decode: a few rows
+    assert choose_select(2048, 131072) == "radix" and choose_select(4096, 8192) == "radix"
+    assert choose_select(1, 131072) == "sort" and choose_select(4096, 4096) == "sort"  # decode; short rows
     assert query_chunk(1, 16384, 131200) % 64 == 0 and query_chunk(1, 16384, 65664) % 64 == 0
     assert query_chunk(1, 5, 100) == 5 and query_chunk(1, 10**6, 2**27) == 2
 
@@ -188,7 +192,8 @@ def test_gpu_radix_equals_sort_path_v32(S):
     scores = indexer_logits_triton(q, k, w, positions)
     out = torch.full((1, T, topk), POISON, device="cuda", dtype=torch.int32)
     ref = topk_from_scores(scores, topk)
-    for cfg in ({}, dict(CAP=2048), dict(programs=4096)):  # default; fallback for most rows; more splits
+    for cfg in ({}, dict(algo="scan"), dict(algo="sampled"), dict(algo="sampled", CAP=2048),
+                dict(algo="sampled", programs=4096)):  # default; each algo; fallback for most rows; more splits
         got = radix_topk_triton(scores, positions, topk, out=out.fill_(POISON), overrides=cfg)
         assert torch.equal(got, ref), cfg
     assert torch.equal(indexer_topk_triton(q, k, w, positions, topk, select="radix"),
@@ -203,7 +208,7 @@ def test_gpu_radix_ties_and_256k_rows():
     positions = torch.randint(0, S, (B, T), generator=g).cuda()
     positions[0, :3] = torch.tensor([S - 1, -1, 100])
     ref = topk_from_scores(masked(scores, positions), topk)
-    for cfg in ({}, dict(CAP=2048)):
+    for cfg in (dict(algo="scan"), dict(algo="sampled"), dict(algo="sampled", CAP=2048)):
         assert torch.equal(radix_topk_triton(scores, positions, topk, overrides=cfg), ref), cfg
 
 

@@ -148,11 +148,11 @@ def query_chunk(B: int, T: int, S: int) -> int:
     return max(1, min(T, c // 64 * 64 if c >= 64 else c))
 
 
-# Where the select kernels beat int64 keys + torch.topk + sort (H200, 64 x 128 indexer, topk 2048, bf16): 3.7 vs
-# 6.3 ms per 2048 rows of 128K keys, but 4.6 vs 3.8 ms per 4096 rows of 32K and 4.2 vs 1.6 ms at 8K (their
-# in-register sorts of the sample and the candidates cost ~1 us per row whatever S); few rows (decode) leave most of
-# the GPU idle in those sorts. So "auto" takes the select kernels from 64K keys and 1024 rows per chunk.
-RADIX_MIN_KEYS = 65536
+# Where the select kernels (`triton_select`) beat int64 keys + torch.topk + sort, measured on an H200 (64 x 128
+# indexer, topk 2048, bf16, 2048-4096 rows per chunk): 1.31 vs 1.64 ms at 8K keys, 2.87 vs 3.80 ms at 32K (scan),
+# 3.74 vs 6.28 ms at 128K (sampled). Shorter rows and few rows (decode: one program per row leaves the GPU idle)
+# were not shown to win, so "auto" keeps torch.topk there.
+RADIX_MIN_KEYS = 8192
 RADIX_MIN_ROWS = 1024
 
 

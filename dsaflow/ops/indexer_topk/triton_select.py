@@ -3,7 +3,8 @@
 Scores map to order-preserving int32 (-0.0 made +0.0 first), and a key is the int64 (ordered score << 32 |
 2^31 - 1 - index): keys are distinct and their descending order is the model's order (best first, ties to the lower
 key index), exactly `naive.topk_from_scores`. Only each row's visible prefix [0, n), n = clamp(position + 1, 0, S),
-is read, so the invisible part of the score row need not be written. Three kernels per call:
+is read, so the invisible part of the score row need not be written. Rows up to 64K keys use one kernel
+(`_scan_topk_kernel`: a radix select over the whole row, see its docstring); longer rows three ("sampled"):
 
   1. floor (one program per row): the r-th largest of SAMPLE evenly spaced scores, r chosen so that the row holds
      >= kk = min(topk, n) scores at or above it with high probability and about 1.3-1.6 kk on average (exact when
@@ -191,14 +192,120 @@ def _finish_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, surv_ptr, out_ptr, S, TO
         _radix_finish(c_row, surv_ptr + pid * s_sr, o_row, n_c, kk, TOPK, BLOCK, K_POW2)
 
 
+@triton.jit
+def _scan_topk_kernel(
+    x_ptr, pos_ptr, cand_ptr, out_ptr,
+    S, TOPK, ROWS_PER_B,
+    s_xb, s_xt, s_pb, s_pt, s_cr, s_ob, s_ot,
+    BLOCK: tl.constexpr, K_POW2: tl.constexpr,
+):
+    """Rows up to ~64K keys: a histogram of the top byte over the whole visible row, a compaction pass (higher
+    buckets -> out, the threshold bucket -> int32 candidate indices), byte-by-byte refinement over the candidates,
+    the ties lowest index first, a sort of the kk survivors (gathered scores)."""
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // ROWS_PER_B
+    t = pid % ROWS_PER_B
+    x_row = x_ptr + b * s_xb + t * s_xt
+    o_row = out_ptr + b * s_ob + t * s_ot
+    c_row = cand_ptr + pid * s_cr
+    pos = tl.load(pos_ptr + b * s_pb + t * s_pt).to(tl.int32)
+    n = tl.minimum(tl.maximum(pos + 1, 0), S)
+    kk = tl.minimum(n, TOPK)
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    if kk > 0:
+        # 1. histogram of the top byte; masked lanes land in bin 0 and are subtracted after the loop
+        hist = tl.zeros([256], tl.int32)
+        for s0 in range(0, n, BLOCK):
+            idx = s0 + offs
+            m = idx < n
+            u = _ordered(tl.load(x_row + idx, mask=m, other=0.0)) ^ SIGN
+            hist += tl.histogram(tl.where(m, (u >> 24) & 255, 0), 256)
+        hist -= tl.where(bins == 0, tl.cdiv(n, BLOCK) * BLOCK - n, 0)
+        b1, nsel, ncand = _threshold_bucket(hist, kk, 256)
+        need = kk - nsel
+        # 2. compaction: higher buckets -> output slots, the threshold bucket -> candidates (ascending index)
+        n_out = nsel * 0
+        n_c = nsel * 0
+        for s0 in range(0, n, BLOCK):
+            idx = s0 + offs
+            m = idx < n
+            d = ((_ordered(tl.load(x_row + idx, mask=m, other=0.0)) ^ SIGN) >> 24) & 255
+            up = m & (d > b1)
+            eq = m & (d == b1)
+            c_up = tl.cumsum(up.to(tl.int32), 0)
+            c_eq = tl.cumsum(eq.to(tl.int32), 0)
+            tl.store(o_row + (n_out + c_up - 1), idx, mask=up)
+            tl.store(c_row + (n_c + c_eq - 1), idx, mask=eq)
+            n_out += tl.sum(up.to(tl.int32), 0)
+            n_c += tl.sum(eq.to(tl.int32), 0)
+        tl.debug_barrier()  # candidates written by other threads are read below
+        # 3. refine the threshold byte by byte over the candidates only; stop once the whole prefix is needed
+        prefix = b1 << 24  # determined high bits of u, in place
+        n_match = ncand
+        lo = ncand * 0 + 24  # number of undetermined low bits
+        for level in tl.static_range(3):
+            if need < n_match:
+                shift = 16 - 8 * level
+                hi_mask = ~((1 << lo) - 1)
+                hist = tl.zeros([256], tl.int32)
+                for c0 in range(0, n_c, BLOCK):
+                    ci = c0 + offs
+                    m = ci < n_c
+                    sidx = tl.load(c_row + ci, mask=m, other=0)
+                    u = _ordered(tl.load(x_row + sidx, mask=m, other=0.0)) ^ SIGN
+                    match = m & ((u & hi_mask) == prefix)
+                    hist += tl.histogram(tl.where(match, (u >> shift) & 255, 0), 256)
+                    hist -= tl.where(bins == 0, BLOCK - tl.sum(match.to(tl.int32), 0), 0)
+                bl, gt, eq_cnt = _threshold_bucket(hist, need, 256)
+                prefix = prefix | (bl << shift)
+                lo = shift
+                need -= gt
+                n_match = eq_cnt
+        # 4. take candidates above the threshold prefix and the first `need` inside it
+        hi_mask = ~((1 << lo) - 1)
+        top_o = (prefix | ~hi_mask) ^ SIGN  # largest ordered key inside the prefix
+        n_tie = n_out * 0
+        for c0 in range(0, n_c, BLOCK):
+            ci = c0 + offs
+            m = ci < n_c
+            sidx = tl.load(c_row + ci, mask=m, other=0)
+            o = _ordered(tl.load(x_row + sidx, mask=m, other=0.0))
+            match = m & (((o ^ SIGN) & hi_mask) == prefix)
+            rank = n_tie + tl.cumsum(match.to(tl.int32), 0) - 1
+            take = (m & (o > top_o)) | (match & (rank < need))
+            c_take = tl.cumsum(take.to(tl.int32), 0)
+            tl.store(o_row + (n_out + c_take - 1), sidx, mask=take)
+            n_out += tl.sum(take.to(tl.int32), 0)
+            n_tie += tl.sum(match.to(tl.int32), 0)
+        tl.debug_barrier()  # the kk survivors were written by other threads
+    # 5. sort the survivors best first (ties: lower index first) and pad with -1
+    ks = tl.arange(0, K_POW2)
+    live = ks < kk
+    sidx = tl.load(o_row + ks, mask=live, other=0)
+    o = _ordered(tl.load(x_row + sidx, mask=live, other=float("-inf")))
+    key = (o.to(tl.int64) << 32) | (2147483647 - sidx).to(tl.int64)
+    key = tl.where(live, key, -9223372036854775807 - 1)
+    tl.debug_barrier()  # every survivor is loaded before slots are overwritten
+    key = tl.sort(key, descending=True)
+    best = 2147483647 - key.to(tl.int32)  # the low word (truncation) is 2^31 - 1 - index
+    ok = (ks < kk) & ((key >> 32) > NEG_INF_ORDERED)
+    tl.store(o_row + ks, tl.where(ok, best, -1), mask=ks < TOPK)
+
+
 def select_config(S: int, overrides: dict | None = None) -> dict:
-    """Shape-only defaults; short rows get a sample and candidate cap no wider than the row (never a fallback)."""
+    """Shape-only defaults. algo "scan" (whole-row histogram) up to 64K keys, "sampled" beyond: on an H200 (2048-4096
+    rows, topk 2048) scan took 1.31 / 2.87 / 4.5 ms at 8K / 32K / 128K keys and sampled 4.24 / 4.59 / 3.74 ms (its
+    two in-register sorts cost ~1 us per row whatever S); 64K was not measured. Short rows get a sample and cap no
+    wider than the row (never a fallback)."""
     p2 = max(16, triton.next_power_of_2(S))
-    # H200 sweep at 128K keys x 2048 rows: BLOCK 2048 3.51 ms (1024: 3.73, 512: 4.16), SAMPLE 2048 3.42 ms (4096:
-    # 3.73), CAP 4096 (8192: 5.10; 2048, i.e. the radix fallback for nearly every row: 9.71), 4 warps to compact
-    # and 8 to finish (alternatives 4-13 % slower); BLOCK 2048 with SAMPLE 2048 together was not timed
-    cfg = dict(BLOCK=min(2048, p2), SAMPLE=min(2048, p2), CAP=min(4096, p2), warps_floor=4, warps_compact=4,
-               warps_finish=8, programs=None)
+    algo = "sampled" if S > 65536 else "scan"
+    # sampled, sweep at 128K keys x 2048 rows: BLOCK 2048 3.51 ms (1024: 3.73, 512: 4.16), SAMPLE 2048 3.42 ms
+    # (4096: 3.73), CAP 4096 (8192: 5.10; 2048, i.e. the radix fallback for nearly every row: 9.71), 4 warps to
+    # compact and 8 to finish (alternatives 4-13 % slower); BLOCK 2048 with SAMPLE 2048 together was not timed.
+    # scan: BLOCK 2048 with 8 warps (measured at 8K-128K; at 128K 1024 with 4 warps was 8 % faster)
+    cfg = dict(algo=algo, BLOCK=min(2048, p2), SAMPLE=min(2048, p2), CAP=min(4096, p2), warps_floor=4,
+               warps_compact=4, warps_finish=8, warps_scan=8, programs=None)
     cfg.update(overrides or {})
     return cfg
 
@@ -227,7 +334,7 @@ def radix_topk_triton(
     """scores [B, T, S] fp32 (last dim contiguous; only [0, positions + 1) of each row is read), positions [B, T]
     int (< 0 = padding) -> int32 [B, T, topk]: best first, ties to the lower key index, -1 where the score is -inf
     or fewer than topk keys are visible. `out` may be a [B, T, topk] int32 view; `scratch` from `select_scratch`
-    with at least B * T rows. overrides: see `select_config` (BLOCK, SAMPLE, CAP, warps, programs)."""
+    with at least B * T rows. overrides: see `select_config` (algo, BLOCK, SAMPLE, CAP, warps, programs)."""
     B, T, S = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError(f"radix_topk_triton needs fp32 scores with a contiguous last dim, got {scores.dtype} "
@@ -245,6 +352,16 @@ def radix_topk_triton(
     if rows == 0:
         return out
     k_pow2 = max(16, triton.next_power_of_2(topk))
+    if cfg["algo"] == "scan":
+        cand = sc["cand"].view(torch.int32)  # int32 candidate indices: the int64 buffer holds two per key
+        _scan_topk_kernel[(rows,)](
+            scores, positions, cand, out, S, topk, T,
+            scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1), cand.stride(0),
+            out.stride(0), out.stride(1), BLOCK=cfg["BLOCK"], K_POW2=k_pow2, num_warps=cfg["warps_scan"],
+        )
+        return out
+    if cfg["algo"] != "sampled":
+        raise ValueError(f"radix_topk_triton: algo must be 'scan' or 'sampled', got {cfg['algo']!r}")
     row_args = (S, topk, T, scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1))
     _floor_kernel[(rows,)](scores, positions, sc["floor"], sc["count"], *row_args, SAMPLE=cfg["SAMPLE"],
                            num_warps=cfg["warps_floor"])
