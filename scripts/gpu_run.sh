@@ -26,7 +26,7 @@ kernels)
   step train_layer 150 python3 scripts/bench_train_layer.py --seq 4096,16384 --layers 4 --out "$OUT"
   step train_128k 90 python3 scripts/bench_train_layer.py --seq 131072 --layers 2 --index all_full --impls fused \
     --no-profile --reps 1 --out "$OUT/k128"
-  cat "$OUT/bench_ops.md" "$OUT"/bench_indexer_topk.md "$OUT/bench_train_layer.md" "$OUT/k128/bench_train_layer.md" 2>/dev/null ;;
+  cat "$OUT/bench_ops.md" "$OUT"/indexer_topk.md "$OUT/bench_train_layer.md" "$OUT/k128/bench_train_layer.md" 2>/dev/null ;;
 model)
   step model_tests 200 python3 -m pytest -q -m gpu tests/test_graphs_gpu.py tests/test_train_gpu.py \
     tests/test_generate_cli.py tests/test_dense_warmup.py
