@@ -34,8 +34,13 @@ model)
   step main_job_1gpu 120 python3 -m dsaflow.cli train train.device=cuda track=none train.progress=lines \
     run_dir=/tmp/r/main1
   cp /tmp/r/main1/metrics.jsonl "$OUT/main1_metrics.jsonl" 2>/dev/null
+  step train_64k_2layers 100 python3 scripts/bench_train_layer.py --seq 65536 --layers 2 --index all_full \
+    --impls fused --no-profile --reps 1 --out "$OUT/k64"
+  step train_128k_1layer 100 python3 scripts/bench_train_layer.py --seq 131072 --layers 1 --index all_full \
+    --impls fused --no-profile --reps 1 --out "$OUT/k128"
+  step topk_128k 100 python3 scripts/bench_indexer_topk.py --out "$OUT/topk" --contexts 131072 --prefill-context 0
   step indexcache 300 python3 scripts/bench_indexcache.py --out "$OUT/indexcache" --decode-steps 32 --sdpa-repeats 2
-  cat "$OUT"/indexcache/*.md 2>/dev/null ;;
+  cat "$OUT"/k64/*.md "$OUT"/k128/*.md "$OUT"/topk/*.md "$OUT"/indexcache/*.md 2>/dev/null ;;
 multi)
   for i in $(seq 1 "${REPEAT:-5}"); do
     step multigpu_run$i 150 python3 -m pytest -q -m multigpu tests/
