@@ -3,12 +3,13 @@
 #   kernels: every gpu-marked op test, then scripts/bench_ops.py (kernel table with the torch and dense-SDPA baselines)
 #            and scripts/bench_train_layer.py (where a training step's time goes, 4K / 16K, fused vs reference
 #            indexer loss; a 128K-token step of a 2-layer model)
-#   model:   the gpu-marked model, serving and training tests; the main job on one GPU; bench_indexcache.py
+#   model:   the gpu-marked model, serving and training tests; the main job on one GPU; long-context training steps
+#   indexcache: scripts/bench_indexcache.py (IndexCache prefill / decode vs dense SDPA)
 #   multi:   the multigpu tests REPEAT times in a row (default 5) and the 2-GPU main job
 # Logs, JSON and markdown go to $OUT (default gpu_out/). Each step has its own time limit and keeps going after a
 # failure; the last lines list every step's exit status.
 set -uo pipefail
-PHASE=${1:?usage: gpu_run.sh kernels|model|multi}
+PHASE=${1:?usage: gpu_run.sh kernels|model|indexcache|multi}
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; LOG="$OUT/$PHASE.log"; : > "$LOG"
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
@@ -39,8 +40,10 @@ model)
   step train_128k_1layer 100 python3 scripts/bench_train_layer.py --seq 131072 --layers 1 --index all_full \
     --impls fused --no-profile --reps 1 --out "$OUT/k128"
   step topk_128k 100 python3 scripts/bench_indexer_topk.py --out "$OUT/topk" --contexts 131072 --prefill-context 0
-  step indexcache 300 python3 scripts/bench_indexcache.py --out "$OUT/indexcache" --decode-steps 32 --sdpa-repeats 2
-  cat "$OUT"/k64/*.md "$OUT"/k128/*.md "$OUT"/topk/*.md "$OUT"/indexcache/*.md 2>/dev/null ;;
+  cat "$OUT"/k64/*.md "$OUT"/k128/*.md "$OUT"/topk/*.md 2>/dev/null ;;
+indexcache)
+  step indexcache 540 python3 scripts/bench_indexcache.py --out "$OUT/indexcache" --decode-steps 32 --sdpa-repeats 2
+  cat "$OUT"/indexcache/*.md 2>/dev/null ;;
 multi)
   for i in $(seq 1 "${REPEAT:-5}"); do
     step multigpu_run$i 150 python3 -m pytest -q -m multigpu tests/
@@ -49,6 +52,6 @@ multi)
   step main_job_2gpu 120 python3 -m dsaflow.cli train pipeline=pp2 train.device=cuda track=none \
     train.progress=lines run_dir=/tmp/r/main2
   cp /tmp/r/main2/metrics.jsonl "$OUT/main2_metrics.jsonl" 2>/dev/null ;;
-*) echo "unknown phase $PHASE (kernels|model|multi)"; exit 2 ;;
+*) echo "unknown phase $PHASE (kernels|model|indexcache|multi)"; exit 2 ;;
 esac
 grep -E "^=== .* rc=" "$LOG"
