@@ -35,7 +35,7 @@ def _indexer_logits_kernel(
     s_pb, s_pt,
     s_ob, s_ot,
     BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, AS_KEYS: tl.constexpr,
-    WRITE_INVISIBLE: tl.constexpr,
+    WRITE_INVISIBLE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # one grid axis (axes 1-2 stop at 65,535): key tile fastest, so neighbouring programs share the query tile
     pid = tl.program_id(0).to(tl.int64)
@@ -62,7 +62,7 @@ def _indexer_logits_kernel(
         for h in range(H):
             qh = tl.load(q_rows + h * s_qh, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
             wh = tl.load(w_rows + h * s_wh, mask=t_ok, other=0.0).to(tl.float32)
-            acc += tl.maximum(tl.dot(qh, k_t), 0.0) * wh[:, None]
+            acc += tl.maximum(tl.dot(qh, k_t, input_precision=DOT_PREC), 0.0) * wh[:, None]
     visible = (offs_s[None, :] <= pos[:, None]) & s_ok[None, :]
     acc = tl.where(visible, acc, float("-inf"))
     offs_t = offs_t.to(tl.int64)  # rows x S can pass 2^31 elements
@@ -119,6 +119,8 @@ def indexer_logits_triton(
         out.stride(0), out.stride(1),
         BLOCK_T=cfg["BLOCK_T"], BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"], AS_KEYS=out.dtype == torch.int64,
         WRITE_INVISIBLE=write_invisible,
+        # fp32 inputs mean fp32 scores (IEEE, not TF32): rounded scores can reorder near-ties and change the top-k
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
