@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 import dsaflow
 from dsaflow.config.errors import ConfigError, explain_omegaconf_error
-from dsaflow.config.schema import DSAFlowConfig, register_configs
+from dsaflow.config.schema import DSAFlowConfig, register_configs, validate
 
 # Values written in the layout language contain characters that Hydra's override grammar reserves ("(", ")", "|",
 # spaces); these keys are quoted for Hydra so `layout=(FSSS)*2|(FSSS)*2` works as typed.
@@ -123,11 +123,13 @@ def compose(overrides: Optional[List[str]] = None, config_dir: Optional[str] = N
                 "does not declare it, so it would be ignored. Fix: remove it or correct its spelling; free-form "
                 "metadata goes under `+extra.<name>=...`."
             )
-        return OmegaConf.to_object(cfg)
+        out = OmegaConf.to_object(cfg)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain_hydra_error(exc, cdir)) from None
     finally:
         GlobalHydra.instance().clear()
+    validate(out)  # ranges and choices, declared in schema.py: a ConfigError naming field, value and range
+    return out
 
 
 def to_yaml(cfg: DSAFlowConfig) -> str:
@@ -139,6 +141,10 @@ def load_config(path) -> DSAFlowConfig:
     """Read a resolved config.yaml into a DSAFlowConfig with OmegaConf only (no Hydra): for workers."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(DSAFlowConfig), OmegaConf.load(str(path)))
-        return OmegaConf.to_object(merged)
+        cfg = OmegaConf.to_object(merged)
+        validate(cfg)
+        return cfg
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{path}: " + explain_omegaconf_error(exc)) from None
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None

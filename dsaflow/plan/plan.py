@@ -18,6 +18,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from dsaflow.errors import PlanError  # noqa: F401 - re-exported: `from dsaflow.plan.plan import PlanError`
+
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -112,7 +114,3 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
-
-
-class PlanError(ValueError):
-    """A config or plan mistake. The message names the field, the value and the fix; the CLI prints it and exits 2."""

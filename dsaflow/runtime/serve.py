@@ -30,11 +30,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def serve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """serve.dtype (the schema's auto | fp32 | bf16) -> torch dtype."""
     if name == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ServeError(f"serve.dtype={name!r} is not a choice. Fix: use auto, fp32 or bf16.")
-    return DTYPES[name]
+    return DTYPES[str(name)]
 
 
 def load_prompts(serve_cfg) -> List[str]:
@@ -72,16 +71,7 @@ def load_prompts(serve_cfg) -> List[str]:
 
 def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Tuple[List[str], List[List[int]]]:
     """Everything about a generate job that can be checked in the parent -> (prompts, their token ids)."""
-    s = cfg.serve
-    for name in ("max_new_tokens", "max_batch", "max_context", "prefill_chunk"):
-        if getattr(s, name) < 1:
-            raise ServeError(f"serve.{name}={getattr(s, name)}: must be >= 1. Fix: set a positive value.")
-    if s.temperature < 0:
-        raise ServeError(f"serve.temperature={s.temperature}: must be >= 0 (0 = greedy). Fix: e.g. 0.8.")
-    if not 0 < s.top_p <= 1:
-        raise ServeError(f"serve.top_p={s.top_p}: must lie in (0, 1]. Fix: e.g. serve.top_p=0.9, or 1 for no cut.")
-    if s.dtype not in ("auto", *DTYPES):
-        raise ServeError(f"serve.dtype={s.dtype!r} is not a choice. Fix: use auto, fp32 or bf16.")
+    s = cfg.serve  # ranges and choices: dsaflow.config.schema (checked at compose); cross-field rules here
     if s.eos_id is not None and not 0 <= s.eos_id < cfg.model.vocab_size:
         raise ServeError(f"serve.eos_id={s.eos_id} is outside model.vocab_size={cfg.model.vocab_size}. Fix: a valid id.")
     if s.checkpoint:
