@@ -129,6 +129,8 @@ def check_run_dir(cfg, plan: Plan, job: str = "train", report=None) -> None:
     parent = p.parent if not p.exists() else p
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
+    if not parent.is_dir():
+        raise PlanError(f"run_dir={p}: {parent} is a file, not a folder. Fix: choose another run_dir.")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PlanError(f"run_dir={p}: {parent} is not writable. Fix: choose a run_dir in a folder you can write.")
 

@@ -45,7 +45,7 @@ def load_prompts(serve_cfg) -> List[str]:
         )
     if not given and not path:
         raise ServeError(
-            'no prompts: set serve.prompts=["Hello","Once upon"] or serve.prompts_file=prompts.jsonl '
+            'no prompts. Fix: set serve.prompts=["Hello","Once upon"] or serve.prompts_file=prompts.jsonl '
             '(one {"prompt": "..."} per line).'
         )
     if given:
