@@ -41,6 +41,19 @@ def main(argv=None) -> None:
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
+    except Exception as exc:  # noqa: BLE001 - a lost peer is reported in one line; anything else is a bug
+        if not _lost_peer(exc):
+            raise
+        print(f"dsaflow {args.job}: rank {rank} lost a peer ({str(exc).splitlines()[0][-160:]}); stopping",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """A collective or p2p failed because another rank died (gloo/NCCL report it as a RuntimeError)."""
+    text = str(exc)
+    return any(s in text for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                                   "Socket Timeout", "NCCL communicator was aborted", "remote process exited"))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ def main(argv=None) -> int:
     from .lifecycle import die_with_parent
 
     die_with_parent()
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -25,10 +25,10 @@ def main(argv=None) -> int:
     try:
         run(parse_args(list(sys.argv[1:] if argv is None else argv)))
     except ChildFailedError as exc:
-        codes = sorted((f.exitcode, r) for r, f in exc.failures.items())
-        if any(c == EXIT_USER_ERROR for c, _ in codes):
+        if any(f.exitcode == EXIT_USER_ERROR for f in exc.failures.values()):
             return EXIT_USER_ERROR
-        code, rank = next(((c, r) for c, r in codes if c != 0), codes[0])
+        rank, first = exc.get_first_failure()
+        code = first.exitcode
         how = f"signal {-code}" if code < 0 else f"status {code}"
         print(f"dsaflow: worker rank {rank} ended with {how}; torchrun stopped the other ranks", file=sys.stderr,
               flush=True)

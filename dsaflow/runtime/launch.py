@@ -112,6 +112,7 @@ def launch_env(base: Optional[Dict[str, str]] = None, run_dir: Optional[Path] = 
     env = dict(os.environ if base is None else base)
     for k, v in GPU_ENV_DEFAULTS.items():
         env.setdefault(k, v)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for several processes, without its banner
     if run_dir is not None:  # every file of the launch inside the run dir (torchelastic temp dirs, wandb caches)
         tmp = Path(run_dir).resolve() / TMP
         env["TMPDIR"] = str(tmp)
