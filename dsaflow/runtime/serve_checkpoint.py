@@ -114,3 +114,23 @@ def export_weights(path: str | Path, out: str | Path) -> Path:
         tensors.update(load_tensors(f))
     save_file(tensors, out, {"format": "dsaflow-weights", "source": str(ckpt)})
     return Path(out)
+
+
+def main(argv=None) -> int:
+    """`python -m dsaflow.runtime.serve_checkpoint export CKPT_OR_RUN_DIR OUT.safetensors`."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 3 or args[0] != "export":
+        print("usage: python -m dsaflow.runtime.serve_checkpoint export CKPT_OR_RUN_DIR OUT.safetensors", file=sys.stderr)
+        return 2
+    try:
+        print(export_weights(args[1], args[2]))
+    except ServeError as exc:
+        print(f"dsaflow: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
