@@ -272,3 +272,60 @@ def test_bad_inputs_through_the_real_cli(files, tmp_path, argv, needle):
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) <= 2, r.stderr
     assert list(tmp_path.iterdir()) == [] and not (files / "PWNED").exists()
+
+
+def test_run_dirs_are_unique_even_within_one_second(empty_cwd):
+    """Two launches of the same config in the same second get two run dirs; neither writes into the other."""
+    from dsaflow.config.compose import compose
+    from dsaflow.plan import build_plan
+    from dsaflow.runtime.rundir import write_run_dir
+
+    cfg = compose(SMALL)
+    plan = build_plan(cfg)
+    dirs = {write_run_dir(cfg, plan, "t") for _ in range(3)}
+    assert len(dirs) == 3 and all(d.parent == Path("runs") for d in dirs)
+    assert sorted(p.name for p in next(iter(dirs)).iterdir()) == ["config.yaml", "plan.json", "plan.txt"]
+    assert not [p for p in Path("runs").iterdir() if p.name.startswith(".")], "no temporary folder is left"
+    gen = write_run_dir(cfg, plan, "t", job="generate")
+    assert gen.parent == Path("runs") / "generate", "a generate run dir is not named like a training run"
+
+
+def test_a_user_error_in_a_worker_exits_2_with_one_paragraph(tmp_path, capsys, monkeypatch):
+    """The worker entry turns a PlanError (here: a run dir without config.yaml) into exit status 2, its message in
+    <run_dir>/error-rank<r>.txt for the parent, and no traceback."""
+    from dsaflow import worker
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("DSAFLOW_PARENT", raising=False)
+    monkeypatch.setattr("dsaflow.runtime.lifecycle.die_with_parent", lambda *a: None)
+    with pytest.raises(SystemExit) as e:
+        worker.main([str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "config.yaml is missing" in err and "[rank 1]" in err and "Traceback" not in err
+    assert "config.yaml is missing" in (tmp_path / "error-rank1.txt").read_text()
+
+
+def test_weights_export_is_one_safetensors_file(tmp_path):
+    from dsaflow.config.compose import compose
+    from dsaflow.model import StageModule
+    from dsaflow.plan import build_plan
+    from dsaflow.runtime.checkpoint import save_checkpoint
+    from dsaflow.runtime.ckpt_store import checkpoint_dir
+    from dsaflow.runtime.safetensors_io import load_tensors
+    from dsaflow.runtime.serve_checkpoint import main as export_main
+
+    cfg = compose(["pipeline=pp2", *SMALL])
+    plan = build_plan(cfg)
+    stages = [StageModule(cfg.model, plan, s.index, seed=0) for s in plan.stages]
+    save_checkpoint(checkpoint_dir(tmp_path, 2), stages, None, 0, 2)
+    assert export_main(["export", str(tmp_path), str(tmp_path / "w.safetensors")]) == 0
+    got = load_tensors(tmp_path / "w.safetensors")
+    want = {k: v for m in stages for k, v in m.state_dict().items()}
+    assert set(got) == set(want) and all(torch_equal(got[k], want[k]) for k in want)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and torch.equal(a, b)
