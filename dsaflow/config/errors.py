@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from dsaflow.errors import ConfigError, PlanError  # noqa: F401 - re-exported
+from dsaflow.errors import ConfigError, PlanError
+
+__all__ = ["ConfigError", "PlanError", "explain_omegaconf_error"]
 
 
 def _fields(object_type) -> dict:

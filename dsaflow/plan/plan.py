@@ -18,7 +18,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from dsaflow.errors import PlanError  # noqa: F401 - re-exported: `from dsaflow.plan.plan import PlanError`
+from dsaflow.errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -114,3 +114,6 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
+
+
+__all__ = ["GraphBlockPlan", "LayerPlan", "PipelinePlan", "Plan", "PlanError", "StagePlan"]  # PlanError: dsaflow.errors

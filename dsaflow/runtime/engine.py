@@ -26,7 +26,7 @@ from torch import nn
 
 from dsaflow.model.cache import StageCache
 from dsaflow.errors import ServeError  # noqa: F401 - re-exported
-from dsaflow.plan.plan import Plan, PlanError
+from dsaflow.plan.plan import Plan
 
 from .graphs import GraphManager, StaticInput
 from .report import CaptureReport

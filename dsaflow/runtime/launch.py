@@ -141,6 +141,7 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str) -> i
         for s in (signal.SIGINT, signal.SIGTERM):
             old[s] = signal.signal(s, _raise_interrupted)
     proc = None
+    (run_dir / TMP).mkdir(exist_ok=True)  # TMPDIR must exist, or tempfile falls back to /tmp
     try:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
         rc = proc.wait()

@@ -72,8 +72,9 @@ def available_memory(device_type: str, ranks: int) -> Tuple[float, str]:
     if device_type == "cuda":
         import torch
 
-        free, _ = torch.cuda.mem_get_info(0)
-        return float(free), f"free memory of GPU 0 ({torch.cuda.get_device_name(0)})"
+        # total, not free: mem_get_info would create a CUDA context that the parent then holds for the whole run
+        props = torch.cuda.get_device_properties(0)
+        return float(props.total_memory), f"memory of GPU 0 ({props.name})"
     avail = None
     try:
         with open("/proc/meminfo") as f:

@@ -29,7 +29,10 @@ from typing import List, Optional, Tuple
 from dsaflow.errors import PlanError
 from dsaflow.plan.plan import Plan
 
-from .ckpt_store import CKPT, checkpoint_dir, list_checkpoints, newest_good_checkpoint  # noqa: F401 - re-exported
+from .ckpt_store import CKPT, checkpoint_dir, list_checkpoints, newest_good_checkpoint
+
+__all__ = ["CKPT", "checkpoint_dir", "list_checkpoints", "latest_checkpoint", "read_run_dir", "read_metrics",
+           "write_run_dir", "check_run_dir", "check_resume"]
 
 CONFIG, PLAN, PLAN_TXT, METRICS, LOG, TMP = "config.yaml", "plan.json", "plan.txt", "metrics.jsonl", "train.log", "tmp"
 

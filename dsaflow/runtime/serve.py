@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -138,20 +137,17 @@ def _log(run_dir, rank: int, text: str) -> None:
 
 
 def run_serve(ctx) -> None:
-    """The worker's generate job (see the module docstring). ServeError -> message on stderr, exit status 2."""
+    """The worker's generate job (see the module docstring). A ServeError ends the worker with exit status 2 and
+    one paragraph (dsaflow.worker)."""
     cfg, plan = ctx.cfg, ctx.plan
-    try:
-        prompts, ids = check_serve(cfg, plan, ctx.device.type)
-        link = None
-        if ctx.world_size > 1:
-            from .p2p import StageLink
+    prompts, ids = check_serve(cfg, plan, ctx.device.type)
+    link = None
+    if ctx.world_size > 1:
+        from .p2p import StageLink
 
-            link = StageLink(ctx.device)
-            link.warm_up()
-        engine = build_engine(cfg, plan, ctx.rank, ctx.device, link)
-    except ServeError as exc:
-        print(f"dsaflow generate: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        link = StageLink(ctx.device)
+        link.warm_up()
+    engine = build_engine(cfg, plan, ctx.rank, ctx.device, link)
     report = engine.capture()
     text = report.render()
     print(text, flush=True)
