@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Tuple
 from dsaflow.errors import CheckpointError
 
 CKPT, MANIFEST, METADATA = "checkpoints", "manifest.json", ".metadata"
-PREFIX, PARTIAL = "step-", ".partial"
+PREFIX, PARTIAL, DELETING = "step-", ".partial", ".deleting"
 
 
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
@@ -108,13 +108,19 @@ def report_stderr(msg: str) -> None:
 
 
 def prune(run_dir: str | Path, keep: int) -> None:
-    """Keep the newest `keep` checkpoints; remove older ones and leftover partial saves."""
+    """Keep the newest `keep` checkpoints; remove older ones and leftover partial saves. A checkpoint is first
+    renamed out of the way (atomic), so a kill during the removal never leaves a half-deleted `step-N`."""
     root = Path(run_dir) / CKPT
     for _, folder in list_checkpoints(run_dir)[keep:]:
-        shutil.rmtree(folder, ignore_errors=True)
+        trash = folder.parent / f".{folder.name}{DELETING}"
+        try:
+            os.rename(folder, trash)
+        except OSError:
+            continue
+        shutil.rmtree(trash, ignore_errors=True)
     if root.is_dir():
         for d in root.iterdir():
-            if d.name.startswith(".") and d.name.endswith(PARTIAL):
+            if d.name.startswith(".") and d.name.endswith((PARTIAL, DELETING)):
                 shutil.rmtree(d, ignore_errors=True)
 
 
