@@ -329,3 +329,30 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_resume_checks_in_the_parent(empty_cwd, capsys):
+    """A run dir with a good checkpoint at step 1 of 2 passes every parent check (and nothing is written); at the
+    final step it is refused as finished instead of re-saving its last checkpoint."""
+    from dsaflow.config.compose import compose
+    from dsaflow.model import StageModule
+    from dsaflow.plan import build_plan, render_table
+    from dsaflow.runtime.checkpoint import save_checkpoint
+    from dsaflow.runtime.ckpt_store import checkpoint_dir
+    from dsaflow.runtime.launch import check_launch
+    from dsaflow.runtime.rundir import write_run_dir
+
+    cfg = compose([*SMALL, "run_dir=r"])
+    plan = build_plan(cfg)
+    write_run_dir(cfg, plan, render_table(plan, cfg))
+    modules = [StageModule(cfg.model, plan, 0, seed=0)]
+    save_checkpoint(checkpoint_dir("r", 1), modules, None, 0, 1)
+    before = _snapshot(empty_cwd)
+    resume = compose([*SMALL, "run_dir=r", "train.resume=true"])
+    check_launch(resume, build_plan(resume))
+    assert _snapshot(empty_cwd) == before
+    save_checkpoint(checkpoint_dir("r", 2), modules, None, 0, 2)
+    before = _snapshot(empty_cwd)
+    assert cli.main(["train", *SMALL, "run_dir=r", "train.resume=true"]) == 2
+    assert "already finished" in capsys.readouterr().err
+    assert _snapshot(empty_cwd) == before
