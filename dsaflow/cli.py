@@ -68,9 +68,9 @@ def cmd_launch(job: str, overrides: List[str]) -> int:
         overrides = ["mode=serve"] + overrides  # generating is serving: decode/prefill graph blocks are allowed
     cfg, plan = _compose_and_plan(overrides)
     try:
-        from dsaflow.runtime.launch import launch
+        from dsaflow.launch.launch import launch
     except ImportError as exc:
-        print(f"dsaflow: error: `dsaflow {job}` needs dsaflow.runtime.launch, which is not available ({exc}).",
+        print(f"dsaflow: error: `dsaflow {job}` needs dsaflow.launch.launch, which is not available ({exc}).",
               file=sys.stderr)
         return 1
     return launch(cfg, plan, job) or 0

@@ -22,12 +22,12 @@ def main(argv=None) -> None:
     ap.add_argument("--job", default="train", choices=("train", "generate"))
     args = ap.parse_args(argv)
     from dsaflow.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, PlanError
-    from dsaflow.runtime.lifecycle import die_with_parent
+    from dsaflow.launch.lifecycle import die_with_parent
 
     die_with_parent()
     rank = os.environ.get("RANK", "0")
     try:
-        from dsaflow.runtime.worker import run_worker
+        from dsaflow.launch.worker import run_worker
 
         run_worker(args.run_dir, args.job)
     except PlanError as exc:

@@ -3,7 +3,7 @@
 # Every node runs this script; all of them read the SAME run dir on a shared filesystem (checkpoints go there too).
 #
 # 1. Once, anywhere with the repo (a login node is fine, no GPU needed):
-#      RUN_DIR=$(python -m dsaflow.runtime.launch prepare pipeline=pp8 model=small run_dir=/shared/runs/exp1)
+#      RUN_DIR=$(python -m dsaflow.launch.launch prepare pipeline=pp8 model=small run_dir=/shared/runs/exp1)
 # 2. On every node:
 #      RUN_DIR=/shared/runs/exp1 NNODES=2 NODE_RANK=<0|1> NPROC_PER_NODE=4 \
 #      MASTER_ADDR=<node 0 hostname> MASTER_PORT=29500 launch/multi_node.sh
@@ -11,7 +11,7 @@
 # Resume after a failure: edit nothing, set train.resume=true when preparing (same run_dir), start again.
 set -euo pipefail
 PYTHON=${PYTHON:-python}
-: "${RUN_DIR:?set RUN_DIR to the shared run dir written by 'python -m dsaflow.runtime.launch prepare'}"
+: "${RUN_DIR:?set RUN_DIR to the shared run dir written by 'python -m dsaflow.launch.launch prepare'}"
 : "${NNODES:?set NNODES}"
 : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}"
 : "${MASTER_ADDR:?set MASTER_ADDR to node 0}"

@@ -4,7 +4,7 @@
 #   launch/single_node.sh [hydra overrides...]        plan, write a new run dir and train (= `dsaflow train ...`)
 #   launch/single_node.sh --run-dir RUN_DIR [--job train|generate]
 #                                                     torchrun on an existing run dir (its config.yaml + plan.json);
-#                                                     e.g. after `python -m dsaflow.runtime.launch prepare ...`
+#                                                     e.g. after `python -m dsaflow.launch.launch prepare ...`
 # Examples:
 #   launch/single_node.sh pipeline=pp2 train.steps=500
 #   launch/single_node.sh --run-dir runs/20260101-120000-tiny-retrieval

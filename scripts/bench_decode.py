@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO))
 
 from dsaflow.config.compose import compose  # noqa: E402
 from dsaflow.plan import build_plan  # noqa: E402
-from dsaflow.runtime.engine import PipelineEngine  # noqa: E402
-from dsaflow.runtime.serve import build_stage_modules, serve_dtype  # noqa: E402
+from dsaflow.serve.engine import PipelineEngine  # noqa: E402
+from dsaflow.serve.generate import build_stage_modules, serve_dtype  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -116,7 +116,7 @@ def worker(args) -> None:
     """One pipeline rank under torchrun: NCCL on GPUs, gloo on CPU."""
     import torch.distributed as dist
 
-    from dsaflow.runtime.p2p import StageLink
+    from dsaflow.serve.p2p import StageLink
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda":

@@ -17,7 +17,8 @@ Reported per schedule (JSON + a markdown table in --out):
                         neighbour is excluded) / (ranks * wall step time); 1.0 = no bubble and no overhead
   ideal                 m / (m + p - 1), the bubble-limited bound of GPipe/1F1B with m microbatches, p ranks
   ideal_interleaved     v*m / (v*m + p - 1) for v stages per rank (the bound interleaving aims at)
-  mfu                   6 * params * tokens/s over the peak stated in dsaflow/runtime/metrics.py
+  mfu                   model FLOPs (6N + sparse attention + indexer, dsaflow/train/metrics.py) * tokens/s over
+                        the peak stated there
 Efficiency also pays for optimizer, clipping and the metric all-reduce, which the ideal ignores.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ import time
 import torch
 
 from dsaflow.config.compose import compose
-from dsaflow.model import StageModule
+from dsaflow.run.stages import stage_module
 from dsaflow.plan import build_plan
 
 
@@ -19,7 +19,7 @@ def main(argv):
     cfg = compose(["model=small", "train.seq_len=512", *argv])
     plan = build_plan(cfg)
     dev = torch.device("cuda")
-    m = StageModule(cfg.model, plan, 0).to(dev).train()
+    m = stage_module(cfg.model, plan, 0).to(dev).train()
     x = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len), device=dev)
 
     def step(attn="sparse", ind=True):

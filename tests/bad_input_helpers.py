@@ -19,7 +19,7 @@ class Exploit:
 def crafted_checkpoint(folder: Path, marker: Path, step: int = 1) -> Path:
     """A checkpoint folder whose `.metadata` executes a command when unpickled, with a matching manifest (an
     attacker writes the manifest too), so only the metadata reader stands between the file and the command."""
-    from dsaflow.runtime.ckpt_store import write_manifest
+    from dsaflow.run.ckpt_store import write_manifest
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / ".metadata").write_bytes(pickle.dumps(Exploit(marker)))
@@ -32,7 +32,7 @@ def crafted_run_dir(run_dir: Path, marker: Path, overrides=()) -> Path:
     """A run dir (config.yaml + plan.json from `overrides`) whose only checkpoint is `crafted_checkpoint`."""
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan, render_table
-    from dsaflow.runtime.rundir import write_run_dir
+    from dsaflow.run.rundir import write_run_dir
 
     cfg = compose(["track=none", *overrides, f"run_dir={run_dir}"])
     plan = build_plan(cfg)

@@ -169,7 +169,7 @@ def files(tmp_path_factory):
     (d / "notempty" / "mine.txt").write_text("user data")
     crafted_run_dir(d / "crafted", d / "PWNED", SMALL)
     # a checkpoint folder whose shard is shorter than its manifest says
-    from dsaflow.runtime.ckpt_store import write_manifest
+    from dsaflow.run.ckpt_store import write_manifest
 
     t = d / "truncated"
     t.mkdir()
@@ -222,7 +222,7 @@ def test_crafted_pickle_is_never_executed(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from dsaflow.errors import CheckpointError
-    from dsaflow.runtime.ckpt_store import newest_good_checkpoint, safe_load_metadata, safe_reader, verify_checkpoint
+    from dsaflow.run.ckpt_store import newest_good_checkpoint, safe_load_metadata, safe_reader, verify_checkpoint
 
     marker = tmp_path / "PWNED"
     ck = crafted_checkpoint(tmp_path / "run" / "checkpoints" / "step-000001", marker)
@@ -246,7 +246,7 @@ def test_bytes_entries_in_metadata_are_refused(tmp_path):
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
     from dsaflow.errors import CheckpointError
-    from dsaflow.runtime.ckpt_store import safe_load_metadata
+    from dsaflow.run.ckpt_store import safe_load_metadata
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={"step": BytesStorageMetadata()})))
     with pytest.raises(CheckpointError, match="BytesStorageMetadata"):
@@ -278,7 +278,7 @@ def test_run_dirs_are_unique_even_within_one_second(empty_cwd):
     """Two launches of the same config in the same second get two run dirs; neither writes into the other."""
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan
-    from dsaflow.runtime.rundir import write_run_dir
+    from dsaflow.run.rundir import write_run_dir
 
     cfg = compose(SMALL)
     plan = build_plan(cfg)
@@ -297,7 +297,7 @@ def test_a_user_error_in_a_worker_exits_2_with_one_paragraph(tmp_path, capsys, m
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("DSAFLOW_PARENT", raising=False)
-    monkeypatch.setattr("dsaflow.runtime.lifecycle.die_with_parent", lambda *a: None)
+    monkeypatch.setattr("dsaflow.launch.lifecycle.die_with_parent", lambda *a: None)
     with pytest.raises(SystemExit) as e:
         worker.main([str(tmp_path)])
     assert e.value.code == 2
@@ -308,16 +308,16 @@ def test_a_user_error_in_a_worker_exits_2_with_one_paragraph(tmp_path, capsys, m
 
 def test_weights_export_is_one_safetensors_file(tmp_path):
     from dsaflow.config.compose import compose
-    from dsaflow.model import StageModule
+    from dsaflow.run.stages import stage_module
     from dsaflow.plan import build_plan
-    from dsaflow.runtime.checkpoint import save_checkpoint
-    from dsaflow.runtime.ckpt_store import checkpoint_dir
-    from dsaflow.runtime.safetensors_io import load_tensors
-    from dsaflow.runtime.serve_checkpoint import main as export_main
+    from dsaflow.train.checkpoint import save_checkpoint
+    from dsaflow.run.ckpt_store import checkpoint_dir
+    from dsaflow.run.safetensors_io import load_tensors
+    from dsaflow.serve.weights import main as export_main
 
     cfg = compose(["pipeline=pp2", *SMALL])
     plan = build_plan(cfg)
-    stages = [StageModule(cfg.model, plan, s.index, seed=0) for s in plan.stages]
+    stages = [stage_module(cfg.model, plan, s.index, seed=0) for s in plan.stages]
     save_checkpoint(checkpoint_dir(tmp_path, 2), stages, None, 0, 2)
     assert export_main(["export", str(tmp_path), str(tmp_path / "w.safetensors")]) == 0
     got = load_tensors(tmp_path / "w.safetensors")
@@ -335,17 +335,17 @@ def test_resume_checks_in_the_parent(empty_cwd, capsys):
     """A run dir with a good checkpoint at step 1 of 2 passes every parent check (and nothing is written); at the
     final step it is refused as finished instead of re-saving its last checkpoint."""
     from dsaflow.config.compose import compose
-    from dsaflow.model import StageModule
+    from dsaflow.run.stages import stage_module
     from dsaflow.plan import build_plan, render_table
-    from dsaflow.runtime.checkpoint import save_checkpoint
-    from dsaflow.runtime.ckpt_store import checkpoint_dir
-    from dsaflow.runtime.launch import check_launch
-    from dsaflow.runtime.rundir import write_run_dir
+    from dsaflow.train.checkpoint import save_checkpoint
+    from dsaflow.run.ckpt_store import checkpoint_dir
+    from dsaflow.launch.launch import check_launch
+    from dsaflow.run.rundir import write_run_dir
 
     cfg = compose([*SMALL, "run_dir=r"])
     plan = build_plan(cfg)
     write_run_dir(cfg, plan, render_table(plan, cfg))
-    modules = [StageModule(cfg.model, plan, 0, seed=0)]
+    modules = [stage_module(cfg.model, plan, 0, seed=0)]
     save_checkpoint(checkpoint_dir("r", 1), modules, None, 0, 1)
     before = _snapshot(empty_cwd)
     resume = compose([*SMALL, "run_dir=r", "train.resume=true"])

@@ -3,7 +3,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsaflow.model import IndexCacheError, StageCache, build_stages
+from dsaflow.model import IndexCacheError, StageCache
+from dsaflow.run.stages import build_stages, stage_cache
 from model_helpers import planned_sharp
 
 
@@ -18,7 +19,7 @@ def run(stages, caches, x, pos, attn="sparse"):
 
 
 def allocate(model, plan, max_batch, max_context, max_tokens, poison=True):
-    caches = [StageCache.allocate(model, plan, i, max_batch, max_context, max_tokens) for i in range(plan.num_stages)]
+    caches = [stage_cache(model, plan, i, max_batch, max_context, max_tokens) for i in range(plan.num_stages)]
     if poison:  # rows a query must never see (unwritten, stale or trash) hold NaN
         for c in caches:
             for t in (*c.kv.values(), *c.index_k.values()):
@@ -62,7 +63,7 @@ def test_chunked_prefill_then_decode_reproduces_full_logits_at_every_position(at
 
 def test_allocation_shapes_and_reset():
     model, plan = planned_sharp("FSSS|FSSS")
-    c = StageCache.allocate(model, plan, 1, max_batch=2, max_context=10, max_tokens=4)
+    c = stage_cache(model, plan, 1, max_batch=2, max_context=10, max_tokens=4)
     assert sorted(c.kv) == [4, 5, 6, 7] and sorted(c.index_k) == [4]  # indexer K cache on F layers only
     assert c.kv[5].shape == (2, 11, model.kv_lora_rank + model.qk_rope_head_dim)  # + one trash row
     assert c.index_k[4].shape == (2, 11, model.index_head_dim)
@@ -79,7 +80,7 @@ def test_allocation_shapes_and_reset():
 def test_padding_queries_never_touch_real_rows():
     model, plan = planned_sharp("FSSS|FSSS")
     stage = build_stages(model, plan)[1]
-    c = StageCache.allocate(model, plan, 1, max_batch=2, max_context=6, max_tokens=4)
+    c = stage_cache(model, plan, 1, max_batch=2, max_context=6, max_tokens=4)
     stage(torch.randn(2, 4, model.dim), torch.arange(4).expand(2, 4), c)
     before = {i: t.clone() for i, t in (*c.kv.items(), *((f"k{i}", t) for i, t in c.index_k.items()))}
     pos = torch.tensor([[4, -1, -1, -1], [-1, -1, -1, 7]])  # one real new token; padding and an out-of-range slot
@@ -95,7 +96,7 @@ def test_padding_queries_never_touch_real_rows():
 def test_s_layer_whose_source_did_not_write_raises_naming_both_layers():
     model, plan = planned_sharp("FSSS|FSSS")
     stage = build_stages(model, plan)[1]
-    c = StageCache.allocate(model, plan, 1, max_batch=1, max_context=8, max_tokens=4)
+    c = stage_cache(model, plan, 1, max_batch=1, max_context=8, max_tokens=4)
     stage.eval()
     x, pos = torch.randn(1, 2, model.dim), torch.arange(2).view(1, 2)
     layer6 = stage.layers["6"]
@@ -117,7 +118,7 @@ def test_s_layer_whose_source_did_not_write_raises_naming_both_layers():
 def test_chunk_larger_than_the_index_cache_is_a_clear_error():
     model, plan = planned_sharp("FSSS|FSSS")
     stage = build_stages(model, plan)[1]
-    c = StageCache.allocate(model, plan, 1, max_batch=1, max_context=16, max_tokens=4)
+    c = stage_cache(model, plan, 1, max_batch=1, max_context=16, max_tokens=4)
     with pytest.raises(ValueError, match="max_tokens >= 6"), torch.no_grad():
         stage(torch.randn(1, 6, model.dim), torch.arange(6).view(1, 6), c)
 

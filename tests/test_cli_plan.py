@@ -110,7 +110,7 @@ def test_console_entry_point_exit_codes_and_streams():
 
 
 def test_train_and_generate_plan_first_and_stop_on_mistakes(capsys, monkeypatch):
-    import dsaflow.runtime.launch as launch_mod
+    import dsaflow.launch.launch as launch_mod
 
     calls = []
     monkeypatch.setattr(launch_mod, "launch", lambda cfg, plan, job: calls.append((cfg, plan, job)) or 0)

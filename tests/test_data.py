@@ -7,7 +7,7 @@ import torch
 
 from dsaflow.config.schema import DataConfig
 from dsaflow.data import IGNORE, BatchSource, ByteTokenizer, CorpusError, RetrievalSpec, retrieval_batch
-from dsaflow.runtime.pipeline import LMLoss
+from dsaflow.train.pipeline import LMLoss
 
 
 def test_byte_tokenizer_round_trips_unicode():

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsaflow.runtime.ckpt_store import list_checkpoints, newest_good_checkpoint, verify_checkpoint
-from dsaflow.runtime.lifecycle import children
-from dsaflow.runtime.rundir import read_metrics
+from dsaflow.run.ckpt_store import list_checkpoints, newest_good_checkpoint, verify_checkpoint
+from dsaflow.launch.lifecycle import children
+from dsaflow.run.rundir import read_metrics
 from train_harness import run_configs, tiny_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,13 +127,13 @@ def test_resume_skips_bad_checkpoints_and_matches_an_uninterrupted_run(tmp_path)
 def test_interrupted_save_leaves_no_checkpoint_and_existing_ones_are_never_rewritten(tmp_path, monkeypatch):
     """A save killed at any point before its rename leaves only `.step-N.partial`; newest_good falls back to the
     previous checkpoint; saving over an existing checkpoint is a no-op; truncation and deletion are detected."""
-    from dsaflow.model import StageModule
+    from dsaflow.run.stages import stage_module
     from dsaflow.plan import build_plan
-    from dsaflow.runtime import checkpoint as ck
-    from dsaflow.runtime.ckpt_store import checkpoint_dir
+    from dsaflow.train import checkpoint as ck
+    from dsaflow.run.ckpt_store import checkpoint_dir
 
     cfg = tiny_cfg(1, None, "1F1B")
-    modules = [StageModule(cfg.model, build_plan(cfg), 0, seed=0)]
+    modules = [stage_module(cfg.model, build_plan(cfg), 0, seed=0)]
     run = tmp_path / "run"
     assert ck.save_checkpoint(checkpoint_dir(run, 1), modules, None, 0, 1)
     first = {p.name: p.read_bytes() for p in checkpoint_dir(run, 1).iterdir()}
@@ -163,13 +163,13 @@ def test_interrupted_save_leaves_no_checkpoint_and_existing_ones_are_never_rewri
 
 
 def test_keep_prunes_to_the_newest_checkpoints(tmp_path):
-    from dsaflow.model import StageModule
+    from dsaflow.run.stages import stage_module
     from dsaflow.plan import build_plan
-    from dsaflow.runtime.checkpoint import save_checkpoint
-    from dsaflow.runtime.ckpt_store import checkpoint_dir
+    from dsaflow.train.checkpoint import save_checkpoint
+    from dsaflow.run.ckpt_store import checkpoint_dir
 
     cfg = tiny_cfg(1, None, "1F1B")
-    modules = [StageModule(cfg.model, build_plan(cfg), 0, seed=0)]
+    modules = [stage_module(cfg.model, build_plan(cfg), 0, seed=0)]
     for step in range(1, 5):
         save_checkpoint(checkpoint_dir(tmp_path, step), modules, None, 0, step, keep=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 3]

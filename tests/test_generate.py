@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from dsaflow.config.compose import compose
-from dsaflow.model import build_stages
-from dsaflow.plan import build_plan
-from dsaflow.runtime.engine import ServeError
-from dsaflow.runtime.serve import build_engine, check_serve, load_prompts, write_outputs
+from dsaflow.run.stages import build_stages
+from dsaflow.plan import PlanError, build_plan
+from dsaflow.serve.engine import ServeError
+from dsaflow.serve.generate import build_engine, check_serve, load_prompts, write_outputs
 
 from test_graphs_cpu import FakeCapturer
 
@@ -142,7 +142,7 @@ def test_prompts_file_and_output_file(tmp_path, capsys):
 
 def test_checkpoint_weights_are_served(tmp_path):
     """A checkpoint in the trainer's layout written from seed-1 weights serves like a seed-1 model."""
-    from dsaflow.runtime.checkpoint import save_checkpoint
+    from dsaflow.train.checkpoint import save_checkpoint
 
     cfg1, plan1 = setup(["layout=FS|FF", "train.seed=1"])
     ckpt = tmp_path / "checkpoints" / "step-000001"
@@ -165,7 +165,7 @@ def test_checkpoint_weights_are_served(tmp_path):
 
 
 def test_checkpoint_with_other_roles_is_a_clear_error(tmp_path):
-    from dsaflow.runtime.checkpoint import save_checkpoint
+    from dsaflow.train.checkpoint import save_checkpoint
 
     cfg1, plan1 = setup(["layout=FSSS"])
     save_checkpoint(tmp_path / "ck", build_stages(cfg1.model, plan1), None, 0, 1)
@@ -227,6 +227,5 @@ def test_more_serve_errors(tmp_path):
     def head_block(c):
         c.graphs.blocks[0].kind = "head"
 
-    cfg, plan = setup(["serve.prompts=[a]", "graphs=decode"], head_block)
-    with pytest.raises(ServeError, match="kind=head"):
-        check_serve(cfg, plan, "cuda")
+    with pytest.raises(PlanError, match="kind=head exists in the plan but is never captured"):
+        setup(["serve.prompts=[a]", "graphs=decode"], head_block)

@@ -10,7 +10,7 @@ import torch
 
 from dsaflow.config.compose import compose
 from dsaflow.plan import build_plan
-from dsaflow.runtime.serve import build_engine
+from dsaflow.serve.generate import build_engine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = ["model.num_layers=4", "serve.max_new_tokens=5", "serve.prefill_chunk=4", "serve.max_context=40",

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from dsaflow.runtime.graphs import (
+from dsaflow.serve.graphs import (
     GraphCaptureError,
     GraphManager,
     ShapeClassError,
@@ -16,7 +16,7 @@ from dsaflow.runtime.graphs import (
     choose_shape_class,
     pad_into,
 )
-from dsaflow.runtime.report import CaptureRecord, CaptureReport, MissingGraphError, check_complete
+from dsaflow.serve.report import CaptureRecord, CaptureReport, MissingGraphError, check_complete
 
 
 class FakeGraph:
@@ -271,7 +271,7 @@ class FakeCuda:
 
 
 def test_cuda_capturer_protocol(monkeypatch):
-    from dsaflow.runtime.graphs import CudaGraphCapturer
+    from dsaflow.serve.graphs import CudaGraphCapturer
 
     fake = FakeCuda()
     fake.install(monkeypatch)

@@ -19,8 +19,8 @@ import torch
 
 from dsaflow.config.compose import compose
 from dsaflow.plan import build_plan
-from dsaflow.runtime.sampling import make_generator, sample_next
-from dsaflow.runtime.serve import build_engine
+from dsaflow.serve.sampling import make_generator, sample_next
+from dsaflow.serve.generate import build_engine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 32  # decode steps compared (max_new_tokens = STEPS + 1: the first token comes from prefill)

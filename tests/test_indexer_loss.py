@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dsaflow.model import build_stages
+from dsaflow.run.stages import build_stages
 from dsaflow.model.rope import apply_rope, apply_rope_prefix, rope_angles
 from model_helpers import planned_sharp, tokens
 

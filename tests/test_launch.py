@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsaflow import cli
-from dsaflow.runtime.launch import GPU_ENV_DEFAULTS, launch_env, torchrun_command
+from dsaflow.launch.launch import GPU_ENV_DEFAULTS, launch_env, torchrun_command
 
 TINY = ["model.num_layers=4", "model.dim=32", "model.inter_dim=64", "model.index_topk=8", "train.seq_len=32",
         "train.batch_size=4", "train.warmup_steps=1", "train.eval_batches=1", "train.progress=lines"]
@@ -67,7 +67,7 @@ def test_resume_without_checkpoint_stops(no_launch, capsys):
 
 def test_torchrun_command_and_env():
     cmd = torchrun_command("runs/x", 4, "generate")
-    assert cmd[1:] == ["-m", "dsaflow.runtime.agent", "--standalone", "--nproc-per-node=4", "-m", "dsaflow.worker",
+    assert cmd[1:] == ["-m", "dsaflow.launch.agent", "--standalone", "--nproc-per-node=4", "-m", "dsaflow.worker",
                        "runs/x", "--job", "generate"]
     env = launch_env({"NCCL_NVLS_ENABLE": "1"})
     assert env["NCCL_NVLS_ENABLE"] == "1", "a user's own value wins"
@@ -101,7 +101,7 @@ def test_dsaflow_train_end_to_end(tmp_path, monkeypatch, capfd):
 
 
 def test_prepare_writes_the_run_dir_and_starts_nothing(no_launch, capsys):
-    from dsaflow.runtime.launch import main as launch_main
+    from dsaflow.launch.launch import main as launch_main
 
     assert launch_main(["prepare", "run_dir=shared/exp1", "pipeline=pp2"]) == 0
     assert capsys.readouterr().out.strip() == "shared/exp1"
@@ -111,7 +111,7 @@ def test_prepare_writes_the_run_dir_and_starts_nothing(no_launch, capsys):
 
 
 def test_resume_refuses_a_different_stage_layout(no_launch, capsys):
-    from dsaflow.runtime.launch import main as launch_main
+    from dsaflow.launch.launch import main as launch_main
 
     assert launch_main(["prepare", "run_dir=r", "pipeline=pp2"]) == 0
     capsys.readouterr()

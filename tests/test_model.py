@@ -4,10 +4,12 @@ import dataclasses
 import pytest
 import torch
 
-from dsaflow.model import DSABlock, IndexSlot, StageModule, build_stages, full_state_dict
+from dsaflow.config.schema import ModelConfig
+from dsaflow.model import DSABlock, IndexSlot, LayerSpec, StageModule, build_model, full_state_dict
 from dsaflow.model.context import ForwardContext, causal_indices
 from dsaflow.model.rope import apply_rope, rope_angles
 from dsaflow.plan.estimates import layer_params
+from dsaflow.run.stages import build_stages, stage_module
 from model_helpers import planned, tokens
 
 
@@ -152,12 +154,30 @@ def test_user_mistakes_raise_clear_errors():
     layers = list(plan.layers)
     layers[5] = dataclasses.replace(layers[5], source=0)  # a hand-edited plan.json: source on another stage
     with pytest.raises(ValueError, match="S layer 5 on stage 1 has source=0"):
-        StageModule(model, dataclasses.replace(plan, layers=tuple(layers)), 1)
+        stage_module(model, dataclasses.replace(plan, layers=tuple(layers)), 1)
     with pytest.raises(ValueError, match="attn='topk'"):
         build_stages(model, plan)[0](tokens(1, 4), attn="topk")
     tied, plan = planned("FSSS|FSSS", "model.tie_embeddings=true")
     with pytest.raises(ValueError, match="tie_embeddings"):
-        StageModule(tied, plan, 0)
+        stage_module(tied, plan, 0)
     tied1, plan1 = planned("FSSSFSSS", "model.tie_embeddings=true")
     (single,) = build_stages(tied1, plan1)
     assert single.head.weight is single.embed.weight
+
+
+def test_a_block_and_a_whole_model_build_from_a_model_config_alone():
+    """No plan, no Hydra: a block from ModelConfig() (layer 0, F), an S block from a LayerSpec, the whole model."""
+    cfg = ModelConfig()
+    block = DSABlock(cfg)
+    assert block.role == "F" and block.attn.indexer is not None
+    s_block = DSABlock(cfg, LayerSpec(index=3, role="S", source=1))
+    assert s_block.source == 1 and s_block.attn.indexer is None
+    with pytest.raises(ValueError, match="earlier F layer"):
+        DSABlock(cfg, LayerSpec(index=2, role="S", source=2))
+    model = build_model(cfg, roles="FSSS" * (cfg.num_layers // 4), seed=0)
+    assert isinstance(model, StageModule) and model.is_first and model.is_last
+    assert [l.source for l in model.layers.values()] == [0, 0, 0, 0, 4, 4, 4, 4][: cfg.num_layers]
+    out = model(tokens(1, 12))
+    assert out.shape == (1, 12, cfg.vocab_size) and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="starting with F"):
+        build_model(cfg, roles="S" * cfg.num_layers)

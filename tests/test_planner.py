@@ -210,14 +210,22 @@ def gcfg(blocks, enabled=True, mode="train", **kw):
 
 
 def test_graph_blocks_resolve_to_their_stages():
-    cfg = gcfg([block("dec", "decode"), block("lm", "head"), block("mid", "layers", [5, 7])], mode="serve",
+    cfg = gcfg([block("dec", "decode"), block("pre", "prefill", shape_classes=(16, 32))], mode="serve",
                **{"pipeline.boundaries": [0, 4]})
     plan = build_plan(cfg)
     by = {b.name: b for b in plan.graph_blocks}
     assert by["dec"].stages == (0, 1) and by["dec"].layers == ()
-    assert by["lm"].stages == (1,)
-    assert by["mid"].stages == (1,) and by["mid"].layers == (5, 6, 7)
-    assert [b.name for b in plan.blocks_of_stage(0)] == ["dec"]
+    assert by["pre"].stages == (0, 1) and by["pre"].shape_classes == (16, 32)
+    assert [b.name for b in plan.blocks_of_stage(1)] == ["dec", "pre"]
+
+
+@pytest.mark.parametrize("mode", ["train", "serve"])
+@pytest.mark.parametrize("blk", [block("lm", "head"), block("mid", "layers", [5, 7])])
+def test_blocks_no_mode_captures_are_refused_before_launch(mode, blk):
+    """A head or layer-span block exists in the plan but no mode captures it alone: refused, never ignored."""
+    with pytest.raises(PlanError, match="never captured") as e:
+        build_plan(gcfg([blk], mode=mode, **{"pipeline.boundaries": [0, 4]}))
+    assert "Fix:" in str(e.value)
 
 
 @pytest.mark.parametrize(
@@ -252,13 +260,13 @@ def test_graph_blocks_while_disabled_is_an_error():
 # --- serialisation ------------------------------------------------------------------------------------------------
 
 def test_plan_json_contract_and_round_trip():
-    cfg = gcfg([block("lm", "head")], layout="FSSS|SSFS")
+    cfg = gcfg([block("dec", "decode")], mode="serve", layout="FSSS|SSFS")
     plan = build_plan(cfg)
     d = json.loads(plan.to_json())
     assert d["num_layers"] == 8
     assert d["stages"][1] == {"index": 1, "rank": 1, "layers": [4, 5, 6, 7]}
     assert d["layers"][4] == {"index": 4, "stage": 1, "declared": "S", "role": "F", "promoted": True, "source": 4,
                               "reason": plan.layers[4].reason}
-    assert d["graph_blocks"][0]["stages"] == [1]
+    assert d["graph_blocks"][0]["stages"] == [0, 1]
     assert set(d["estimates"]) >= {"stages", "boundaries", "total", "balance"}
     assert Plan.from_json(plan.to_json()) == plan

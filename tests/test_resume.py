@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsaflow.runtime.rundir import latest_checkpoint, read_metrics
+from dsaflow.run.rundir import latest_checkpoint, read_metrics
 from train_harness import run_configs, tiny_cfg
 
 

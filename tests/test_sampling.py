@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dsaflow.runtime.sampling import make_generator, sample_next, top_p_mask
+from dsaflow.serve.sampling import make_generator, sample_next, top_p_mask
 
 
 def nucleus_reference(p, top_p):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from dsaflow.config.schema import DSAFlowConfig
-from dsaflow.track import NullTracker, Progress, flatten, make_tracker
+from dsaflow.track import NullTracker, Progress, make_tracker
 
 
 def _cfg(**track) -> DSAFlowConfig:
@@ -58,7 +58,3 @@ def test_progress_prints_lines_when_not_a_tty():
     q = Progress(total=4, enabled=False, stream=off)
     q.update(1, {"loss": 1.0}, print_line=True)
     assert off.getvalue() == ""
-
-
-def test_flatten():
-    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": 3}) == {"a.b": 1, "a.c.d": [1, 2], "e": 3}

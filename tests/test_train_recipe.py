@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from dsaflow.plan import build_plan
-from dsaflow.runtime.context import RunContext
-from dsaflow.runtime.optim import lr_factor
-from dsaflow.runtime.trainer import Trainer
+from dsaflow.run.context import RunContext
+from dsaflow.train.optim import advance, build_optimizers, build_schedulers, lr_factor
+from dsaflow.train.trainer import Trainer
 from train_harness import tiny_cfg
 
 
@@ -60,3 +60,25 @@ def test_lr_schedule_warmup_then_cosine():
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[10:], f[11:]))
     assert lr_factor(100, 100, 10, 0.1) == pytest.approx(0.1)
+
+
+def test_lambdalr_schedulers_follow_lr_factor_and_resume_in_place():
+    """torch's LambdaLR drives the schedule: step s trains at lr * lr_factor(s) for both optimisers, and schedulers
+    positioned at a resumed step give the lrs the uninterrupted run had."""
+    cfg = tiny_cfg(1, None, "1F1B", steps=12, warmup_steps=3, lr=2e-3, indexer_lr=5e-4)
+    t = cfg.train
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": torch.nn.ModuleDict(
+        {"attn": torch.nn.ModuleDict({"indexer": torch.nn.Linear(2, 2)}), "w": torch.nn.Linear(2, 2)})})})
+    opt = build_optimizers([model], t)
+    scheds = build_schedulers(opt, t)
+    seen = []
+    for step in range(t.steps):
+        seen.append((opt.main.param_groups[0]["lr"], opt.indexer.param_groups[0]["lr"]))
+        advance(scheds)
+    for step, (main_lr, idx_lr) in enumerate(seen):
+        f = lr_factor(step, t.steps, t.warmup_steps, t.min_lr_ratio)
+        assert main_lr == pytest.approx(t.lr * f) and idx_lr == pytest.approx(t.indexer_lr * f)
+    opt2 = build_optimizers([model], t)
+    build_schedulers(opt2, t, start_step=7)
+    assert opt2.main.param_groups[0]["lr"] == pytest.approx(seen[7][0])
+    assert opt2.indexer.param_groups[0]["lr"] == pytest.approx(seen[7][1])

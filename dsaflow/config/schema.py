@@ -160,6 +160,9 @@ class TrainConfig:
     indexer_lr: float = num(1e-3, 0, 10)
     indexer_loss_weight: float = num(1.0, 0, 1e6)
     dtype: TrainDtype = TrainDtype.auto  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    # Fixed reduction orders instead of atomics (sparse-attention backward, torch ops that have a deterministic
+    # implementation): repeated runs give bit-identical results; slower (docs/training.md).
+    deterministic: bool = False
     log_every: int = num(10, 1, 10**9)
     eval_every: int = num(50, 0, 10**9)  # 0 = only at the end
     eval_batches: int = num(4, 1, 10**6)

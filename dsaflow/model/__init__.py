@@ -1,16 +1,19 @@
-"""The DSA transformer: MLA in MQA mode + lightning indexer, F/S layer roles from the plan, serving caches."""
+"""The DSA transformer: MLA in MQA mode + lightning indexer, F/S layer roles (LayerSpec), serving caches. It knows
+nothing of plans, Hydra or torch.distributed: dsaflow.run.stages cuts it into a plan's stages."""
 from .block import DSABlock, SwiGLU
 from .cache import IndexCacheError, IndexSlot, StageCache
 from .indexer import Indexer
+from .layer_spec import LayerSpec
 from .indexer_loss import attention_distribution, indexer_kl_loss
 from .mla import MLA
 from .norms import RMSNorm
-from .stage import StageModule, build_stages, full_state_dict, load_full_state_dict
+from .stage import StageModule, build_model, full_state_dict, load_full_state_dict
 
 __all__ = [
     "DSABlock",
     "IndexCacheError",
     "IndexSlot",
+    "LayerSpec",
     "Indexer",
     "MLA",
     "RMSNorm",
@@ -18,7 +21,7 @@ __all__ = [
     "StageModule",
     "SwiGLU",
     "attention_distribution",
-    "build_stages",
+    "build_model",
     "full_state_dict",
     "indexer_kl_loss",
     "load_full_state_dict",

@@ -1,7 +1,8 @@
 """One DSA transformer block (pre-norm residual): h += MLA(attn_norm(h)); h += SwiGLU(ffn_norm(h)).
 
-The block's role comes from the plan: F blocks own an indexer (`attn.indexer`), S blocks read the indices their
-planned source wrote on the same stage.
+A block's place in the IndexCache layout is a `LayerSpec`: F blocks own an indexer (`attn.indexer`), S blocks read
+the indices their source wrote earlier in the same forward. The model knows nothing of plans: the planner's
+`LayerPlan` carries the same three fields, so the runtime passes a plan's layers as they are.
 """
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsaflow.config.schema import ModelConfig
-from dsaflow.plan.plan import LayerPlan
 
 from .context import ForwardContext
+from .layer_spec import LayerSpec
 from .mla import MLA
 from .norms import RMSNorm
 
@@ -31,13 +32,18 @@ class SwiGLU(nn.Module):
 
 
 class DSABlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: LayerPlan):
+    """`DSABlock(cfg)` is layer 0 as an F layer; pass a LayerSpec (or any object with index/role/source) otherwise."""
+
+    def __init__(self, cfg: ModelConfig, layer: LayerSpec = LayerSpec()):
         super().__init__()
         if layer.role not in ("F", "S"):
-            raise ValueError(f"layer {layer.index}: role={layer.role!r} must be 'F' or 'S' (check plan.json).")
-        self.layer_index, self.role, self.source = layer.index, layer.role, layer.source
+            raise ValueError(f"layer {layer.index}: role={layer.role!r} must be 'F' or 'S'.")
+        source = layer.index if layer.source is None else layer.source
+        if layer.role == "S" and source >= layer.index:
+            raise ValueError(f"S layer {layer.index} has source={source}: a source must be an earlier F layer.")
+        self.layer_index, self.role, self.source = layer.index, layer.role, source
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = MLA(cfg, layer.index, layer.role, layer.source)
+        self.attn = MLA(cfg, layer.index, layer.role, source)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.inter_dim)
 

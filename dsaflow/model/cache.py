@@ -18,12 +18,13 @@ current forward, and an S layer whose planned source did not write them raises `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 
 from dsaflow.config.schema import ModelConfig
-from dsaflow.plan.plan import Plan
+
+from .layer_spec import LayerSpec
 
 
 class IndexCacheError(RuntimeError):
@@ -104,24 +105,25 @@ class StageCache:
     def allocate(
         cls,
         model_cfg: ModelConfig,
-        plan: Plan,
-        stage_index: int,
+        layers: Sequence[LayerSpec],
         max_batch: int,
         max_context: int,
         max_tokens: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> "StageCache":
-        """Allocate every buffer of stage `stage_index` of `plan` (kv/index_k in `dtype`, index int32 = -1)."""
+        """Allocate every buffer of a span of `layers` (LayerSpec-like: index, role), kv/index_k in `dtype`, index int32
+        = -1."""
         for name, value in (("max_batch", max_batch), ("max_context", max_context), ("max_tokens", max_tokens)):
             if value < 1:
                 raise ValueError(f"StageCache.allocate: {name}={value} must be >= 1.")
         d_kv = model_cfg.kv_lora_rank + model_cfg.qk_rope_head_dim
         rows = max_context + 1  # + trash row
         kv, index_k = {}, {}
-        for i in plan.stages[stage_index].layers:
+        for layer in layers:
+            i = layer.index
             kv[i] = torch.zeros(max_batch, rows, d_kv, device=device, dtype=dtype)
-            if plan.layer(i).role == "F":
+            if layer.role == "F":
                 index_k[i] = torch.zeros(max_batch, rows, model_cfg.index_head_dim, device=device, dtype=dtype)
         index = torch.full((max_batch, max_tokens, model_cfg.index_topk), -1, device=device, dtype=torch.int32)
         return cls(max_batch, max_context, max_tokens, kv, index_k, IndexSlot(index))
@@ -142,8 +144,3 @@ class StageCache:
             t.zero_()
         self.index_slot.buffer.fill_(-1)
         self.index_slot.begin()
-
-    def nbytes(self) -> int:
-        """Bytes held by all buffers (for reports; the planner estimates the same)."""
-        ts = (*self.kv.values(), *self.index_k.values(), self.index_slot.buffer)
-        return sum(t.numel() * t.element_size() for t in ts)

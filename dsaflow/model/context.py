@@ -22,6 +22,9 @@ class ForwardContext:
     (training / full-sequence forward: the keys are the T tokens themselves, token t at position t).
     index_slot: where F layers write and S layers read the stage's top-k indices. recorder: collects what the
     indexer loss needs (training only), else None.
+    causal_rows: True when there is no cache and every query at row t is token t itself (positions[b, t] == t) or
+    padding (< 0). Dense attention then runs as causal SDPA (FlashAttention, O(T) memory) instead of sparse_mla over
+    `causal_indices` ([B, T, S] indices); StageModule sets it.
     """
 
     positions: torch.Tensor
@@ -31,11 +34,13 @@ class ForwardContext:
     cache: Optional[StageCache]
     index_slot: IndexSlot
     recorder: Optional["IndexerLossRecorder"] = None
+    causal_rows: bool = False
 
 
 def causal_indices(positions: torch.Tensor, num_keys: int) -> torch.Tensor:
     """positions [B, T] -> int32 [B, T, num_keys]: column s holds key s if visible (s <= position), else -1.
 
-    The "dense" attention mode: sparse_mla over every causal key (static shape, graph safe)."""
+    The "dense" attention mode with a serving cache (or unaligned positions): sparse_mla over every causal key
+    (static shape, graph safe). O(T * S) memory: training's dense mode never builds it (see `causal_rows`)."""
     s = torch.arange(num_keys, device=positions.device, dtype=torch.int32)
     return torch.where(s.view(1, 1, -1) <= positions.unsqueeze(-1), s.view(1, 1, -1), -1).to(torch.int32)

@@ -11,10 +11,16 @@ Shapes (H = n_heads, C = kv_lora_rank, R = qk_rope_head_dim, N = qk_nope_head_di
 The absorbed form is exactly the naive MLA (q_nope . (W_UK c) = (W_UK^T q_nope) . c), and it is the same computation
 in training, prefill and decode. The indices come from the layer's own indexer (F), from the stage's index slot
 written by its source (S), or are every causal key (attn="dense").
+
+Dense attention without a cache (training, the dense warm-up) runs the non-absorbed form instead, per head
+  q = [q_nope | rope(q_pe)] (N + R),  k = [W_UK c | rope(k_pe)] (N + R),  v = W_UV c (V),
+through causal `scaled_dot_product_attention` (FlashAttention on GPU): no [B, T, S] index tensor, O(T) memory.
+Its indexer loss uses the same per-head q and k (dsaflow.ops.dense_indexer_kl, streamed over key blocks).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsaflow.config.schema import ModelConfig
@@ -53,6 +59,11 @@ class MLA(nn.Module):
         q = self.wq_b(q_latent).view(B, T, H, self.nope + self.rope)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         c_kv, k_pe = self.wkv_a(x).split([C, self.rope], dim=-1)
+        if ctx.attn == "dense" and ctx.cache is None:
+            out = self._dense(x, q_latent, q_nope, apply_rope(q_pe, cos, sin), self.kv_norm(c_kv),
+                              apply_rope(k_pe, cos, sin), ctx)
+            if out is not None:
+                return out
         kv = torch.cat([self.kv_norm(c_kv), apply_rope(k_pe, cos, sin)], dim=-1)  # [B, T, C + R]
         if ctx.cache is not None:
             kv = write_rows(ctx.cache.kv[self.layer_index], ctx.positions, kv)  # [B, max_context + 1, C + R]
@@ -63,25 +74,47 @@ class MLA(nn.Module):
 
         indices = self._indices(x, q_latent, kv.shape[1], ctx)
         o_lat, lse = sparse_mla(q_abs, kv, indices, self.sm_scale, C)
-        if ctx.recorder is not None:
+        if ctx.recorder is not None and ctx.attn != "dense":  # dense mode records in `_dense`
             ctx.recorder.record_attention(self.layer_index, q_abs, kv, indices, lse, self.sm_scale)
         out = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * self.v_dim)
         return self.wo(out)
+
+    def _dense(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, ctx: ForwardContext):
+        """Dense attention without a cache, non-absorbed. q_nope [B, T, H, N], q_pe [B, T, H, R] and k_pe [B, T, R]
+        (both rotated), c_kv [B, T, C] (normed). Records what the dense indexer loss needs; returns the layer output
+        [B, T, dim], or None when the rows are not causal-aligned (the caller then runs sparse_mla over every key)."""
+        B, T, H = q_nope.shape[0], q_nope.shape[1], self.n_heads
+        kvb = self.wkv_b(c_kv).view(B, T, H, self.nope + self.v_dim)  # wkv_b.weight is [H, N + V, C]
+        k_nope, v = kvb.split([self.nope, self.v_dim], dim=-1)
+        q = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)  # [B, T, H, N + R]
+        k = torch.cat([k_nope, k_pe.to(k_nope.dtype).unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)
+        if ctx.recorder is not None:
+            if self.role == "F":
+                q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
+                ctx.recorder.record_dense_index(self.layer_index, q_i, k_i, w_i, ctx.positions)
+            ctx.recorder.record_dense_attention(self.layer_index, q, k, self.sm_scale)
+        if not ctx.causal_rows:
+            return None
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.sm_scale
+        ).transpose(1, 2)  # [B, T, H, V]
+        # A padding query (position < 0) sees no key: output 0, exactly like sparse_mla over no index.
+        o = o * (ctx.positions >= 0).to(o.dtype).view(B, T, 1, 1)
+        return self.wo(o.reshape(B, T, H * self.v_dim))
 
     def _indices(self, x: torch.Tensor, q_latent: torch.Tensor, num_keys: int, ctx: ForwardContext) -> torch.Tensor:
         """int32 [B, T, K]: the keys each query attends to (K = index_topk, or num_keys in dense mode)."""
         dense = ctx.attn == "dense"
         if self.role == "S":
             return causal_indices(ctx.positions, num_keys) if dense else ctx.index_slot.read(self.layer_index, self.source)
-        if dense and ctx.cache is None and ctx.recorder is None:  # nothing would use the indexer's output
+        if dense and ctx.cache is None:  # the indexer loss was recorded in `_dense`; nothing else uses the indexer
             return causal_indices(ctx.positions, num_keys)
         q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
         if ctx.cache is not None:  # F layers always keep their indexer keys current, whatever the attention mode
             k_i = write_rows(ctx.cache.index_k[self.layer_index], ctx.positions, k_i)
-        if dense:
-            indices = causal_indices(ctx.positions, num_keys)
-        else:
-            indices = ctx.index_slot.write(self.layer_index, indexer_topk(q_i, k_i, w_i, ctx.positions, self.topk))
+        if dense:  # with a cache: no recorder (training has no cache)
+            return causal_indices(ctx.positions, num_keys)
+        indices = ctx.index_slot.write(self.layer_index, indexer_topk(q_i, k_i, w_i, ctx.positions, self.topk))
         if ctx.recorder is not None:
-            ctx.recorder.record_index_scores(self.layer_index, q_i, k_i, w_i, ctx.positions, indices, dense)
+            ctx.recorder.record_index_scores(self.layer_index, q_i, k_i, w_i, indices)
         return indices

@@ -1,54 +1,58 @@
-"""A pipeline stage of the DSA transformer, built from the plan.
+"""A contiguous span of the DSA transformer: the whole model, or one pipeline stage cut from it.
 
-`StageModule(model_cfg, plan, stage_index, seed=0)`:
-  layers  nn.ModuleDict keyed by the GLOBAL layer index (str), each a DSABlock with the plan's role;
-  embed   nn.Embedding(vocab, dim) on the first stage only (else None);
-  norm    RMSNorm(dim) + head Linear(dim, vocab) on the last stage only (else None).
-State-dict keys are therefore global and stable, e.g. `layers.5.attn.wkv_b.weight`, `layers.4.attn.indexer.wk.weight`
-(docs/model.md lists them all).
+`StageModule(model_cfg, layers, is_first=True, is_last=True, seed=0)`:
+  layers  nn.ModuleDict keyed by the GLOBAL layer index (str), one DSABlock per LayerSpec (index, role, source);
+  embed   nn.Embedding(vocab, dim) when is_first (else None);
+  norm    RMSNorm(dim) + head Linear(dim, vocab) when is_last (else None).
+`build_model(model_cfg)` is the whole model (every layer F unless roles are given). The model knows nothing of plans:
+the runtime cuts stages by passing each stage's layers (dsaflow.run.stages). State-dict keys are global and stable,
+e.g. `layers.5.attn.wkv_b.weight`, `layers.4.attn.indexer.wk.weight` (docs/model.md lists them all).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from dsaflow.config.schema import ModelConfig
-from dsaflow.plan.plan import Plan
 
 from .block import DSABlock
 from .cache import IndexSlot, StageCache
 from .context import ATTN_MODES, ForwardContext
 from .indexer_loss import IndexerLossRecorder
 from .init import init_stage_weights
+from .layer_spec import LayerSpec
 from .norms import RMSNorm
 from .rope import rope_angles
 
 
 class StageModule(nn.Module):
-    def __init__(self, model_cfg: ModelConfig, plan: Plan, stage_index: int, seed: int = 0):
+    def __init__(
+        self, model_cfg: ModelConfig, layers: Sequence[LayerSpec], is_first: bool = True, is_last: bool = True,
+        seed: int = 0, name: str = "stage",
+    ):
+        """layers: LayerSpec-like objects (index, role, source) of a contiguous span, in order. `name` only labels
+        error messages (e.g. "stage 1")."""
         super().__init__()
-        self.cfg, self.stage_index = model_cfg, stage_index
-        self.is_first, self.is_last = plan.is_first(stage_index), plan.is_last(stage_index)
-        layer_ids = plan.stages[stage_index].layers
-        for i in layer_ids:  # fail closed: an S layer may only reuse indices written earlier on this very stage
-            lp = plan.layer(i)
-            if lp.role == "S" and not (lp.source in layer_ids and lp.source < i and plan.layer(lp.source).role == "F"):
+        self.cfg, self.is_first, self.is_last = model_cfg, is_first, is_last
+        roles = {l.index: l.role for l in layers}
+        for l in layers:  # fail closed: an S layer may only reuse indices written earlier in this very span
+            if l.role == "S" and not (l.source in roles and l.source < l.index and roles[l.source] == "F"):
                 raise ValueError(
-                    f"plan: S layer {i} on stage {stage_index} has source={lp.source}, which is not an earlier F layer "
-                    f"of the same stage (layers {list(layer_ids)}): rebuild plan.json with `dsaflow plan`, which "
-                    f"promotes such layers to F."
+                    f"S layer {l.index} on {name} has source={l.source}, which is not an earlier F layer of the same "
+                    f"stage (layers {sorted(roles)}): rebuild plan.json with `dsaflow plan`, which promotes such "
+                    f"layers to F."
                 )
-        self.layers = nn.ModuleDict({str(i): DSABlock(model_cfg, plan.layer(i)) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(l.index): DSABlock(model_cfg, l) for l in layers})
         self.embed = nn.Embedding(model_cfg.vocab_size, model_cfg.dim) if self.is_first else None
         self.norm = RMSNorm(model_cfg.dim, model_cfg.norm_eps) if self.is_last else None
         self.head = nn.Linear(model_cfg.dim, model_cfg.vocab_size, bias=False) if self.is_last else None
         if model_cfg.tie_embeddings:
             if not (self.is_first and self.is_last):
                 raise ValueError(
-                    f"model.tie_embeddings=true needs the embedding and the LM head on one stage, but the plan has "
-                    f"{plan.num_stages} stages: set model.tie_embeddings=false or use a single pipeline stage."
+                    f"model.tie_embeddings=true needs the embedding and the LM head on one stage, but {name} holds only "
+                    f"one of them: set model.tie_embeddings=false or use a single pipeline stage."
                 )
             self.head.weight = self.embed.weight
         # Training-time indexer KL loss (see dsaflow.model.indexer_loss); the forward kwarg overrides the attribute.
@@ -82,12 +86,18 @@ class StageModule(nn.Module):
             raise ValueError(f"attn={attn!r} is not an attention mode: use one of {ATTN_MODES}.")
         h = self.embed(x) if self.embed is not None else x
         B, T = h.shape[:2]
+        causal_rows = False  # see ForwardContext.causal_rows (only dense attention reads it)
         if positions is None:
             if cache is not None:
                 raise ValueError("StageModule.forward with a cache needs positions [B, T] (absolute, < 0 = padding).")
             positions = torch.arange(T, device=h.device).expand(B, T)
+            causal_rows = True
+        elif cache is None and attn == "dense":  # caller-given positions (padding): one host sync, a rare path
+            row = torch.arange(T, device=positions.device)
+            causal_rows = bool(((positions == row) | (positions < 0)).all())
         want_loss = self.compute_indexer_loss if compute_indexer_loss is None else compute_indexer_loss
-        recorder = IndexerLossRecorder() if (want_loss and self.training and cache is None) else None
+        recorder = (IndexerLossRecorder(self.sources())
+                    if (want_loss and self.training and cache is None) else None)
         slot = cache.index_slot if cache is not None else IndexSlot()
         slot.begin()
         c = self.cfg
@@ -99,10 +109,11 @@ class StageModule(nn.Module):
             cache=cache,
             index_slot=slot,
             recorder=recorder,
+            causal_rows=causal_rows,
         )
         for layer in self.layers.values():
             h = layer(h, ctx)
-        self.indexer_loss = recorder.loss(self.sources()) if recorder is not None else None
+        self.indexer_loss = recorder.loss() if recorder is not None else None
         if self.head is not None:
             return self.head(self.norm(h)).float()
         return h
@@ -116,9 +127,17 @@ class StageModule(nn.Module):
         return [p for n, p in self.named_parameters() if ".attn.indexer." in n]
 
 
-def build_stages(model_cfg: ModelConfig, plan: Plan, seed: int = 0) -> List[StageModule]:
-    """Every stage of `plan` on this process (tests, PP=1 references): stage i = StageModule(model_cfg, plan, i)."""
-    return [StageModule(model_cfg, plan, i, seed) for i in range(plan.num_stages)]
+def build_model(model_cfg: ModelConfig, roles: Optional[str] = None, seed: int = 0) -> StageModule:
+    """The whole model on this process: every layer F, or `roles` ("FSSS...", one letter per layer; each S reads
+    the nearest preceding F)."""
+    roles = roles or "F" * model_cfg.num_layers
+    if len(roles) != model_cfg.num_layers or set(roles) - {"F", "S"} or roles[0] != "F":
+        raise ValueError(f"roles={roles!r}: need {model_cfg.num_layers} letters F/S starting with F.")
+    specs, last_f = [], 0
+    for i, r in enumerate(roles):
+        last_f = i if r == "F" else last_f
+        specs.append(LayerSpec(i, r, last_f))
+    return StageModule(model_cfg, specs, True, True, seed)
 
 
 def full_state_dict(stages: List[StageModule]) -> Dict[str, torch.Tensor]:
@@ -134,5 +153,5 @@ def load_full_state_dict(stage: StageModule, full: Dict[str, torch.Tensor]) -> N
     own = stage.state_dict().keys()
     missing = [k for k in own if k not in full]
     if missing:
-        raise KeyError(f"state dict lacks {len(missing)} keys of stage {stage.stage_index}, e.g. {missing[:3]}")
+        raise KeyError(f"state dict lacks {len(missing)} keys of this stage, e.g. {missing[:3]}")
     stage.load_state_dict({k: full[k] for k in own}, strict=True)

@@ -142,3 +142,40 @@ def index_payload_bytes(m, tokens: int, context: int) -> int:
     """Bytes to send a stage's top-k indices across a boundary: tokens x k x int32 (one index group: the DSA
     indexer picks one key set shared by all heads)."""
     return tokens * min(m.index_topk, context) * INT32
+
+
+def mean_causal_topk(m, seq_len: int) -> float:
+    """Mean over the positions t = 0..T-1 of a causal sequence of the keys each query attends to, min(topk, t + 1)."""
+    k, T = m.index_topk, seq_len
+    if T <= k:
+        return (T + 1) / 2
+    return (k * (k + 1) / 2 + (T - k) * k) / T
+
+
+def sparse_attn_train_flops_per_token(m, seq_len: int) -> float:
+    """Sparse attention forward 2*H*k*(d_qk + d_v) plus backward 2*H*k*(3*d_qk + 2*d_v) (S, dP, dq, dkv from dS and
+    P) per token, k averaged over a causal sequence."""
+    d_qk, d_v = m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank
+    return 2 * m.n_heads * mean_causal_topk(m, seq_len) * (4 * d_qk + 3 * d_v)
+
+
+def indexer_train_flops_per_token(m, seq_len: int, served_layers: int) -> float:
+    """One F layer per token: indexer scores over the causal context (forward only: top-k carries no gradient),
+    Hi*Di*(T+1) on average, plus the indexer loss on its k keys: the attention target of each served layer
+    (2*H*k*d_qk) and the index scores on the key set forward + backward (3 * 2*Hi*Di*k)."""
+    k = mean_causal_topk(m, seq_len)
+    hi_di = m.index_n_heads * m.index_head_dim
+    target = 2 * m.n_heads * k * (m.kv_lora_rank + m.qk_rope_head_dim) * served_layers
+    return hi_di * (seq_len + 1) + target + 3 * 2 * hi_di * k
+
+
+def train_flops_per_token(m, roles_and_served: "list[tuple[str, int]]", seq_len: int, params_no_embed: int) -> float:
+    """Training FLOPs per token of a DSA model: 6 per non-embedding parameter (forward + backward matmuls) plus
+    the sparse attention of every layer and the indexer (scores and its loss) of every F layer.
+    roles_and_served: (role, number of layers an F layer serves incl. itself; ignored for S) per layer."""
+    total = 6.0 * params_no_embed
+    for role, served in roles_and_served:
+        total += sparse_attn_train_flops_per_token(m, seq_len)
+        if role == "F":
+            total += indexer_train_flops_per_token(m, seq_len, served)
+    return total

@@ -4,6 +4,10 @@ decode / prefill: whole-stage blocks, only when mode=serve, captured on every st
 head:            final norm + LM head, only on the last stage.
 layers:          a span [first, last] of layers that exists and sits inside one stage.
 Shape classes are the padded sizes captured per block: strictly increasing, positive, <= graphs.max_shape.
+
+Every kind the planner accepts for a mode is captured in that mode. Serving captures whole-stage decode / prefill
+graphs, which already contain the head and every layer of the stage, and training captures none; so a `head` or
+`layers` block is checked for existence (a typo is reported as such) and then refused before anything launches.
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ def plan_graph_blocks(cfg, stage_of: Sequence[int], num_stages: int) -> Tuple[Gr
     dup = sorted({x for x in names if names.count(x) > 1})
     if dup:
         raise PlanError(f"graphs.blocks has duplicate name(s) {dup}. Fix: give every block its own name.")
-    n, last = len(stage_of), num_stages - 1
+    n = len(stage_of)
     out: List[GraphBlockPlan] = []
     for b in g.blocks:
         field = f"graphs.blocks[{b.name}]"
@@ -64,7 +68,7 @@ def plan_graph_blocks(cfg, stage_of: Sequence[int], num_stages: int) -> Tuple[Gr
                 )
             out.append(GraphBlockPlan(b.name, str(b.kind), tuple(range(num_stages)), (), shapes))
         elif b.kind == "head":
-            out.append(GraphBlockPlan(b.name, str(b.kind), (last,), (), shapes))
+            _refuse_uncaptured(field, b.kind, cfg.mode)
         else:
             span = list(b.layers) if b.layers is not None else []
             if len(span) != 2:
@@ -87,5 +91,14 @@ def plan_graph_blocks(cfg, stage_of: Sequence[int], num_stages: int) -> Tuple[Gr
                     f"captured on one device, so a block must sit inside one stage. Fix: split it where stage "
                     f"{stage_of[cut]} starts, into layers=[{first}, {cut - 1}] and layers=[{cut}, {lst}]."
                 )
-            out.append(GraphBlockPlan(b.name, str(b.kind), (stage_of[first],), tuple(range(first, lst + 1)), shapes))
+            _refuse_uncaptured(field, b.kind, cfg.mode)
     return tuple(out)
+
+
+def _refuse_uncaptured(field: str, kind: str, mode: str) -> None:
+    what = ("serving captures whole-stage decode / prefill graphs, which already contain the head and every layer"
+            if mode == "serve" else "training captures no CUDA graphs")
+    raise PlanError(
+        f"{field}: kind={kind} exists in the plan but is never captured ({what}), so it would be ignored. "
+        "Fix: drop the block; to serve with graphs use graphs=decode or graphs=decode_prefill with mode=serve."
+    )

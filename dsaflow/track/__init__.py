@@ -1,7 +1,7 @@
 """Experiment tracking kept out of core: `make_tracker` returns a Tracker (wandb) or a NullTracker."""
 from __future__ import annotations
 
-from .base import NullTracker, Tracker, flatten
+from .base import NullTracker, Tracker
 from .progress import Progress
 
 
@@ -16,4 +16,4 @@ def make_tracker(cfg, run_dir: str, is_logging_rank: bool, resume: bool = False)
     return WandbTracker(t, run_dir, run_name=str(run_dir).rstrip("/").split("/")[-1], resume=resume)
 
 
-__all__ = ["NullTracker", "Progress", "Tracker", "flatten", "make_tracker"]
+__all__ = ["NullTracker", "Progress", "Tracker", "make_tracker"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, Mapping
+from typing import Any, Mapping
 
 
 class Tracker(ABC):
@@ -31,14 +31,3 @@ class NullTracker(Tracker):
     def finish(self) -> None:
         pass
 
-
-def flatten(d: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a.b': 1}; keeps lists as they are."""
-    out: Dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .determinism import deterministic, is_deterministic, set_deterministic
 from .naive import sparse_mla_naive
 
 
@@ -14,7 +15,9 @@ def sparse_mla(
     q [B, T, H, D_qk], kv [B, S, D_qk] (latent + rope; the first d_v columns are the value), indices [B, T, K] int32
     (-1 or >= S = no key), sm_scale float -> out [B, T, H, d_v] in q.dtype, lse [B, T, H] fp32 (natural log;
     -inf and out = 0 for a query with no valid key). Differentiable in q and kv. Batched: pad sequences to a common
-    length and mark missing keys with -1. Small T (decode) and large T (prefill) share this entry point.
+    length and mark missing keys with -1. Small T (decode) and large T (prefill) share this entry point; B * T up to
+    2^20 queries and more in one call. On CUDA, shapes the kernels refuse raise ValueError (see
+    `triton_dispatch.kernel_supports`); `set_deterministic(True)` makes the backward bit-reproducible.
     """
     if q.is_cuda:
         from .triton_dispatch import sparse_mla_triton
@@ -23,4 +26,4 @@ def sparse_mla(
     return sparse_mla_naive(q, kv, indices, sm_scale, d_v)
 
 
-__all__ = ["sparse_mla", "sparse_mla_naive"]
+__all__ = ["deterministic", "is_deterministic", "set_deterministic", "sparse_mla", "sparse_mla_naive"]

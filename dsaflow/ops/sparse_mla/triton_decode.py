@@ -26,22 +26,28 @@ def _combine_kernel(
 ):
     """part_out [NS, n_rows, D_V] fp32, part_lse [NS, n_rows] fp32 -> out [n_rows, D_V], lse [n_rows] fp32.
 
-    A row is one (b, t, h). All partial tensors are contiguous over (b, t, h, d)."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    A row is one (b, t, h). All partial tensors are contiguous over (b, t, h, d). Offsets are int64: n_rows * D_V
+    and num_splits * s_po_split exceed 2^31 at 2^20 queries x 128 heads."""
+    offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < n_rows
     offs_d = tl.arange(0, BLOCK_DV)
     ok = r_ok[:, None] & (offs_d < D_V)[None, :]
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    pl = part_lse_ptr + offs_r  # advanced by whole splits: 64-bit pointer steps, no int32 products
     for s in range(num_splits):
-        m = tl.maximum(m, tl.load(part_lse_ptr + s * s_pl_split + offs_r, mask=r_ok, other=float("-inf")))
+        m = tl.maximum(m, tl.load(pl, mask=r_ok, other=float("-inf")))
+        pl += s_pl_split
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     denom = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    pl = part_lse_ptr + offs_r
+    po = part_out_ptr + offs_r[:, None] * D_V + offs_d[None, :]
     for s in range(num_splits):
-        w = tl.exp(tl.load(part_lse_ptr + s * s_pl_split + offs_r, mask=r_ok, other=float("-inf")) - m_safe)
-        part = tl.load(part_out_ptr + s * s_po_split + offs_r[:, None] * D_V + offs_d[None, :], mask=ok, other=0.0)
-        acc += w[:, None] * part
+        w = tl.exp(tl.load(pl, mask=r_ok, other=float("-inf")) - m_safe)
+        acc += w[:, None] * tl.load(po, mask=ok, other=0.0)
         denom += w
+        pl += s_pl_split
+        po += s_po_split
     d_safe = tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + offs_r[:, None] * D_V + offs_d[None, :], (acc / d_safe[:, None]).to(out_ptr.dtype.element_ty),
              mask=ok)
@@ -67,6 +73,16 @@ def choose_num_splits(q: torch.Tensor, K: int, block_h: int, block_k: int) -> in
     return max(1, min(want, triton.cdiv(K, block_k), 64))
 
 
+def decode_overrides(q: torch.Tensor, d_v: int) -> dict:
+    """Decode-specific launch options on top of `fwd_config` (shape-only). Small-H shards (H <= 32: one 16-head
+    block per program, memory-bound) in bf16/fp16 with a wide value (d_v >= 256) run on 8 warps instead of 4:
+    H200, 128 seqs x 1 token x 16 heads, 32K cache, topk 2048, 2 splits: 0.1045 vs 0.1073 ms (same process;
+    docs/kernels.md, round 3). Other shapes keep the prefill kernel's options."""
+    if q.shape[2] <= 32 and q.element_size() == 2 and d_v >= 256:
+        return {"num_warps": 8}
+    return {}
+
+
 def sparse_mla_decode_triton(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
     num_splits: int | None = None, overrides: dict | None = None,
@@ -75,6 +91,7 @@ def sparse_mla_decode_triton(
     -> out [B, T, H, d_v] q.dtype, lse [B, T, H] fp32. Same contract as `sparse_mla`."""
     B, T, H, D_qk = q.shape
     K = indices.shape[2]
+    overrides = {**decode_overrides(q, d_v), **(overrides or {})}
     cfg = fwd_config(q, d_v, D_qk - d_v, K, overrides)
     ns = num_splits or choose_num_splits(q, K, cfg["BLOCK_H"], cfg["BLOCK_K"])
     out = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype)

@@ -7,7 +7,12 @@ Online softmax in base 2. Invalid indices (-1 or >= S) are masked branchlessly: 
 scores are -inf. A query with no valid key writes out = 0 and lse = -inf.
 
 The key range can be split across programs (flash-decoding): each split writes its normalised partial output and
-lse in fp32, and `triton_decode.combine_splits` merges them. With one split the kernel writes out/lse directly.
+lse in fp32, and `triton_decode` merges them. With one split the kernel writes out/lse directly.
+
+The grid is one-dimensional (CUDA limits grid axes 1 and 2 to 65,535, and B*T reaches 2^20 queries in long-context
+prefill): program id -> (head block, query, split) with the head block fastest, so the head blocks of one query run
+back to back and share its gathered rows in L2. Program ids and every offset derived from them are int64.
+fp32 inputs use IEEE fp32 dots (Triton's default for fp32 would be TF32); bf16/fp16 inputs use the tensor cores.
 """
 from __future__ import annotations
 
@@ -22,18 +27,19 @@ LN2 = 0.6931471805599453
 @triton.jit
 def _sparse_mla_fwd_kernel(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
-    T, S, K, H, D_V, D_T, k_per_split, scale_log2,
+    T, S, K, H, D_V, D_T, k_per_split, scale_log2, n_q, n_hb,
     s_qb, s_qt, s_qh,
     s_kvb, s_kvs,
     s_ib, s_it,
     s_osplit, s_ob, s_ot, s_oh,
     s_lsplit, s_lb, s_lt,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
+    HAS_TAIL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    pid_h = tl.program_id(0)  # fastest-varying: head blocks of one query run together and share rows in L2
-    pid_q = tl.program_id(1).to(tl.int64)
-    pid_s = tl.program_id(2)
+    pid = tl.program_id(0).to(tl.int64)
+    pid_h = (pid % n_hb).to(tl.int32)  # fastest: head blocks of one query run together and share rows in L2
+    pid_q = (pid // n_hb) % n_q
+    pid_s = (pid // (n_hb * n_q)).to(tl.int32)
     b = pid_q // T
     t = pid_q % T
 
@@ -61,25 +67,30 @@ def _sparse_mla_fwd_kernel(
         valid = (idx >= 0) & (idx < S)
         rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * s_kvs
         k_nope = tl.load(rows + offs_dv[None, :], mask=valid[:, None] & dv_ok[None, :], other=0.0)  # [BK, DV]
-        s = tl.dot(q_nope, tl.trans(k_nope))
+        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
         if HAS_TAIL:
             k_tail = tl.load(rows + D_V + offs_dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0)
-            s = tl.dot(q_tail, tl.trans(k_tail), s)
+            s = tl.dot(q_tail, tl.trans(k_tail), s, input_precision=DOT_PREC)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked so far: keep exp2 finite
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None])
+        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    o_ptrs = out_ptr + pid_s * s_osplit + b * s_ob + t * s_ot + offs_h[:, None] * s_oh + offs_dv[None, :]
+    o_ptrs = out_ptr + pid_s.to(tl.int64) * s_osplit + b * s_ob + t * s_ot + offs_h[:, None] * s_oh + offs_dv[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & dv_ok[None, :])
-    tl.store(lse_ptr + pid_s * s_lsplit + b * s_lb + t * s_lt + offs_h, lse, mask=h_ok)
+    tl.store(lse_ptr + pid_s.to(tl.int64) * s_lsplit + b * s_lb + t * s_lt + offs_h, lse, mask=h_ok)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision: IEEE for fp32 inputs (fp32 means fp32, not TF32), the tensor-core default else."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def fwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict | None = None) -> dict:
@@ -122,16 +133,18 @@ def launch_sparse_mla_fwd(
         s_o, s_l = (0,) + tuple(out.stride()[:3]), (0,) + tuple(lse.stride()[:2])
     else:
         s_o, s_l = tuple(out.stride()[:4]), tuple(lse.stride()[:3])
-    grid = (triton.cdiv(H, cfg["BLOCK_H"]), B * T, num_splits)
+    n_hb = triton.cdiv(H, cfg["BLOCK_H"])
+    grid = (n_hb * B * T * num_splits,)  # 1-D: axis 0 takes 2^31 - 1 programs
     return _sparse_mla_fwd_kernel[grid](
         q, kv, indices, out, lse,
-        T, S, K, H, d_v, d_tail, k_per_split, sm_scale * LOG2E,
+        T, S, K, H, d_v, d_tail, k_per_split, sm_scale * LOG2E, B * T, n_hb,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
         indices.stride(0), indices.stride(1),
         *s_o, *s_l,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_K=bk, BLOCK_DV=cfg["BLOCK_DV"], BLOCK_DT=cfg["BLOCK_DT"],
-        HAS_TAIL=d_tail > 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_TAIL=d_tail > 0, DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
 
 

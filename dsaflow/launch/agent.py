@@ -1,7 +1,7 @@
-"""`python -m dsaflow.runtime.agent [torchrun args]`: torchrun, run in-process under dsaflow's process rules.
+"""`python -m dsaflow.launch.agent [torchrun args]`: torchrun, run in-process under dsaflow's process rules.
 
 The same arguments as `python -m torch.distributed.run`. Differences: the agent dies with the `dsaflow` parent
-(dsaflow.runtime.lifecycle), its logging stays quiet, and a worker failure ends it with the worker's exit status and
+(dsaflow.launch.lifecycle), its logging stays quiet, and a worker failure ends it with the worker's exit status and
 one line instead of torchrun's traceback: status 2 means a worker found a user error and wrote it to
 `<run_dir>/error-rank<r>.txt` (the parent prints it).
 """

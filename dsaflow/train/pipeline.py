@@ -1,10 +1,13 @@
 """Pipeline plumbing: plan stages -> torch.distributed.pipelining stages -> the configured schedule.
 
 TrainStage wraps a StageModule for the schedule. The indexer KL loss is stage-local (S layers never cross a stage,
-and the indexer's inputs and targets are detached), so its graph touches only this stage's indexer weights and
-is disjoint from the pipeline's: TrainStage backpropagates it right where it is computed, once per microbatch
-forward, and the schedule carries only the LM loss. Both gradients then sit in the same `.grad` buffers, and the
-schedule's end-of-step `scale_grads(n_microbatches)` turns both sums into microbatch means, under every schedule.
+and the indexer's inputs and targets are detached), so its graph touches only this stage's indexer weights. It
+reaches autograd through `attach_aux_loss`: an identity on the stage output whose backward also seeds the indexer
+loss with `train.indexer_loss_weight`. The schedule therefore carries only the LM loss, nothing calls `.backward()`
+inside a forward, and the indexer gradient is produced by the stage's own backward under every schedule (also the
+zero-bubble ones, whose split input/weight backward finds the indexer weights through the attach node, which lies
+on the path from the stage input to its output). Both gradients sit in the same `.grad` buffers, and the schedule's
+end-of-step `scale_grads(n_microbatches)` turns both sums into microbatch means.
 
 TimedPipelineStage records the compute time of every forward / backward / weight-backward chunk (CUDA events on a
 GPU, so pipeline waits are excluded), which gives per-stage busy time and the measured pipeline efficiency.
@@ -23,15 +26,40 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from dsaflow.data import IGNORE
 
 
+class _AttachAuxLoss(torch.autograd.Function):
+    """out -> out (same storage); backward: grad_out passes through unchanged and the auxiliary scalar gets `weight`."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        ctx.aux_meta = (aux.dtype, aux.device)
+        # An alias of `out`'s storage that is not an autograd view: the pipelining runtime detaches stage outputs
+        # in place (`detach_()`), which views refuse, and a copy would cost a pass over the (possibly large) output.
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        dtype, device = ctx.aux_meta
+        return grad_out, torch.full((), ctx.weight, dtype=dtype, device=device), None
+
+
+def attach_aux_loss(out: torch.Tensor, aux: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+    """Return `out` unchanged in value; backpropagating through the result also backpropagates `weight * aux`.
+
+    out: any tensor on the main path (the stage output); aux: a differentiable scalar whose graph is disjoint from
+    `out`'s (the stage's indexer loss)."""
+    return _AttachAuxLoss.apply(out, aux, float(weight))
+
+
 class TrainStage(nn.Module):
-    """x -> stage(x, attn=self.attn); backpropagates `indexer_loss * weight` immediately when grad is on.
+    """x -> stage(x, attn=self.attn), with the stage's indexer loss attached to the output (`attach_aux_loss`).
 
     `attn` ("sparse" | "dense") is an attribute, not a forward argument, because the schedule only forwards
     activations. `indexer_losses` collects the detached per-microbatch values for logging.
 
     `live` is set by TimedPipelineStage only around a real microbatch forward. torch's pipelining also calls the
     module to infer shapes (2.13: under enable_grad, on uninitialised tensors for non-first stages); such calls
-    must neither compute nor backpropagate an indexer loss, or garbage gradients leak into the indexers."""
+    must not compute an indexer loss, or garbage gradients could reach the indexers."""
 
     def __init__(self, stage: nn.Module, indexer_loss_weight: float = 1.0):
         super().__init__()
@@ -47,8 +75,8 @@ class TrainStage(nn.Module):
         loss = self.stage.indexer_loss
         self.stage.indexer_loss = None
         if learn and loss is not None and loss.requires_grad:
-            (loss * self.weight).backward()
             self.indexer_losses.append(loss.detach())
+            out = attach_aux_loss(out, loss, self.weight)
         return out
 
 

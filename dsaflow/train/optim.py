@@ -1,4 +1,5 @@
-"""Optimisers, the learning-rate schedule and global gradient clipping for one pipeline rank.
+"""Optimisers, the learning-rate schedule (torch's LambdaLR over `lr_factor`) and global gradient clipping for one
+pipeline rank.
 
 Two AdamW optimisers per rank: `main` (every non-indexer parameter; lr = train.lr) and `indexer` (the F layers'
 indexer weights; lr = train.indexer_lr, no weight decay). dense_warmup steps only the indexer one (the main model is
@@ -7,7 +8,9 @@ all-reduce of two numbers), so PP=N clips exactly like PP=1.
 """
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
@@ -59,16 +62,31 @@ def build_optimizers(stage_modules: Sequence[nn.Module], train_cfg) -> RankOptim
     dummy = [nn.Parameter(torch.zeros(1))]  # AdamW refuses an empty parameter list (a stage may have no indexer)
     main = torch.optim.AdamW(groups or [{"params": dummy}], lr=train_cfg.lr, betas=betas)
     indexer = torch.optim.AdamW(idx or dummy, lr=train_cfg.indexer_lr, betas=betas, weight_decay=0.0)
-    for opt, base in ((main, train_cfg.lr), (indexer, train_cfg.indexer_lr)):
-        for g in opt.param_groups:
-            g["base_lr"] = base
     return RankOptim(main, indexer, main_decay + main_no_decay, idx, names)
 
 
-def set_lr(opt: RankOptim, factor: float) -> None:
-    for o in (opt.main, opt.indexer):
+def build_schedulers(opt: RankOptim, train_cfg, start_step: int = 0) -> List[torch.optim.lr_scheduler.LambdaLR]:
+    """One LambdaLR per optimiser, lr = its configured lr * lr_factor(step), positioned so that the next update is
+    step `start_step` (0, or the completed steps of a resumed run: the schedule is a function of the step alone)."""
+    factor = functools.partial(lr_factor, steps=train_cfg.steps, warmup=train_cfg.warmup_steps,
+                               min_ratio=train_cfg.min_lr_ratio)
+    scheds = []
+    for o, base in ((opt.main, train_cfg.lr), (opt.indexer, train_cfg.indexer_lr)):
         for g in o.param_groups:
-            g["lr"] = g["base_lr"] * factor
+            g["initial_lr"] = base  # LambdaLR scales this; needed up front when it starts past step 0
+        with warnings.catch_warnings():  # positioning at start_step is not a skipped optimizer step
+            warnings.simplefilter("ignore", UserWarning)
+            scheds.append(torch.optim.lr_scheduler.LambdaLR(o, factor, last_epoch=start_step - 1))
+    return scheds
+
+
+def advance(scheds: Sequence[torch.optim.lr_scheduler.LambdaLR]) -> None:
+    """After a step's updates: the next step's lr. The schedule advances even when an update was skipped (dense
+    warm-up steps only the indexer optimiser; a non-finite gradient skips one), so it stays a function of the step."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()" in those cases
+        for s in scheds:
+            s.step()
 
 
 def _sq_norm(params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Throughput and MFU estimates, and the run's own records (metrics.jsonl + train.log) on the logging rank.
 
-MFU = achieved model FLOP/s / peak FLOP/s of the ranks, with the usual 6 * N FLOPs per trained token (N = parameters
-outside the embedding table, which is a lookup; attention-score FLOPs are left out, as in the 6N rule). Peak per rank:
+MFU = achieved model FLOP/s / peak FLOP/s of the ranks. Model FLOPs per trained token (`model_flops_per_token`) are
+6 * N (N = parameters outside the embedding table, which is a lookup) plus the sparse attention of every layer and
+the indexer scores and indexer loss of every F layer (dsaflow.plan.estimates.train_flops_per_token): for DSA these
+are a large part of the work, so leaving them out would understate MFU at long context. Peak per rank:
 `train.peak_tflops` if set, else dense bf16 tensor-core peaks for known GPUs (H100/H200 SXM: 989 TFLOP/s,
 A100: 312), else a nominal 0.1 TFLOP/s for a CPU process (a laptop-class figure; CPU MFU is indicative only).
 """
@@ -13,7 +15,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from .rundir import LOG, METRICS
+from dsaflow.run.rundir import LOG, METRICS
 
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 CPU_NOMINAL_TFLOPS = 0.1
@@ -31,8 +33,15 @@ def peak_tflops_per_rank(train_cfg, device: torch.device) -> Optional[float]:
     return CPU_NOMINAL_TFLOPS
 
 
-def flops_per_token(model_params: int, embedding_params: int) -> float:
-    return 6.0 * (model_params - embedding_params)
+def model_flops_per_token(model_cfg, plan, seq_len: int, model_params: int, embedding_params: int) -> float:
+    """Training FLOPs per token of the whole model (every stage), from the plan's roles and sources."""
+    from dsaflow.plan.estimates import train_flops_per_token
+
+    served = {}
+    for layer in plan.layers:
+        served[layer.source] = served.get(layer.source, 0) + 1
+    roles = [(l.role, served.get(l.index, 1)) for l in plan.layers]
+    return train_flops_per_token(model_cfg, roles, seq_len, model_params - embedding_params)
 
 
 class RunRecords:

@@ -1,7 +1,7 @@
 """What a worker process knows about itself: config, plan, rank, device, process group, run dir.
 
 Built from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). Training and serving
-(`dsaflow.runtime.serve.run_serve(ctx)`) both receive this object.
+(`dsaflow.serve.generate.run_serve(ctx)`) both receive this object.
 """
 from __future__ import annotations
 

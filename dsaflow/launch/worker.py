@@ -5,8 +5,8 @@ import torch.distributed as dist
 
 from dsaflow.errors import PlanError
 
-from .context import init_distributed
-from .rundir import read_run_dir
+from dsaflow.run.context import init_distributed
+from dsaflow.run.rundir import read_run_dir
 
 JOBS = ("train", "generate")
 
@@ -18,11 +18,11 @@ def run_worker(run_dir: str, job: str = "train") -> None:
     ctx = init_distributed(cfg, plan, run_dir)
     try:
         if job == "train":
-            from .train import run_train
+            from dsaflow.train.loop import run_train
 
             run_train(ctx)
         else:
-            from .serve import run_serve
+            from dsaflow.serve.generate import run_serve
 
             run_serve(ctx)
         # Tear down together: a rank that destroys its gloo group while a peer still finishes its last collective

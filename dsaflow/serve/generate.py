@@ -20,8 +20,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from dsaflow.data.tokenizer import ByteTokenizer
-from dsaflow.model import StageModule
 from dsaflow.plan.plan import Plan
+from dsaflow.run.stages import stage_module
 
 from .engine import PipelineEngine, ServeError, check_graph_blocks, check_prompts
 
@@ -76,7 +76,7 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Tuple[Lis
     if s.checkpoint:
         if not os.path.exists(s.checkpoint):
             raise ServeError(f"serve.checkpoint={s.checkpoint} does not exist. Fix: a run dir or a checkpoint folder.")
-        from .serve_checkpoint import check_same_model, resolve_checkpoint
+        from .weights import check_same_model, resolve_checkpoint
 
         check_same_model(cfg.model, resolve_checkpoint(s.checkpoint))
     check_graph_blocks(plan, s)
@@ -96,9 +96,9 @@ def build_stage_modules(cfg, plan: Plan, rank: Optional[int], device, dtype) -> 
     """{stage index: StageModule} for the stages of `rank` (every stage when rank is None), weights from
     serve.checkpoint or seeded random init (train.seed, the same init as training)."""
     owned = plan.stages if rank is None else plan.stages_of_rank(rank)
-    stages = {sp.index: StageModule(cfg.model, plan, sp.index, seed=cfg.train.seed) for sp in owned}
+    stages = {sp.index: stage_module(cfg.model, plan, sp.index, seed=cfg.train.seed) for sp in owned}
     if cfg.serve.checkpoint:
-        from .serve_checkpoint import load_model_weights
+        from .weights import load_model_weights
 
         load_model_weights(stages, cfg.serve.checkpoint, cfg.model)
     return {s: m.to(device=device, dtype=dtype).eval() for s, m in stages.items()}

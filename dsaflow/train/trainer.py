@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from typing import Dict, List
 
@@ -16,11 +17,21 @@ import torch.distributed as dist
 
 from dsaflow.data import BatchSource
 from dsaflow.model import StageModule
+from dsaflow.run.context import RunContext
+from dsaflow.run.stages import stage_module
 
-from .context import RunContext
-from .metrics import flops_per_token, peak_tflops_per_rank
-from .optim import build_optimizers, clip_global, lr_factor, set_lr
+from .metrics import model_flops_per_token, peak_tflops_per_rank
+from .optim import advance, build_optimizers, build_schedulers, clip_global
 from .pipeline import LMLoss, TrainStage, build_pipeline_stages, build_schedule
+
+
+def enable_determinism() -> None:
+    """train.deterministic: fixed reduction orders for this process. cuBLAS needs its workspace config before its
+    first handle is created (no matmul has run yet when the Trainer is built); torch's mode also switches the
+    sparse-attention backward (dsaflow.ops.sparse_mla.determinism) and the indexer loss to their fixed-order
+    paths. warn_only: an op without a deterministic implementation warns (naming itself) instead of stopping."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 class Trainer:
@@ -28,8 +39,11 @@ class Trainer:
         self.ctx, cfg, plan = ctx, ctx.cfg, ctx.plan
         self.t = t = cfg.train
         torch.manual_seed(t.seed)
+        if t.deterministic:
+            enable_determinism()
         self.local = ctx.stages
-        self.modules: List[StageModule] = [StageModule(cfg.model, plan, s.index, seed=t.seed).to(ctx.device) for s in self.local]
+        self.modules: List[StageModule] = [stage_module(cfg.model, plan, s.index, t.seed).to(ctx.device)
+                                           for s in self.local]
         self.wrappers = [TrainStage(m, t.indexer_loss_weight) for m in self.modules]
         self.pstages = build_pipeline_stages(
             self.wrappers, [s.index for s in self.local], plan.num_stages, ctx.device, ctx.group
@@ -38,6 +52,7 @@ class Trainer:
         self.loss_fn = LMLoss(cfg.data.num_queries if self.data.has_answers else 0)
         self.schedule = build_schedule(plan.pipeline.schedule, self.pstages, plan.pipeline.microbatches, self.loss_fn)
         self.opt = build_optimizers(self.modules, t)
+        self.scheds = build_schedulers(self.opt, t)
         self.has_first = any(plan.is_first(s.index) for s in self.local)
         self.has_last = any(plan.is_last(s.index) for s in self.local)
         use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and ctx.is_cuda)
@@ -57,6 +72,12 @@ class Trainer:
         self.params, self.embedding_params = int(n[0]), int(n[1])
         peak = peak_tflops_per_rank(self.t, self.ctx.device)
         self.peak_flops = None if peak is None else peak * 1e12 * self.ctx.plan.pipeline.ranks
+        self.flops_per_token = model_flops_per_token(
+            self.ctx.cfg.model, self.ctx.plan, self.t.seq_len, self.params, self.embedding_params)
+
+    def start_at(self, step: int) -> None:
+        """Resume: the next update is step `step` (call after the checkpoint restored the optimiser state)."""
+        self.scheds = build_schedulers(self.opt, self.t, step)
 
     def dense_phase(self, step: int) -> bool:
         """dense_warmup: dense attention, only the indexers learn (main model frozen)."""
@@ -84,8 +105,7 @@ class Trainer:
         losses: list = []
         self._run_schedule(x, y, losses)
         grad_norm, idx_norm = clip_global(self.opt, self.t.grad_clip, self.ctx.device, self.ctx.group)
-        lr_f = lr_factor(step, self.t.steps, self.t.warmup_steps, self.t.min_lr_ratio)
-        set_lr(self.opt, lr_f)
+        lr = self.opt.main.param_groups[0]["lr"]  # this step's lr (the schedulers advance after the updates)
         # A non-finite global norm (the same on every rank) skips that optimiser's update everywhere: one bad
         # batch must not turn the weights into NaN. The skip is logged (`skipped_main`, `skipped_indexer`).
         skip_main, skip_idx = not math.isfinite(grad_norm), not math.isfinite(idx_norm)
@@ -93,6 +113,7 @@ class Trainer:
             self.opt.main.step()
         if not skip_idx:
             self.opt.indexer.step()
+        advance(self.scheds)
 
         S, R = self.ctx.plan.num_stages, self.ctx.plan.pipeline.ranks
         vec = torch.zeros(2 * S + R, dtype=torch.float64, device=self.ctx.device)
@@ -108,10 +129,10 @@ class Trainer:
         wall = time.perf_counter() - t0
         busy = vec[:S].tolist()
         m: Dict[str, float] = {
-            "lr": self.t.lr * lr_f, "grad_norm": grad_norm, "indexer_grad_norm": idx_norm, "dense": float(dense),
+            "lr": lr, "grad_norm": grad_norm, "indexer_grad_norm": idx_norm, "dense": float(dense),
             "skipped_main": float(skip_main), "skipped_indexer": float(skip_idx),
             "step_time_s": wall, "tokens_per_s": self.tokens_per_step / wall,
-            "indexer_loss": float(vec[S:].sum()),
+            "indexer_loss": float(vec[S : 2 * S].sum()),  # vec = [busy | indexer loss | memory]
             "pipeline_efficiency": sum(busy) / (self.ctx.plan.pipeline.ranks * wall),
         }
         for s in range(S):
@@ -121,7 +142,7 @@ class Trainer:
             for r in range(R):
                 m[f"rank{r}_peak_mem_gib"] = float(vec[2 * S + r])
         if self.peak_flops:
-            m["mfu"] = flops_per_token(self.params, self.embedding_params) * m["tokens_per_s"] / self.peak_flops
+            m["mfu"] = self.flops_per_token * m["tokens_per_s"] / self.peak_flops
         if self.has_last:
             m["loss"] = float(torch.stack([l.detach().float() for l in losses]).mean())
             if self.data.has_answers:

@@ -27,9 +27,10 @@ from torch import nn
 
 from dsaflow.errors import CheckpointError
 
-from .ckpt_store import partial_dir, prune, safe_reader, verify_checkpoint, write_manifest
+from dsaflow.run.ckpt_store import partial_dir, prune, safe_reader, verify_checkpoint, write_manifest
+from dsaflow.run.safetensors_io import save_file
+
 from .optim import RankOptim
-from .safetensors_io import save_file
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 

@@ -22,8 +22,6 @@ class StageLink:
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self._buffers: Dict[Tuple[Tuple[int, ...], torch.dtype, int], torch.Tensor] = {}
-        self.bytes_sent = 0
-        self.bytes_received = 0
 
     def warm_up(self) -> None:
         """One small all_reduce so every rank has joined the communicator before the first P2P batch."""
@@ -37,7 +35,6 @@ class StageLink:
         tensor = tensor.contiguous()
         for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, dst)]):
             req.wait()
-        self.bytes_sent += tensor.numel() * tensor.element_size()
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
         """Receive a tensor of `shape`/`dtype` from rank `src` into a reused buffer (valid until the next recv of the
@@ -48,7 +45,6 @@ class StageLink:
             buf = self._buffers[key] = torch.empty(key[0], dtype=dtype, device=self.device)
         for req in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, src)]):
             req.wait()
-        self.bytes_received += buf.numel() * buf.element_size()
         return buf
 
     def all_ranks_max(self, flag: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,9 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from dsaflow.model.cache import StageCache
 from dsaflow.errors import ServeError  # noqa: F401 - re-exported
 from dsaflow.plan.plan import Plan
+from dsaflow.run.stages import stage_cache
 
 from .graphs import GraphManager, StaticInput
 from .report import CaptureReport
@@ -56,14 +56,10 @@ def check_prompts(prompts: List[List[int]], serve, vocab_size: int) -> None:
 
 
 def check_graph_blocks(plan: Plan, serve_cfg) -> None:
-    """The plan's graph blocks must be servable: decode / prefill only, one of each; decode classes <=
-    serve.max_batch (cache rows); the largest prefill class == serve.prefill_chunk (the index cache holds one chunk)."""
+    """The plan's graph blocks must fit the serve config: one decode and one prefill block at most; decode classes <=
+    serve.max_batch (cache rows); the largest prefill class == serve.prefill_chunk (the index cache holds one chunk).
+    The planner already refused every kind serving does not capture (dsaflow.plan.graph_blocks)."""
     for b in plan.graph_blocks:
-        if b.kind not in SERVED_KINDS:
-            raise ServeError(
-                f"graphs.blocks[{b.name}] has kind={b.kind}: serving captures whole-stage decode / prefill graphs only. "
-                f"Fix: drop that block for `dsaflow generate` (e.g. graphs=decode or graphs=decode_prefill)."
-            )
         if b.kind == "decode" and max(b.shape_classes) > serve_cfg.max_batch:
             raise ServeError(
                 f"graphs.blocks[{b.name}].shape_classes={list(b.shape_classes)} go beyond serve.max_batch="
@@ -114,7 +110,7 @@ class PipelineEngine:
         decode = [max(b.shape_classes) for blocks in self.blocks.values() for b in blocks if b.kind == "decode"]
         self.batch_cap = min([serve_cfg.max_batch] + decode)
         self.caches = {
-            s: StageCache.allocate(
+            s: stage_cache(
                 model_cfg, plan, s, serve_cfg.max_batch, serve_cfg.max_context, serve_cfg.prefill_chunk,
                 self.device, dtype,
             )

@@ -5,7 +5,7 @@
               plan.txt        the plan table, as printed
               metrics.jsonl   one JSON object per logged step (logging rank)
               train.log       plain-text log of the logging rank
-              checkpoints/step-000100/   see dsaflow.runtime.ckpt_store (manifest, weights-only safetensors)
+              checkpoints/step-000100/   see dsaflow.run.ckpt_store (manifest, weights-only safetensors)
               wandb/          the tracker's files (offline runs: `wandb sync <run_dir>/wandb/offline-run-*`)
               tmp/            temporary files of torchrun and the workers (removed when the launch ends)
 

@@ -5,9 +5,9 @@ it; this module never imports Hydra. Everything that can be checked before a pro
 (`check_launch`: devices, data, serving, the run dir and any resume, wandb login, memory) and raises `PlanError`, so
 a bad launch stops with a one-paragraph message and leaves nothing on disk.
 
-The command it runs (torchrun in-process, under dsaflow's process rules: dsaflow.runtime.agent):
+The command it runs (torchrun in-process, under dsaflow's process rules: dsaflow.launch.agent):
 
-    python -m dsaflow.runtime.agent --standalone --nproc-per-node N -m dsaflow.worker RUN_DIR --job train
+    python -m dsaflow.launch.agent --standalone --nproc-per-node N -m dsaflow.worker RUN_DIR --job train
 
 (`python -m torch.distributed.run` with the same arguments works by hand on an existing run dir.)
 One process tree: the agent runs in its own session, so a Ctrl-C at the terminal reaches only the parent, which
@@ -28,8 +28,8 @@ from typing import Dict, List, Optional
 from dsaflow.errors import EXIT_USER_ERROR, PlanError
 from dsaflow.plan.plan import Plan
 
-from .context import resolve_device_type
-from .rundir import TMP, check_run_dir, write_run_dir
+from dsaflow.run.context import resolve_device_type
+from dsaflow.run.rundir import TMP, check_run_dir, write_run_dir
 
 # Kept on the GPU machines (NVLink multicast off); a user's own values win.
 GPU_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -71,13 +71,13 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
             raise PlanError(
                 f"the plan has {ranks} pipeline ranks but this node has {n_gpu} GPUs (one process per GPU). Fix: "
                 f"use pipeline.ranks<={n_gpu} (e.g. pipeline.stages={n_gpu}), or prepare the run dir with "
-                "`python -m dsaflow.runtime.launch prepare ...` and start it on several nodes with launch/multi_node.sh."
+                "`python -m dsaflow.launch.launch prepare ...` and start it on several nodes with launch/multi_node.sh."
             )
     from .resources import check_resources
 
     check_resources(cfg, plan, device, job, local)  # before anything allocates (a huge batch would hang here)
-    if job == "generate":  # serve config, prompts and graph blocks (dsaflow.runtime.serve; raises ServeError)
-        from .serve import check_serve
+    if job == "generate":  # serve config, prompts and graph blocks (dsaflow.serve.generate; raises ServeError)
+        from dsaflow.serve.generate import check_serve
 
         check_serve(cfg, plan, device)
     else:
@@ -96,14 +96,14 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
         data.batch(0)
         data.check_vocab()
         check_track(cfg)
-    from .ckpt_store import report_stderr
+    from dsaflow.run.ckpt_store import report_stderr
 
     check_run_dir(cfg, plan, job, report_stderr)
 
 
 def torchrun_command(run_dir: str | Path, nproc: int, job: str = "train") -> List[str]:
     return [
-        sys.executable, "-m", "dsaflow.runtime.agent", "--standalone", f"--nproc-per-node={nproc}",
+        sys.executable, "-m", "dsaflow.launch.agent", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "dsaflow.worker", str(run_dir), "--job", job,
     ]
 
@@ -196,10 +196,10 @@ def prepare(cfg, plan: Plan, job: str = "train") -> Path:
 
 
 def main(argv=None) -> int:
-    """`python -m dsaflow.runtime.launch prepare [overrides]`: compose + plan + write the run dir, print its path."""
+    """`python -m dsaflow.launch.launch prepare [overrides]`: compose + plan + write the run dir, print its path."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] != "prepare":
-        print("usage: python -m dsaflow.runtime.launch prepare [hydra overrides]", file=sys.stderr)
+        print("usage: python -m dsaflow.launch.launch prepare [hydra overrides]", file=sys.stderr)
         return 2
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan

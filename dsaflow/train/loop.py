@@ -4,13 +4,12 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from dsaflow.run.context import RunContext
+from dsaflow.errors import CheckpointError
+from dsaflow.run.ckpt_store import checkpoint_dir, newest_good_checkpoint
 from dsaflow.track import Progress, make_tracker
 
-from dsaflow.errors import CheckpointError
-
 from .checkpoint import load_checkpoint, save_checkpoint
-from .ckpt_store import checkpoint_dir, newest_good_checkpoint
-from .context import RunContext
 from .metrics import RunRecords
 from .trainer import Trainer
 
@@ -34,12 +33,13 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
     records = RunRecords(ctx.run_dir, ctx.is_logging_rank)
     start = 0
     if t.resume:
-        # the parent checked the run (dsaflow.runtime.rundir.check_resume); every rank picks the same checkpoint
+        # the parent checked the run (dsaflow.run.rundir.check_resume); every rank picks the same checkpoint
         latest = newest_good_checkpoint(ctx.run_dir, records.log if ctx.is_logging_rank else None)
         if latest is None:
             raise CheckpointError(f"train.resume=true but {ctx.run_dir}/checkpoints holds no good checkpoint. Fix: "
                                   "start a new run_dir, or resume a run that saved one.")
         start = load_checkpoint(latest[1], tr.modules, tr.opt, ctx.rank, ctx.group)
+        tr.start_at(start)
         records.truncate_after(start)
         records.log(f"resumed from {latest[1]} at step {start}")
     tracker = make_tracker(ctx.cfg, str(ctx.run_dir), ctx.is_logging_rank, resume=t.resume)

@@ -1,7 +1,7 @@
 """Load model weights (only) for serving from a checkpoint written by `dsaflow train`, without unpickling anything.
 
 Every checkpoint folder holds, next to its DCP shards, one weights-only `model-rank<r>.safetensors` per training rank
-with global state-dict keys (`layers.5.attn.wkv_b.weight`; dsaflow.runtime.checkpoint). Serving reads those files
+with global state-dict keys (`layers.5.attn.wkv_b.weight`; dsaflow.train.checkpoint). Serving reads those files
 only: a model trained with PP=N can be served with any other stage split (each rank takes the keys of its own
 stages), and a crafted checkpoint can be wrong but can never run code. The folder's manifest (sizes, sha256) is
 checked first; a run dir falls back past bad checkpoints to the newest good one, naming each it skips.
@@ -20,9 +20,9 @@ import torch
 
 from dsaflow.errors import CheckpointError, ServeError
 
-from .ckpt_store import MANIFEST, newest_good_checkpoint, report_stderr, verify_checkpoint
-from .rundir import CONFIG
-from .safetensors_io import SafetensorsError, load_tensors, read_header, save_file
+from dsaflow.run.ckpt_store import MANIFEST, newest_good_checkpoint, report_stderr, verify_checkpoint
+from dsaflow.run.rundir import CONFIG
+from dsaflow.run.safetensors_io import SafetensorsError, load_tensors, read_header, save_file
 
 
 def resolve_checkpoint(path: str | Path, report=report_stderr) -> Path:
@@ -117,12 +117,12 @@ def export_weights(path: str | Path, out: str | Path) -> Path:
 
 
 def main(argv=None) -> int:
-    """`python -m dsaflow.runtime.serve_checkpoint export CKPT_OR_RUN_DIR OUT.safetensors`."""
+    """`python -m dsaflow.serve.weights export CKPT_OR_RUN_DIR OUT.safetensors`."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 3 or args[0] != "export":
-        print("usage: python -m dsaflow.runtime.serve_checkpoint export CKPT_OR_RUN_DIR OUT.safetensors", file=sys.stderr)
+        print("usage: python -m dsaflow.serve.weights export CKPT_OR_RUN_DIR OUT.safetensors", file=sys.stderr)
         return 2
     try:
         print(export_weights(args[1], args[2]))

@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""Where a training step's time goes, per layer x microbatch, for a model with DeepSeek-V3.2 attention on one GPU.
+
+    python scripts/bench_train_layer.py --seq 4096,16384 --layers 4 --out bench_out
+    python scripts/bench_train_layer.py --seq 131072 --layers 2 --impls fused --no-profile --out bench_out   # 128K
+
+Model: `model=dsv32` attention and indexer (dim 7168, 128 heads, q_lora 1536, kv_lora 512 + rope 64, indexer 64 x 128,
+topk 2048) with a 2048-wide MLP and a byte vocabulary, `--layers` layers in one stage (embedding, layers, head),
+`--index` roles (default every4 = FSSS...). One step = forward + backward of one sequence (one microbatch) under bf16
+autocast + both AdamW updates. For each sequence length and indexer-loss implementation (`fused`: the Triton kernels
+on CUDA; `naive`: the fp32 PyTorch reference, i.e. the path before the kernels existed):
+
+  step_ms, tokens_per_s        median wall time of a step (CUDA-synchronised) and seq / step time
+  no_loss_ms, indexer_loss_ms  the same step without the indexer loss, and the difference (the loss's cost)
+  model_tflop, rate, mfu       training FLOPs of the step (6N + sparse attention + indexer scores + indexer loss:
+                               dsaflow.plan.estimates.train_flops_per_token), FLOP/s, and its fraction of the bf16
+                               8192^3 matmul ceiling measured in the same process
+  per layer x microbatch (ms)  from a torch.profiler trace of one step, kernel time by kind: matmuls, indexer
+                               (logits + top-k), sparse attention forward / backward, indexer loss, everything else
+  peak_mem_gib, static_gib     peak device memory of the step, and weights + optimiser state alone
+
+Writes bench_train_layer.json and bench_train_layer.md into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+KINDS = ("matmul", "indexer", "attn_fwd", "attn_bwd", "indexer_loss", "other")
+# Kernel-name fragments (lower case) -> kind, first match wins. Triton kernels carry their Python names.
+PATTERNS = (
+    ("indexer_loss", ("indexer_kl", "attention_target", "attn_target", "_kl_")),
+    ("attn_bwd", ("sparse_mla_bwd",)),
+    ("attn_fwd", ("sparse_mla_fwd", "sparse_mla_hopper", "hopper_fwd")),
+    ("indexer", ("indexer_logits", "topk", "radix", "select", "sort")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, frags in PATTERNS:
+        if any(f in low for f in frags):
+            return kind
+    return "other"
+
+
+def matmul_ceiling_tflops() -> float:
+    import triton.testing
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return 2 * 8192**3 / ms / 1e9
+
+
+def build(layers: int, index: str, seq: int):
+    from dsaflow.config.compose import compose
+    from dsaflow.run.stages import stage_module
+    from dsaflow.plan import build_plan
+    from dsaflow.train.metrics import model_flops_per_token
+
+    cfg = compose(["model=dsv32", "model.vocab_size=256", "model.inter_dim=2048", f"model.num_layers={layers}",
+                   f"model.max_seq_len={max(seq, 4096)}", f"index={index}", f"train.seq_len={seq}"])
+    plan = build_plan(cfg)
+    stage = stage_module(cfg.model, plan, 0, seed=0).cuda().train()
+    n = sum(p.numel() for p in stage.parameters())
+    flops = model_flops_per_token(cfg.model, plan, seq, n, stage.embed.weight.numel()) * seq
+    idx = stage.indexer_parameters()
+    main = [p for p in stage.parameters() if all(p is not q for q in idx)]
+    opts = [torch.optim.AdamW(main, lr=1e-5), torch.optim.AdamW(idx, lr=1e-5)]
+    return cfg, plan, stage, opts, flops
+
+
+def make_step(stage, opts, x, with_loss: bool):
+    from dsaflow.train.pipeline import attach_aux_loss
+
+    def step():
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = stage(x, compute_indexer_loss=with_loss)
+        if with_loss and stage.indexer_loss is not None:
+            out = attach_aux_loss(out, stage.indexer_loss)
+        stage.indexer_loss = None
+        out.float().logsumexp(-1).mean().backward()
+        for o in opts:
+            o.step()
+
+    return step
+
+
+def time_step(step, reps: int) -> float:
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def profile_kinds(step) -> tuple[dict, list]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    per_kind = {k: 0.0 for k in KINDS}
+    other = {}
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(ev, "cuda_time_total", 0.0)
+        if not dev_us or ev.key.startswith("ProfilerStep"):
+            continue
+        if getattr(ev, "device_type", None) is not None and "CUDA" not in str(ev.device_type):
+            continue
+        kind = kind_of(ev.key)
+        per_kind[kind] += dev_us / 1e3
+        if kind == "other":
+            other[ev.key] = other.get(ev.key, 0.0) + dev_us / 1e3
+    top_other = sorted(other.items(), key=lambda kv: -kv[1])[:8]
+    return per_kind, top_other
+
+
+def set_impl(impl: str) -> None:
+    """fused: the op's CUDA kernels; naive: the fp32 reference (the pre-kernel path) on CUDA tensors."""
+    os.environ["DSAFLOW_INDEXER_LOSS"] = "reference" if impl == "naive" else "auto"
+
+
+def run_case(seq: int, layers: int, index: str, impl: str, reps: int, profile: bool, ceiling: float) -> dict:
+    set_impl(impl)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    cfg, plan, stage, opts, flops = build(layers, index, seq)
+    x = torch.randint(0, 256, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    row = {"seq": seq, "layers": layers, "index": index, "impl": impl,
+           "roles": "".join(l.role for l in plan.layers)}
+    try:
+        full = make_step(stage, opts, x, True)
+        full()  # creates the optimiser state
+        torch.cuda.synchronize()
+        row["static_gib"] = sum(p.numel() * p.element_size() * 3 for p in stage.parameters()) / 2**30
+        torch.cuda.reset_peak_memory_stats()
+        row["step_ms"] = time_step(full, reps)
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["no_loss_ms"] = time_step(make_step(stage, opts, x, False), reps)
+    except torch.cuda.OutOfMemoryError as exc:
+        row["error"] = f"out of memory: {str(exc).splitlines()[0][:160]}"
+        return row
+    finally:
+        set_impl("fused")
+    row["indexer_loss_ms"] = row["step_ms"] - row["no_loss_ms"]
+    row["indexer_loss_share"] = row["indexer_loss_ms"] / row["step_ms"]
+    row["tokens_per_s"] = seq / (row["step_ms"] / 1e3)
+    row["model_tflop"] = flops / 1e12
+    row["tflops"] = flops / (row["step_ms"] / 1e3) / 1e12
+    row["mfu_of_measured_matmul"] = row["tflops"] / ceiling
+    if profile:
+        set_impl(impl)
+        kinds, top_other = profile_kinds(full)
+        set_impl("fused")
+        row["per_layer_mb_ms"] = {k: v / layers for k, v in kinds.items()}
+        row["top_other_kernels_ms"] = top_other
+    del stage, opts
+    return row
+
+
+def markdown(rows: list, ceiling: float, device: str) -> str:
+    lines = [f"Device: {device}; bf16 8192^3 matmul ceiling measured here: {ceiling:.0f} TFLOP/s.", "",
+             "| seq | layers (roles) | indexer loss | step ms | tokens/s | no-loss ms | indexer loss share | model TFLOP/step "
+             "| TFLOP/s | of matmul ceiling | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['seq']} | {r['layers']} ({r['roles']}) | {r['impl']} | {r['error']} |||||||||")
+            continue
+        lines.append(
+            f"| {r['seq']} | {r['layers']} ({r['roles']}) | {r['impl']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+            f"{r['no_loss_ms']:.1f} | {100 * r['indexer_loss_share']:.1f}% | {r['model_tflop']:.2f} | {r['tflops']:.0f} | "
+            f"{100 * r['mfu_of_measured_matmul']:.1f}% | {r['peak_mem_gib']:.1f} |")
+    prof = [r for r in rows if "per_layer_mb_ms" in r]
+    if prof:
+        lines += ["", "Per layer x microbatch (one sequence), kernel time by kind (ms, torch.profiler):", "",
+                  "| seq | indexer loss | " + " | ".join(KINDS) + " | sum |", "|---|---|" + "---|" * (len(KINDS) + 1)]
+        for r in prof:
+            k = r["per_layer_mb_ms"]
+            lines.append(f"| {r['seq']} | {r['impl']} | " + " | ".join(f"{k[x]:.2f}" for x in KINDS)
+                         + f" | {sum(k.values()):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", default="4096,16384")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--index", default="every4")
+    ap.add_argument("--impls", default="fused,naive")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_train_layer.py needs a CUDA GPU")
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ceiling = matmul_ceiling_tflops()
+    device = torch.cuda.get_device_name()
+    rows = []
+    for seq in (int(s) for s in args.seq.split(",")):
+        for impl in args.impls.split(","):
+            row = run_case(seq, args.layers, args.index, impl, args.reps, not args.no_profile, ceiling)
+            print(json.dumps({k: v for k, v in row.items() if k != "top_other_kernels_ms"}), flush=True)
+            rows.append(row)
+    (out / "bench_train_layer.json").write_text(json.dumps({"device": device, "matmul_tflops": ceiling,
+                                                            "rows": rows}, indent=2))
+    md = markdown(rows, ceiling, device)
+    (out / "bench_train_layer.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

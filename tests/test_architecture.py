@@ -1,0 +1,81 @@
+"""The shape of the house: imports flow one way between rooms, the model needs no plan, files stay readable.
+
+Rooms, bottom-up (a room may import rooms below it and itself, never one above or beside it):
+    errors < config < data, track, ops < plan, model < run < train, serve < launch, search < cli, worker
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dsaflow
+
+PKG = Path(dsaflow.__file__).parent
+RANK = {"errors": 0, "config": 1, "data": 2, "track": 2, "ops": 2, "plan": 3, "model": 3, "run": 4, "train": 5,
+        "serve": 5, "launch": 6, "search": 6, "cli": 7, "worker": 7, "__init__": 0}
+MAX_LINES = 400
+
+
+def room_of(path: Path) -> str:
+    rel = path.relative_to(PKG)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imported_rooms(path: Path) -> set:
+    """dsaflow rooms this file imports, at any depth (function-level imports count too)."""
+    tree = ast.parse(path.read_text())
+    pkg_parts = list(path.relative_to(PKG).parent.parts)
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this file's package
+                base = pkg_parts[: len(pkg_parts) - node.level + 1]
+                parts = base + (node.module.split(".") if node.module else [])
+                if parts:
+                    out.add(parts[0])
+            elif node.module and node.module.split(".")[0] == "dsaflow" and "." in node.module:
+                out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("dsaflow."):
+                    out.add(a.name.split(".")[1])
+    return out
+
+
+def sources():
+    return sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_every_room_has_a_rank():
+    assert {room_of(p) for p in sources()} <= set(RANK), "a new room needs a place in RANK"
+
+
+def test_no_upward_or_sideways_imports():
+    bad = []
+    for p in sources():
+        here = room_of(p)
+        for other in imported_rooms(p) - {here}:
+            if RANK.get(other, 99) >= RANK[here]:
+                bad.append(f"{p.relative_to(PKG)} ({here}) imports {other}")
+    assert not bad, "\n".join(bad)
+
+
+def imported_modules(path: Path) -> set:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_the_model_knows_nothing_of_plans_hydra_or_distributed():
+    for p in (PKG / "model").rglob("*.py"):
+        for name in imported_modules(p):
+            assert not name.startswith(("dsaflow.plan", "hydra", "omegaconf", "torch.distributed")), (p, name)
+
+
+def test_files_stay_readable():
+    long = [f"{p.relative_to(PKG)}: {n}" for p in sources() if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"files over {MAX_LINES} lines (split them by concept): {long}"

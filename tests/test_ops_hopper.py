@@ -1,0 +1,198 @@
+"""Hopper (sm_90) Gluon sparse MLA forward vs the naive fp32 reference, its capability rule, and decode configs.
+
+The Gluon kernel does not run in the CPU interpreter: the CPU tests check only what `hopper_fwd_supports` refuses.
+`gpu` tests skip unless a CUDA device of compute capability 9.x is present. Inputs come from seeded generators;
+outputs are NaN-poisoned before the kernel writes them.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaflow.ops.sparse_mla.hopper_prefill import (
+    _shape_reason, hopper_fwd_supports, launch_hopper_fwd, sparse_mla_fwd_hopper,
+)
+from dsaflow.ops.sparse_mla.naive import sparse_mla_naive
+
+IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+hopper_only = pytest.mark.skipif(not IS_HOPPER, reason="needs an sm_90 GPU (H100/H200)")
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    assert not torch.isnan(x).any(), "NaN in kernel output (unwritten or invalid)"
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(B, T, H, S, K, dtype, device, seed):
+    """q [B,T,H,576], kv [B,S,576], indices [B,T,K] int32 with -1 and >= S entries, and query (0, 1) with no key."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, 576, generator=g).to(device, dtype)
+    kv = torch.randn(B, S, 576, generator=g).to(device, dtype)
+    idx = torch.randint(0, S, (B, T, K), generator=g, dtype=torch.int32)
+    drop = torch.rand(B, T, K, generator=g) < 0.1
+    idx[drop] = -1
+    idx[torch.rand(B, T, K, generator=g) < 0.05] = S + 7  # out of range: no key
+    if T > 1:
+        idx[0, 1] = -1
+    return q, kv, idx.to(device)
+
+
+def check_against_naive(out, lse, q, kv, idx, scale, sample):
+    ref_out, ref_lse = sparse_mla_naive(q[:, sample].float(), kv.float(), idx[:, sample], scale, 512)
+    assert rel_err(out[:, sample], ref_out) < 1e-2
+    got = lse[:, sample]
+    assert not torch.isnan(got).any()
+    assert torch.equal(torch.isinf(got), torch.isinf(ref_lse)), "-inf lse must mark exactly the queries with no key"
+    fin = torch.isfinite(ref_lse)
+    assert ((got[fin] - ref_lse[fin]).abs() / (1 + ref_lse[fin].abs())).max().item() < 2e-2
+
+
+# ---- CPU: the capability rule ----
+
+def _t(*shape, dtype=torch.bfloat16):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+def test_supports_refuses_cpu_and_raises():
+    q, kv, idx = _t(1, 2, 64, 576), _t(1, 8, 576), torch.zeros(1, 2, 4, dtype=torch.int32)
+    assert "device cpu" in hopper_fwd_supports(q, kv, idx, 512)
+    with pytest.raises(ValueError, match="device cpu"):
+        sparse_mla_fwd_hopper(q, kv, idx, 0.1, 512)
+
+
+def test_shape_rule_refuses_what_it_must():
+    q, kv, idx = _t(1, 2, 128, 576), _t(1, 8, 576), torch.zeros(1, 2, 4, dtype=torch.int32)
+    assert _shape_reason(q, kv, idx, 512) is None
+    assert "dtypes" in _shape_reason(q.float(), kv.float(), idx, 512)
+    assert "dtypes" in _shape_reason(q, kv.half(), idx, 512)
+    assert "d_v" in _shape_reason(q, kv, idx, 256)
+    assert "d_v" in _shape_reason(_t(1, 2, 128, 192), _t(1, 8, 192), idx, 128)
+    assert "H=16" in _shape_reason(_t(1, 2, 16, 576), kv, idx, 512)
+    assert "int32" in _shape_reason(q, kv, idx.long(), 512)
+    assert "contiguous" in _shape_reason(_t(1, 2, 128, 1152)[..., ::2], kv, idx, 512)
+    assert "multiples of 8" in _shape_reason(q, _t(1, 8, 580)[..., :576], idx, 512)
+    assert "empty" in _shape_reason(q, _t(1, 0, 576), idx, 512)
+    assert "empty" in _shape_reason(q, kv, torch.zeros(1, 2, 0, dtype=torch.int32), 512)
+    assert "ranks" in _shape_reason(q[0], kv, idx, 512)
+
+
+# ---- GPU (sm_90) ----
+
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("cfg", [None, dict(PRODUCER_REGS=80), dict(BLOCK_K=32, NUM_STAGES=4)])
+def test_hopper_fwd_deepseek_shapes_poisoned(cfg):
+    """V3.2 shapes (h128, 576/512, topk 2048) in bf16, invalid indices, a query with no key, NaN-poisoned out."""
+    B, T, H, S, K = 2, 48, 128, 8192, 2048
+    q, kv, idx = make_inputs(B, T, H, S, K, torch.bfloat16, "cuda", seed=11)
+    assert hopper_fwd_supports(q, kv, idx, 512) is None
+    out = torch.full((B, T, H, 512), float("nan"), device="cuda", dtype=q.dtype)
+    lse = torch.full((B, T, H), float("nan"), device="cuda")
+    launch_hopper_fwd(q, kv, idx, 576**-0.5, 512, out, lse, cfg)
+    assert torch.isinf(lse[0, 1]).all() and (out[0, 1] == 0).all()
+    check_against_naive(out, lse, q, kv, idx, 576**-0.5, sample=torch.tensor([0, 1, 2, 17, 31, 47]))
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_hopper_fwd_fp16_ragged_topk():
+    """fp16, H = 64, K = 100 (not a multiple of the 64-row block), and strided (sliced) q."""
+    B, T, H, S, K = 1, 9, 64, 300, 100
+    q, kv, idx = make_inputs(B, T, 2 * H, S, K, torch.float16, "cuda", seed=5)
+    q = q[:, :, :H]
+    out, lse = sparse_mla_fwd_hopper(q, kv, idx, 0.05, 512)
+    check_against_naive(out, lse, q, kv, idx, 0.05, sample=torch.arange(T))
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_hopper_fwd_cuda_graph_replay_bitwise():
+    B, T, H, S, K = 1, 32, 128, 4096, 2048
+    q, kv, idx = make_inputs(B, T, H, S, K, torch.bfloat16, "cuda", seed=7)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        sparse_mla_fwd_hopper(q, kv, idx, 0.04, 512)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = sparse_mla_fwd_hopper(q, kv, idx, 0.04, 512)
+    q2, kv2, idx2 = make_inputs(B, T, H, S, K, torch.bfloat16, "cuda", seed=8)
+    q.copy_(q2)
+    kv.copy_(kv2)
+    idx.copy_(idx2)
+    graph.replay()
+    out, lse = sparse_mla_fwd_hopper(q, kv, idx, 0.04, 512)
+    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+
+
+# ---- decode options (triton_decode.decode_overrides) ----
+
+def test_decode_overrides_rule():
+    from dsaflow.ops.sparse_mla.triton_decode import decode_overrides
+
+    assert decode_overrides(_t(128, 1, 16, 576), 512) == {"num_warps": 8}
+    assert decode_overrides(_t(64, 1, 128, 576), 512) == {}  # h128 decode is compute-bound: prefill options
+    assert decode_overrides(_t(4, 1, 16, 40, dtype=torch.float32), 32) == {}
+
+
+@pytest.mark.gpu
+def test_decode_tp8_shard_vs_naive_and_graph():
+    """128 x 1 token x 16 heads (8 warps, 2 splits), bf16, invalid indices and an empty query; graph == eager."""
+    from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
+
+    q, kv, idx = make_inputs(128, 1, 16, 2048, 2048, torch.bfloat16, "cuda", seed=21)
+    idx[3] = -1
+    out, lse = sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+    check_against_naive(out, lse, q, kv, idx, 0.04, sample=torch.arange(1))
+    assert torch.isinf(lse[3]).all() and (out[3] == 0).all()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+    q2, _, idx2 = make_inputs(128, 1, 16, 2048, 2048, torch.bfloat16, "cuda", seed=22)
+    q.copy_(q2)
+    idx.copy_(idx2)
+    graph.replay()
+    out, lse = sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+
+
+def test_dispatch_selects_by_an_explicit_rule(monkeypatch):
+    """On CPU tensors the rule picks the portable kernel; forcing the Gluon kernel where it cannot run raises with
+    the reason; an unknown choice is refused."""
+    from dsaflow.ops.sparse_mla.triton_dispatch import select_forward
+
+    q, kv, idx = torch.zeros(1, 2, 64, 576), torch.zeros(1, 8, 576), torch.zeros(1, 2, 4, dtype=torch.int32)
+    assert select_forward(q, kv, idx, 512) == "triton"
+    monkeypatch.setenv("DSAFLOW_SPARSE_MLA_FWD", "hopper")
+    with pytest.raises(ValueError, match="cannot run these inputs"):
+        select_forward(q, kv, idx, 512)
+    monkeypatch.setenv("DSAFLOW_SPARSE_MLA_FWD", "fastest")
+    with pytest.raises(ValueError, match="use one of"):
+        select_forward(q, kv, idx, 512)
+
+
+@pytest.mark.gpu
+def test_training_forward_uses_the_hopper_kernel_and_matches_the_portable_one(monkeypatch):
+    """At V3.2 shapes on sm_90 the differentiable op runs the Gluon forward; its out/lse (and so the Triton backward
+    built on them) agree with the portable forward to bf16 rounding."""
+    from dsaflow.ops.sparse_mla.triton_dispatch import select_forward, sparse_mla_triton
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 256, 128, 576, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
+    kv = torch.randn(1, 4096, 576, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
+    idx = torch.randint(0, 4096, (1, 256, 2048), generator=g, dtype=torch.int32).to("cuda")
+    assert select_forward(q, kv, idx, 512) == "hopper"
+    out_h, lse_h = sparse_mla_triton(q, kv, idx, 576**-0.5, 512)
+    monkeypatch.setenv("DSAFLOW_SPARSE_MLA_FWD", "triton")
+    out_t, lse_t = sparse_mla_triton(q, kv, idx, 576**-0.5, 512)
+    assert (out_h.float() - out_t.float()).abs().max().item() < 2e-2
+    assert (lse_h - lse_t).abs().max().item() < 1e-3
