@@ -1,26 +1,60 @@
-"""`dsaflow plan | train | generate [hydra overrides]`: argument handling and user-error handling only.
+"""`dsaflow plan | train | generate | search [options] [hydra overrides]`: argument handling and user errors only.
 
-Overrides are Hydra override strings: key=value, group=option, +key=value. A config or plan mistake prints one
-paragraph to stderr and exits with status 2; it never shows a traceback.
+Overrides are Hydra override strings: key=value, group=option, +key=value. Hydra's own flags work as in any Hydra
+app (`--cfg job|all [--resolve]`, `--info`, `--hydra-help`, `-m/--multirun` with sweeps such as `a=1,2` or
+`range(..)`): see dsaflow.app. A config or plan mistake prints one paragraph to stderr and exits with
+status 2; it never shows a traceback.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from dsaflow.plan.plan import PlanError
 
 EXIT_USER_ERROR = 2
-EXAMPLES = """examples:
+COMMANDS = {
+    "plan": "resolve and check the config; print the plan table (--format json: only the plan JSON)",
+    "train": "plan, write the run dir, launch training (torchrun, one process per pipeline rank)",
+    "generate": "plan, write the run dir, launch generation (sets mode=serve unless given)",
+    "search": "training-free IndexCache layer search: which layers keep their indexer (from an all-F checkpoint)",
+}
+EXAMPLES = {
+    "plan": """examples:
   dsaflow plan model=tiny layout="FSSS|SSFS"
   dsaflow plan model=dsv32 index=every4 pipeline=pp8
-  dsaflow plan model=dsv32 index=every4 pipeline=pp8 format=json
+  dsaflow plan --format json model=dsv32 index=every4 pipeline=pp8
   dsaflow plan model=small index.freq=4 index.offset=1 pipeline.boundaries=[0,5]
-"""
+  dsaflow plan --cfg job model=small            # the composed config, as Hydra prints it""",
+    "train": """examples:
+  dsaflow train                                  # the embedded job: tiny model, retrieval, ~2 min on a CPU
+  dsaflow train pipeline=pp2 train.steps=600     # two pipeline ranks (gloo on CPU, NCCL on GPUs)
+  dsaflow train model=small data=text data.path=README.md track=online
+  dsaflow train -m index=all_full,every4 train.steps=100          # a sweep: one run dir per job + summary
+  dsaflow train -m train.lr=1e-3,3e-3 train.seed=range(0,3)      # 6 jobs, one after another
+  dsaflow train train.resume=true run_dir=runs/<name>""",
+    "generate": """examples:
+  dsaflow generate serve.checkpoint=runs/<name> serve.prompts='["qmzj xwv K7; pllr ?K"]'
+  dsaflow generate serve.checkpoint=runs/<name> serve.prompts_file=prompts.txt pipeline=pp2
+  dsaflow generate model=small graphs=decode_prefill serve.checkpoint=runs/<name>   # CUDA graphs (GPU)""",
+    "search": """search options (search.*): checkpoint=RUN_DIR (an index=all_full run)  ratio=0.25 | target_f=N
+  calib_batches=8  eval_batches=16  eval_ratios=[0.5,0.25]  out_dir=DIR (default RUN_DIR/search)  restart=true
+  device=auto|cpu|cuda; the stage split comes from pipeline.* (each stage's first layer stays F)
+
+examples:
+  dsaflow search search.checkpoint=runs/<all-F run> search.ratio=0.25
+  dsaflow search search.checkpoint=runs/<all-F run> search.target_f=3 pipeline=pp2
+  (then: dsaflow train layout="<printed layout>" ...; see docs/search.md)""",
+}
+HYDRA_FLAGS = """Hydra flags (the parent process is a Hydra app; workers never import Hydra):
+  -m, --multirun        run one job per combination of the sweeps (a=1,2  b=range(0,3)  hydra/sweeper=...)
+  --cfg job|hydra|all   print the composed config and exit (with --resolve: interpolations resolved)
+  --info [TOPIC]        Hydra's information (config search path, defaults tree, plugins)
+  --hydra-help          Hydra's own help"""
 
 
-def usage_epilog() -> str:
+def _groups_help() -> str:
     """Override help listing the options that actually exist in the config dir (so it never goes stale)."""
     from dsaflow.config.compose import default_config_dir
 
@@ -30,9 +64,45 @@ def usage_epilog() -> str:
     for g in groups:
         lines.append(f"  {g.name}={'|'.join(sorted(p.stem for p in g.glob('*.yaml')))}")
     lines.append('  layout="(FSSS)*2|(FSSS)*2"  index.freq=4 index.offset=0  pipeline.boundaries=[0,4]  pipeline.stages=4')
-    lines.append("  format=json (plan: print only the plan JSON)  mode=train|serve  estimate_context=131072")
-    lines.append("see docs/planning.md for the layout language, the planner rules and the plan JSON contract.")
-    return "\n".join(lines) + "\n\n" + EXAMPLES
+    lines.append("  mode=train|serve  estimate_context=131072  run_dir=DIR (or hydra.run.dir=DIR)")
+    lines.append("see docs/planning.md (layouts, plan JSON), docs/training.md (runs, sweeps), docs/search.md.")
+    return "\n".join(lines)
+
+
+def usage_epilog(command: str = "plan") -> str:
+    return _groups_help() + "\n\n" + HYDRA_FLAGS + "\n\n" + EXAMPLES[command] + "\n"
+
+
+def _own_options(command: str) -> str:
+    if command == "plan":
+        return "[--format table|json] "
+    if command in ("train", "generate"):
+        return "[--nproc N] "
+    return ""
+
+
+def command_help(command: str) -> str:
+    return (
+        f"usage: dsaflow {command} [-h] {_own_options(command)}[-m] [--cfg job|hydra|all [--resolve]] [--info] "
+        f"[OVERRIDE ...]\n\n{COMMANDS[command]}\n\noptions:\n  -h, --help            show this help and exit\n"
+        + ("  --format table|json   table (default) or only the plan JSON on stdout (also: format=json)\n"
+           if command == "plan" else "")
+        + ("  --nproc N             processes to launch; must equal the plan's pipeline ranks (also: nproc=N)\n"
+           if command in ("train", "generate") else "")
+        + "\n" + usage_epilog(command)
+    )
+
+
+def top_help() -> str:
+    from dsaflow import __version__
+
+    cmds = "\n".join(f"  {k:<10} {v}" for k, v in COMMANDS.items())
+    return (
+        f"usage: dsaflow [-h] [--version] {{{','.join(COMMANDS)}}} ...\n\n"
+        f"dsaflow {__version__}: plan, train and serve DSA transformers with IndexCache across pipeline stages.\n\n"
+        f"commands:\n{cmds}\n\n`dsaflow COMMAND --help` lists that command's options and examples.\n\n"
+        + EXAMPLES["train"] + "\n"
+    )
 
 
 def run_cli_errors(fn, *args) -> int:
@@ -44,72 +114,113 @@ def run_cli_errors(fn, *args) -> int:
         return EXIT_USER_ERROR
 
 
-def _compose_and_plan(overrides: List[str]):
-    from dsaflow.config.compose import compose
+def split_options(command: str, rest: List[str]) -> Tuple[List[str], Optional[int], str]:
+    """Pull the command's own options out of argv: --format (plan), --nproc (train, generate), and their Hydra-style
+    spellings format=... / nproc=... (they belong to the command, not to the model config)."""
+    out, nproc, fmt = [], None, "table"
+    i = 0
+    while i < len(rest):
+        a = rest[i]
+        key, eq, val = a.partition("=")
+        if key in ("--format", "--nproc") and not eq:
+            if i + 1 >= len(rest):
+                raise PlanError(f"{key} needs a value. Fix: e.g. {key} {'json' if key == '--format' else '2'}.")
+            val, eq = rest[i + 1], "="
+            i += 1
+        if key in ("--format", "format") and eq:
+            if command != "plan":
+                raise PlanError(f"{a}: only `dsaflow plan` has an output format. Fix: drop it.")
+            if val not in ("table", "json"):
+                raise PlanError(f"format={val!r} is not an output format. Fix: use --format table or --format json.")
+            fmt = val
+        elif key in ("--nproc", "nproc") and eq:
+            if command not in ("train", "generate"):
+                raise PlanError(f"{a}: only train and generate launch processes. Fix: drop it.")
+            try:
+                nproc = int(val)
+            except ValueError:
+                raise PlanError(f"nproc={val!r} is not a number. Fix: e.g. --nproc 2.") from None
+        else:
+            out.append(a)
+        i += 1
+    return out, nproc, fmt
+
+
+def _compose_and_plan(overrides: List[str], nproc: Optional[int] = None, command: str = "plan"):
+    from dsaflow.config.compose import compose, refuse_sweeps
+    from dsaflow.app import single_run_dir, split_hydra_overrides
     from dsaflow.plan import build_plan
 
-    cfg = compose(overrides)
-    return cfg, build_plan(cfg)
-
-
-def cmd_plan(overrides: List[str]) -> int:
-    from dsaflow.plan.render import render_table
-
-    cfg, plan = _compose_and_plan(overrides)
-    if cfg.format == "json":
-        sys.stdout.write(plan.to_json() + "\n")
-    else:
-        sys.stdout.write(render_table(plan, cfg))
-    return 0
-
-
-def cmd_launch(job: str, overrides: List[str]) -> int:
-    if job == "generate" and not any(o.lstrip("+").startswith("mode=") for o in overrides):
+    overrides, hyd = split_hydra_overrides(overrides)
+    run_dir = single_run_dir(hyd, overrides)
+    refuse_sweeps(overrides)
+    if command == "generate" and not any(o.lstrip("+").startswith("mode=") for o in overrides):
         overrides = ["mode=serve"] + overrides  # generating is serving: decode/prefill graph blocks are allowed
-    cfg, plan = _compose_and_plan(overrides)
-    try:
-        from dsaflow.launch.launch import launch
-    except ImportError as exc:
-        print(f"dsaflow: error: `dsaflow {job}` needs dsaflow.launch.launch, which is not available ({exc}).",
-              file=sys.stderr)
-        return 1
-    return launch(cfg, plan, job) or 0
+    cfg = compose(overrides)
+    if run_dir is not None:
+        cfg.run_dir = run_dir
+    return cfg, build_plan(cfg, nproc=nproc)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    epilog = usage_epilog()
-    parser = argparse.ArgumentParser(
-        prog="dsaflow",
-        description="Plan, train and serve DSA transformers with IndexCache across pipeline stages.",
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = parser.add_subparsers(dest="command", metavar="{plan,train,generate}")
-    helps = {
-        "plan": "resolve and check the config; print the plan table (or format=json for the plan JSON)",
-        "train": "plan, write the run dir, launch training (torchrun, one process per pipeline rank)",
-        "generate": "plan, write the run dir, launch generation (sets mode=serve unless given)",
-    }
-    for name, text in helps.items():
-        p = sub.add_parser(name, help=text, description=text, epilog=epilog,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra override: key=value, group=option, +key=value")
-    return parser
+def cmd_single(command: str, overrides: List[str], nproc: Optional[int], fmt: str) -> int:
+    from dsaflow.app import run_command
+
+    cfg, plan = _compose_and_plan(overrides, nproc, command)
+    return run_command(command, cfg, plan, fmt)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return EXIT_USER_ERROR
-    if args.command == "plan":
-        code = run_cli_errors(cmd_plan, args.overrides)
-    else:
-        code = run_cli_errors(cmd_launch, args.command, args.overrides)
+    args = list(sys.argv[1:] if argv is None else argv)
+    code = _main(args)
     if argv is None:
         sys.exit(code)
     return code
+
+
+def _main(args: List[str]) -> int:
+    if not args or args[0] in ("-h", "--help"):
+        sys.stdout.write(top_help())
+        return 0 if args else EXIT_USER_ERROR
+    if args[0] in ("--version", "-V"):
+        from dsaflow import __version__
+
+        print(f"dsaflow {__version__}")
+        return 0
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        near = [c for c in COMMANDS if c.startswith(command[:2])]
+        print(f"dsaflow: error: {command!r} is not a command. Fix: use one of {', '.join(COMMANDS)}"
+              + (f" (did you mean {near[0]}?)" if near else "") + "; `dsaflow --help` lists them.", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if "-h" in rest or "--help" in rest:
+        sys.stdout.write(command_help(command))
+        return 0
+    try:
+        rest, nproc, fmt = split_options(command, rest)
+    except PlanError as exc:
+        print(f"dsaflow: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    from dsaflow.app import run_hydra_app, wants_hydra_app
+
+    if wants_hydra_app(rest):
+        return run_cli_errors(run_hydra_app, command, rest, nproc, fmt)
+    flags = [a for a in rest if a.startswith("-")]
+    if flags:
+        print(f"dsaflow: error: unrecognized option {flags[0]!r}. Fix: see `dsaflow {command} --help` (overrides are "
+              "key=value, without dashes).", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return run_cli_errors(cmd_single, command, rest, nproc, fmt)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse view of the commands (for documentation tools; `main` parses argv itself)."""
+    parser = argparse.ArgumentParser(prog="dsaflow", description=top_help().splitlines()[2])
+    sub = parser.add_subparsers(dest="command")
+    for name, text in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text, epilog=usage_epilog(name),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("overrides", nargs="*", metavar="OVERRIDE")
+    return parser
 
 
 if __name__ == "__main__":

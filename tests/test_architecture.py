@@ -1,7 +1,7 @@
 """The shape of the house: imports flow one way between rooms, the model needs no plan, files stay readable.
 
 Rooms, bottom-up (a room may import rooms below it and itself, never one above or beside it):
-    errors < config < data, track, ops < plan, model < run < train, serve < launch, search < cli, worker
+    errors < config < data, track, ops < plan, model < run < train, serve < launch, search < app, worker < cli
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import dsaflow
 
 PKG = Path(dsaflow.__file__).parent
 RANK = {"errors": 0, "config": 1, "data": 2, "track": 2, "ops": 2, "plan": 3, "model": 3, "run": 4, "train": 5,
-        "serve": 5, "launch": 6, "search": 6, "cli": 7, "worker": 7, "__init__": 0}
+        "serve": 5, "launch": 6, "search": 6, "cli": 8, "app": 7, "worker": 7, "__init__": 0}
 MAX_LINES = 400
 
 

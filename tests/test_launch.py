@@ -24,7 +24,8 @@ BAD = [
     (["track.mode=sometimes"], "track.mode='sometimes'"),
     (["train.stop_at_step=500"], "train.stop_at_step=500"),
     (["pipeline=pp2", "pipeline.schedule=Interleaved1F1B"], "pipeline.schedule=Interleaved1F1B"),
-    (["pipeline=pp2", "nproc=3"], "nproc=3"),
+    (["pipeline=pp2", "nproc=3"], "--nproc 3 but the plan has 2"),
+    (["pipeline=pp2", "--nproc", "3"], "--nproc 3 but the plan has 2"),
     (["train.batch_size=6"], "train.batch_size=6"),
 ]
 
@@ -72,6 +73,30 @@ def test_torchrun_command_and_env():
     env = launch_env({"NCCL_NVLS_ENABLE": "1"})
     assert env["NCCL_NVLS_ENABLE"] == "1", "a user's own value wins"
     assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == GPU_ENV_DEFAULTS["TORCH_SYMM_MEM_DISABLE_MULTICAST"]
+    assert env["OMP_NUM_THREADS"] == "1"  # set, so torchrun prints no OMP banner on multi-rank runs
+    assert launch_env({"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "8"
+
+
+def test_launch_line_and_end_of_run_summary(tmp_path):
+    import shlex
+
+    from dsaflow.config.schema import DSAFlowConfig
+    from dsaflow.launch.run_summary import plural, shell_command, train_summary
+
+    cmd = torchrun_command(tmp_path / "my run", 2)
+    assert shlex.split(shell_command(cmd)) == [str(c) for c in cmd]  # a shell reads back exactly the command
+    assert plural(1, "stage") == "1 stage" and plural(2, "rank") == "2 ranks"
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "loss": 2.0, "tokens_per_s": 10.0}) + "\n"
+        + json.dumps({"step": 2, "loss": 1.5, "indexer_loss": 0.1, "eval_acc": 0.75, "tokens_per_s": 12.0}) + "\n")
+    (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000002" / ".metadata").write_bytes(b"")
+    (tmp_path / "wandb" / "offline-run-x").mkdir(parents=True)
+    text = train_summary(DSAFlowConfig(), tmp_path, 0)
+    assert f"training finished: {tmp_path}" in text
+    assert "step 2, loss 1.5000, indexer_loss 0.1, eval_acc 0.750" in text
+    assert "step-000002" in text and f"wandb sync {tmp_path / 'wandb' / 'offline-run-x'}" in text
+    assert "exit status 3" in train_summary(DSAFlowConfig(), tmp_path, 3)
 
 
 @pytest.mark.slow

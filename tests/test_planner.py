@@ -87,7 +87,6 @@ def test_layout_and_matching_stage_count_agree():
         ({"model.index_topk": -4}, "model.index_topk=-4"),
         ({"model.qk_rope_head_dim": 7}, "must be even"),
         ({"mode": "infer"}, "mode='infer'"),
-        ({"format": "yaml"}, "format='yaml'"),
         ({"pipeline.balance": "flops"}, "pipeline.balance='flops'"),
     ],
 )
@@ -181,13 +180,19 @@ def test_v_placement_for_zbv():
         ({"pipeline.stages": 4, "pipeline.microbatches": 2}, "below the 4 stages"),
         ({"pipeline.stages": 2, "pipeline.microbatches": 3, "train.batch_size": 8}, "train.batch_size=8 does not split"),
         ({"pipeline.stages": 2, "pipeline.microbatches": 0}, "pipeline.microbatches=0"),
-        ({"pipeline.stages": 2, "nproc": 4}, "nproc=4 but the plan has 2"),
     ],
 )
 def test_schedule_rank_errors(knobs, needle):
     with pytest.raises(PlanError) as e:
         build_plan(make_cfg(**knobs))
     assert needle in str(e.value) and "Fix:" in str(e.value)
+
+
+def test_nproc_must_match_the_ranks():
+    with pytest.raises(PlanError, match="--nproc 4 but the plan has 2") as e:
+        build_plan(make_cfg(**{"pipeline.stages": 2}), nproc=4)
+    assert "Fix:" in str(e.value)
+    assert build_plan(make_cfg(**{"pipeline.stages": 2}), nproc=2).pipeline.ranks == 2
 
 
 def test_serving_skips_training_microbatch_rules_but_keeps_placement():

@@ -58,3 +58,25 @@ def test_progress_prints_lines_when_not_a_tty():
     q = Progress(total=4, enabled=False, stream=off)
     q.update(1, {"loss": 1.0}, print_line=True)
     assert off.getvalue() == ""
+
+
+def test_rich_progress_keeps_eval_history_and_fits_120_columns(monkeypatch):
+    import io
+
+    from dsaflow.track import Progress
+
+    monkeypatch.setenv("COLUMNS", "120")
+    buf = io.StringIO()
+    p = Progress(300, mode="rich", stream=buf)
+    for step in range(1, 301):
+        m = {"loss": 2.0 - step / 300, "acc": step / 300, "tokens_per_s": 5512.3, "indexer_loss": 0.01, "lr": 3e-3,
+             "mfu": 0.1}
+        if step % 100 == 0:
+            m.update(eval_loss=1.5, eval_acc=step / 400)
+        p.update(step, m, print_line=True)
+    p.close()
+    lines = buf.getvalue().splitlines()
+    evals = [l for l in lines if "eval_acc" in l]
+    assert [l.split()[1] for l in evals] == ["100/300", "200/300", "300/300"]  # every eval stays on screen, in order
+    assert "eval_acc=0.25" in evals[0] and "eval_acc=0.75" in evals[2]
+    assert max(len(l) for l in lines) <= 120

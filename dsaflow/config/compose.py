@@ -25,21 +25,55 @@ LAYOUT_KEYS = ("layout", "index.pattern")
 _OVERRIDE_KEY = re.compile(r"^(\+{0,2})([\w.]+)=(.*)$", re.S)
 
 
+# Former config keys that are now options of the command (`dsaflow plan --format`, `dsaflow train --nproc`).
+COMMAND_KEYS = ("nproc", "format")
+
+
 def default_config_dir() -> Path:
     env = os.environ.get("DSAFLOW_CONFIG_DIR")
     return Path(env) if env else Path(dsaflow.__file__).resolve().parents[1] / "configs"
 
 
+def _quote(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def quote_layout_overrides(overrides: List[str]) -> List[str]:
+    """Quote layout values for Hydra. The layout language has no commas, so `layout=A,B` is a sweep over two
+    layouts (with -m): each part is quoted on its own."""
     out = []
     for ov in overrides:
         m = _OVERRIDE_KEY.match(ov)
         if m and m.group(2) in LAYOUT_KEYS:
             value = m.group(3)
             if value and value not in ("null", "None") and value[0] not in "'\"":
-                ov = f"{m.group(1)}{m.group(2)}='" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+                ov = f"{m.group(1)}{m.group(2)}=" + ",".join(_quote(v) for v in value.split(","))
         out.append(ov)
     return out
+
+
+def sweep_overrides(overrides: List[str]) -> List[str]:
+    """The overrides that are Hydra sweeps (`a=1,2`, `range(..)`, `choice(..)`, `glob(..)`); [] if the syntax is
+    not parseable (compose then explains the mistake)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(quote_layout_overrides(list(overrides)))
+    except Exception:  # noqa: BLE001 - any syntax error is reported by compose with its fix
+        return []
+    return [p.input_line for p in parsed if p.is_sweep_override()]
+
+
+def refuse_sweeps(overrides: List[str]) -> None:
+    """A single run given sweep syntax: say how to sweep, how to write a list, how to write a string."""
+    sweeps = sweep_overrides(overrides)
+    if sweeps:
+        key = sweeps[0].split("=", 1)[0].lstrip("+~")
+        raise ConfigError(
+            f"{sweeps[0]} is a sweep (one job per value). Fix: add -m (--multirun) to run one job per value, one "
+            f"after another; for a list value write {key}=[a,b]; for a string containing a comma quote it: "
+            f"{key}=\"'a,b'\"."
+        )
 
 
 def _group_options(config_dir: Path, group: str) -> List[str]:
@@ -116,18 +150,25 @@ def compose(overrides: Optional[List[str]] = None, config_dir: Optional[str] = N
     try:
         with initialize_config_dir(config_dir=str(cdir.resolve()), version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=quote_layout_overrides(list(overrides or [])))
-        unknown = _unknown_keys(cfg, DSAFlowConfig)
-        if unknown:
-            raise ConfigError(
-                f"unknown key {unknown[0]} (all unknown: {', '.join(unknown)}): the schema in dsaflow/config/schema.py "
-                "does not declare it, so it would be ignored. Fix: remove it or correct its spelling; free-form "
-                "metadata goes under `+extra.<name>=...`."
-            )
-        out = OmegaConf.to_object(cfg)
+        out = typed_config(cfg)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain_hydra_error(exc, cdir)) from None
     finally:
         GlobalHydra.instance().clear()
+    return out
+
+
+def typed_config(cfg) -> DSAFlowConfig:
+    """A composed DictConfig (from `compose`, or the one Hydra hands a multirun job) -> DSAFlowConfig. Keys the
+    schema does not declare are refused (OmegaConf.to_object would drop them silently)."""
+    unknown = _unknown_keys(cfg, DSAFlowConfig)
+    if unknown:
+        raise ConfigError(
+            f"unknown key {unknown[0]} (all unknown: {', '.join(unknown)}): the schema in dsaflow/config/schema.py "
+            "does not declare it, so it would be ignored. Fix: remove it or correct its spelling; free-form "
+            "metadata goes under `+extra.<name>=...`."
+        )
+    out = OmegaConf.to_object(cfg)
     validate(out)  # ranges and choices, declared in schema.py: a ConfigError naming field, value and range
     return out
 
@@ -140,7 +181,10 @@ def to_yaml(cfg: DSAFlowConfig) -> str:
 def load_config(path) -> DSAFlowConfig:
     """Read a resolved config.yaml into a DSAFlowConfig with OmegaConf only (no Hydra): for workers."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(DSAFlowConfig), OmegaConf.load(str(path)))
+        loaded = OmegaConf.load(str(path))
+        for key in COMMAND_KEYS:  # run dirs written before these moved to the command line still load
+            loaded.pop(key, None)
+        merged = OmegaConf.merge(OmegaConf.structured(DSAFlowConfig), loaded)
         cfg = OmegaConf.to_object(merged)
         validate(cfg)
         return cfg

@@ -200,6 +200,7 @@ class TrackConfig:
     entity: Optional[str] = None
     run_name: Optional[str] = None
     tags: List[str] = field(default_factory=list)
+    group: Optional[str] = None  # wandb group; a multirun sets it to the sweep's name unless given
 
 
 @dataclass
@@ -220,6 +221,21 @@ class ServeConfig:
 
 
 @dataclass
+class SearchConfig:
+    """`dsaflow search`: the training-free greedy IndexCache layer search (docs/search.md)."""
+
+    checkpoint: Optional[str] = None  # run dir (latest checkpoint) or checkpoint folder of an index=all_full run
+    ratio: float = 0.25  # stop at round(ratio x layers) F layers ...
+    target_f: Optional[int] = None  # ... or at exactly this many (wins over ratio)
+    calib_batches: int = 8  # calibration batches (training split, never trained on) of train.batch_size x seq_len
+    eval_batches: int = 16  # held-out batches for the all-F / uniform / searched table (0 = no table)
+    eval_ratios: List[float] = field(default_factory=lambda: [0.5, 0.25])
+    out_dir: Optional[str] = None  # default <run dir>/search
+    device: str = "auto"  # auto | cpu | cuda
+    restart: bool = False  # discard an earlier search log in out_dir instead of resuming it
+
+
+@dataclass
 class DSAFlowConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
@@ -229,11 +245,10 @@ class DSAFlowConfig:
     data: DataConfig = field(default_factory=DataConfig)
     track: TrackConfig = field(default_factory=TrackConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
     layout: Optional[str] = None  # e.g. "(FSSS)*2 | (FSSS)*2": roles and stage boundaries in one string
     mode: Mode = Mode.train  # train | serve: which graph blocks make sense
     run_dir: Optional[str] = None  # default: runs/<timestamp>-<name>-<unique suffix>
-    nproc: Optional[int] = None  # processes to launch; default = pipeline ranks
-    format: str = "table"  # table | json (for `dsaflow plan`)
     # context (keys per query) at which the plan reports indexer FLOPs saved by S layers
     estimate_context: int = num(131072, 1, 1 << 24)
     extra: Any = None  # free-form user metadata, logged with the run

@@ -170,6 +170,8 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str) -> i
     elif rc != 0:
         print(f"dsaflow {job}: workers exited with status {rc}; see the output above and {run_dir}/train.log",
               file=sys.stderr, flush=True)
+    if job == "train":
+        print(train_summary(cfg, run_dir, rc), flush=True)
     return rc
 
 
@@ -183,8 +185,13 @@ def launch(cfg, plan: Plan, job: str = "train") -> int:
     for stale in run_dir.glob("error-rank*.txt"):
         stale.unlink()
     cmd = torchrun_command(run_dir, plan.pipeline.ranks, job)
-    print(f"run dir: {run_dir}\nlaunch:  {' '.join(cmd[1:])}", flush=True)
-    return supervise(cmd, launch_env(run_dir=run_dir), run_dir, job)
+    from .run_summary import shell_command, train_summary
+
+    print(f"run dir: {run_dir}\nlaunch:  {shell_command(cmd)}", flush=True)
+    rc = supervise(cmd, launch_env(run_dir=run_dir), run_dir, job)
+    if job == "train" and rc < 128:  # an interrupted run already said so in one line
+        print(train_summary(cfg, run_dir, rc), flush=True)
+    return rc
 
 
 def prepare(cfg, plan: Plan, job: str = "train") -> Path:

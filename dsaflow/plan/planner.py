@@ -19,17 +19,12 @@ from dsaflow.plan.plan import LayerPlan, Plan, PlanError, StagePlan
 from dsaflow.plan.schedule import resolve_pipeline, stage_ranks
 from dsaflow.plan.stage_estimates import build_estimates, layer_costs, promotion_costs
 
-FORMATS = ("table", "json")
-
-
 def check_fields(cfg) -> None:
     """Every declared range and choice (dsaflow.config.schema.validate: compose runs it too, this covers configs
     built in code), then the planner's cross-field rules on single groups."""
     from dsaflow.config.schema import validate
 
     validate(cfg)
-    if cfg.format not in FORMATS:
-        raise PlanError(f"format={cfg.format!r} is not an output format. Fix: use one of {', '.join(FORMATS)}.")
     m = cfg.model
     if m.index_rope_head_dim > m.index_head_dim:
         raise PlanError(
@@ -65,15 +60,16 @@ def resolve_layers(roles: Tuple[str, ...], stage_of: List[int]) -> Tuple[LayerPl
     return tuple(out)
 
 
-def build_plan(cfg) -> Plan:
-    """Resolve and check `cfg` (a DSAFlowConfig); raises PlanError on any config or plan mistake."""
+def build_plan(cfg, nproc=None) -> Plan:
+    """Resolve and check `cfg` (a DSAFlowConfig); raises PlanError on any config or plan mistake.
+    nproc: the process count the command was asked to launch (`dsaflow train --nproc N`); None = pipeline ranks."""
     check_fields(cfg)
     n = cfg.model.num_layers
     roles, layout_starts = declared_roles(cfg)
     starts = stage_starts(cfg, layout_starts, layer_costs(cfg, roles), promotion_costs(cfg, roles))
     stage_of = stage_of_layers(starts, n)
     pipeline = resolve_pipeline(
-        cfg.pipeline, len(starts), mode=cfg.mode, batch_size=cfg.train.batch_size, nproc=cfg.nproc
+        cfg.pipeline, len(starts), mode=cfg.mode, batch_size=cfg.train.batch_size, nproc=nproc
     )
     ranks = stage_ranks(len(starts), pipeline)
     bounds = list(starts[1:]) + [n]

@@ -6,7 +6,7 @@ promoted to F (its reason is listed under the table); `6:F` = declared F.
 from __future__ import annotations
 
 import io
-from typing import Iterable
+from typing import Iterable, Optional
 
 from rich import box
 from rich.console import Console
@@ -43,6 +43,10 @@ def flops(n: float) -> str:
     return human(n, "FLOP")
 
 
+def _n(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def layer_marks(plan: Plan, layer_ids: Iterable[int]) -> str:
     out = []
     for i in layer_ids:
@@ -56,60 +60,84 @@ def layer_marks(plan: Plan, layer_ids: Iterable[int]) -> str:
     return " ".join(out)
 
 
-def _stage_table(plan: Plan, est) -> Table:
+def _stage_table(plan: Plan, est, part: str = "all") -> Table:
+    """part: all | layers (stage, rank, roles) | numbers (stage and its estimates): narrow terminals get two tables."""
     ctx = est.get("savings_context", 0)
-    t = Table(title="stages", box=box.SIMPLE_HEAD)
+    t = Table(title="stages" if part != "numbers" else "stage estimates", box=box.SIMPLE_HEAD)
     t.add_column("stage", no_wrap=True)
-    t.add_column("rank", no_wrap=True)
-    t.add_column("layers (F, S<source, F! promoted)", overflow="fold", min_width=24, max_width=44)
-    for col in ("F/S/!", "params", f"indexer saved/token @{ntokens(ctx)}", "KV cache/seq", "activations/microbatch",
-                "fwd cost"):
-        t.add_column(col, no_wrap=True, justify="right")
+    if part != "numbers":
+        t.add_column("rank", no_wrap=True)
+        t.add_column("layers\n(F, S<source, F! promoted)", overflow="fold", min_width=16, max_width=60)
+        t.add_column("F/S/!", no_wrap=True, justify="right")
+    if part != "layers":
+        for col in ("params", f"indexer saved\n/token @{ntokens(ctx)}", "KV cache\n/seq", "activations\n/microbatch",
+                    "fwd\ncost"):
+            t.add_column(col, no_wrap=True, justify="right")
     total_cost = sum(s["forward_flops_per_token"] for s in est["stages"]) or 1
     for st, se in zip(plan.stages, est["stages"]):
-        t.add_row(
-            str(st.index), str(st.rank), layer_marks(plan, st.layers),
-            f"{se['f_layers']}/{se['s_layers']}/{se['promoted']}",
-            human(se["params"]),
-            flops(se["indexer_flops_saved_per_token"]),
-            nbytes(se["kv_cache_bytes_per_seq"]),
-            f"{nbytes(se['activation_bytes_per_microbatch'])} x{se['microbatches_in_flight']}",
-            f"{100 * se['forward_flops_per_token'] / total_cost:.1f}%",
-        )
+        cells = [str(st.index)]
+        if part != "numbers":
+            cells += [str(st.rank), layer_marks(plan, st.layers), f"{se['f_layers']}/{se['s_layers']}/{se['promoted']}"]
+        if part != "layers":
+            cells += [
+                human(se["params"]),
+                flops(se["indexer_flops_saved_per_token"]),
+                nbytes(se["kv_cache_bytes_per_seq"]),
+                f"{nbytes(se['activation_bytes_per_microbatch'])} x{se['microbatches_in_flight']}",
+                f"{100 * se['forward_flops_per_token'] / total_cost:.1f}%",
+            ]
+        t.add_row(*cells)
     return t
 
 
-def _boundary_table(est) -> Table:
-    t = Table(title="stage boundaries: sending the top-k indices across vs recomputing them on the next stage "
-              "(transfer is off: this is the trade)", box=box.SIMPLE_HEAD)
-    t.add_column("after stage", no_wrap=True)
-    t.add_column("next stage starts with", no_wrap=True)
-    for col in ("payload/microbatch", "recompute/microbatch", "payload/decode token", "recompute/decode token",
-                "indexer params"):
-        t.add_column(col, no_wrap=True, justify="right")
+def _boundary_table(est, part: str = "all") -> Table:
+    """part: all | microbatch (training/prefill trade) | decode (per decode token): narrow terminals get two tables."""
+    title = ("stage boundaries: sending the top-k indices across vs recomputing them on the next stage "
+             "(transfer is off: this is the trade)")
+    t = Table(title=title if part != "decode" else "the same trade per decode token", box=box.SIMPLE_HEAD)
+    t.add_column("after\nstage", no_wrap=True)
+    t.add_column("next stage\nstarts with", no_wrap=True)
+    cols = []
+    if part != "decode":
+        cols += [("payload\n/microbatch", "index_payload_bytes_per_microbatch", nbytes),
+                 ("recompute\n/microbatch", "recompute_indexer_flops_per_microbatch", flops)]
+    if part != "microbatch":
+        cols += [("payload\n/decode token", "index_payload_bytes_per_decode_token", nbytes),
+                 ("recompute\n/decode token", "recompute_indexer_flops_per_decode_token", flops)]
+    if part != "decode":
+        cols += [("indexer\nparams", "recompute_indexer_params", human)]
+    for head, _, _ in cols:
+        t.add_column(head, no_wrap=True, justify="right")
     for b in est["boundaries"]:
         start = f"layer {b['first_layer']}: " + ("S -> promoted" if b["promoted"] else b["declared"])
-        t.add_row(
-            str(b["after_stage"]), start,
-            nbytes(b["index_payload_bytes_per_microbatch"]), flops(b["recompute_indexer_flops_per_microbatch"]),
-            nbytes(b["index_payload_bytes_per_decode_token"]), flops(b["recompute_indexer_flops_per_decode_token"]),
-            human(b["recompute_indexer_params"]),
-        )
+        t.add_row(str(b["after_stage"]), start, *[fmt(b[key]) for _, key, fmt in cols])
     return t
 
 
-def render_table(plan: Plan, cfg) -> str:
-    """The `dsaflow plan` text: header, stage table, promotions, boundary trade-offs, graph blocks, totals."""
+def terminal_width(default: int = 100) -> int:
+    """Columns of the terminal (COLUMNS, else the tty, else `default`), clamped to 60..160."""
+    import shutil
+
+    return max(60, min(160, shutil.get_terminal_size((default, 24)).columns))
+
+
+def render_table(plan: Plan, cfg, width: Optional[int] = None) -> str:
+    """The `dsaflow plan` text: header, stage table, promotions, boundary trade-offs, graph blocks, totals.
+    width: columns to fit (default: the terminal's, 60..160); long cells and headers wrap to fit."""
     est = plan.estimates
     buf = io.StringIO()
-    con = Console(file=buf, width=160, force_terminal=False, color_system=None, soft_wrap=False)
+    con = Console(file=buf, width=width or terminal_width(), force_terminal=False, color_system=None, soft_wrap=False)
     p, m = plan.pipeline, cfg.model
     con.print(
         f"model={m.name}: {plan.num_layers} layers, dim {m.dim}, {m.n_heads} heads, indexer {m.index_n_heads}x"
-        f"{m.index_head_dim}, topk {m.index_topk} | {plan.num_stages} stages on {p.ranks} ranks "
+        f"{m.index_head_dim}, topk {m.index_topk} | {_n(plan.num_stages, 'stage')} on {_n(p.ranks, 'rank')} "
         f"({p.stages_per_rank} per rank), schedule {p.schedule}, {p.microbatches} microbatches | mode={cfg.mode}"
     )
-    con.print(_stage_table(plan, est))
+    if con.width >= 140:
+        con.print(_stage_table(plan, est))
+    else:  # narrow terminal: roles and estimates side by side would not fit
+        con.print(_stage_table(plan, est, "layers"))
+        con.print(_stage_table(plan, est, "numbers"))
     promoted = [l for l in plan.layers if l.promoted]
     if promoted:
         con.print("promoted layers (declared S, run as F):")
@@ -118,7 +146,11 @@ def render_table(plan: Plan, cfg) -> str:
     else:
         con.print("promoted layers: none")
     if est["boundaries"]:
-        con.print(_boundary_table(est))
+        if con.width >= 120:
+            con.print(_boundary_table(est))
+        else:
+            con.print(_boundary_table(est, "microbatch"))
+            con.print(_boundary_table(est, "decode"))
     if plan.graph_blocks:
         con.print("graph blocks:")
         for b in plan.graph_blocks:

@@ -49,8 +49,8 @@ def resolve_pipeline(pipe, num_stages: int, *, mode: str, batch_size: int, nproc
         _check_training_microbatches(pipe, mb, ranks, num_stages, batch_size)
     if nproc is not None and nproc != ranks:
         raise PlanError(
-            f"nproc={nproc} but the plan has {ranks} pipeline ranks (one process per rank; no data parallelism). "
-            f"Fix: drop nproc or set nproc={ranks}."
+            f"--nproc {nproc} but the plan has {ranks} pipeline ranks (one process per rank; no data parallelism). "
+            f"Fix: drop --nproc or use --nproc {ranks}."
         )
     return PipelinePlan(ranks=ranks, schedule=str(pipe.schedule), microbatches=mb, stages_per_rank=v)
 

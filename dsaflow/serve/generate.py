@@ -150,7 +150,8 @@ def run_serve(ctx) -> None:
     engine = build_engine(cfg, plan, ctx.rank, ctx.device, link)
     report = engine.capture()
     text = report.render()
-    print(text, flush=True)
+    if report.records:  # nothing requested on this rank (CPU, graphs=off): no empty table on the terminal
+        print(text, flush=True)
     _log(ctx.run_dir, ctx.rank, text)
     report.write_json(str(ctx.run_dir))
     t0 = time.perf_counter()

@@ -16,6 +16,8 @@ def _fmt(metrics: Mapping[str, float], keys) -> str:
 
 
 SHOWN = ("loss", "indexer_loss", "lr", "tokens_per_s", "mfu", "acc", "eval_acc", "eval_loss")
+BAR = ("loss", "acc", "tokens_per_s")  # the live bar: short enough for a 100-column terminal
+EVAL = ("eval_loss", "eval_acc")
 
 
 class Progress:
@@ -31,12 +33,13 @@ class Progress:
         else:
             self.mode = "lines"
         if self.mode == "rich":
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress
 
             self._bar = RichProgress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"), transient=False,
+                TextColumn("[bold]train"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"), transient=False, console=Console(file=self.stream),
             )
             self._bar.start()
             self._task = self._bar.add_task("train", total=total, completed=start, info="")
@@ -44,7 +47,9 @@ class Progress:
     def update(self, step: int, metrics: Mapping[str, float], print_line: bool) -> None:
         """step: steps completed so far (1-based)."""
         if self.mode == "rich":
-            self._bar.update(self._task, completed=step, info=_fmt(metrics, SHOWN))
+            if any(k in metrics for k in EVAL):  # eval results stay on screen, one line each: the history is visible
+                self._bar.console.print(f"step {step}/{self.total} {_fmt(metrics, ('loss',) + EVAL)}")
+            self._bar.update(self._task, completed=step, info=_fmt(metrics, BAR))
         elif self.mode == "lines" and print_line:
             print(f"step {step}/{self.total} {_fmt(metrics, SHOWN)}", file=self.stream, flush=True)
 

@@ -24,6 +24,7 @@ class WandbTracker(Tracker):
             entity=track_cfg.entity,
             name=track_cfg.run_name or run_name,
             tags=list(track_cfg.tags or []),
+            group=getattr(track_cfg, "group", None),  # a multirun's jobs share the sweep's name
             mode=track_cfg.mode,
             dir=str(run_dir),
             id=resume_id,

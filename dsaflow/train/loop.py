@@ -46,8 +46,10 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
     tracker.log_config(config_dict(ctx.cfg), ctx.plan.to_dict())
     progress = Progress(t.steps, start, enabled=ctx.is_logging_rank, mode=t.progress)
     if start == 0:
-        msg = (f"training {tr.params:,} parameters on {ctx.plan.pipeline.ranks} rank(s) x {ctx.device.type}, "
-               f"{ctx.plan.num_stages} stage(s), schedule {ctx.plan.pipeline.schedule}, "
+        p = ctx.plan
+        ranks, stages = p.pipeline.ranks, p.num_stages
+        msg = (f"training {tr.params:,} parameters on {ranks} rank{'s' * (ranks != 1)} x {ctx.device.type}, "
+               f"{stages} stage{'s' * (stages != 1)}, schedule {ctx.plan.pipeline.schedule}, "
                f"{ctx.plan.pipeline.microbatches} microbatches")
         progress.message(msg)
         records.log(msg)

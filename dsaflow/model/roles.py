@@ -1,0 +1,51 @@
+"""Switch the F/S roles of a built stage at run time (the IndexCache layer search; evaluating patterns on one model).
+
+A stage built from an all-F plan owns an indexer in every layer. `set_roles(stage, roles)` makes some of them S:
+an S layer keeps its indexer weights (untouched, so the layer can be made F again) but no longer runs them; it reads
+the indices of the nearest preceding F layer of the same stage, exactly as a stage built from a plan with those
+roles would. Only `role` and `source` of the block and of its attention change: no weights move.
+"""
+from __future__ import annotations
+
+from typing import Dict, Mapping
+
+from .stage import StageModule
+
+
+def stage_roles(stage: StageModule) -> Dict[int, str]:
+    """{global layer index: "F" | "S"} of the stage as it will run now."""
+    return {int(k): layer.role for k, layer in stage.layers.items()}
+
+
+def set_roles(stage: StageModule, roles: Mapping[int, str]) -> None:
+    """roles: {global layer index: "F" | "S"} for (a subset of) the stage's layers; layers not named keep their role.
+
+    Raises ValueError if the stage's first layer would be S (indices never cross a stage), or if a layer made F has
+    no indexer weights (it was built as S: its checkpoint carries no indexer to run)."""
+    ids = [int(k) for k in stage.layers.keys()]
+    unknown = sorted(set(int(i) for i in roles) - set(ids))
+    if unknown:
+        raise ValueError(f"set_roles: layers {unknown} are not on stage {stage.stage_index} (layers {ids}).")
+    want = {i: roles.get(i, stage.layers[str(i)].role) for i in ids}
+    bad = sorted(r for r in want.values() if r not in ("F", "S"))
+    if bad:
+        raise ValueError(f"set_roles: roles must be 'F' or 'S', got {bad}.")
+    if want[ids[0]] != "F":
+        raise ValueError(
+            f"set_roles: layer {ids[0]} opens stage {stage.stage_index}, so it must stay F (an S layer needs an "
+            f"earlier F layer on its own stage)."
+        )
+    for i in ids:
+        if want[i] == "F" and stage.layers[str(i)].attn.indexer is None:
+            raise ValueError(
+                f"set_roles: layer {i} was built as S and has no indexer weights, so it cannot run as F. Build the "
+                f"stage from an all-F plan (and an all-F checkpoint) to switch roles freely."
+            )
+    last_f = ids[0]
+    for i in ids:
+        block = stage.layers[str(i)]
+        if want[i] == "F":
+            last_f = i
+        source = i if want[i] == "F" else last_f
+        block.role = block.attn.role = want[i]
+        block.source = block.attn.source = source

@@ -1,0 +1,206 @@
+"""`dsaflow search search.checkpoint=RUN_DIR [search.ratio=0.25 | search.target_f=N] [pipeline=...]`.
+
+Loads an all-F training checkpoint into every stage of the model in this one process, runs the greedy search on
+calibration batches (training-split batches the run never trained on), and writes into `search.out_dir`
+(default `<RUN_DIR>/search`):
+
+    search.jsonl    the resumable log (every candidate and every step)
+    search.csv      one row per step: removed layer, F count, calibration loss / accuracy, layout
+    search.png      calibration loss per step
+    eval.json, eval.md   eval loss / accuracy of all-F, uniform and searched patterns at the same F counts
+and prints the `layout=` string to paste into `dsaflow train` / `dsaflow generate`.
+
+The model, data and sequence length come from the checkpoint's run dir; the stage split comes from this command's
+`pipeline.*` (each stage's first layer stays F, so the searched layout runs on that split without promotion).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from pathlib import Path
+from typing import List, Tuple
+
+import torch
+
+from dsaflow.config.layout import format_layout, freq_roles
+from dsaflow.plan.plan import PlanError
+
+from .evaluate import PatternEvaluator
+from .greedy import SearchLog, Step, greedy_search
+from .png import line_plot_png
+
+CALIB_STEP_OFFSET = 1_000_000  # calibration batch i = training batch CALIB_STEP_OFFSET + i (never trained on)
+
+
+def stage_starts_of(plan) -> Tuple[int, ...]:
+    return tuple(s.layers[0] for s in plan.stages)
+
+
+def uniform_roles(freq: int, num_layers: int, starts) -> Tuple[str, ...]:
+    """Every `freq`-th layer F (index.freq), plus each stage's first layer (what the planner would promote)."""
+    roles = list(freq_roles(freq, 0, num_layers))
+    for s in starts:
+        roles[s] = "F"
+    return tuple(roles)
+
+
+def load_search_model(cfg, device: torch.device):
+    """-> (train cfg of the checkpoint run, plan (all F, this command's stages), [StageModule]) with weights loaded."""
+    import copy
+
+    from dsaflow.config.compose import load_config
+    from dsaflow.model import build_stages
+    from dsaflow.plan import build_plan
+    from dsaflow.run.rundir import CONFIG, PLAN
+    from dsaflow.serve.weights import load_model_weights, resolve_checkpoint
+
+    s = cfg.search
+    if not s.checkpoint:
+        raise PlanError("dsaflow search needs search.checkpoint=<a run dir trained with index=all_full>. Fix: e.g. "
+                        "search.checkpoint=runs/20260101-120000-tiny-retrieval.")
+    from dsaflow.serve.engine import ServeError
+
+    try:
+        ckpt = resolve_checkpoint(s.checkpoint)
+    except ServeError as exc:
+        raise PlanError(str(exc).replace("serve.checkpoint", "search.checkpoint")) from None
+    run_dir = ckpt.parent.parent
+    if not (run_dir / CONFIG).is_file():
+        raise PlanError(f"search.checkpoint={s.checkpoint}: {run_dir / CONFIG} is missing, so the model it was trained "
+                        "with is unknown. Fix: point search.checkpoint at a run dir written by `dsaflow train`.")
+    trained = load_config(run_dir / CONFIG)
+    if (run_dir / PLAN).is_file():
+        from dsaflow.plan.plan import Plan
+
+        old = Plan.from_json((run_dir / PLAN).read_text())
+        s_layers = [l.index for l in old.layers if l.role == "S"]
+        if s_layers:
+            raise PlanError(
+                f"search.checkpoint={s.checkpoint} was trained with S layers {s_layers}, which have no indexer weights, "
+                "so the search cannot try them as F. Fix: search from a run trained with index=all_full."
+            )
+    run_cfg = copy.deepcopy(trained)
+    run_cfg.index.pattern, run_cfg.index.freq, run_cfg.index.offset, run_cfg.layout = None, None, 0, None
+    run_cfg.pipeline = cfg.pipeline
+    run_cfg.graphs.enabled, run_cfg.graphs.blocks = False, []
+    run_cfg.mode = "serve"  # no training schedule runs: the microbatch rules do not apply
+    plan = build_plan(run_cfg)
+    stages = build_stages(run_cfg.model, plan, seed=0)
+    import warnings
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        load_model_weights({i: m for i, m in enumerate(stages)}, ckpt, run_cfg.model)
+    for m in stages:
+        m.to(device).eval()
+    return run_cfg, plan, stages, ckpt
+
+
+def _batches(run_cfg, n: int, calib: bool):
+    from dsaflow.data import BatchSource
+
+    t = run_cfg.train
+    data = BatchSource(run_cfg.data, t.seq_len, t.batch_size, t.seed, run_cfg.model.vocab_size)
+    nq = run_cfg.data.num_queries if data.has_answers else 0
+    if calib:
+        return [data.batch(CALIB_STEP_OFFSET + i) for i in range(n)], nq
+    return [data.val_batch(i) for i in range(n)], nq
+
+
+def eval_table(evaluator: PatternEvaluator, steps: List[Step], starts, ratios) -> List[dict]:
+    """all-F, and per ratio: uniform (every round(1/ratio)-th layer + stage firsts) and the searched pattern with the
+    same F count (when the search went that far). Scored on `evaluator`'s batches (the held-out eval set)."""
+    L = evaluator.num_layers
+    by_f = {s.num_f: s.roles for s in steps}
+    rows = []
+    full = evaluator.score(tuple("F" * L))
+    rows.append({"pattern": "all-F", "ratio": 1.0, "num_f": L, "roles": "F" * L, "loss": full.loss, "acc": full.acc})
+    for r in ratios:
+        freq = max(1, round(1 / r))
+        uni = uniform_roles(freq, L, starts)
+        nf = uni.count("F")
+        sc = evaluator.score(uni)
+        rows.append({"pattern": f"uniform 1/{freq}", "ratio": r, "num_f": nf, "roles": "".join(uni),
+                     "loss": sc.loss, "acc": sc.acc})
+        if nf in by_f:
+            sc = evaluator.score(tuple(by_f[nf]))
+            rows.append({"pattern": f"searched 1/{freq}", "ratio": r, "num_f": nf, "roles": by_f[nf],
+                         "loss": sc.loss, "acc": sc.acc})
+    return rows
+
+
+def _md_table(rows: List[dict], starts) -> str:
+    out = ["| pattern | F layers | layout | eval loss | eval acc |", "|---|---|---|---|---|"]
+    for r in rows:
+        acc = "n/a" if r["acc"] != r["acc"] else f"{r['acc']:.3f}"
+        out.append(f"| {r['pattern']} | {r['num_f']} | `{format_layout(tuple(r['roles']), starts)}` | "
+                   f"{r['loss']:.4f} | {acc} |")
+    return "\n".join(out) + "\n"
+
+
+def run_search(cfg) -> int:
+    """The `dsaflow search` command (parent process, no torchrun). Returns 0."""
+    from dsaflow.run.context import resolve_device_type
+
+    s = cfg.search
+    if s.calib_batches < 1 or s.eval_batches < 0:
+        raise PlanError(f"search.calib_batches={s.calib_batches} / search.eval_batches={s.eval_batches}: need >= 1 "
+                        "calibration batch and >= 0 eval batches. Fix: e.g. search.calib_batches=8.")
+    dev = torch.device(resolve_device_type(s.device))
+    torch.set_num_threads(max(1, cfg.train.cpu_threads)) if dev.type == "cpu" else None
+    run_cfg, plan, stages, ckpt = load_search_model(cfg, dev)
+    L = plan.num_layers
+    starts = stage_starts_of(plan)
+    if s.target_f is not None:
+        target = s.target_f
+    else:
+        if not 0 < s.ratio <= 1:
+            raise PlanError(f"search.ratio={s.ratio}: must lie in (0, 1]. Fix: e.g. search.ratio=0.25.")
+        target = max(len(starts), round(s.ratio * L))
+    if not len(starts) <= target <= L:
+        raise PlanError(
+            f"search.target_f={target}: must lie in {len(starts)}..{L} (each of the {len(starts)} stages keeps its "
+            f"first layer F). Fix: choose a target in that range."
+        )
+    eval_targets = [max(len(starts), round(r * L)) for r in s.eval_ratios]
+    floor = min([target] + eval_targets)  # search far enough for every ratio of the eval table
+    out = Path(s.out_dir) if s.out_dir else ckpt.parent.parent / "search"
+    out.mkdir(parents=True, exist_ok=True)
+    header = {"checkpoint": str(ckpt.resolve()), "stage_starts": list(starts), "num_layers": L,
+              "calib_batches": s.calib_batches, "seq_len": run_cfg.train.seq_len, "batch_size": run_cfg.train.batch_size,
+              "seed": run_cfg.train.seed, "data": run_cfg.data.name}
+    log = SearchLog(out / "search.jsonl", header, restart=s.restart)
+    print(f"search: {L} layers, stages start at {list(starts)} (kept F), target {target} F "
+          f"({target / L:.2f}), {s.calib_batches} calibration batches of {run_cfg.train.batch_size}x"
+          f"{run_cfg.train.seq_len} on {dev.type}; log {out / 'search.jsonl'}", flush=True)
+    t0 = time.perf_counter()
+    batches, nq = _batches(run_cfg, s.calib_batches, calib=True)
+    ev = PatternEvaluator(stages, batches, dev, nq)
+    steps = greedy_search(ev, starts, floor, log, report=lambda m: print(m, flush=True))
+    search_s = time.perf_counter() - t0
+    chosen = next(st for st in steps if st.num_f == target) if any(st.num_f == target for st in steps) else steps[-1]
+    with (out / "search.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "removed_layer", "num_f", "f_ratio", "calib_loss", "calib_acc", "layout"])
+        for st in steps:
+            w.writerow([st.step, "" if st.removed is None else st.removed, st.num_f, f"{st.num_f / L:.4f}",
+                        f"{st.loss:.6f}", "" if math.isnan(st.acc) else f"{st.acc:.4f}",
+                        format_layout(tuple(st.roles), starts)])
+    line_plot_png(out / "search.png", [st.loss for st in steps])
+    rows: List[dict] = []
+    if s.eval_batches:
+        vb, _ = _batches(run_cfg, s.eval_batches, calib=False)
+        rows = eval_table(PatternEvaluator(stages, vb, dev, nq), steps, starts, s.eval_ratios)
+        (out / "eval.json").write_text(json.dumps({"checkpoint": str(ckpt), "eval_batches": s.eval_batches,
+                                                   "rows": rows}, indent=2) + "\n")
+        (out / "eval.md").write_text(_md_table(rows, starts))
+    layout = format_layout(tuple(chosen.roles), starts)
+    (out / "layout.txt").write_text(layout + "\n")
+    print(f"search: done in {search_s:.0f} s ({ev.layer_calls} layer forwards); wrote {out}/search.csv, "
+          f"search.png{', eval.md' if rows else ''}", flush=True)
+    if rows:
+        print(f"eval on {s.eval_batches} held-out batches:\n" + _md_table(rows, starts), flush=True)
+    print(f'layout="{layout}"', flush=True)
+    return 0

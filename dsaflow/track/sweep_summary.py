@@ -1,0 +1,84 @@
+"""The end of a multirun: one row per job (the overrides that vary, final metrics, exit status), written into the
+sweep dir as summary.csv and summary.md and returned as text for the terminal."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Dict, List
+
+METRICS = ("loss", "indexer_loss", "eval_loss", "eval_acc", "tokens_per_s")
+
+
+def final_metrics(run_dir) -> Dict[str, float]:
+    """Last value of each metric in <run_dir>/metrics.jsonl (eval metrics: the last eval); tokens/s: the median
+    over the run's steps after the first (the first step includes start-up)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    out: Dict[str, float] = {}
+    for r in recs:
+        for k in ("loss", "indexer_loss", "eval_loss", "eval_acc", "step"):
+            if k in r:
+                out[k] = r[k]
+    tps = sorted(r["tokens_per_s"] for r in recs[1:] if "tokens_per_s" in r) or [
+        r["tokens_per_s"] for r in recs if "tokens_per_s" in r]
+    if tps:
+        out["tokens_per_s"] = tps[len(tps) // 2]
+    return out
+
+
+def varying(results) -> List[str]:
+    """Override keys whose value is not the same in every job (in first-seen order)."""
+    per_job = [dict(o.split("=", 1) if "=" in o else (o, "") for o in r.overrides) for r in results]
+    keys: List[str] = []
+    for d in per_job:
+        keys += [k for k in d if k not in keys]
+    return [k for k in keys if len({d.get(k) for d in per_job}) > 1 or any(k not in d for d in per_job)] or keys
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    return str(v)
+
+
+def summary_rows(results) -> List[Dict[str, str]]:
+    keys = varying(results)
+    rows = []
+    for r in sorted(results, key=lambda r: r.num):
+        ov = dict(o.split("=", 1) if "=" in o else (o, "") for o in r.overrides)
+        m = final_metrics(r.run_dir) if r.run_dir else {}
+        row = {"job": str(r.num), **{k: ov.get(k, "") for k in keys}}
+        row.update({k: _fmt(m.get(k)) for k in METRICS})
+        row["steps"] = _fmt(m.get("step"))
+        row["status"] = r.status
+        row["run_dir"] = r.run_dir or ""
+        rows.append(row)
+    return rows
+
+
+def write_summary(sweep_dir, results) -> str:
+    """Write summary.csv and summary.md into the sweep dir; -> the markdown table with a header line."""
+    sweep_dir = Path(sweep_dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    rows = summary_rows(results)
+    if not rows:
+        return f"sweep {sweep_dir}: no job ran"
+    cols = list(rows[0].keys())
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols)
+    w.writeheader()
+    w.writerows(rows)
+    (sweep_dir / "summary.csv").write_text(buf.getvalue())
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(r[c].replace("|", "\\|") for c in cols) + " |" for r in rows]
+    ok = sum(r.exit_code == 0 for r in results)
+    head = f"sweep {sweep_dir}: {ok}/{len(results)} jobs ok (wandb group {sweep_dir.name})"
+    text = head + "\n\n" + "\n".join(md) + "\n"
+    (sweep_dir / "summary.md").write_text(text)
+    return text + f"\nwrote {sweep_dir / 'summary.csv'} and {sweep_dir / 'summary.md'}"
