@@ -170,8 +170,6 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str) -> i
     elif rc != 0:
         print(f"dsaflow {job}: workers exited with status {rc}; see the output above and {run_dir}/train.log",
               file=sys.stderr, flush=True)
-    if job == "train":
-        print(train_summary(cfg, run_dir, rc), flush=True)
     return rc
 
 
