@@ -21,11 +21,12 @@ kernels)
     tests/test_ops_hopper.py tests/test_indexer_topk_kernels.py tests/test_ops_indexer_loss.py \
     tests/test_ops_dense_indexer_kl.py
   summary
-  step bench_ops 150 python3 scripts/bench_ops.py --out "$OUT" --only mla,decode,indexer --no-sweep
+  step bench_ops 150 python3 scripts/bench_ops.py --out "$OUT" --only mla,decode --no-sweep
+  step bench_topk 90 python3 scripts/bench_indexer_topk.py --out "$OUT"
   step train_layer 150 python3 scripts/bench_train_layer.py --seq 4096,16384 --layers 4 --out "$OUT"
   step train_128k 90 python3 scripts/bench_train_layer.py --seq 131072 --layers 2 --index all_full --impls fused \
     --no-profile --reps 1 --out "$OUT/k128"
-  cat "$OUT/bench_ops.md" "$OUT/bench_train_layer.md" "$OUT/k128/bench_train_layer.md" 2>/dev/null ;;
+  cat "$OUT/bench_ops.md" "$OUT"/indexer_topk.md "$OUT/bench_train_layer.md" "$OUT/k128/bench_train_layer.md" 2>/dev/null ;;
 model)
   step model_tests 200 python3 -m pytest -q -m gpu tests/test_graphs_gpu.py tests/test_train_gpu.py \
     tests/test_generate_cli.py tests/test_dense_warmup.py
@@ -33,8 +34,8 @@ model)
   step main_job_1gpu 120 python3 -m dsaflow.cli train train.device=cuda track=none train.progress=lines \
     run_dir=/tmp/r/main1
   cp /tmp/r/main1/metrics.jsonl "$OUT/main1_metrics.jsonl" 2>/dev/null
-  step indexcache 240 python3 scripts/bench_indexcache.py --out "$OUT"
-  cat "$OUT"/bench_indexcache.md 2>/dev/null ;;
+  step indexcache 300 python3 scripts/bench_indexcache.py --out "$OUT/indexcache" --decode-steps 32 --sdpa-repeats 2
+  cat "$OUT"/indexcache/*.md 2>/dev/null ;;
 multi)
   for i in $(seq 1 "${REPEAT:-5}"); do
     step multigpu_run$i 150 python3 -m pytest -q -m multigpu tests/

@@ -89,7 +89,7 @@ def _distilled_eval(rd: Path, batches: int) -> dict:
 
     from dsaflow.config.compose import load_config
     from dsaflow.data import BatchSource
-    from dsaflow.model import build_stages
+    from dsaflow.run.stages import build_stages
     from dsaflow.plan.plan import Plan
     from dsaflow.serve.weights import load_model_weights
     from dsaflow.search.evaluate import PatternEvaluator

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsaflow.model import build_stages
+from dsaflow.run.stages import build_stages
 from dsaflow.model.roles import set_roles, stage_roles
 from dsaflow.search import PatternEvaluator, SearchLog, greedy_search
 from dsaflow.search.run import uniform_roles

@@ -1,6 +1,6 @@
 """Switch the F/S roles of a built stage at run time (the IndexCache layer search; evaluating patterns on one model).
 
-A stage built from an all-F plan owns an indexer in every layer. `set_roles(stage, roles)` makes some of them S:
+A stage built with every layer F owns an indexer in every layer. `set_roles(stage, roles)` makes some of them S:
 an S layer keeps its indexer weights (untouched, so the layer can be made F again) but no longer runs them; it reads
 the indices of the nearest preceding F layer of the same stage, exactly as a stage built from a plan with those
 roles would. Only `role` and `source` of the block and of its attention change: no weights move.
@@ -25,21 +25,21 @@ def set_roles(stage: StageModule, roles: Mapping[int, str]) -> None:
     ids = [int(k) for k in stage.layers.keys()]
     unknown = sorted(set(int(i) for i in roles) - set(ids))
     if unknown:
-        raise ValueError(f"set_roles: layers {unknown} are not on stage {stage.stage_index} (layers {ids}).")
+        raise ValueError(f"set_roles: layers {unknown} are not in this stage (layers {ids}).")
     want = {i: roles.get(i, stage.layers[str(i)].role) for i in ids}
     bad = sorted(r for r in want.values() if r not in ("F", "S"))
     if bad:
         raise ValueError(f"set_roles: roles must be 'F' or 'S', got {bad}.")
     if want[ids[0]] != "F":
         raise ValueError(
-            f"set_roles: layer {ids[0]} opens stage {stage.stage_index}, so it must stay F (an S layer needs an "
+            f"set_roles: layer {ids[0]} opens the stage, so it must stay F (an S layer needs an "
             f"earlier F layer on its own stage)."
         )
     for i in ids:
         if want[i] == "F" and stage.layers[str(i)].attn.indexer is None:
             raise ValueError(
                 f"set_roles: layer {i} was built as S and has no indexer weights, so it cannot run as F. Build the "
-                f"stage from an all-F plan (and an all-F checkpoint) to switch roles freely."
+                f"stage with every layer F (and an all-F checkpoint) to switch roles freely."
             )
     last_f = ids[0]
     for i in ids:

@@ -51,7 +51,7 @@ def load_search_model(cfg, device: torch.device):
     import copy
 
     from dsaflow.config.compose import load_config
-    from dsaflow.model import build_stages
+    from dsaflow.run.stages import build_stages
     from dsaflow.plan import build_plan
     from dsaflow.run.rundir import CONFIG, PLAN
     from dsaflow.serve.weights import load_model_weights, resolve_checkpoint

@@ -1,0 +1,125 @@
+"""Benchmark the lightning indexer op: logits + radix-select top-k vs the previous int64-key torch.topk path.
+
+Shapes: DeepSeek-V3.2 indexer (64 heads x 128, topk 2048, bf16), one sequence; by default the last 4096 queries of an
+8K / 32K / 128K context (the same queries as `bench_ops.py`), plus one whole causal prefill (every query of a 32K
+context, chunked). Rows: the whole op with each selector, its parts (fp32 logits with invisible tiles unwritten,
+radix select alone on those scores, int64 keys + torch.topk + sort alone), and a small sweep of the select kernel
+(block size, warps, sample size, candidate cap) and decode-like row counts at the largest context. Writes indexer_topk.json and indexer_topk.md to --out.
+
+    python3 scripts/bench_indexer_topk.py --out /tmp/bench [--contexts 8192,32768,131072] [--queries 4096]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton
+
+from dsaflow.ops.indexer_topk.triton_indexer import (
+    indexer_logits_triton, indexer_topk_triton, query_chunk, topk_from_keys,
+)
+from dsaflow.ops.indexer_topk.triton_select import radix_topk_triton, select_scratch
+
+H_I, D_I, TOPK = 64, 128, 2048
+
+
+def bench(fn, rep_ms=200) -> float:
+    return triton.testing.do_bench(fn, warmup=30, rep=rep_ms, return_mode="median")
+
+
+def inputs(S: int, T: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, T, H_I, D_I, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, S, D_I, device="cuda", generator=g).bfloat16()
+    w = torch.randn(1, T, H_I, device="cuda", generator=g).bfloat16()
+    pos = torch.arange(S - T, S, device="cuda").unsqueeze(0)
+    return q, k, w, pos
+
+
+def run(contexts, n_queries, prefill_ctx, out_dir):
+    rows = []
+
+    def record(what, ctx, queries, ms, **extra):
+        rows.append(dict(what=what, context=ctx, queries=queries, time_ms=round(ms, 4), **extra))
+        print(f"{what:55s} ctx {ctx:7d} queries {queries:6d} {ms:9.3f} ms {extra or ''}", flush=True)
+
+    for S in contexts:
+        T = min(n_queries, S)
+        q, k, w, pos = inputs(S, T)
+        visible = int((pos + 1).clamp(max=S).sum())
+        flops = 2 * H_I * D_I * visible
+        old = indexer_topk_triton(q, k, w, pos, TOPK, select="sort")
+        new = indexer_topk_triton(q, k, w, pos, TOPK, select="radix")
+        same = bool(torch.equal(old, new))
+        ms_old = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="sort"))
+        ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="radix"))
+        ms_auto = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK))
+        record("op: logits + int64 keys + torch.topk + sort (before)", S, T, ms_old)
+        record("op: logits + select kernels", S, T, ms_new, speedup=round(ms_old / ms_new, 2), same_indices=same,
+               tflops=round(flops / ms_new / 1e9, 1))
+        record("op: default (select=auto)", S, T, ms_auto, speedup=round(ms_old / ms_auto, 2))
+        chunk = query_chunk(1, T, S)
+        qc, wc, pc = q[:, :chunk], w[:, :chunk], pos[:, :chunk]
+        scores = torch.empty(1, chunk, S, device="cuda")
+        keys = torch.empty(1, chunk, S, device="cuda", dtype=torch.int64)
+        scratch = select_scratch(chunk, S, TOPK, "cuda")
+        ms = bench(lambda: indexer_logits_triton(qc, k, wc, pc, scores, write_invisible=False))
+        record("part: fp32 logits (invisible tiles unwritten)", S, chunk, ms,
+               tflops=round(2 * H_I * D_I * int((pc + 1).sum()) / ms / 1e9, 1))
+        indexer_logits_triton(qc, k, wc, pc, keys)
+        ms = bench(lambda: topk_from_keys(keys, TOPK))
+        record("part: int64 keys torch.topk + sort", S, chunk, ms)
+        ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch))
+        record("part: radix select", S, chunk, ms, tbps_one_read=round(4 * int((pc + 1).sum()) / ms / 1e9, 3))
+        if S == contexts[-1]:
+            sweep = [dict(BLOCK=bl, warps_compact=wp) for bl in (512, 1024, 2048) for wp in (4, 8)]
+            sweep += [dict(SAMPLE=2048), dict(CAP=8192), dict(warps_finish=4), dict(warps_finish=16),
+                      dict(warps_floor=8), dict(CAP=2048)]  # CAP 2048: nearly every row takes the radix fallback
+            for cfg in sweep:
+                ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch, overrides=cfg), rep_ms=100)
+                record("sweep: select " + " ".join(f"{k} {v}" for k, v in cfg.items()), S, chunk, ms)
+            for n_rows in (1, 8, 64):  # decode-like: a few rows of the longest context
+                ms = bench(lambda: radix_topk_triton(scores[:, :n_rows], pc[:, :n_rows], TOPK, scratch=scratch))
+                record(f"decode-like: select, {n_rows} rows", S, n_rows, ms)
+                ms = bench(lambda: topk_from_keys(keys[:, :n_rows], TOPK))
+                record(f"decode-like: int64 keys torch.topk + sort, {n_rows} rows", S, n_rows, ms)
+        del scores, keys, scratch
+    if prefill_ctx:
+        S = prefill_ctx
+        q, k, w, pos = inputs(S, S)
+        old = indexer_topk_triton(q, k, w, pos, TOPK, select="sort")
+        same = bool(torch.equal(old, indexer_topk_triton(q, k, w, pos, TOPK, select="radix")))
+        del old
+        ms_old = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="sort"), rep_ms=300)
+        ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="radix"), rep_ms=300)
+        record("whole causal prefill: before", S, S, ms_old)
+        record("whole causal prefill: after", S, S, ms_new, speedup=round(ms_old / ms_new, 2), same_indices=same,
+               tflops=round(2 * H_I * D_I * S * (S + 1) / 2 / ms_new / 1e9, 1))
+    os.makedirs(out_dir, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    with open(os.path.join(out_dir, "indexer_topk.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    lines = [f"Indexer op on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}); 64 heads x 128, "
+             f"topk {TOPK}, bf16, one sequence.", "", "| what | context | queries | ms | notes |", "|---|---|---|---|---|"]
+    for r in rows:
+        notes = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("what", "context", "queries", "time_ms"))
+        lines.append(f"| {r['what']} | {r['context']} | {r['queries']} | {r['time_ms']} | {notes} |")
+    with open(os.path.join(out_dir, "indexer_topk.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--contexts", default="8192,32768,131072")
+    ap.add_argument("--queries", type=int, default=4096)
+    ap.add_argument("--prefill-context", type=int, default=32768, help="0 skips the whole-prefill row")
+    a = ap.parse_args()
+    run([int(c) for c in a.contexts.split(",")], a.queries, a.prefill_context, a.out)
+
+
+if __name__ == "__main__":
+    main()
