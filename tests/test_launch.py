@@ -89,8 +89,13 @@ def test_launch_line_and_end_of_run_summary(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(
         json.dumps({"step": 1, "loss": 2.0, "tokens_per_s": 10.0}) + "\n"
         + json.dumps({"step": 2, "loss": 1.5, "indexer_loss": 0.1, "eval_acc": 0.75, "tokens_per_s": 12.0}) + "\n")
-    (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step-000002" / ".metadata").write_bytes(b"")
+    from dsaflow.plan import build_plan
+    from dsaflow.run.ckpt_store import checkpoint_dir
+    from dsaflow.run.stages import build_stages
+    from dsaflow.train.checkpoint import save_checkpoint
+
+    small = DSAFlowConfig()
+    save_checkpoint(checkpoint_dir(tmp_path, 2), build_stages(small.model, build_plan(small)), None, 0, 2)
     (tmp_path / "wandb" / "offline-run-x").mkdir(parents=True)
     text = train_summary(DSAFlowConfig(), tmp_path, 0)
     assert f"training finished: {tmp_path}" in text
