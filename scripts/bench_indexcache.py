@@ -41,8 +41,9 @@ import dsaflow.model.stage as stage_mod  # noqa: E402
 from dsaflow.config.compose import compose  # noqa: E402
 from dsaflow.ops.indexer_topk import indexer_topk  # noqa: E402
 from dsaflow.plan import build_plan  # noqa: E402
-from dsaflow.runtime.engine import PipelineEngine  # noqa: E402
-from dsaflow.runtime.serve import serve_dtype  # noqa: E402
+from dsaflow.run.stages import stage_module  # noqa: E402
+from dsaflow.serve.engine import PipelineEngine  # noqa: E402
+from dsaflow.serve.generate import serve_dtype  # noqa: E402
 
 PAPER = {"contexts": [10_000, 60_000, 120_000, 200_000], "prefill_1_4": [1.27, 1.31, 1.51, 1.82],
          "decode_1_4": [1.24, 1.33, 1.40, 1.48], "indexer_share_prefill": [0.27, 0.81],
@@ -114,7 +115,7 @@ def build_stage(cfg, plan, device, dtype):
     stage_mod.init_stage_weights = fast_init
     try:
         with torch.device(device):
-            st = stage_mod.StageModule(cfg.model, plan, 0, seed=cfg.train.seed)
+            st = stage_module(cfg.model, plan, 0, seed=cfg.train.seed)
     finally:
         stage_mod.init_stage_weights = original
     return st.to(dtype=dtype).eval()

@@ -141,13 +141,12 @@ def test_prompts_file_and_output_file(tmp_path, capsys):
 
 
 def test_checkpoint_weights_are_served(tmp_path):
-    """A DCP folder in the trainer's layout (model.<key>) written from seed-1 weights serves like a seed-1 model."""
-    import torch.distributed.checkpoint as dcp
+    """A checkpoint in the trainer's layout written from seed-1 weights serves like a seed-1 model."""
+    from dsaflow.train.checkpoint import save_checkpoint
 
     cfg1, plan1 = setup(["layout=FS|FF", "train.seed=1"])
-    sd = {f"model.{k}": v for s in build_stages(cfg1.model, plan1, seed=1) for k, v in s.state_dict().items()}
     ckpt = tmp_path / "checkpoints" / "step-000001"
-    dcp.save(sd, checkpoint_id=str(ckpt))
+    save_checkpoint(ckpt, build_stages(cfg1.model, plan1, seed=1), None, 0, 1)
     want, _ = run(cfg1, plan1)
     cfg0, plan0 = setup(["layout=FS|FF", f"serve.checkpoint={tmp_path}"])  # a run dir: latest checkpoint
     got, _ = run(cfg0, plan0)
@@ -161,18 +160,17 @@ def test_checkpoint_weights_are_served(tmp_path):
     cfg_bad, plan_bad = setup(["layout=FS|FF", "model.inter_dim=96", f"serve.checkpoint={tmp_path}"])
     with pytest.raises(ServeError, match="model.inter_dim: trained 128 vs serving 96"):
         check_serve(cfg_bad, plan_bad, "cpu")
-    with pytest.raises(ServeError, match="neither a checkpoint folder"):
+    with pytest.raises(ServeError, match="neither a checkpoint folder nor a run dir holding a good"):
         check_serve(*setup([f"serve.checkpoint={tmp_path / 'checkpoints'}"]), "cpu")
 
 
 def test_checkpoint_with_other_roles_is_a_clear_error(tmp_path):
-    import torch.distributed.checkpoint as dcp
+    from dsaflow.train.checkpoint import save_checkpoint
 
     cfg1, plan1 = setup(["layout=FSSS"])
-    sd = {f"model.{k}": v for s in build_stages(cfg1.model, plan1) for k, v in s.state_dict().items()}
-    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"))
+    save_checkpoint(tmp_path / "ck", build_stages(cfg1.model, plan1), None, 0, 1)
     cfg, plan = setup(["layout=FFFF", f"serve.checkpoint={tmp_path / 'ck'}"])
-    with pytest.raises(ServeError, match="could not load this rank's weights"):
+    with pytest.raises(ServeError, match="has no weights for .*indexer"):
         build_engine(cfg, plan, 0, "cpu", all_stages=True)
 
 
@@ -180,15 +178,28 @@ ERRORS = [
     (["serve.prompts=[]"], "no prompts"),
     (["serve.prompts=[]", "serve.prompts_file=/nonexistent.jsonl"], "does not exist"),
     (["serve.max_context=20"], r"prompt 1 is 16 tokens.*serve.max_context=20. Fix: serve.max_context=21"),
-    (["serve.max_new_tokens=0"], "serve.max_new_tokens=0"),
-    (["serve.top_p=0"], "serve.top_p=0"),
-    (["serve.temperature=-1"], "serve.temperature=-1"),
-    (["serve.dtype=fp16"], "serve.dtype='fp16'"),
     (["serve.eos_id=999"], "serve.eos_id=999"),
     (["serve.checkpoint=/nope"], "serve.checkpoint=/nope does not exist"),
     (["graphs=decode", "serve.max_batch=4"], r"shape_classes=\[1, 2, 4, 8\] go beyond serve.max_batch=4"),
     (["graphs=decode_prefill"], r"largest prefill class must equal serve.prefill_chunk=4"),
 ]
+
+
+# single-field ranges and choices are the schema's: refused at compose
+COMPOSE_ERRORS = [
+    (["serve.max_new_tokens=0"], "serve.max_new_tokens=0 is out of range"),
+    (["serve.top_p=0"], r"serve.top_p=0 is out of range: allowed \(0, 1\]"),
+    (["serve.temperature=-1"], "serve.temperature=-1 is out of range"),
+    (["serve.dtype=fp16"], "serve.dtype='fp16' is not a valid choice. Fix: use one of auto, fp32, bf16"),
+]
+
+
+@pytest.mark.parametrize("overrides,match", COMPOSE_ERRORS)
+def test_serve_field_errors_at_compose(overrides, match):
+    from dsaflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        setup(['serve.prompts=["hello"]', *overrides])
 
 
 @pytest.mark.parametrize("overrides,match", ERRORS)

@@ -63,12 +63,12 @@ def test_cuda_without_gpu_stops(no_launch, capsys):
 def test_resume_without_checkpoint_stops(no_launch, capsys):
     (no_launch / "old").mkdir()
     assert cli.main(["train", "run_dir=old", "train.resume=true"]) == 2
-    assert "holds no complete checkpoint" in capsys.readouterr().err
+    assert "is not a dsaflow run dir" in capsys.readouterr().err
 
 
 def test_torchrun_command_and_env():
     cmd = torchrun_command("runs/x", 4, "generate")
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "dsaflow.worker",
+    assert cmd[1:] == ["-m", "dsaflow.launch.agent", "--standalone", "--nproc-per-node=4", "-m", "dsaflow.worker",
                        "runs/x", "--job", "generate"]
     env = launch_env({"NCCL_NVLS_ENABLE": "1"})
     assert env["NCCL_NVLS_ENABLE"] == "1", "a user's own value wins"
@@ -89,8 +89,13 @@ def test_launch_line_and_end_of_run_summary(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(
         json.dumps({"step": 1, "loss": 2.0, "tokens_per_s": 10.0}) + "\n"
         + json.dumps({"step": 2, "loss": 1.5, "indexer_loss": 0.1, "eval_acc": 0.75, "tokens_per_s": 12.0}) + "\n")
-    (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step-000002" / ".metadata").write_bytes(b"")
+    from dsaflow.plan import build_plan
+    from dsaflow.run.ckpt_store import checkpoint_dir
+    from dsaflow.run.stages import build_stages
+    from dsaflow.train.checkpoint import save_checkpoint
+
+    small = DSAFlowConfig()
+    save_checkpoint(checkpoint_dir(tmp_path, 2), build_stages(small.model, build_plan(small)), None, 0, 2)
     (tmp_path / "wandb" / "offline-run-x").mkdir(parents=True)
     text = train_summary(DSAFlowConfig(), tmp_path, 0)
     assert f"training finished: {tmp_path}" in text
@@ -139,11 +144,10 @@ def test_resume_refuses_a_different_stage_layout(no_launch, capsys):
     from dsaflow.launch.launch import main as launch_main
 
     assert launch_main(["prepare", "run_dir=r", "pipeline=pp2"]) == 0
-    ckpt = no_launch / "r" / "checkpoints" / "step-000010"
-    ckpt.mkdir(parents=True)
-    (ckpt / ".metadata").write_bytes(b"")
     capsys.readouterr()
+    before = {p: p.read_bytes() for p in (no_launch / "r").iterdir()}
     assert cli.main(["train", "run_dir=r", "pipeline=pp4", "train.resume=true"]) == 2
     assert "cannot be loaded" in capsys.readouterr().err
-    assert cli.main(["train", "run_dir=r", "pipeline=pp2"]) == 2  # checkpoints present, resume not asked
-    assert "already holds checkpoints" in capsys.readouterr().err
+    assert cli.main(["train", "run_dir=r", "pipeline=pp2"]) == 2  # a run is there, resume not asked
+    assert "holds another run" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in (no_launch / "r").iterdir()} == before, "a refused resume writes nothing"

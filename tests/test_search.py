@@ -148,20 +148,17 @@ def test_uniform_roles_keep_stage_firsts():
 
 
 def _fake_run(tmp_path, overrides):
-    """A run dir as `dsaflow train` leaves it (config.yaml, plan.json, a DCP checkpoint of freshly initialised
+    """A run dir as `dsaflow train` leaves it (config.yaml, plan.json, a checkpoint (DCP + weights-only safetensors + manifest) of freshly initialised
     weights), written in-process: the search only needs the files."""
-    import torch.distributed.checkpoint as dcp
-
     from dsaflow.config.compose import compose
-    from dsaflow.model import full_state_dict
     from dsaflow.plan import build_plan
     from dsaflow.run.rundir import write_run_dir
+    from dsaflow.train.checkpoint import save_checkpoint
 
     cfg = compose(overrides + [f"run_dir={tmp_path / 'run'}"])
     plan = build_plan(cfg)
     rd = write_run_dir(cfg, plan, "")
-    sd = full_state_dict(build_stages(cfg.model, plan, seed=cfg.train.seed))
-    dcp.save({f"model.{k}": v for k, v in sd.items()}, checkpoint_id=str(rd / "checkpoints" / "step-000001"))
+    save_checkpoint(rd / "checkpoints" / "step-000001", build_stages(cfg.model, plan, seed=cfg.train.seed), None, 0, 1)
     return rd
 
 

@@ -54,7 +54,7 @@ def _capture_grads(tr, out: dict, steps) -> None:
     tr.step = step
 
 
-def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir: str, prepare=None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -63,6 +63,10 @@ def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir
 
     try:
         for i, cfg in enumerate(cfgs):
+            if prepare is not None:  # e.g. corrupt a checkpoint between two runs (rank 0, then everyone waits)
+                if rank == 0:
+                    prepare(i, cfg)
+                dist.barrier()
             plan = build_plan(cfg)
             run_dir = Path(cfg.run_dir or Path(out_dir) / f"run{i}")
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,10 +80,11 @@ def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir
         dist.destroy_process_group()
 
 
-def run_configs(world: int, cfgs: List[DSAFlowConfig], out_dir: Path) -> List[dict]:
-    """-> per config: {"losses": [..], "history": [...], "grads": {step: {name: tensor}} (union over ranks)}."""
+def run_configs(world: int, cfgs: List[DSAFlowConfig], out_dir: Path, prepare=None) -> List[dict]:
+    """`prepare(i, cfg)` (picklable) runs on rank 0 before config i. -> per config: {"losses": [..], "history": [...], "grads": {step: {name: tensor}} (union over ranks)}."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_worker, args=(world, free_port(), cfgs, str(out_dir)), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, free_port(), cfgs, str(out_dir), prepare), nprocs=world,
+                       start_method="spawn")
     results = []
     for i in range(len(cfgs)):
         merged = {"grads": {}}

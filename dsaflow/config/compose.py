@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 import dsaflow
 from dsaflow.config.errors import ConfigError, explain_omegaconf_error
-from dsaflow.config.schema import DSAFlowConfig, register_configs
+from dsaflow.config.schema import DSAFlowConfig, register_configs, validate
 
 # Values written in the layout language contain characters that Hydra's override grammar reserves ("(", ")", "|",
 # spaces); these keys are quoted for Hydra so `layout=(FSSS)*2|(FSSS)*2` works as typed.
@@ -150,11 +150,12 @@ def compose(overrides: Optional[List[str]] = None, config_dir: Optional[str] = N
     try:
         with initialize_config_dir(config_dir=str(cdir.resolve()), version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=quote_layout_overrides(list(overrides or [])))
-        return typed_config(cfg)
+        out = typed_config(cfg)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain_hydra_error(exc, cdir)) from None
     finally:
         GlobalHydra.instance().clear()
+    return out
 
 
 def typed_config(cfg) -> DSAFlowConfig:
@@ -167,7 +168,9 @@ def typed_config(cfg) -> DSAFlowConfig:
             "does not declare it, so it would be ignored. Fix: remove it or correct its spelling; free-form "
             "metadata goes under `+extra.<name>=...`."
         )
-    return OmegaConf.to_object(cfg)
+    out = OmegaConf.to_object(cfg)
+    validate(out)  # ranges and choices, declared in schema.py: a ConfigError naming field, value and range
+    return out
 
 
 def to_yaml(cfg: DSAFlowConfig) -> str:
@@ -182,6 +185,10 @@ def load_config(path) -> DSAFlowConfig:
         for key in COMMAND_KEYS:  # run dirs written before these moved to the command line still load
             loaded.pop(key, None)
         merged = OmegaConf.merge(OmegaConf.structured(DSAFlowConfig), loaded)
-        return OmegaConf.to_object(merged)
+        cfg = OmegaConf.to_object(merged)
+        validate(cfg)
+        return cfg
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{path}: " + explain_omegaconf_error(exc)) from None
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None

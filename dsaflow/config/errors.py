@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from dsaflow.plan.plan import PlanError
+from dsaflow.errors import ConfigError, PlanError
 
-
-class ConfigError(PlanError):
-    """The config could not be composed or read (unknown key, wrong type, missing option, bad override)."""
+__all__ = ["ConfigError", "PlanError", "explain_omegaconf_error"]
 
 
 def _fields(object_type) -> dict:
@@ -35,6 +33,9 @@ def explain_omegaconf_error(exc) -> str:
     value = getattr(exc, "value", None)
     if "is not Optional" in first_line:
         return f"{full_key}=null: this field needs a value. Fix: set {full_key} to a value of type {want or 'its declared type'}."
+    if name == "ValidationError" and "expected one of" in first_line:
+        allowed = first_line.split("expected one of", 1)[1].strip(" []")
+        return f"{full_key}={value!r} is not a valid choice. Fix: use one of {allowed}."
     if name == "ValidationError":
         kind = f"of type {want}" if want else "of the type declared in dsaflow/config/schema.py"
         return f"{full_key}={value!r}: {first_line}. Fix: give {full_key} a value {kind}."

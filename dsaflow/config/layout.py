@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-from dsaflow.plan.plan import PlanError
+from dsaflow.errors import PlanError
 
 ROLES = ("F", "S")
 

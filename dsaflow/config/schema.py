@@ -1,42 +1,93 @@
-"""Typed config schema: one dataclass per Hydra group, registered in the ConfigStore.
+"""Typed config schema: the one place a field, its type, its allowed values or range, and its default are declared.
 
-Hydra merges the YAML files of `configs/` into these dataclasses, so an unknown key or a wrong type fails at compose
-time with a message that names the key. Defaults here are the embedded default run (CPU-sized).
+Hydra merges the YAML files of `configs/` into these dataclasses. Choice fields are `Choice` enums (OmegaConf
+structured configs check them), numeric fields carry a range in their metadata (`num(default, lo, hi)`), and
+`validate(cfg)` checks every range, so an unknown key, a wrong type, a bad choice or an out-of-range number fails at
+compose time with a message naming the field, the value and what is allowed. Defaults here are the embedded default
+run (CPU-sized); `configs/model/tiny.yaml` only names them.
 
-Ownership: each group's dataclass is the single place its fields are declared; the planner (`dsaflow.plan`) is the
-single place cross-field rules are checked.
+Ownership: each group's dataclass is the single place its fields are declared; the planner (`dsaflow.plan`) checks
+only cross-field rules. Upper bounds are sizes no machine can hold (they stop a typo such as an extra zero before it
+allocates hundreds of GB); what fits a given machine is the launcher's pre-launch resource check.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, List, Optional
+
+from dsaflow.errors import ConfigError
+
+
+class Choice(str, Enum):
+    """A string choice: compares, hashes, formats and serialises as its plain value (member name == value)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+def _choice(name: str, values) -> type:
+    return Choice(name, {v: v for v in values}, module=__name__, qualname=name)
+
+
+Schedule = _choice("Schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                "ZBVZeroBubble"])
+Balance = _choice("Balance", ["cost", "layers"])
+BlockKind = _choice("BlockKind", ["decode", "prefill", "head", "layers"])
+OnFailure = _choice("OnFailure", ["error", "eager"])
+DsaStage = _choice("DsaStage", ["dense_warmup", "sparse"])
+TrainDtype = _choice("TrainDtype", ["auto", "fp32", "bf16"])
+Device = _choice("Device", ["auto", "cpu", "cuda"])
+ProgressMode = _choice("ProgressMode", ["auto", "rich", "lines", "off"])
+DataKind = _choice("DataKind", ["retrieval", "text", "bin"])
+LossOn = _choice("LossOn", ["answer", "all"])
+TrackBackend = _choice("TrackBackend", ["wandb", "none"])
+TrackMode = _choice("TrackMode", ["offline", "online", "disabled"])
+Mode = _choice("Mode", ["train", "serve"])
+
+BIG = 1 << 31  # int32 sizes: beyond this an index tensor or an embedding row id overflows
+
+
+def num(default, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False, even: bool = False,
+        why: str = ""):
+    """A numeric field with its allowed range [lo, hi] (open ends with lo_open/hi_open; None = unbounded)."""
+    return field(default=default, metadata={"range": (lo, hi, lo_open, hi_open, even, why)})
 
 
 @dataclass
 class ModelConfig:
     """DSA transformer shapes (DeepSeek-V3.2 naming). MLA in MQA mode: one latent row of
-    `kv_lora_rank + qk_rope_head_dim` per token is shared by all heads."""
+    `kv_lora_rank + qk_rope_head_dim` per token is shared by all heads. These defaults are `model=tiny`."""
 
     name: str = "tiny"
-    num_layers: int = 8
-    dim: int = 64
-    n_heads: int = 4
-    q_lora_rank: int = 32
-    kv_lora_rank: int = 32
-    qk_nope_head_dim: int = 16
-    qk_rope_head_dim: int = 8
-    v_head_dim: int = 16
-    index_n_heads: int = 4
-    index_head_dim: int = 16
-    index_rope_head_dim: int = 8  # RoPE is applied to the first `index_rope_head_dim` dims of index q/k
-    index_topk: int = 16
-    inter_dim: int = 128  # SwiGLU hidden size (every layer is dense; MoE is out of scope)
-    vocab_size: int = 256
-    max_seq_len: int = 1024
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
+    num_layers: int = num(8, 1, 1024)
+    dim: int = num(64, 1, 65536)
+    n_heads: int = num(4, 1, 1024)
+    q_lora_rank: int = num(32, 1, 65536)
+    kv_lora_rank: int = num(32, 1, 65536)
+    qk_nope_head_dim: int = num(16, 1, 4096)
+    qk_rope_head_dim: int = num(8, 2, 4096, even=True, why="RoPE rotates pairs")
+    v_head_dim: int = num(16, 1, 4096)
+    index_n_heads: int = num(4, 1, 1024)
+    index_head_dim: int = num(16, 1, 4096)
+    # RoPE is applied to the first `index_rope_head_dim` dims of index q/k (<= index_head_dim: a planner rule)
+    index_rope_head_dim: int = num(8, 0, 4096, even=True, why="RoPE rotates pairs")
+    index_topk: int = num(16, 1, 65536, why="the keys each query attends to, e.g. 2048")
+    inter_dim: int = num(128, 1, 1 << 20)  # SwiGLU hidden size (every layer is dense; MoE is out of scope)
+    vocab_size: int = num(256, 1, 1 << 21)
+    max_seq_len: int = num(1024, 1, 1 << 22)
+    rope_theta: float = num(10000.0, 0, 1e12, lo_open=True)
+    norm_eps: float = num(1e-6, 0, 1, lo_open=True, hi_open=True)
     tie_embeddings: bool = False
-    init_std: float = 0.02
+    init_std: float = num(0.02, 0, 1, lo_open=True)
 
 
 @dataclass
@@ -48,8 +99,8 @@ class IndexConfig:
 
     name: str = "all_full"
     pattern: Optional[str] = None
-    freq: Optional[int] = None
-    offset: int = 0
+    freq: Optional[int] = num(None, 1, 1024)
+    offset: int = num(0, 0, 1024)
 
 
 @dataclass
@@ -58,13 +109,12 @@ class PipelineConfig:
     stage, starting at 0); otherwise `stages` stages are cut by `balance` (cost | layers)."""
 
     name: str = "single"
-    stages: int = 1
+    stages: int = num(1, 1, 1024)
     boundaries: Optional[List[int]] = None
-    balance: str = "cost"
-    ranks: Optional[int] = None  # pipeline ranks; None = stages (one stage per rank)
-    schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble
-    microbatches: int = 4
-    cross_stage_indices: bool = False  # reserved: off by default, the plan reports its cost
+    balance: Balance = Balance.cost
+    ranks: Optional[int] = num(None, 1, 4096)  # pipeline ranks; None = stages (one stage per rank)
+    schedule: Schedule = Schedule["1F1B"]
+    microbatches: int = num(4, 1, 65536)
 
 
 @dataclass
@@ -74,7 +124,7 @@ class GraphBlockConfig:
     kind: decode | prefill | head | layers. `layers` = [first, last] (inclusive) for kind=layers."""
 
     name: str = "decode"
-    kind: str = "decode"
+    kind: BlockKind = BlockKind.decode
     layers: Optional[List[int]] = None
     shape_classes: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
 
@@ -84,9 +134,9 @@ class GraphsConfig:
     name: str = "off"
     enabled: bool = False
     blocks: List[GraphBlockConfig] = field(default_factory=list)
-    max_shape: int = 256  # largest allowed shape class (batch for decode, tokens for prefill)
+    max_shape: int = num(256, 1, 65536)  # largest allowed shape class (batch for decode, tokens for prefill)
     cache: bool = True  # false = debug bypass: evict before lookup, capture afresh on every call
-    on_failure: str = "error"  # error | eager
+    on_failure: OnFailure = OnFailure.error
 
 
 @dataclass
@@ -94,55 +144,58 @@ class TrainConfig:
     """Optimisation, the DSA recipe, eval, checkpoints. Defaults: the embedded main job (retrieval, 2-core CPU)."""
 
     name: str = "default"
-    steps: int = 300
-    seed: int = 0
-    seq_len: int = 128
-    batch_size: int = 16  # sequences per step (split into pipeline.microbatches)
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 1.0  # global norm over every stage (main and indexer params clipped separately); 0 = off
-    dsa_stage: str = "sparse"  # dense_warmup | sparse
-    dense_warmup_steps: int = 0  # steps of dense_warmup before `sparse` (when dsa_stage=sparse)
-    indexer_lr: float = 1e-3
-    indexer_loss_weight: float = 1.0
-    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    steps: int = num(300, 1, 10**9)
+    seed: int = num(0, 0, 2**63 - 1)
+    seq_len: int = num(128, 1, 1 << 22)
+    batch_size: int = num(16, 1, 1 << 20)  # sequences per step (split into pipeline.microbatches)
+    lr: float = num(3e-3, 0, 10, lo_open=True)
+    min_lr_ratio: float = num(0.1, 0, 1)
+    warmup_steps: int = num(20, 0, 10**9)
+    weight_decay: float = num(0.1, 0, 10)
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # two values in [0, 1) (checked in validate)
+    # global norm over every stage (main and indexer params clipped separately); 0 = off
+    grad_clip: float = num(1.0, 0, 1e6)
+    dsa_stage: DsaStage = DsaStage.sparse
+    dense_warmup_steps: int = num(0, 0, 10**9)  # steps of dense_warmup before `sparse` (when dsa_stage=sparse)
+    indexer_lr: float = num(1e-3, 0, 10)
+    indexer_loss_weight: float = num(1.0, 0, 1e6)
+    dtype: TrainDtype = TrainDtype.auto  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     # Fixed reduction orders instead of atomics (sparse-attention backward, torch ops that have a deterministic
     # implementation): repeated runs give bit-identical results; slower (docs/training.md).
     deterministic: bool = False
-    log_every: int = 10
-    eval_every: int = 50  # 0 = only at the end
-    eval_batches: int = 4
-    ckpt_every: int = 0  # 0 = only at the end
+    log_every: int = num(10, 1, 10**9)
+    eval_every: int = num(50, 0, 10**9)  # 0 = only at the end
+    eval_batches: int = num(4, 1, 10**6)
+    ckpt_every: int = num(0, 0, 10**9)  # 0 = only at the end
+    keep_checkpoints: int = num(3, 1, 10**6)  # the newest N complete checkpoints are kept, older ones removed
     final_ckpt: bool = True  # save a checkpoint after the last step (benchmarks turn it off)
-    resume: bool = False  # continue from the latest checkpoint in run_dir
-    stop_at_step: Optional[int] = None  # pre-emption drill: exit after this step without the final checkpoint
-    device: str = "auto"  # auto | cpu | cuda
-    cpu_threads: int = 1  # torch threads per CPU rank: tiny models gain nothing from more, oversubscription costs 100x
-    peak_tflops: Optional[float] = None  # per-rank peak for the MFU estimate; None = known GPU table / CPU nominal
-    progress: str = "auto"  # auto (rich bar on a TTY, lines otherwise) | rich | lines | off
+    resume: bool = False  # continue from the newest good checkpoint in run_dir
+    stop_at_step: Optional[int] = num(None, 1, 10**9)  # pre-emption drill: exit after this step, no final ckpt
+    device: Device = Device.auto
+    # torch threads per CPU rank: tiny models gain nothing from more, oversubscription costs 100x
+    cpu_threads: int = num(1, 1, 1024)
+    peak_tflops: Optional[float] = num(None, 0, 1e6, lo_open=True)  # per-rank peak for MFU; None = known table
+    progress: ProgressMode = ProgressMode.auto  # auto (rich bar on a TTY, lines otherwise) | rich | lines | off
 
 
 @dataclass
 class DataConfig:
     name: str = "retrieval"
-    kind: str = "retrieval"  # retrieval | text | bin
+    kind: DataKind = DataKind.retrieval
     path: Optional[str] = None  # text file/folder or nanoGPT-style .bin token file (uint16)
-    num_pairs: int = 1  # retrieval: key-value pairs hidden in the filler (1 = needle in a haystack)
-    num_queries: int = 1  # retrieval: queries at the end (keys drawn with replacement); accuracy is per query
-    key_len: int = 1
-    value_len: int = 1
-    loss_on: str = "answer"  # retrieval: LM loss on the answer bytes only (answer) or on every byte (all)
-    val_fraction: float = 0.05
+    num_pairs: int = num(1, 1, 1 << 20)  # retrieval: key-value pairs hidden in the filler (1 = needle in a haystack)
+    num_queries: int = num(1, 1, 1 << 20)  # retrieval: queries at the end (keys drawn with replacement)
+    key_len: int = num(1, 1, 64)
+    value_len: int = num(1, 1, 4096)
+    loss_on: LossOn = LossOn.answer  # retrieval: LM loss on the answer bytes only (answer) or on every byte (all)
+    val_fraction: float = num(0.05, 0, 1, hi_open=True)
 
 
 @dataclass
 class TrackConfig:
     name: str = "offline"
-    backend: str = "wandb"  # wandb | none
-    mode: str = "offline"  # offline | online | disabled
+    backend: TrackBackend = TrackBackend.wandb
+    mode: TrackMode = TrackMode.offline
     project: str = "dsaflow"
     entity: Optional[str] = None
     run_name: Optional[str] = None
@@ -152,19 +205,19 @@ class TrackConfig:
 
 @dataclass
 class ServeConfig:
-    checkpoint: Optional[str] = None
+    checkpoint: Optional[str] = None  # a run dir or a checkpoint folder (its weights-only model-rank*.safetensors)
     prompts: List[str] = field(default_factory=list)
     prompts_file: Optional[str] = None
     output_file: Optional[str] = None
-    max_new_tokens: int = 32
-    max_batch: int = 8
-    max_context: int = 512
-    prefill_chunk: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0
-    eos_id: Optional[int] = None  # stop a row at this token id (one small host sync per decode step when set)
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16: weights, caches and activations
+    max_new_tokens: int = num(32, 1, 1 << 22)
+    max_batch: int = num(8, 1, 4096)
+    max_context: int = num(512, 1, 1 << 22)
+    prefill_chunk: int = num(128, 1, 65536)
+    temperature: float = num(0.0, 0, 100)  # 0 = greedy
+    top_p: float = num(1.0, 0, 1, lo_open=True)
+    seed: int = num(0, 0, 2**63 - 1)
+    eos_id: Optional[int] = num(None, 0, 1 << 21)  # stop a row at this token id (one small host sync per step)
+    dtype: TrainDtype = TrainDtype.auto  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16: weights, caches, activations
 
 
 @dataclass
@@ -194,10 +247,85 @@ class DSAFlowConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
     layout: Optional[str] = None  # e.g. "(FSSS)*2 | (FSSS)*2": roles and stage boundaries in one string
-    mode: str = "train"  # train | serve: which graph blocks make sense
-    run_dir: Optional[str] = None  # default: runs/<timestamp>
-    estimate_context: int = 131072  # context (keys per query) at which the plan reports indexer FLOPs saved by S layers
+    mode: Mode = Mode.train  # train | serve: which graph blocks make sense
+    run_dir: Optional[str] = None  # default: runs/<timestamp>-<name>-<unique suffix>
+    # context (keys per query) at which the plan reports indexer FLOPs saved by S layers
+    estimate_context: int = num(131072, 1, 1 << 24)
     extra: Any = None  # free-form user metadata, logged with the run
+
+
+def _fmt(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _check_range(path: str, v, spec) -> None:
+    lo, hi, lo_open, hi_open, even, why = spec
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return  # a wrong type is OmegaConf's message (compose) or the caller's bug (configs built in code)
+    bad = isinstance(v, float) and not math.isfinite(v)
+    bad = bad or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and (v >= hi if hi_open else v > hi))
+    if bad:
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        allowed = f"{left}{'-inf' if lo is None else _fmt(lo)}, {'inf' if hi is None else _fmt(hi)}{right}"
+        hint = f" ({why})" if why else ""
+        raise ConfigError(f"{path}={_fmt(v)} is out of range: allowed {allowed}{hint}. Fix: set {path} within {allowed}.")
+    if even and int(v) % 2:
+        raise ConfigError(f"{path}={v} must be even ({why}). Fix: use an even size, e.g. {path}={int(v) + 1}.")
+
+
+def _check_choice(path: str, v, enum_type) -> None:
+    names = [m.value for m in enum_type]
+    if str(v) not in names:
+        raise ConfigError(f"{path}={str(v)!r} is not a valid choice. Fix: use one of {', '.join(names)}.")
+
+
+def validate(cfg, prefix: str = "") -> None:
+    """Check every declared range and choice of a config (a DSAFlowConfig or any group); raises ConfigError naming
+    the field, the value and what is allowed. Compose and load_config call it, and so does the planner, for
+    configs built in code."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        path = f"{prefix}{f.name}"
+        if v is None:
+            continue
+        if dataclasses.is_dataclass(v):
+            validate(v, path + ".")
+        elif isinstance(v, list) and v and dataclasses.is_dataclass(v[0]):
+            for item in v:
+                validate(item, f"{path}[{getattr(item, 'name', '?')}].")
+        elif "range" in f.metadata:
+            _check_range(path, v, f.metadata["range"])
+        else:
+            enum_type = _ENUM_FIELDS.get((type(cfg).__name__, f.name))
+            if enum_type is not None:
+                _check_choice(path, v, enum_type)
+    if isinstance(cfg, TrainConfig):
+        betas = list(cfg.betas)
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            raise ConfigError(
+                f"train.betas={betas}: AdamW needs two betas, each in [0, 1). Fix: e.g. train.betas=[0.9,0.95]."
+            )
+
+
+def _enum_fields() -> dict:
+    import typing
+
+    out = {}
+    for cls in (ModelConfig, IndexConfig, PipelineConfig, GraphBlockConfig, GraphsConfig, TrainConfig, DataConfig,
+                TrackConfig, ServeConfig, DSAFlowConfig):
+        for name, hint in typing.get_type_hints(cls).items():
+            if isinstance(hint, type) and issubclass(hint, Choice):
+                out[(cls.__name__, name)] = hint
+    return out
+
+
+_ENUM_FIELDS = _enum_fields()
+
+
+def choices(enum_type) -> tuple:
+    """The allowed values of a Choice field, as plain strings."""
+    return tuple(m.value for m in enum_type)
 
 
 def register_configs() -> None:

@@ -15,7 +15,7 @@ from typing import Tuple
 import numpy as np
 import torch
 
-from .corpus import TokenCorpus, load_tokens
+from .corpus import CorpusError, TokenCorpus, load_tokens
 from .retrieval import RetrievalSpec, retrieval_batch
 
 IGNORE = -100
@@ -33,13 +33,11 @@ class BatchSource:
             self.spec = RetrievalSpec(seq_len, data_cfg.num_pairs, data_cfg.key_len, data_cfg.value_len, data_cfg.num_queries)
             self.spec.check()
             self.corpus = None
-        elif self.kind in ("text", "bin"):
+        else:  # text | bin (the schema's DataKind)
             if not data_cfg.path:
-                raise ValueError(f"data.kind={self.kind} needs data.path. Fix: set data.path to a "
+                raise CorpusError(f"data.kind={self.kind} needs data.path. Fix: set data.path to a "
                                  f"{'text file or folder' if self.kind == 'text' else 'nanoGPT .bin token file'}.")
             self.corpus = TokenCorpus(load_tokens(self.kind, data_cfg.path), seq_len, data_cfg.val_fraction, data_cfg.path)
-        else:
-            raise ValueError(f"data.kind={self.kind!r} is not a data kind. Fix: use retrieval | text | bin.")
         self.vocab_size = vocab_size
 
     def _raw(self, split: int, step: int):
@@ -53,7 +51,7 @@ class BatchSource:
     def _make(self, split: int, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
         raw, qid = self._raw(split, step)
         if int(raw.max()) >= self.vocab_size:
-            raise ValueError(
+            raise CorpusError(
                 f"data.path={self.cfg.path} holds token id {int(raw.max())} >= model.vocab_size={self.vocab_size}. "
                 "Fix: raise model.vocab_size to the tokenizer's vocabulary."
             )
@@ -61,6 +59,19 @@ class BatchSource:
         answers = torch.where(qid >= 0, nxt, torch.full_like(nxt, IGNORE))
         lm = answers.clone() if (self.has_answers and self.cfg.loss_on == "answer") else nxt.clone()
         return inputs, torch.stack([lm, answers, qid], dim=1).contiguous()
+
+    def check_vocab(self) -> None:
+        """Every token of a text/.bin corpus lies inside the vocabulary (the parent checks the whole file once,
+        instead of a worker finding a bad id at some later step)."""
+        if self.corpus is None:
+            return
+        top = int(np.max(self.corpus.tokens)) if len(self.corpus.tokens) else 0
+        if top >= self.vocab_size:
+            where = int(np.argmax(np.asarray(self.corpus.tokens) >= self.vocab_size))
+            raise CorpusError(
+                f"data.path={self.cfg.path} holds token id {top} (first out-of-vocabulary id at token {where}) >= "
+                f"model.vocab_size={self.vocab_size}. Fix: raise model.vocab_size to the tokenizer's vocabulary."
+            )
 
     def batch(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return self._make(TRAIN, step)

@@ -12,10 +12,12 @@ from typing import List
 
 import numpy as np
 
+from dsaflow.errors import PlanError
+
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 
 
-class CorpusError(ValueError):
+class CorpusError(PlanError):
     """A data path mistake; the message names data.path and what to do."""
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsaflow.errors import PlanError
+
 _KEYS = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", dtype=np.uint8)
 _DIGITS = np.frombuffer(b"0123456789", dtype=np.uint8)
 _FILLER = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz    ", dtype=np.uint8)  # ~1 in 8 is a space
@@ -44,17 +46,17 @@ class RetrievalSpec:
 
     def check(self) -> None:
         if min(self.key_len, self.value_len, self.num_pairs, self.num_queries) < 1:
-            raise ValueError(
+            raise PlanError(
                 f"data.num_pairs/num_queries/key_len/value_len must be >= 1 (got {self.num_pairs}/{self.num_queries}/"
                 f"{self.key_len}/{self.value_len}). Fix: set each to 1 or more."
             )
         if 26**self.key_len < self.num_pairs:
-            raise ValueError(
+            raise PlanError(
                 f"data.key_len={self.key_len} gives only {26 ** self.key_len} distinct keys for "
                 f"data.num_pairs={self.num_pairs}. Fix: raise data.key_len."
             )
         if self.seq_len < self.min_seq_len():
-            raise ValueError(
+            raise PlanError(
                 f"train.seq_len={self.seq_len} cannot hold {self.num_pairs} pairs and {self.num_queries} queries "
                 f"(needs >= {self.min_seq_len()}). Fix: raise train.seq_len or lower data.num_pairs / data.num_queries."
             )

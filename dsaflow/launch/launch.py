@@ -1,57 +1,64 @@
-"""`launch(cfg, plan, job)`: check, write the run dir, start one process per pipeline rank with torchrun.
+"""`launch(cfg, plan, job)`: check, write the run dir, start one process per pipeline rank, supervise the tree.
 
-The parent (the `dsaflow` CLI) has composed the config with Hydra and planned it; this module never imports Hydra.
-Everything that can be checked before a process starts is checked here (`check_launch`) and raises `PlanError`, so
-a bad launch config stops with a one-paragraph message and leaves nothing on disk.
+The parent (the `dsaflow` CLI) has composed the config (ranges and choices are checked by the schema) and planned
+it; this module never imports Hydra. Everything that can be checked before a process starts is checked here
+(`check_launch`: devices, data, serving, the run dir and any resume, wandb login, memory) and raises `PlanError`, so
+a bad launch stops with a one-paragraph message and leaves nothing on disk.
 
-The command it runs (also what a user can run by hand on an existing run dir):
+The command it runs (torchrun in-process, under dsaflow's process rules: dsaflow.launch.agent):
 
-    python -m torch.distributed.run --standalone --nproc-per-node N -m dsaflow.worker RUN_DIR --job train
+    python -m dsaflow.launch.agent --standalone --nproc-per-node N -m dsaflow.worker RUN_DIR --job train
 
-NCCL on GPUs (one process per GPU, `torch.cuda.set_device(local_rank)`), gloo on CPU.
+(`python -m torch.distributed.run` with the same arguments works by hand on an existing run dir.)
+One process tree: the agent runs in its own session, so a Ctrl-C at the terminal reaches only the parent, which
+then stops the agent and every worker (SIGKILL to the tree; each child also dies with its parent) and prints one
+line; the exit status is 128 + the signal. NCCL on GPUs (one process per GPU), gloo on CPU.
 """
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
-from dsaflow.plan.plan import Plan, PlanError
+from dsaflow.errors import EXIT_USER_ERROR, PlanError
+from dsaflow.plan.plan import Plan
 
 from dsaflow.run.context import resolve_device_type
-from dsaflow.run.rundir import latest_checkpoint, write_run_dir
+from dsaflow.run.rundir import TMP, check_run_dir, write_run_dir
 
 # Kept on the GPU machines (NVLink multicast off); a user's own values win.
 GPU_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-
-_CHOICES = {
-    "train.dsa_stage": ("dense_warmup", "sparse"),
-    "train.dtype": ("auto", "fp32", "bf16"),
-    "train.device": ("auto", "cpu", "cuda"),
-    "train.progress": ("auto", "rich", "lines", "off"),
-    "data.kind": ("retrieval", "text", "bin"),
-    "data.loss_on": ("answer", "all"),
-    "track.backend": ("wandb", "none"),
-    "track.mode": ("offline", "online", "disabled"),
-}
+STOP_TIMEOUT_S = 10.0
 
 
-def _get(cfg, dotted: str):
-    obj = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
+def check_track(cfg) -> None:
+    """track.mode=online needs a wandb login: say how, before anything starts (no wandb import)."""
+    t = cfg.track
+    if str(t.backend) != "wandb" or str(t.mode) != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        import netrc
+
+        if netrc.netrc(os.environ.get("NETRC")).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise PlanError(
+        f"track=online streams to wandb, but no login for {host} was found (no WANDB_API_KEY, no ~/.netrc entry). "
+        "Fix: run `wandb login` (or export WANDB_API_KEY=...), or use track=offline (sync later with `wandb sync "
+        "<run_dir>/wandb/offline-run-*`) or track=none."
+    )
 
 
 def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> None:
     """Everything a worker would otherwise trip over, checked in the parent. Raises PlanError.
-    local=False (a run dir prepared for other nodes): skip the checks about this machine's GPUs."""
-    for field, allowed in _CHOICES.items():
-        v = _get(cfg, field)
-        if v not in allowed:
-            raise PlanError(f"{field}={v!r} is not a valid choice. Fix: use one of {', '.join(allowed)}.")
+    local=False (a run dir prepared for other nodes): skip the checks about this machine's GPUs and memory."""
     ranks = plan.pipeline.ranks
     device = resolve_device_type(cfg.train.device)
     if device == "cuda" and local:
@@ -66,79 +73,121 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
                 f"use pipeline.ranks<={n_gpu} (e.g. pipeline.stages={n_gpu}), or prepare the run dir with "
                 "`python -m dsaflow.launch.launch prepare ...` and start it on several nodes with launch/multi_node.sh."
             )
+    from .resources import check_resources
+
+    check_resources(cfg, plan, device, job, local)  # before anything allocates (a huge batch would hang here)
     if job == "generate":  # serve config, prompts and graph blocks (dsaflow.serve.generate; raises ServeError)
         from dsaflow.serve.generate import check_serve
 
         check_serve(cfg, plan, device)
-    if job != "train":
-        return
-    t = cfg.train
-    positive = {"train.steps": t.steps, "train.seq_len": t.seq_len, "train.batch_size": t.batch_size,
-                "train.log_every": t.log_every, "train.eval_batches": t.eval_batches, "train.cpu_threads": t.cpu_threads}
-    for name, v in positive.items():
-        if v < 1:
-            raise PlanError(f"{name}={v}: must be >= 1. Fix: set {name} to a positive value.")
-    for name, v in {"train.eval_every": t.eval_every, "train.ckpt_every": t.ckpt_every,
-                    "train.dense_warmup_steps": t.dense_warmup_steps, "train.warmup_steps": t.warmup_steps}.items():
-        if v < 0:
-            raise PlanError(f"{name}={v}: must be >= 0 (0 = off). Fix: set {name}>=0.")
-    if t.seq_len > cfg.model.max_seq_len:
-        raise PlanError(
-            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}. Fix: lower train.seq_len "
-            f"or raise model.max_seq_len."
-        )
-    if len(t.betas) != 2:
-        raise PlanError(f"train.betas={list(t.betas)}: AdamW needs two betas. Fix: e.g. train.betas=[0.9,0.95].")
-    if t.stop_at_step is not None and not (1 <= t.stop_at_step <= t.steps):
-        raise PlanError(f"train.stop_at_step={t.stop_at_step}: must lie in 1..train.steps={t.steps}. Fix: adjust it or drop it.")
-    from dsaflow.data import BatchSource
-
-    try:
-        BatchSource(cfg.data, t.seq_len, t.batch_size, t.seed, cfg.model.vocab_size).batch(0)
-    except ValueError as e:  # CorpusError and retrieval spec errors name their fields already
-        raise PlanError(str(e)) from None
-    if t.resume:
-        if not cfg.run_dir:
-            raise PlanError("train.resume=true needs run_dir=<the run to continue>. Fix: add run_dir=runs/<name>.")
-        if latest_checkpoint(cfg.run_dir) is None:
+    else:
+        t = cfg.train
+        if t.seq_len > cfg.model.max_seq_len:
             raise PlanError(
-                f"train.resume=true but run_dir={cfg.run_dir} holds no complete checkpoint. Fix: point run_dir at a "
-                "run that saved one (train.ckpt_every>0), or drop train.resume."
+                f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}. Fix: lower "
+                "train.seq_len or raise model.max_seq_len."
             )
+        if t.stop_at_step is not None and t.stop_at_step > t.steps:
+            raise PlanError(f"train.stop_at_step={t.stop_at_step}: must lie in 1..train.steps={t.steps}. Fix: adjust it "
+                            "or drop it.")
+        from dsaflow.data import BatchSource
+
+        data = BatchSource(cfg.data, t.seq_len, min(t.batch_size, 2), t.seed, cfg.model.vocab_size)
+        data.batch(0)
+        data.check_vocab()
+        check_track(cfg)
+    from dsaflow.run.ckpt_store import report_stderr
+
+    check_run_dir(cfg, plan, job, report_stderr)
 
 
 def torchrun_command(run_dir: str | Path, nproc: int, job: str = "train") -> List[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        sys.executable, "-m", "dsaflow.launch.agent", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "dsaflow.worker", str(run_dir), "--job", job,
     ]
 
 
-def launch_env(base: Dict[str, str] | None = None) -> Dict[str, str]:
+def launch_env(base: Optional[Dict[str, str]] = None, run_dir: Optional[Path] = None) -> Dict[str, str]:
     env = dict(os.environ if base is None else base)
     for k, v in GPU_ENV_DEFAULTS.items():
         env.setdefault(k, v)
-    # torchrun sets OMP_NUM_THREADS=1 on multi-process runs anyway, with a warning banner; say it ourselves
-    # (workers set their torch threads from train.cpu_threads).
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for several processes, without its banner
+    if run_dir is not None:  # every file of the launch inside the run dir (torchelastic temp dirs, wandb caches)
+        tmp = Path(run_dir).resolve() / TMP
+        env["TMPDIR"] = str(tmp)
+        env.setdefault("WANDB_CACHE_DIR", str(tmp / "wandb-cache"))
+        env.setdefault("WANDB_DATA_DIR", str(tmp / "wandb-data"))
+        env["DSAFLOW_PARENT"] = str(os.getpid())
     return env
 
 
+class _Interrupted(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise _Interrupted(signum)
+
+
+def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str) -> int:
+    """Run the agent in its own session and wait; SIGINT/SIGTERM stop the whole tree (one line, 128 + signal)."""
+    from .lifecycle import die_with_parent, kill_tree
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = {}
+    if main_thread:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            old[s] = signal.signal(s, _raise_interrupted)
+    proc = None
+    (run_dir / TMP).mkdir(exist_ok=True)  # TMPDIR must exist, or tempfile falls back to /tmp
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
+        rc = proc.wait()
+    except _Interrupted as exc:
+        n = kill_tree(proc.pid) if proc is not None else 0
+        if proc is not None:
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        name = signal.Signals(exc.signum).name
+        print(f"dsaflow {job}: interrupted ({name}); stopped torchrun and its workers ({n} processes). Run dir: "
+              f"{run_dir}" + (f" (continue with train.resume=true run_dir={run_dir})" if job == "train" else ""),
+              file=sys.stderr, flush=True)
+        return 128 + exc.signum
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if proc is not None and proc.poll() is None:
+            kill_tree(proc.pid)
+        shutil.rmtree(run_dir / TMP, ignore_errors=True)
+    if rc == EXIT_USER_ERROR:
+        errors = sorted(run_dir.glob("error-rank*.txt"))
+        if errors:
+            print(f"dsaflow {job}: error: {errors[0].read_text().strip()}", file=sys.stderr, flush=True)
+    elif rc != 0:
+        print(f"dsaflow {job}: workers exited with status {rc}; see the output above and {run_dir}/train.log",
+              file=sys.stderr, flush=True)
+    return rc
+
+
 def launch(cfg, plan: Plan, job: str = "train") -> int:
-    """Check, write the run dir, run torchrun; returns the launcher's exit status (0 = every rank finished)."""
+    """Check, write the run dir, run the workers; returns the exit status (0 = every rank finished, 2 = a user
+    error, 128 + signal = interrupted)."""
     check_launch(cfg, plan, job)
     from dsaflow.plan import render_table
 
-    run_dir = write_run_dir(cfg, plan, render_table(plan, cfg))
+    run_dir = write_run_dir(cfg, plan, render_table(plan, cfg), job)
+    for stale in run_dir.glob("error-rank*.txt"):
+        stale.unlink()
     cmd = torchrun_command(run_dir, plan.pipeline.ranks, job)
     from .run_summary import shell_command, train_summary
 
     print(f"run dir: {run_dir}\nlaunch:  {shell_command(cmd)}", flush=True)
-    rc = subprocess.call(cmd, env=launch_env())
-    if rc != 0:
-        print(f"dsaflow {job}: workers exited with status {rc}; see the output above and {run_dir}/train.log",
-              file=sys.stderr, flush=True)
-    if job == "train":
+    rc = supervise(cmd, launch_env(run_dir=run_dir), run_dir, job)
+    if job == "train" and rc < 128:  # an interrupted run already said so in one line
         print(train_summary(cfg, run_dir, rc), flush=True)
     return rc
 
@@ -148,7 +197,7 @@ def prepare(cfg, plan: Plan, job: str = "train") -> Path:
     check_launch(cfg, plan, job, local=False)
     from dsaflow.plan import render_table
 
-    return write_run_dir(cfg, plan, render_table(plan, cfg))
+    return write_run_dir(cfg, plan, render_table(plan, cfg), job)
 
 
 def main(argv=None) -> int:

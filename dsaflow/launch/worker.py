@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from dsaflow.errors import PlanError
+
 from dsaflow.run.context import init_distributed
 from dsaflow.run.rundir import read_run_dir
 
@@ -11,7 +13,7 @@ JOBS = ("train", "generate")
 
 def run_worker(run_dir: str, job: str = "train") -> None:
     if job not in JOBS:
-        raise ValueError(f"job={job!r} is not one of {JOBS}.")
+        raise PlanError(f"job={job!r} is not one of {JOBS}.")
     cfg, plan = read_run_dir(run_dir)
     ctx = init_distributed(cfg, plan, run_dir)
     try:

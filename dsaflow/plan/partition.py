@@ -11,7 +11,6 @@ from typing import List, Optional, Sequence, Tuple
 from dsaflow.config.layout import freq_roles, parse_layout, tile_pattern
 from dsaflow.plan.plan import PlanError
 
-BALANCE_RULES = ("cost", "layers")
 
 
 def declared_roles(cfg) -> Tuple[Tuple[str, ...], Optional[Tuple[int, ...]]]:
@@ -104,12 +103,6 @@ def stage_starts(
     """First layer of every stage. `layer_costs[i]` is the cost of layer i (head folded into the last layer);
     `opening_extra[i]` is what layer i adds when it opens a stage (its promotion to F; 0 for F layers)."""
     n, pipe = cfg.model.num_layers, cfg.pipeline
-    if pipe.stages < 1:
-        raise PlanError(f"pipeline.stages={pipe.stages}: must be >= 1. Fix: pipeline.stages=1 (or pipeline=pp2, pp4..).")
-    if pipe.balance not in BALANCE_RULES:
-        raise PlanError(
-            f"pipeline.balance={pipe.balance!r} is not a balance rule. Fix: use one of {', '.join(BALANCE_RULES)}."
-        )
     if layout_starts is not None and pipe.boundaries is not None:
         raise PlanError(
             f"conflicting stage knobs: layout={cfg.layout!r} has '|' boundaries and pipeline.boundaries="

@@ -18,6 +18,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from dsaflow.errors import PlanError
+
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -114,5 +116,4 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
-class PlanError(ValueError):
-    """A config or plan mistake. The message names the field, the value and the fix; the CLI prints it and exits 2."""
+__all__ = ["GraphBlockPlan", "LayerPlan", "PipelinePlan", "Plan", "PlanError", "StagePlan"]  # PlanError: dsaflow.errors

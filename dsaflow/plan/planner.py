@@ -19,32 +19,19 @@ from dsaflow.plan.plan import LayerPlan, Plan, PlanError, StagePlan
 from dsaflow.plan.schedule import resolve_pipeline, stage_ranks
 from dsaflow.plan.stage_estimates import build_estimates, layer_costs, promotion_costs
 
-MODES = ("train", "serve")
-_POSITIVE_MODEL_FIELDS = (
-    "num_layers", "dim", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-    "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "inter_dim", "vocab_size", "max_seq_len",
-)
-
-
 def check_fields(cfg) -> None:
-    """Single-field rules that the type system cannot express (enumerations, positivity)."""
-    if cfg.mode not in MODES:
-        raise PlanError(f"mode={cfg.mode!r} is not a mode. Fix: use one of {', '.join(MODES)}.")
+    """Every declared range and choice (dsaflow.config.schema.validate: compose runs it too, this covers configs
+    built in code), then the planner's cross-field rules on single groups."""
+    from dsaflow.config.schema import validate
+
+    validate(cfg)
     m = cfg.model
-    for name in _POSITIVE_MODEL_FIELDS:
-        v = getattr(m, name)
-        if v <= 0:
-            hint = " (the number of keys each query attends to, e.g. 2048)" if name == "index_topk" else ""
-            raise PlanError(f"model.{name}={v} (model={m.name}): must be > 0{hint}. Fix: set model.{name} to a positive value.")
-    if m.qk_rope_head_dim % 2:
-        raise PlanError(f"model.qk_rope_head_dim={m.qk_rope_head_dim}: RoPE rotates pairs, so it must be even. Fix: use an even size.")
-    if not (0 <= m.index_rope_head_dim <= m.index_head_dim) or m.index_rope_head_dim % 2:
+    if m.index_rope_head_dim > m.index_head_dim:
         raise PlanError(
-            f"model.index_rope_head_dim={m.index_rope_head_dim}: must be even and within 0..model.index_head_dim="
-            f"{m.index_head_dim}. Fix: e.g. model.index_rope_head_dim={min(64, m.index_head_dim // 2 * 2)}."
+            f"model.index_rope_head_dim={m.index_rope_head_dim} exceeds model.index_head_dim={m.index_head_dim} "
+            f"(RoPE rotates part of the index head). Fix: e.g. model.index_rope_head_dim="
+            f"{min(64, m.index_head_dim // 2 * 2)}."
         )
-    if cfg.estimate_context <= 0:
-        raise PlanError(f"estimate_context={cfg.estimate_context}: must be > 0. Fix: e.g. estimate_context=131072.")
 
 
 def resolve_layers(roles: Tuple[str, ...], stage_of: List[int]) -> Tuple[LayerPlan, ...]:

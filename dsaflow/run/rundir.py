@@ -5,90 +5,179 @@
               plan.txt        the plan table, as printed
               metrics.jsonl   one JSON object per logged step (logging rank)
               train.log       plain-text log of the logging rank
-              checkpoints/step-000100/   torch.distributed.checkpoint folders (`.metadata` marks a complete one)
+              checkpoints/step-000100/   see dsaflow.run.ckpt_store (manifest, weights-only safetensors)
               wandb/          the tracker's files (offline runs: `wandb sync <run_dir>/wandb/offline-run-*`)
+              tmp/            temporary files of torchrun and the workers (removed when the launch ends)
 
-Default location: runs/<YYYYmmdd-HHMMSS>-<name>. The parent plans first and only then creates the folder (via a
-temporary sibling renamed into place), so a planning error leaves nothing on disk.
+Default location: runs/<YYYYmmdd-HHMMSS>-<name> for training, runs/generate/<YYYYmmdd-HHMMSS>-<name> for
+`dsaflow generate`. A run dir is created atomically and uniquely: its files are written into a temporary sibling
+that is renamed into place, and a name that another launch took meanwhile gets a `-2`, `-3`, ... suffix, so two
+launches never share one. An explicit `run_dir` that already holds a run is refused unless `train.resume=true`,
+and resuming is checked against the run (model, layout, roles, stages, ranks, data) before anything is written.
 """
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
-from dsaflow.plan.plan import Plan, PlanError
+from dsaflow.errors import PlanError
+from dsaflow.plan.plan import Plan
 
-CONFIG, PLAN, PLAN_TXT, METRICS, LOG, CKPT = "config.yaml", "plan.json", "plan.txt", "metrics.jsonl", "train.log", "checkpoints"
+from .ckpt_store import CKPT, checkpoint_dir, list_checkpoints, newest_good_checkpoint
+
+__all__ = ["CKPT", "checkpoint_dir", "list_checkpoints", "latest_checkpoint", "read_run_dir", "read_metrics",
+           "write_run_dir", "check_run_dir", "check_resume"]
+
+CONFIG, PLAN, PLAN_TXT, METRICS, LOG, TMP = "config.yaml", "plan.json", "plan.txt", "metrics.jsonl", "train.log", "tmp"
 
 
-def default_run_dir(cfg) -> str:
+def default_run_dir(cfg, job: str = "train") -> str:
     name = cfg.track.run_name or f"{cfg.model.name}-{cfg.data.name}"
-    return os.path.join("runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{name}")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if job == "generate":
+        return os.path.join("runs", "generate", f"{stamp}-{cfg.model.name}")
+    return os.path.join("runs", f"{stamp}-{name}")
 
 
-def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / CKPT / f"step-{step:06d}"
+def latest_checkpoint(run_dir: str | Path, report=None) -> Optional[Tuple[int, Path]]:
+    """(step, path) of the newest good checkpoint (complete, manifest sizes and hashes match), or None."""
+    return newest_good_checkpoint(run_dir, report)
 
 
-def latest_checkpoint(run_dir: str | Path) -> Optional[Tuple[int, Path]]:
-    """(step, path) of the newest complete checkpoint, or None. DCP writes `.metadata` last, after every rank's
-    shards, so a folder without it is a checkpoint interrupted mid-write and is skipped."""
-    root = Path(run_dir) / CKPT
-    best = None
-    if root.is_dir():
-        for d in root.iterdir():
-            if d.name.startswith("step-") and (d / ".metadata").is_file():
-                step = int(d.name.split("-")[1])
-                if best is None or step > best[0]:
-                    best = (step, d)
-    return best
+def is_run_dir(path: Path) -> bool:
+    return (path / PLAN).is_file() or (path / CONFIG).is_file()
 
 
-def write_run_dir(cfg, plan: Plan, table: str) -> Path:
-    """Create (or, for `train.resume=true`, reuse) the run dir and write config.yaml, plan.json and plan.txt."""
+def _asdict(x) -> dict:
+    return {k: (str(v) if isinstance(v, str) else v) for k, v in dataclasses.asdict(x).items()}
+
+
+def _diff(section: str, old, new, skip=("name",)) -> List[str]:
+    a, b = _asdict(old), _asdict(new)
+    return [f"{section}.{k}: {a.get(k)!r} in the run vs {b[k]!r} now" for k in b if k not in skip and a.get(k) != b[k]]
+
+
+def check_resume(cfg, plan: Plan, report=None) -> Tuple[int, Path]:
+    """Everything that decides whether `train.resume=true` can continue cfg.run_dir, checked in the parent before
+    anything is written. Returns the newest good checkpoint (step, folder). Raises PlanError."""
+    from dsaflow.config.compose import load_config
+
+    run_dir = Path(cfg.run_dir)
+    if not (run_dir / CONFIG).is_file() or not (run_dir / PLAN).is_file():
+        raise PlanError(f"train.resume=true but run_dir={run_dir} is not a dsaflow run dir (no {CONFIG} and {PLAN}). "
+                        "Fix: point run_dir at runs/<name> of the run to continue.")
+    old_cfg = load_config(run_dir / CONFIG)
+    try:
+        old_plan = Plan.from_json((run_dir / PLAN).read_text())
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PlanError(f"run_dir={run_dir}: {PLAN} is unreadable ({exc}). Fix: start a new run_dir.") from None
+    diffs = _diff("model", old_cfg.model, cfg.model) + _diff("data", old_cfg.data, cfg.data)
+    for k in ("seed", "seq_len", "batch_size"):
+        if getattr(old_cfg.train, k) != getattr(cfg.train, k):
+            diffs.append(f"train.{k}: {getattr(old_cfg.train, k)!r} in the run vs {getattr(cfg.train, k)!r} now")
+    if [s.layers for s in old_plan.stages] != [s.layers for s in plan.stages]:
+        diffs.append(f"stages {[list(s.layers) for s in old_plan.stages]} in the run vs "
+                     f"{[list(s.layers) for s in plan.stages]} now")
+    if [s.rank for s in old_plan.stages] != [s.rank for s in plan.stages]:
+        diffs.append(f"stage ranks {[s.rank for s in old_plan.stages]} in the run vs {[s.rank for s in plan.stages]} now")
+    old_roles = "".join(l.role for l in old_plan.layers)
+    new_roles = "".join(l.role for l in plan.layers)
+    if old_roles != new_roles:
+        diffs.append(f"layer roles {old_roles} in the run vs {new_roles} now (S layers carry no indexer weights)")
+    if diffs:
+        raise PlanError(
+            f"train.resume=true but run_dir={run_dir} was trained with another setup, so its checkpoints cannot be "
+            f"loaded: {'; '.join(diffs[:4])}. Fix: resume with the run's own settings (see {run_dir / CONFIG}; "
+            "pipeline.*, layout, index.*, model.*, data.*), or start a new run_dir. Nothing was written."
+        )
+    found = newest_good_checkpoint(run_dir, report)
+    if found is None:
+        raise PlanError(
+            f"train.resume=true but run_dir={run_dir} holds no complete checkpoint (none, or every one failed its "
+            "manifest check). Fix: point run_dir at a run that saved one (train.ckpt_every>0), or drop train.resume."
+        )
+    if found[0] >= cfg.train.steps:
+        raise PlanError(
+            f"train.resume=true but run_dir={run_dir} already finished: its newest checkpoint is step {found[0]} and "
+            f"train.steps={cfg.train.steps}. Fix: raise train.steps to continue training it."
+        )
+    return found
+
+
+def check_run_dir(cfg, plan: Plan, job: str = "train", report=None) -> None:
+    """The parent's checks of an explicit `run_dir` (before anything is written). Raises PlanError."""
+    resume = job == "train" and cfg.train.resume
+    if not cfg.run_dir:
+        if resume:
+            raise PlanError("train.resume=true needs run_dir=<the run to continue>. Fix: add run_dir=runs/<name>.")
+        return
+    p = Path(cfg.run_dir)
+    if p.exists() and not p.is_dir():
+        raise PlanError(f"run_dir={p} exists and is not a folder. Fix: choose another run_dir.")
+    if resume:
+        check_resume(cfg, plan, report)
+        return
+    if p.is_dir() and any(p.iterdir()):
+        what = "holds another run" if is_run_dir(p) else "is not empty"
+        raise PlanError(
+            f"run_dir={p} {what}; a new run never writes into it. Fix: choose a new run_dir (or leave it unset for "
+            f"runs/<time>-<name>){', or set train.resume=true to continue it' if is_run_dir(p) else ''}."
+        )
+    parent = p.parent if not p.exists() else p
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise PlanError(f"run_dir={p}: {parent} is a file, not a folder. Fix: choose another run_dir.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PlanError(f"run_dir={p}: {parent} is not writable. Fix: choose a run_dir in a folder you can write.")
+
+
+def write_run_dir(cfg, plan: Plan, table: str, job: str = "train") -> Path:
+    """Create the run dir atomically (or, for `train.resume=true`, rewrite its config in place) and write
+    config.yaml, plan.json and plan.txt. Call check_run_dir first."""
     from dsaflow.config.compose import to_yaml
 
-    run_dir = Path(cfg.run_dir or default_run_dir(cfg))
     files = {CONFIG: to_yaml(cfg), PLAN: plan.to_json(), PLAN_TXT: table + "\n"}
-    if run_dir.exists():
-        if not (run_dir / PLAN).is_file():
-            if any(run_dir.iterdir()):
-                raise PlanError(
-                    f"run_dir={run_dir} exists and is not a dsaflow run dir (no {PLAN}). Fix: choose another run_dir "
-                    "or remove that folder."
-                )
-        else:
-            old = Plan.from_json((run_dir / PLAN).read_text())
-            same_layout = [s.layers for s in old.stages] == [s.layers for s in plan.stages]
-            if cfg.train.resume and not same_layout:
-                raise PlanError(
-                    f"train.resume=true but run_dir={run_dir} was trained with stages "
-                    f"{[list(s.layers) for s in old.stages]}, and this config plans "
-                    f"{[list(s.layers) for s in plan.stages]}: its checkpoints cannot be loaded. Fix: use the run's "
-                    f"config.yaml (the same pipeline.*) or start a new run_dir."
-                )
-            if not cfg.train.resume and latest_checkpoint(run_dir) is not None:
-                raise PlanError(
-                    f"run_dir={run_dir} already holds checkpoints. Fix: set train.resume=true to continue that run, "
-                    "or choose a new run_dir."
-                )
+    if cfg.run_dir and job == "train" and cfg.train.resume:
+        run_dir = Path(cfg.run_dir)
         for name, text in files.items():
             _atomic_write(run_dir / name, text)
         return run_dir
-    tmp = run_dir.parent / f".{run_dir.name}.tmp-{os.getpid()}"
-    tmp.mkdir(parents=True)
+    base = Path(cfg.run_dir or default_run_dir(cfg, job))
     try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PlanError(f"run_dir={base}: cannot create {base.parent} ({exc.strerror}). Fix: choose another run_dir.") from None
+    tmp = base.parent / f".{base.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        tmp.mkdir()
         for name, text in files.items():
             (tmp / name).write_text(text)
-        tmp.rename(run_dir)
-    except BaseException:
+        for attempt in range(1, 1000):
+            target = base if attempt == 1 else base.with_name(f"{base.name}-{attempt}")
+            try:
+                if target.is_dir() and not any(target.iterdir()) and cfg.run_dir:
+                    target.rmdir()  # an explicit, empty run_dir: take it
+                os.rename(tmp, target)  # atomic; fails when another launch holds the name
+                return target
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                    raise
+                if cfg.run_dir:
+                    raise PlanError(f"run_dir={base} was created by another launch meanwhile. Fix: choose another "
+                                    "run_dir.") from None
+        raise PlanError(f"could not find a free run dir name next to {base}. Fix: set run_dir explicitly.")
+    except OSError as exc:
+        raise PlanError(f"run_dir={base}: cannot write it ({exc.strerror or exc}). Fix: choose a run_dir in a "
+                        "folder you can write.") from None
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return run_dir
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -104,7 +193,7 @@ def read_run_dir(run_dir: str | Path):
     run_dir = Path(run_dir)
     for name in (CONFIG, PLAN):
         if not (run_dir / name).is_file():
-            raise FileNotFoundError(f"{run_dir / name} is missing: RUN_DIR must be a folder written by `dsaflow train`.")
+            raise PlanError(f"{run_dir / name} is missing: RUN_DIR must be a folder written by `dsaflow train`.")
     return load_config(run_dir / CONFIG), Plan.from_json((run_dir / PLAN).read_text())
 
 

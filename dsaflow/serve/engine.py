@@ -24,7 +24,8 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from dsaflow.plan.plan import Plan, PlanError
+from dsaflow.errors import ServeError  # noqa: F401 - re-exported
+from dsaflow.plan.plan import Plan
 from dsaflow.run.stages import stage_cache
 
 from .graphs import GraphManager, StaticInput
@@ -34,8 +35,6 @@ from .sampling import make_generator, sample_next
 SERVED_KINDS = ("decode", "prefill")
 
 
-class ServeError(PlanError):
-    """A serving config or request mistake (a PlanError: the CLI prints it and exits 2); names field, value, fix."""
 
 
 def check_prompts(prompts: List[List[int]], serve, vocab_size: int) -> None:

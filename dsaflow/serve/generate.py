@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -30,11 +29,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def serve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """serve.dtype (the schema's auto | fp32 | bf16) -> torch dtype."""
     if name == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ServeError(f"serve.dtype={name!r} is not a choice. Fix: use auto, fp32 or bf16.")
-    return DTYPES[name]
+    return DTYPES[str(name)]
 
 
 def load_prompts(serve_cfg) -> List[str]:
@@ -46,7 +44,7 @@ def load_prompts(serve_cfg) -> List[str]:
         )
     if not given and not path:
         raise ServeError(
-            'no prompts: set serve.prompts=["Hello","Once upon"] or serve.prompts_file=prompts.jsonl '
+            'no prompts. Fix: set serve.prompts=["Hello","Once upon"] or serve.prompts_file=prompts.jsonl '
             '(one {"prompt": "..."} per line).'
         )
     if given:
@@ -72,16 +70,7 @@ def load_prompts(serve_cfg) -> List[str]:
 
 def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Tuple[List[str], List[List[int]]]:
     """Everything about a generate job that can be checked in the parent -> (prompts, their token ids)."""
-    s = cfg.serve
-    for name in ("max_new_tokens", "max_batch", "max_context", "prefill_chunk"):
-        if getattr(s, name) < 1:
-            raise ServeError(f"serve.{name}={getattr(s, name)}: must be >= 1. Fix: set a positive value.")
-    if s.temperature < 0:
-        raise ServeError(f"serve.temperature={s.temperature}: must be >= 0 (0 = greedy). Fix: e.g. 0.8.")
-    if not 0 < s.top_p <= 1:
-        raise ServeError(f"serve.top_p={s.top_p}: must lie in (0, 1]. Fix: e.g. serve.top_p=0.9, or 1 for no cut.")
-    if s.dtype not in ("auto", *DTYPES):
-        raise ServeError(f"serve.dtype={s.dtype!r} is not a choice. Fix: use auto, fp32 or bf16.")
+    s = cfg.serve  # ranges and choices: dsaflow.config.schema (checked at compose); cross-field rules here
     if s.eos_id is not None and not 0 <= s.eos_id < cfg.model.vocab_size:
         raise ServeError(f"serve.eos_id={s.eos_id} is outside model.vocab_size={cfg.model.vocab_size}. Fix: a valid id.")
     if s.checkpoint:
@@ -148,20 +137,17 @@ def _log(run_dir, rank: int, text: str) -> None:
 
 
 def run_serve(ctx) -> None:
-    """The worker's generate job (see the module docstring). ServeError -> message on stderr, exit status 2."""
+    """The worker's generate job (see the module docstring). A ServeError ends the worker with exit status 2 and
+    one paragraph (dsaflow.worker)."""
     cfg, plan = ctx.cfg, ctx.plan
-    try:
-        prompts, ids = check_serve(cfg, plan, ctx.device.type)
-        link = None
-        if ctx.world_size > 1:
-            from .p2p import StageLink
+    prompts, ids = check_serve(cfg, plan, ctx.device.type)
+    link = None
+    if ctx.world_size > 1:
+        from .p2p import StageLink
 
-            link = StageLink(ctx.device)
-            link.warm_up()
-        engine = build_engine(cfg, plan, ctx.rank, ctx.device, link)
-    except ServeError as exc:
-        print(f"dsaflow generate: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        link = StageLink(ctx.device)
+        link.warm_up()
+    engine = build_engine(cfg, plan, ctx.rank, ctx.device, link)
     report = engine.capture()
     text = report.render()
     if report.records:  # nothing requested on this rank (CPU, graphs=off): no empty table on the terminal

@@ -1,35 +1,45 @@
-"""Load model weights (only) for serving from a training checkpoint written by `dsaflow train`.
+"""Load model weights (only) for serving from a checkpoint written by `dsaflow train`, without unpickling anything.
 
-Training checkpoints are torch.distributed.checkpoint folders whose model entries are `model.<global state-dict key>`
-(dsaflow.train.checkpoint). The keys are global (`layers.5.attn.wkv_b.weight`), so a model trained with PP=N can be
-served with any other stage split: each rank asks DCP for the keys of its own stages and nothing else (no optimiser,
-no RNG).
+Every checkpoint folder holds, next to its DCP shards, one weights-only `model-rank<r>.safetensors` per training rank
+with global state-dict keys (`layers.5.attn.wkv_b.weight`; dsaflow.train.checkpoint). Serving reads those files
+only: a model trained with PP=N can be served with any other stage split (each rank takes the keys of its own
+stages), and a crafted checkpoint can be wrong but can never run code. The folder's manifest (sizes, sha256) is
+checked first; a run dir falls back past bad checkpoints to the newest good one, naming each it skips.
 
-`serve.checkpoint` may be a run dir (the latest complete checkpoint is used, and its config.yaml must describe the same
-model) or one checkpoint folder (`<run_dir>/checkpoints/step-000300`).
+`serve.checkpoint` may be a run dir (its newest good checkpoint is used, and its config.yaml must describe the same
+model) or one checkpoint folder (`<run_dir>/checkpoints/step-000300`). `export_weights` writes one merged
+safetensors file for sharing.
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+import dataclasses
 from pathlib import Path
 from typing import Dict
 
 import torch
 
-from .engine import ServeError
-from dsaflow.run.rundir import CONFIG, latest_checkpoint
+from dsaflow.errors import CheckpointError, ServeError
+
+from dsaflow.run.ckpt_store import MANIFEST, newest_good_checkpoint, report_stderr, verify_checkpoint
+from dsaflow.run.rundir import CONFIG
+from dsaflow.run.safetensors_io import SafetensorsError, load_tensors, read_header, save_file
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run dir -> its latest complete checkpoint folder; a checkpoint folder -> itself."""
+def resolve_checkpoint(path: str | Path, report=report_stderr) -> Path:
+    """A run dir -> its newest good checkpoint folder; a checkpoint folder -> itself once verified."""
     p = Path(path)
-    if (p / ".metadata").is_file():
+    if (p / MANIFEST).is_file() or (p / ".metadata").is_file():
+        try:
+            verify_checkpoint(p)
+        except CheckpointError as exc:
+            raise ServeError(f"serve.checkpoint={path}: {exc}. Fix: use another checkpoint folder, or the run dir "
+                             "(its newest good checkpoint is picked).") from None
         return p
-    found = latest_checkpoint(p)
+    found = newest_good_checkpoint(p, report)
     if found is None:
         raise ServeError(
-            f"serve.checkpoint={path} is neither a checkpoint folder (no .metadata) nor a run dir holding a complete "
-            f"checkpoint. Fix: point it at runs/<name> or runs/<name>/checkpoints/step-NNNNNN."
+            f"serve.checkpoint={path} is neither a checkpoint folder nor a run dir holding a good checkpoint. Fix: "
+            f"point it at runs/<name> or runs/<name>/checkpoints/step-NNNNNN."
         )
     return found[1]
 
@@ -41,8 +51,8 @@ def check_same_model(model_cfg, checkpoint: Path) -> None:
         return
     from dsaflow.config.compose import load_config
 
-    trained = asdict(load_config(run_dir / CONFIG).model)
-    serving = asdict(model_cfg)
+    trained = {k: str(v) if isinstance(v, str) else v for k, v in dataclasses.asdict(load_config(run_dir / CONFIG).model).items()}
+    serving = dataclasses.asdict(model_cfg)
     diff = [k for k in serving if k != "name" and trained.get(k) != serving[k]]
     if diff:
         pairs = ", ".join(f"model.{k}: trained {trained.get(k)!r} vs serving {serving[k]!r}" for k in diff[:4])
@@ -52,21 +62,75 @@ def check_same_model(model_cfg, checkpoint: Path) -> None:
         )
 
 
-def load_model_weights(stages: Dict[int, torch.nn.Module], path: str | Path, model_cfg=None) -> Path:
-    """Load the weights of `stages` ({stage index: StageModule}, on CPU) in place from a DCP checkpoint."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+def weight_files(ckpt: Path) -> Dict[str, Path]:
+    """{global key: safetensors file holding it} over the checkpoint's model-rank*.safetensors."""
+    where: Dict[str, Path] = {}
+    files = sorted(ckpt.glob("model-rank*.safetensors"))
+    if not files:
+        raise ServeError(f"serve.checkpoint={ckpt} holds no model-rank*.safetensors weights. Fix: use a checkpoint "
+                         "written by this version of `dsaflow train`.")
+    for f in files:
+        try:
+            header, _ = read_header(f)
+        except (SafetensorsError, OSError) as exc:
+            raise ServeError(f"serve.checkpoint={ckpt}: {exc}. Fix: use another checkpoint.") from None
+        for k in header:
+            where[k] = f
+    return where
 
+
+def load_model_weights(stages: Dict[int, torch.nn.Module], path: str | Path, model_cfg=None) -> Path:
+    """Load the weights of `stages` ({stage index: StageModule}, on CPU) in place from a checkpoint's safetensors."""
     ckpt = resolve_checkpoint(path)
     if model_cfg is not None:
         check_same_model(model_cfg, ckpt)
-    sd = {f"model.{k}": v for m in stages.values() for k, v in m.state_dict().items()}
-    try:
-        dcp.load(sd, checkpoint_id=str(ckpt))
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps missing keys in several types
+    where = weight_files(ckpt)
+    wanted = {k: v for m in stages.values() for k, v in m.state_dict().items()}
+    missing = [k for k in wanted if k not in where]
+    if missing:
         raise ServeError(
-            f"serve.checkpoint={path}: could not load this rank's weights from {ckpt} ({type(exc).__name__}: "
-            f"{str(exc)[:300]}). Fix: serve with the same model and index layout the checkpoint was trained with "
-            f"(S layers carry no indexer weights, so changing roles changes the keys)."
-        ) from None
+            f"serve.checkpoint={path}: {ckpt} has no weights for {missing[:3]} ({len(missing)} missing). Fix: serve "
+            f"with the same model and index layout the checkpoint was trained with (S layers carry no indexer "
+            f"weights, so changing roles changes the keys)."
+        )
+    by_file: Dict[Path, list] = {}
+    for k in wanted:
+        by_file.setdefault(where[k], []).append(k)
+    with torch.no_grad():
+        for f, keys in by_file.items():
+            for k, t in load_tensors(f, keys).items():
+                if t.shape != wanted[k].shape:
+                    raise ServeError(f"serve.checkpoint={path}: {k} is {list(t.shape)} in {f.name} but the model "
+                                     f"has {list(wanted[k].shape)}. Fix: serve with the training run's model.")
+                wanted[k].copy_(t)
     return ckpt
+
+
+def export_weights(path: str | Path, out: str | Path) -> Path:
+    """One safetensors file with every model weight of a checkpoint (or a run dir's newest good one)."""
+    ckpt = resolve_checkpoint(path)
+    tensors = {}
+    for f in sorted(ckpt.glob("model-rank*.safetensors")):
+        tensors.update(load_tensors(f))
+    save_file(tensors, out, {"format": "dsaflow-weights", "source": str(ckpt)})
+    return Path(out)
+
+
+def main(argv=None) -> int:
+    """`python -m dsaflow.serve.weights export CKPT_OR_RUN_DIR OUT.safetensors`."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 3 or args[0] != "export":
+        print("usage: python -m dsaflow.serve.weights export CKPT_OR_RUN_DIR OUT.safetensors", file=sys.stderr)
+        return 2
+    try:
+        print(export_weights(args[1], args[2]))
+    except ServeError as exc:
+        print(f"dsaflow: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

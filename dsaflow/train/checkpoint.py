@@ -5,17 +5,30 @@ State of a rank (flat keys, so DCP never mistakes two ranks' tensors for replica
     optim.main.<name>.{exp_avg,exp_avg_sq,step}, optim.indexer.<name>.{...}
     rng.rank<r>.cpu / rng.rank<r>.cuda   RNG streams of this rank
     step                                  replicated: completed steps (the data position: batches are indexed by step)
-The lr schedule is a pure function of the step, so the step restores it too. A folder is complete once DCP has
-written its `.metadata`; `latest_checkpoint` ignores the others.
+The lr schedule is a pure function of the step, so the step restores it too.
+
+A save writes into `.step-NNNNNN.partial/` (DCP shards, then every rank's weights-only `model-rank<r>.safetensors`),
+then the first rank writes the manifest (sizes and sha256 of every file), renames the folder into place and prunes
+to the newest `train.keep_checkpoints`. A kill at any point leaves at most a partial folder that nothing loads. An
+existing checkpoint is never rewritten. Loading verifies the manifest and reads DCP metadata through the
+allow-listing unpickler of `ckpt_store` (no code from a checkpoint file ever runs).
 """
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+
+from dsaflow.errors import CheckpointError
+
+from dsaflow.run.ckpt_store import partial_dir, prune, safe_reader, verify_checkpoint, write_manifest
+from dsaflow.run.safetensors_io import save_file
 
 from .optim import RankOptim
 
@@ -38,31 +51,80 @@ def _optim_state(opt: torch.optim.Optimizer, params: Sequence[nn.Parameter], nam
     return out
 
 
-def rank_state(modules: Sequence[nn.Module], opt: RankOptim, rank: int, step: int, for_load: bool) -> Dict[str, object]:
+def rank_state(modules: Sequence[nn.Module], opt: Optional[RankOptim], rank: int, step: int, for_load: bool) -> Dict[str, object]:
     sd: Dict[str, object] = {"step": torch.tensor(step, dtype=torch.int64)}
     for m in modules:
         for k, v in m.state_dict().items():
             sd[f"model.{k}"] = v
-    sd.update(_optim_state(opt.main, opt.main_params, opt.names, "optim.main", for_load))
-    sd.update(_optim_state(opt.indexer, opt.indexer_params, opt.names, "optim.indexer", for_load))
+    if opt is not None:  # None: weights only (serving exports, tests)
+        sd.update(_optim_state(opt.main, opt.main_params, opt.names, "optim.main", for_load))
+        sd.update(_optim_state(opt.indexer, opt.indexer_params, opt.names, "optim.indexer", for_load))
     sd[f"rng.rank{rank}.cpu"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         sd[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state()
     return sd
 
 
-def save_checkpoint(path: Path, modules, opt: RankOptim, rank: int, step: int, group=None) -> None:
-    """Collective: every rank of the pipeline calls it with its own stages."""
-    dcp.save(rank_state(modules, opt, rank, step, for_load=False), checkpoint_id=str(path), process_group=group)
+def _barrier(group) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _is_first(group) -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group=group) == 0
+
+
+def save_checkpoint(path: Path, modules, opt: Optional[RankOptim], rank: int, step: int, group=None,
+                    keep: Optional[int] = None) -> bool:
+    """Collective: every rank of the pipeline calls it with its own stages. Returns False (and writes nothing)
+    when the checkpoint already exists: a checkpoint is never rewritten."""
+    path = Path(path)
+    if path.exists():
+        return False
+    tmp = partial_dir(path)
+    if _is_first(group):
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(group)
+    dcp.save(rank_state(modules, opt, rank, step, for_load=False), checkpoint_id=str(tmp), process_group=group)
+    weights = {k: v for m in modules for k, v in m.state_dict().items()}
+    save_file(weights, tmp / f"model-rank{rank}.safetensors", {"step": str(step), "format": "dsaflow-weights"})
+    _barrier(group)
+    if _is_first(group):
+        write_manifest(tmp, step)
+        os.rename(tmp, path)
+        if keep:
+            prune(path.parent.parent, keep)
+    _barrier(group)
+    return True
+
+
+def _first_failure(exc: BaseException) -> str:
+    """The first underlying error of a DCP CheckpointException (one line), else the exception itself."""
+    for inner, _ in getattr(exc, "failures", {}).values():
+        if isinstance(inner, CheckpointError):
+            return str(inner)
+        return f"{type(inner).__name__}: {str(inner)[:300]}"
+    return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
 def load_checkpoint(path: Path, modules, opt: RankOptim, rank: int, group=None) -> int:
-    """Collective. Loads model + optimiser + RNG in place; returns the completed step to continue from."""
+    """Collective. Loads model + optimiser + RNG in place; returns the completed step to continue from.
+    `path` was verified (manifest, safe metadata) by the caller; the metadata is read safely again here."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     sd = rank_state(modules, opt, rank, 0, for_load=True)
-    dcp.load(sd, checkpoint_id=str(path), process_group=group)
+    try:
+        dcp.load(sd, storage_reader=safe_reader(path), process_group=group)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps every failure of any rank
+        raise CheckpointError(f"could not load {path}: {_first_failure(exc)}. Fix: resume with the run's own "
+                              "config.yaml, or start a new run_dir") from None
     # model.* entries are the modules' own tensors: loaded in place. Optimiser state tensors were installed in
     # opt.state by the template, also loaded in place. RNG needs an explicit set.
     torch.set_rng_state(sd[f"rng.rank{rank}.cpu"])
     if f"rng.rank{rank}.cuda" in sd:
         torch.cuda.set_rng_state(sd[f"rng.rank{rank}.cuda"])
     return int(sd["step"])
+
+
+__all__ = ["load_checkpoint", "rank_state", "save_checkpoint", "verify_checkpoint"]

@@ -5,7 +5,8 @@ import dataclasses
 import time
 
 from dsaflow.run.context import RunContext
-from dsaflow.run.rundir import checkpoint_dir, latest_checkpoint
+from dsaflow.errors import CheckpointError
+from dsaflow.run.ckpt_store import checkpoint_dir, newest_good_checkpoint
 from dsaflow.track import Progress, make_tracker
 
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -32,9 +33,11 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
     records = RunRecords(ctx.run_dir, ctx.is_logging_rank)
     start = 0
     if t.resume:
-        latest = latest_checkpoint(ctx.run_dir)
+        # the parent checked the run (dsaflow.run.rundir.check_resume); every rank picks the same checkpoint
+        latest = newest_good_checkpoint(ctx.run_dir, records.log if ctx.is_logging_rank else None)
         if latest is None:
-            raise FileNotFoundError(f"train.resume=true but {ctx.run_dir}/checkpoints holds no complete checkpoint.")
+            raise CheckpointError(f"train.resume=true but {ctx.run_dir}/checkpoints holds no good checkpoint. Fix: "
+                                  "start a new run_dir, or resume a run that saved one.")
         start = load_checkpoint(latest[1], tr.modules, tr.opt, ctx.rank, ctx.group)
         tr.start_at(start)
         records.truncate_after(start)
@@ -70,13 +73,15 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
                 records.log(" ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
                                      if k in ("step", "loss", "indexer_loss", "lr", "tokens_per_s", "acc", "eval_loss", "eval_acc")))
             if t.ckpt_every and done % t.ckpt_every == 0 and done != t.steps:
-                save_checkpoint(checkpoint_dir(ctx.run_dir, done), tr.modules, tr.opt, ctx.rank, done, ctx.group)
+                save_checkpoint(checkpoint_dir(ctx.run_dir, done), tr.modules, tr.opt, ctx.rank, done, ctx.group,
+                                t.keep_checkpoints)
             if t.stop_at_step is not None and done == t.stop_at_step and done != t.steps:
                 stopped = True
                 progress.message(f"stopping after step {done} (train.stop_at_step); resume with train.resume=true")
                 break
         if not stopped and t.final_ckpt:
-            save_checkpoint(checkpoint_dir(ctx.run_dir, t.steps), tr.modules, tr.opt, ctx.rank, t.steps, ctx.group)
+            save_checkpoint(checkpoint_dir(ctx.run_dir, t.steps), tr.modules, tr.opt, ctx.rank, t.steps, ctx.group,
+                            t.keep_checkpoints)
     finally:
         progress.close()
         tracker.finish()

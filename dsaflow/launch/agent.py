@@ -1,0 +1,44 @@
+"""`python -m dsaflow.launch.agent [torchrun args]`: torchrun, run in-process under dsaflow's process rules.
+
+The same arguments as `python -m torch.distributed.run`. Differences: the agent dies with the `dsaflow` parent
+(dsaflow.launch.lifecycle), its logging stays quiet, and a worker failure ends it with the worker's exit status and
+one line instead of torchrun's traceback: status 2 means a worker found a user error and wrote it to
+`<run_dir>/error-rank<r>.txt` (the parent prints it).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from dsaflow.errors import EXIT_USER_ERROR
+
+
+def main(argv=None) -> int:
+    from .lifecycle import die_with_parent
+
+    die_with_parent()
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(list(sys.argv[1:] if argv is None else argv)))
+    except ChildFailedError as exc:
+        if any(f.exitcode == EXIT_USER_ERROR for f in exc.failures.values()):
+            return EXIT_USER_ERROR
+        rank, first = exc.get_first_failure()
+        code = first.exitcode
+        how = f"signal {-code}" if code < 0 else f"status {code}"
+        print(f"dsaflow: worker rank {rank} ended with {how}; torchrun stopped the other ranks", file=sys.stderr,
+              flush=True)
+        return 1 if code < 0 else code
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
