@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsaflow.config.layout import format_layout, freq_roles, parse_layout, tile_pattern
+from dsaflow.plan.layout import format_layout, freq_roles, parse_layout, tile_pattern
 from dsaflow.plan.plan import PlanError
 
 

@@ -2,7 +2,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsaflow.config.layout import format_layout
+from dsaflow.plan.layout import format_layout
 from dsaflow.plan import Plan, build_plan
 from dsaflow.plan import estimates as E
 from tests.planner_helpers import make_cfg

@@ -24,7 +24,7 @@ from typing import List, Tuple
 
 import torch
 
-from dsaflow.config.layout import format_layout, freq_roles
+from dsaflow.plan.layout import format_layout, freq_roles
 from dsaflow.plan.plan import PlanError
 
 from .evaluate import PatternEvaluator
