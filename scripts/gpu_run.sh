@@ -5,7 +5,7 @@
 #            indexer loss; a 128K-token step of a 2-layer model)
 #   model:   the gpu-marked model, serving and training tests; the main job on one GPU; long-context training steps
 #   indexcache: scripts/bench_indexcache.py (IndexCache prefill / decode vs dense SDPA)
-#   multi:   the multigpu tests REPEAT times in a row (default 5) and the 2-GPU main job
+#   multi:   the gpu training tests, then the multigpu tests REPEAT times in a row (default 5)
 # Logs, JSON and markdown go to $OUT (default gpu_out/). Each step has its own time limit and keeps going after a
 # failure; the last lines list every step's exit status.
 set -uo pipefail
@@ -45,13 +45,12 @@ indexcache)
   step indexcache 540 python3 scripts/bench_indexcache.py --out "$OUT/indexcache" --decode-steps 32 --sdpa-repeats 2
   cat "$OUT"/indexcache/*.md 2>/dev/null ;;
 multi)
+  step train_gpu_tests 150 python3 -m pytest -q -m gpu tests/test_train_gpu.py
+  summary | tail -n 1
   for i in $(seq 1 "${REPEAT:-5}"); do
     step multigpu_run$i 150 python3 -m pytest -q -m multigpu tests/
     summary | tail -n 1
-  done
-  step main_job_2gpu 120 python3 -m dsaflow.cli train pipeline=pp2 train.device=cuda track=none \
-    train.progress=lines run_dir=/tmp/r/main2
-  cp /tmp/r/main2/metrics.jsonl "$OUT/main2_metrics.jsonl" 2>/dev/null ;;
+  done ;;
 *) echo "unknown phase $PHASE (kernels|model|indexcache|multi)"; exit 2 ;;
 esac
 grep -E "^=== .* rc=" "$LOG"
