@@ -42,8 +42,11 @@ def test_cpu_and_cuda_log_the_same_metrics_in_fp32(tmp_path, monkeypatch):
         for key in ("loss", "grad_norm", "indexer_grad_norm"):
             bound = 10 * tol if "norm" in key else tol  # a norm sums many squared differences
             assert _rel(c[key], g[key]) <= bound, (step, key, c[key], g[key])
-        # The KL is a small difference of near-equal sums: compare it to its own size with an absolute floor.
-        assert abs(c["indexer_loss"] - g["indexer_loss"]) <= 1e-7 + 10 * tol * abs(c["indexer_loss"]), (
+        # The KL is a small difference of two sums of size ~log K (sum t log t - sum t log q per query): fp32
+        # rounding bounds their difference absolutely, by about sqrt(K) * log(K) * 2^-24 per term (x4 margin).
+        k = 16  # model=tiny's index_topk
+        kl_atol = 4 * math.sqrt(k) * math.log(k) * 2.0**-24
+        assert abs(c["indexer_loss"] - g["indexer_loss"]) <= kl_atol + 10 * tol * abs(c["indexer_loss"]), (
             step, c["indexer_loss"], g["indexer_loss"])
         assert c["indexer_loss"] < 1.0 and g["indexer_loss"] < 1.0, "the indexer loss must not carry memory GiB"
 
