@@ -30,7 +30,7 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
     tr = Trainer(ctx)
     if on_trainer is not None:
         on_trainer(tr)
-    records = RunRecords(ctx.run_dir, ctx.is_logging_rank)
+    records = RunRecords(ctx.run_dir, ctx.is_logging_rank, ctx.rank)
     start = 0
     if t.resume:
         # the parent checked the run (dsaflow.run.rundir.check_resume); every rank picks the same checkpoint
@@ -85,4 +85,5 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
     finally:
         progress.close()
         tracker.finish()
+        records.close()
     return history

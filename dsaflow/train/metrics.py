@@ -10,6 +10,7 @@ A100: 312), else a nominal 0.1 TFLOP/s for a CPU process (a laptop-class figure;
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -45,11 +46,30 @@ def model_flops_per_token(model_cfg, plan, seq_len: int, model_params: int, embe
 
 
 class RunRecords:
-    """Appends to metrics.jsonl and train.log (logging rank only; others hold a disabled instance)."""
+    """The run's records: metrics.jsonl (one JSON object per logged step) and train.log, a `logging` file handler
+    on the logger "dsaflow.train.rank<r>" of the logging rank. Other ranks hold a disabled instance; their logger has
+    no file handler, so library code may log freely on every rank. `close()` detaches the handler."""
 
-    def __init__(self, run_dir: Path, enabled: bool):
+    def __init__(self, run_dir: Path, enabled: bool, rank: int = 0):
         self.enabled = enabled
         self.metrics_path, self.log_path = Path(run_dir) / METRICS, Path(run_dir) / LOG
+        self.logger = logging.getLogger(f"dsaflow.train.rank{rank}")
+        self.logger.setLevel(logging.INFO)
+        self.logger.propagate = False  # the console shows the progress output; train.log gets these lines
+        for old in list(self.logger.handlers):  # a run that ended without close() in this process (tests run several)
+            self.logger.removeHandler(old)
+            old.close()
+        self.handler = None
+        if enabled:
+            self.handler = logging.FileHandler(self.log_path, mode="a", encoding="utf-8")
+            self.handler.setFormatter(logging.Formatter("%(message)s"))
+            self.logger.addHandler(self.handler)
+
+    def close(self) -> None:
+        if self.handler is not None:
+            self.logger.removeHandler(self.handler)
+            self.handler.close()
+            self.handler = None
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records of steps the interrupted run logged after its last checkpoint."""
@@ -65,5 +85,4 @@ class RunRecords:
 
     def log(self, line: str) -> None:
         if self.enabled:
-            with self.log_path.open("a") as f:
-                f.write(line + "\n")
+            self.logger.info(line)
