@@ -52,17 +52,9 @@ def timed_slow(fn, n=3) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    from bench_ops import timed_slow as median_of_cuda_events  # scripts/ is on sys.path when run as a script
+
+    return median_of_cuda_events(fn, n)
 
 
 def record(section, what, impl, ms, flops=None, **extra):
