@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsaflow.model import IndexCacheError, StageCache
+from dsaflow.model import IndexCacheError
 from dsaflow.run.stages import build_stages, stage_cache
 from model_helpers import planned_sharp
 
