@@ -19,7 +19,7 @@ import torch
 from dsaflow.run.ckpt_store import list_checkpoints, newest_good_checkpoint, verify_checkpoint
 from dsaflow.launch.lifecycle import children
 from dsaflow.run.rundir import read_metrics
-from train_harness import run_configs, tiny_cfg
+from train_harness import run_configs, stop_and_resume_cfgs, tiny_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG_RUN = ["track=none", "pipeline=pp2", "model.num_layers=2", "model.dim=32", "model.inter_dim=64",
@@ -106,12 +106,7 @@ def test_resume_skips_bad_checkpoints_and_matches_an_uninterrupted_run(tmp_path)
     partial folder is left). Resume names step 4 as bad, falls back to step 2, and logs the losses of a run that
     was never interrupted."""
     common = dict(steps=5, ckpt_every=2, dense_warmup_steps=1, keep_checkpoints=5)
-    full = tiny_cfg(2, 2, "1F1B", **common)
-    full.run_dir = str(tmp_path / "full")
-    stopped = tiny_cfg(2, 2, "1F1B", stop_at_step=4, **common)
-    stopped.run_dir = str(tmp_path / "killed")
-    resumed = tiny_cfg(2, 2, "1F1B", resume=True, **common)
-    resumed.run_dir = stopped.run_dir
+    full, stopped, resumed = stop_and_resume_cfgs(tmp_path, 2, 2, "1F1B", 4, **common)
     _, r_stopped, r_resumed = run_configs(2, [full, stopped, resumed], tmp_path / "out", _break_checkpoints)
     run = Path(stopped.run_dir)
     assert [h["step"] for h in r_stopped["history"]] == [1, 2, 3, 4]

@@ -1,24 +1,15 @@
 """scripts/bench_decode.py runs end to end on CPU at tiny size (eager only; graphs need CUDA): in-process for one
 stage and through torchrun + gloo for two, writing consistent JSON and markdown."""
-import importlib.util
 import json
-import os
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_decode", os.path.join(REPO, "scripts", "bench_decode.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_helpers import load_script
 
 
 @pytest.mark.slow
 def test_bench_decode_cpu_one_and_two_stages(tmp_path):
-    bench = load_bench()
+    bench = load_script("bench_decode")
     argv = ["--device", "cpu", "--models", "tiny", "--batches", "1,3", "--steps", "3", "--repeats", "1",
             "--prompt-len", "6", "--gpus", "1,2", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
@@ -38,7 +29,7 @@ def test_bench_decode_cpu_one_and_two_stages(tmp_path):
 
 
 def test_bench_savings_pairing():
-    bench = load_bench()
+    bench = load_script("bench_decode")
     rows = [{"model": "m", "gpus": 1, "batch": 4, "mode": "eager", "per_token_ms": 10.0},
             {"model": "m", "gpus": 1, "batch": 4, "mode": "graphs", "per_token_ms": 4.0}]
     out = bench.add_savings(rows)

@@ -1,25 +1,15 @@
 """scripts/bench_indexcache.py runs end to end on CPU at tiny size (eager decode; graphs need CUDA) and writes
 consistent JSON and markdown (speedups are the ratios of the measured times, shares of the measured prefill)."""
-import importlib.util
 import json
-import os
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_indexcache",
-                                                  os.path.join(REPO, "scripts", "bench_indexcache.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_helpers import load_script
 
 
 @pytest.mark.slow
 def test_bench_indexcache_cpu_tiny(tmp_path):
-    bench = load_bench()
+    bench = load_script("bench_indexcache")
     argv = ["--device", "cpu", "--model", "tiny", "--layers", "4", "--contexts", "24,40", "--prefill-chunk", "16",
             "--decode-steps", "2", "--sdpa-repeats", "1", "--indexes", "all_full,every4", "--extra", "",
             "--out", str(tmp_path)]

@@ -5,18 +5,13 @@ from __future__ import annotations
 import pytest
 
 from dsaflow.run.rundir import latest_checkpoint, read_metrics
-from train_harness import run_configs, tiny_cfg
+from train_harness import run_configs, stop_and_resume_cfgs
 
 
 @pytest.mark.slow
 def test_stop_and_resume_matches_uninterrupted(tmp_path):
     common = dict(steps=4, ckpt_every=2, dense_warmup_steps=1, eval_every=2)
-    full = tiny_cfg(4, 2, "Interleaved1F1B", **common)
-    full.run_dir = str(tmp_path / "full")
-    stopped = tiny_cfg(4, 2, "Interleaved1F1B", stop_at_step=3, **common)
-    stopped.run_dir = str(tmp_path / "killed")
-    resumed = tiny_cfg(4, 2, "Interleaved1F1B", resume=True, **common)
-    resumed.run_dir = stopped.run_dir
+    full, stopped, resumed = stop_and_resume_cfgs(tmp_path, 4, 2, "Interleaved1F1B", 3, **common)
     r_full, r_stopped, r_resumed = run_configs(2, [full, stopped, resumed], tmp_path / "out")
 
     assert [h["step"] for h in r_stopped["history"]] == [1, 2, 3]

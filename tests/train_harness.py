@@ -32,6 +32,17 @@ def tiny_cfg(stages: int = 1, ranks=None, schedule: str = "1F1B", steps: int = 3
     return cfg
 
 
+def stop_and_resume_cfgs(root: Path, stages: int, ranks: int, schedule: str, stop_at: int, **train):
+    """(uninterrupted, stopped after `stop_at`, resumed) configs of one tiny run: the last two share a run dir."""
+    full = tiny_cfg(stages, ranks, schedule, **train)
+    full.run_dir = str(root / "full")
+    stopped = tiny_cfg(stages, ranks, schedule, stop_at_step=stop_at, **train)
+    stopped.run_dir = str(root / "killed")
+    resumed = tiny_cfg(stages, ranks, schedule, resume=True, **train)
+    resumed.run_dir = stopped.run_dir
+    return full, stopped, resumed
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
