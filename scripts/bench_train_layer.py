@@ -2,7 +2,8 @@
 """Where a training step's time goes, per layer x microbatch, for a model with DeepSeek-V3.2 attention on one GPU.
 
     python scripts/bench_train_layer.py --seq 4096,16384 --layers 4 --out bench_out
-    python scripts/bench_train_layer.py --seq 131072 --layers 2 --impls fused --no-profile --out bench_out   # 128K
+    python scripts/bench_train_layer.py --seq 131072 --layers 2 --impls fused --no-profile --recompute attention \
+        --out bench_out   # 128K
 
 Model: `model=dsv32` attention and indexer (dim 7168, 128 heads, q_lora 1536, kv_lora 512 + rope 64, indexer 64 x 128,
 topk 2048) with a 2048-wide MLP and a byte vocabulary, `--layers` layers in one stage (embedding, layers, head),
@@ -60,21 +61,23 @@ def matmul_ceiling_tflops() -> float:
     return 2 * 8192**3 / ms / 1e9
 
 
-def build(layers: int, index: str, seq: int):
+def build(layers: int, index: str, seq: int, recompute: str = "none"):
     from dsaflow.config.compose import compose
     from dsaflow.run.stages import stage_module
     from dsaflow.plan import build_plan
     from dsaflow.train.metrics import model_flops_per_token
 
     cfg = compose(["model=dsv32", "model.vocab_size=256", "model.inter_dim=2048", f"model.num_layers={layers}",
-                   f"model.max_seq_len={max(seq, 4096)}", f"index={index}", f"train.seq_len={seq}"])
+                   f"model.max_seq_len={max(seq, 4096)}", f"index={index}", f"train.seq_len={seq}",
+                   f"train.recompute={recompute}", "train.batch_size=1", "pipeline.microbatches=1"])
     plan = build_plan(cfg)
     stage = stage_module(cfg.model, plan, 0, seed=0).cuda().train()
+    stage.recompute_attention = recompute == "attention"
     n = sum(p.numel() for p in stage.parameters())
     flops = model_flops_per_token(cfg.model, plan, seq, n, stage.embed.weight.numel()) * seq
     idx = stage.indexer_parameters()
     main = [p for p in stage.parameters() if all(p is not q for q in idx)]
-    opts = [torch.optim.AdamW(main, lr=1e-5), torch.optim.AdamW(idx, lr=1e-5)]
+    opts = [torch.optim.AdamW(main, lr=1e-5, fused=True), torch.optim.AdamW(idx, lr=1e-5, fused=True)]  # as the trainer
     return cfg, plan, stage, opts, flops
 
 
@@ -137,14 +140,15 @@ def set_impl(impl: str) -> None:
     os.environ["DSAFLOW_INDEXER_LOSS"] = "reference" if impl == "naive" else "auto"
 
 
-def run_case(seq: int, layers: int, index: str, impl: str, reps: int, profile: bool, ceiling: float) -> dict:
+def run_case(seq: int, layers: int, index: str, impl: str, reps: int, profile: bool, ceiling: float,
+             recompute: str = "none") -> dict:
     set_impl(impl)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    cfg, plan, stage, opts, flops = build(layers, index, seq)
+    cfg, plan, stage, opts, flops = build(layers, index, seq, recompute)
     x = torch.randint(0, 256, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     row = {"seq": seq, "layers": layers, "index": index, "impl": impl,
-           "roles": "".join(l.role for l in plan.layers)}
+           "roles": "".join(l.role for l in plan.layers), "recompute": recompute}
     try:
         full = make_step(stage, opts, x, True)
         full()  # creates the optimiser state
@@ -177,15 +181,16 @@ def run_case(seq: int, layers: int, index: str, impl: str, reps: int, profile: b
 
 def markdown(rows: list, ceiling: float, device: str) -> str:
     lines = [f"Device: {device}; bf16 8192^3 matmul ceiling measured here: {ceiling:.0f} TFLOP/s.", "",
-             "| seq | layers (roles) | indexer loss | step ms | tokens/s | no-loss ms | indexer loss share | model TFLOP/step "
+             "| seq | layers (roles) | recompute | indexer loss | step ms | tokens/s | no-loss ms | indexer loss share | model TFLOP/step "
              "| TFLOP/s | of matmul ceiling | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['seq']} | {r['layers']} ({r['roles']}) | {r['impl']} | {r['error']} |||||||||")
+            lines.append(f"| {r['seq']} | {r['layers']} ({r['roles']}) | {r['recompute']} | {r['impl']} | {r['error']} "
+                         "|||||||||")
             continue
         lines.append(
-            f"| {r['seq']} | {r['layers']} ({r['roles']}) | {r['impl']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+            f"| {r['seq']} | {r['layers']} ({r['roles']}) | {r['recompute']} | {r['impl']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
             f"{r['no_loss_ms']:.1f} | {100 * r['indexer_loss_share']:.1f}% | {r['model_tflop']:.2f} | {r['tflops']:.0f} | "
             f"{100 * r['mfu_of_measured_matmul']:.1f}% | {r['peak_mem_gib']:.1f} |")
     prof = [r for r in rows if "per_layer_mb_ms" in r]
@@ -207,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default="fused,naive")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--recompute", default="none", choices=["none", "attention"],
+                    help="train.recompute: attention = keep only the attention inputs, recompute in backward")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -219,7 +226,8 @@ def main(argv=None) -> int:
     rows = []
     for seq in (int(s) for s in args.seq.split(",")):
         for impl in args.impls.split(","):
-            row = run_case(seq, args.layers, args.index, impl, args.reps, not args.no_profile, ceiling)
+            row = run_case(seq, args.layers, args.index, impl, args.reps, not args.no_profile, ceiling,
+                           args.recompute)
             print(json.dumps({k: v for k, v in row.items() if k != "top_other_kernels_ms"}), flush=True)
             rows.append(row)
     (out / "bench_train_layer.json").write_text(json.dumps({"device": device, "matmul_tflops": ceiling,

@@ -6,8 +6,9 @@ Per rank (the stages it owns), in bytes:
             index tensors: F-layer top-k indices (+ the indexer-loss target of the same shape), padded to the
             model's index_topk width (the model allocates that width even when fewer keys exist; the effective
             top-k is min(index_topk, context))
-            transient score matrices of one layer: indexer scores [T, T] per head and, on CPU, the naive sparse
-            attention's gathered keys [T, k_eff, d]
+            transient tensors of one layer: indexer scores ([T, T] per head on CPU; on a GPU the Triton indexer's
+            query chunks), on CPU the naive sparse attention's gathered keys [T, k_eff, d], and with
+            train.recompute=attention one recomputed query chunk's attention intermediates and their gradients
     serve   weights in serve.dtype, KV + indexer-key caches (max_batch x max_context), the index cache
             (max_batch x prefill_chunk x index_topk int32) and the logits of one step.
 Available: the free memory of this rank's GPU, or the host's available memory shared by every rank on a CPU run.
@@ -20,6 +21,8 @@ import os
 from typing import Dict, Tuple
 
 from dsaflow.errors import ResourceError
+from dsaflow.model.mla import RECOMPUTE_CHUNK_TOKENS
+from dsaflow.ops.indexer_topk.budget import SCORE_BUDGET_ELEMS
 from dsaflow.plan import estimates as E
 
 GiB = 1 << 30
@@ -59,9 +62,14 @@ def rank_memory(cfg, plan, rank: int, device_type: str, job: str) -> Dict[str, f
     out["activations"] = max(0.0, act - n_f * tokens * m.index_topk * E.INT32 * in_flight * scale)
     out[f"index tensors (model.index_topk={m.index_topk} per query)"] = index
     k_eff = min(m.index_topk, seq)
-    scores = seqs * seq * seq * 4 * (m.index_n_heads + 1)
-    if device_type == "cpu":
+    if device_type == "cpu":  # the reference indexer scores every head, then gathers the selected rows
+        scores = seqs * seq * seq * 4 * (m.index_n_heads + 1)
         scores += tokens * max(k_eff, m.index_topk) * (m.kv_lora_rank + m.qk_rope_head_dim) * 4 * 2
+    else:  # the Triton indexer works in query chunks of at most SCORE_BUDGET_ELEMS scores
+        scores = min(seqs * seq * seq, SCORE_BUDGET_ELEMS) * 12
+    if t.recompute == "attention":  # one query chunk's recomputed attention intermediates and their gradients
+        chunk = min(tokens, RECOMPUTE_CHUNK_TOKENS)
+        scores += 2 * E.attention_recompute_elems_per_token(m) * chunk * E.BF16 * scale
     out["transient score and gather tensors of one layer"] = scores
     out["batch"] = t.batch_size * (seq + 1) * 8 * 5
     return out

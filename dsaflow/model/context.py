@@ -25,6 +25,8 @@ class ForwardContext:
     causal_rows: True when there is no cache and every query at row t is token t itself (positions[b, t] == t) or
     padding (< 0). Dense attention then runs as causal SDPA (FlashAttention, O(T) memory) instead of sparse_mla over
     `causal_indices` ([B, T, S] indices); StageModule sets it.
+    recompute_attention: training without a cache keeps only each layer's attention inputs and recomputes the
+    absorbed query, the sparse attention and the output projection in backward (`train.recompute=attention`).
     """
 
     positions: torch.Tensor
@@ -35,6 +37,7 @@ class ForwardContext:
     index_slot: IndexSlot
     recorder: Optional["IndexerLossRecorder"] = None
     causal_rows: bool = False
+    recompute_attention: bool = False
 
 
 def causal_indices(positions: torch.Tensor, num_keys: int) -> torch.Tensor:

@@ -52,13 +52,21 @@ class IndexerLossRecorder:
 
     # Autocast off: under bf16 autocast the reference einsums would round the scores to bf16, and a KL between
     # near-uniform distributions is smaller than that rounding (it even turns negative). These are fp32 by contract.
-    def record_attention(self, layer: int, q, kv, indices, lse, sm_scale: float) -> None:
-        """Sparse mode: add this layer's attention distribution over its K keys into its F layer's target."""
+    def record_attention(self, layer: int, q, kv, indices, lse, sm_scale: float, rows=None) -> None:
+        """Sparse mode: add this layer's attention distribution over its K keys into its F layer's target.
+        rows = (t0, T): q, indices and lse are the query rows t0.. of a T-row forward (chunked attention)."""
         f = self.source[layer]
         weight = 1.0 / len(self.groups[f])
         q, kv, lse = q.detach(), kv.detach(), lse.detach()
         with torch.autocast(q.device.type, enabled=False):
-            self.targets[f] = attention_target(q, kv, indices, lse, sm_scale, self.targets.get(f), weight)
+            if rows is None:
+                self.targets[f] = attention_target(q, kv, indices, lse, sm_scale, self.targets.get(f), weight)
+                return
+            t0, T = rows
+            B, n, K = indices.shape
+            if f not in self.targets:
+                self.targets[f] = torch.zeros(B, T, K, device=q.device, dtype=torch.float32)
+            self.targets[f][:, t0 : t0 + n] += attention_target(q, kv, indices, lse, sm_scale, None, weight)
 
     def record_index_scores(self, layer: int, q, k, w, indices) -> None:
         """Sparse mode: an F layer's indexer outputs q_I [B, T, H_I, D_I], k_I [B, S, D_I], w [B, T, H_I] and the

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dsaflow.config.schema import ModelConfig
 from dsaflow.ops import indexer_topk, sparse_mla
@@ -31,6 +32,11 @@ from .context import ForwardContext, causal_indices
 from .indexer import Indexer
 from .norms import RMSNorm
 from .rope import apply_rope
+
+
+# Queries per checkpointed chunk under train.recompute=attention: one chunk's recomputed intermediates and their
+# gradients are about 4 * H * (C + R) bf16 per query (9 GiB at V3.2 shapes).
+RECOMPUTE_CHUNK_TOKENS = 16384
 
 
 class MLA(nn.Module):
@@ -68,16 +74,44 @@ class MLA(nn.Module):
         if ctx.cache is not None:
             kv = write_rows(ctx.cache.kv[self.layer_index], ctx.positions, kv)  # [B, max_context + 1, C + R]
 
+        indices = self._indices(x, q_latent, kv.shape[1], ctx)
+        # The recorder sees the attention once: a recomputation in backward finds the list empty.
+        record = [] if ctx.recorder is None or ctx.attn == "dense" else [ctx.recorder]  # dense records in `_dense`
+        if ctx.recompute_attention and ctx.cache is None and torch.is_grad_enabled():
+            return self.wo(self._attend_recomputed(q, kv, indices, cos, sin, ctx.recorder if record else None))
+        record = [(r, None) for r in record]
+        return self.wo(self._attend(q, kv, indices, cos, sin, record))
+
+    def _attend_recomputed(self, q, kv, indices, cos, sin, recorder) -> torch.Tensor:
+        """`_attend` in query chunks of RECOMPUTE_CHUNK_TOKENS, each checkpointed: the forward keeps only the
+        inputs, and the backward rebuilds one chunk's intermediates at a time (a 128K-token layer's would be 34 GiB
+        at once). Same shapes as `_attend`; each chunk records its rows of the indexer-loss target once."""
+        B, T = q.shape[:2]
+        step = max(1, RECOMPUTE_CHUNK_TOKENS // B)
+        outs = []
+        for t0, qc, ic, cc, sc in zip(range(0, T, step), q.split(step, 1), indices.split(step, 1),
+                                       cos.split(step, 1), sin.split(step, 1)):
+            record = [] if recorder is None else [(recorder, (t0, T))]
+            outs.append(checkpoint(self._attend, qc, kv, ic, cc, sc, record, use_reentrant=False))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _attend(self, q, kv, indices, cos, sin, record: list) -> torch.Tensor:
+        """Absorbed query, sparse attention, output up-projection: q [B, T, H, N + R] (q_pe not yet rotated), kv
+        [B, S, C + R], indices [B, T, K] -> [B, T, H * V]. `record` holds at most one (recorder, rows) to hand the
+        attention to (rows: (first row, total rows) of a query chunk, or None); it is emptied, so a recomputation
+        in backward records nothing. The large intermediates, q_abs [B, T, H, C + R] and o_lat [B, T, H, C], are
+        2 H C bf16 per token: 34 GiB per layer at 128K tokens, which `train.recompute=attention` does not keep."""
+        B, T, H = q.shape[:3]
+        C = self.kv_lora_rank
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         w = self.wkv_b.weight.view(H, self.nope + self.v_dim, C)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q_abs = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w_uk), apply_rope(q_pe, cos, sin)], dim=-1)
-
-        indices = self._indices(x, q_latent, kv.shape[1], ctx)
         o_lat, lse = sparse_mla(q_abs, kv, indices, self.sm_scale, C)
-        if ctx.recorder is not None and ctx.attn != "dense":  # dense mode records in `_dense`
-            ctx.recorder.record_attention(self.layer_index, q_abs, kv, indices, lse, self.sm_scale)
-        out = torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * self.v_dim)
-        return self.wo(out)
+        if record:
+            recorder, rows = record.pop()
+            recorder.record_attention(self.layer_index, q_abs, kv, indices, lse, self.sm_scale, rows)
+        return torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * self.v_dim)
 
     def _dense(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, ctx: ForwardContext):
         """Dense attention without a cache, non-absorbed. q_nope [B, T, H, N], q_pe [B, T, H, R] and k_pe [B, T, R]

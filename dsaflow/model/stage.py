@@ -57,6 +57,8 @@ class StageModule(nn.Module):
             self.head.weight = self.embed.weight
         # Training-time indexer KL loss (see dsaflow.model.indexer_loss); the forward kwarg overrides the attribute.
         self.compute_indexer_loss = False
+        # train.recompute=attention (see ForwardContext.recompute_attention); the trainer sets it.
+        self.recompute_attention = False
         self.indexer_loss: Optional[torch.Tensor] = None
         self.init_weights(seed)
 
@@ -110,6 +112,7 @@ class StageModule(nn.Module):
             index_slot=slot,
             recorder=recorder,
             causal_rows=causal_rows,
+            recompute_attention=self.recompute_attention,
         )
         for layer in self.layers.values():
             h = layer(h, ctx)

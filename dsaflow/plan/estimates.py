@@ -108,12 +108,20 @@ def kv_bytes_per_token(m, role: str) -> int:
     return latent + (m.index_head_dim * BF16 if role == "F" else 0)
 
 
-def activation_bytes_per_token(m, role: str) -> int:
+def attention_recompute_elems_per_token(m) -> int:
+    """What `train.recompute=attention` does not keep per token of a layer (bf16 elements): the absorbed query
+    H*(kv_lora+rope), the attention output H*kv_lora and its up-projection H*v_head. The backward of one layer
+    rebuilds them and their gradients: about twice this, transient."""
+    h = m.n_heads
+    return h * (m.kv_lora_rank + m.qk_rope_head_dim) + h * m.kv_lora_rank + h * m.v_head_dim
+
+
+def activation_bytes_per_token(m, role: str, recompute_attention: bool = False) -> int:
     """Rough activations one block keeps for backward per token (bf16 unless noted):
     block input + 2 norm outputs + residual (4*dim), q path (2*q_lora + H*(nope+rope)), kv latent and its norm
     (kv_lora+rope + kv_lora), absorbed query H*(kv_lora+rope), attention output H*kv_lora and after up-projection
-    H*v_head, MLP (3*inter: w1, w3, silu*gate); F layers add indexer q (Hi*Di), k (Di), weights (Hi) and the
-    top-k indices (topk int32) the stage's S layers read."""
+    H*v_head (the last three not with recompute_attention), MLP (3*inter: w1, w3, silu*gate); F layers add
+    indexer q (Hi*Di), k (Di), weights (Hi) and the top-k indices (topk int32) the stage's S layers read."""
     h = m.n_heads
     elems = (
         4 * m.dim
@@ -121,9 +129,7 @@ def activation_bytes_per_token(m, role: str) -> int:
         + h * (m.qk_nope_head_dim + m.qk_rope_head_dim)
         + (m.kv_lora_rank + m.qk_rope_head_dim)
         + m.kv_lora_rank
-        + h * (m.kv_lora_rank + m.qk_rope_head_dim)
-        + h * m.kv_lora_rank
-        + h * m.v_head_dim
+        + (0 if recompute_attention else attention_recompute_elems_per_token(m))
         + 3 * m.inter_dim
     )
     extra = 0

@@ -48,6 +48,7 @@ def build_estimates(cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan
     tokens = microbatch_tokens(cfg, pipeline)
     seqs_per_mb = max(1, tokens // seq)
     ctx = cost_context(cfg)
+    recompute = cfg.mode == "train" and cfg.train.recompute == "attention"
     last = len(stages) - 1
     per_stage: List[Dict[str, Any]] = []
     for st in stages:
@@ -56,7 +57,7 @@ def build_estimates(cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan
         n_s = len(ls) - n_f
         params = sum(E.layer_params(m, l.role) for l in ls)
         cost = sum(E.layer_forward_flops_per_token(m, l.role, ctx) for l in ls)
-        act = sum(E.activation_bytes_per_token(m, l.role) for l in ls) * tokens
+        act = sum(E.activation_bytes_per_token(m, l.role, recompute) for l in ls) * tokens
         if st.index == 0:
             params += E.embed_params(m)
             act += m.dim * E.BF16 * tokens

@@ -43,8 +43,10 @@ def _optim_state(opt: torch.optim.Optimizer, params: Sequence[nn.Parameter], nam
         if not st:
             if not fill:
                 continue
+            # fused AdamW (CUDA) keeps its step counter on the parameter's device, the default one on the host
+            step_device = p.device if opt.defaults.get("fused") else "cpu"
             st = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
-                  "step": torch.zeros((), dtype=torch.float32)}
+                  "step": torch.zeros((), dtype=torch.float32, device=step_device)}
             opt.state[p] = st
         for k in ADAM_KEYS:
             out[f"{prefix}.{names[p]}.{k}"] = st[k]

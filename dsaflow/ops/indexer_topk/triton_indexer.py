@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .budget import SCORE_BUDGET_ELEMS
 from .triton_select import radix_topk_triton, select_scratch
 
 
-SCORE_BUDGET_ELEMS = 1 << 28  # per chunk at most 2 GiB of int64 sort keys, or 3 GiB of fp32 scores + int64 candidates
 
 
 @triton.jit

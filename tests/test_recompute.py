@@ -1,0 +1,77 @@
+"""train.recompute=attention: the same gradients and indexer loss, fewer saved activations, one recorded attention."""
+import pytest
+import torch
+
+import dsaflow.model.mla as mla_module
+from dsaflow.config.compose import compose
+from dsaflow.launch.resources import rank_memory
+from dsaflow.plan import build_plan
+from dsaflow.plan.estimates import attention_recompute_elems_per_token
+from dsaflow.run.stages import stage_module
+from model_helpers import SHARP_INIT, planned, tokens
+
+B, T = 2, 24
+
+
+def _step(recompute: bool, monkeypatch):
+    """One forward + backward of the LM loss and the indexer loss on FSSF... (topk < T, so the indexer selects).
+    Returns (grads by name, indexer loss, saved-tensor bytes, sparse_mla calls)."""
+    cfg, plan = planned("(FSSS)*2", SHARP_INIT, "model.index_topk=8")
+    stage = stage_module(cfg, plan, 0, seed=0).train()
+    stage.recompute_attention = recompute
+    calls = []
+    real = mla_module.sparse_mla
+    monkeypatch.setattr(mla_module, "sparse_mla", lambda *a: calls.append(1) or real(*a))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = stage(tokens(B, T), compute_indexer_loss=True)
+        loss = logits.logsumexp(-1).mean() + stage.indexer_loss
+    forward_calls = len(calls)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
+    return grads, float(stage.indexer_loss.detach()), sum(saved), forward_calls, len(calls), cfg
+
+
+@pytest.mark.parametrize("chunk_tokens", [1 << 14, 10])  # one chunk; 2 sequences x 5 queries per chunk (5 chunks)
+def test_recompute_gives_the_same_gradients_and_saves_the_attention_intermediates(monkeypatch, chunk_tokens):
+    ref, ref_loss, ref_saved, ref_fwd, ref_total, cfg = _step(False, monkeypatch)
+    monkeypatch.setattr(mla_module, "RECOMPUTE_CHUNK_TOKENS", chunk_tokens)
+    got, got_loss, got_saved, fwd, total, _ = _step(True, monkeypatch)
+    chunks = -(-T // max(1, chunk_tokens // B))
+    assert ref.keys() == got.keys() and any(".attn.indexer." in n for n in got)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert got_loss == pytest.approx(ref_loss, rel=1e-6)  # the recorder saw each attention once
+    layers = cfg.num_layers
+    assert ref_fwd == layers and ref_total == layers  # no recomputation without the option
+    assert fwd == chunks * layers and total == 2 * fwd  # with it, every chunk's attention runs again in backward
+    # q_abs, o_lat and the up-projected output are no longer saved (fp32 here: 4 bytes each)
+    dropped = attention_recompute_elems_per_token(cfg) * B * T * 4 * layers
+    assert ref_saved - got_saved >= 0.9 * dropped
+
+
+def test_recompute_is_off_in_eval_and_with_a_cache(monkeypatch):
+    """No grad (eval, serving): the option changes nothing and recomputes nothing."""
+    cfg, plan = planned("(FSSS)*2", "model.index_topk=8")
+    stage = stage_module(cfg, plan, 0, seed=0).eval()
+    x = tokens(1, T)
+    with torch.no_grad():
+        ref = stage(x)
+        stage.recompute_attention = True
+        torch.testing.assert_close(stage(x), ref, rtol=0, atol=0)
+
+
+def test_the_memory_estimate_drops_the_recomputed_activations():
+    base = ["model=dsv32", "model.vocab_size=256", "model.num_layers=2", "index=all_full", "train.seq_len=131072",
+            "train.batch_size=1", "pipeline.microbatches=1", "model.max_seq_len=131072"]
+    plain, rec = (compose(base + [f"train.recompute={r}"]) for r in ("none", "attention"))
+    mem = {r: rank_memory(c, build_plan(c), 0, "cuda", "train") for r, c in (("none", plain), ("attention", rec))}
+    per_layer = attention_recompute_elems_per_token(plain.model) * 131072 * 2
+    drop = mem["none"]["activations"] - mem["attention"]["activations"]
+    assert drop == pytest.approx(2 * per_layer)  # two layers, nothing kept of their attention intermediates
+    assert sum(mem["attention"].values()) < 130 * 2**30 < sum(mem["none"].values())  # an H200 fits only one
