@@ -37,10 +37,27 @@ def test_dense_warmup_trains_only_indexers_then_sparse_trains_all(trainer):
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     indexer = {k for k in before if ".attn.indexer." in k}
     assert changed == indexer, f"dense_warmup changed {sorted(changed - indexer)[:3]}, missed {sorted(indexer - changed)[:3]}"
+    # no LM backward ran: the frozen main weights got no gradient at all, every indexer weight did
+    assert all(p.grad is None for p in trainer.opt.main_params) and m["grad_norm"] == 0.0
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.opt.indexer_params)
+    assert all(p.requires_grad for p in trainer.opt.names)  # the freeze is undone after the step
     m = trainer.step(1)
     assert m["dense"] == 0.0
     final = _snapshot(trainer)
     assert all(not torch.equal(after[k], final[k]) for k in after if k not in indexer and "norm" not in k)
+
+
+def test_evaluation_leaves_gradients_and_weights_untouched(trainer):
+    """Evaluation is forward-only: the step's gradients stay as they were, nothing moves, the metrics are real."""
+    trainer.step(1)
+    grads = {k: p.grad.clone() for p, k in trainer.opt.names.items() if p.grad is not None}
+    weights = _snapshot(trainer)
+    out = trainer.evaluate(1)
+    assert math.isfinite(out["eval_loss"]) and out["eval_loss"] > 0 and 0.0 <= out["eval_acc"] <= 1.0
+    assert {k: p.grad for p, k in trainer.opt.names.items() if p.grad is not None}.keys() == grads.keys()
+    assert all(torch.equal(p.grad, grads[k]) for p, k in trainer.opt.names.items() if p.grad is not None)
+    assert all(torch.equal(v, _snapshot(trainer)[k]) for k, v in weights.items())
+    assert trainer.evaluate(1)["eval_loss"] == out["eval_loss"]  # deterministic: the same batches, the same loss
 
 
 def test_nonfinite_gradient_skips_the_update(trainer):

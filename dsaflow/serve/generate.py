@@ -143,7 +143,7 @@ def run_serve(ctx) -> None:
     prompts, ids = check_serve(cfg, plan, ctx.device.type)
     link = None
     if ctx.world_size > 1:
-        from .p2p import StageLink
+        from dsaflow.run.p2p import StageLink
 
         link = StageLink(ctx.device)
         link.warm_up()

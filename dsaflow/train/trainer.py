@@ -20,6 +20,7 @@ from dsaflow.model import StageModule
 from dsaflow.run.context import RunContext
 from dsaflow.run.stages import stage_module
 
+from .forward_pass import ForwardPipeline
 from .metrics import model_flops_per_token, peak_tflops_per_rank
 from .optim import advance, build_optimizers, build_schedulers, clip_global
 from .pipeline import LMLoss, TrainStage, build_pipeline_stages, build_schedule
@@ -53,6 +54,8 @@ class Trainer:
         self.data = BatchSource(cfg.data, t.seq_len, t.batch_size, t.seed, cfg.model.vocab_size)
         self.loss_fn = LMLoss(cfg.data.num_queries if self.data.has_answers else 0)
         self.schedule = build_schedule(plan.pipeline.schedule, self.pstages, plan.pipeline.microbatches, self.loss_fn)
+        self.forward_only = ForwardPipeline(ctx, self.modules, [s.index for s in self.local],
+                                            [ps.timer for ps in self.pstages])
         self.opt = build_optimizers(self.modules, t)
         self.scheds = build_schedulers(self.opt, t)
         self.has_first = any(plan.is_first(s.index) for s in self.local)
@@ -91,6 +94,11 @@ class Trainer:
         with self.autocast():
             self.schedule.step(*args, **kwargs)
 
+    def _run_forward(self, x, y, losses: list, attn: str, learn: bool) -> None:
+        sinks = {sp.index: w.indexer_losses for sp, w in zip(self.local, self.wrappers)}
+        self.forward_only.run(x if self.has_first else None, y if self.has_last else None, losses, self.loss_fn,
+                              self.autocast, attn, self.t.indexer_loss_weight if learn else None, sinks)
+
     def step(self, step: int) -> Dict[str, float]:
         """One optimiser step on batch `step`. Returns metrics (complete on the logging rank)."""
         t0 = time.perf_counter()
@@ -105,7 +113,10 @@ class Trainer:
         self.loss_fn.reset()
         x, y = self.data.batch(step)
         losses: list = []
-        self._run_schedule(x, y, losses)
+        if dense:  # frozen main model: each stage backpropagates only its indexer loss (no pipeline backward)
+            self._run_forward(x, y, losses, "dense", learn=True)
+        else:
+            self._run_schedule(x, y, losses)
         grad_norm, idx_norm = clip_global(self.opt, self.t.grad_clip, self.ctx.device, self.ctx.group)
         lr = self.opt.main.param_groups[0]["lr"]  # this step's lr (the schedulers advance after the updates)
         # A non-finite global norm (the same on every rank) skips that optimiser's update everywhere: one bad
@@ -152,27 +163,15 @@ class Trainer:
         return m
 
     def evaluate(self, step: int) -> Dict[str, float]:
-        """Mean LM loss and retrieval exact-match accuracy over train.eval_batches held-out batches.
-
-        Runs the training schedule itself and discards the gradients: torch's `schedule.eval()` keeps the backward
-        actions of runtime schedules (it fails on ZBVZeroBubble's same-rank hand-offs), while `step()` works for
-        every schedule. The wasted backward is a few batches every train.eval_every steps; the step's own
-        gradients are set aside and put back, so evaluating leaves the training state untouched."""
-        saved = {p: p.grad for p in self.opt.names}
-        for p in saved:
-            p.grad = None
-        dense = self.dense_phase(step)
-        for w in self.wrappers:
-            w.attn = "dense" if dense else "sparse"
+        """Mean LM loss and retrieval exact-match accuracy over train.eval_batches held-out batches: forward-only
+        pipelined passes without gradients (no backward, so the step's gradients and every training state are
+        untouched)."""
+        attn = "dense" if self.dense_phase(step) else "sparse"
         self.loss_fn.reset()
         all_losses: List[torch.Tensor] = []
         for i in range(self.t.eval_batches):
-            losses: list = []
             x, y = self.data.val_batch(i)
-            self._run_schedule(x, y, losses)
-            all_losses.extend(losses)
-        for p, g in saved.items():
-            p.grad = g
+            self._run_forward(x, y, all_losses, attn, learn=False)
         if not self.has_last:
             return {}
         out = {"eval_loss": float(torch.stack([l.detach().float() for l in all_losses]).mean())}

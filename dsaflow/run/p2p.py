@@ -1,4 +1,4 @@
-"""Point-to-point moves between pipeline ranks for serving, always outside any CUDA graph.
+"""Point-to-point moves between pipeline ranks (serving, forward-only training passes), outside any CUDA graph.
 
 Each move is posted with `dist.batch_isend_irecv` and waited: with NCCL the wait only orders the current stream after
 the transfer (no host sync), so a decode step never blocks the host. Received tensors land in persistent buffers

@@ -1,0 +1,111 @@
+"""Forward-only pipelined passes: evaluation, and the dense warm-up's training step. No schedule, no backward
+through the pipeline.
+
+Why the dense warm-up needs no pipeline backward: in that phase the main model is frozen (DSA recipe) and each
+stage's indexer loss is local to it (the indexer's inputs and its KL target are detached), so the LM backward would
+compute gradients nothing uses (on one H200, 2 layers at 16K tokens: 880 -> 694 ms per step and 21.7 -> 10.0 GiB
+peak without it). Here each stage runs its forward with the main weights frozen, so autograd keeps only the
+indexer's small graph, and backpropagates its own `indexer_loss_weight * indexer_loss` at once: the indexer
+gradients equal the ones the schedule's backward produced (the same per-microbatch seeds, summed, then divided by
+the number of microbatches as the schedule's `scale_grads` does).
+
+Every rank walks the same (microbatch, stage) order and runs the stages it owns: a stage's input comes from the
+owner of the stage before it (point to point, or kept in place when that is the same rank) and its output goes to
+the owner of the next. The order is the same on every rank, so the blocking moves always meet. Hidden states travel
+in fp32 (the residual stream's dtype under autocast).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from dsaflow.model import StageModule
+from dsaflow.run.context import RunContext
+from dsaflow.run.p2p import StageLink
+
+from .pipeline import ChunkTimer
+
+
+@contextlib.contextmanager
+def frozen(params: Sequence[torch.nn.Parameter]):
+    """requires_grad off for `params` inside the block (autograd then saves nothing for them)."""
+    was = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, w in zip(params, was):
+            p.requires_grad_(w)
+
+
+class ForwardPipeline:
+    """modules: this rank's StageModules, for `stage_indices` of ctx.plan; timers: one ChunkTimer per module."""
+
+    def __init__(self, ctx: RunContext, modules: Sequence[StageModule], stage_indices: Sequence[int],
+                 timers: Sequence[ChunkTimer]):
+        self.ctx, self.plan = ctx, ctx.plan
+        self.local: Dict[int, tuple] = {s: (m, t) for s, m, t in zip(stage_indices, modules, timers)}
+        self.main_params = [p for m in modules for n, p in m.named_parameters() if ".attn.indexer." not in n]
+        self.link = StageLink(ctx.device) if self.plan.pipeline.ranks > 1 else None
+
+    def _owner(self, stage: int) -> int:
+        return self.plan.stages[stage].rank
+
+    def run(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], losses: list, loss_fn: Callable,
+            autocast: Callable, attn: str, indexer_weight: Optional[float] = None,
+            indexer_losses: Optional[Dict[int, List[torch.Tensor]]] = None) -> None:
+        """One batch in plan.pipeline.microbatches microbatches. x [B, T] token ids (ranks with stage 0) and
+        y [B, 3, T] targets (ranks with the last stage; the per-microbatch LM losses are appended to `losses`).
+        indexer_weight None: no grad anywhere (evaluation). A float: every stage's indexer loss is backpropagated
+        with that weight and its value appended to indexer_losses[stage]; the indexer gradients are the
+        microbatch mean."""
+        n_mb, S = self.plan.pipeline.microbatches, self.plan.num_stages
+        learn = indexer_weight is not None
+        xs = x.to(self.ctx.device).tensor_split(n_mb) if x is not None else None
+        ys = y.to(self.ctx.device).tensor_split(n_mb) if y is not None else None
+        for m in range(n_mb):
+            carried = None
+            for s in range(S):
+                if s not in self.local:
+                    continue
+                module, timer = self.local[s]
+                if s == 0:
+                    inp = xs[m]
+                elif self._owner(s - 1) == self.ctx.rank:
+                    inp = carried
+                else:
+                    inp = self.link.recv(self._hidden_shape(), torch.float32, self.ctx.global_rank(self._owner(s - 1)))
+                out = timer.run(self._stage_forward, module, inp, autocast, attn, learn, indexer_weight,
+                                None if indexer_losses is None else indexer_losses.setdefault(s, []))
+                if s == S - 1:
+                    with torch.no_grad():
+                        losses.append(loss_fn(out, ys[m]).detach())
+                elif self._owner(s + 1) == self.ctx.rank:
+                    carried = out
+                else:
+                    self.link.send(out.float(), self.ctx.global_rank(self._owner(s + 1)))
+        if learn:
+            for module, _ in self.local.values():
+                for p in module.indexer_parameters():
+                    if p.grad is not None:
+                        p.grad.div_(n_mb)
+
+    def _hidden_shape(self) -> tuple:
+        """[sequences per microbatch, T, dim] of a hidden state (train and eval batches have train.batch_size
+        sequences; the planner requires it to split evenly)."""
+        t = self.ctx.cfg.train
+        return (t.batch_size // self.plan.pipeline.microbatches, t.seq_len, self.ctx.cfg.model.dim)
+
+    def _stage_forward(self, module: StageModule, inp: torch.Tensor, autocast: Callable, attn: str, learn: bool,
+                       weight: Optional[float], sink: Optional[list]) -> torch.Tensor:
+        with torch.set_grad_enabled(learn), frozen(self.main_params if learn else []), autocast():
+            out = module(inp, attn=attn, compute_indexer_loss=learn)
+        loss, module.indexer_loss = module.indexer_loss, None
+        if learn and loss is not None and loss.requires_grad:
+            if sink is not None:
+                sink.append(loss.detach())
+            (loss * weight).backward()
+        return out.detach()
