@@ -1,8 +1,9 @@
 """Benchmark the dense warm-up stage (DeepSeek-V3.2 recipe) at long context on one GPU.
 
 1. One dense-phase training step of a V3.2-attention model (model=dsv32, byte vocab, 2048-wide MLP, 1-2 layers,
-   one sequence, bf16 autocast): forward with the dense indexer loss, the indexer loss backward (what the indexers
-   learn from) and the LM-loss backward the trainer also runs; step time and peak memory per context.
+   one sequence, bf16 autocast) as the trainer runs it: forward with the main weights frozen and the dense indexer
+   loss, then the indexer-loss backward (what the indexers learn from); step time and peak memory per context. One
+   row at the largest context adds the LM-loss backward that earlier versions of the trainer also ran.
 2. The dense indexer KL op alone at V3.2 shapes (128 heads x 192 for the target, 64 x 128 indexer): time of the
    attention-lse pass, the KL forward and the backward kernels, causal FLOPs and the rate against the measured bf16
    matmul ceiling; the chunked torch reference (the CPU path, the strongest O(T)-memory baseline) where it is fast
@@ -64,8 +65,9 @@ def cuda_ms(fn) -> float:
     return a.elapsed_time(b)
 
 
-def model_step(layout: str, T: int, reps: int, frozen: bool = False) -> dict:
-    """frozen=True: main weights requires_grad=False and no LM backward (what a dense phase strictly needs)."""
+def model_step(layout: str, T: int, reps: int, frozen: bool = True) -> dict:
+    """frozen=True: main weights requires_grad=False and no LM backward (the trainer's dense step,
+    dsaflow/train/forward_pass.py); False: also the LM backward through trainable weights (the earlier trainer)."""
     from dsaflow.config.compose import compose
     from dsaflow.run.stages import stage_module
     from dsaflow.plan import build_plan
@@ -91,10 +93,10 @@ def model_step(layout: str, T: int, reps: int, frozen: bool = False) -> dict:
             logits = stage(x, attn="dense", compute_indexer_loss=True)
         ev[1].record()
         idx_loss = stage.indexer_loss
-        idx_loss.backward()  # TrainStage backpropagates the indexer loss inside the forward
+        idx_loss.backward()  # each stage backpropagates its own indexer loss
         ev[2].record()
         if not frozen:
-            F.cross_entropy(logits.view(T, -1), y.view(-1)).backward()  # the schedule's LM backward
+            F.cross_entropy(logits.view(T, -1), y.view(-1)).backward()  # the LM backward the trainer no longer runs
         ev[3].record()
         torch.cuda.synchronize()
         times.append([ev[j].elapsed_time(ev[j + 1]) for j in range(3)])
@@ -102,7 +104,7 @@ def model_step(layout: str, T: int, reps: int, frozen: bool = False) -> dict:
     fwd, ib, lb = (sorted(t[j] for t in times[1:])[(reps - 1) // 2] if reps > 1 else times[-1][j] for j in range(3))
     del stage
     torch.cuda.empty_cache()
-    return dict(layout=layout + (" frozen main, no LM bwd" if frozen else ""), context=T, step_ms=fwd + ib + lb, fwd_ms=fwd, idx_bwd_ms=ib, lm_bwd_ms=lb,
+    return dict(layout=layout + ("" if frozen else " + LM backward (earlier trainer)"), context=T, step_ms=fwd + ib + lb, fwd_ms=fwd, idx_bwd_ms=ib, lm_bwd_ms=lb,
                 peak_gib=peak, indexer_loss=float(idx_loss))
 
 
@@ -178,7 +180,7 @@ def main() -> None:
     jobs = [("step", lay, T) for lay in a.layouts.split(",") for T in sorted(contexts, reverse=True)]
     jobs += [("op", int(L), T) for L in a.op_layers.split(",") for T in contexts]
     jobs.sort(key=lambda j: (j[2] != max(contexts), j[0] != "step"))  # the 16K bar first, then the rest
-    jobs.insert(len(a.layouts.split(",")), ("frozen", a.layouts.split(",")[0], max(contexts)))
+    jobs.insert(len(a.layouts.split(",")), ("with_lm_bwd", a.layouts.split(",")[0], max(contexts)))
     # Last, if time remains: two other block shapes for the KL kernels at 8K (the table above uses the default).
     jobs += [("op", 1, 8192, dict(BLOCK_T=128, BLOCK_S=64)), ("op", 1, 8192, dict(BLOCK_T=64, BLOCK_S=128))]
     for kind, arg, T, *extra in jobs:
@@ -186,8 +188,8 @@ def main() -> None:
             OUT["errors"].append(f"skipped {kind} {arg} {T}: past --budget-s")
             continue
         try:
-            if kind in ("step", "frozen"):
-                OUT["steps"].append(model_step(arg, T, a.reps, frozen=kind == "frozen"))
+            if kind in ("step", "with_lm_bwd"):
+                OUT["steps"].append(model_step(arg, T, a.reps, frozen=kind == "step"))
             else:
                 op_rows(arg, T, a.chunked_max, *extra)
         except Exception as e:  # keep what was measured (one call to the device): record and go on
