@@ -16,8 +16,10 @@ minutes at this size). For every index config (index=all_full / every2 / every4)
   (graphs=decode, batch 1), tokens/s = steps / decode time;
 * indexer share = (F layers) x (the indexer op alone on that prefill's chunks: same q / k / positions shapes,
   random inputs) / prefill time: an isolated-op estimate;
-* dense baseline = causal SDPA alone (H heads, qk nope + rope, v head dim: 128 / 192 / 128 for V3.2) at L queries
-  over L keys, timed once per context (--sdpa-repeats at contexts <= 32K), times the number of layers.
+* dense baselines, once per context (--sdpa-repeats at contexts <= 32K): the dense model = the same layers' prefill
+  with dense attention (one forward of all L tokens, no cache: every projection and MLP as in the DSA prefill,
+  causal SDPA over the non-absorbed heads, no indexer), the like-for-like baseline; and causal SDPA alone (H heads,
+  qk nope + rope, v head dim: 128 / 192 / 128 for V3.2) at L queries over L keys, times the number of layers.
 
 Writes indexcache.json, indexcache.md and (matplotlib permitting) indexcache.png with the IndexCache paper's 1/4-F
 ratios beside ours. The paper (H100, a 30B DSA model): prefill 1.27 / 1.31 / 1.51 / 1.82x and decode 1.24 / 1.33 /
@@ -138,6 +140,14 @@ def indexer_op_seconds(m, ctx: int, chunk: int, device, dtype) -> float:
 
 
 @torch.no_grad()
+def dense_model_seconds(stage, ctx: int, device, repeats: int) -> float:
+    """The same stage as a dense-attention model: one forward of `ctx` tokens with attn="dense" and no cache (causal
+    SDPA over the non-absorbed heads, O(T) memory; no indexer runs)."""
+    x = torch.randint(0, stage.cfg.vocab_size, (1, ctx), device=device, generator=torch.Generator(device).manual_seed(0))
+    return timed(lambda: stage(x, attn="dense"), device, repeats)
+
+
+@torch.no_grad()
 def sdpa_seconds(m, ctx: int, device, dtype, repeats: int) -> float:
     """Dense causal attention alone for one layer: H heads, qk nope + rope, v head dim, L queries over L keys."""
     H, dqk, dv = m.n_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
@@ -175,15 +185,18 @@ def run(a) -> dict:
                 dec.append(eng.timings["decode_s"] / max(1, eng.timings["decode_steps"]))
             del eng
             if ctx not in base:
+                reps = a.sdpa_repeats if ctx <= 32768 else 1
                 base[ctx] = dict(
                     indexer_s=indexer_op_seconds(m, ctx, min(a.prefill_chunk, ctx), device, dtype),
-                    sdpa_layer_s=sdpa_seconds(m, ctx, device, dtype, a.sdpa_repeats if ctx <= 32768 else 1))
+                    sdpa_layer_s=sdpa_seconds(m, ctx, device, dtype, reps),
+                    dense_model_s=dense_model_seconds(stage, ctx, device, reps))
             prefill_s, step_s = statistics.median(pre), statistics.median(dec)
             row = dict(index=index, f_layers=n_f, layers=a.layers, context=ctx, prefill_ms=prefill_s * 1e3,
                        prefill_tokens_per_s=ctx / prefill_s, decode_ms_per_token=step_s * 1e3,
                        decode_tokens_per_s=1.0 / step_s, indexer_ms=n_f * base[ctx]["indexer_s"] * 1e3,
                        indexer_share=n_f * base[ctx]["indexer_s"] / prefill_s,
-                       dense_sdpa_ms=a.layers * base[ctx]["sdpa_layer_s"] * 1e3, decode_graphs=graphs)
+                       dense_sdpa_ms=a.layers * base[ctx]["sdpa_layer_s"] * 1e3,
+                       dense_model_ms=base[ctx]["dense_model_s"] * 1e3, decode_graphs=graphs)
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
             save(result(a, rows, device, dtype), Path(a.out), final=False)  # a cut-off run keeps its rows
@@ -201,6 +214,7 @@ def result(a, rows: list, device, dtype) -> dict:
         r["prefill_speedup_vs_all_f"] = f["prefill_ms"] / r["prefill_ms"] if f else None
         r["decode_speedup_vs_all_f"] = r["decode_tokens_per_s"] / f["decode_tokens_per_s"] if f else None
         r["vs_dense_sdpa"] = r["dense_sdpa_ms"] / r["prefill_ms"]
+        r["vs_dense_model"] = r["dense_model_ms"] / r["prefill_ms"]
     env = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                model=a.model, layers=a.layers, extra=a.extra, prefill_chunk=a.prefill_chunk,
                decode_steps=a.decode_steps, repeats=a.repeats, batch=1, dtype=str(dtype))
@@ -227,12 +241,15 @@ def markdown(res: dict) -> str:
              f"`model={e['model']}` attention, {e['layers']} layers, `{e['extra']}`, {e['dtype']}, batch 1; prefill "
              f"in {e['prefill_chunk']}-token chunks through the serving engine; decode {e['decode_steps']} steps "
              f"(CUDA graphs: {res['rows'][0]['decode_graphs'] if res['rows'] else '-'}). Indexer share: the op alone "
-             f"on the same shapes x F layers / prefill. Dense SDPA: causal attention alone x layers.", "",
-             "| index | F layers | context | prefill ms | speedup vs all-F | indexer ms (share) | dense SDPA ms "
-             "| SDPA / prefill | decode tokens/s | decode speedup |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"on the same shapes x F layers / prefill. Dense model: the same layers with dense attention (causal SDPA), "
+             f"one forward; dense SDPA: causal attention alone x layers. A ratio > 1 means DSA is faster.", "",
+             "| index | F layers | context | prefill ms | speedup vs all-F | indexer ms (share) | dense model ms "
+             "| dense model / DSA | dense SDPA ms | SDPA / DSA | decode tokens/s | decode speedup |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         lines.append(f"| {r['index']} | {r['f_layers']} | {r['context']} | {r['prefill_ms']:.1f} | "
                      f"{ratio(r['prefill_speedup_vs_all_f'])} | {r['indexer_ms']:.1f} ({r['indexer_share'] * 100:.0f} %) "
+                     f"| {r['dense_model_ms']:.1f} | {r['vs_dense_model']:.2f}x "
                      f"| {r['dense_sdpa_ms']:.1f} | {r['vs_dense_sdpa']:.2f}x | {r['decode_tokens_per_s']:.1f} | "
                      f"{ratio(r['decode_speedup_vs_all_f'])} |")
     p = res["paper"]

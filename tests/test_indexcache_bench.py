@@ -20,7 +20,8 @@ def test_bench_indexcache_cpu_tiny(tmp_path):
         ("all_full", 24, 4), ("all_full", 40, 4), ("every4", 24, 1), ("every4", 40, 1)]
     full = {r["context"]: r for r in rows if r["index"] == "all_full"}
     for r in rows:
-        assert r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 and r["dense_sdpa_ms"] > 0
+        assert r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0 and r["dense_sdpa_ms"] > 0 and r["dense_model_ms"] > 0
+        assert abs(r["vs_dense_model"] - r["dense_model_ms"] / r["prefill_ms"]) < 1e-9
         f = full[r["context"]]
         assert abs(r["prefill_speedup_vs_all_f"] - f["prefill_ms"] / r["prefill_ms"]) < 1e-9
         assert abs(r["decode_speedup_vs_all_f"] - r["decode_tokens_per_s"] / f["decode_tokens_per_s"]) < 1e-9
