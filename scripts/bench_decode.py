@@ -116,7 +116,7 @@ def worker(args) -> None:
     """One pipeline rank under torchrun: NCCL on GPUs, gloo on CPU."""
     import torch.distributed as dist
 
-    from dsaflow.serve.p2p import StageLink
+    from dsaflow.run.p2p import StageLink
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda":

@@ -2,8 +2,9 @@
 # GPU test and benchmark phases for a machine with one or more NVIDIA GPUs. Usage: bash scripts/gpu_run.sh PHASE
 #   kernels: every gpu-marked op test, then scripts/bench_ops.py (kernel table with the torch and dense-SDPA baselines)
 #            and scripts/bench_train_layer.py (where a training step's time goes, 4K / 16K, fused vs reference
-#            indexer loss; a 128K-token step of a 2-layer model)
+#            indexer loss; a 128K-token step of a 2-layer model with train.recompute=attention)
 #   model:   the gpu-marked model, serving and training tests; the main job on one GPU; long-context training steps
+#            with and without recomputation; the dense warm-up step at 16K
 #   indexcache: scripts/bench_indexcache.py (IndexCache prefill / decode vs dense SDPA)
 #   multi:   the gpu training tests, then the multigpu tests REPEAT times in a row (default 5)
 # Logs, JSON and markdown go to $OUT (default gpu_out/). Each step has its own time limit and keeps going after a
@@ -26,7 +27,7 @@ kernels)
   step bench_topk 90 python3 scripts/bench_indexer_topk.py --out "$OUT"
   step train_layer 150 python3 scripts/bench_train_layer.py --seq 4096,16384 --layers 4 --out "$OUT"
   step train_128k 90 python3 scripts/bench_train_layer.py --seq 131072 --layers 2 --index all_full --impls fused \
-    --no-profile --reps 1 --out "$OUT/k128"
+    --no-profile --reps 1 --recompute attention --out "$OUT/k128"
   cat "$OUT/bench_ops.md" "$OUT"/indexer_topk.md "$OUT/bench_train_layer.md" "$OUT/k128/bench_train_layer.md" 2>/dev/null ;;
 model)
   step model_tests 200 python3 -m pytest -q -m gpu tests/test_graphs_gpu.py tests/test_train_gpu.py \
@@ -37,10 +38,14 @@ model)
   cp /tmp/r/main1/metrics.jsonl "$OUT/main1_metrics.jsonl" 2>/dev/null
   step train_64k_2layers 100 python3 scripts/bench_train_layer.py --seq 65536 --layers 2 --index all_full \
     --impls fused --no-profile --reps 1 --out "$OUT/k64"
-  step train_128k_1layer 100 python3 scripts/bench_train_layer.py --seq 131072 --layers 1 --index all_full \
-    --impls fused --no-profile --reps 1 --out "$OUT/k128"
+  step train_64k_2layers_recompute 100 python3 scripts/bench_train_layer.py --seq 65536 --layers 2 \
+    --index all_full --impls fused --no-profile --reps 1 --recompute attention --out "$OUT/k64r"
+  step train_128k_2layers_recompute 100 python3 scripts/bench_train_layer.py --seq 131072 --layers 2 \
+    --index all_full --impls fused --no-profile --reps 1 --recompute attention --out "$OUT/k128"
+  step dense_warmup_16k 120 python3 scripts/bench_dense_warmup.py --out "$OUT/dense" --contexts 16384 \
+    --layouts FS --op-layers 2 --budget-s 60
   step topk_128k 100 python3 scripts/bench_indexer_topk.py --out "$OUT/topk" --contexts 131072 --prefill-context 0
-  cat "$OUT"/k64/*.md "$OUT"/k128/*.md "$OUT"/topk/*.md 2>/dev/null ;;
+  cat "$OUT"/k64/*.md "$OUT"/k64r/*.md "$OUT"/k128/*.md "$OUT"/dense/*.md "$OUT"/topk/*.md 2>/dev/null ;;
 indexcache)
   step indexcache 540 python3 scripts/bench_indexcache.py --out "$OUT/indexcache" --decode-steps 32 --sdpa-repeats 2
   cat "$OUT"/indexcache/*.md 2>/dev/null ;;
