@@ -160,22 +160,26 @@ def test_public_op_layouts(layout, dtype, poisoned):
 # ragged) and 2-3 query chunks, atomic and deterministic.
 FOLD = dict(ds_BLOCK_H=16, dqg_BLOCK_H=16, gemm_BLOCK_K=16, gemm_BLOCK_N=16, gemm_BLOCK_J=16, red_BLOCK_E=2,
             red_BLOCK_D=16, g_max_bytes=5 * 2 * 40 * 40 * 4, det_max_bytes=4 * (2 * 40 * 40 * 4 + 40 * 40 * 4))
+# dq and dkv blocks wider than pass 1's: they must not read G past what pass 1 wrote (n_keys rounded up to 16)
+WIDE = dict(FOLD, ds_BLOCK_K=16, dqg_BLOCK_K=64, gemm_BLOCK_K=32)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("det", [False, True])
-def test_backward_layouts(layout, det, poisoned):
+@pytest.mark.parametrize("blocks", ["fold", "wide"])
+def test_backward_layouts(layout, det, blocks, poisoned):
     """The backward alone (n_keys computed inside), with and without dlse; deterministic mode bit-identical."""
+    over = FOLD if blocks == "fold" else WIDE
     q, kv, idx = make(layout, 2, 5, 40, 40, 31, 40, torch.float32, seed=4)
     out, lse = sparse_mla_naive(q, kv, idx, 0.2, 32)
     g_out, g_lse = torch.randn_like(out), torch.randn_like(lse)
     for d_lse in (g_lse, None):
-        dq, dkv = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, d_lse, 0.2, 32, overrides=FOLD,
+        dq, dkv = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, d_lse, 0.2, 32, overrides=over,
                                         deterministic=det)
         _, _, ref_dq, ref_dkv = reference(q, kv, idx, 0.2, 32, g_out, g_lse if d_lse is not None else 0 * g_lse)
         assert rel_err(dq, ref_dq) < 2 * FP32_TOL and rel_err(dkv, ref_dkv) < 2 * FP32_TOL
         if det:
-            dq2, dkv2 = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, d_lse, 0.2, 32, overrides=FOLD,
+            dq2, dkv2 = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, d_lse, 0.2, 32, overrides=over,
                                               deterministic=True)
             assert torch.equal(dq, dq2) and torch.equal(dkv, dkv2)
 

@@ -222,7 +222,7 @@ if _GLUON_ERROR is None:
         T, S, K, n_hblk, scale_log2,
         s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt,
         BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_T: gl.constexpr, NUM_STAGES: gl.constexpr,
-        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DIAG: gl.constexpr,
+        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DIAG: gl.constexpr, KEY_EXTENT: gl.constexpr,
     ):
         # hopper_fwd_supports checks these: every row starts on 16 bytes (16-byte loads and cp.async)
         s_qb = gl.multiple_of(s_qb, 8)
@@ -234,7 +234,10 @@ if _GLUON_ERROR is None:
         b = qi // T
         t = qi % T
         h0 = hb * _BH
-        n_k = gl.load(nk_ptr + qi)  # key extent: both partitions take this one value as their trip count
+        if KEY_EXTENT:
+            n_k = gl.load(nk_ptr + qi)  # key extent: both partitions take this one value as their trip count
+        else:  # every slot (the round-4 kernel)
+            n_k = K
         dtype: gl.constexpr = q_ptr.dtype.element_ty
 
         qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, D_V], dtype)
@@ -280,8 +283,9 @@ if _GLUON_ERROR is None:
 
 
 # PRODUCER_REGS 96 leaves the consumers 208 registers (Triton splits the 168 x 384 launch budget); DIAG 1 / 2 are
-# timing-only diagnostics (no copies / no math) whose outputs are wrong.
-DEFAULT_CFG = dict(BLOCK_K=64, NUM_STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=96, DIAG=0)
+# timing-only diagnostics (no copies / no math) whose outputs are wrong. KEY_EXTENT 0 loops over all K slots
+# whatever n_keys says (the round-4 kernel; correct, slower on causal top-k rows).
+DEFAULT_CFG = dict(BLOCK_K=64, NUM_STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=96, DIAG=0, KEY_EXTENT=1)
 
 
 def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None = None, n_keys=None):
@@ -302,7 +306,8 @@ def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None 
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         BLOCK_K=c["BLOCK_K"], D_V=d_v, D_T=D_qk - d_v, NUM_STAGES=c["NUM_STAGES"],
-        PRODUCER_WARPS=c["PRODUCER_WARPS"], PRODUCER_REGS=c["PRODUCER_REGS"], DIAG=c["DIAG"], num_warps=8,
+        PRODUCER_WARPS=c["PRODUCER_WARPS"], PRODUCER_REGS=c["PRODUCER_REGS"], DIAG=c["DIAG"],
+        KEY_EXTENT=c["KEY_EXTENT"], num_warps=8,
     )
 
 

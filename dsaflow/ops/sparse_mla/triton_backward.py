@@ -72,9 +72,10 @@ def _sparse_mla_bwd_ds_kernel(
     idx_base = idx_ptr + b * s_ib + t * s_it
     g_base = g_ptr + pid_l * s_gq + offs_h[:, None] * s_gh
     n_k = tl.load(nk_ptr + q0 + pid_l)  # no valid slot at or past it; G past its last block stays unwritten
+    # G holds slots [0, n_g): pass 1's blocks cover n_k rounded up to its block (zeros past n_k)
     for k0 in range(0, n_k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_base + offs_k, mask=offs_k < n_k, other=-1)
+        idx = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
         valid = (idx >= 0) & (idx < S)
         rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * s_kvs
         k_nope = tl.load(rows + offs_dv[None, :], mask=valid[:, None] & dv_ok[None, :], other=0.0)
@@ -97,7 +98,7 @@ def _sparse_mla_bwd_dq_gemm_kernel(
     T, S, K, H, D_V, D_T, q0, n_hb,
     s_gq, s_gh, s_kvb, s_kvs, s_ib, s_it, s_qb, s_qt, s_qh,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
-    HAS_TAIL: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_TAIL: tl.constexpr, DOT_PREC: tl.constexpr, DS_BLOCK_K: tl.constexpr,
 ):
     """One program per (head block, query): dq = dS [BH, K] . K_rows [K, d_qk] with dS read from G (a gathered
     GEMM, no softmax recompute, no atomics: deterministic), over the slots below the query's key extent."""
@@ -109,9 +110,10 @@ def _sparse_mla_bwd_dq_gemm_kernel(
     idx_base = idx_ptr + b * s_ib + t * s_it
     g_rows = g_ptr + pid_l * s_gq + offs_h[:, None] * s_gh
     n_k = tl.load(nk_ptr + q0 + pid_l)
+    n_g = tl.minimum((n_k + DS_BLOCK_K - 1) // DS_BLOCK_K * DS_BLOCK_K, K)  # the G slots pass 1 wrote
     for k0 in range(0, n_k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < n_k  # G is written only below the extent (rounded up to pass 1's block)
+        k_ok = offs_k < n_g  # a block multiple (when K is one): the G loads stay vectorised and pipelined
         idx = tl.load(idx_base + offs_k, mask=k_ok, other=-1)
         valid = (idx >= 0) & (idx < S)
         rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * s_kvs
@@ -134,7 +136,7 @@ def _sparse_mla_bwd_dkv_gemm_kernel(
     T, S, K, H, q0, col0, n_cols, n_j, n_nb, n_kb,
     s_gq, s_gh, s_qb, s_qt, s_qh, s_dob, s_dot, s_doh, s_ib, s_it, s_ob, s_os, s_cq, s_ck,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, DETERMINISTIC: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, DS_BLOCK_K: tl.constexpr,
 ):
     """One program per (column block, row block, query), column block fastest (the column blocks of one row block
     share its G tile in L2): acc [BK, BN] = G^T [BK, 2H] . B [2H, BN] with G = [dS; P] and B = [Q; dO] (rows j < H
@@ -150,9 +152,10 @@ def _sparse_mla_bwd_dkv_gemm_kernel(
     b = pid_q // T
     t = pid_q % T
     n_k = tl.load(nk_ptr + pid_q)
+    n_g = tl.minimum((n_k + DS_BLOCK_K - 1) // DS_BLOCK_K * DS_BLOCK_K, K)  # the G slots pass 1 wrote
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < n_k  # also bounds the G reads: pass 1 wrote G only below the extent
-    idx = tl.load(idx_ptr + b * s_ib + t * s_it + offs_k, mask=k_ok, other=-1)
+    k_ok = offs_k < n_g
+    idx = tl.load(idx_ptr + b * s_ib + t * s_it + offs_k, mask=offs_k < K, other=-1)  # invalid from n_k on
     valid = (idx >= 0) & (idx < S)
     offs_n = col0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < col0 + n_cols
@@ -313,7 +316,7 @@ def sparse_mla_bwd_triton(
         _sparse_mla_bwd_dq_gemm_kernel[(n_hbg * n,)](
             g, kv, indices, n_keys, dq, T, S, K, H, d_v, d_tail, q0, n_hbg, g.stride(0), g.stride(1), kv.stride(0),
             kv.stride(1), indices.stride(0), indices.stride(1), q.stride(0), q.stride(1), q.stride(2),
-            BLOCK_H=cfg["dqg_BLOCK_H"], BLOCK_K=cfg["dqg_BLOCK_K"], **dims,
+            BLOCK_H=cfg["dqg_BLOCK_H"], BLOCK_K=cfg["dqg_BLOCK_K"], DS_BLOCK_K=cfg["ds_BLOCK_K"], **dims,
             num_warps=cfg["dqg_num_warps"], num_stages=cfg["dqg_num_stages"],
         )
         for col0, n_cols, block_n, n_j, warps in ((0, d_v, bn, 2 * H, cfg["gemm_num_warps"]),
@@ -324,7 +327,7 @@ def sparse_mla_bwd_triton(
             _sparse_mla_bwd_dkv_gemm_kernel[(n_nb * n_kb * n,)](
                 g, q, d_out, indices, n_keys, dkv_out, T, S, K, H, q0, col0, n_cols, n_j, n_nb, n_kb, *gs,
                 BLOCK_K=bk, BLOCK_N=block_n, BLOCK_J=cfg["gemm_BLOCK_J"], DETERMINISTIC=deterministic,
-                DOT_PREC=prec, num_warps=warps, num_stages=cfg["gemm_num_stages"],
+                DOT_PREC=prec, DS_BLOCK_K=cfg["ds_BLOCK_K"], num_warps=warps, num_stages=cfg["gemm_num_stages"],
             )
         if deterministic:
             order, row_ptr = _csr_by_key_row(indices_flat, q0, n, T, S, B * S)

@@ -92,9 +92,10 @@ def _sparse_mla_fwd_kernel(
     kv_base = kv_ptr + b * s_kvb
     idx_base = idx_ptr + b * s_ib + t * s_it
     k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)  # the split's slots (masks: a block never crosses a split)
     # no valid slot at or past the query's key extent (nk[b * T + t] <= K): splits that start there run no block
-    k_hi = tl.minimum(k_lo + k_per_split, tl.load(nk_ptr + pid_q))
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_end = tl.minimum(k_hi, tl.load(nk_ptr + pid_q))
+    for k0 in range(k_lo, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_base + offs_k, mask=offs_k < k_hi, other=-1)
         valid = (idx >= 0) & (idx < S)
