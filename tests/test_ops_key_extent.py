@@ -185,14 +185,15 @@ def test_backward_layouts(layout, det, blocks, poisoned):
 
 
 def test_backward_strided_gradients(poisoned):
-    """d_out and d_lse as strided views (no copies made for them): the same gradients as contiguous ones."""
+    """d_out as a head-strided view (the layout training hands over) and a strided d_lse: the same gradients as
+    contiguous ones."""
     q, kv, idx = make("topk", 1, 4, 4, 40, 19, 24, torch.float32, seed=5)
     out, lse = sparse_mla_naive(q, kv, idx, 0.2, 32)
     big = torch.randn(1, 4, 8, 32, device=DEV)
     g_out = big[:, :, ::2]  # head stride 64, unit last stride
-    g_lse = torch.randn(1, 4, 4, 3, device=DEV)[..., 0].contiguous()
+    g_lse = torch.randn(1, 4, 4, 3, device=DEV)[..., 0]  # last stride 3
     a = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, g_lse, 0.2, 32)
-    b = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out.contiguous(), g_lse, 0.2, 32)
+    b = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out.contiguous(), g_lse.contiguous(), 0.2, 32)
     assert torch.equal(a[0], b[0]) and torch.allclose(a[1], b[1], rtol=1e-6, atol=1e-6)
 
 

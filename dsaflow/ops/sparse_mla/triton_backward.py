@@ -270,9 +270,11 @@ def sparse_mla_bwd_triton(
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
     d_tail = D_qk - d_v
-    # The kernels index out, d_out, lse and d_lse through their strides and need unit last strides only: no copies
-    # in the usual case (autograd hands over contiguous gradients).
-    out, d_out = (x if x.stride(-1) == 1 else x.contiguous() for x in (out, d_out))
+    # One copy at most of out and d_out (no-ops when contiguous). In training d_out arrives head-major ([H, T, d_v]
+    # in memory: the backward of the einsum with w_uv), and every dkv program of a query reads it; read in place, the
+    # backward kernels took 29.2 ms per layer in the 4096-token training profile against 20.1 ms for contiguous
+    # inputs in the kernel benchmark (one H200, docs/kernels.md round 5), so the copy (~0.3 ms) stays.
+    out, d_out = out.contiguous(), d_out.contiguous()
     lse = lse if lse.stride(-1) == 1 else lse.contiguous()
     if d_lse is not None and d_lse.stride(-1) != 1:
         d_lse = d_lse.contiguous()
