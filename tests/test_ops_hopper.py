@@ -127,6 +127,27 @@ def test_hopper_fwd_cuda_graph_replay_bitwise():
     assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
 
 
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("cfg", [None, dict(BLOCK_K=32, NUM_STAGES=4)])
+@pytest.mark.parametrize("layout", ["topk", "interleaved", "edges"])
+def test_hopper_fwd_key_extent_layouts(layout, cfg):
+    """Producer and consumers stop at the query's key extent: the top-k layout (valid prefix, then -1), holes before
+    the last valid slot, single-slot and keyless rows; K = 2000 is not a multiple of either key block; NaN-poisoned
+    outputs, every query checked."""
+    from test_ops_key_extent import layout_indices
+
+    B, T, H, S, K = 1, 40, 128, 4096, 2000
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(B, T, H, 576, generator=g).to("cuda", torch.bfloat16)
+    kv = torch.randn(B, S, 576, generator=g).to("cuda", torch.bfloat16)
+    idx = layout_indices(layout, B, T, S, K, g).cuda()
+    out = torch.full((B, T, H, 512), float("nan"), device="cuda", dtype=q.dtype)
+    lse = torch.full((B, T, H), float("nan"), device="cuda")
+    launch_hopper_fwd(q, kv, idx, 576**-0.5, 512, out, lse, cfg)
+    check_against_naive(out, lse, q, kv, idx, 576**-0.5, sample=torch.arange(T))
+
+
 # ---- decode options (triton_decode.decode_overrides) ----
 
 def test_decode_overrides_rule():

@@ -10,8 +10,11 @@ One CTA per (64-head block, query). Roles inside the CTA:
   reduced across the two warpgroups), P written once to shared memory in bf16, then O += P.V by wgmma where each
   warpgroup owns 256 of the 512 output columns (the [64, 512] fp32 accumulator is 128 registers per thread).
   A `thread_barrier` after both warpgroups' P.V completes lets one thread release the stage.
-Invalid indices (-1 or >= S, or past K) are not read (cp.async zero-fills masked rows) and score -inf. A query with no
-valid key writes out = 0 and lse = -inf. Grids and buffers depend on shapes only (CUDA-graph safe).
+Both partitions run over the query's row blocks below its key extent n_keys[b, t] (1 + its last valid slot,
+`triton_prefill.key_extent`), read once before the partitions split, so producer and consumers agree on the trip
+count; a query with no valid key runs no block. Invalid indices (-1 or >= S, or past K) are not read (cp.async
+zero-fills masked rows) and score -inf. A query with no valid key writes out = 0 and lse = -inf. Grids and buffers
+depend on shapes only (CUDA-graph safe).
 
 Gluon does not run in the CPU interpreter and its API moves between triton releases: this file targets triton 3.6
 (`warp_specialize([(fn, args), ...], worker_warps, worker_regs)`). `hopper_fwd_supports` says when it applies.
@@ -22,6 +25,8 @@ import functools
 
 import torch
 import triton
+
+from .triton_prefill import key_extent
 
 LOG2E = 1.4426950408889634
 D_V_SUPPORTED = 512
@@ -94,7 +99,7 @@ if _GLUON_ERROR is None:
         async_copy.async_copy_global_to_shared(smem, ptrs, mask=ok[:, None] & mask_cols[None, :])
 
     @gluon.jit
-    def _producer(kv_ptr, idx_ptr, kn_smem, kr_smem, ready, empty, b, t, S, K, s_kvb, s_kvs, s_ib, s_it,
+    def _producer(kv_ptr, idx_ptr, kn_smem, kr_smem, ready, empty, b, t, S, K, n_k, s_kvb, s_kvs, s_ib, s_it,
                   BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_T: gl.constexpr, NUM_STAGES: gl.constexpr,
                   PRODUCER_WARPS: gl.constexpr, DIAG: gl.constexpr):
         """Gather rows of kv into the stage ring with cp.async; every thread arrives (noinc) on `ready`.
@@ -114,7 +119,7 @@ if _GLUON_ERROR is None:
         offs_r = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, rope_l))
         idx_n = gl.load(idx_base + offs_n, mask=offs_n < K, other=-1)
         idx_r = gl.load(idx_base + offs_r, mask=offs_r < K, other=-1)
-        n_blocks = gl.cdiv(K, BLOCK_K)
+        n_blocks = gl.cdiv(n_k, BLOCK_K)  # the consumers run the same count (n_k is read once, before the split)
         for it in range(n_blocks):
             s = it % NUM_STAGES
             k1 = (it + 1) * BLOCK_K
@@ -159,7 +164,7 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer(qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty, idx_ptr, out_ptr, lse_ptr,
-                  b, t, h0, S, K, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2,
+                  b, t, h0, S, K, n_k, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2,
                   BLOCK_K: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr, DIAG: gl.constexpr):
         """Two warpgroups: S by wgmma, softmax, P to shared memory, O += P.V by wgmma; then the epilogue."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -172,7 +177,7 @@ if _GLUON_ERROR is None:
         l_i = gl.zeros([_BH], gl.float32, row_s)
         acc = gl.zeros([_BH, D_V], gl.float32, o_l)
         s_zero = gl.zeros([_BH, BLOCK_K], gl.float32, s_l)
-        n_blocks = gl.cdiv(K, BLOCK_K)
+        n_blocks = gl.cdiv(n_k, BLOCK_K)  # the producer's count
         if DIAG == 2:  # timing only: the producer alone (no MMA, no softmax)
             for it in range(n_blocks):
                 st = it % NUM_STAGES
@@ -213,11 +218,11 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _hopper_fwd_kernel(
-        q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+        q_ptr, kv_ptr, idx_ptr, nk_ptr, out_ptr, lse_ptr,
         T, S, K, n_hblk, scale_log2,
         s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt,
         BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_T: gl.constexpr, NUM_STAGES: gl.constexpr,
-        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DIAG: gl.constexpr,
+        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DIAG: gl.constexpr, KEY_EXTENT: gl.constexpr,
     ):
         # hopper_fwd_supports checks these: every row starts on 16 bytes (16-byte loads and cp.async)
         s_qb = gl.multiple_of(s_qb, 8)
@@ -229,6 +234,10 @@ if _GLUON_ERROR is None:
         b = qi // T
         t = qi % T
         h0 = hb * _BH
+        if KEY_EXTENT:
+            n_k = gl.load(nk_ptr + qi)  # key extent: both partitions take this one value as their trip count
+        else:  # every slot (the round-4 kernel)
+            n_k = K
         dtype: gl.constexpr = q_ptr.dtype.element_ty
 
         qn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, D_V], dtype)
@@ -263,9 +272,9 @@ if _GLUON_ERROR is None:
         gl.warp_specialize(
             [
                 (_consumer, (qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty, idx_ptr, out_ptr, lse_ptr,
-                             b, t, h0, S, K, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2,
+                             b, t, h0, S, K, n_k, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2,
                              BLOCK_K, D_V, NUM_STAGES, DIAG)),
-                (_producer, (kv_ptr, idx_ptr, kn_smem, kr_smem, ready, empty, b, t, S, K, s_kvb, s_kvs, s_ib, s_it,
+                (_producer, (kv_ptr, idx_ptr, kn_smem, kr_smem, ready, empty, b, t, S, K, n_k, s_kvb, s_kvs, s_ib, s_it,
                              BLOCK_K, D_V, D_T, NUM_STAGES, PRODUCER_WARPS, DIAG)),
             ],
             [PRODUCER_WARPS],
@@ -274,31 +283,37 @@ if _GLUON_ERROR is None:
 
 
 # PRODUCER_REGS 96 leaves the consumers 208 registers (Triton splits the 168 x 384 launch budget); DIAG 1 / 2 are
-# timing-only diagnostics (no copies / no math) whose outputs are wrong.
-DEFAULT_CFG = dict(BLOCK_K=64, NUM_STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=96, DIAG=0)
+# timing-only diagnostics (no copies / no math) whose outputs are wrong. KEY_EXTENT 0 loops over all K slots
+# whatever n_keys says (the round-4 kernel; correct, slower on causal top-k rows).
+DEFAULT_CFG = dict(BLOCK_K=64, NUM_STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=96, DIAG=0, KEY_EXTENT=1)
 
 
-def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None = None):
+def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None = None, n_keys=None):
     """Fill out [B, T, H, 512] and lse [B, T, H] fp32 (both with unit last stride) for inputs that
-    `hopper_fwd_supports` accepts. Returns the compiled kernel handle (registers, spills)."""
+    `hopper_fwd_supports` accepts; n_keys [B, T] int32 contiguous = `key_extent(indices, S)` (computed when not
+    given). Returns the compiled kernel handle (registers, spills)."""
     assert out.stride(-1) == 1 and lse.stride(-1) == 1, "out and lse need unit last strides"
     c = dict(DEFAULT_CFG, **(cfg or {}))
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
+    if n_keys is None:
+        n_keys = key_extent(indices, S)
     n_hblk = H // BLOCK_H
     grid = (n_hblk * B * T,)
     return _hopper_fwd_kernel[grid](
-        q, kv, indices, out, lse,
+        q, kv, indices, n_keys, out, lse,
         T, S, K, n_hblk, sm_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         BLOCK_K=c["BLOCK_K"], D_V=d_v, D_T=D_qk - d_v, NUM_STAGES=c["NUM_STAGES"],
-        PRODUCER_WARPS=c["PRODUCER_WARPS"], PRODUCER_REGS=c["PRODUCER_REGS"], DIAG=c["DIAG"], num_warps=8,
+        PRODUCER_WARPS=c["PRODUCER_WARPS"], PRODUCER_REGS=c["PRODUCER_REGS"], DIAG=c["DIAG"],
+        KEY_EXTENT=c["KEY_EXTENT"], num_warps=8,
     )
 
 
 def sparse_mla_fwd_hopper(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, cfg: dict | None = None,
+    n_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill forward on sm_90: q [B, T, H, 576], kv [B, S, 576], indices [B, T, K] int32 (-1 / >= S: no key)
     -> out [B, T, H, 512] q.dtype, lse [B, T, H] fp32 (natural log; -inf and out 0 for a query with no valid key).
@@ -309,5 +324,5 @@ def sparse_mla_fwd_hopper(
     B, T, H, _ = q.shape
     out = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
-    launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg)
+    launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg, n_keys)
     return out, lse

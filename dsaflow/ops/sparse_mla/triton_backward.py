@@ -2,16 +2,20 @@
 
 With P = exp(S - lse) from the saved lse, dP = dO . V^T, dS = P * (dP - delta) * sm_scale, delta = rowsum(dO * O)
 - dlse (the dlse term makes lse differentiable: d lse / d s = P):
-  pass 1  `_sparse_mla_bwd_ds_kernel`       per (head block, query): S, dP; writes dS and P to G [chunk, 2H, K]
+  pass 1  `_sparse_mla_bwd_ds_kernel`       per (head block, query): delta from its dO and O tiles (fp32), then S,
+          dP; writes dS and P to G [chunk, 2H, K]
   dq      `_sparse_mla_bwd_dq_gemm_kernel`  per (head block, query): dq = dS [BH, K] . K_rows [K, d_qk]
   dkv     `_sparse_mla_bwd_dkv_gemm_kernel` per (column block, row block, query): G^T [BK, 2H] . [Q; dO] [2H, BN]
           default: fp32 atomics into dkv (rows are shared across queries, so the summation order varies by run);
           deterministic mode: plain stores into C [chunk, K, d_qk] fp32, then `_sparse_mla_bwd_dkv_reduce_kernel`
           sums each key row's entries in a fixed order (query, then slot: a stable sort of the chunk's indices).
 Executed FLOPs equal the useful 2 H K (3 d_qk + 2 d_v) per query. Invalid indices contribute nothing and are not
-read. Grids are one-dimensional (CUDA caps grid axes 1 and 2 at 65,535; B*T reaches 2^20), program id -> tile with
-the tiles that share data adjacent in launch order; ids and offsets derived from them are int64. Grids, chunk
-counts and buffers depend on shapes only. fp32 inputs use IEEE fp32 dots. Measured alternatives (one-pass fused
+read. Every kernel stops at the query's key extent n_keys (`triton_prefill.key_extent`: 1 + its last valid slot; in
+causal training query t < topk has t + 1 keys): pass 1 and dq loop over [0, n_keys), dkv programs whose row block
+starts at or past n_keys do no work, and G is read only below n_keys (pass 1 writes it up to its last block there).
+Grids are one-dimensional (CUDA caps grid axes 1 and 2 at 65,535; B*T reaches 2^20), program id -> tile with the
+tiles that share data adjacent in launch order; ids and offsets derived from them are int64. Grids, chunk counts and
+buffers depend on shapes only. fp32 inputs use IEEE fp32 dots. Measured alternatives (one-pass fused
 dkv, S-first dkv, fused dq, plain-store diagnostics) and their numbers are in docs/kernels.md.
 """
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_prefill import LOG2E, dot_precision
+from .triton_prefill import LOG2E, dot_precision, key_extent
 
 
 @triton.jit
@@ -39,14 +43,16 @@ def _head_tile(q0, T, H, D_V, D_T, n_hb, BLOCK_H: tl.constexpr, BLOCK_DV: tl.con
 
 @triton.jit
 def _sparse_mla_bwd_ds_kernel(
-    q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, g_ptr,
+    q_ptr, kv_ptr, idx_ptr, nk_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, g_ptr,
     T, S, K, H, D_V, D_T, sm_scale, scale_log2, q0, n_hb,
-    s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_dob, s_dot, s_doh, s_lb, s_lt, s_gq, s_gh,
+    s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_dob, s_dot, s_doh, s_ob, s_ot, s_oh, s_lb, s_lt, s_dlb, s_dlt,
+    s_gq, s_gh,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
-    HAS_TAIL: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_TAIL: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Pass 1, one program per (head block, query): S and dP per row block, dS and P written to g [chunk, 2H, K]
-    (rows 0..H-1 dS, H..2H-1 P; 0 at invalid indices) for the queries q0 + pid_l of this launch."""
+    """Pass 1, one program per (head block, query): delta = rowsum(dO * O) - dlse for its heads (fp32, from the
+    dO tile it needs anyway and one read of O), then S and dP per row block up to the query's key extent, dS and P
+    written to g [chunk, 2H, K] (rows 0..H-1 dS, H..2H-1 P; 0 at invalid indices) for the queries q0 + pid_l."""
     pid_l, b, t, offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok = _head_tile(
         q0, T, H, D_V, D_T, n_hb, BLOCK_H, BLOCK_DV, BLOCK_DT)
     q_rows = q_ptr + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
@@ -55,13 +61,19 @@ def _sparse_mla_bwd_ds_kernel(
         q_tail = tl.load(q_rows + D_V + offs_dt[None, :], mask=h_ok[:, None] & dt_ok[None, :], other=0.0)
     do = tl.load(do_ptr + b * s_dob + t * s_dot + offs_h[:, None] * s_doh + offs_dv[None, :],
                  mask=h_ok[:, None] & dv_ok[None, :], other=0.0)
+    o = tl.load(o_ptr + b * s_ob + t * s_ot + offs_h[:, None] * s_oh + offs_dv[None, :],
+                mask=h_ok[:, None] & dv_ok[None, :], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + b * s_dlb + t * s_dlt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + b * s_lb + t * s_lt + offs_h, mask=h_ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # base 2; every P is 0 where -inf
-    delta = tl.load(delta_ptr + b * s_lb + t * s_lt + offs_h, mask=h_ok, other=0.0)
     kv_base = kv_ptr + b * s_kvb
     idx_base = idx_ptr + b * s_ib + t * s_it
     g_base = g_ptr + pid_l * s_gq + offs_h[:, None] * s_gh
-    for k0 in range(0, K, BLOCK_K):
+    n_k = tl.load(nk_ptr + q0 + pid_l)  # no valid slot at or past it; G past its last block stays unwritten
+    # G holds slots [0, n_g): pass 1's blocks cover n_k rounded up to its block (zeros past n_k)
+    for k0 in range(0, n_k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
         valid = (idx >= 0) & (idx < S)
@@ -82,14 +94,14 @@ def _sparse_mla_bwd_ds_kernel(
 
 @triton.jit
 def _sparse_mla_bwd_dq_gemm_kernel(
-    g_ptr, kv_ptr, idx_ptr, dq_ptr,
+    g_ptr, kv_ptr, idx_ptr, nk_ptr, dq_ptr,
     T, S, K, H, D_V, D_T, q0, n_hb,
     s_gq, s_gh, s_kvb, s_kvs, s_ib, s_it, s_qb, s_qt, s_qh,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
-    HAS_TAIL: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_TAIL: tl.constexpr, DOT_PREC: tl.constexpr, DS_BLOCK_K: tl.constexpr,
 ):
     """One program per (head block, query): dq = dS [BH, K] . K_rows [K, d_qk] with dS read from G (a gathered
-    GEMM, no softmax recompute, no atomics: deterministic)."""
+    GEMM, no softmax recompute, no atomics: deterministic), over the slots below the query's key extent."""
     pid_l, b, t, offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok = _head_tile(
         q0, T, H, D_V, D_T, n_hb, BLOCK_H, BLOCK_DV, BLOCK_DT)
     dq_nope = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -97,9 +109,11 @@ def _sparse_mla_bwd_dq_gemm_kernel(
     kv_base = kv_ptr + b * s_kvb
     idx_base = idx_ptr + b * s_ib + t * s_it
     g_rows = g_ptr + pid_l * s_gq + offs_h[:, None] * s_gh
-    for k0 in range(0, K, BLOCK_K):
+    n_k = tl.load(nk_ptr + q0 + pid_l)
+    n_g = tl.minimum((n_k + DS_BLOCK_K - 1) // DS_BLOCK_K * DS_BLOCK_K, K)  # the G slots pass 1 wrote
+    for k0 in range(0, n_k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
+        k_ok = offs_k < n_g  # a block multiple (when K is one): the G loads stay vectorised and pipelined
         idx = tl.load(idx_base + offs_k, mask=k_ok, other=-1)
         valid = (idx >= 0) & (idx < S)
         rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * s_kvs
@@ -118,17 +132,18 @@ def _sparse_mla_bwd_dq_gemm_kernel(
 
 @triton.jit
 def _sparse_mla_bwd_dkv_gemm_kernel(
-    g_ptr, q_ptr, do_ptr, idx_ptr, out_ptr,
+    g_ptr, q_ptr, do_ptr, idx_ptr, nk_ptr, out_ptr,
     T, S, K, H, q0, col0, n_cols, n_j, n_nb, n_kb,
     s_gq, s_gh, s_qb, s_qt, s_qh, s_dob, s_dot, s_doh, s_ib, s_it, s_ob, s_os, s_cq, s_ck,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, DETERMINISTIC: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, DS_BLOCK_K: tl.constexpr,
 ):
     """One program per (column block, row block, query), column block fastest (the column blocks of one row block
     share its G tile in L2): acc [BK, BN] = G^T [BK, 2H] . B [2H, BN] with G = [dS; P] and B = [Q; dO] (rows j < H
     from q, j >= H from dO); the rope-tail columns are a separate launch with n_j = H (no P . dO term).
     DETERMINISTIC=False: acc is atomically added to out = dkv [B, S, d_qk] at the selected rows. True: acc is stored
-    to out = C [chunk, K, d_qk] at (query, slot) (strides s_cq, s_ck), to be reduced in a fixed order."""
+    to out = C [chunk, K, d_qk] at (query, slot) (strides s_cq, s_ck), to be reduced in a fixed order.
+    A row block at or past the query's key extent holds no valid slot: its program loads no G and stores nothing."""
     pid = tl.program_id(0).to(tl.int64)
     pid_n = (pid % n_nb).to(tl.int32)
     pid_k = ((pid // n_nb) % n_kb).to(tl.int32)
@@ -136,9 +151,11 @@ def _sparse_mla_bwd_dkv_gemm_kernel(
     pid_q = q0 + pid_l
     b = pid_q // T
     t = pid_q % T
+    n_k = tl.load(nk_ptr + pid_q)
+    n_g = tl.minimum((n_k + DS_BLOCK_K - 1) // DS_BLOCK_K * DS_BLOCK_K, K)  # the G slots pass 1 wrote
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
-    idx = tl.load(idx_ptr + b * s_ib + t * s_it + offs_k, mask=k_ok, other=-1)
+    k_ok = offs_k < n_g
+    idx = tl.load(idx_ptr + b * s_ib + t * s_it + offs_k, mask=offs_k < K, other=-1)  # invalid from n_k on
     valid = (idx >= 0) & (idx < S)
     offs_n = col0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < col0 + n_cols
@@ -146,7 +163,8 @@ def _sparse_mla_bwd_dkv_gemm_kernel(
     q_base = q_ptr + b * s_qb + t * s_qt
     do_base = do_ptr + b * s_dob + t * s_dot
     acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
-    for j0 in range(0, n_j, BLOCK_J):
+    j_end = tl.where(pid_k * BLOCK_K < n_k, n_j, 0)  # past the extent: no reduction steps, every store masked
+    for j0 in range(0, j_end, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
         j_ok = offs_j < n_j
         is_q = offs_j < H
@@ -225,19 +243,6 @@ def bwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict |
     return cfg
 
 
-def _delta(out: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor | None) -> torch.Tensor:
-    """delta [B, T, H] fp32 = rowsum(dO * O) - dlse, in query slices (an fp32 product of the whole [B, T, H, d_v]
-    would be 4 bytes per element: 34 GB at 2^20 queries x 16 heads; slices of 2^27 elements)."""
-    B, T, H, d_v = out.shape
-    o, do = out.reshape(B * T, H, d_v), d_out.reshape(B * T, H, d_v)
-    delta = torch.empty(B * T, H, device=out.device, dtype=torch.float32)
-    step = max(1, 2**27 // max(1, H * d_v))
-    for s in range(0, B * T, step):
-        delta[s : s + step] = (do[s : s + step].float() * o[s : s + step].float()).sum(-1)
-    delta = delta.view(B, T, H)
-    return delta - d_lse.float() if d_lse is not None else delta
-
-
 def _csr_by_key_row(indices_flat: torch.Tensor, q0: int, n: int, T: int, S: int, n_rows: int):
     """Invert the chunk's index map: entries e = l * K + slot of queries q0..q0+n-1, stably sorted by key row
     b * S + index (invalid indices last) -> order [n*K] int32 and row_ptr [B*S + 1] int64 (row r's entries are
@@ -253,10 +258,11 @@ def _csr_by_key_row(indices_flat: torch.Tensor, q0: int, n: int, T: int, S: int,
 def sparse_mla_bwd_triton(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     d_out: torch.Tensor, d_lse: torch.Tensor | None, sm_scale: float, d_v: int, overrides: dict | None = None,
-    deterministic: bool = False,
+    deterministic: bool = False, n_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32, out/d_out [B, T, H, d_v], lse/d_lse [B, T, H]
-    -> dq [B, T, H, D_qk] q.dtype, dkv [B, S, D_qk] kv.dtype. Last dims contiguous (the dispatcher ensures it).
+    -> dq [B, T, H, D_qk] q.dtype, dkv [B, S, D_qk] kv.dtype. q, kv, indices with contiguous last dims (the
+    dispatcher ensures it); n_keys [B, T] int32 contiguous = `key_extent(indices, S)` (computed when not given).
 
     Works in query chunks so that G [chunk, 2H, K] (and C [chunk, K, D_qk] fp32 when deterministic) stays within
     the byte budget; chunks run in a fixed order. deterministic=True: dkv is summed in a fixed order (bit-identical
@@ -264,10 +270,17 @@ def sparse_mla_bwd_triton(
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
     d_tail = D_qk - d_v
-    delta = _delta(out, d_out.contiguous(), d_lse).contiguous()
-    lse = lse.contiguous()
+    # One copy at most of out and d_out (no-ops when contiguous). In training d_out arrives head-major ([H, T, d_v]
+    # in memory: the backward of the einsum with w_uv), and every dkv program of a query reads it; read in place, the
+    # backward kernels took 29.2 ms per layer in the 4096-token training profile against 20.1 ms for contiguous
+    # inputs in the kernel benchmark (one H200, docs/kernels.md round 5), so the copy (~0.3 ms) stays.
+    out, d_out = out.contiguous(), d_out.contiguous()
+    lse = lse if lse.stride(-1) == 1 else lse.contiguous()
+    if d_lse is not None and d_lse.stride(-1) != 1:
+        d_lse = d_lse.contiguous()
+    if n_keys is None:
+        n_keys = key_extent(indices, S)
     q = q.contiguous()  # dq shares q's strides
-    d_out = d_out.contiguous()
     dq = torch.empty_like(q)
     dkv = torch.zeros(B, S, D_qk, device=kv.device, dtype=torch.float32)
     cfg = bwd_config(q, d_v, d_tail, K, overrides)
@@ -290,19 +303,22 @@ def sparse_mla_bwd_triton(
           d_out.stride(2), indices.stride(0), indices.stride(1), dkv.stride(0), dkv.stride(1),
           c_buf.stride(0), c_buf.stride(1))
     dkv_out = c_buf if deterministic else dkv
+    dlse_arg = lse if d_lse is None else d_lse  # an unread placeholder without dlse
     for q0 in range(0, n_q, chunk):
         n = min(chunk, n_q - q0)
         _sparse_mla_bwd_ds_kernel[(n_hb * n,)](
-            q, kv, indices, d_out, lse, delta, g, T, S, K, H, d_v, d_tail, sm_scale, sm_scale * LOG2E, q0, n_hb,
+            q, kv, indices, n_keys, d_out, out, lse, dlse_arg, g, T, S, K, H, d_v, d_tail, sm_scale,
+            sm_scale * LOG2E, q0, n_hb,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
-            d_out.stride(0), d_out.stride(1), d_out.stride(2), lse.stride(0), lse.stride(1), g.stride(0),
-            g.stride(1), BLOCK_H=cfg["ds_BLOCK_H"], BLOCK_K=cfg["ds_BLOCK_K"], **dims,
+            d_out.stride(0), d_out.stride(1), d_out.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), dlse_arg.stride(0), dlse_arg.stride(1), g.stride(0), g.stride(1),
+            BLOCK_H=cfg["ds_BLOCK_H"], BLOCK_K=cfg["ds_BLOCK_K"], HAS_DLSE=d_lse is not None, **dims,
             num_warps=cfg["ds_num_warps"], num_stages=cfg["ds_num_stages"],
         )
         _sparse_mla_bwd_dq_gemm_kernel[(n_hbg * n,)](
-            g, kv, indices, dq, T, S, K, H, d_v, d_tail, q0, n_hbg, g.stride(0), g.stride(1), kv.stride(0),
+            g, kv, indices, n_keys, dq, T, S, K, H, d_v, d_tail, q0, n_hbg, g.stride(0), g.stride(1), kv.stride(0),
             kv.stride(1), indices.stride(0), indices.stride(1), q.stride(0), q.stride(1), q.stride(2),
-            BLOCK_H=cfg["dqg_BLOCK_H"], BLOCK_K=cfg["dqg_BLOCK_K"], **dims,
+            BLOCK_H=cfg["dqg_BLOCK_H"], BLOCK_K=cfg["dqg_BLOCK_K"], DS_BLOCK_K=cfg["ds_BLOCK_K"], **dims,
             num_warps=cfg["dqg_num_warps"], num_stages=cfg["dqg_num_stages"],
         )
         for col0, n_cols, block_n, n_j, warps in ((0, d_v, bn, 2 * H, cfg["gemm_num_warps"]),
@@ -311,9 +327,9 @@ def sparse_mla_bwd_triton(
                 continue
             n_nb = triton.cdiv(n_cols, block_n)
             _sparse_mla_bwd_dkv_gemm_kernel[(n_nb * n_kb * n,)](
-                g, q, d_out, indices, dkv_out, T, S, K, H, q0, col0, n_cols, n_j, n_nb, n_kb, *gs,
+                g, q, d_out, indices, n_keys, dkv_out, T, S, K, H, q0, col0, n_cols, n_j, n_nb, n_kb, *gs,
                 BLOCK_K=bk, BLOCK_N=block_n, BLOCK_J=cfg["gemm_BLOCK_J"], DETERMINISTIC=deterministic,
-                DOT_PREC=prec, num_warps=warps, num_stages=cfg["gemm_num_stages"],
+                DOT_PREC=prec, DS_BLOCK_K=cfg["ds_BLOCK_K"], num_warps=warps, num_stages=cfg["gemm_num_stages"],
             )
         if deterministic:
             order, row_ptr = _csr_by_key_row(indices_flat, q0, n, T, S, B * S)

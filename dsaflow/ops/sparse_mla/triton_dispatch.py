@@ -10,6 +10,8 @@
 - shapes the kernels cannot take (see `kernel_supports`) raise `ValueError` naming the shape and the reason: no
   silent slow path. Empty inputs (no query, key or kv row) launch nothing and return the reference's result.
 All CUDA paths are graph-safe: grids and buffers depend on shapes only, and invalid indices are masked in-kernel.
+Every kernel stops each query's key loop at its key extent (`triton_prefill.key_extent`: 1 + the last valid slot,
+from a small kernel, no host sync); the autograd path computes it once and keeps it for the backward.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from .hopper_prefill import _shape_reason, hopper_fwd_supports, sparse_mla_fwd_h
 from .naive import sparse_mla_naive
 from .triton_backward import sparse_mla_bwd_triton
 from .triton_decode import choose_num_splits, sparse_mla_decode_triton
-from .triton_prefill import fwd_config, sparse_mla_fwd_triton
+from .triton_prefill import fwd_config, key_extent, sparse_mla_fwd_triton
 
 FORWARD_KERNELS = ("auto", "triton", "hopper")
 _WARNED_NO_GLUON: set = set()
@@ -80,10 +82,10 @@ def select_forward(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v
     return "hopper" if reason is None else "triton"
 
 
-def prefill_forward(q, kv, indices, sm_scale: float, d_v: int):
+def prefill_forward(q, kv, indices, sm_scale: float, d_v: int, n_keys=None):
     if select_forward(q, kv, indices, d_v) == "hopper":
-        return sparse_mla_fwd_hopper(q, kv, indices, sm_scale, d_v)
-    return sparse_mla_fwd_triton(q, kv, indices, sm_scale, d_v)
+        return sparse_mla_fwd_hopper(q, kv, indices, sm_scale, d_v, n_keys=n_keys)
+    return sparse_mla_fwd_triton(q, kv, indices, sm_scale, d_v, n_keys=n_keys)
 
 
 class SparseMLATriton(torch.autograd.Function):
@@ -91,18 +93,20 @@ class SparseMLATriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kv, indices, sm_scale: float, d_v: int):
-        out, lse = prefill_forward(q, kv, indices, sm_scale, d_v)
-        ctx.save_for_backward(q, kv, indices, out, lse)
+        # each query's key extent (1 + its last valid slot), computed once for the forward and the backward
+        n_keys = key_extent(indices, kv.shape[1])
+        out, lse = prefill_forward(q, kv, indices, sm_scale, d_v, n_keys)
+        ctx.save_for_backward(q, kv, indices, out, lse, n_keys)
         ctx.sm_scale, ctx.d_v = sm_scale, d_v
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, kv, indices, out, lse = ctx.saved_tensors
+        q, kv, indices, out, lse, n_keys = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
         dq, dkv = sparse_mla_bwd_triton(q, kv, indices, out, lse, d_out, d_lse, ctx.sm_scale, ctx.d_v,
-                                        deterministic=is_deterministic())
+                                        deterministic=is_deterministic(), n_keys=n_keys)
         return dq, dkv, None, None, None
 
 

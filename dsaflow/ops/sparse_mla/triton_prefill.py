@@ -6,6 +6,11 @@ feeds both dots (S = Q.K^T split as value part + rope tail, then acc += P.V with
 Online softmax in base 2. Invalid indices (-1 or >= S) are masked branchlessly: their rows are not read and their
 scores are -inf. A query with no valid key writes out = 0 and lse = -inf.
 
+Each program stops its key loop at its query's key extent n_keys[b, t] = 1 + the last slot holding a valid index (0
+if none; `key_extent`, computed once per call by a small kernel, no host sync): the top-k op returns each query's keys
+best first and pads with -1, so in causal training query t < topk has only t + 1 keys (a quarter of the slots at 4096
+tokens and topk 2048). Invalid slots before the extent are still masked, so any placement of -1 is correct.
+
 The key range can be split across programs (flash-decoding): each split writes its normalised partial output and
 lse in fp32, and `triton_decode` merges them. With one split the kernel writes out/lse directly.
 
@@ -25,8 +30,35 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _sparse_mla_key_extent_kernel(idx_ptr, nk_ptr, T, S, K, s_ib, s_it, BLOCK: tl.constexpr):
+    """One program per query (1-D grid over B*T): nk[b * T + t] = 1 + the last slot of indices[b, t] holding a
+    valid index (0 <= index < S), 0 if none."""
+    pid = tl.program_id(0).to(tl.int64)
+    base = idx_ptr + (pid // T) * s_ib + (pid % T) * s_it
+    ext = tl.zeros([BLOCK], tl.int32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        idx = tl.load(base + offs, mask=offs < K, other=-1)
+        ext = tl.maximum(ext, tl.where((idx >= 0) & (idx < S), offs + 1, 0))
+    tl.store(nk_ptr + pid, tl.max(ext, 0))
+
+
+def key_extent(indices: torch.Tensor, S: int) -> torch.Tensor:
+    """indices [B, T, K] int32 (unit last stride) -> n_keys [B, T] int32: 1 + the last slot holding an index in
+    [0, S), 0 where none. Every kernel of this op loops over slots [0, n_keys) only. One launch, grid B*T (shapes
+    only, no host sync: CUDA-graph safe)."""
+    B, T, K = indices.shape
+    n_keys = torch.empty(B, T, device=indices.device, dtype=torch.int32)
+    if B * T > 0:
+        block = min(1024, max(16, triton.next_power_of_2(K)))
+        _sparse_mla_key_extent_kernel[(B * T,)](indices, n_keys, T, S, K, indices.stride(0), indices.stride(1),
+                                                BLOCK=block, num_warps=4)
+    return n_keys
+
+
+@triton.jit
 def _sparse_mla_fwd_kernel(
-    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    q_ptr, kv_ptr, idx_ptr, nk_ptr, out_ptr, lse_ptr,
     T, S, K, H, D_V, D_T, k_per_split, scale_log2, n_q, n_hb,
     s_qb, s_qt, s_qh,
     s_kvb, s_kvs,
@@ -60,8 +92,10 @@ def _sparse_mla_fwd_kernel(
     kv_base = kv_ptr + b * s_kvb
     idx_base = idx_ptr + b * s_ib + t * s_it
     k_lo = pid_s * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_hi = tl.minimum(k_lo + k_per_split, K)  # the split's slots (masks: a block never crosses a split)
+    # no valid slot at or past the query's key extent (nk[b * T + t] <= K): splits that start there run no block
+    k_end = tl.minimum(k_hi, tl.load(nk_ptr + pid_q))
+    for k0 in range(k_lo, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_base + offs_k, mask=offs_k < k_hi, other=-1)
         valid = (idx >= 0) & (idx < S)
@@ -116,8 +150,10 @@ def fwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict |
 def launch_sparse_mla_fwd(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
     out: torch.Tensor, lse: torch.Tensor, num_splits: int = 1, overrides: dict | None = None,
+    n_keys: torch.Tensor | None = None,
 ):
     """Fill out/lse for q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32 (last dims contiguous).
+    n_keys [B, T] int32 contiguous: `key_extent(indices, S)`, computed here when not given.
 
     num_splits == 1: out [B, T, H, d_v] (any float dtype), lse [B, T, H] fp32.
     num_splits > 1: out [num_splits, B, T, H, d_v] fp32 and lse [num_splits, B, T, H] fp32 hold per-split partials.
@@ -127,6 +163,8 @@ def launch_sparse_mla_fwd(
     S, K = kv.shape[1], indices.shape[2]
     d_tail = D_qk - d_v
     cfg = fwd_config(q, d_v, d_tail, K, overrides)
+    if n_keys is None:
+        n_keys = key_extent(indices, S)
     bk = cfg["BLOCK_K"]
     k_per_split = triton.cdiv(triton.cdiv(K, num_splits), bk) * bk
     if num_splits == 1:
@@ -136,7 +174,7 @@ def launch_sparse_mla_fwd(
     n_hb = triton.cdiv(H, cfg["BLOCK_H"])
     grid = (n_hb * B * T * num_splits,)  # 1-D: axis 0 takes 2^31 - 1 programs
     return _sparse_mla_fwd_kernel[grid](
-        q, kv, indices, out, lse,
+        q, kv, indices, n_keys, out, lse,
         T, S, K, H, d_v, d_tail, k_per_split, sm_scale * LOG2E, B * T, n_hb,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
@@ -149,12 +187,14 @@ def launch_sparse_mla_fwd(
 
 
 def sparse_mla_fwd_triton(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, overrides: dict | None = None
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, overrides: dict | None = None,
+    n_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill forward: q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32 -> out [B, T, H, d_v] q.dtype,
-    lse [B, T, H] fp32 (natural log). Inputs must have contiguous last dims (the dispatcher ensures it)."""
+    lse [B, T, H] fp32 (natural log). Inputs must have contiguous last dims (the dispatcher ensures it).
+    n_keys [B, T] int32: `key_extent(indices, S)` if already computed (the backward reuses it)."""
     B, T, H, _ = q.shape
     out = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
-    launch_sparse_mla_fwd(q, kv, indices, sm_scale, d_v, out, lse, 1, overrides)
+    launch_sparse_mla_fwd(q, kv, indices, sm_scale, d_v, out, lse, 1, overrides, n_keys)
     return out, lse

@@ -1,0 +1,161 @@
+"""Sparse MLA forward and backward on the causal top-k layout of training, with and without the key-extent bound.
+
+    python scripts/bench_sparse_mla_causal.py --seq 4096,16384 --out bench_out/causal
+
+One sequence of `seq` tokens, every token a query, V3.2 attention shapes (h128, d_qk 576, d_v 512, topk 2048, bf16).
+Indices have the indexer's layout: query t selects min(t + 1, topk) keys in [0, t] (random scores, best first),
+padded with -1, so queries t < topk have fewer keys than slots. Each kernel is timed (triton.testing.do_bench
+median) with its loops stopped at each query's key extent (the default, n_keys = `key_extent`) and over all topk
+slots (n_keys = topk everywhere; for the Gluon forward its KEY_EXTENT=0 build), in one process, next to the bf16
+8192^3 matmul ceiling. Also timed: `key_extent` itself, and the torch fp32 delta = rowsum(dO * O) (casts, product,
+sum) that the backward ran before pass 1 computed it. FLOP rates are given two ways: nominal (all topk slots, the
+count docs/kernels.md uses: fwd 2 H K (d_qk + d_v), bwd 2 H K (3 d_qk + 2 d_v) per query) and over the valid pairs
+only (sum of n_keys instead of T K). Before timing, the bounded and unbounded results are compared.
+Writes <out>/bench_sparse_mla_causal.json and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import importlib  # noqa: E402
+
+hp = importlib.import_module("dsaflow.ops.sparse_mla.hopper_prefill")
+tp = importlib.import_module("dsaflow.ops.sparse_mla.triton_prefill")
+tb = importlib.import_module("dsaflow.ops.sparse_mla.triton_backward")
+
+H, D_QK, D_V, TOPK = 128, 576, 512, 2048
+ROWS: list[dict] = []
+
+
+def bench(fn, rep=200):
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def rec(**row):
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def causal_topk(S: int, K: int, seed: int) -> torch.Tensor:
+    """[1, S, K] int32: for query t, min(t + 1, K) keys of [0, t] in descending random score, then -1."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    idx = torch.empty(1, S, K, device="cuda", dtype=torch.int32)
+    for t0 in range(0, S, 2048):
+        t1 = min(S, t0 + 2048)
+        sc = torch.rand(t1 - t0, S, device="cuda", generator=g)
+        sc = sc.masked_fill(torch.arange(S, device="cuda") > torch.arange(t0, t1, device="cuda")[:, None], -1.0)
+        val, sel = sc.topk(min(K, S), dim=-1)
+        sel = torch.where(val < 0, -1, sel).int()
+        idx[0, t0:t1, : sel.shape[1]] = sel
+        idx[0, t0:t1, sel.shape[1]:] = -1
+    return idx
+
+
+def old_delta(out, d_out):
+    """The removed torch path: fp32 casts of O and dO, their product and the row sum."""
+    B, T, Hh, dv = out.shape
+    o, do = out.reshape(B * T, Hh, dv), d_out.reshape(B * T, Hh, dv)
+    delta = torch.empty(B * T, Hh, device=out.device, dtype=torch.float32)
+    step = max(1, 2**27 // (Hh * dv))
+    for s in range(0, B * T, step):
+        delta[s : s + step] = (do[s : s + step].float() * o[s : s + step].float()).sum(-1)
+    return delta
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def run(S: int, mm: float, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, S, H, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(1, S, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
+    idx = causal_topk(S, TOPK, seed)
+    K = idx.shape[-1]
+    scale = D_QK**-0.5
+    nk = tp.key_extent(idx, S)
+    full = torch.full_like(nk, K)
+    pairs, slots = nk.sum().item(), S * K
+    fwd_nom = 2 * H * slots * (D_QK + D_V)
+    bwd_nom = 2 * H * slots * (3 * D_QK + 2 * D_V)
+
+    def row(kernel, variant, ms, nominal):
+        rec(seq=S, kernel=kernel, variant=variant, time_ms=round(ms, 4),
+            tflops_nominal=round(nominal / ms / 1e9, 1), frac_matmul=round(nominal / ms / 1e9 / mm, 3),
+            tflops_valid_pairs=round(nominal * pairs / slots / ms / 1e9, 1), valid_pair_share=round(pairs / slots, 4))
+
+    row("key_extent", "", bench(lambda: tp.key_extent(idx, S)), 0)
+    fwds = {"triton": lambda n: tp.sparse_mla_fwd_triton(q, kv, idx, scale, D_V, n_keys=n)}
+    if hp.hopper_fwd_supports(q, kv, idx, D_V) is None:
+        fwds["hopper"] = lambda n: hp.sparse_mla_fwd_hopper(q, kv, idx, scale, D_V,
+                                                           cfg=None if n is nk else dict(KEY_EXTENT=0), n_keys=nk)
+    for name, f in fwds.items():
+        (o1, l1), (o2, l2) = f(nk), f(full)
+        assert rel(o1, o2) < 1e-2 and torch.equal(torch.isinf(l1), torch.isinf(l2)), f"{name}: extent changes out"
+        row(f"sparse_mla_fwd {name}", "key extent", bench(lambda: f(nk)), fwd_nom)
+        row(f"sparse_mla_fwd {name}", "all slots", bench(lambda: f(full)), fwd_nom)
+    out, lse = (hp.sparse_mla_fwd_hopper if "hopper" in fwds else tp.sparse_mla_fwd_triton)(q, kv, idx, scale, D_V)
+    do = torch.randn(out.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def bwd(n, det=False):
+        return tb.sparse_mla_bwd_triton(q, kv, idx, out, lse, do, None, scale, D_V, deterministic=det, n_keys=n)
+
+    (dq1, dkv1), (dq2, dkv2) = bwd(nk), bwd(full)
+    errs = (rel(dq1, dq2), rel(dkv1, dkv2))
+    print(f"seq {S}: bwd extent vs all slots rel err dq {errs[0]:.2e} dkv {errs[1]:.2e}", flush=True)
+    assert max(errs) < 1e-2
+    del dq1, dkv1, dq2, dkv2
+    row("sparse_mla_bwd", "key extent", bench(lambda: bwd(nk), rep=300), bwd_nom)
+    row("sparse_mla_bwd", "all slots", bench(lambda: bwd(full), rep=300), bwd_nom)
+    row("sparse_mla_bwd (deterministic)", "key extent", bench(lambda: bwd(nk, True), rep=300), bwd_nom)
+    row("torch delta (removed)", "", bench(lambda: old_delta(out, do)), 0)
+
+
+def markdown(meta) -> str:
+    lines = [f"Device: {meta['device']} (torch {meta['torch']}, triton {meta['triton']}); bf16 matmul ceiling "
+             f"{meta['matmul_tflops']:.0f} TFLOP/s. Causal top-{TOPK} layout, h{H}, d_qk {D_QK}, d_v {D_V}.", "",
+             "| seq | kernel | loop bound | ms | TFLOP/s nominal (all slots) | % of matmul | TFLOP/s on valid pairs |",
+             "|---|---|---|---|---|---|---|"]
+    for r in ROWS:
+        frac = f"{100 * r['frac_matmul']:.1f}" if r["frac_matmul"] else ""
+        lines.append(f"| {r['seq']} | {r['kernel']} | {r['variant']} | {r['time_ms']:.3f} | "
+                     f"{r['tflops_nominal'] or ''} | {frac} | {r['tflops_valid_pairs'] or ''} |")
+    shares = sorted({(r["seq"], r["valid_pair_share"]) for r in ROWS})
+    lines += ["", "Valid (query, key) pairs / (T x topk): " + ", ".join(f"{s}: {v:.3f}" for s, v in shares)]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", default="4096")
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm = 2 * 8192**3 / bench(lambda: a @ b) / 1e9
+    del a, b
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                matmul_tflops=round(mm, 1))
+    t0 = time.time()
+    for s in (int(x) for x in args.seq.split(",")):
+        run(s, mm)
+        torch.cuda.empty_cache()
+    meta["seconds"] = round(time.time() - t0, 1)
+    (out / "bench_sparse_mla_causal.json").write_text(json.dumps(dict(meta=meta, rows=ROWS), indent=1))
+    md = markdown(meta)
+    (out / "bench_sparse_mla_causal.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
