@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dsaflow.config.schema import ModelConfig
 from dsaflow.ops import indexer_topk, sparse_mla
+from dsaflow.ops.head_proj import absorb_query, head_output
 
 from .cache import write_rows
 from .context import ForwardContext, causal_indices
@@ -63,9 +64,9 @@ class MLA(nn.Module):
         cos, sin = ctx.rope_mla
         q_latent = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_latent).view(B, T, H, self.nope + self.rope)
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         c_kv, k_pe = self.wkv_a(x).split([C, self.rope], dim=-1)
         if ctx.attn == "dense" and ctx.cache is None:
+            q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
             out = self._dense(x, q_latent, q_nope, apply_rope(q_pe, cos, sin), self.kv_norm(c_kv),
                               apply_rope(k_pe, cos, sin), ctx)
             if out is not None:
@@ -101,17 +102,17 @@ class MLA(nn.Module):
         attention to (rows: (first row, total rows) of a query chunk, or None); it is emptied, so a recomputation
         in backward records nothing. The large intermediates, q_abs [B, T, H, C + R] and o_lat [B, T, H, C], are
         2 H C bf16 per token: 34 GiB per layer at 128K tokens, which `train.recompute=attention` does not keep."""
-        B, T, H = q.shape[:3]
-        C = self.kv_lora_rank
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        w = self.wkv_b.weight.view(H, self.nope + self.v_dim, C)
+        H, C = q.shape[2], self.kv_lora_rank
+        # The weight in the compute dtype (q's: bf16 under autocast, where einsum would cast it the same way); the
+        # cast sits outside the projections so autograd returns the weight gradient in the parameter's dtype.
+        w = self.wkv_b.weight.to(q.dtype).view(H, self.nope + self.v_dim, C)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        q_abs = torch.cat([torch.einsum("bthn,hnc->bthc", q_nope, w_uk), apply_rope(q_pe, cos, sin)], dim=-1)
+        q_abs = absorb_query(q, w_uk, cos, sin)  # [q_nope @ W_UK | rope(q_pe)], written in place: no cat, one dq
         o_lat, lse = sparse_mla(q_abs, kv, indices, self.sm_scale, C)
         if record:
             recorder, rows = record.pop()
             recorder.record_attention(self.layer_index, q_abs, kv, indices, lse, self.sm_scale, rows)
-        return torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * self.v_dim)
+        return head_output(o_lat, w_uv)  # [B, T, H * V]; its backward hands sparse_mla a contiguous gradient
 
     def _dense(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, ctx: ForwardContext):
         """Dense attention without a cache, non-absorbed. q_nope [B, T, H, N], q_pe [B, T, H, R] and k_pe [B, T, R]

@@ -4,9 +4,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsaflow.ops.rmsnorm import rms_norm
+
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 and cast back to x.dtype. x [..., dim]."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 and cast back to x.dtype. x [..., dim].
+    CUDA tensors run the Triton kernels, CPU tensors the torch reference (`dsaflow.ops.rmsnorm`)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -14,6 +17,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

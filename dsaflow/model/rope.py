@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from dsaflow.ops.rope import rope
+
 
 def rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [B, T] int -> (cos, sin) each [B, T, dim // 2] fp32. Negative (padding) positions use 0."""
@@ -17,13 +19,11 @@ def rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, d] or [B, T, H, d]; cos/sin [B, T, d // 2] -> rotated x, same shape and dtype (math in fp32)."""
-    if x.dim() == 4:
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    """x [B, T, d] or [B, T, H, d]; cos/sin [B, T, d // 2] -> rotated x, same shape and dtype (math in fp32).
+    CUDA tensors run the Triton kernel, CPU tensors the torch reference (`dsaflow.ops.rope`)."""
+    return rope(x, cos, sin)
 
 
 def apply_rope_prefix(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
     """Rotate only the first `rope_dim` dims of x [..., d] (the indexer convention); the rest pass through."""
-    return torch.cat([apply_rope(x[..., :rope_dim], cos, sin), x[..., rope_dim:]], dim=-1)
+    return rope(x, cos, sin, rope_dim)
