@@ -76,7 +76,8 @@ def _config(D: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, num_warps): ~4K elements a program for narrow rows, one row of up to 16K otherwise."""
     block_d = triton.next_power_of_2(D)
     block_r = max(1, min(16, 4096 // block_d))
-    warps = 4 if block_d * block_r <= 4096 else (8 if block_d <= 8192 else 16)
+    # ~16 fp32 elements of a tile per thread: the backward holds x, dy, w and the dw partial of a whole row.
+    warps = max(1, min(16, block_d * block_r // 512))
     return block_r, block_d, warps
 
 

@@ -93,7 +93,7 @@ def rope_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.
         x4.stride(0), x4.stride(1), x4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         SIGN=-1.0 if inverse else 1.0, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        BLOCK_PASS=triton.next_power_of_2(n_pass) if n_pass else 0, num_warps=4,
+        BLOCK_PASS=triton.next_power_of_2(n_pass) if n_pass else 0, num_warps=4 if block_h * block_half >= 512 else 1,
     )
     return out
 
