@@ -99,6 +99,7 @@ def test_rope_public_op_dispatches_by_device_and_refuses_with_a_reason():
     if DEV == "cpu":  # the CPU path is the reference itself
         assert torch.equal(rope(x, cos.cpu(), sin.cpu()), rope_naive(x, cos.cpu(), sin.cpu()))
     x = x.to(DEV)
+    assert torch.equal(rope_triton(x, cos[..., :0], sin[..., :0], 0), rope_naive(x, cos[..., :0], sin[..., :0], 0))
     with pytest.raises(ValueError, match="rope_dim=7"):
         rope_triton(x, cos, sin, 7)
     with pytest.raises(ValueError, match="cos of shape"):

@@ -118,5 +118,8 @@ class RopeTriton(torch.autograd.Function):
 
 def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int | None = None) -> torch.Tensor:
     """Same contract as `naive.rope_naive`; raises ValueError for inputs the kernel refuses."""
+    rope_dim = x.shape[-1] if rope_dim is None else rope_dim
+    if rope_dim == 0:  # nothing rotates (index_rope_head_dim=0): the identity, as in the reference
+        return x
     x = x if x.stride(-1) == 1 else x.contiguous()
-    return RopeTriton.apply(x, cos, sin, x.shape[-1] if rope_dim is None else rope_dim)
+    return RopeTriton.apply(x, cos, sin, rope_dim)
