@@ -132,6 +132,7 @@ def test_gpu_deepseek_shapes_match_and_launch_no_copy_kernels(B, T, monkeypatch)
         torch.autograd.grad((y, o), inputs, (dy, d_out))
         torch.cuda.synchronize()
     kernels = {ev.key for ev in prof.key_averages() if getattr(ev, "device_time_total", 0)}
-    others = [k for k in kernels if "_rope_kernel" not in k and not any(
+    # cuBLAS may clear a workspace with a memset (seen on an H200 with torch 2.11); a memcpy would be a copy.
+    others = [k for k in kernels if "_rope_kernel" not in k and not k.startswith("Memset") and not any(
         f in k.lower() for f in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma"))]
     assert kernels and not others, others
