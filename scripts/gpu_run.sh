@@ -19,19 +19,22 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name" | tee -a "$LOG"; loca
 summary() { grep -hE "passed|failed" "$LOG" | grep -E "^[0-9=]" | tail -n 8; }
 case $PHASE in
 kernels)
-  step op_tests 200 python3 -m pytest -q -m gpu tests/test_ops_triton.py tests/test_ops_large.py \
+  step op_tests 260 python3 -m pytest -q -m gpu tests/test_ops_triton.py tests/test_ops_large.py \
     tests/test_ops_hopper.py tests/test_indexer_topk_kernels.py tests/test_ops_indexer_loss.py \
-    tests/test_ops_dense_indexer_kl.py
+    tests/test_ops_dense_indexer_kl.py tests/test_ops_key_extent.py tests/test_ops_rope_rmsnorm.py \
+    tests/test_ops_head_proj.py
   summary
   step bench_ops 150 python3 scripts/bench_ops.py --out "$OUT" --only mla,decode --no-sweep
   step bench_topk 90 python3 scripts/bench_indexer_topk.py --out "$OUT"
+  step bench_causal 60 python3 scripts/bench_sparse_mla_causal.py --seq 4096 --out "$OUT/causal"
   step train_layer 150 python3 scripts/bench_train_layer.py --seq 4096,16384 --layers 4 --out "$OUT"
   step train_128k 90 python3 scripts/bench_train_layer.py --seq 131072 --layers 2 --index all_full --impls fused \
     --no-profile --reps 1 --recompute attention --out "$OUT/k128"
-  cat "$OUT/bench_ops.md" "$OUT"/indexer_topk.md "$OUT/bench_train_layer.md" "$OUT/k128/bench_train_layer.md" 2>/dev/null ;;
+  cat "$OUT/bench_ops.md" "$OUT"/indexer_topk.md "$OUT"/causal/*.md "$OUT/bench_train_layer.md" \
+    "$OUT/k128/bench_train_layer.md" 2>/dev/null ;;
 model)
   step model_tests 200 python3 -m pytest -q -m gpu tests/test_graphs_gpu.py tests/test_train_gpu.py \
-    tests/test_generate_cli.py tests/test_dense_warmup.py
+    tests/test_generate_cli.py tests/test_dense_warmup.py tests/test_model_glue.py
   summary
   step main_job_1gpu 120 python3 -m dsaflow.cli train train.device=cuda track=none train.progress=lines \
     run_dir=/tmp/r/main1
