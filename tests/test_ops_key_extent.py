@@ -117,10 +117,10 @@ def test_key_extent_kernel(layout, poisoned):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_forward_layouts(layout, num_splits, poisoned):
-    """The forward kernel (16-row key blocks, K = 40: a ragged last block) on each layout, one or three key splits
-    (splits that start past a query's extent write an empty partial); the public decode launcher merges them."""
+@pytest.mark.parametrize("num_splits,use_extent", [(1, True), (1, False), (3, False)])
+def test_forward_layouts(layout, num_splits, use_extent, poisoned):
+    """The forward kernel (16-row key blocks, K = 40: a ragged last block) on each layout, bounded by the key extent
+    or over every slot, and through the decode launcher (every slot, three key splits merged)."""
     B, T, H, S, K = 2, 5, 6, 29, 40
     q, kv, idx = make(layout, B, T, H, 40, S, K, torch.float32, seed=2)
     over = dict(BLOCK_H=16, BLOCK_K=16)
@@ -128,7 +128,7 @@ def test_forward_layouts(layout, num_splits, poisoned):
     if num_splits == 1:
         out = torch.full((B, T, H, 32), float("nan"), device=DEV)
         lse = torch.full((B, T, H), float("nan"), device=DEV)
-        launch_sparse_mla_fwd(q, kv, idx, 0.2, 32, out, lse, 1, over)
+        launch_sparse_mla_fwd(q, kv, idx, 0.2, 32, out, lse, 1, over, use_extent=use_extent)
     else:
         with torch.no_grad():
             out, lse = sparse_mla_decode_triton(q, kv, idx, 0.2, 32, num_splits=num_splits, overrides=over)

@@ -97,11 +97,11 @@ def sparse_mla_decode_triton(
     out = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     if ns == 1:
-        launch_sparse_mla_fwd(q, kv, indices, sm_scale, d_v, out, lse, 1, overrides)
+        launch_sparse_mla_fwd(q, kv, indices, sm_scale, d_v, out, lse, 1, overrides, use_extent=False)
         return out, lse
     part_out = torch.empty(ns, B, T, H, d_v, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(ns, B, T, H, device=q.device, dtype=torch.float32)
-    launch_sparse_mla_fwd(q, kv, indices, sm_scale, d_v, part_out, part_lse, ns, overrides)
+    launch_sparse_mla_fwd(q, kv, indices, sm_scale, d_v, part_out, part_lse, ns, overrides, use_extent=False)
     n_rows = B * T * H
     block_dv = max(16, triton.next_power_of_2(d_v))
     block_r = max(1, 4096 // block_dv)
