@@ -25,7 +25,7 @@ kernels)
     tests/test_ops_head_proj.py
   summary
   step bench_ops 150 python3 scripts/bench_ops.py --out "$OUT" --only mla,decode --no-sweep
-  step bench_topk 90 python3 scripts/bench_indexer_topk.py --out "$OUT"
+  step bench_topk 150 python3 scripts/bench_indexer_topk.py --out "$OUT"
   step bench_causal 60 python3 scripts/bench_sparse_mla_causal.py --seq 4096 --out "$OUT/causal"
   step train_layer 150 python3 scripts/bench_train_layer.py --seq 4096,16384 --layers 4 --out "$OUT"
   step train_128k 90 python3 scripts/bench_train_layer.py --seq 131072 --layers 2 --index all_full --impls fused \
@@ -47,7 +47,7 @@ model)
     --index all_full --impls fused --no-profile --reps 1 --recompute attention --out "$OUT/k128"
   step dense_warmup_16k 120 python3 scripts/bench_dense_warmup.py --out "$OUT/dense" --contexts 16384 \
     --layouts FS --op-layers 2 --budget-s 60
-  step topk_128k 100 python3 scripts/bench_indexer_topk.py --out "$OUT/topk" --contexts 131072 --prefill-context 0
+  step topk_128k 150 python3 scripts/bench_indexer_topk.py --out "$OUT/topk" --contexts 131072 --prefill-context 0
   cat "$OUT"/k64/*.md "$OUT"/k64r/*.md "$OUT"/k128/*.md "$OUT"/dense/*.md "$OUT"/topk/*.md 2>/dev/null ;;
 indexcache)
   step indexcache 540 python3 scripts/bench_indexcache.py --out "$OUT/indexcache" --decode-steps 32 --sdpa-repeats 2
