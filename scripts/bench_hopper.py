@@ -34,6 +34,7 @@ H, D_QK, D_V, TOPK = 128, 576, 512, 2048
 VARIANTS = {  # round 3 also timed EARLY_QK (block i+1's S issued behind block i's P.V) and LAZY_SUM (row sums
     # kept per thread until the end): both slower or equal, removed; docs/kernels.md has the numbers.
     "pf": dict(),  # the default: producer 96 registers -> consumers 208
+    "pf_all_slots": dict(KEY_EXTENT=0),  # what serving prefill runs (no grad): no key-extent launch or load
     "pf_p80": dict(PRODUCER_REGS=80),
     "pf_bk32s4": dict(BLOCK_K=32, NUM_STAGES=4),
     "diag1_no_copies": dict(DIAG=1),  # timing only: the consumers alone (stale tiles)

@@ -81,7 +81,7 @@ def test_shape_rule_refuses_what_it_must():
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("cfg", [None, dict(PRODUCER_REGS=80), dict(BLOCK_K=32, NUM_STAGES=4)])
+@pytest.mark.parametrize("cfg", [None, dict(PRODUCER_REGS=80), dict(BLOCK_K=32, NUM_STAGES=4), dict(KEY_EXTENT=0)])
 def test_hopper_fwd_deepseek_shapes_poisoned(cfg):
     """V3.2 shapes (h128, 576/512, topk 2048) in bf16, invalid indices, a query with no key, NaN-poisoned out."""
     B, T, H, S, K = 2, 48, 128, 8192, 2048
@@ -129,7 +129,7 @@ def test_hopper_fwd_cuda_graph_replay_bitwise():
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("cfg", [None, dict(BLOCK_K=32, NUM_STAGES=4)])
+@pytest.mark.parametrize("cfg", [None, dict(BLOCK_K=32, NUM_STAGES=4), dict(KEY_EXTENT=0)])
 @pytest.mark.parametrize("layout", ["topk", "interleaved", "edges"])
 def test_hopper_fwd_key_extent_layouts(layout, cfg):
     """Producer and consumers stop at the query's key extent: the top-k layout (valid prefix, then -1), holes before
