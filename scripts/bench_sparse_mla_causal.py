@@ -24,24 +24,12 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hopper import D_QK, D_V, H, ROWS, TOPK, bench, hp, rec, tp  # noqa: E402  (one timer, one row list)
+
 import importlib  # noqa: E402
 
-hp = importlib.import_module("dsaflow.ops.sparse_mla.hopper_prefill")
-tp = importlib.import_module("dsaflow.ops.sparse_mla.triton_prefill")
 tb = importlib.import_module("dsaflow.ops.sparse_mla.triton_backward")
-
-H, D_QK, D_V, TOPK = 128, 576, 512, 2048
-ROWS: list[dict] = []
-
-
-def bench(fn, rep=200):
-    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
-
-
-def rec(**row):
-    ROWS.append(row)
-    print(json.dumps(row), flush=True)
 
 
 def causal_topk(S: int, K: int, seed: int) -> torch.Tensor:
