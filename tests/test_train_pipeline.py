@@ -24,6 +24,8 @@ def _assert_same(ref, got, label):
     assert len(got["losses"]) == STEPS, label
     for a, b in zip(ref["losses"], got["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a), f"{label}: losses {got['losses']} vs PP=1 {ref['losses']}"
+    for r, g in zip(ref["history"], got["history"]):  # logged once per microbatch and stage, whatever the schedule
+        assert abs(r["indexer_loss"] - g["indexer_loss"]) <= 1e-5 * r["indexer_loss"], (label, r, g)
     for step in GRAD_STEPS:  # step 0: dense_warmup (only indexer grads matter), step 1: sparse
         r, g = ref["grads"][step], got["grads"][step]
         assert g.keys() == r.keys(), f"{label} step {step}: {sorted(set(g) ^ set(r))[:4]}"

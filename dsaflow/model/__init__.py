@@ -4,12 +4,13 @@ from .block import DSABlock, SwiGLU
 from .cache import IndexCacheError, IndexSlot, StageCache
 from .indexer import Indexer
 from .layer_spec import LayerSpec
-from .indexer_loss import attention_distribution, indexer_kl_loss
+from .indexer_loss import IndexerLossInBackward, attention_distribution, indexer_kl_loss
 from .mla import MLA
 from .norms import RMSNorm
 from .stage import StageModule, build_model, full_state_dict, load_full_state_dict
 
 __all__ = [
+    "IndexerLossInBackward",
     "DSABlock",
     "IndexCacheError",
     "IndexSlot",

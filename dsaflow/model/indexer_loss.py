@@ -20,9 +20,23 @@ whichever way the layers are split into stages (PP=1 vs PP=N).
 Sparse mode uses the `dsaflow.ops.indexer_loss` ops (fused Triton kernels on CUDA tensors, the fp32 reference on
 CPU tensors, and the reference under `torch.use_deterministic_algorithms`, whose index_add is deterministic while the
 kernel's key-gradient atomics are not).
+
+Two timings for the sparse loss:
+- forward (default): the targets are computed in the forward (a second Q.K^T over every layer's selected keys) and
+  `loss()` returns the differentiable stage loss at once. Evaluation, and any caller that wants the value right
+  after the forward, use it.
+- backward (`IndexerLossInBackward`, what training runs): every layer hands `sparse_mla` its F layer's target
+  buffer, and on CUDA the attention's backward fills it from the probabilities it recomputes anyway. Each F layer's
+  q then passes through `_KLAfterAttention`, an identity whose backward runs after the attention backward of its
+  whole group (the S layers come later in the forward, so their backward runs first; the F layer's own attention
+  backward produces q's gradient), computes that layer's KL from the complete target, and returns its gradient
+  (times the weight) to the indexer outputs within the same backward. The values are logged once every F layer of
+  a microbatch has run. Under the zero-bubble schedules the node runs in the input pass and again in the weight
+  pass: the KL runs once and the second call returns the same gradients.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -32,15 +46,47 @@ from dsaflow.ops.indexer_loss import (
     attention_distribution, attention_target, gather_rows, index_scores_on_keys, indexer_kl, indexer_kl_loss,
 )
 
-__all__ = ["IndexerLossRecorder", "attention_distribution", "gather_rows", "index_scores_on_keys", "indexer_kl_loss"]
+__all__ = ["IndexerLossInBackward", "IndexerLossRecorder", "attention_distribution", "gather_rows",
+           "index_scores_on_keys", "indexer_kl_loss"]
+
+
+@dataclass
+class IndexerLossInBackward:
+    """Asks a training stage forward for the indexer loss in its backward (see the module docstring).
+
+    weight multiplies the KL's gradient (train.indexer_loss_weight); `values` receives, per forward, the detached
+    stage loss (sum over its F layers) once that forward's backward has computed every F layer's KL."""
+
+    weight: float = 1.0
+    values: List[torch.Tensor] = field(default_factory=list)
+
+
+class _KLAfterAttention(torch.autograd.Function):
+    """q -> q (same storage). Backward: q's gradient passes through; the F layer's KL runs (once) and its gradient
+    reaches q_I, k_I and w."""
+
+    @staticmethod
+    def forward(ctx, q, q_i, k_i, w, run):
+        ctx.run, ctx.grads = run, None
+        ctx.save_for_backward(q_i, k_i, w)
+        return q.detach()  # an alias, like `attach_aux_loss`: no copy of q
+
+    @staticmethod
+    def backward(ctx, grad_q):
+        if ctx.grads is None:  # the zero-bubble weight pass calls this node a second time
+            ctx.grads = ctx.run(*ctx.saved_tensors)
+        return (grad_q, *ctx.grads, None)
 
 
 class IndexerLossRecorder:
     """Collects, during one stage forward, what the indexer KL needs; `loss()` combines it.
 
-    sources: (layer, source) for every layer of the stage (source = itself for F layers)."""
+    sources: (layer, source) for every layer of the stage (source = itself for F layers). in_backward: the sparse
+    loss runs in the backward (see the module docstring), else in the forward."""
 
-    def __init__(self, sources: Iterable[Tuple[int, int]]):
+    def __init__(self, sources: Iterable[Tuple[int, int]], in_backward: Optional[IndexerLossInBackward] = None):
+        self.in_backward = in_backward
+        self.pending: Dict[int, Optional[torch.Tensor]] = {}  # backward mode: F layer -> its KL once computed
         self.source = dict(sources)
         self.groups: Dict[int, List[int]] = {}  # F layer -> the layers it serves (itself included), in order
         for layer, src in sorted(self.source.items()):
@@ -67,6 +113,40 @@ class IndexerLossRecorder:
             if f not in self.targets:
                 self.targets[f] = torch.zeros(B, T, K, device=q.device, dtype=torch.float32)
             self.targets[f][:, t0 : t0 + n] += attention_target(q, kv, indices, lse, sm_scale, None, weight)
+
+    def target_rows(self, layer: int, indices: torch.Tensor, rows=None) -> Tuple[torch.Tensor, float]:
+        """Backward mode: (the rows of this layer's F-layer target that `sparse_mla(..., probs_into=)` fills, this
+        layer's weight in it). indices [B, n, K]; rows = (t0, T) for a chunk of a T-row forward, else n = T."""
+        f = self.source[layer]
+        B, n, K = indices.shape
+        t0, T = rows if rows is not None else (0, n)
+        if f not in self.targets:
+            self.targets[f] = torch.zeros(B, T, K, device=indices.device, dtype=torch.float32)
+        return self.targets[f][:, t0 : t0 + n], 1.0 / len(self.groups[f])
+
+    def kl_after_attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Backward mode, F layers: q [B, T, H, D] (the attention's query input) through `_KLAfterAttention`."""
+        q_i, k_i, w, indices = self.indexer.pop(layer)
+        self.pending[layer] = None
+
+        def run(q_i, k_i, w):
+            target = self.targets.pop(layer)
+            with torch.enable_grad(), torch.autocast(q_i.device.type, enabled=False):
+                leaves = [t.detach().requires_grad_() for t in (q_i, k_i, w)]
+                loss = indexer_kl(*leaves, indices, target)
+                grads = torch.autograd.grad(loss, leaves, loss.new_tensor(self.in_backward.weight))
+            self._log(layer, loss.detach())
+            return grads
+
+        return _KLAfterAttention.apply(q, q_i, k_i, w, run)
+
+    def _log(self, layer: int, loss: torch.Tensor) -> None:
+        self.pending[layer] = loss
+        if all(v is not None for v in self.pending.values()):
+            total = None
+            for f in sorted(self.pending):  # the order `loss()` sums in
+                total = self.pending[f] if total is None else total + self.pending[f]
+            self.in_backward.values.append(total)
 
     def record_index_scores(self, layer: int, q, k, w, indices) -> None:
         """Sparse mode: an F layer's indexer outputs q_I [B, T, H_I, D_I], k_I [B, S, D_I], w [B, T, H_I] and the

@@ -78,6 +78,8 @@ class MLA(nn.Module):
         indices = self._indices(x, q_latent, kv.shape[1], ctx)
         # The recorder sees the attention once: a recomputation in backward finds the list empty.
         record = [] if ctx.recorder is None or ctx.attn == "dense" else [ctx.recorder]  # dense records in `_dense`
+        if record and self.role == "F" and ctx.recorder.in_backward is not None:
+            q = ctx.recorder.kl_after_attention(self.layer_index, q)  # its backward follows the group's attention's
         if ctx.recompute_attention and ctx.cache is None and torch.is_grad_enabled():
             return self.wo(self._attend_recomputed(q, kv, indices, cos, sin, ctx.recorder if record else None))
         record = [(r, None) for r in record]
@@ -108,10 +110,14 @@ class MLA(nn.Module):
         w = self.wkv_b.weight.to(q.dtype).view(H, self.nope + self.v_dim, C)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q_abs = absorb_query(q, w_uk, cos, sin)  # [q_nope @ W_UK | rope(q_pe)], written in place: no cat, one dq
-        o_lat, lse = sparse_mla(q_abs, kv, indices, self.sm_scale, C)
-        if record:
-            recorder, rows = record.pop()
-            recorder.record_attention(self.layer_index, q_abs, kv, indices, lse, self.sm_scale, rows)
+        recorder, rows = record.pop() if record else (None, None)
+        if recorder is not None and recorder.in_backward is not None:  # the attention backward fills the target
+            o_lat, lse = sparse_mla(q_abs, kv, indices, self.sm_scale, C,
+                                    probs_into=recorder.target_rows(self.layer_index, indices, rows))
+        else:
+            o_lat, lse = sparse_mla(q_abs, kv, indices, self.sm_scale, C)
+            if recorder is not None:
+                recorder.record_attention(self.layer_index, q_abs, kv, indices, lse, self.sm_scale, rows)
         return head_output(o_lat, w_uv)  # [B, T, H * V]; its backward hands sparse_mla a contiguous gradient
 
     def _dense(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, ctx: ForwardContext):

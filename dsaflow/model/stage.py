@@ -20,7 +20,7 @@ from dsaflow.config.schema import ModelConfig
 from .block import DSABlock
 from .cache import IndexSlot, StageCache
 from .context import ATTN_MODES, ForwardContext
-from .indexer_loss import IndexerLossRecorder
+from .indexer_loss import IndexerLossInBackward, IndexerLossRecorder
 from .init import init_stage_weights
 from .layer_spec import LayerSpec
 from .norms import RMSNorm
@@ -73,6 +73,7 @@ class StageModule(nn.Module):
         cache: Optional[StageCache] = None,
         attn: str = "sparse",
         compute_indexer_loss: Optional[bool] = None,
+        indexer_loss_in_backward: Optional[IndexerLossInBackward] = None,
     ) -> torch.Tensor:
         """x: token ids [B, T] int64 on the first stage, hidden [B, T, dim] otherwise.
 
@@ -82,6 +83,9 @@ class StageModule(nn.Module):
         attn: "sparse" (indexer top-k) | "dense" (all causal keys).
         Returns hidden [B, T, dim], or fp32 logits [B, T, vocab] on the last stage. Sets `self.indexer_loss`
         (scalar, graph only through indexer weights) when training with the indexer loss on, else None.
+        indexer_loss_in_backward (training, sparse attention, grad enabled; implies compute_indexer_loss): the loss
+        runs inside this forward's backward instead (dsaflow.model.indexer_loss): no second Q.K^T pass for its
+        target, `self.indexer_loss` stays None, and the values go to `indexer_loss_in_backward.values`.
         With a cache: CUDA-graph safe (no host sync, static shapes given x.shape); run it under torch.no_grad().
         """
         if attn not in ATTN_MODES:
@@ -98,7 +102,14 @@ class StageModule(nn.Module):
             row = torch.arange(T, device=positions.device)
             causal_rows = bool(((positions == row) | (positions < 0)).all())
         want_loss = self.compute_indexer_loss if compute_indexer_loss is None else compute_indexer_loss
-        recorder = (IndexerLossRecorder(self.sources())
+        if indexer_loss_in_backward is not None:
+            if attn != "sparse" or cache is not None or not (self.training and torch.is_grad_enabled()):
+                raise ValueError(
+                    f"indexer_loss_in_backward needs a training forward (train mode, grad enabled, no cache) with "
+                    f"sparse attention, got attn={attn!r}, cache={cache is not None}, training={self.training}, "
+                    f"grad={torch.is_grad_enabled()}: leave it None and read `indexer_loss` after the forward.")
+            want_loss = True
+        recorder = (IndexerLossRecorder(self.sources(), indexer_loss_in_backward)
                     if (want_loss and self.training and cache is None) else None)
         slot = cache.index_slot if cache is not None else IndexSlot()
         slot.begin()

@@ -1,13 +1,15 @@
 """Pipeline plumbing: plan stages -> torch.distributed.pipelining stages -> the configured schedule.
 
 TrainStage wraps a StageModule for the schedule. The indexer KL loss is stage-local (S layers never cross a stage,
-and the indexer's inputs and targets are detached), so its graph touches only this stage's indexer weights. It
-reaches autograd through `attach_aux_loss`: an identity on the stage output whose backward also seeds the indexer
-loss with `train.indexer_loss_weight`. The schedule therefore carries only the LM loss, nothing calls `.backward()`
-inside a forward, and the indexer gradient is produced by the stage's own backward under every schedule (also the
-zero-bubble ones, whose split input/weight backward finds the indexer weights through the attach node, which lies
-on the path from the stage input to its output). Both gradients sit in the same `.grad` buffers, and the schedule's
-end-of-step `scale_grads(n_microbatches)` turns both sums into microbatch means.
+and the indexer's inputs and targets are detached), so its graph touches only this stage's indexer weights. With
+sparse attention it runs inside the stage's backward (`IndexerLossInBackward`, dsaflow.model.indexer_loss): each F
+layer's KL runs right after its group's attention backward, from the target that backward filled, and seeds its
+gradient with `train.indexer_loss_weight`. Otherwise it reaches autograd through `attach_aux_loss`: an identity on
+the stage output whose backward also seeds the indexer loss. Either way the schedule carries only the LM loss,
+nothing calls `.backward()` inside a forward, and the indexer gradient is produced by the stage's own backward under
+every schedule (also the zero-bubble ones, whose split input/weight backward finds the indexer weights through the
+identity node, which lies on the path from the stage input to its output). Both gradients sit in the same `.grad`
+buffers, and the schedule's end-of-step `scale_grads(n_microbatches)` turns both sums into microbatch means.
 
 TimedPipelineStage records the compute time of every forward / backward / weight-backward chunk (CUDA events on a
 GPU, so pipeline waits are excluded), which gives per-stage busy time and the measured pipeline efficiency.
@@ -24,6 +26,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from dsaflow.data import IGNORE
+from dsaflow.model import IndexerLossInBackward
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -55,7 +58,8 @@ class TrainStage(nn.Module):
     """x -> stage(x, attn=self.attn), with the stage's indexer loss attached to the output (`attach_aux_loss`).
 
     `attn` ("sparse" | "dense") is an attribute, not a forward argument, because the schedule only forwards
-    activations. `indexer_losses` collects the detached per-microbatch values for logging.
+    activations. `indexer_losses` collects the detached per-microbatch values for logging (sparse attention: once
+    the microbatch's backward has run).
 
     `live` is set by TimedPipelineStage only around a real microbatch forward. torch's pipelining also calls the
     module to infer shapes (2.13: under enable_grad, on uninitialised tensors for non-first stages); such calls
@@ -67,10 +71,13 @@ class TrainStage(nn.Module):
         self.attn = "sparse"
         self.live = False
         self.weight = indexer_loss_weight
-        self.indexer_losses: List[torch.Tensor] = []
+        self.in_backward = IndexerLossInBackward(indexer_loss_weight)
+        self.indexer_losses: List[torch.Tensor] = self.in_backward.values
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         learn = self.live and torch.is_grad_enabled()
+        if learn and self.attn == "sparse":
+            return self.stage(x, attn="sparse", indexer_loss_in_backward=self.in_backward)
         out = self.stage(x, attn=self.attn, compute_indexer_loss=learn)
         loss = self.stage.indexer_loss
         self.stage.indexer_loss = None

@@ -8,7 +8,8 @@ from .naive import sparse_mla_naive
 
 
 def sparse_mla(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+    probs_into: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of every head of query t over the rows kv[b, indices[b, t, :]].
 
@@ -18,12 +19,29 @@ def sparse_mla(
     length and mark missing keys with -1. Small T (decode) and large T (prefill) share this entry point; B * T up to
     2^20 queries and more in one call. On CUDA, shapes the kernels refuse raise ValueError (see
     `triton_dispatch.kernel_supports`); `set_deterministic(True)` makes the backward bit-reproducible.
+
+    probs_into = (target fp32 [B, T, K], weight), for the indexer loss: adds weight * each query's attention
+    probabilities summed over heads and L1-normalised over its K slots (`ops.indexer_loss.attention_target`) into
+    target. On CUDA with grad the backward adds them, from the probabilities it recomputes anyway (no second Q.K^T
+    pass): target is complete only once this call's backward has run. Otherwise (CPU, or no grad) they are added
+    here, by `attention_target`. Deterministic either way.
     """
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
     if q.is_cuda:
         from .triton_dispatch import sparse_mla_triton
 
-        return sparse_mla_triton(q, kv, indices, sm_scale, d_v)
-    return sparse_mla_naive(q, kv, indices, sm_scale, d_v)
+        if needs_grad or probs_into is None:
+            return sparse_mla_triton(q, kv, indices, sm_scale, d_v, probs_into)
+        out, lse = sparse_mla_triton(q, kv, indices, sm_scale, d_v)
+    else:
+        out, lse = sparse_mla_naive(q, kv, indices, sm_scale, d_v)
+    if probs_into is not None:
+        from dsaflow.ops.indexer_loss import attention_target
+
+        target, weight = probs_into
+        with torch.autocast(q.device.type, enabled=False):
+            attention_target(q.detach(), kv.detach(), indices, lse.detach(), sm_scale, target, weight)
+    return out, lse
 
 
 __all__ = ["deterministic", "is_deterministic", "set_deterministic", "sparse_mla", "sparse_mla_naive"]

@@ -43,16 +43,18 @@ def _head_tile(q0, T, H, D_V, D_T, n_hb, BLOCK_H: tl.constexpr, BLOCK_DV: tl.con
 
 @triton.jit
 def _sparse_mla_bwd_ds_kernel(
-    q_ptr, kv_ptr, idx_ptr, nk_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, g_ptr,
+    q_ptr, kv_ptr, idx_ptr, nk_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, g_ptr, ps_ptr,
     T, S, K, H, D_V, D_T, sm_scale, scale_log2, q0, n_hb,
     s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_dob, s_dot, s_doh, s_ob, s_ot, s_oh, s_lb, s_lt, s_dlb, s_dlt,
-    s_gq, s_gh,
+    s_gq, s_gh, s_psh, s_psq,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
-    HAS_TAIL: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_TAIL: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, SUM_P: tl.constexpr,
 ):
     """Pass 1, one program per (head block, query): delta = rowsum(dO * O) - dlse for its heads (fp32, from the
     dO tile it needs anyway and one read of O), then S and dP per row block up to the query's key extent, dS and P
-    written to g [chunk, 2H, K] (rows 0..H-1 dS, H..2H-1 P; 0 at invalid indices) for the queries q0 + pid_l."""
+    written to g [chunk, 2H, K] (rows 0..H-1 dS, H..2H-1 P; 0 at invalid indices) for the queries q0 + pid_l.
+    SUM_P: also the fp32 sum of P over its heads per slot, to ps [n_hb, chunk, K + 1] (column K: the sum over the
+    slots too), for `_probs_into_kernel` (the indexer-loss target, from P this pass computes anyway)."""
     pid_l, b, t, offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok = _head_tile(
         q0, T, H, D_V, D_T, n_hb, BLOCK_H, BLOCK_DV, BLOCK_DT)
     q_rows = q_ptr + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
@@ -72,6 +74,8 @@ def _sparse_mla_bwd_ds_kernel(
     idx_base = idx_ptr + b * s_ib + t * s_it
     g_base = g_ptr + pid_l * s_gq + offs_h[:, None] * s_gh
     n_k = tl.load(nk_ptr + q0 + pid_l)  # no valid slot at or past it; G past its last block stays unwritten
+    ps_row = ps_ptr + (tl.program_id(0).to(tl.int64) % n_hb) * s_psh + pid_l * s_psq
+    p_total = tl.zeros([BLOCK_K], tl.float32)
     # G holds slots [0, n_g): pass 1's blocks cover n_k rounded up to its block (zeros past n_k)
     for k0 in range(0, n_k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -90,6 +94,12 @@ def _sparse_mla_bwd_ds_kernel(
         g_ok = h_ok[:, None] & (offs_k < K)[None, :]
         tl.store(g_base + offs_k[None, :], ds.to(g_ptr.dtype.element_ty), mask=g_ok)
         tl.store(g_base + H * s_gh + offs_k[None, :], p.to(g_ptr.dtype.element_ty), mask=g_ok)
+        if SUM_P:
+            p_col = tl.sum(p, 0)
+            tl.store(ps_row + offs_k, p_col, mask=offs_k < K)
+            p_total += p_col
+    if SUM_P:
+        tl.store(ps_row + K, tl.sum(p_total, 0))
 
 
 @triton.jit
@@ -211,6 +221,34 @@ def _sparse_mla_bwd_dkv_reduce_kernel(
             tl.store(dst, tl.load(dst, mask=d_ok, other=0.0) + acc, mask=d_ok)
 
 
+@triton.jit
+def _probs_into_kernel(
+    ps_ptr, nk_ptr, out_ptr, T, K, q0, n_hb, weight, s_psh, s_psq, s_ob, s_ot,
+    BLOCK_K: tl.constexpr,
+):
+    """One program per query q0 + pid of the chunk: out[b, t, k] += weight * P_sum[k] / total for the slots below
+    its key extent, with P_sum the head-sum of its attention probabilities (the head blocks' partial sums in ps
+    [n_hb, chunk, K + 1]) and total their sum over the slots (column K), as `attention_target` normalises them. A
+    query without a valid key (total 0) adds nothing. One writer per element: deterministic, no atomics."""
+    pid = tl.program_id(0).to(tl.int64)
+    pid_q = q0 + pid
+    n_k = tl.load(nk_ptr + pid_q)
+    total = 0.0
+    for hb in range(0, n_hb):
+        total += tl.load(ps_ptr + hb * s_psh + pid * s_psq + K)
+    if total > 0.0:
+        scale = weight / total
+        out_row = out_ptr + (pid_q // T) * s_ob + (pid_q % T) * s_ot
+        for k0 in range(0, n_k, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < n_k
+            acc = tl.zeros([BLOCK_K], tl.float32)
+            for hb in range(0, n_hb):
+                acc += tl.load(ps_ptr + hb * s_psh + pid * s_psq + offs_k, mask=k_ok, other=0.0)
+            prev = tl.load(out_row + offs_k, mask=k_ok, other=0.0)
+            tl.store(out_row + offs_k, prev + acc * scale, mask=k_ok)
+
+
 def bwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict | None = None) -> dict:
     """Block sizes of the backward kernels (ds_*: pass 1, dqg_*: dq GEMM, gemm_* / tail_*: dkv GEMM on the value /
     rope-tail columns, red_*: deterministic reduction) and the byte budgets that set the query chunk: g_max_bytes
@@ -227,7 +265,7 @@ def bwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict |
         gemm_BLOCK_N=min(128, max(16, triton.next_power_of_2(d_v))),
         gemm_BLOCK_J=min(64, max(16, triton.next_power_of_2(H))), gemm_num_warps=8, gemm_num_stages=3,
         tail_BLOCK_N=max(16, triton.next_power_of_2(max(d_tail, 1))), tail_num_warps=4,
-        red_BLOCK_E=16, red_BLOCK_D=128, red_num_warps=4,
+        red_BLOCK_E=16, red_BLOCK_D=128, red_num_warps=4, probs_BLOCK_K=min(1024, max(16, triton.next_power_of_2(K))),
         g_max_bytes=2**30, det_max_bytes=2**31,
     )
     if cfg["BLOCK_DV"] >= 256:  # [64, 512] fp32 accumulators need two warpgroups' registers
@@ -259,6 +297,7 @@ def sparse_mla_bwd_triton(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     d_out: torch.Tensor, d_lse: torch.Tensor | None, sm_scale: float, d_v: int, overrides: dict | None = None,
     deterministic: bool = False, n_keys: torch.Tensor | None = None,
+    probs_into: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32, out/d_out [B, T, H, d_v], lse/d_lse [B, T, H]
     -> dq [B, T, H, D_qk] q.dtype, dkv [B, S, D_qk] kv.dtype. q, kv, indices with contiguous last dims (the
@@ -266,7 +305,10 @@ def sparse_mla_bwd_triton(
 
     Works in query chunks so that G [chunk, 2H, K] (and C [chunk, K, D_qk] fp32 when deterministic) stays within
     the byte budget; chunks run in a fixed order. deterministic=True: dkv is summed in a fixed order (bit-identical
-    across runs on the same inputs and device); dq is deterministic in both modes."""
+    across runs on the same inputs and device); dq is deterministic in both modes.
+    probs_into = (target [B, T, K] fp32 with unit last stride, weight): pass 1 also sums its P over heads, and
+    `_probs_into_kernel` adds weight * that sum / its total into target (the indexer-loss target; see
+    `sparse_mla`), deterministically."""
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
     d_tail = D_qk - d_v
@@ -294,9 +336,18 @@ def sparse_mla_bwd_triton(
         chunk = max(1, min(n_q, cfg["g_max_bytes"] // g_per_q))
         c_buf = dkv  # unused placeholder
     g = torch.empty(chunk, 2 * H, K, device=q.device, dtype=q.dtype)
+    n_hb = triton.cdiv(H, cfg["ds_BLOCK_H"])
+    if probs_into is not None:
+        target, weight = probs_into
+        if target.shape != (B, T, K) or target.dtype != torch.float32 or target.stride(-1) != 1:
+            raise ValueError(f"probs_into: target must be fp32 [B, T, K] = {(B, T, K)} with a unit last stride, got "
+                             f"{target.dtype} {tuple(target.shape)} strides {target.stride()}")
+        p_sums = torch.empty(n_hb, chunk, K + 1, device=q.device, dtype=torch.float32)
+    else:
+        p_sums = g  # an unread placeholder
     prec = dot_precision(q.dtype)
     dims = dict(BLOCK_DV=cfg["BLOCK_DV"], BLOCK_DT=cfg["BLOCK_DT"], HAS_TAIL=d_tail > 0, DOT_PREC=prec)
-    n_hb, n_hbg = triton.cdiv(H, cfg["ds_BLOCK_H"]), triton.cdiv(H, cfg["dqg_BLOCK_H"])
+    n_hbg = triton.cdiv(H, cfg["dqg_BLOCK_H"])
     bk, bn, bt = cfg["gemm_BLOCK_K"], cfg["gemm_BLOCK_N"], cfg["tail_BLOCK_N"]
     n_kb = triton.cdiv(K, bk)
     gs = (g.stride(0), g.stride(1), q.stride(0), q.stride(1), q.stride(2), d_out.stride(0), d_out.stride(1),
@@ -307,14 +358,20 @@ def sparse_mla_bwd_triton(
     for q0 in range(0, n_q, chunk):
         n = min(chunk, n_q - q0)
         _sparse_mla_bwd_ds_kernel[(n_hb * n,)](
-            q, kv, indices, n_keys, d_out, out, lse, dlse_arg, g, T, S, K, H, d_v, d_tail, sm_scale,
+            q, kv, indices, n_keys, d_out, out, lse, dlse_arg, g, p_sums, T, S, K, H, d_v, d_tail, sm_scale,
             sm_scale * LOG2E, q0, n_hb,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
             d_out.stride(0), d_out.stride(1), d_out.stride(2), out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1), dlse_arg.stride(0), dlse_arg.stride(1), g.stride(0), g.stride(1),
+            p_sums.stride(0), p_sums.stride(1),
             BLOCK_H=cfg["ds_BLOCK_H"], BLOCK_K=cfg["ds_BLOCK_K"], HAS_DLSE=d_lse is not None, **dims,
-            num_warps=cfg["ds_num_warps"], num_stages=cfg["ds_num_stages"],
+            SUM_P=probs_into is not None, num_warps=cfg["ds_num_warps"], num_stages=cfg["ds_num_stages"],
         )
+        if probs_into is not None:
+            _probs_into_kernel[(n,)](
+                p_sums, n_keys, target, T, K, q0, n_hb, float(weight), p_sums.stride(0), p_sums.stride(1),
+                target.stride(0), target.stride(1), BLOCK_K=cfg["probs_BLOCK_K"], num_warps=4,
+            )
         _sparse_mla_bwd_dq_gemm_kernel[(n_hbg * n,)](
             g, kv, indices, n_keys, dq, T, S, K, H, d_v, d_tail, q0, n_hbg, g.stride(0), g.stride(1), kv.stride(0),
             kv.stride(1), indices.stride(0), indices.stride(1), q.stride(0), q.stride(1), q.stride(2),

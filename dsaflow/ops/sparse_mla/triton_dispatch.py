@@ -93,12 +93,13 @@ class SparseMLATriton(torch.autograd.Function):
     """Differentiable in q and kv (and through lse); indices are integer inputs without gradient."""
 
     @staticmethod
-    def forward(ctx, q, kv, indices, sm_scale: float, d_v: int):
+    def forward(ctx, q, kv, indices, sm_scale: float, d_v: int, probs_into=None):
         # each query's key extent (1 + its last valid slot), computed once for the forward and the backward
         n_keys = key_extent(indices, kv.shape[1])
         out, lse = prefill_forward(q, kv, indices, sm_scale, d_v, n_keys)
         ctx.save_for_backward(q, kv, indices, out, lse, n_keys)
-        ctx.sm_scale, ctx.d_v = sm_scale, d_v
+        # an output buffer the backward adds into (not saved: autograd must not version-check it)
+        ctx.sm_scale, ctx.d_v, ctx.probs_into = sm_scale, d_v, probs_into
         return out, lse
 
     @staticmethod
@@ -107,15 +108,16 @@ class SparseMLATriton(torch.autograd.Function):
         if d_out is None:
             d_out = torch.zeros_like(out)
         dq, dkv = sparse_mla_bwd_triton(q, kv, indices, out, lse, d_out, d_lse, ctx.sm_scale, ctx.d_v,
-                                        deterministic=is_deterministic(), n_keys=n_keys)
-        return dq, dkv, None, None, None
+                                        deterministic=is_deterministic(), n_keys=n_keys, probs_into=ctx.probs_into)
+        return dq, dkv, None, None, None, None
 
 
 def sparse_mla_triton(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, probs_into=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `dsaflow.ops.sparse_mla.sparse_mla` (q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K]).
-    Raises ValueError for shapes the kernels refuse (`kernel_supports`)."""
+    """Same contract as `dsaflow.ops.sparse_mla.sparse_mla` (q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K];
+    probs_into is handed to the backward, so the caller must need grad). Raises ValueError for shapes the kernels
+    refuse (`kernel_supports`)."""
     if _is_empty(q, kv, indices):  # nothing to launch
         return _empty_result(q, kv, indices, sm_scale, d_v)
     reason = kernel_supports(q, kv, indices, d_v)
@@ -128,7 +130,9 @@ def sparse_mla_triton(
     indices = indices.to(torch.int32)
     indices = indices if indices.stride(-1) == 1 else indices.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad):
-        return SparseMLATriton.apply(q, kv, indices, float(sm_scale), int(d_v))
+        return SparseMLATriton.apply(q, kv, indices, float(sm_scale), int(d_v), probs_into)
+    if probs_into is not None:
+        raise ValueError("sparse_mla_triton: probs_into is filled by the backward, but this call has no gradient")
     if select_forward(q, kv, indices, d_v) == "hopper":
         cfg = fwd_config(q, d_v, q.shape[-1] - d_v, indices.shape[2])
         if choose_num_splits(q, indices.shape[2], cfg["BLOCK_H"], cfg["BLOCK_K"]) == 1:  # the grid fills the GPU
