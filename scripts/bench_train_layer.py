@@ -8,8 +8,10 @@
 Model: `model=dsv32` attention and indexer (dim 7168, 128 heads, q_lora 1536, kv_lora 512 + rope 64, indexer 64 x 128,
 topk 2048) with a 2048-wide MLP and a byte vocabulary, `--layers` layers in one stage (embedding, layers, head),
 `--index` roles (default every4 = FSSS...). One step = forward + backward of one sequence (one microbatch) under bf16
-autocast + both AdamW updates. For each sequence length and indexer-loss implementation (`fused`: the Triton kernels
-on CUDA; `naive`: the fp32 PyTorch reference, i.e. the path before the kernels existed):
+autocast + both AdamW updates. For each sequence length and indexer-loss implementation (`fused`: what the trainer
+runs: the KL kernels inside the backward, on the target the sparse-attention backward fills; `fused_forward`: the
+same kernels with the target recomputed in the forward by its own kernel, the trainer's path before; `naive`: the
+fp32 PyTorch reference in the forward, the path before the kernels existed):
 
   step_ms, tokens_per_s        median wall time of a step (CUDA-synchronised) and seq / step time
   no_loss_ms, indexer_loss_ms  the same step without the indexer loss, and the difference (the loss's cost)
@@ -36,7 +38,7 @@ import torch
 KINDS = ("matmul", "indexer", "attn_fwd", "attn_bwd", "indexer_loss", "other")
 # Kernel-name fragments (lower case) -> kind, first match wins. Triton kernels carry their Python names.
 PATTERNS = (
-    ("indexer_loss", ("indexer_kl", "attention_target", "attn_target", "_kl_")),
+    ("indexer_loss", ("indexer_kl", "attention_target", "attn_target", "_kl_", "probs_into")),
     ("attn_bwd", ("sparse_mla_bwd",)),
     ("attn_fwd", ("sparse_mla_fwd", "sparse_mla_hopper", "hopper_fwd")),
     ("indexer", ("indexer_logits", "topk", "radix", "select", "sort")),
@@ -81,14 +83,21 @@ def build(layers: int, index: str, seq: int, recompute: str = "none"):
     return cfg, plan, stage, opts, flops
 
 
-def make_step(stage, opts, x, with_loss: bool):
+def make_step(stage, opts, x, with_loss: bool, in_backward: bool = True):
+    from dsaflow.model import IndexerLossInBackward
     from dsaflow.train.pipeline import attach_aux_loss
+
+    sink = IndexerLossInBackward(1.0)
 
     def step():
         for o in opts:
             o.zero_grad(set_to_none=True)
+        sink.values.clear()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = stage(x, compute_indexer_loss=with_loss)
+            if with_loss and in_backward:
+                out = stage(x, indexer_loss_in_backward=sink)
+            else:
+                out = stage(x, compute_indexer_loss=with_loss)
         if with_loss and stage.indexer_loss is not None:
             out = attach_aux_loss(out, stage.indexer_loss)
         stage.indexer_loss = None
@@ -140,6 +149,9 @@ def set_impl(impl: str) -> None:
     os.environ["DSAFLOW_INDEXER_LOSS"] = "reference" if impl == "naive" else "auto"
 
 
+IMPLS = ("fused", "fused_forward", "naive")
+
+
 def run_case(seq: int, layers: int, index: str, impl: str, reps: int, profile: bool, ceiling: float,
              recompute: str = "none") -> dict:
     set_impl(impl)
@@ -150,7 +162,7 @@ def run_case(seq: int, layers: int, index: str, impl: str, reps: int, profile: b
     row = {"seq": seq, "layers": layers, "index": index, "impl": impl,
            "roles": "".join(l.role for l in plan.layers), "recompute": recompute}
     try:
-        full = make_step(stage, opts, x, True)
+        full = make_step(stage, opts, x, True, in_backward=impl == "fused")
         full()  # creates the optimiser state
         torch.cuda.synchronize()
         row["static_gib"] = sum(p.numel() * p.element_size() * 3 for p in stage.parameters()) / 2**30
@@ -209,13 +221,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", default="4096,16384")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--index", default="every4")
-    ap.add_argument("--impls", default="fused,naive")
+    ap.add_argument("--impls", default="fused,fused_forward,naive", help=f"comma-separated, of {IMPLS}")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--recompute", default="none", choices=["none", "attention"],
                     help="train.recompute: attention = keep only the attention inputs, recompute in backward")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
+    bad = set(args.impls.split(",")) - set(IMPLS)
+    if bad:
+        ap.error(f"--impls {args.impls}: {sorted(bad)} unknown, use {', '.join(IMPLS)}")
     if not torch.cuda.is_available():
         print("bench_train_layer.py needs a CUDA GPU")
         return 2

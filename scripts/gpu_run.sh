@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU test and benchmark phases for a machine with one or more NVIDIA GPUs. Usage: bash scripts/gpu_run.sh PHASE
 #   kernels: every gpu-marked op test, then scripts/bench_ops.py (kernel table with the torch and dense-SDPA baselines)
-#            and scripts/bench_train_layer.py (where a training step's time goes, 4K / 16K, fused vs reference
-#            indexer loss; a 128K-token step of a 2-layer model with train.recompute=attention)
+#            and scripts/bench_train_layer.py (where a training step's time goes, 4K / 16K, the indexer loss in
+#            the backward vs in the forward vs the reference; a 128K-token step of a 2-layer model with train.recompute=attention)
 #   model:   the gpu-marked model, serving and training tests; the main job on one GPU; long-context training steps
 #            with and without recomputation; the dense warm-up step at 16K
 #   indexcache: scripts/bench_indexcache.py (IndexCache prefill / decode vs dense SDPA)
@@ -22,19 +22,20 @@ kernels)
   step op_tests 260 python3 -m pytest -q -m gpu tests/test_ops_triton.py tests/test_ops_large.py \
     tests/test_ops_hopper.py tests/test_indexer_topk_kernels.py tests/test_ops_indexer_loss.py \
     tests/test_ops_dense_indexer_kl.py tests/test_ops_key_extent.py tests/test_ops_rope_rmsnorm.py \
-    tests/test_ops_head_proj.py
+    tests/test_ops_head_proj.py tests/test_ops_probs_into.py
   summary
   step bench_ops 150 python3 scripts/bench_ops.py --out "$OUT" --only mla,decode --no-sweep
   step bench_topk 150 python3 scripts/bench_indexer_topk.py --out "$OUT"
   step bench_causal 60 python3 scripts/bench_sparse_mla_causal.py --seq 4096 --out "$OUT/causal"
-  step train_layer 150 python3 scripts/bench_train_layer.py --seq 4096,16384 --layers 4 --out "$OUT"
+  step train_layer 240 python3 scripts/bench_train_layer.py --seq 4096,16384 --layers 4 --out "$OUT"
   step train_128k 90 python3 scripts/bench_train_layer.py --seq 131072 --layers 2 --index all_full --impls fused \
     --no-profile --reps 1 --recompute attention --out "$OUT/k128"
   cat "$OUT/bench_ops.md" "$OUT"/indexer_topk.md "$OUT"/causal/*.md "$OUT/bench_train_layer.md" \
     "$OUT/k128/bench_train_layer.md" 2>/dev/null ;;
 model)
   step model_tests 200 python3 -m pytest -q -m gpu tests/test_graphs_gpu.py tests/test_train_gpu.py \
-    tests/test_generate_cli.py tests/test_dense_warmup.py tests/test_model_glue.py
+    tests/test_generate_cli.py tests/test_dense_warmup.py tests/test_model_glue.py \
+    tests/test_indexer_loss_in_backward.py
   summary
   step main_job_1gpu 120 python3 -m dsaflow.cli train train.device=cuda track=none train.progress=lines \
     run_dir=/tmp/r/main1

@@ -11,6 +11,7 @@ import time
 import torch
 
 from dsaflow.config.compose import compose
+from dsaflow.model import IndexerLossInBackward
 from dsaflow.run.stages import stage_module
 from dsaflow.plan import build_plan
 
@@ -23,8 +24,10 @@ def main(argv):
     x = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len), device=dev)
 
     def step(attn="sparse", ind=True):
+        # the trainer's path: the sparse indexer loss runs inside the backward
+        sink = IndexerLossInBackward(1.0) if ind and attn == "sparse" else None
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = m(x, attn=attn, compute_indexer_loss=ind)
+            out = m(x, attn=attn, compute_indexer_loss=ind, indexer_loss_in_backward=sink)
         out.float().logsumexp(-1).mean().backward()
         if ind and m.indexer_loss is not None:
             m.indexer_loss.backward()
