@@ -65,14 +65,14 @@ def test_gpu_public_op_v32_shapes(with_grad, monkeypatch):
     from dsaflow.ops.sparse_mla import triton_backward
 
     q, kv, idx = make_mla(1, 40, 128, 576, 4096, 2048, torch.bfloat16, device="cuda", seed=8)
+    real = triton_backward.bwd_config
+    monkeypatch.setattr(triton_backward, "bwd_config",
+                        lambda *a, **k: dict(real(*a, **k), g_max_bytes=16 * 2 * 128 * 2048 * 2))  # 3 chunks
     results = []
     for _ in range(2 if with_grad else 1):
         target = _prefilled(1, 40, 2048, seed=1, device="cuda")
         before = target.clone()
         qq, kk = q.clone().requires_grad_(with_grad), kv.clone().requires_grad_(with_grad)
-        real = triton_backward.bwd_config
-        monkeypatch.setattr(triton_backward, "bwd_config",
-                            lambda *a, **k: dict(real(*a, **k), g_max_bytes=16 * 2 * 128 * 2048 * 2))  # 3 chunks
         with torch.set_grad_enabled(with_grad):
             out, lse = sparse_mla(qq, kk, idx, 576**-0.5, 512, probs_into=(target, 0.5))
             if with_grad:
