@@ -25,7 +25,8 @@ def _assert_same(ref, got, label):
     for a, b in zip(ref["losses"], got["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a), f"{label}: losses {got['losses']} vs PP=1 {ref['losses']}"
     for r, g in zip(ref["history"], got["history"]):  # logged once per microbatch and stage, whatever the schedule
-        assert abs(r["indexer_loss"] - g["indexer_loss"]) <= 1e-5 * r["indexer_loss"], (label, r, g)
+        # absolute slack: a KL near 3e-5 is a difference of larger terms, summed in a split-dependent order
+        assert abs(r["indexer_loss"] - g["indexer_loss"]) <= 1e-5 * r["indexer_loss"] + 1e-8, (label, r, g)
     for step in GRAD_STEPS:  # step 0: dense_warmup (only indexer grads matter), step 1: sparse
         r, g = ref["grads"][step], got["grads"][step]
         assert g.keys() == r.keys(), f"{label} step {step}: {sorted(set(g) ^ set(r))[:4]}"
