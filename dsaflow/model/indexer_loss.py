@@ -99,24 +99,16 @@ class IndexerLossRecorder:
     # Autocast off: under bf16 autocast the reference einsums would round the scores to bf16, and a KL between
     # near-uniform distributions is smaller than that rounding (it even turns negative). These are fp32 by contract.
     def record_attention(self, layer: int, q, kv, indices, lse, sm_scale: float, rows=None) -> None:
-        """Sparse mode: add this layer's attention distribution over its K keys into its F layer's target.
-        rows = (t0, T): q, indices and lse are the query rows t0.. of a T-row forward (chunked attention)."""
-        f = self.source[layer]
-        weight = 1.0 / len(self.groups[f])
-        q, kv, lse = q.detach(), kv.detach(), lse.detach()
+        """Sparse mode, forward timing: add this layer's attention distribution over its K keys into its F layer's
+        target. rows = (t0, T): q, indices and lse are the query rows t0.. of a T-row forward (chunked attention)."""
+        target, weight = self.target_rows(layer, indices, rows)
         with torch.autocast(q.device.type, enabled=False):
-            if rows is None:
-                self.targets[f] = attention_target(q, kv, indices, lse, sm_scale, self.targets.get(f), weight)
-                return
-            t0, T = rows
-            B, n, K = indices.shape
-            if f not in self.targets:
-                self.targets[f] = torch.zeros(B, T, K, device=q.device, dtype=torch.float32)
-            self.targets[f][:, t0 : t0 + n] += attention_target(q, kv, indices, lse, sm_scale, None, weight)
+            attention_target(q.detach(), kv.detach(), indices, lse.detach(), sm_scale, target, weight)
 
     def target_rows(self, layer: int, indices: torch.Tensor, rows=None) -> Tuple[torch.Tensor, float]:
-        """Backward mode: (the rows of this layer's F-layer target that `sparse_mla(..., probs_into=)` fills, this
-        layer's weight in it). indices [B, n, K]; rows = (t0, T) for a chunk of a T-row forward, else n = T."""
+        """(the rows of this layer's F-layer target [B, T, K] fp32 that this layer's distribution is added into, its
+        weight 1 / group size there). indices [B, n, K]; rows = (t0, T) for a chunk of a T-row forward, else n = T.
+        Backward timing hands them to `sparse_mla(..., probs_into=)`."""
         f = self.source[layer]
         B, n, K = indices.shape
         t0, T = rows if rows is not None else (0, n)
