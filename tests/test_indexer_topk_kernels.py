@@ -53,12 +53,12 @@ def tie_scores(B: int, T: int, S: int, g: torch.Generator) -> torch.Tensor:
     return torch.stack(rows).view(B, T, S)
 
 
-# sampled: "sort": small sample and splits, candidates usually sorted in registers; "radix": CAP 16 sends most rows
-# through the fallback (whole-row compaction + radix select); "split": many compaction programs per row (unordered
-# slots). "scan": the whole-row histogram kernel.
-SELECT_CFGS = {"sort": dict(algo="sampled", BLOCK=64, SAMPLE=16, CAP=64, programs=4),
-               "radix": dict(algo="sampled", BLOCK=64, SAMPLE=16, CAP=16, programs=4),
-               "split": dict(algo="sampled", BLOCK=32, SAMPLE=32, CAP=128, programs=64),
+# sampled: "sort": small sample, one compaction program per row (index order, no atomics); "whole": no floor, every
+# visible key is a candidate (the path a missed sample takes); "split": many compaction programs per row (atomic,
+# unordered slots). "scan": the whole-row histogram kernel.
+SELECT_CFGS = {"sort": dict(algo="sampled", BLOCK=64, BLOCK_FINISH=64, SAMPLE=16, programs=4),
+               "whole": dict(algo="sampled", BLOCK=64, BLOCK_FINISH=32, SAMPLE=16, whole_row=True, programs=4),
+               "split": dict(algo="sampled", BLOCK=32, SAMPLE=32, programs=64),
                "scan": dict(algo="scan", BLOCK=64)}
 
 
@@ -92,7 +92,7 @@ def test_sampled_floor_that_misses_falls_back_to_the_whole_row():
     scores[:, :, sampled] = 10.0 + torch.arange(sample).float()
     positions = torch.tensor([[S - 1, S - 1]])
     scores[0, 1, sampled[::2]] = 5.0  # ties inside the sample too
-    got = radix_topk_triton(scores, positions, topk, overrides=dict(algo="sampled", BLOCK=64, SAMPLE=sample, CAP=64))
+    got = radix_topk_triton(scores, positions, topk, overrides=dict(algo="sampled", BLOCK=64, SAMPLE=sample))
     assert torch.equal(got, topk_from_scores(masked(scores, positions), topk))
 
 
@@ -133,7 +133,7 @@ def test_indexer_topk_op_equals_naive_exactly(seed, chunk):
     old = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk, select="sort")
     assert torch.equal(old.cpu(), ref)
     radix = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk,
-                                select="radix", select_overrides=SELECT_CFGS["radix"])
+                                select="radix", select_overrides=SELECT_CFGS["whole"])
     assert torch.equal(radix.cpu(), ref)
     scan = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk, select="radix")
     assert torch.equal(scan.cpu(), ref)  # the default algo at this S is "scan"
@@ -192,8 +192,8 @@ def test_gpu_radix_equals_sort_path_v32(S):
     scores = indexer_logits_triton(q, k, w, positions)
     out = torch.full((1, T, topk), POISON, device="cuda", dtype=torch.int32)
     ref = topk_from_scores(scores, topk)
-    for cfg in ({}, dict(algo="scan"), dict(algo="sampled"), dict(algo="sampled", CAP=2048),
-                dict(algo="sampled", programs=4096)):  # default; each algo; fallback for most rows; more splits
+    for cfg in ({}, dict(algo="scan"), dict(algo="sampled"), dict(algo="sampled", whole_row=True),
+                dict(algo="sampled", programs=4096)):  # default; each algo; no floor; more splits
         got = radix_topk_triton(scores, positions, topk, out=out.fill_(POISON), overrides=cfg)
         assert torch.equal(got, ref), cfg
     assert torch.equal(indexer_topk_triton(q, k, w, positions, topk, select="radix"),
@@ -208,7 +208,7 @@ def test_gpu_radix_ties_and_256k_rows():
     positions = torch.randint(0, S, (B, T), generator=g).cuda()
     positions[0, :3] = torch.tensor([S - 1, -1, 100])
     ref = topk_from_scores(masked(scores, positions), topk)
-    for cfg in (dict(algo="scan"), dict(algo="sampled"), dict(algo="sampled", CAP=2048)):
+    for cfg in (dict(algo="scan"), dict(algo="sampled"), dict(algo="sampled", whole_row=True)):
         assert torch.equal(radix_topk_triton(scores, positions, topk, overrides=cfg), ref), cfg
 
 

@@ -3,19 +3,18 @@
 Scores map to order-preserving int32 (-0.0 made +0.0 first), and a key is the int64 (ordered score << 32 |
 2^31 - 1 - index): keys are distinct and their descending order is the model's order (best first, ties to the lower
 key index), exactly `naive.topk_from_scores`. Only each row's visible prefix [0, n), n = clamp(position + 1, 0, S),
-is read, so the invisible part of the score row need not be written. Rows up to 64K keys use one kernel
+is read, so the invisible part of the score row need not be written. Rows up to 4K keys use one kernel
 (`_scan_topk_kernel`: a radix select over the whole row, see its docstring); longer rows three ("sampled"):
 
-  1. floor (one program per row): the r-th largest of SAMPLE evenly spaced scores, r chosen so that the row holds
-     >= kk = min(topk, n) scores at or above it with high probability and about 1.3-1.6 kk on average (exact when
-     the sample is the whole row); also zeroes the row's candidate count;
-  2. compact (rows x splits programs): one streaming pass writes the keys at or above the floor to the row's
-     candidate list (slots reserved with one atomic per block; splits spread a few long rows over the GPU: decode);
-  3. finish (one program per row): if kk <= candidates <= CAP, one in-register bitonic sort of the candidate keys
-     gives the answer. Otherwise (the sample missed, or massive exact ties put too many keys at the floor) the row
-     is redone alone: ordered compaction of the whole visible row, then a radix select on the keys' score words, a
-     byte per level (histograms, suffix counts) until the threshold is exact, the ties taken lowest index first,
-     and a sort of the kk survivors.
+  1. floor (one program per row): the r-th largest of SAMPLE evenly spaced scores (a radix select in registers),
+     r chosen so that the row holds >= kk = min(topk, n) scores at or above it with high probability and about
+     1.3-1.6 kk on average (exact when the sample is the whole row); also zeroes the row's candidate count;
+  2. compact: one streaming pass writes the keys at or above the floor to the row's candidate list. With one
+     program per row (prefill: many rows) a running count keeps them in index order without atomics; a few long
+     rows (decode) are split over many programs that reserve slots with one atomic per block;
+  3. finish (one program per row): a radix select on the candidate keys themselves (distinct, so the kk-th is
+     exact after at most 8 byte levels and usually 2-3), the kk survivors, one in-register sort of them. A row whose
+     sample missed (fewer than kk candidates: rare) first takes every visible key as a candidate (`_refill_kernel`).
 
 Grids and buffers depend on shapes only and nothing syncs with the host: the op is CUDA-graph safe.
 """
@@ -72,50 +71,47 @@ def _compact_keys(x_row, c_row, n, floor, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _radix_finish(c_row, v_row, o_row, n_c, kk, TOPK, BLOCK: tl.constexpr, K_POW2: tl.constexpr):
-    """The kk best of the n_c candidate keys in c_row (ascending index order) -> o_row, best first, -1 padded."""
-    bins = tl.arange(0, 256)
-    # a. radix select on the candidates' score words, a byte per level, until the whole prefix is needed
+def _key_threshold(c_row, n_c, kk, BLOCK: tl.constexpr):
+    """The kk-th largest of the n_c distinct int64 keys in c_row (1 <= kk <= n_c; any order): exactly kk keys are >=
+    the returned key. A radix select on the keys viewed unsigned, a byte per level from the top, that stops once the
+    whole bucket is needed (its lowest possible key is then the threshold). Distinct keys make ties impossible."""
     offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
     need = kk
     n_match = n_c
-    prefix = n_c * 0
-    lo = n_c * 0 + 32
-    for level in tl.static_range(4):
+    prefix = (n_c * 0).to(tl.int64)  # the determined high bits of the unsigned view, in place
+    for level in tl.static_range(8):
         if need < n_match:
-            shift = 24 - 8 * level
+            shift: tl.constexpr = 56 - 8 * level
             hist = tl.zeros([256], tl.int32)
             for c0 in range(0, n_c, BLOCK):
                 ci = c0 + offs
                 m = ci < n_c
-                u = (tl.load(c_row + ci, mask=m, other=0) >> 32).to(tl.int32) ^ SIGN
+                u = tl.load(c_row + ci, mask=m, other=0) ^ INT64_MIN
                 if level > 0:
-                    m = m & ((u & ~((1 << (shift + 8)) - 1)) == prefix)
-                hist += tl.histogram(tl.where(m, (u >> shift) & 255, 0), 256)
-                hist -= tl.where(bins == 0, BLOCK - tl.sum(m.to(tl.int32), 0), 0)
-            bl, gt, eq_cnt = _threshold_bucket(hist, need, 256)
-            prefix = prefix | (bl << shift)
-            lo = lo * 0 + shift
+                    m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+                hist += tl.histogram(tl.where(m, ((u >> shift) & 255).to(tl.int32), 0), 256)
+                hist -= tl.where(bins == 0, BLOCK - tl.sum(m.to(tl.int32), 0), 0)  # masked lanes counted in bin 0
+            b, gt, eq = _threshold_bucket(hist, need, 256)
+            prefix = prefix | (b.to(tl.int64) << shift)
             need -= gt
-            n_match = eq_cnt
-    # b. survivors: candidates above the prefix, then the first `need` inside it (ascending index = tie rule)
-    hi_mask = tl.where(lo >= 32, 0, ~((1 << (lo & 31)) - 1))
-    top_o = (prefix | ~hi_mask) ^ SIGN
+            n_match = eq
+    return prefix ^ INT64_MIN
+
+
+@triton.jit
+def _write_best(c_row, v_row, o_row, n_c, kk, TOPK, BLOCK: tl.constexpr, K_POW2: tl.constexpr):
+    """The kk best of the n_c candidate keys in c_row (any order) -> o_row [TOPK]: best first, -1 padded."""
+    thr = _key_threshold(c_row, n_c, kk, BLOCK)
+    offs = tl.arange(0, BLOCK)
     n_out = n_c * 0
-    n_tie = n_c * 0
     for c0 in range(0, n_c, BLOCK):
         ci = c0 + offs
-        m = ci < n_c
-        key = tl.load(c_row + ci, mask=m, other=0)
-        o = (key >> 32).to(tl.int32)
-        match = m & (((o ^ SIGN) & hi_mask) == prefix)
-        rank = n_tie + tl.cumsum(match.to(tl.int32), 0) - 1
-        take = (m & (o > top_o)) | (match & (rank < need))
-        tl.store(v_row + (n_out + tl.cumsum(take.to(tl.int32), 0) - 1), key, mask=take)
+        key = tl.load(c_row + ci, mask=ci < n_c, other=INT64_MIN)
+        take = (ci < n_c) & (key >= thr)
+        tl.store(v_row + n_out + tl.cumsum(take.to(tl.int32), 0) - 1, key, mask=take)
         n_out += tl.sum(take.to(tl.int32), 0)
-        n_tie += tl.sum(match.to(tl.int32), 0)
     tl.debug_barrier()  # the kk survivors were written by other threads
-    # c. sort the survivors best first (ties: lower index first) and pad with -1
     ks = tl.arange(0, K_POW2)
     key = tl.load(v_row + ks, mask=ks < kk, other=INT64_MIN)
     key = tl.sort(tl.where(ks < kk, key, INT64_MIN), descending=True)
@@ -141,21 +137,41 @@ def _floor_kernel(x_ptr, pos_ptr, floor_ptr, count_ptr, S, TOPK, ROWS_PER_B, s_x
     n1 = tl.maximum(n, 1)
     m_eff = tl.minimum(n1, SAMPLE)
     si = tl.arange(0, SAMPLE)
+    bins = tl.arange(0, 256)
     sp = (si.to(tl.int64) * n1 // m_eff).to(tl.int32)
-    sv = _ordered(tl.load(x_row + sp, mask=si < tl.minimum(n, SAMPLE), other=0.0))
-    sv = tl.sort(tl.where(si < tl.minimum(n, SAMPLE), sv, INT32_MIN), descending=True)
+    valid = si < tl.minimum(n, SAMPLE)
+    u = _ordered(tl.load(x_row + sp, mask=valid, other=0.0)) ^ SIGN  # unsigned view of the ordered scores
     base = (kk * m_eff + n1 - 1) // n1  # the kk-th of the row sits near this rank of the sample
     r = base + tl.where(m_eff < n1, (2.5 * tl.sqrt(base.to(tl.float32))).to(tl.int32) + 4, 0)
-    floor = tl.sum(tl.where(si == r - 1, sv, 0), 0)
-    tl.store(floor_ptr + pid, tl.where((kk > 0) & (r <= m_eff), floor, INT32_MIN))
+    # radix select of the r-th largest sample (a byte per level, in registers); stopping early leaves the floor at
+    # the bottom of the bucket holding it, which the sample puts no score between
+    need = r
+    n_match = tl.minimum(n, SAMPLE)
+    prefix = r * 0
+    for level in tl.static_range(4):
+        if need < n_match:
+            shift: tl.constexpr = 24 - 8 * level
+            m = valid
+            if level > 0:
+                m = m & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+            hist = tl.histogram(tl.where(m, (u >> shift) & 255, 0), 256)
+            hist -= tl.where(bins == 0, SAMPLE - tl.sum(m.to(tl.int32), 0), 0)
+            bl, gt, eq = _threshold_bucket(hist, need, 256)
+            prefix = prefix | (bl << shift)
+            need -= gt
+            n_match = eq
+    tl.store(floor_ptr + pid, tl.where((kk > 0) & (r <= m_eff), prefix ^ SIGN, INT32_MIN))
     tl.store(count_ptr + pid, 0)
 
 
 @triton.jit
 def _compact_kernel(x_ptr, pos_ptr, floor_ptr, count_ptr, cand_ptr, S, TOPK, ROWS_PER_B,
-                    s_xb, s_xt, s_pb, s_pt, s_cr, SEG, BLOCK: tl.constexpr):
+                    s_xb, s_xt, s_pb, s_pt, s_cr, SEG, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr):
     pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
     floor = tl.load(floor_ptr + pid)
+    if ONE_SPLIT:  # one program per row: a running count in registers, no atomics, candidates in index order
+        tl.store(count_ptr + pid, _compact_keys(x_row, cand_ptr + pid * s_cr, n, floor, BLOCK))
+        return
     lo = tl.program_id(1) * SEG
     hi = tl.minimum(lo + SEG, n)
     offs = tl.arange(0, BLOCK)
@@ -172,24 +188,21 @@ def _compact_kernel(x_ptr, pos_ptr, floor_ptr, count_ptr, cand_ptr, S, TOPK, ROW
 
 
 @triton.jit
-def _finish_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, surv_ptr, out_ptr, S, TOPK, ROWS_PER_B,
-                   s_xb, s_xt, s_pb, s_pt, s_cr, s_sr, s_ob, s_ot,
-                   BLOCK: tl.constexpr, K_POW2: tl.constexpr, CAP: tl.constexpr):
+def _refill_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt, s_cr,
+                   BLOCK: tl.constexpr):
+    """A row whose sample's floor was too high (fewer than kk candidates: rare) takes every visible key instead.
+    Its own kernel, so the finish kernel carries no whole-row compaction code (registers, shared memory)."""
     pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
-    c_row = cand_ptr + pid * s_cr
-    o_row = out_ptr + b * s_ob + t * s_ot
-    n_c = tl.load(count_ptr + pid)
-    if (n_c >= kk) & (n_c <= CAP):  # the common case: sort the candidates, keep the first kk
-        j = tl.arange(0, CAP)
-        key = tl.load(c_row + j, mask=j < n_c, other=INT64_MIN)
-        key = tl.sort(tl.where(j < n_c, key, INT64_MIN), descending=True)
-        best = 2147483647 - key.to(tl.int32)  # the low word (truncation) is 2^31 - 1 - index
-        ok = (j < kk) & ((key >> 32) > NEG_INF_ORDERED)
-        tl.store(o_row + j, tl.where(ok, best, -1), mask=j < TOPK)
-    else:  # redo this row alone: ordered compaction of the whole visible row, then the radix select
-        n_c = _compact_keys(x_row, c_row, n, INT32_MIN, BLOCK)
-        tl.debug_barrier()  # candidates written by other threads are read below
-        _radix_finish(c_row, surv_ptr + pid * s_sr, o_row, n_c, kk, TOPK, BLOCK, K_POW2)
+    if tl.load(count_ptr + pid) < kk:
+        tl.store(count_ptr + pid, _compact_keys(x_row, cand_ptr + pid * s_cr, n, INT32_MIN, BLOCK))
+
+
+@triton.jit
+def _finish_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, surv_ptr, out_ptr, S, TOPK, ROWS_PER_B,
+                   s_xb, s_xt, s_pb, s_pt, s_cr, s_sr, s_ob, s_ot, BLOCK: tl.constexpr, K_POW2: tl.constexpr):
+    pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
+    _write_best(cand_ptr + pid * s_cr, surv_ptr + pid * s_sr, out_ptr + b * s_ob + t * s_ot, tl.load(count_ptr + pid),
+                kk, TOPK, BLOCK, K_POW2)
 
 
 @triton.jit
@@ -294,20 +307,23 @@ def _scan_topk_kernel(
 
 
 def select_config(S: int, overrides: dict | None = None) -> dict:
-    """Shape-only defaults. algo "scan" (whole-row histogram) up to 64K keys, "sampled" beyond: on an H200 (2048-4096
-    rows, topk 2048) scan took 1.31 / 2.87 / 4.5 ms at 8K / 32K / 128K keys and sampled 4.24 / 4.59 / 3.74 ms (its
-    two in-register sorts cost ~1 us per row whatever S); 64K was not measured. Short rows get a sample and cap no
-    wider than the row (never a fallback)."""
+    """Shape-only defaults. algo "scan" (whole-row histogram) up to SCAN_MAX_KEYS keys, "sampled" beyond.
+    BLOCK: the compaction's block; BLOCK_FINISH: the finish's; whole_row=True skips the floor (every visible key is
+    a candidate: the path a missed sample takes, for tests and benchmarks). Timings: docs/indexer_topk_h200.md."""
     p2 = max(16, triton.next_power_of_2(S))
-    algo = "sampled" if S > 65536 else "scan"
-    # sampled, sweep at 128K keys x 2048 rows: BLOCK 2048 3.51 ms (1024: 3.73, 512: 4.16), SAMPLE 2048 3.42 ms
-    # (4096: 3.73), CAP 4096 (8192: 5.10; 2048, i.e. the radix fallback for nearly every row: 9.71), 4 warps to
-    # compact and 8 to finish (alternatives 4-13 % slower); BLOCK 2048 with SAMPLE 2048 together was not timed.
-    # scan: BLOCK 2048 with 8 warps (measured at 8K-128K; at 128K 1024 with 4 warps was 8 % faster)
-    cfg = dict(algo=algo, BLOCK=min(2048, p2), SAMPLE=min(2048, p2), CAP=min(4096, p2), warps_floor=4,
-               warps_compact=4, warps_finish=8, warps_scan=8, programs=None)
+    algo = "sampled" if S > SCAN_MAX_KEYS else "scan"
+    # H200, 2048 rows of 128K keys (docs/indexer_topk_h200.md): SAMPLE 512 1.43 ms against 1.80 (1024) and 2.04
+    # (2048), the floor's gather costing more than the extra candidates; with SAMPLE 512, 8 warps to finish 1.43
+    # against 1.54 (16)
+    cfg = dict(algo=algo, BLOCK=min(2048, p2), BLOCK_FINISH=min(2048, p2), SAMPLE=min(512, p2), whole_row=False,
+               warps_floor=4, warps_compact=4, warps_finish=8, warps_scan=8, programs=None)
     cfg.update(overrides or {})
     return cfg
+
+
+# sampled beats scan from 8K keys up (H200, 2048-4096 rows, topk 2048: 1.14 vs 1.31 ms at 8K, 1.52 vs 2.87 ms at
+# 32K, 2.34 vs 4.49 ms at 128K); scan serves shorter rows, which the op's "auto" sends to torch.topk anyway
+SCAN_MAX_KEYS = 4096
 
 
 def select_scratch(rows: int, S: int, topk: int, device) -> dict:
@@ -334,7 +350,7 @@ def radix_topk_triton(
     """scores [B, T, S] fp32 (last dim contiguous; only [0, positions + 1) of each row is read), positions [B, T]
     int (< 0 = padding) -> int32 [B, T, topk]: best first, ties to the lower key index, -1 where the score is -inf
     or fewer than topk keys are visible. `out` may be a [B, T, topk] int32 view; `scratch` from `select_scratch`
-    with at least B * T rows. overrides: see `select_config` (algo, BLOCK, SAMPLE, CAP, warps, programs)."""
+    with at least B * T rows. overrides: see `select_config` (algo, BLOCK, BLOCK_FINISH, SAMPLE, whole_row, warps, programs)."""
     B, T, S = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError(f"radix_topk_triton needs fp32 scores with a contiguous last dim, got {scores.dtype} "
@@ -363,14 +379,20 @@ def radix_topk_triton(
     if cfg["algo"] != "sampled":
         raise ValueError(f"radix_topk_triton: algo must be 'scan' or 'sampled', got {cfg['algo']!r}")
     row_args = (S, topk, T, scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1))
-    _floor_kernel[(rows,)](scores, positions, sc["floor"], sc["count"], *row_args, SAMPLE=cfg["SAMPLE"],
-                           num_warps=cfg["warps_floor"])
+    if cfg["whole_row"]:
+        sc["floor"][:rows].fill_(-2**31)
+        sc["count"][:rows].zero_()
+    else:
+        _floor_kernel[(rows,)](scores, positions, sc["floor"], sc["count"], *row_args, SAMPLE=cfg["SAMPLE"],
+                               num_warps=cfg["warps_floor"])
     splits = _splits(rows, S, cfg["BLOCK"], cfg["programs"], scores.device)
     seg = triton.cdiv(triton.cdiv(S, splits), cfg["BLOCK"]) * cfg["BLOCK"]
     _compact_kernel[(rows, splits)](scores, positions, sc["floor"], sc["count"], sc["cand"], *row_args,
-                                    sc["cand"].stride(0), seg, BLOCK=cfg["BLOCK"], num_warps=cfg["warps_compact"])
+                                    sc["cand"].stride(0), seg, BLOCK=cfg["BLOCK"], ONE_SPLIT=splits == 1,
+                                    num_warps=cfg["warps_compact"])
+    _refill_kernel[(rows,)](scores, positions, sc["count"], sc["cand"], *row_args, sc["cand"].stride(0),
+                            BLOCK=cfg["BLOCK"], num_warps=cfg["warps_compact"])
     _finish_kernel[(rows,)](scores, positions, sc["count"], sc["cand"], sc["surv"], out, *row_args,
                             sc["cand"].stride(0), sc["surv"].stride(0), out.stride(0), out.stride(1),
-                            BLOCK=cfg["BLOCK"], K_POW2=k_pow2, CAP=max(cfg["CAP"], k_pow2),
-                            num_warps=cfg["warps_finish"])
+                            BLOCK=cfg["BLOCK_FINISH"], K_POW2=k_pow2, num_warps=cfg["warps_finish"])
     return out
