@@ -82,6 +82,10 @@ class ModelConfig:
     # RoPE is applied to the first `index_rope_head_dim` dims of index q/k (<= index_head_dim: a planner rule)
     index_rope_head_dim: int = num(8, 0, 4096, even=True, why="RoPE rotates pairs")
     index_topk: int = num(16, 1, 65536, why="the keys each query attends to, e.g. 2048")
+    # the top-k's logits from per-row-scaled fp8 (e4m3) q and k, as DeepSeek-V3.2 runs its indexer: about 2x the
+    # logits' speed on Hopper (fp8 tensor cores; CUDA needs compute capability 8.9+), the same rounding on CPU; the
+    # indexer loss keeps its own bf16/fp32 scores
+    index_fp8: bool = False
     inter_dim: int = num(128, 1, 1 << 20)  # SwiGLU hidden size (every layer is dense; MoE is out of scope)
     vocab_size: int = num(256, 1, 1 << 21)
     max_seq_len: int = num(1024, 1, 1 << 22)

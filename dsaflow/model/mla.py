@@ -45,6 +45,7 @@ class MLA(nn.Module):
         super().__init__()
         self.layer_index, self.role, self.source = layer_index, role, source
         self.n_heads, self.kv_lora_rank, self.topk = cfg.n_heads, cfg.kv_lora_rank, cfg.index_topk
+        self.index_fp8 = cfg.index_fp8
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.sm_scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
         self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
@@ -155,7 +156,8 @@ class MLA(nn.Module):
             k_i = write_rows(ctx.cache.index_k[self.layer_index], ctx.positions, k_i)
         if dense:  # with a cache: no recorder (training has no cache)
             return causal_indices(ctx.positions, num_keys)
-        indices = ctx.index_slot.write(self.layer_index, indexer_topk(q_i, k_i, w_i, ctx.positions, self.topk))
+        selected = indexer_topk(q_i, k_i, w_i, ctx.positions, self.topk, fp8=self.index_fp8)
+        indices = ctx.index_slot.write(self.layer_index, selected)
         if ctx.recorder is not None:
             ctx.recorder.record_index_scores(self.layer_index, q_i, k_i, w_i, indices)
         return indices

@@ -6,18 +6,22 @@ import torch
 from .naive import indexer_scores_naive, indexer_topk_naive, topk_from_scores, visible_mask
 
 
-def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
+def indexer_topk(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int, fp8: bool = False
+) -> torch.Tensor:
     """Top-k keys per query by index score I[b,t,s] = sum_j w[b,t,j] * relu(q[b,t,j] . k[b,s]), causal by position.
 
     q [B, T, H_I, D_I], k [B, S, D_I], w [B, T, H_I] (any float dtype; accumulation is fp32),
     positions [B, T] int (absolute position of each query; key s is visible iff s <= position; < 0 = padding)
     -> int32 [B, T, topk], best first, -1 where fewer than topk keys are visible. Graph-safe on CUDA.
+    fp8=True scores with q and k rounded to per-row-scaled fp8 e4m3 (`fp8.quantize_rows`, DeepSeek-V3.2's indexer
+    precision): on CUDA through fp8 tensor cores (compute capability 8.9+), on CPU through the same rounding in fp32.
     """
     if q.is_cuda:
         from .triton_indexer import indexer_topk_triton
 
-        return indexer_topk_triton(q, k, w, positions, topk)
-    return indexer_topk_naive(q, k, w, positions, topk)
+        return indexer_topk_triton(q, k, w, positions, topk, fp8=fp8)
+    return indexer_topk_naive(q, k, w, positions, topk, fp8=fp8)
 
 
 __all__ = ["indexer_topk", "indexer_topk_naive", "indexer_scores_naive", "topk_from_scores", "visible_mask"]

@@ -44,7 +44,8 @@ def topk_from_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 @torch.no_grad()
 def indexer_topk_naive(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int, chunk: int | None = None
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int, chunk: int | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:
     """Causal top-k key selection, chunked over queries.
 
@@ -52,7 +53,12 @@ def indexer_topk_naive(
     -> int32 [B, T, topk]: key indices by descending score, -1 padding where fewer than topk keys are visible.
     chunk: queries per step; default keeps the per-head logits [B, chunk, H, S] near 2^26 elements, so a 128K
     context with 64 index heads never holds more than a few hundred MB at once.
+    fp8: score the values q and k take after per-row fp8 e4m3 rounding (`fp8.quantize_rows`), as the CUDA op does.
     """
+    if fp8:
+        from .fp8 import dequantize_rows, quantize_rows
+
+        q, k = dequantize_rows(*quantize_rows(q)), dequantize_rows(*quantize_rows(k))
     if chunk is None:
         chunk = max(1, min(1024, (1 << 26) // max(1, q.shape[0] * q.shape[2] * k.shape[1])))
     out = []

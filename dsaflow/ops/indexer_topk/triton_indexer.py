@@ -27,15 +27,15 @@ from .triton_select import radix_topk_triton, select_scratch
 
 @triton.jit
 def _indexer_logits_kernel(
-    q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr,
+    q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, kscale_ptr,
     T, S, H, D,
     s_qb, s_qt, s_qh,
-    s_kb, s_ks,
+    s_kb, s_ks, s_ksb,
     s_wb, s_wt, s_wh,
     s_pb, s_pt,
     s_ob, s_ot,
     BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, AS_KEYS: tl.constexpr,
-    WRITE_INVISIBLE: tl.constexpr, DOT_PREC: tl.constexpr,
+    WRITE_INVISIBLE: tl.constexpr, DOT_PREC: tl.constexpr, K_SCALED: tl.constexpr,
 ):
     # one grid axis (axes 1-2 stop at 65,535): key tile fastest, so neighbouring programs share the query tile
     pid = tl.program_id(0).to(tl.int64)
@@ -63,6 +63,8 @@ def _indexer_logits_kernel(
             qh = tl.load(q_rows + h * s_qh, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
             wh = tl.load(w_rows + h * s_wh, mask=t_ok, other=0.0).to(tl.float32)
             acc += tl.maximum(tl.dot(qh, k_t, input_precision=DOT_PREC), 0.0) * wh[:, None]
+        if K_SCALED:  # fp8 keys: relu(s_k x) = s_k relu(x) for the positive per-key scale, so it applies once here
+            acc = acc * tl.load(kscale_ptr + b * s_ksb + offs_s, mask=s_ok, other=0.0)[None, :]
     visible = (offs_s[None, :] <= pos[:, None]) & s_ok[None, :]
     acc = tl.where(visible, acc, float("-inf"))
     offs_t = offs_t.to(tl.int64)  # rows x S can pass 2^31 elements
@@ -80,6 +82,50 @@ def _indexer_logits_kernel(
                  mask=t_ok[:, None] & s_ok[None, :])
 
 
+@triton.jit
+def _quantize_rows_kernel(x_ptr, x8_ptr, scale_ptr, w_ptr, w_out_ptr, n_rows, D,
+                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_W: tl.constexpr):
+    """Rows of D values -> e4m3 rows and fp32 scales amax * (1 / 448) (the values divided by the scale with IEEE
+    division, rounded to nearest even: `fp8.quantize_rows`); with HAS_W also w * scale, one weight per row (the
+    queries' scales folded into w)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < n_rows
+    offs_d = tl.arange(0, BLOCK_D)
+    m = r_ok[:, None] & (offs_d[None, :] < D)
+    x = tl.load(x_ptr + rows[:, None] * D + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    scale = tl.where(amax > 0, amax * (1.0 / 448.0), 1.0)  # fp8.E4M3_MAX, times its fp32 reciprocal as there
+    x8 = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)).to(tl.float8e4nv)
+    tl.store(x8_ptr + rows[:, None] * D + offs_d[None, :], x8, mask=m)
+    tl.store(scale_ptr + rows, scale, mask=r_ok)
+    if HAS_W:
+        wv = tl.load(w_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
+        tl.store(w_out_ptr + rows, wv * scale, mask=r_ok)
+
+
+def quantize_rows_triton(x: torch.Tensor, w: torch.Tensor | None = None):
+    """CUDA `fp8.quantize_rows` in one pass: x [..., D] -> (x8 float8_e4m3fn [..., D], scale fp32 [...]), and with
+    w [...] (same leading shape) also w * scale in fp32: (x8, scale, w_scaled)."""
+    D = x.shape[-1]
+    lead = x.shape[:-1]
+    xr = x.reshape(-1, D)
+    if xr.stride(-1) != 1 or xr.stride(0) != D:
+        xr = xr.contiguous()
+    n = xr.shape[0]
+    x8 = torch.empty(lead + (D,), device=x.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(lead, device=x.device, dtype=torch.float32)
+    w_flat = w.reshape(-1).contiguous() if w is not None else scale
+    w_out = torch.empty(lead, device=x.device, dtype=torch.float32) if w is not None else scale
+    if w is not None and w_flat.numel() != n:
+        raise ValueError(f"quantize_rows_triton: w {tuple(w.shape)} needs one weight per row of x {tuple(x.shape)}")
+    block_d = max(16, triton.next_power_of_2(D))
+    block_r = max(1, min(64, 8192 // block_d))
+    if n:
+        _quantize_rows_kernel[(triton.cdiv(n, block_r),)](xr, x8, scale, w_flat, w_out, n, D, BLOCK_R=block_r,
+                                                          BLOCK_D=block_d, HAS_W=w is not None, num_warps=4)
+    return (x8, scale, w_out) if w is not None else (x8, scale)
+
+
 def logits_config(T: int, S: int, D: int, overrides: dict | None = None) -> dict:
     cfg = dict(
         BLOCK_T=min(64, max(16, triton.next_power_of_2(T))),
@@ -94,9 +140,12 @@ def logits_config(T: int, S: int, D: int, overrides: dict | None = None) -> dict
 
 def indexer_logits_triton(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None,
-    overrides: dict | None = None, write_invisible: bool = True,
+    overrides: dict | None = None, write_invisible: bool = True, k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, T, H, D], k [B, S, D], w [B, T, H], positions [B, T] -> logits [B, T, S] fp32, -inf where invisible.
+
+    fp8 q and k (float8_e4m3fn, `fp8.quantize_rows`) need k_scale [B, S] fp32, the keys' scales; the queries' scales
+    are folded into w by the caller (w[b, t, h] * q_scale[b, t, h]).
 
     `out` may be a preallocated [B, T, S] buffer with a contiguous last dim (reused across chunks). An int64 `out`
     receives sort keys instead (see `topk_from_keys`). write_invisible=False leaves key tiles that no query of the
@@ -106,21 +155,28 @@ def indexer_logits_triton(
     if out is None:
         out = torch.empty(B, T, S, device=q.device, dtype=torch.float32)
     cfg = logits_config(T, S, D, overrides)
+    if q.dtype == torch.float8_e4m3fn:  # fp8 tensor-core dots take K in steps of 32
+        cfg["BLOCK_D"] = max(32, cfg["BLOCK_D"])
     grid = (triton.cdiv(S, cfg["BLOCK_S"]) * triton.cdiv(T, cfg["BLOCK_T"]) * B,)
     if grid[0] >= 2**31:
         raise ValueError(f"indexer logits: {grid[0]} programs for B={B} T={T} S={S} exceed the grid limit")
+    fp8 = torch.float8_e4m3fn
+    if (q.dtype == fp8) != (k_scale is not None) or (k.dtype == fp8) != (k_scale is not None):
+        raise ValueError(f"indexer logits: q {q.dtype} / k {k.dtype} with k_scale "
+                         f"{'given' if k_scale is not None else 'missing'}: fp8 needs both fp8 and k_scale [B, S]")
+    ks = k_scale if k_scale is not None else w  # any tensor: K_SCALED=False never reads it
     _indexer_logits_kernel[grid](
-        q, k, w, positions, out,
+        q, k, w, positions, out, ks,
         T, S, H, D,
         q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1),
+        k.stride(0), k.stride(1), ks.stride(0),
         w.stride(0), w.stride(1), w.stride(2),
         positions.stride(0), positions.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_T=cfg["BLOCK_T"], BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"], AS_KEYS=out.dtype == torch.int64,
         WRITE_INVISIBLE=write_invisible,
         # fp32 inputs mean fp32 scores (IEEE, not TF32): rounded scores can reorder near-ties and change the top-k
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", K_SCALED=k_scale is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -167,7 +223,7 @@ def choose_select(rows: int, S: int) -> str:
 def indexer_topk_triton(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int,
     chunk: int | None = None, overrides: dict | None = None, select: str = "auto",
-    select_overrides: dict | None = None,
+    select_overrides: dict | None = None, fp8: bool = False,
 ) -> torch.Tensor:
     """Same contract as `dsaflow.ops.indexer_topk.indexer_topk`: q [B, T, H_I, D_I], k [B, S, D_I], w [B, T, H_I],
     positions [B, T] int -> int32 [B, T, topk], best first, -1 where fewer than topk keys are visible.
@@ -175,7 +231,18 @@ def indexer_topk_triton(
     select="radix": fp32 logits (invisible tiles unwritten) + the select kernels (`triton_select`); select="sort":
     int64 sort keys + torch.topk + a sort of the survivors; "auto" (default): `choose_select`. Both are exact and
     return the same indices.
-    overrides: logits kernel config; select_overrides: radix select config (`triton_select.select_config`)."""
+    overrides: logits kernel config; select_overrides: radix select config (`triton_select.select_config`).
+    fp8=True: q and k rounded to per-row-scaled fp8 e4m3 (`fp8.quantize_rows`) and multiplied on fp8 tensor cores,
+    the queries' scales folded into w and the keys' applied after the head sum (compute capability 8.9+)."""
+    k_scale = None
+    if fp8:
+        if torch.cuda.get_device_capability(q.device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(q.device)
+            raise ValueError(f"model.index_fp8=true needs fp8 tensor cores (compute capability 8.9+: Ada, Hopper and "
+                             f"later); {torch.cuda.get_device_name(q.device)} is sm_{major}{minor}. Set "
+                             f"model.index_fp8=false")
+        q, _, w = quantize_rows_triton(q, w)  # the queries' scales folded into w
+        k, k_scale = quantize_rows_triton(k)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:
@@ -201,10 +268,10 @@ def indexer_topk_triton(
         qc, wc, pc = q[:, t0:t1], w[:, t0:t1], positions[:, t0:t1]
         if select == "sort":
             buf = keys[:, : t1 - t0]
-            indexer_logits_triton(qc, k, wc, pc, buf, overrides)
+            indexer_logits_triton(qc, k, wc, pc, buf, overrides, k_scale=k_scale)
             out[:, t0:t1] = topk_from_keys(buf, topk)
         else:
             buf = scores[:, : t1 - t0]
-            indexer_logits_triton(qc, k, wc, pc, buf, overrides, write_invisible=False)
+            indexer_logits_triton(qc, k, wc, pc, buf, overrides, write_invisible=False, k_scale=k_scale)
             radix_topk_triton(buf, pc, topk, out=out[:, t0:t1], scratch=scratch, overrides=select_overrides)
     return out
