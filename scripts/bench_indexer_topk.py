@@ -3,8 +3,10 @@
 Shapes: DeepSeek-V3.2 indexer (64 heads x 128, topk 2048, bf16), one sequence; by default the last 4096 queries of an
 8K / 32K / 128K context (the same queries as `bench_ops.py`), plus one whole causal prefill (every query of a 32K
 context, chunked). Rows: the whole op with each selector, its parts (fp32 logits with invisible tiles unwritten,
-radix select alone on those scores, int64 keys + torch.topk + sort alone), and a small sweep of the select kernel
-(block size, warps, sample size, candidate cap) and decode-like row counts at the largest context. Writes indexer_topk.json and indexer_topk.md to --out.
+radix select alone on those scores, int64 keys + torch.topk + sort alone, the fp8 logits and the fp8 rounding of q and
+k), the whole op with fp8 logits (`model.index_fp8`, with the share of the bf16 selection it keeps), the two select
+algorithms at every context, and at the largest context a sweep of the select kernels (block sizes, warps, sample
+size, no floor) and decode-like row counts. Writes indexer_topk.json and indexer_topk.md to --out.
 
     python3 scripts/bench_indexer_topk.py --out /tmp/bench [--contexts 8192,32768,131072] [--queries 4096]
 """
@@ -18,8 +20,9 @@ import torch
 import triton
 
 from dsaflow.ops.indexer_topk.triton_indexer import (
-    indexer_logits_triton, indexer_topk_triton, query_chunk, topk_from_keys,
+    indexer_logits_triton, indexer_topk_triton, query_chunk, quantize_rows_triton, topk_from_keys,
 )
+from dsaflow.ops.indexer_topk.fp8 import quantize_rows
 from dsaflow.ops.indexer_topk.triton_select import radix_topk_triton, select_scratch
 
 H_I, D_I, TOPK = 64, 128, 2048
@@ -38,6 +41,16 @@ def inputs(S: int, T: int, seed: int = 0):
     return q, k, w, pos
 
 
+def selection_recall(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Fraction of ref's selected keys (-1 excluded) that got also selects, over all rows."""
+    hit = total = 0
+    for g_row, r_row in zip(got.flatten(0, -2), ref.flatten(0, -2)):
+        r = r_row[r_row >= 0]
+        total += r.numel()
+        hit += int(torch.isin(r, g_row[g_row >= 0]).sum())
+    return hit / max(total, 1)
+
+
 def run(contexts, n_queries, prefill_ctx, out_dir):
     rows = []
 
@@ -53,33 +66,56 @@ def run(contexts, n_queries, prefill_ctx, out_dir):
         old = indexer_topk_triton(q, k, w, pos, TOPK, select="sort")
         new = indexer_topk_triton(q, k, w, pos, TOPK, select="radix")
         same = bool(torch.equal(old, new))
+        new8 = indexer_topk_triton(q, k, w, pos, TOPK, select="radix", fp8=True)
+        same8 = bool(torch.equal(indexer_topk_triton(q, k, w, pos, TOPK, select="sort", fp8=True), new8))
         ms_old = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="sort"))
         ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="radix"))
         ms_auto = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK))
+        ms_fp8 = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, fp8=True))
         record("op: logits + int64 keys + torch.topk + sort (before)", S, T, ms_old)
         record("op: logits + select kernels", S, T, ms_new, speedup=round(ms_old / ms_new, 2), same_indices=same,
                tflops=round(flops / ms_new / 1e9, 1))
         record("op: default (select=auto)", S, T, ms_auto, speedup=round(ms_old / ms_auto, 2))
+        record("op: fp8 logits + default select (model.index_fp8=true)", S, T, ms_fp8,
+               speedup=round(ms_old / ms_fp8, 2), same_as_fp8_sort_path=same8,
+               recall_of_bf16_selection=round(selection_recall(new8, new), 4), tflops=round(flops / ms_fp8 / 1e9, 1))
+        del old, new, new8
         chunk = query_chunk(1, T, S)
         qc, wc, pc = q[:, :chunk], w[:, :chunk], pos[:, :chunk]
         scores = torch.empty(1, chunk, S, device="cuda")
         keys = torch.empty(1, chunk, S, device="cuda", dtype=torch.int64)
         scratch = select_scratch(chunk, S, TOPK, "cuda")
+        chunk_flops = 2 * H_I * D_I * int((pc + 1).sum())
         ms = bench(lambda: indexer_logits_triton(qc, k, wc, pc, scores, write_invisible=False))
-        record("part: fp32 logits (invisible tiles unwritten)", S, chunk, ms,
-               tflops=round(2 * H_I * D_I * int((pc + 1).sum()) / ms / 1e9, 1))
+        record("part: fp32 logits (invisible tiles unwritten)", S, chunk, ms, tflops=round(chunk_flops / ms / 1e9, 1))
+        q8, _, w8 = quantize_rows_triton(qc, wc)
+        k8, k_scale = quantize_rows_triton(k)
+        ms = bench(lambda: indexer_logits_triton(q8, k8, w8, pc, scores, write_invisible=False, k_scale=k_scale))
+        record("part: fp32 logits from fp8 q, k", S, chunk, ms, tflops=round(chunk_flops / ms / 1e9, 1))
+        ms = bench(lambda: (quantize_rows_triton(q, w), quantize_rows_triton(k)))
+        codes_differ = int((quantize_rows_triton(q)[0].view(torch.uint8) != quantize_rows(q)[0].view(torch.uint8)).sum())
+        record("part: fp8 rounding of q and k (all queries)", S, T, ms,
+               q_codes_unlike_torch_cast=f"{codes_differ} of {q.numel()}")
+        del q8, k8, w8
+        indexer_logits_triton(qc, k, wc, pc, scores, write_invisible=False)  # the select parts read bf16 scores
         indexer_logits_triton(qc, k, wc, pc, keys)
         ms = bench(lambda: topk_from_keys(keys, TOPK))
         record("part: int64 keys torch.topk + sort", S, chunk, ms)
         ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch))
         record("part: radix select", S, chunk, ms, tbps_one_read=round(4 * int((pc + 1).sum()) / ms / 1e9, 3))
         if S == contexts[-1]:
-            sweep = [dict(BLOCK=bl, warps_compact=wp) for bl in (512, 1024, 2048) for wp in (4, 8)]
-            sweep += [dict(SAMPLE=2048), dict(CAP=8192), dict(warps_finish=4), dict(warps_finish=16),
-                      dict(warps_floor=8), dict(CAP=2048)]  # CAP 2048: nearly every row takes the radix fallback
-            for cfg in sweep:
-                ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch, overrides=cfg), rep_ms=100)
-                record("sweep: select " + " ".join(f"{k} {v}" for k, v in cfg.items()), S, chunk, ms)
+            sweep = [dict(algo="sampled", BLOCK=bl, warps_compact=wp) for bl in (1024, 2048, 4096) for wp in (4, 8)]
+            sweep += [dict(algo="sampled", BLOCK_FINISH=bl, warps_finish=wp) for bl in (1024, 2048)
+                      for wp in (8, 16)]
+            sweep += [dict(algo="sampled", SAMPLE=sm) for sm in (256, 512, 1024, 2048)]
+            sweep += [dict(algo="sampled", whole_row=True)]
+        else:
+            sweep = []
+        sweep += [dict(algo="scan"), dict(algo="sampled")]  # where the default switches algorithms
+        for cfg in sweep:
+            ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch, overrides=cfg), rep_ms=100)
+            record("sweep: select " + " ".join(f"{k} {v}" for k, v in cfg.items()), S, chunk, ms)
+        if S == contexts[-1]:
             for n_rows in (1, 8, 64):  # decode-like: a few rows of the longest context
                 ms = bench(lambda: radix_topk_triton(scores[:, :n_rows], pc[:, :n_rows], TOPK, scratch=scratch))
                 record(f"decode-like: select, {n_rows} rows", S, n_rows, ms)

@@ -20,7 +20,7 @@ summary() { grep -hE "passed|failed" "$LOG" | grep -E "^[0-9=]" | tail -n 8; }
 case $PHASE in
 kernels)
   step op_tests 260 python3 -m pytest -q -m gpu tests/test_ops_triton.py tests/test_ops_large.py \
-    tests/test_ops_hopper.py tests/test_indexer_topk_kernels.py tests/test_ops_indexer_loss.py \
+    tests/test_ops_hopper.py tests/test_indexer_topk_kernels.py tests/test_indexer_fp8.py tests/test_ops_indexer_loss.py \
     tests/test_ops_dense_indexer_kl.py tests/test_ops_key_extent.py tests/test_ops_rope_rmsnorm.py \
     tests/test_ops_head_proj.py tests/test_ops_probs_into.py
   summary
