@@ -207,9 +207,9 @@ def query_chunk(B: int, T: int, S: int) -> int:
 
 
 # Where the select kernels (`triton_select`) beat int64 keys + torch.topk + sort, measured on an H200 (64 x 128
-# indexer, topk 2048, bf16, 2048-4096 rows per chunk): 1.31 vs 1.64 ms at 8K keys, 2.87 vs 3.80 ms at 32K (scan),
-# 3.74 vs 6.28 ms at 128K (sampled). Shorter rows and few rows (decode: one program per row leaves the GPU idle)
-# were not shown to win, so "auto" keeps torch.topk there.
+# indexer, topk 2048, bf16, 2048-4096 rows per chunk, docs/indexer_topk_h200.md): 1.24 vs 1.64 ms at 8K keys, 1.67
+# vs 3.80 ms at 32K, 1.54 vs 6.27 ms at 128K. Shorter rows and few rows (decode: one program per row leaves the GPU
+# idle) were not shown to win, so "auto" keeps torch.topk there.
 RADIX_MIN_KEYS = 8192
 RADIX_MIN_ROWS = 1024
 

@@ -312,17 +312,17 @@ def select_config(S: int, overrides: dict | None = None) -> dict:
     a candidate: the path a missed sample takes, for tests and benchmarks). Timings: docs/indexer_topk_h200.md."""
     p2 = max(16, triton.next_power_of_2(S))
     algo = "sampled" if S > SCAN_MAX_KEYS else "scan"
-    # H200, 2048 rows of 128K keys (docs/indexer_topk_h200.md): SAMPLE 512 1.43 ms against 1.80 (1024) and 2.04
-    # (2048), the floor's gather costing more than the extra candidates; with SAMPLE 512, 8 warps to finish 1.43
-    # against 1.54 (16)
+    # H200, 2048 rows of 128K keys (docs/indexer_topk_h200.md, one run): SAMPLE 512 1.54 ms against 1.65 (256),
+    # 1.71 (1024) and 2.06 (2048), the floor's gather costing more than the extra candidates; with SAMPLE 512, 8
+    # warps to finish 1.43 ms against 1.54 (16)
     cfg = dict(algo=algo, BLOCK=min(2048, p2), BLOCK_FINISH=min(2048, p2), SAMPLE=min(512, p2), whole_row=False,
                warps_floor=4, warps_compact=4, warps_finish=8, warps_scan=8, programs=None)
     cfg.update(overrides or {})
     return cfg
 
 
-# sampled beats scan from 8K keys up (H200, 2048-4096 rows, topk 2048: 1.14 vs 1.31 ms at 8K, 1.52 vs 2.87 ms at
-# 32K, 2.34 vs 4.49 ms at 128K); scan serves shorter rows, which the op's "auto" sends to torch.topk anyway
+# sampled beats scan from 8K keys up (H200, 2048-4096 rows, topk 2048: 1.24 vs 1.31 ms at 8K, 1.67 vs 2.86 ms at
+# 32K, 1.54 vs 4.47 ms at 128K); scan serves shorter rows, which the op's "auto" sends to torch.topk anyway
 SCAN_MAX_KEYS = 4096
 
 
