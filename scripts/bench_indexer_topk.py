@@ -6,7 +6,7 @@ context, chunked). Rows: the whole op with each selector, its parts (fp32 logits
 radix select alone on those scores, int64 keys + torch.topk + sort alone, the fp8 logits and the fp8 rounding of q and
 k), the whole op with fp8 logits (`model.index_fp8`, with the share of the bf16 selection it keeps), the two select
 algorithms at every context, and at the largest context a sweep of the select kernels (block sizes, warps, sample
-size, no floor) and decode-like row counts. Writes indexer_topk.json and indexer_topk.md to --out.
+size, no floor), of the logits kernel's tile, and decode-like row counts (--no-sweeps skips them). Writes indexer_topk.json and indexer_topk.md to --out.
 
     python3 scripts/bench_indexer_topk.py --out /tmp/bench [--contexts 8192,32768,131072] [--queries 4096]
 """
@@ -51,7 +51,7 @@ def selection_recall(got: torch.Tensor, ref: torch.Tensor) -> float:
     return hit / max(total, 1)
 
 
-def run(contexts, n_queries, prefill_ctx, out_dir):
+def run(contexts, n_queries, prefill_ctx, out_dir, sweeps=True):
     rows = []
 
     def record(what, ctx, queries, ms, **extra):
@@ -96,6 +96,17 @@ def run(contexts, n_queries, prefill_ctx, out_dir):
         codes_differ = int((quantize_rows_triton(q)[0].view(torch.uint8) != quantize_rows(q)[0].view(torch.uint8)).sum())
         record("part: fp8 rounding of q and k (all queries)", S, T, ms,
                q_codes_unlike_torch_cast=f"{codes_differ} of {q.numel()}")
+        if S == contexts[-1] and sweeps:  # the logits kernel's tile, bf16 and fp8
+            for lc in (dict(BLOCK_T=64, BLOCK_S=128, num_warps=4, num_stages=4),
+                       dict(BLOCK_T=64, BLOCK_S=256, num_warps=8, num_stages=3),
+                       dict(BLOCK_T=128, BLOCK_S=128, num_warps=8, num_stages=3)):
+                name = " ".join(f"{a} {v}" for a, v in lc.items())
+                ms = bench(lambda: indexer_logits_triton(qc, k, wc, pc, scores, write_invisible=False, overrides=lc),
+                           rep_ms=100)
+                record(f"sweep: logits {name}", S, chunk, ms, tflops=round(chunk_flops / ms / 1e9, 1))
+                ms = bench(lambda: indexer_logits_triton(q8, k8, w8, pc, scores, write_invisible=False,
+                                                         k_scale=k_scale, overrides=lc), rep_ms=100)
+                record(f"sweep: fp8 logits {name}", S, chunk, ms, tflops=round(chunk_flops / ms / 1e9, 1))
         del q8, k8, w8
         indexer_logits_triton(qc, k, wc, pc, scores, write_invisible=False)  # the select parts read bf16 scores
         indexer_logits_triton(qc, k, wc, pc, keys)
@@ -103,19 +114,21 @@ def run(contexts, n_queries, prefill_ctx, out_dir):
         record("part: int64 keys torch.topk + sort", S, chunk, ms)
         ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch))
         record("part: radix select", S, chunk, ms, tbps_one_read=round(4 * int((pc + 1).sum()) / ms / 1e9, 3))
-        if S == contexts[-1]:
-            sweep = [dict(algo="sampled", BLOCK=bl, warps_compact=wp) for bl in (1024, 2048, 4096) for wp in (4, 8)]
+        if S == contexts[-1] and sweeps:
+            sweep = [dict(algo="sampled", BLOCK=bl, warps_compact=wp) for bl in (512, 2048) for wp in (2, 4)]
             sweep += [dict(algo="sampled", BLOCK_FINISH=bl, warps_finish=wp) for bl in (1024, 2048)
                       for wp in (8, 16)]
+            sweep += [dict(algo="sampled", BLOCK=bl, warps_compact=1) for bl in (256, 1024)]
             sweep += [dict(algo="sampled", SAMPLE=sm) for sm in (256, 512, 1024, 2048)]
             sweep += [dict(algo="sampled", whole_row=True)]
         else:
             sweep = []
-        sweep += [dict(algo="scan"), dict(algo="sampled")]  # where the default switches algorithms
+        if sweeps:
+            sweep += [dict(algo="scan"), dict(algo="sampled")]  # where the default switches algorithms
         for cfg in sweep:
             ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch, overrides=cfg), rep_ms=100)
             record("sweep: select " + " ".join(f"{k} {v}" for k, v in cfg.items()), S, chunk, ms)
-        if S == contexts[-1]:
+        if S == contexts[-1] and sweeps:
             for n_rows in (1, 8, 64):  # decode-like: a few rows of the longest context
                 ms = bench(lambda: radix_topk_triton(scores[:, :n_rows], pc[:, :n_rows], TOPK, scratch=scratch))
                 record(f"decode-like: select, {n_rows} rows", S, n_rows, ms)
@@ -153,8 +166,9 @@ def main():
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--queries", type=int, default=4096)
     ap.add_argument("--prefill-context", type=int, default=32768, help="0 skips the whole-prefill row")
+    ap.add_argument("--no-sweeps", action="store_true", help="skip the sweeps and the decode-like rows")
     a = ap.parse_args()
-    run([int(c) for c in a.contexts.split(",")], a.queries, a.prefill_context, a.out)
+    run([int(c) for c in a.contexts.split(",")], a.queries, a.prefill_context, a.out, sweeps=not a.no_sweeps)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,26 @@ def test_sampled_floor_that_misses_falls_back_to_the_whole_row():
     assert torch.equal(got, topk_from_scores(masked(scores, positions), topk))
 
 
+@pytest.mark.parametrize("algo", ["sort", "split", "whole"])
+def test_select_orders_distinct_and_equal_scores(algo):
+    """Rows of distinct scores (one with a -inf survivor, which must come out as -1 last), equal scores only below
+    the kk-th, equal scores among the survivors and at the kk-th: every row equals the reference, order included."""
+    S, topk = 120, 24
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(S, generator=g) for _ in range(5)]
+    rows[1][7] = float("-inf")  # visible -inf: a survivor when topk >= visible keys
+    rows[2][torch.randperm(S, generator=g)[:60]] = -5.0  # equal scores, all below the kk-th
+    rows[3][torch.randperm(S, generator=g)[:10]] = 9.0  # equal scores among the survivors
+    rows[4] = torch.randn(S, generator=g).round(decimals=1)  # many equal scores at the kk-th
+    scores = torch.stack(rows).view(1, 5, S)
+    positions = torch.tensor([[S - 1, 20, S - 1, 70, S - 1]])
+    out = torch.full((1, 5, topk), POISON, dtype=torch.int32)
+    got = radix_topk_triton(scores.to(DEV), positions.to(DEV), topk, out=out.to(DEV), overrides=SELECT_CFGS[algo])
+    ref = topk_from_scores(masked(scores, positions), topk)
+    assert ref[0, 1, 20] == -1 and (ref[0, 1, 21:] == -1).all()
+    assert torch.equal(got.cpu(), ref)
+
+
 @pytest.mark.parametrize("algo", list(SELECT_CFGS))
 def test_radix_select_rows_longer_than_a_block_and_strided_inputs(algo):
     """Several blocks per row (BLOCK 32), a non-contiguous positions view and an output view inside a wider buffer."""

@@ -7,8 +7,9 @@ is read, so the invisible part of the score row need not be written. Rows up to 
 (`_scan_topk_kernel`: a radix select over the whole row, see its docstring); longer rows three ("sampled"):
 
   1. floor (one program per row): the r-th largest of SAMPLE evenly spaced scores (a radix select in registers),
-     r chosen so that the row holds >= kk = min(topk, n) scores at or above it with high probability and about
-     1.3-1.6 kk on average (exact when the sample is the whole row); also zeroes the row's candidate count;
+     r chosen so that the row holds >= kk = min(topk, n) scores at or above it but for ~1e-6 of rows (on an H200
+     bench, 1.2 kk candidates on average at 8K keys, 2.6 kk at 128K; exact when the sample is the whole row); also
+     zeroes the row's candidate count;
   2. compact: one streaming pass writes the keys at or above the floor to the row's candidate list. With one
      program per row (prefill: many rows) a running count keeps them in index order without atomics; a few long
      rows (decode) are split over many programs that reserve slots with one atomic per block;
@@ -142,7 +143,10 @@ def _floor_kernel(x_ptr, pos_ptr, floor_ptr, count_ptr, S, TOPK, ROWS_PER_B, s_x
     valid = si < tl.minimum(n, SAMPLE)
     u = _ordered(tl.load(x_row + sp, mask=valid, other=0.0)) ^ SIGN  # unsigned view of the ordered scores
     base = (kk * m_eff + n1 - 1) // n1  # the kk-th of the row sits near this rank of the sample
-    r = base + tl.where(m_eff < n1, (2.5 * tl.sqrt(base.to(tl.float32))).to(tl.int32) + 4, 0)
+    # ~4 standard deviations of the sampled count above the kk-th plus 8: a row misses (fewer than kk candidates)
+    # with probability ~1e-6, not ~3e-4 as with 2.5 sd + 4, where about one row in a 2048-row chunk missed, and its
+    # whole-row refill and finish (one program each) set the select's time
+    r = base + tl.where(m_eff < n1, (4.0 * tl.sqrt(base.to(tl.float32))).to(tl.int32) + 8, 0)
     # radix select of the r-th largest sample (a byte per level, in registers); stopping early leaves the floor at
     # the bottom of the bucket holding it, which the sample puts no score between
     need = r
@@ -308,15 +312,18 @@ def _scan_topk_kernel(
 
 def select_config(S: int, overrides: dict | None = None) -> dict:
     """Shape-only defaults. algo "scan" (whole-row histogram) up to SCAN_MAX_KEYS keys, "sampled" beyond.
-    BLOCK: the compaction's block; BLOCK_FINISH: the finish's; whole_row=True skips the floor (every visible key is
-    a candidate: the path a missed sample takes, for tests and benchmarks). Timings: docs/indexer_topk_h200.md."""
+    BLOCK: the compaction's block (for "scan": its whole-row passes'); BLOCK_FINISH: the finish's; whole_row=True
+    skips the floor (every visible key is a candidate: the path a missed sample takes, for tests and benchmarks).
+    Timings: docs/indexer_topk_h200.md."""
     p2 = max(16, triton.next_power_of_2(S))
     algo = "sampled" if S > SCAN_MAX_KEYS else "scan"
-    # H200, 2048 rows of 128K keys (docs/indexer_topk_h200.md, one run): SAMPLE 512 1.54 ms against 1.65 (256),
-    # 1.71 (1024) and 2.06 (2048), the floor's gather costing more than the extra candidates; with SAMPLE 512, 8
-    # warps to finish 1.43 ms against 1.54 (16)
-    cfg = dict(algo=algo, BLOCK=min(2048, p2), BLOCK_FINISH=min(2048, p2), SAMPLE=min(512, p2), whole_row=False,
-               warps_floor=4, warps_compact=4, warps_finish=8, warps_scan=8, programs=None)
+    # H200 (docs/indexer_topk_h200.md), 2048 rows of 128K keys: a one-warp compaction of 512-key blocks 1.23 ms
+    # against 1.43 (4 warps, 2048 keys; its prefix sum needs no barrier across warps); then, with the floor's wider
+    # margin, SAMPLE 1024 and a 4-warp finish of 512-key blocks 1.24 ms against 1.33 (SAMPLE 512, 8 warps, 2048),
+    # also the best at 32K and 8K keys (1.29 and 0.98 ms for 4096 rows)
+    cfg = dict(algo=algo, BLOCK=min(512 if algo == "sampled" else 2048, p2), BLOCK_FINISH=min(512, p2),
+               SAMPLE=min(1024, p2), whole_row=False, warps_floor=4, warps_compact=1, warps_finish=4, warps_scan=8,
+               programs=None)
     cfg.update(overrides or {})
     return cfg
 
