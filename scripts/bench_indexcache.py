@@ -125,7 +125,8 @@ def build_stage(cfg, plan, device, dtype):
 
 @torch.no_grad()
 def indexer_op_seconds(m, ctx: int, chunk: int, device, dtype) -> float:
-    """The indexer op alone over one layer's prefill: every chunk's queries against the serving cache's keys."""
+    """The indexer op alone over one layer's prefill, in the model's indexer precision (`model.index_fp8`): every
+    chunk's queries against the serving cache's keys."""
     S = ctx + 128
     g = torch.Generator(device=device).manual_seed(0)
     k = torch.randn(1, S, m.index_head_dim, device=device, generator=g).to(dtype)
@@ -135,7 +136,7 @@ def indexer_op_seconds(m, ctx: int, chunk: int, device, dtype) -> float:
         q = torch.randn(1, t, m.index_n_heads, m.index_head_dim, device=device, generator=g).to(dtype)
         w = torch.randn(1, t, m.index_n_heads, device=device, generator=g).to(dtype)
         pos = torch.arange(c0, c0 + t, device=device).unsqueeze(0)
-        total += timed(lambda: indexer_topk(q, k, w, pos, m.index_topk), device)
+        total += timed(lambda: indexer_topk(q, k, w, pos, m.index_topk, fp8=m.index_fp8), device)
     return total
 
 

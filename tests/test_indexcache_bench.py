@@ -3,6 +3,7 @@ consistent JSON and markdown (speedups are the ratios of the measured times, sha
 import json
 
 import pytest
+import torch
 
 from script_helpers import load_script
 
@@ -30,3 +31,17 @@ def test_bench_indexcache_cpu_tiny(tmp_path):
     assert res["paper"]["prefill_1_4"] == [1.27, 1.31, 1.51, 1.82]
     md = (tmp_path / "indexcache.md").read_text()
     assert md.count("\n| all_full |") == 2 and md.count("\n| every4 |") == 2
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_indexer_share_times_the_op_in_the_models_precision(monkeypatch, fp8):
+    """`model.index_fp8` reaches the timed indexer op, so an fp8 table's indexer share is the fp8 op's."""
+    bench = load_script("bench_indexcache")
+    seen = []
+    monkeypatch.setattr(bench, "indexer_topk", lambda *a, fp8=False, **k: seen.append(fp8))
+
+    class Model:
+        index_head_dim, index_n_heads, index_topk, index_fp8 = 16, 2, 4, fp8
+
+    bench.indexer_op_seconds(Model, ctx=32, chunk=16, device=torch.device("cpu"), dtype=torch.float32)
+    assert seen == [fp8] * 4  # two chunks, each an untimed and a timed call
