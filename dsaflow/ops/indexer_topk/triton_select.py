@@ -4,7 +4,7 @@ Scores map to order-preserving int32 (-0.0 made +0.0 first), and a key is the in
 2^31 - 1 - index): keys are distinct and their descending order is the model's order (best first, ties to the lower
 key index), exactly `naive.topk_from_scores`. Only each row's visible prefix [0, n), n = clamp(position + 1, 0, S),
 is read, so the invisible part of the score row need not be written. Rows up to 4K keys use one kernel
-(`_scan_topk_kernel`: a radix select over the whole row, see its docstring); longer rows three ("sampled"):
+(`triton_scan`: a radix select over the whole row); longer rows three ("sampled"):
 
   1. floor (one program per row): the r-th largest of SAMPLE evenly spaced scores (a radix select in registers),
      r chosen so that the row holds >= kk = min(topk, n) scores at or above it but for ~1e-6 of rows (on an H200
@@ -25,33 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-SIGN = tl.constexpr(-2147483648)  # 0x80000000 as int32
-NEG_INF_ORDERED = tl.constexpr(-2139095041)  # the order-preserving int32 of -inf
-
-
-@triton.jit
-def _ordered(x):
-    """fp32 -> int32 whose signed order is the float order (-0.0 == +0.0)."""
-    x = tl.where(x == 0.0, 0.0, x)
-    bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-
-
-@triton.jit
-def _threshold_bucket(hist, need, NB: tl.constexpr):
-    """hist [NB] counts of one radix digit; need >= 1 <= sum(hist). -> (bucket b holding the need-th largest,
-    count in buckets above b, count in b)."""
-    bins = tl.arange(0, NB)
-    above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # count strictly above each bucket
-    hit = (above < need) & (above + hist >= need)
-    b = tl.max(tl.where(hit, bins, -1), 0)
-    gt = tl.sum(tl.where(bins > b, hist, 0), 0)
-    eq = tl.sum(tl.where(bins == b, hist, 0), 0)
-    return b, gt, eq
-
-
-INT32_MIN = tl.constexpr(-2147483648)
-INT64_MIN = tl.constexpr(-9223372036854775808)
+from .radix_bits import INT32_MIN, INT64_MIN, NEG_INF_ORDERED, SIGN, _ordered, _threshold_bucket
+from .triton_scan import _scan_topk_kernel
 
 
 @triton.jit
@@ -207,107 +182,6 @@ def _finish_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, surv_ptr, out_ptr, S, TO
     pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
     _write_best(cand_ptr + pid * s_cr, surv_ptr + pid * s_sr, out_ptr + b * s_ob + t * s_ot, tl.load(count_ptr + pid),
                 kk, TOPK, BLOCK, K_POW2)
-
-
-@triton.jit
-def _scan_topk_kernel(
-    x_ptr, pos_ptr, cand_ptr, out_ptr,
-    S, TOPK, ROWS_PER_B,
-    s_xb, s_xt, s_pb, s_pt, s_cr, s_ob, s_ot,
-    BLOCK: tl.constexpr, K_POW2: tl.constexpr,
-):
-    """Rows up to ~64K keys: a histogram of the top byte over the whole visible row, a compaction pass (higher
-    buckets -> out, the threshold bucket -> int32 candidate indices), byte-by-byte refinement over the candidates,
-    the ties lowest index first, a sort of the kk survivors (gathered scores)."""
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // ROWS_PER_B
-    t = pid % ROWS_PER_B
-    x_row = x_ptr + b * s_xb + t * s_xt
-    o_row = out_ptr + b * s_ob + t * s_ot
-    c_row = cand_ptr + pid * s_cr
-    pos = tl.load(pos_ptr + b * s_pb + t * s_pt).to(tl.int32)
-    n = tl.minimum(tl.maximum(pos + 1, 0), S)
-    kk = tl.minimum(n, TOPK)
-    offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
-    if kk > 0:
-        # 1. histogram of the top byte; masked lanes land in bin 0 and are subtracted after the loop
-        hist = tl.zeros([256], tl.int32)
-        for s0 in range(0, n, BLOCK):
-            idx = s0 + offs
-            m = idx < n
-            u = _ordered(tl.load(x_row + idx, mask=m, other=0.0)) ^ SIGN
-            hist += tl.histogram(tl.where(m, (u >> 24) & 255, 0), 256)
-        hist -= tl.where(bins == 0, tl.cdiv(n, BLOCK) * BLOCK - n, 0)
-        b1, nsel, ncand = _threshold_bucket(hist, kk, 256)
-        need = kk - nsel
-        # 2. compaction: higher buckets -> output slots, the threshold bucket -> candidates (ascending index)
-        n_out = nsel * 0
-        n_c = nsel * 0
-        for s0 in range(0, n, BLOCK):
-            idx = s0 + offs
-            m = idx < n
-            d = ((_ordered(tl.load(x_row + idx, mask=m, other=0.0)) ^ SIGN) >> 24) & 255
-            up = m & (d > b1)
-            eq = m & (d == b1)
-            c_up = tl.cumsum(up.to(tl.int32), 0)
-            c_eq = tl.cumsum(eq.to(tl.int32), 0)
-            tl.store(o_row + (n_out + c_up - 1), idx, mask=up)
-            tl.store(c_row + (n_c + c_eq - 1), idx, mask=eq)
-            n_out += tl.sum(up.to(tl.int32), 0)
-            n_c += tl.sum(eq.to(tl.int32), 0)
-        tl.debug_barrier()  # candidates written by other threads are read below
-        # 3. refine the threshold byte by byte over the candidates only; stop once the whole prefix is needed
-        prefix = b1 << 24  # determined high bits of u, in place
-        n_match = ncand
-        lo = ncand * 0 + 24  # number of undetermined low bits
-        for level in tl.static_range(3):
-            if need < n_match:
-                shift = 16 - 8 * level
-                hi_mask = ~((1 << lo) - 1)
-                hist = tl.zeros([256], tl.int32)
-                for c0 in range(0, n_c, BLOCK):
-                    ci = c0 + offs
-                    m = ci < n_c
-                    sidx = tl.load(c_row + ci, mask=m, other=0)
-                    u = _ordered(tl.load(x_row + sidx, mask=m, other=0.0)) ^ SIGN
-                    match = m & ((u & hi_mask) == prefix)
-                    hist += tl.histogram(tl.where(match, (u >> shift) & 255, 0), 256)
-                    hist -= tl.where(bins == 0, BLOCK - tl.sum(match.to(tl.int32), 0), 0)
-                bl, gt, eq_cnt = _threshold_bucket(hist, need, 256)
-                prefix = prefix | (bl << shift)
-                lo = shift
-                need -= gt
-                n_match = eq_cnt
-        # 4. take candidates above the threshold prefix and the first `need` inside it
-        hi_mask = ~((1 << lo) - 1)
-        top_o = (prefix | ~hi_mask) ^ SIGN  # largest ordered key inside the prefix
-        n_tie = n_out * 0
-        for c0 in range(0, n_c, BLOCK):
-            ci = c0 + offs
-            m = ci < n_c
-            sidx = tl.load(c_row + ci, mask=m, other=0)
-            o = _ordered(tl.load(x_row + sidx, mask=m, other=0.0))
-            match = m & (((o ^ SIGN) & hi_mask) == prefix)
-            rank = n_tie + tl.cumsum(match.to(tl.int32), 0) - 1
-            take = (m & (o > top_o)) | (match & (rank < need))
-            c_take = tl.cumsum(take.to(tl.int32), 0)
-            tl.store(o_row + (n_out + c_take - 1), sidx, mask=take)
-            n_out += tl.sum(take.to(tl.int32), 0)
-            n_tie += tl.sum(match.to(tl.int32), 0)
-        tl.debug_barrier()  # the kk survivors were written by other threads
-    # 5. sort the survivors best first (ties: lower index first) and pad with -1
-    ks = tl.arange(0, K_POW2)
-    live = ks < kk
-    sidx = tl.load(o_row + ks, mask=live, other=0)
-    o = _ordered(tl.load(x_row + sidx, mask=live, other=float("-inf")))
-    key = (o.to(tl.int64) << 32) | (2147483647 - sidx).to(tl.int64)
-    key = tl.where(live, key, -9223372036854775807 - 1)
-    tl.debug_barrier()  # every survivor is loaded before slots are overwritten
-    key = tl.sort(key, descending=True)
-    best = 2147483647 - key.to(tl.int32)  # the low word (truncation) is 2^31 - 1 - index
-    ok = (ks < kk) & ((key >> 32) > NEG_INF_ORDERED)
-    tl.store(o_row + ks, tl.where(ok, best, -1), mask=ks < TOPK)
 
 
 def select_config(S: int, overrides: dict | None = None) -> dict:
