@@ -7,6 +7,8 @@ import triton.language as tl
 
 SIGN = tl.constexpr(-2147483648)  # 0x80000000 as int32
 NEG_INF_ORDERED = tl.constexpr(-2139095041)  # the order-preserving int32 of -inf
+INT32_MIN = tl.constexpr(-2147483648)
+INT64_MIN = tl.constexpr(-9223372036854775808)
 
 
 @triton.jit
@@ -28,7 +30,3 @@ def _threshold_bucket(hist, need, NB: tl.constexpr):
     gt = tl.sum(tl.where(bins > b, hist, 0), 0)
     eq = tl.sum(tl.where(bins == b, hist, 0), 0)
     return b, gt, eq
-
-
-INT32_MIN = tl.constexpr(-2147483648)
-INT64_MIN = tl.constexpr(-9223372036854775808)

@@ -8,8 +8,8 @@ nothing at all for the top-k path, whose radix select reads only each row's visi
 (key tile fastest, then query tile, then batch), so B * T and the context length are bounded only by 2^31 programs.
 
 Top-k (`indexer_topk_triton`): fp32 logits, then `triton_select.radix_topk_triton` (an exact select, not a sort of
-the row: sampled floor, one streaming compaction, a radix select on the candidate keys and a sort of the topk survivors;
-ties to the lower key index, best first, -1 padding, exactly `naive.topk_from_scores`' order). The older path
+the row: sampled floor, one streaming compaction, a radix select on the candidate keys, a sort of the topk
+survivors; ties to the lower key index, best first, -1 padding, exactly `naive.topk_from_scores`' order). The older path
 (int64 sort keys from the kernel + torch.topk + a sort of the survivors, `topk_from_keys`) is kept for comparison.
 Chunk size, grids and buffers depend on shapes only, so the whole op is CUDA-graph safe.
 """
