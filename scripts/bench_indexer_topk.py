@@ -9,7 +9,8 @@ algorithms at every context, and at the largest context a sweep of the select ke
 size, no floor), of the logits kernel's tile, and decode-like row counts (--no-sweeps skips them). Writes
 indexer_topk.json and indexer_topk.md to --out.
 
-    python3 scripts/bench_indexer_topk.py --out /tmp/bench [--contexts 8192,32768,131072] [--queries 4096] [--no-sweeps]
+    python3 scripts/bench_indexer_topk.py --out /tmp/bench [--contexts 8192,32768,131072] [--queries 4096] \
+        [--no-sweeps]
 """
 from __future__ import annotations
 
@@ -115,15 +116,12 @@ def run(contexts, n_queries, prefill_ctx, out_dir, sweeps=True):
         record("part: int64 keys torch.topk + sort", S, chunk, ms)
         ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch))
         record("part: radix select", S, chunk, ms, tbps_one_read=round(4 * int((pc + 1).sum()) / ms / 1e9, 3))
-        if S == contexts[-1] and sweeps:
-            sweep = [dict(algo="sampled", BLOCK=bl, warps_compact=wp) for bl in (512, 2048) for wp in (2, 4)]
-            sweep += [dict(algo="sampled", BLOCK_FINISH=bl, warps_finish=wp) for bl in (1024, 2048)
-                      for wp in (8, 16)]
-            sweep += [dict(algo="sampled", BLOCK=bl, warps_compact=1) for bl in (256, 1024)]
-            sweep += [dict(algo="sampled", SAMPLE=sm) for sm in (256, 512, 1024, 2048)]
+        sweep = []
+        if S == contexts[-1] and sweeps:  # one knob at a time around the defaults (`select_config`)
+            sweep += [dict(algo="sampled", BLOCK=bl, warps_compact=wp) for bl in (256, 512, 1024) for wp in (1, 2)]
+            sweep += [dict(algo="sampled", BLOCK_FINISH=bl, warps_finish=wp) for bl in (512, 1024) for wp in (4, 8)]
+            sweep += [dict(algo="sampled", SAMPLE=sm) for sm in (512, 1024, 2048)]
             sweep += [dict(algo="sampled", whole_row=True)]
-        else:
-            sweep = []
         if sweeps:
             sweep += [dict(algo="scan"), dict(algo="sampled")]  # where the default switches algorithms
         for cfg in sweep:
