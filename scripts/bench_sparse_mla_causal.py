@@ -3,7 +3,7 @@
     python scripts/bench_sparse_mla_causal.py --seq 4096,16384 --out bench_out/causal
 
 One sequence of `seq` tokens, every token a query, V3.2 attention shapes (h128, d_qk 576, d_v 512, topk 2048, bf16).
-Indices have the indexer's layout: query t selects min(t + 1, topk) keys in [0, t] (random scores, best first),
+Indices have the indexer's layout: query t selects min(t + 1, topk) keys in [0, t] (random scores; ascending key order, as the op returns them),
 padded with -1, so queries t < topk have fewer keys than slots. Each kernel is timed (triton.testing.do_bench
 median) with its loops stopped at each query's key extent (the default, n_keys = `key_extent`) and over all topk
 slots (n_keys = topk everywhere; for the Gluon forward its KEY_EXTENT=0 build), in one process, next to the bf16
@@ -29,11 +29,14 @@ from bench_hopper import D_QK, D_V, H, ROWS, TOPK, bench, hp, rec, tp  # noqa: E
 
 import importlib  # noqa: E402
 
+from dsaflow.ops.indexer_topk import ascending_keys  # noqa: E402
+
 tb = importlib.import_module("dsaflow.ops.sparse_mla.triton_backward")
 
 
 def causal_topk(S: int, K: int, seed: int) -> torch.Tensor:
-    """[1, S, K] int32: for query t, min(t + 1, K) keys of [0, t] in descending random score, then -1."""
+    """[1, S, K] int32: for query t, the min(t + 1, K) best keys of [0, t] by a random score, in ascending key order
+    (the top-k op's layout), then -1."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     idx = torch.empty(1, S, K, device="cuda", dtype=torch.int32)
     for t0 in range(0, S, 2048):
@@ -41,7 +44,7 @@ def causal_topk(S: int, K: int, seed: int) -> torch.Tensor:
         sc = torch.rand(t1 - t0, S, device="cuda", generator=g)
         sc = sc.masked_fill(torch.arange(S, device="cuda") > torch.arange(t0, t1, device="cuda")[:, None], -1.0)
         val, sel = sc.topk(min(K, S), dim=-1)
-        sel = torch.where(val < 0, -1, sel).int()
+        sel = ascending_keys(torch.where(val < 0, -1, sel).int())
         idx[0, t0:t1, : sel.shape[1]] = sel
         idx[0, t0:t1, sel.shape[1]:] = -1
     return idx

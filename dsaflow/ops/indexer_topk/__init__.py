@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .naive import indexer_scores_naive, indexer_topk_naive, topk_from_scores, visible_mask
+from .naive import ascending_keys, indexer_scores_naive, indexer_topk_naive, topk_from_scores, visible_mask
 
 
 def indexer_topk(
@@ -13,7 +13,8 @@ def indexer_topk(
 
     q [B, T, H_I, D_I], k [B, S, D_I], w [B, T, H_I] (any float dtype; accumulation is fp32),
     positions [B, T] int (absolute position of each query; key s is visible iff s <= position; < 0 = padding)
-    -> int32 [B, T, topk], best first, -1 where fewer than topk keys are visible. Graph-safe on CUDA.
+    -> int32 [B, T, topk]: the topk best keys (ties to the lower key index) in ascending key order, -1 after them
+    where fewer than topk keys are visible. Graph-safe on CUDA.
     fp8=True scores with q and k rounded to per-row-scaled fp8 e4m3 (`fp8.quantize_rows`, DeepSeek-V3.2's indexer
     precision): on CUDA through fp8 tensor cores (compute capability 8.9+), on CPU through the same rounding in fp32.
     """
@@ -24,4 +25,4 @@ def indexer_topk(
     return indexer_topk_naive(q, k, w, positions, topk, fp8=fp8)
 
 
-__all__ = ["indexer_topk", "indexer_topk_naive", "indexer_scores_naive", "topk_from_scores", "visible_mask"]
+__all__ = ["ascending_keys", "indexer_topk", "indexer_topk_naive", "indexer_scores_naive", "topk_from_scores", "visible_mask"]

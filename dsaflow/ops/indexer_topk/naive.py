@@ -26,8 +26,18 @@ def indexer_scores_naive(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, posi
     return scores.masked_fill(~visible_mask(positions, k.shape[1]), NEG_INF)
 
 
+def ascending_keys(idx: torch.Tensor) -> torch.Tensor:
+    """idx int [..., K] (selected key indices, -1 = none) -> the same indices per row in ascending key order, the -1s
+    last: the op's output order (deterministic, and free for the select kernels, whose candidates arrive in index
+    order; the attention that consumes the indices is a sum over the set)."""
+    none = torch.iinfo(idx.dtype).max
+    s = torch.where(idx < 0, none, idx).sort(dim=-1).values
+    return torch.where(s == none, -1, s)
+
+
 def topk_from_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """scores [B, T, S] (-inf = invisible) -> int32 [B, T, topk], best first, -1 where fewer keys are visible.
+    """scores [B, T, S] (-inf = invisible) -> int32 [B, T, topk]: the topk best keys in ascending key order, -1
+    after them where fewer keys are visible (or score -inf).
 
     Ties are broken towards the lower key index (stable sort). `torch.topk` leaves tie order unspecified, and exact
     ties are common here (a key whose relu logits are all 0 scores exactly 0), so without a rule the same scores over a
@@ -39,7 +49,7 @@ def topk_from_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
     idx = torch.where(vals == NEG_INF, torch.full_like(idx, -1), idx).to(torch.int32)
     if k < topk:  # fewer keys than topk in the whole context: pad to the static width
         idx = torch.nn.functional.pad(idx, (0, topk - k), value=-1)
-    return idx
+    return ascending_keys(idx)
 
 
 @torch.no_grad()
@@ -50,7 +60,7 @@ def indexer_topk_naive(
     """Causal top-k key selection, chunked over queries.
 
     q [B, T, H, D], k [B, S, D], w [B, T, H], positions [B, T] (absolute position of each query; < 0 = padding)
-    -> int32 [B, T, topk]: key indices by descending score, -1 padding where fewer than topk keys are visible.
+    -> int32 [B, T, topk]: the best keys in ascending key order, -1 padding where fewer than topk keys are visible.
     chunk: queries per step; default keeps the per-head logits [B, chunk, H, S] near 2^26 elements, so a 128K
     context with 64 index heads never holds more than a few hundred MB at once.
     fp8: score the values q and k take after per-row fp8 e4m3 rounding (`fp8.quantize_rows`), as the CUDA op does.

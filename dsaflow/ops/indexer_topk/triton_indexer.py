@@ -8,9 +8,10 @@ nothing at all for the top-k path, whose radix select reads only each row's visi
 (key tile fastest, then query tile, then batch), so B * T and the context length are bounded only by 2^31 programs.
 
 Top-k (`indexer_topk_triton`): fp32 logits, then `triton_select.radix_topk_triton` (an exact select, not a sort of
-the row: sampled floor, one streaming compaction, a radix select on the candidate keys, a sort of the topk
-survivors; ties to the lower key index, best first, -1 padding, exactly `naive.topk_from_scores`' order). The older path
-(int64 sort keys from the kernel + torch.topk + a sort of the survivors, `topk_from_keys`) is kept for comparison.
+the row: sampled floor, one streaming compaction, a radix select on the candidate keys, the survivors written in
+the candidates' ascending key order; ties to the lower key index, -1 padding, exactly `naive.topk_from_scores`).
+The other path (int64 sort keys from the kernel + torch.topk + a sort of the survivors' indices, `topk_from_keys`)
+serves short rows and few rows (`choose_select`).
 Chunk size, grids and buffers depend on shapes only, so the whole op is CUDA-graph safe.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .budget import SCORE_BUDGET_ELEMS
+from .naive import ascending_keys
 from .triton_select import radix_topk_triton, select_scratch
 
 
@@ -186,14 +188,15 @@ NEG_INF_KEY_HIGH = -2139095041  # order-preserving int32 of -inf (0xFF800000 ^ 0
 
 
 def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
-    """keys [B, T, S] int64 from the logits kernel -> int32 [B, T, topk]: best first, ties to the lower key index,
-    -1 where the score is -inf (exactly `naive.topk_from_scores`' order). The keys are distinct, so an unsorted
-    radix select plus a sort of the topk survivors gives the same answer as a full stable sort, about 6x faster."""
+    """keys [B, T, S] int64 from the logits kernel -> int32 [B, T, topk]: the best keys, ties to the lower key
+    index, in ascending key order, -1 after them where the score is -inf (exactly `naive.topk_from_scores`). The
+    keys are distinct, so an unsorted torch.topk plus a sort of the topk survivors' indices gives the same answer
+    as a full stable sort, about 6x faster."""
     S = keys.shape[-1]
     k = min(topk, S)
-    vals = keys.topk(k, dim=-1, sorted=False).values.sort(dim=-1, descending=True).values
+    vals = keys.topk(k, dim=-1, sorted=False).values
     idx = 2147483647 - (vals & 0xFFFFFFFF)
-    idx = torch.where((vals >> 32) > NEG_INF_KEY_HIGH, idx, -1).to(torch.int32)
+    idx = ascending_keys(torch.where((vals >> 32) > NEG_INF_KEY_HIGH, idx, -1).to(torch.int32))
     if k < topk:
         idx = torch.nn.functional.pad(idx, (0, topk - k), value=-1)
     return idx
@@ -226,7 +229,8 @@ def indexer_topk_triton(
     select_overrides: dict | None = None, fp8: bool = False,
 ) -> torch.Tensor:
     """Same contract as `dsaflow.ops.indexer_topk.indexer_topk`: q [B, T, H_I, D_I], k [B, S, D_I], w [B, T, H_I],
-    positions [B, T] int -> int32 [B, T, topk], best first, -1 where fewer than topk keys are visible.
+    positions [B, T] int -> int32 [B, T, topk]: the best keys in ascending key order, -1 after them where fewer
+    than topk keys are visible.
 
     select="radix": fp32 logits (invisible tiles unwritten) + the select kernels (`triton_select`); select="sort":
     int64 sort keys + torch.topk + a sort of the survivors; "auto" (default): `choose_select`. Both are exact and

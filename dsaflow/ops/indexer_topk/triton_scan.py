@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .radix_bits import NEG_INF_ORDERED, SIGN, _ordered, _threshold_bucket
+from .radix_bits import INT32_MAX, NEG_INF_ORDERED, SIGN, _ordered, _threshold_bucket
 
 
 @triton.jit
@@ -18,7 +18,7 @@ def _scan_topk_kernel(
 ):
     """Rows up to ~64K keys: a histogram of the top byte over the whole visible row, a compaction pass (higher
     buckets -> out, the threshold bucket -> int32 candidate indices), byte-by-byte refinement over the candidates,
-    the ties lowest index first, a sort of the kk survivors (gathered scores)."""
+    the ties lowest index first, a sort of the kk survivors' indices."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // ROWS_PER_B
     t = pid % ROWS_PER_B
@@ -96,15 +96,12 @@ def _scan_topk_kernel(
             n_out += tl.sum(take.to(tl.int32), 0)
             n_tie += tl.sum(match.to(tl.int32), 0)
         tl.debug_barrier()  # the kk survivors were written by other threads
-    # 5. sort the survivors best first (ties: lower index first) and pad with -1
+    # 5. the survivors (higher buckets, then the threshold bucket's) in ascending key order, -inf ones dropped, -1 after
     ks = tl.arange(0, K_POW2)
     live = ks < kk
     sidx = tl.load(o_row + ks, mask=live, other=0)
     o = _ordered(tl.load(x_row + sidx, mask=live, other=float("-inf")))
-    key = (o.to(tl.int64) << 32) | (2147483647 - sidx).to(tl.int64)
-    key = tl.where(live, key, -9223372036854775807 - 1)
+    sidx = tl.where(live & (o > NEG_INF_ORDERED), sidx, INT32_MAX)
     tl.debug_barrier()  # every survivor is loaded before slots are overwritten
-    key = tl.sort(key, descending=True)
-    best = 2147483647 - key.to(tl.int32)  # the low word (truncation) is 2^31 - 1 - index
-    ok = (ks < kk) & ((key >> 32) > NEG_INF_ORDERED)
-    tl.store(o_row + ks, tl.where(ok, best, -1), mask=ks < TOPK)
+    sidx = tl.sort(sidx)
+    tl.store(o_row + ks, tl.where(sidx < INT32_MAX, sidx, -1), mask=ks < TOPK)

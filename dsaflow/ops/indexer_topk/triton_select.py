@@ -1,8 +1,8 @@
 """Exact causal top-k of fp32 score rows (one row = one query's scores over S keys), not a sort of the row.
 
 Scores map to order-preserving int32 (-0.0 made +0.0 first), and a key is the int64 (ordered score << 32 |
-2^31 - 1 - index): keys are distinct and their descending order is the model's order (best first, ties to the lower
-key index), exactly `naive.topk_from_scores`. Only each row's visible prefix [0, n), n = clamp(position + 1, 0, S),
+2^31 - 1 - index): keys are distinct and their descending order is the model's order (ties to the lower key index);
+the kk best come out in ascending key order, -1 after, exactly `naive.topk_from_scores`. Only each row's visible prefix [0, n), n = clamp(position + 1, 0, S),
 is read, so the invisible part of the score row need not be written. Rows up to 4K keys use one kernel
 (`triton_scan`: a radix select over the whole row); longer rows three ("sampled"):
 
@@ -14,7 +14,8 @@ is read, so the invisible part of the score row need not be written. Rows up to 
      program per row (prefill: many rows) a running count keeps them in index order without atomics; a few long
      rows (decode) are split over many programs that reserve slots with one atomic per block;
   3. finish (one program per row): a radix select on the candidate keys themselves (distinct, so the kk-th is
-     exact after at most 8 byte levels and usually 2-3), the kk survivors, one in-register sort of them. A row whose
+     exact after at most 8 byte levels and usually 2-3), then the kk survivors written in the candidates' index
+     order (no sort; an in-register sort by index only where atomics reserved the slots). A row whose
      sample missed (fewer than kk candidates: rare) first takes every visible key as a candidate (`_refill_kernel`).
 
 Grids and buffers depend on shapes only and nothing syncs with the host: the op is CUDA-graph safe.
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .radix_bits import INT32_MIN, INT64_MIN, NEG_INF_ORDERED, SIGN, _ordered, _threshold_bucket
+from .radix_bits import INT32_MAX, INT32_MIN, INT64_MIN, NEG_INF_ORDERED, SIGN, _ordered, _threshold_bucket
 from .triton_scan import _scan_topk_kernel
 
 
@@ -76,24 +77,31 @@ def _key_threshold(c_row, n_c, kk, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _write_best(c_row, v_row, o_row, n_c, kk, TOPK, BLOCK: tl.constexpr, K_POW2: tl.constexpr):
-    """The kk best of the n_c candidate keys in c_row (any order) -> o_row [TOPK]: best first, -1 padded."""
+def _write_best(c_row, v_row, o_row, n_c, kk, TOPK, BLOCK: tl.constexpr, K_POW2: tl.constexpr,
+                IN_ORDER: tl.constexpr):
+    """The kk best of the n_c candidate keys in c_row -> their indices in o_row [TOPK], ascending, -inf ones dropped,
+    -1 after. IN_ORDER: the candidates are in ascending index order (one compaction program per row), so the
+    survivors are written straight out in order; otherwise (slots reserved by atomics: decode) they go to v_row
+    (int32 [>= kk]) and are sorted by index."""
     thr = _key_threshold(c_row, n_c, kk, BLOCK)
     offs = tl.arange(0, BLOCK)
+    dst = o_row if IN_ORDER else v_row
     n_out = n_c * 0
     for c0 in range(0, n_c, BLOCK):
         ci = c0 + offs
         key = tl.load(c_row + ci, mask=ci < n_c, other=INT64_MIN)
-        take = (ci < n_c) & (key >= thr)
-        tl.store(v_row + n_out + tl.cumsum(take.to(tl.int32), 0) - 1, key, mask=take)
+        take = (ci < n_c) & (key >= thr) & ((key >> 32) > NEG_INF_ORDERED)
+        idx = 2147483647 - key.to(tl.int32)  # the low word (truncation) is 2^31 - 1 - index
+        tl.store(dst + n_out + tl.cumsum(take.to(tl.int32), 0) - 1, idx, mask=take)
         n_out += tl.sum(take.to(tl.int32), 0)
-    tl.debug_barrier()  # the kk survivors were written by other threads
-    ks = tl.arange(0, K_POW2)
-    key = tl.load(v_row + ks, mask=ks < kk, other=INT64_MIN)
-    key = tl.sort(tl.where(ks < kk, key, INT64_MIN), descending=True)
-    best = 2147483647 - key.to(tl.int32)  # the low word (truncation) is 2^31 - 1 - index
-    ok = (ks < kk) & ((key >> 32) > NEG_INF_ORDERED)
-    tl.store(o_row + ks, tl.where(ok, best, -1), mask=ks < TOPK)
+    if IN_ORDER:
+        for p0 in range(n_out, TOPK, BLOCK):
+            tl.store(o_row + p0 + offs, -1, mask=p0 + offs < TOPK)
+    else:
+        tl.debug_barrier()  # the survivors were written by other threads
+        ks = tl.arange(0, K_POW2)
+        idx = tl.sort(tl.load(v_row + ks, mask=ks < n_out, other=INT32_MAX))
+        tl.store(o_row + ks, tl.where(ks < n_out, idx, -1), mask=ks < TOPK)
 
 
 @triton.jit
@@ -178,10 +186,11 @@ def _refill_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, S, TOPK, ROWS_PER_B, s_x
 
 @triton.jit
 def _finish_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, surv_ptr, out_ptr, S, TOPK, ROWS_PER_B,
-                   s_xb, s_xt, s_pb, s_pt, s_cr, s_sr, s_ob, s_ot, BLOCK: tl.constexpr, K_POW2: tl.constexpr):
+                   s_xb, s_xt, s_pb, s_pt, s_cr, s_sr, s_ob, s_ot, BLOCK: tl.constexpr, K_POW2: tl.constexpr,
+                   IN_ORDER: tl.constexpr):
     pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
     _write_best(cand_ptr + pid * s_cr, surv_ptr + pid * s_sr, out_ptr + b * s_ob + t * s_ot, tl.load(count_ptr + pid),
-                kk, TOPK, BLOCK, K_POW2)
+                kk, TOPK, BLOCK, K_POW2, IN_ORDER)
 
 
 def select_config(S: int, overrides: dict | None = None) -> dict:
@@ -209,9 +218,10 @@ SCAN_MAX_KEYS = 4096
 
 def select_scratch(rows: int, S: int, topk: int, device) -> dict:
     """Scratch for `radix_topk_triton` over up to `rows` rows, reusable across calls: int64 candidate keys
-    [rows, S], int64 survivors [rows, topk], int32 floors and counts [rows]."""
+    [rows, S], int32 survivor indices [rows, topk] (sorted by index where the candidates arrive
+    out of order), int32 floors and counts [rows]."""
     return dict(cand=torch.empty(rows, max(S, 1), device=device, dtype=torch.int64),
-                surv=torch.empty(rows, max(topk, 1), device=device, dtype=torch.int64),
+                surv=torch.empty(rows, max(topk, 1), device=device, dtype=torch.int32),
                 floor=torch.empty(rows, device=device, dtype=torch.int32),
                 count=torch.empty(rows, device=device, dtype=torch.int32))
 
@@ -229,8 +239,8 @@ def radix_topk_triton(
     scratch: dict | None = None, overrides: dict | None = None,
 ) -> torch.Tensor:
     """scores [B, T, S] fp32 (last dim contiguous; only [0, positions + 1) of each row is read), positions [B, T]
-    int (< 0 = padding) -> int32 [B, T, topk]: best first, ties to the lower key index, -1 where the score is -inf
-    or fewer than topk keys are visible. `out` may be a [B, T, topk] int32 view; `scratch` from `select_scratch`
+    int (< 0 = padding) -> int32 [B, T, topk]: the best keys in ascending key order, ties to the lower key index,
+    -1 after them where the score is -inf or fewer than topk keys are visible. `out` may be a [B, T, topk] int32 view; `scratch` from `select_scratch`
     with at least B * T rows. overrides: see `select_config` (algo, BLOCK, BLOCK_FINISH, SAMPLE, whole_row, warps, programs)."""
     B, T, S = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
@@ -275,5 +285,6 @@ def radix_topk_triton(
                             BLOCK=cfg["BLOCK"], num_warps=cfg["warps_compact"])
     _finish_kernel[(rows,)](scores, positions, sc["count"], sc["cand"], sc["surv"], out, *row_args,
                             sc["cand"].stride(0), sc["surv"].stride(0), out.stride(0), out.stride(1),
-                            BLOCK=cfg["BLOCK_FINISH"], K_POW2=k_pow2, num_warps=cfg["warps_finish"])
+                            BLOCK=cfg["BLOCK_FINISH"], K_POW2=k_pow2, IN_ORDER=splits == 1,
+                            num_warps=cfg["warps_finish"])
     return out

@@ -8,7 +8,7 @@ scores are -inf. A query with no valid key writes out = 0 and lse = -inf.
 
 Each program stops its key loop at its query's key extent n_keys[b, t] = 1 + the last slot holding a valid index (0
 if none; `key_extent`, computed once per call by a small kernel, no host sync): the top-k op returns each query's keys
-best first and pads with -1, so in causal training query t < topk has only t + 1 keys (a quarter of the slots at 4096
+in ascending key order and pads with -1, so in causal training query t < topk has only t + 1 keys (a quarter of the slots at 4096
 tokens and topk 2048). Invalid slots before the extent are still masked, so any placement of -1 is correct.
 
 The key range can be split across programs (flash-decoding): each split writes its normalised partial output and
