@@ -9,7 +9,8 @@ Forward: 4096 queries at the end of a 32K / 128K context, h128, d_qk 576, d_v 51
 triton.testing.do_bench (median) next to the Triton kernel and the bf16 8192^3 matmul ceiling of the same process.
 Decode: 128 sequences x 1 token x 16 heads (a TP-8 shard), 32K cache, topk 2048; bytes = gathered rows
 (128 x 2048 x 576 x 2) + q + out + indices, against the device copy rate of the same process.
-Writes <out>/bench_hopper_<part>.json and .md.
+Each query's keys are sorted ascending, as the top-k op returns them (--index-order random: unsorted, the layout
+of the numbers measured before the op's order changed). Writes <out>/bench_hopper_<part>[_random].json and .md.
 """
 from __future__ import annotations
 
@@ -63,12 +64,16 @@ def ceilings():
     return mm, cp
 
 
-def inputs(ctx, n_q, h=H, batch=1, seed=0, invalid=False):
+def inputs(ctx, n_q, h=H, batch=1, seed=0, invalid=False, order="ascending"):
+    """Query i sits at position ctx - n_q + i and selects TOPK uniform random keys of [0, position] (a few repeat):
+    order "ascending" sorts them by key, the layout the top-k op returns; "random" leaves them unsorted."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(batch, n_q, h, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
     kv = torch.randn(batch, ctx, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
     pos = torch.arange(ctx - n_q, ctx, device="cuda").view(1, n_q, 1)
     idx = (torch.rand(batch, n_q, TOPK, device="cuda", generator=g) * (pos + 1)).to(torch.int32)
+    if order == "ascending":
+        idx = idx.sort(dim=-1).values
     if invalid:
         idx[:, :, ::7] = -1
         idx[:, :, 3::11] = ctx + 5
@@ -76,7 +81,7 @@ def inputs(ctx, n_q, h=H, batch=1, seed=0, invalid=False):
     return q, kv, idx
 
 
-def fwd_part(variants, contexts, mm):
+def fwd_part(variants, contexts, mm, order):
     scale = D_QK**-0.5
     # correctness on a small problem with invalid indices and a query without keys
     q, kv, idx = inputs(8192, 64, invalid=True, seed=3)
@@ -99,7 +104,7 @@ def fwd_part(variants, contexts, mm):
             empty_ok=bool(torch.isinf(l[0, 1]).all() and (o[0, 1] == 0).all()), compile_s=round(time.time() - t0, 1),
             regs=regs, spills=spills, shared=getattr(k, "metadata", None) and k.metadata.shared)
     for ctx in contexts:
-        q, kv, idx = inputs(ctx, 4096)
+        q, kv, idx = inputs(ctx, 4096, order=order)
         flops = 2 * H * TOPK * (D_QK + D_V) * 4096
         o_t, l_t = tp.sparse_mla_fwd_triton(q, kv, idx, scale, D_V)
         ms = bench(lambda: tp.sparse_mla_fwd_triton(q, kv, idx, scale, D_V))
@@ -118,10 +123,10 @@ def fwd_part(variants, contexts, mm):
         del q, kv, idx, o_t, l_t
 
 
-def decode_part(cp, configs):
+def decode_part(cp, configs, order):
     scale = D_QK**-0.5
     B, h, ctx = 128, 16, 32768
-    q, kv, idx = inputs(ctx, 1, h=h, batch=B, seed=1)
+    q, kv, idx = inputs(ctx, 1, h=h, batch=B, seed=1, order=order)
     nbytes = B * TOPK * D_QK * 2 + q.numel() * 2 + B * h * D_V * 2 + idx.numel() * 4
     ref_o, ref_l = td.sparse_mla_decode_triton(q, kv, idx, scale, D_V)
     for cfg in configs:
@@ -150,16 +155,20 @@ def main():
     ap.add_argument("--part", default="all", choices=("all", "fwd", "decode"))
     ap.add_argument("--variant", default=",".join(VARIANTS))
     ap.add_argument("--contexts", default="8192,32768,131072")
+    ap.add_argument("--index-order", default="ascending", choices=("ascending", "random"),
+                    help="order of each query's selected keys: the top-k op's (ascending) or unsorted")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rec(kind="env", device=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__)
+    rec(kind="env", device=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
+        index_order=args.index_order)
     mm, cp = ceilings()
     if args.part in ("all", "fwd"):
-        fwd_part(args.variant.split(","), [int(c) for c in args.contexts.split(",")], mm)
+        fwd_part(args.variant.split(","), [int(c) for c in args.contexts.split(",")], mm, args.index_order)
     if args.part in ("all", "decode"):
-        decode_part(cp, DECODE_CONFIGS)
+        decode_part(cp, DECODE_CONFIGS, args.index_order)
     tag = args.part if args.part != "fwd" else f"fwd_{args.variant.replace(',', '_')}"
+    tag += "" if args.index_order == "ascending" else "_random"
     (out / f"bench_hopper_{tag}.json").write_text(json.dumps(ROWS, indent=1))
     lines = ["| kind | impl / cfg | ctx | ms | TFLOP/s or TB/s | fraction of ceiling | check |", "|---|---|---|---|---|---|---|"]
     for r in ROWS:
