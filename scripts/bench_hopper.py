@@ -1,4 +1,5 @@
-"""Sparse MLA forward on Hopper: the Gluon warp-specialised kernel's variants vs the Triton kernel, plus decode configs.
+"""Sparse MLA forward on Hopper: the Gluon warp-specialised kernel's variants vs the Triton kernel, plus decode
+configs of the split-K Triton kernel and the Gluon decode.
 
     python scripts/bench_hopper.py --out bench_out/hopper                 # everything, one process
     python scripts/bench_hopper.py --out DIR --part fwd --variant early   # one forward variant (own process)
@@ -29,6 +30,7 @@ import importlib  # noqa: E402
 hp = importlib.import_module("dsaflow.ops.sparse_mla.hopper_prefill")
 tp = importlib.import_module("dsaflow.ops.sparse_mla.triton_prefill")
 td = importlib.import_module("dsaflow.ops.sparse_mla.triton_decode")
+hd = importlib.import_module("dsaflow.ops.sparse_mla.hopper_decode")
 naive = importlib.import_module("dsaflow.ops.sparse_mla.naive")
 
 H, D_QK, D_V, TOPK = 128, 576, 512, 2048
@@ -140,8 +142,19 @@ def decode_part(cp, configs, order):
             rec(kind="decode", cfg=cfg, ms=round(ms, 4), tbps=round(tb, 3), frac_copy=round(tb / cp, 3), maxdiff=diff)
         except Exception as e:
             rec(kind="decode", cfg=cfg, error=f"{type(e).__name__}: {str(e)[:200]}")
+    for cfg in GLUON_DECODE_CONFIGS:
+        name = dict(kernel="gluon", **cfg)
+        try:
+            o, l = hd.sparse_mla_decode_hopper(q, kv, idx, scale, D_V, cfg)
+            diff = (o.float() - ref_o.float()).abs().max().item()
+            ms = bench(lambda: hd.sparse_mla_decode_hopper(q, kv, idx, scale, D_V, cfg))
+            tb = nbytes / ms / 1e9
+            rec(kind="decode", cfg=name, ms=round(ms, 4), tbps=round(tb, 3), frac_copy=round(tb / cp, 3), maxdiff=diff)
+        except Exception as e:
+            rec(kind="decode", cfg=name, error=f"{type(e).__name__}: {str(e)[:200]}")
 
 
+GLUON_DECODE_CONFIGS = [{}, dict(BLOCK_K=32, NUM_STAGES=4), dict(BLOCK_K=32, NUM_STAGES=5)]  # over DECODE_CFG
 DECODE_CONFIGS = [  # merged over triton_decode.decode_overrides (8 warps for this shape)
     {},  # the committed rule: 2 splits, BLOCK_K 64, 2 stages, 8 warps
     dict(num_warps=4),  # round 2's default

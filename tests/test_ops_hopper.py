@@ -1,4 +1,5 @@
-"""Hopper (sm_90) Gluon sparse MLA forward vs the naive fp32 reference, its capability rule, and decode configs.
+"""Hopper (sm_90) Gluon sparse MLA forward and decode vs the naive fp32 reference, their capability rules, and
+decode configs.
 
 The Gluon kernel does not run in the CPU interpreter: the CPU tests check only what `hopper_fwd_supports` refuses.
 `gpu` tests skip unless a CUDA device of compute capability 9.x is present. Inputs come from seeded generators;
@@ -158,30 +159,79 @@ def test_decode_overrides_rule():
     assert decode_overrides(_t(4, 1, 16, 40, dtype=torch.float32), 32) == {}
 
 
-@pytest.mark.gpu
-def test_decode_tp8_shard_vs_naive_and_graph():
-    """128 x 1 token x 16 heads (8 warps, 2 splits), bf16, invalid indices and an empty query; graph == eager."""
-    from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
+def _decode_fn(kernel: str):
+    """The TP-8 decode shard's kernels: the portable split-K one (8 warps, 2 splits) and the Gluon one, which writes
+    into NaN-poisoned outputs."""
+    if kernel == "triton":
+        from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
 
+        return lambda q, kv, idx: sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+    if not IS_HOPPER:
+        pytest.skip("needs an sm_90 GPU")
+    from dsaflow.ops.sparse_mla.hopper_decode import sparse_mla_decode_hopper
+
+    def run(q, kv, idx):
+        out = torch.full((*q.shape[:3], 512), float("nan"), device=q.device, dtype=q.dtype)
+        lse = torch.full(q.shape[:3], float("nan"), device=q.device)
+        return sparse_mla_decode_hopper(q, kv, idx, 0.04, 512, out=out, lse=lse)
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton", "hopper"])
+def test_decode_tp8_shard_vs_naive_and_graph(kernel):
+    """128 x 1 token x 16 heads, bf16, invalid indices and an empty query; graph replay == eager, bit for bit."""
+    decode = _decode_fn(kernel)
     q, kv, idx = make_inputs(128, 1, 16, 2048, 2048, torch.bfloat16, "cuda", seed=21)
     idx[3] = -1
-    out, lse = sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+    out, lse = decode(q, kv, idx)
     check_against_naive(out, lse, q, kv, idx, 0.04, sample=torch.arange(1))
     assert torch.isinf(lse[3]).all() and (out[3] == 0).all()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+        decode(q, kv, idx)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_out, g_lse = sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+        g_out, g_lse = decode(q, kv, idx)
     q2, _, idx2 = make_inputs(128, 1, 16, 2048, 2048, torch.bfloat16, "cuda", seed=22)
     q.copy_(q2)
     idx.copy_(idx2)
     graph.replay()
-    out, lse = sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+    out, lse = decode(q, kv, idx)
     assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+
+
+@pytest.mark.gpu
+def test_hopper_decode_multi_token_odd_keys_fp16():
+    """T = 3 tokens per sequence, 2 head blocks (H 32), topk 300 (not a multiple of the 64-row block), fp16, a
+    block of -1 slots in the middle of a row: against the naive reference."""
+    decode = _decode_fn("hopper")
+    q, kv, idx = make_inputs(2, 3, 32, 5000, 300, torch.float16, "cuda", seed=23)
+    idx[1, 2, 64:192] = -1
+    out, lse = decode(q, kv, idx)
+    check_against_naive(out, lse, q, kv, idx, 0.04, sample=torch.arange(3))
+
+
+def test_decode_rule_takes_16_head_shards_only(monkeypatch):
+    """The Gluon decode's shape rule (heads in blocks of 16) and the dispatch rule (exactly 16 heads, never on CPU,
+    off under DSAFLOW_SPARSE_MLA_FWD=triton)."""
+    from dsaflow.ops.sparse_mla.hopper_decode import DECODE_BLOCK_H
+    from dsaflow.ops.sparse_mla.triton_dispatch import select_decode
+
+    kv, idx = _t(1, 8, 576), torch.zeros(1, 1, 4, dtype=torch.int32)
+    assert _shape_reason(_t(1, 1, 16, 576), kv, idx, 512, DECODE_BLOCK_H) is None
+    assert "multiple of 16" in _shape_reason(_t(1, 1, 8, 576), kv, idx, 512, DECODE_BLOCK_H)
+    assert "multiple of 64" in _shape_reason(_t(1, 1, 16, 576), kv, idx, 512)
+    assert select_decode(_t(1, 1, 16, 576), kv, idx, 512) == "triton"  # CPU tensors
+    if IS_HOPPER:
+        dev = dict(device="cuda")
+        q16, kv_c, idx_c = _t(1, 1, 16, 576).to(**dev), kv.to(**dev), idx.to(**dev)
+        assert select_decode(q16, kv_c, idx_c, 512) == "hopper"
+        assert select_decode(_t(1, 1, 32, 576).to(**dev), kv_c, idx_c, 512) == "triton"
+        monkeypatch.setenv("DSAFLOW_SPARSE_MLA_FWD", "triton")
+        assert select_decode(q16, kv_c, idx_c, 512) == "triton"
 
 
 def test_dispatch_selects_by_an_explicit_rule(monkeypatch):

@@ -59,24 +59,30 @@ def _gluon_ok() -> str | None:
 
 def hopper_fwd_supports(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> str | None:
     """None if `sparse_mla_fwd_hopper` takes these inputs, else the reason it does not (no GPU needed to ask)."""
+    return _device_reason(q) or _shape_reason(q, kv, indices, d_v) or _gluon_ok()
+
+
+def _device_reason(q: torch.Tensor) -> str | None:
+    """The Gluon kernels (this forward, `hopper_decode`) run on CUDA devices of compute capability 9.x."""
     if q.device.type != "cuda":
-        return f"device {q.device.type} (the Gluon kernel runs on CUDA sm_90 only)"
+        return f"device {q.device.type} (the Gluon kernels run on CUDA sm_90 only)"
     major, minor = torch.cuda.get_device_capability(q.device)
     if major != 9:
-        return f"compute capability {major}.{minor} (wgmma and setmaxnreg need sm_90)"
-    return _shape_reason(q, kv, indices, d_v) or _gluon_ok()
+        return f"compute capability {major}.{minor} (warp specialisation with setmaxnreg and wgmma need sm_90)"
+    return None
 
 
-def _shape_reason(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> str | None:
-    """The device-independent part of the capability rule (tested on CPU)."""
+def _shape_reason(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, block_h: int = BLOCK_H,
+                  why_h: str = "one wgmma M tile per head block") -> str | None:
+    """The device-independent part of the capability rule (tested on CPU); heads in blocks of `block_h`."""
     if q.dim() != 4 or kv.dim() != 3 or indices.dim() != 3:
         return f"ranks q={q.dim()} kv={kv.dim()} indices={indices.dim()} (want 4, 3, 3)"
     if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
         return f"dtypes q={q.dtype} kv={kv.dtype} (want bf16 or fp16, equal)"
     if d_v != D_V_SUPPORTED or q.shape[-1] != D_V_SUPPORTED + D_TAIL_SUPPORTED or kv.shape[-1] != q.shape[-1]:
         return f"d_v={d_v}, d_qk={q.shape[-1]}, kv d={kv.shape[-1]} (want d_v 512, d_qk 576: DeepSeek MLA)"
-    if q.shape[2] % BLOCK_H != 0:
-        return f"H={q.shape[2]} (want a multiple of {BLOCK_H}: one wgmma M tile per head block)"
+    if q.shape[2] % block_h != 0:
+        return f"H={q.shape[2]} (want a multiple of {block_h}: {why_h})"
     if indices.dtype != torch.int32:
         return f"indices dtype {indices.dtype} (want int32)"
     if q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1:

@@ -2,8 +2,10 @@
 
 - grad needed (grad mode on and q or kv requires grad): `SparseMLATriton` (prefill forward + Triton backward; the
   backward is deterministic when `determinism.is_deterministic()` holds at backward time).
-- no grad: the split-K decode launcher, which uses one split (= the prefill kernel) when the grid already fills the
-  GPU and several when B * T is small.
+- no grad: the Hopper prefill forward when the grid already fills the GPU; else, for 16 heads per query (a TP-8
+  shard of V3.2's 128) on sm_90, the warp-specialised Gluon decode (`hopper_decode.py`, `select_decode`); else the
+  split-K decode launcher, which uses one split (= the prefill kernel) when the grid already fills the GPU and several
+  when B * T is small.
 - the prefill forward (grad, or no grad with one split) is the warp-specialised Gluon kernel (`hopper_prefill.py`)
   where `select_forward` says so: an sm_90 GPU, DeepSeek MLA shapes and triton 3.6's Gluon; else the portable Triton
   kernel. `DSAFLOW_SPARSE_MLA_FWD=triton|hopper` forces one (hopper raises with the reason where it cannot run).
@@ -21,7 +23,8 @@ import warnings
 import torch
 
 from .determinism import is_deterministic
-from .hopper_prefill import _shape_reason, hopper_fwd_supports, sparse_mla_fwd_hopper
+from .hopper_decode import DECODE_BLOCK_H, hopper_decode_supports, sparse_mla_decode_hopper
+from .hopper_prefill import _gluon_ok, _shape_reason, hopper_fwd_supports, sparse_mla_fwd_hopper
 from .naive import sparse_mla_naive
 from .triton_backward import sparse_mla_bwd_triton
 from .triton_decode import choose_num_splits, sparse_mla_decode_triton
@@ -83,6 +86,22 @@ def select_forward(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v
     return "hopper" if reason is None else "triton"
 
 
+def select_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> str:
+    """"hopper" or "triton": which kernel runs a no-grad call that the Hopper prefill forward does not take
+    (shape-only, fixed for a captured graph). The Gluon decode serves exactly 16 heads per query, where it measured
+    85 % of the copy rate on an H200 against the split-K kernel's 70 % (docs/kernels.md); with more heads its one
+    program per 16-head block would gather each row once per block. `DSAFLOW_SPARSE_MLA_FWD=triton` keeps the
+    portable kernel."""
+    if os.environ.get("DSAFLOW_SPARSE_MLA_FWD", "auto") == "triton" or q.shape[2] != DECODE_BLOCK_H:
+        return "triton"
+    reason = hopper_decode_supports(q, kv, indices, d_v)
+    if reason is not None and reason == _gluon_ok() and reason not in _WARNED_NO_GLUON:
+        _WARNED_NO_GLUON.add(reason)  # sm_90 and a 16-head shard, but not the Gluon the kernel is written for
+        warnings.warn(f"sparse_mla: the Hopper decode kernel is unavailable ({reason}); using the portable split-K "
+                      f"decode.", stacklevel=3)
+    return "hopper" if reason is None else "triton"
+
+
 def prefill_forward(q, kv, indices, sm_scale: float, d_v: int, n_keys=None):
     if select_forward(q, kv, indices, d_v) == "hopper":
         return sparse_mla_fwd_hopper(q, kv, indices, sm_scale, d_v, n_keys=n_keys)
@@ -139,4 +158,6 @@ def sparse_mla_triton(
             # Without grad (serving prefill, evaluation) every slot: a served chunk's rows are full past the first
             # topk positions, where the extent's launch and dependent load cost 2-5 % (H200, 4096 queries).
             return sparse_mla_fwd_hopper(q, kv, indices, float(sm_scale), int(d_v), cfg=NO_GRAD_HOPPER_CFG)
+    if select_decode(q, kv, indices, d_v) == "hopper":
+        return sparse_mla_decode_hopper(q, kv, indices, float(sm_scale), int(d_v))
     return sparse_mla_decode_triton(q, kv, indices, float(sm_scale), int(d_v))
