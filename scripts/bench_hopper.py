@@ -131,23 +131,19 @@ def decode_part(cp, configs, order):
     q, kv, idx = inputs(ctx, 1, h=h, batch=B, seed=1, order=order)
     nbytes = B * TOPK * D_QK * 2 + q.numel() * 2 + B * h * D_V * 2 + idx.numel() * 4
     ref_o, ref_l = td.sparse_mla_decode_triton(q, kv, idx, scale, D_V)
-    for cfg in configs:
-        ns = cfg.get("num_splits")
+
+    def split_k(cfg):
         ov = {k: v for k, v in cfg.items() if k != "num_splits"} or None
+        return lambda: td.sparse_mla_decode_triton(q, kv, idx, scale, D_V, num_splits=cfg.get("num_splits"),
+                                                   overrides=ov)
+
+    runs = [(cfg, split_k(cfg)) for cfg in configs]
+    runs += [(dict(kernel="gluon", **cfg), lambda cfg=cfg: hd.sparse_mla_decode_hopper(q, kv, idx, scale, D_V, cfg))
+             for cfg in GLUON_DECODE_CONFIGS]
+    for name, fn in runs:
         try:
-            o, l = td.sparse_mla_decode_triton(q, kv, idx, scale, D_V, num_splits=ns, overrides=ov)
-            diff = (o.float() - ref_o.float()).abs().max().item()
-            ms = bench(lambda: td.sparse_mla_decode_triton(q, kv, idx, scale, D_V, num_splits=ns, overrides=ov))
-            tb = nbytes / ms / 1e9
-            rec(kind="decode", cfg=cfg, ms=round(ms, 4), tbps=round(tb, 3), frac_copy=round(tb / cp, 3), maxdiff=diff)
-        except Exception as e:
-            rec(kind="decode", cfg=cfg, error=f"{type(e).__name__}: {str(e)[:200]}")
-    for cfg in GLUON_DECODE_CONFIGS:
-        name = dict(kernel="gluon", **cfg)
-        try:
-            o, l = hd.sparse_mla_decode_hopper(q, kv, idx, scale, D_V, cfg)
-            diff = (o.float() - ref_o.float()).abs().max().item()
-            ms = bench(lambda: hd.sparse_mla_decode_hopper(q, kv, idx, scale, D_V, cfg))
+            diff = (fn()[0].float() - ref_o.float()).abs().max().item()
+            ms = bench(fn)
             tb = nbytes / ms / 1e9
             rec(kind="decode", cfg=name, ms=round(ms, 4), tbps=round(tb, 3), frac_copy=round(tb / cp, 3), maxdiff=diff)
         except Exception as e:

@@ -25,4 +25,5 @@ def indexer_topk(
     return indexer_topk_naive(q, k, w, positions, topk, fp8=fp8)
 
 
-__all__ = ["ascending_keys", "indexer_topk", "indexer_topk_naive", "indexer_scores_naive", "topk_from_scores", "visible_mask"]
+__all__ = ["ascending_keys", "indexer_topk", "indexer_topk_naive", "indexer_scores_naive", "topk_from_scores",
+           "visible_mask"]

@@ -2,9 +2,9 @@
 
 Scores map to order-preserving int32 (-0.0 made +0.0 first), and a key is the int64 (ordered score << 32 |
 2^31 - 1 - index): keys are distinct and their descending order is the model's order (ties to the lower key index);
-the kk best come out in ascending key order, -1 after, exactly `naive.topk_from_scores`. Only each row's visible prefix [0, n), n = clamp(position + 1, 0, S),
-is read, so the invisible part of the score row need not be written. Rows up to 4K keys use one kernel
-(`triton_scan`: a radix select over the whole row); longer rows three ("sampled"):
+the kk best come out in ascending key order, -1 after, exactly `naive.topk_from_scores`. Only each row's visible
+prefix [0, n), n = clamp(position + 1, 0, S), is read, so the invisible part of the score row need not be written.
+Rows up to 4K keys use one kernel (`triton_scan`: a radix select over the whole row); longer rows three ("sampled"):
 
   1. floor (one program per row): the r-th largest of SAMPLE evenly spaced scores (a radix select in registers),
      r chosen so that the row holds >= kk = min(topk, n) scores at or above it but for ~1e-6 of rows (on an H200
@@ -240,8 +240,9 @@ def radix_topk_triton(
 ) -> torch.Tensor:
     """scores [B, T, S] fp32 (last dim contiguous; only [0, positions + 1) of each row is read), positions [B, T]
     int (< 0 = padding) -> int32 [B, T, topk]: the best keys in ascending key order, ties to the lower key index,
-    -1 after them where the score is -inf or fewer than topk keys are visible. `out` may be a [B, T, topk] int32 view; `scratch` from `select_scratch`
-    with at least B * T rows. overrides: see `select_config` (algo, BLOCK, BLOCK_FINISH, SAMPLE, whole_row, warps, programs)."""
+    -1 after them where the score is -inf or fewer than topk keys are visible. `out` may be a [B, T, topk] int32
+    view; `scratch` from `select_scratch` with at least B * T rows. overrides: see `select_config` (algo, BLOCK,
+    BLOCK_FINISH, SAMPLE, whole_row, warps, programs)."""
     B, T, S = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError(f"radix_topk_triton needs fp32 scores with a contiguous last dim, got {scores.dtype} "

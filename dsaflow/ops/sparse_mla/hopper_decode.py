@@ -152,7 +152,8 @@ def sparse_mla_decode_hopper(
     c = dict(DECODE_CFG, **(cfg or {}))
     unknown = set(c) - set(DECODE_CFG)
     if unknown:
-        raise ValueError(f"sparse_mla_decode_hopper: unknown config keys {sorted(unknown)} (known: {sorted(DECODE_CFG)})")
+        raise ValueError(f"sparse_mla_decode_hopper: unknown config keys {sorted(unknown)} "
+                         f"(known: {sorted(DECODE_CFG)})")
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
     out = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype) if out is None else out

@@ -8,8 +8,9 @@ scores are -inf. A query with no valid key writes out = 0 and lse = -inf.
 
 Each program stops its key loop at its query's key extent n_keys[b, t] = 1 + the last slot holding a valid index (0
 if none; `key_extent`, computed once per call by a small kernel, no host sync): the top-k op returns each query's keys
-in ascending key order and pads with -1, so in causal training query t < topk has only t + 1 keys (a quarter of the slots at 4096
-tokens and topk 2048). Invalid slots before the extent are still masked, so any placement of -1 is correct.
+in ascending key order and pads with -1, so in causal training query t < topk has only t + 1 keys (a quarter of the
+slots at 4096 tokens and topk 2048). Invalid slots before the extent are still masked, so any placement of -1 is
+correct.
 
 The key range can be split across programs (flash-decoding): each split writes its normalised partial output and
 lse in fp32, and `triton_decode` merges them. With one split the kernel writes out/lse directly.
