@@ -70,8 +70,7 @@ class TrainStage(nn.Module):
         self.stage = stage
         self.attn = "sparse"
         self.live = False
-        self.weight = indexer_loss_weight
-        self.in_backward = IndexerLossInBackward(indexer_loss_weight)
+        self.in_backward = IndexerLossInBackward(indexer_loss_weight)  # holds the weight for both loss paths
         self.indexer_losses: List[torch.Tensor] = self.in_backward.values
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +82,7 @@ class TrainStage(nn.Module):
         self.stage.indexer_loss = None
         if learn and loss is not None and loss.requires_grad:
             self.indexer_losses.append(loss.detach())
-            out = attach_aux_loss(out, loss, self.weight)
+            out = attach_aux_loss(out, loss, self.in_backward.weight)
         return out
 
 
