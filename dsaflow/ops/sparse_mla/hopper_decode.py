@@ -28,7 +28,7 @@ if _GLUON_ERROR is None:
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from .hopper_prefill import _producer
+    from .hopper_prefill import _alloc_tiles, _load_q, _producer, _program_query
 
     _DBH = gl.constexpr(DECODE_BLOCK_H)
 
@@ -88,37 +88,12 @@ if _GLUON_ERROR is None:
         BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_T: gl.constexpr, NUM_STAGES: gl.constexpr,
         PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
-        s_qb = gl.multiple_of(s_qb, 8)
-        s_qt = gl.multiple_of(s_qt, 8)
-        s_qh = gl.multiple_of(s_qh, 8)
-        pid = gl.program_id(0)
-        hb = pid % n_hblk
-        qi = (pid // n_hblk).to(gl.int64)
-        b = qi // T
-        t = qi % T
-        h0 = hb * _DBH
+        qi, b, t, h0 = _program_query(n_hblk, T, _DBH)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         tile_l: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])  # ldmatrix-friendly, 64-column period
-        qn_smem = gl.allocate_shared_memory(dtype, [_DBH, D_V], tile_l)
-        qr_smem = gl.allocate_shared_memory(dtype, [_DBH, D_T], tile_l)
-        kn_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, D_V], tile_l)
-        kr_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, D_T], tile_l)
-        p_smem = gl.allocate_shared_memory(dtype, [_DBH, BLOCK_K], tile_l)
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)
-            mbarrier.init(empty.index(i), count=1)
-        ql: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        qtl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        q_base = q_ptr + b * s_qb + t * s_qt + h0.to(gl.int64) * s_qh
-        rq = gl.arange(0, _DBH, layout=gl.SliceLayout(1, ql))
-        cq = gl.arange(0, D_V, layout=gl.SliceLayout(0, ql))
-        qn_smem.store(gl.load(q_base + rq[:, None] * s_qh + cq[None, :]))
-        rt = gl.arange(0, _DBH, layout=gl.SliceLayout(1, qtl))
-        ct = gl.arange(0, D_T, layout=gl.SliceLayout(0, qtl))
-        qr_smem.store(gl.load(q_base + rt[:, None] * s_qh + D_V + ct[None, :]))
-        gl.thread_barrier()
+        qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty = _alloc_tiles(
+            dtype, _DBH, BLOCK_K, D_V, D_T, NUM_STAGES, PRODUCER_WARPS, tile_l, tile_l, tile_l, tile_l, tile_l)
+        _load_q(q_ptr, qn_smem, qr_smem, b, t, h0, s_qb, s_qt, s_qh, _DBH, D_V, D_T, 4)
         gl.warp_specialize(
             [
                 (_decode_consumer, (qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty, idx_ptr, out_ptr,

@@ -223,6 +223,53 @@ if _GLUON_ERROR is None:
         gl.store(lse_ptr + b * s_lb + t * s_lt + h0 + lrows, lse)
 
     @gluon.jit
+    def _program_query(n_hblk, T, BH: gl.constexpr):
+        """Program id -> (query index, b, t, first head): 1-D grid (no 65,535 limit), a query's head blocks adjacent
+        so they share its gathered rows in L2."""
+        pid = gl.program_id(0)
+        qi = (pid // n_hblk).to(gl.int64)
+        return qi, qi // T, qi % T, (pid % n_hblk) * BH
+
+    @gluon.jit
+    def _alloc_tiles(dtype: gl.constexpr, BH: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr,
+                     D_T: gl.constexpr, NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, qn_l: gl.constexpr,
+                     qr_l: gl.constexpr, kn_l: gl.constexpr, kr_l: gl.constexpr, p_l: gl.constexpr):
+        """Shared memory of both Gluon kernels: Q (value part, rope tail), the ring of gathered rows, P, and the
+        ring's mbarriers: `ready[s]` completes when every producer thread's copies into stage s have landed (noinc
+        arrivals), `empty[s]` when the consumer partition is done with it."""
+        qn_smem = gl.allocate_shared_memory(dtype, [BH, D_V], qn_l)
+        qr_smem = gl.allocate_shared_memory(dtype, [BH, D_T], qr_l)
+        kn_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, D_V], kn_l)
+        kr_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, D_T], kr_l)
+        p_smem = gl.allocate_shared_memory(dtype, [BH, BLOCK_K], p_l)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)
+            mbarrier.init(empty.index(i), count=1)
+        return qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty
+
+    @gluon.jit
+    def _load_q(q_ptr, qn_smem, qr_smem, b, t, h0, s_qb, s_qt, s_qh, BH: gl.constexpr, D_V: gl.constexpr,
+                D_T: gl.constexpr, WARPS: gl.constexpr):
+        """Q [BH, D_V + D_T] of this program's head block into shared memory (plain loads, every warp), visible to
+        the tensor cores and to every partition once this returns."""
+        s_qb = gl.multiple_of(s_qb, 8)  # hopper_fwd_supports checks: every row starts on 16 bytes
+        s_qt = gl.multiple_of(s_qt, 8)
+        s_qh = gl.multiple_of(s_qh, 8)
+        ql: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+        qtl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+        q_base = q_ptr + b * s_qb + t * s_qt + h0.to(gl.int64) * s_qh
+        rq = gl.arange(0, BH, layout=gl.SliceLayout(1, ql))
+        cq = gl.arange(0, D_V, layout=gl.SliceLayout(0, ql))
+        qn_smem.store(gl.load(q_base + rq[:, None] * s_qh + cq[None, :]))
+        rt = gl.arange(0, BH, layout=gl.SliceLayout(1, qtl))
+        ct = gl.arange(0, D_T, layout=gl.SliceLayout(0, qtl))
+        qr_smem.store(gl.load(q_base + rt[:, None] * s_qh + D_V + ct[None, :]))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
     def _hopper_fwd_kernel(
         q_ptr, kv_ptr, idx_ptr, nk_ptr, out_ptr, lse_ptr,
         T, S, K, n_hblk, scale_log2,
@@ -230,16 +277,7 @@ if _GLUON_ERROR is None:
         BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_T: gl.constexpr, NUM_STAGES: gl.constexpr,
         PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DIAG: gl.constexpr, KEY_EXTENT: gl.constexpr,
     ):
-        # hopper_fwd_supports checks these: every row starts on 16 bytes (16-byte loads and cp.async)
-        s_qb = gl.multiple_of(s_qb, 8)
-        s_qt = gl.multiple_of(s_qt, 8)
-        s_qh = gl.multiple_of(s_qh, 8)
-        pid = gl.program_id(0)  # 1-D grid (no 65,535 limit): head blocks of a query are adjacent (shared rows in L2)
-        hb = pid % n_hblk
-        qi = (pid // n_hblk).to(gl.int64)
-        b = qi // T
-        t = qi % T
-        h0 = hb * _BH
+        qi, b, t, h0 = _program_query(n_hblk, T, _BH)
         if KEY_EXTENT:
             n_k = gl.load(nk_ptr + qi)  # key extent: both partitions take this one value as their trip count
         else:  # every slot (the round-4 kernel)
@@ -251,29 +289,9 @@ if _GLUON_ERROR is None:
         kn_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_V], dtype)
         kr_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, D_T], dtype)
         p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, BLOCK_K], dtype)
-        qn_smem = gl.allocate_shared_memory(dtype, [_BH, D_V], qn_l)
-        qr_smem = gl.allocate_shared_memory(dtype, [_BH, D_T], qr_l)
-        kn_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, D_V], kn_l)
-        kr_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, D_T], kr_l)
-        p_smem = gl.allocate_shared_memory(dtype, [_BH, BLOCK_K], p_l)
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)
-            mbarrier.init(empty.index(i), count=1)
-
-        # Q [64, 576] of this head block into shared memory (8 warps, plain loads).
-        ql: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-        qtl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-        q_base = q_ptr + b * s_qb + t * s_qt + h0.to(gl.int64) * s_qh
-        rq = gl.arange(0, _BH, layout=gl.SliceLayout(1, ql))
-        cq = gl.arange(0, D_V, layout=gl.SliceLayout(0, ql))
-        qn_smem.store(gl.load(q_base + rq[:, None] * s_qh + cq[None, :]))
-        rt = gl.arange(0, _BH, layout=gl.SliceLayout(1, qtl))
-        ct = gl.arange(0, D_T, layout=gl.SliceLayout(0, qtl))
-        qr_smem.store(gl.load(q_base + rt[:, None] * s_qh + D_V + ct[None, :]))
-        fence_async_shared()
-        gl.thread_barrier()
+        qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty = _alloc_tiles(
+            dtype, _BH, BLOCK_K, D_V, D_T, NUM_STAGES, PRODUCER_WARPS, qn_l, qr_l, kn_l, kr_l, p_l)
+        _load_q(q_ptr, qn_smem, qr_smem, b, t, h0, s_qb, s_qt, s_qh, _BH, D_V, D_T, 8)
 
         gl.warp_specialize(
             [
