@@ -1,4 +1,5 @@
-"""Warp-specialised sparse MLA decode for Hopper (Gluon, triton 3.6) for few heads per query (a TP shard: H <= 16).
+"""Warp-specialised sparse MLA decode for Hopper (Gluon, triton 3.6) for few heads per query: one CTA per 16 heads
+(H a multiple of 16); the dispatcher (`triton_dispatch.select_decode`) takes it for exactly 16, a TP-8 shard.
 
 Decode moves each query's selected latent rows once (2048 x 1152 bytes per query at topk 2048) and does little math
 on them, so its speed is how many row gathers stay in flight. The portable kernel (`triton_decode`) issues a block's
