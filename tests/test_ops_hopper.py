@@ -214,9 +214,8 @@ def test_hopper_decode_multi_token_odd_keys_fp16():
     check_against_naive(out, lse, q, kv, idx, 0.04, sample=torch.arange(3))
 
 
-def test_decode_rule_takes_16_head_shards_only(monkeypatch):
-    """The Gluon decode's shape rule (heads in blocks of 16) and the dispatch rule (exactly 16 heads, never on CPU,
-    off under DSAFLOW_SPARSE_MLA_FWD=triton)."""
+def test_decode_rule_takes_16_head_shards_only():
+    """The Gluon decode's shape rule (heads in blocks of 16) and the dispatch rule on CPU tensors (never)."""
     from dsaflow.ops.sparse_mla.hopper_decode import DECODE_BLOCK_H
     from dsaflow.ops.sparse_mla.triton_dispatch import select_decode
 
@@ -224,14 +223,26 @@ def test_decode_rule_takes_16_head_shards_only(monkeypatch):
     assert _shape_reason(_t(1, 1, 16, 576), kv, idx, 512, DECODE_BLOCK_H) is None
     assert "multiple of 16" in _shape_reason(_t(1, 1, 8, 576), kv, idx, 512, DECODE_BLOCK_H)
     assert "multiple of 64" in _shape_reason(_t(1, 1, 16, 576), kv, idx, 512)
-    assert select_decode(_t(1, 1, 16, 576), kv, idx, 512) == "triton"  # CPU tensors
-    if IS_HOPPER:
-        dev = dict(device="cuda")
-        q16, kv_c, idx_c = _t(1, 1, 16, 576).to(**dev), kv.to(**dev), idx.to(**dev)
-        assert select_decode(q16, kv_c, idx_c, 512) == "hopper"
-        assert select_decode(_t(1, 1, 32, 576).to(**dev), kv_c, idx_c, 512) == "triton"
-        monkeypatch.setenv("DSAFLOW_SPARSE_MLA_FWD", "triton")
-        assert select_decode(q16, kv_c, idx_c, 512) == "triton"
+    assert select_decode(_t(1, 1, 16, 576), kv, idx, 512) == "triton"
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_no_grad_16_head_calls_run_the_gluon_decode(monkeypatch):
+    """On sm_90 a no-grad `sparse_mla` call with 16 heads is the Gluon decode (bit for bit); 32 heads and
+    DSAFLOW_SPARSE_MLA_FWD=triton keep the split-K kernel."""
+    from dsaflow.ops.sparse_mla.hopper_decode import sparse_mla_decode_hopper
+    from dsaflow.ops.sparse_mla.triton_dispatch import select_decode, sparse_mla_triton
+
+    q, kv, idx = make_inputs(4, 2, 16, 3000, 512, torch.bfloat16, "cuda", seed=24)
+    assert select_decode(q, kv, idx, 512) == "hopper"
+    assert select_decode(torch.cat([q, q], dim=2), kv, idx, 512) == "triton"
+    with torch.no_grad():
+        out, lse = sparse_mla_triton(q, kv, idx, 0.04, 512)
+    ref_out, ref_lse = sparse_mla_decode_hopper(q, kv, idx, 0.04, 512)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    monkeypatch.setenv("DSAFLOW_SPARSE_MLA_FWD", "triton")
+    assert select_decode(q, kv, idx, 512) == "triton"
 
 
 def test_dispatch_selects_by_an_explicit_rule(monkeypatch):
