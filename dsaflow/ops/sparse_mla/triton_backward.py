@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_prefill import LOG2E, dot_precision, key_extent
+from .triton_prefill import LOG2E, _rotated_blocks, dot_precision, key_extent
 
 
 @triton.jit
@@ -39,15 +39,6 @@ def _head_tile(q0, T, H, D_V, D_T, n_hb, BLOCK_H: tl.constexpr, BLOCK_DV: tl.con
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dt = tl.arange(0, BLOCK_DT)
     return pid_l, pid_q // T, pid_q % T, offs_h, offs_h < H, offs_dv, offs_dv < D_V, offs_dt, offs_dt < D_T
-
-
-@triton.jit
-def _block_rotation(query, n_blk):
-    """The slot block a query's loop starts at (then wrapping around). The top-k op returns each query's keys in
-    ascending order, so queries that run side by side would otherwise read the same rows at the same time (in
-    causal training every query t < topk selects exactly [0, t]): on an H200 at 4096 tokens that cost the
-    backward 6 % (docs/kernels.md, item 23). Depends on the query only, so the summation order is fixed run to run."""
-    return (query % tl.maximum(n_blk, 1)).to(tl.int32)
 
 
 @triton.jit
@@ -86,8 +77,7 @@ def _sparse_mla_bwd_ds_kernel(
     ps_row = ps_ptr + (tl.program_id(0).to(tl.int64) % n_hb) * s_psh + pid_l * s_psq
     p_total = tl.zeros([BLOCK_K], tl.float32)
     # G holds slots [0, n_g): pass 1's blocks cover n_k rounded up to its block (zeros past n_k)
-    n_blk = tl.cdiv(n_k, BLOCK_K)
-    rot = _block_rotation(q0 + pid_l, n_blk)
+    n_blk, rot = _rotated_blocks(q0 + pid_l, n_k, BLOCK_K)
     for i in range(0, n_blk):
         offs_k = ((i + rot) % n_blk) * BLOCK_K + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
@@ -132,8 +122,7 @@ def _sparse_mla_bwd_dq_gemm_kernel(
     g_rows = g_ptr + pid_l * s_gq + offs_h[:, None] * s_gh
     n_k = tl.load(nk_ptr + q0 + pid_l)
     n_g = tl.minimum((n_k + DS_BLOCK_K - 1) // DS_BLOCK_K * DS_BLOCK_K, K)  # the G slots pass 1 wrote
-    n_blk = tl.cdiv(n_k, BLOCK_K)
-    rot = _block_rotation(q0 + pid_l, n_blk)
+    n_blk, rot = _rotated_blocks(q0 + pid_l, n_k, BLOCK_K)
     for i in range(0, n_blk):
         offs_k = ((i + rot) % n_blk) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < n_g  # a block multiple (when K is one): the G loads stay vectorised and pipelined

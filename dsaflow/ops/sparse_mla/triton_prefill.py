@@ -131,6 +131,17 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@triton.jit
+def _rotated_blocks(query, n_k, BLOCK_K: tl.constexpr):
+    """(blocks of BLOCK_K slots below the key extent n_k, the block a query's loop starts at and wraps around from;
+    used by the backward's pass 1 and dq). The top-k op returns each query's keys in ascending order, so queries that
+    run side by side would otherwise read the same rows at the same time (in causal training every query t < topk
+    selects exactly [0, t]): on an H200 at 4096 tokens that cost the backward 6 % (docs/kernels.md, item 23).
+    Depends on the query only, so the summation order is fixed run to run."""
+    n_blk = tl.cdiv(n_k, BLOCK_K)
+    return n_blk, (query % tl.maximum(n_blk, 1)).to(tl.int32)
+
+
 def fwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict | None = None) -> dict:
     """Block sizes and launch options for a shape. Deterministic in the shape (fixed grids for CUDA graphs)."""
     H = q.shape[2]
