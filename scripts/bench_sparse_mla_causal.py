@@ -3,8 +3,8 @@
     python scripts/bench_sparse_mla_causal.py --seq 4096,16384 --out bench_out/causal
 
 One sequence of `seq` tokens, every token a query, V3.2 attention shapes (h128, d_qk 576, d_v 512, topk 2048, bf16).
-Indices have the indexer's layout: query t selects min(t + 1, topk) keys in [0, t] (random scores; ascending key order, as the op returns them),
-padded with -1, so queries t < topk have fewer keys than slots. Each kernel is timed (triton.testing.do_bench
+Indices have the indexer's layout: query t selects min(t + 1, topk) keys in [0, t] (random scores), in ascending
+key order as the op returns them, padded with -1, so queries t < topk have fewer keys than slots. Each kernel is timed (triton.testing.do_bench
 median) with its loops stopped at each query's key extent (the default, n_keys = `key_extent`) and over all topk
 slots (n_keys = topk everywhere; for the Gluon forward its KEY_EXTENT=0 build), in one process, next to the bf16
 8192^3 matmul ceiling. Also timed: `key_extent` itself, and the torch fp32 delta = rowsum(dO * O) (casts, product,
