@@ -34,14 +34,15 @@ hd = importlib.import_module("dsaflow.ops.sparse_mla.hopper_decode")
 naive = importlib.import_module("dsaflow.ops.sparse_mla.naive")
 
 H, D_QK, D_V, TOPK = 128, 576, 512, 2048
-VARIANTS = {  # round 3 also timed EARLY_QK (block i+1's S issued behind block i's P.V) and LAZY_SUM (row sums
-    # kept per thread until the end): both slower or equal, removed; docs/kernels.md has the numbers.
-    "pf": dict(),  # the default: producer 96 registers -> consumers 208
-    "pf_all_slots": dict(KEY_EXTENT=0),  # what serving prefill runs (no grad): no key-extent launch or load
-    "pf_p80": dict(PRODUCER_REGS=80),
-    "pf_bk32s4": dict(BLOCK_K=32, NUM_STAGES=4),
-    "diag1_no_copies": dict(DIAG=1),  # timing only: the consumers alone (stale tiles)
-    "diag2_no_math": dict(DIAG=2),  # timing only: the producer alone
+VARIANTS = {  # earlier rounds also timed EARLY_QK, LAZY_SUM, lock-step producer registers 80 and 32-row blocks
+    # (all slower or equal; docs/kernels.md items 14-15 and 21), and seesaw variants (item 24)
+    "seesaw": dict(),  # the default schedule
+    "seesaw_all_slots": dict(KEY_EXTENT=0),  # what serving prefill runs (no grad): no key-extent launch or load
+    "seesaw_diag1_no_copies": dict(DIAG=1),  # timing only: the consumers alone (stale tiles)
+    "lockstep": dict(SCHEDULE="lockstep"),
+    "lockstep_all_slots": dict(SCHEDULE="lockstep", KEY_EXTENT=0),
+    "lockstep_diag1_no_copies": dict(SCHEDULE="lockstep", DIAG=1),
+    "lockstep_diag2_no_math": dict(SCHEDULE="lockstep", DIAG=2),  # timing only: the producer alone
 }
 ROWS: list[dict] = []
 
@@ -163,7 +164,7 @@ def main():
     ap.add_argument("--out", default="bench_out/hopper")
     ap.add_argument("--part", default="all", choices=("all", "fwd", "decode"))
     ap.add_argument("--variant", default=",".join(VARIANTS))
-    ap.add_argument("--contexts", default="8192,32768,131072")
+    ap.add_argument("--contexts", default="8192,16384,32768,65536,131072")
     ap.add_argument("--index-order", default="ascending", choices=("ascending", "random"),
                     help="order of each query's selected keys: the top-k op's (ascending) or unsorted")
     args = ap.parse_args()

@@ -78,11 +78,27 @@ def test_shape_rule_refuses_what_it_must():
     assert "ranks" in _shape_reason(q[0], kv, idx, 512)
 
 
+def test_launch_refuses_unknown_schedules_and_knobs():
+    """The launcher names the bad SCHEDULE or knob before any kernel runs (no device needed)."""
+    q, kv, idx = _t(1, 2, 128, 576), _t(1, 8, 576), torch.zeros(1, 2, 4, dtype=torch.int32)
+    out, lse, n_keys = _t(1, 2, 128, 512), torch.zeros(1, 2, 128), torch.ones(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="SCHEDULE='zigzag'"):
+        launch_hopper_fwd(q, kv, idx, 0.1, 512, out, lse, dict(SCHEDULE="zigzag"), n_keys)
+    with pytest.raises(ValueError, match=r"unknown config keys \['BLOCK_K'\]"):  # a lock-step knob
+        launch_hopper_fwd(q, kv, idx, 0.1, 512, out, lse, dict(BLOCK_K=32), n_keys)
+    with pytest.raises(ValueError, match=r"lockstep\): unknown config keys \['CONSUMER_REGS'\]"):
+        launch_hopper_fwd(q, kv, idx, 0.1, 512, out, lse, dict(SCHEDULE="lockstep", CONSUMER_REGS=200), n_keys)
+
+
 # ---- GPU (sm_90) ----
+
+LOCKSTEP = dict(SCHEDULE="lockstep")
+
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("cfg", [None, dict(PRODUCER_REGS=80), dict(BLOCK_K=32, NUM_STAGES=4), dict(KEY_EXTENT=0)])
+@pytest.mark.parametrize("cfg", [None, dict(KEY_EXTENT=0), LOCKSTEP, dict(LOCKSTEP, PRODUCER_REGS=80),
+                                 dict(LOCKSTEP, BLOCK_K=32, NUM_STAGES=4), dict(LOCKSTEP, KEY_EXTENT=0)])
 def test_hopper_fwd_deepseek_shapes_poisoned(cfg):
     """V3.2 shapes (h128, 576/512, topk 2048) in bf16, invalid indices, a query with no key, NaN-poisoned out."""
     B, T, H, S, K = 2, 48, 128, 8192, 2048
@@ -130,7 +146,8 @@ def test_hopper_fwd_cuda_graph_replay_bitwise():
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("cfg", [None, dict(BLOCK_K=32, NUM_STAGES=4), dict(KEY_EXTENT=0)])
+@pytest.mark.parametrize("cfg", [None, dict(KEY_EXTENT=0), LOCKSTEP, dict(LOCKSTEP, BLOCK_K=32, NUM_STAGES=4),
+                                 dict(LOCKSTEP, KEY_EXTENT=0)])
 @pytest.mark.parametrize("layout", ["topk", "interleaved", "edges"])
 def test_hopper_fwd_key_extent_layouts(layout, cfg):
     """Producer and consumers stop at the query's key extent: the top-k layout (valid prefix, then -1), holes before

@@ -1,6 +1,9 @@
 """Warp-specialised sparse MLA forward for Hopper (sm_90), written in Gluon (triton.experimental.gluon, triton 3.6).
 
-One CTA per (64-head block, query). Roles inside the CTA:
+Two schedules share the launcher `launch_hopper_fwd`: "seesaw" (the default, `hopper_seesaw.py`: the consumer
+warpgroups alternate key blocks) and "lockstep" (this file's kernel, described here; it also owns the capability
+rule and the Gluon helpers the seesaw and decode kernels reuse). Lock step: one CTA per (64-head block, query).
+Roles inside the CTA:
 - producer (a worker partition of PRODUCER_WARPS warps): gathers the query's selected latent rows, BLOCK_K at a time,
   with cp.async straight into a NUM_STAGES-deep ring of shared-memory tiles (value part [BLOCK_K, 512] and rope tail
   [BLOCK_K, 64]); each thread's copies arrive on the stage's `ready` mbarrier when they land (noinc arrive, so the
@@ -306,18 +309,38 @@ if _GLUON_ERROR is None:
         )
 
 
-# PRODUCER_REGS 96 leaves the consumers 208 registers (Triton splits the 168 x 384 launch budget); DIAG 1 / 2 are
-# timing-only diagnostics (no copies / no math) whose outputs are wrong. KEY_EXTENT 0 loops over all K slots
-# whatever n_keys says (the round-4 kernel; correct, slower on causal top-k rows).
-DEFAULT_CFG = dict(BLOCK_K=64, NUM_STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=96, DIAG=0, KEY_EXTENT=1)
+# The lock-step schedule (this file's kernel). PRODUCER_REGS 96 leaves the consumers 208 registers (Triton splits
+# the 168 x 384 launch budget); DIAG 1 / 2 are timing-only diagnostics (no copies / no math) whose outputs are wrong.
+# KEY_EXTENT 0 loops over all K slots whatever n_keys says (correct, slower on causal top-k rows).
+LOCKSTEP_CFG = dict(BLOCK_K=64, NUM_STAGES=2, PRODUCER_WARPS=4, PRODUCER_REGS=96, DIAG=0, KEY_EXTENT=1)
+# "seesaw" (hopper_seesaw.py) is faster on an H200 at every context measured (docs/kernels.md item 24);
+# "lockstep" stays selectable through cfg={"SCHEDULE": "lockstep", ...}.
+SCHEDULES = ("seesaw", "lockstep")
+DEFAULT_SCHEDULE = "seesaw"
 
 
 def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None = None, n_keys=None):
     """Fill out [B, T, H, 512] and lse [B, T, H] fp32 (both with unit last stride) for inputs that
     `hopper_fwd_supports` accepts; n_keys [B, T] int32 contiguous = `key_extent(indices, S)` (computed when not
-    given). Returns the compiled kernel handle (registers, spills)."""
+    given). cfg: SCHEDULE ("seesaw" | "lockstep") plus that schedule's knobs. Returns the compiled kernel handle
+    (registers, spills)."""
     assert out.stride(-1) == 1 and lse.stride(-1) == 1, "out and lse need unit last strides"
-    c = dict(DEFAULT_CFG, **(cfg or {}))
+    c = dict(cfg or {})
+    schedule = c.pop("SCHEDULE", DEFAULT_SCHEDULE)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"sparse MLA Hopper forward: SCHEDULE={schedule!r} (known: {SCHEDULES})")
+    if schedule == "seesaw":
+        from .hopper_seesaw import SEESAW_CFG, launch_seesaw_fwd
+        if not c.get("KEY_EXTENT", SEESAW_CFG["KEY_EXTENT"]):
+            n_keys = indices  # a placeholder pointer, never read
+        elif n_keys is None:
+            n_keys = key_extent(indices, kv.shape[1])
+        return launch_seesaw_fwd(q, kv, indices, sm_scale * LOG2E, out, lse, n_keys, c)
+    c = dict(LOCKSTEP_CFG, **c)
+    unknown = set(c) - set(LOCKSTEP_CFG)
+    if unknown:
+        raise ValueError(f"sparse MLA Hopper forward (lockstep): unknown config keys {sorted(unknown)} "
+                         f"(known: {sorted(LOCKSTEP_CFG)})")
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
     if not c["KEY_EXTENT"]:

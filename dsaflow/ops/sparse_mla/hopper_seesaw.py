@@ -1,0 +1,370 @@
+"""Seesaw schedule of the Hopper sparse MLA forward (Gluon, triton 3.6): same contract and capability rule as
+`hopper_prefill.sparse_mla_fwd_hopper`, which launches it.
+
+Why not lock step: when both consumer warpgroups split every key block, each computes S with N = 32 (the Q
+operand is read from shared memory twice per block), every block's row max needs a cross-warpgroup reduction, and
+the tensor cores idle while both run the softmax. Here the two warpgroups take alternate 64-row key blocks of a pair
+(A the even block in stage 0, B the odd one in stage 1), each computes its block's full S (N = 64), and each owns
+half of the output columns (A [0, 256), B [256, 512)):
+
+  A: m0 = max(m, rowmax S_a);  P_a = exp(S_a - m0);  O_lo = O_lo e^(m - m0) + P_a V_a,lo  (P_a from registers)
+  B: m1 = max(m0, rowmax S_b); P_b = exp(S_b - m1);  O_hi = O_hi e^(m - m1) + P_b V_b,hi  (P_b from registers)
+  A: O_lo = O_lo e^(m0 - m1) + P_b V_b,lo            B: O_hi += (P_a e^(m0 - m1)) V_a,hi
+
+so one warpgroup's exponentials run beside the other's MMAs. The ring holds one pair (2 stages of [64, 576]), and
+shared memory fits because of two things: each stage is released in halves (value columns [0, 256) and [256, 512) +
+rope tail, each with its own ready / empty mbarrier), so the producer refills a half as soon as its last reader is
+done; and A hands B its scaled P_a in stage 0's rope tile, which nobody reads after A's S. Shared memory: Q 72 KB +
+ring 144 KB + P_b 8 KB = 224 KB. Row sums are kept per warpgroup (relative to the running max) and added at the end.
+Exchange mbarriers (one arrival each): m0 (A -> B), m1 (B -> A), pa (A -> B: P_a written), pb (B -> A: P_b
+written), pb_free (A's MMA on P_b done), done_a / done_b (row sums written).
+"""
+from __future__ import annotations
+
+from .hopper_prefill import _GLUON_ERROR, BLOCK_H
+
+SEESAW_CFG = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=224, DIAG=0, KEY_EXTENT=1)
+BLOCK_K = 64  # key rows per block: one S wgmma of N = 64 per warpgroup
+HALF = 256  # output columns per consumer warpgroup (d_v 512 / 2)
+
+if _GLUON_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+    )
+
+    from .hopper_prefill import _issue_rows, _program_query
+
+    _BH = gl.constexpr(BLOCK_H)
+    _BK = gl.constexpr(BLOCK_K)
+    _HALF = gl.constexpr(HALF)
+
+    @gluon.jit
+    def _fill_lo(kl_st, ready, empty, ph, kv_base, idx, S, s_kvs, offs_h, all_h, DIAG: gl.constexpr):
+        """One stage's value columns [0, 256), once its last reader released them."""
+        mbarrier.wait(empty, ph)
+        if DIAG != 1:  # DIAG 1 (timing only): no copies, the consumers read stale tiles
+            _issue_rows(kl_st, kv_base, idx, S, s_kvs, 0, offs_h, all_h)
+        async_copy.mbarrier_arrive(ready, increment_count=False)
+
+    @gluon.jit
+    def _fill_hi(kh_st, kr_st, ready, empty, ph, kv_base, idx, S, s_kvs, offs_h, all_h, offs_t, all_t,
+                 DIAG: gl.constexpr):
+        """One stage's value columns [256, 512) and rope tail, once their last reader released them."""
+        mbarrier.wait(empty, ph)
+        if DIAG != 1:
+            _issue_rows(kh_st, kv_base, idx, S, s_kvs, _HALF, offs_h, all_h)
+            _issue_rows(kr_st, kv_base, idx, S, s_kvs, 2 * _HALF, offs_t, all_t)
+        async_copy.mbarrier_arrive(ready, increment_count=False)
+
+    @gluon.jit
+    def _pair_producer(kv_ptr, idx_ptr, kl, kh, kr, ready_lo, ready_hi, empty_lo, empty_hi, b, t, S, K, n_pairs,
+                       s_kvb, s_kvs, s_ib, s_it, D_T: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                       DIAG: gl.constexpr):
+        """Gather each pair's rows into stage 0 (even block) and stage 1 (odd block), half by half in the order
+        the consumers release them: stage 0 lo, stage 1 hi + rope, stage 0 hi + rope, stage 1 lo."""
+        # 4 rows x 64 columns per warp instruction: a thread holds 4 of a block's row indices, not 16
+        row_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+        offs_h = gl.arange(0, _HALF, layout=gl.SliceLayout(0, row_l))
+        offs_t = gl.arange(0, D_T, layout=gl.SliceLayout(0, row_l))
+        all_h = offs_h < _HALF
+        all_t = offs_t < D_T
+        kv_base = kv_ptr + b * gl.multiple_of(s_kvb, 8)
+        s_kvs = gl.multiple_of(s_kvs, 8)
+        idx_base = idx_ptr + b * s_ib + t * s_it
+        offs_n = gl.arange(0, _BK, layout=gl.SliceLayout(1, row_l))
+        ia = gl.load(idx_base + offs_n, mask=offs_n < K, other=-1)
+        ib = gl.load(idx_base + _BK + offs_n, mask=_BK + offs_n < K, other=-1)
+        for j in range(n_pairs):
+            ph = (j & 1) ^ 1  # a fresh empty barrier passes parity 1 at once
+            k2 = (2 * j + 2) * _BK  # the next pair's indices, loaded before the waits
+            na = gl.load(idx_base + k2 + offs_n, mask=k2 + offs_n < K, other=-1)
+            nb = gl.load(idx_base + _BK + k2 + offs_n, mask=_BK + k2 + offs_n < K, other=-1)
+            _fill_lo(kl.index(0), ready_lo.index(0), empty_lo.index(0), ph, kv_base, ia, S, s_kvs, offs_h, all_h, DIAG)
+            _fill_hi(kh.index(1), kr.index(1), ready_hi.index(1), empty_hi.index(1), ph, kv_base, ib, S, s_kvs,
+                     offs_h, all_h, offs_t, all_t, DIAG)
+            _fill_hi(kh.index(0), kr.index(0), ready_hi.index(0), empty_hi.index(0), ph, kv_base, ia, S, s_kvs,
+                     offs_h, all_h, offs_t, all_t, DIAG)
+            _fill_lo(kl.index(1), ready_lo.index(1), empty_lo.index(1), ph, kv_base, ib, S, s_kvs, offs_h, all_h, DIAG)
+            ia = na
+            ib = nb
+
+    @gluon.jit
+    def _s_lo(ql, kl_st, ready, phase, sc, use_acc: gl.constexpr):
+        """Wait for a stage's value columns [0, 256), issue S (+)= Q_lo K_lo^T (one async group)."""
+        mbarrier.wait(ready, phase)
+        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async proxy
+        return warpgroup_mma(ql, kl_st.permute((1, 0)), sc, use_acc=use_acc, is_async=True)
+
+    @gluon.jit
+    def _s_hi(qh, qr, kh_st, kr_st, ready, phase, sc, use_acc: gl.constexpr):
+        """Wait for a stage's columns [256, 512) and rope tail, issue S (+)= Q_hi K_hi^T + Q_r K_r^T (two groups)."""
+        mbarrier.wait(ready, phase)
+        fence_async_shared()
+        sc = warpgroup_mma(qh, kh_st.permute((1, 0)), sc, use_acc=use_acc, is_async=True)
+        return warpgroup_mma(qr, kr_st.permute((1, 0)), sc, is_async=True)
+
+    @gluon.jit
+    def _masked(sc, blk, idx_base, S, K, scale_log2, s_l: gl.constexpr):
+        """S of block `blk` scaled to base 2, -inf where the slot holds no valid key."""
+        offs_k = blk * _BK + gl.arange(0, _BK, layout=gl.SliceLayout(0, s_l))
+        idx = gl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
+        return gl.where(((idx >= 0) & (idx < S))[None, :], sc * scale_log2, float("-inf"))
+
+    @gluon.jit
+    def _stage_base(j):
+        """0 as the index of a consumer's shared-memory tiles in pair j, written j >> 30: 0 for every real trip
+        count but not provably, so the compiler cannot hoist the ~80 loop-invariant wgmma descriptors out of the
+        loop (it kept them in registers and spilled them)."""
+        return j >> 30
+
+    @gluon.jit
+    def _finite(m):
+        """A running max that is still -inf (no valid key yet) as 0, so exp2(x - m) stays finite."""
+        return gl.where(m == float("-inf"), 0.0, m)
+
+    @gluon.jit
+    def _rescale(acc, factor, o_l: gl.constexpr):
+        return acc * gl.convert_layout(factor, gl.SliceLayout(1, o_l))[:, None]
+
+    @gluon.jit
+    def _signal(bar):
+        """Every thread of this warpgroup has done its part (stores, MMA waits): one arrival on `bar`."""
+        gl.thread_barrier()
+        mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
+    def _finish(acc, m_i, l_i, l_mine, l_theirs, done_mine, done_theirs, o_smem, out_ptr, lse_ptr, b, t, h0, col0,
+                s_ob, s_ot, s_oh, s_lb, s_lt, WRITE_LSE: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr):
+        """Add the other warpgroup's row sums, normalise this half of O, store it (and lse, from warpgroup A)."""
+        l_mine.store(l_i)
+        _signal(done_mine)
+        mbarrier.wait(done_theirs, 0)
+        l_tot = l_i + l_theirs.load(gl.SliceLayout(1, s_l))
+        l_o = gl.convert_layout(l_tot, gl.SliceLayout(1, o_l))
+        # both warpgroups' MMAs have completed (done_*), so Q's half tile is free: stage O through it and store
+        # coalesced 16-byte rows (a store from the MMA layout would need 128 64-bit pointers per thread)
+        o_smem.store((acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(o_smem.dtype))
+        gl.thread_barrier()
+        st_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        rows = gl.arange(0, _BH, layout=gl.SliceLayout(1, st_l))
+        cols = gl.arange(0, _HALF, layout=gl.SliceLayout(0, st_l))
+        o_ptrs = out_ptr + b * s_ob + t * s_ot + (h0 + rows).to(gl.int64)[:, None] * s_oh + col0 + cols[None, :]
+        gl.store(o_ptrs, o_smem.load(st_l))
+        if WRITE_LSE:
+            lse = gl.where(l_tot == 0.0, float("-inf"),
+                           (m_i + gl.log2(gl.where(l_tot == 0.0, 1.0, l_tot))) * 0.6931471805599453)
+            lrows = gl.arange(0, _BH, layout=gl.SliceLayout(1, s_l))
+            gl.store(lse_ptr + b * s_lb + t * s_lt + h0 + lrows, lse)
+
+    @gluon.jit
+    def _consumer_a(ql, qh, qr, kl, kh, kr, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo, ready_hi,
+                    empty_lo, xbar, idx_ptr, out_ptr, lse_ptr, b, t, h0, S, K, n_pairs,
+                    s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2):
+        """Even blocks' softmax; output columns [0, 256). xbar: m0, m1, pa, pb, pb_free, done_a, done_b."""
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 256, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        dtype: gl.constexpr = ql.dtype
+        idx_base = idx_ptr + b * s_ib + t * s_it
+        m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+        l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, s_l))
+        acc = gl.zeros([_BH, _HALF], gl.float32, o_l)
+        sc = gl.zeros([_BH, _BK], gl.float32, s_l)  # every S below is issued with use_acc=False on a dead tile
+        for j in range(n_pairs):
+            ph = j & 1
+            z = _stage_base(j)
+            q_l, q_h, q_r = ql.index(z), qh.index(z), qr.index(z)
+            k0_l, k0_h, k0_r = kl.index(z), kh.index(z), kr.index(z)  # stage 0: this warpgroup's block
+            k1_l = kl.index(z + 1)  # stage 1's value columns [0, 256): B's block, for P_b V_b,lo
+            if j == 0:
+                tok = _s_lo(q_l, k0_l, ready_lo.index(0), 0, sc, False)
+                tok = _s_hi(q_h, q_r, k0_h, k0_r, ready_hi.index(0), 0, tok, True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+            sc = _masked(sc, 2 * j, idx_base, S, K, scale_log2, s_l)
+            m0 = gl.maximum(m_i, gl.max(sc, 1))
+            m0_smem.store(m0)
+            _signal(xbar.index(0))
+            alpha = gl.exp2(m_i - _finite(m0))
+            p = gl.exp2(sc - _finite(m0)[:, None]).to(dtype)  # bf16 only: it stays live until m1 arrives
+            l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+            tok = warpgroup_mma(gl.convert_layout(p, a_l), k0_l, _rescale(acc, alpha, o_l), is_async=True)
+            mbarrier.wait(xbar.index(1), ph)
+            m1 = m1_smem.load(gl.SliceLayout(1, s_l))
+            beta = gl.exp2(m0 - _finite(m1))
+            k0_r.store((p.to(gl.float32) * beta[:, None]).to(dtype))  # P_a for B, in the rope tile only A's S read
+            fence_async_shared()
+            _signal(xbar.index(2))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+            _signal(empty_lo.index(0))
+            acc = _rescale(acc, beta, o_l)
+            l_i = l_i * beta
+            mbarrier.wait(xbar.index(3), ph)  # P_b written
+            mbarrier.wait(ready_lo.index(1), ph)  # stage 1's lo columns landed (B saw it; these threads must too)
+            fence_async_shared()
+            tok = warpgroup_mma(pb_smem.index(z), k1_l, acc, is_async=True)
+            if j + 1 < n_pairs:  # the next even block's S, its lo half issued behind P_b V_b,lo
+                stok = _s_lo(q_l, k0_l, ready_lo.index(0), ph ^ 1, sc, False)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok, ))
+                _signal(empty_lo.index(1))
+                mbarrier.arrive(xbar.index(4), count=1)
+                stok = _s_hi(q_h, q_r, k0_h, k0_r, ready_hi.index(0), ph ^ 1, stok, True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(stok, ))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+                _signal(empty_lo.index(1))
+                mbarrier.arrive(xbar.index(4), count=1)
+            m_i = m1
+        _finish(acc, m_i, l_i, la_smem, lb_smem, xbar.index(5), xbar.index(6), ql.index(0), out_ptr, lse_ptr,
+                b, t, h0, 0, s_ob, s_ot, s_oh, s_lb, s_lt, True, s_l, o_l)
+
+    @gluon.jit
+    def _consumer_b(ql, qh, qr, kl, kh, kr, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo, ready_hi,
+                    empty_hi, xbar, idx_ptr, out_ptr, lse_ptr, b, t, h0, S, K, n_pairs,
+                    s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2):
+        """Odd blocks' softmax; output columns [256, 512)."""
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 256, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        dtype: gl.constexpr = ql.dtype
+        idx_base = idx_ptr + b * s_ib + t * s_it
+        m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+        l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, s_l))
+        acc = gl.zeros([_BH, _HALF], gl.float32, o_l)
+        sc = gl.zeros([_BH, _BK], gl.float32, s_l)  # every S below is issued with use_acc=False on a dead tile
+        for j in range(n_pairs):
+            ph = j & 1
+            z = _stage_base(j)
+            q_l, q_h, q_r = ql.index(z), qh.index(z), qr.index(z)
+            k1_l, k1_h, k1_r = kl.index(z + 1), kh.index(z + 1), kr.index(z + 1)  # stage 1: this warpgroup's block
+            k0_h, p_a = kh.index(z), kr.index(z)  # stage 0: A's value columns [256, 512), and P_a in its rope tile
+            if j == 0:
+                tok = _s_hi(q_h, q_r, k1_h, k1_r, ready_hi.index(1), 0, sc, False)
+                tok = _s_lo(q_l, k1_l, ready_lo.index(1), 0, tok, True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+            sc = _masked(sc, 2 * j + 1, idx_base, S, K, scale_log2, s_l)
+            mbarrier.wait(xbar.index(0), ph)
+            m1 = gl.maximum(m0_smem.load(gl.SliceLayout(1, s_l)), gl.max(sc, 1))
+            m1_smem.store(m1)
+            _signal(xbar.index(1))
+            alpha = gl.exp2(m_i - _finite(m1))
+            p = gl.exp2(sc - _finite(m1)[:, None]).to(dtype)
+            l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+            tok = warpgroup_mma(gl.convert_layout(p, a_l), k1_h, _rescale(acc, alpha, o_l), is_async=True)
+            mbarrier.wait(xbar.index(4), ph ^ 1)  # A's MMA on the previous P_b is done
+            pb_smem.index(z).store(p)
+            fence_async_shared()
+            _signal(xbar.index(3))
+            mbarrier.wait(xbar.index(2), ph)  # P_a written (in stage 0's rope tile)
+            mbarrier.wait(ready_hi.index(0), ph)  # stage 0's hi columns landed (A saw it; these threads too)
+            fence_async_shared()
+            tok2 = warpgroup_mma(p_a, k0_h, tok, is_async=True)
+            warpgroup_mma_wait(num_outstanding=1, deps=(m1, ))  # not tok: its registers are tok2's, still in flight
+            _signal(empty_hi.index(1))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok2, ))
+            _signal(empty_hi.index(0))
+            if j + 1 < n_pairs:
+                stok = _s_hi(q_h, q_r, k1_h, k1_r, ready_hi.index(1), ph ^ 1, sc, False)
+                stok = _s_lo(q_l, k1_l, ready_lo.index(1), ph ^ 1, stok, True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(stok, ))
+            m_i = m1
+        _finish(acc, m_i, l_i, lb_smem, la_smem, xbar.index(6), xbar.index(5), qh.index(0), out_ptr, lse_ptr,
+                b, t, h0, _HALF, s_ob, s_ot, s_oh, s_lb, s_lt, False, s_l, o_l)
+
+    @gluon.jit
+    def _seesaw_fwd_kernel(
+        q_ptr, kv_ptr, idx_ptr, nk_ptr, out_ptr, lse_ptr,
+        T, S, K, n_hblk, scale_log2,
+        s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt,
+        D_T: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        DIAG: gl.constexpr, KEY_EXTENT: gl.constexpr,
+    ):
+        qi, b, t, h0 = _program_query(n_hblk, T, _BH)
+        if KEY_EXTENT:  # one trip count for all partitions, read before they split
+            n_pairs = gl.cdiv(gl.load(nk_ptr + qi), 2 * _BK)
+        else:  # every slot
+            n_pairs = gl.cdiv(K, 2 * _BK)
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        half_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, _HALF], dtype)
+        tail_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, D_T], dtype)
+        row_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        ql = gl.allocate_shared_memory(dtype, [1, _BH, _HALF], half_sl)
+        qh = gl.allocate_shared_memory(dtype, [1, _BH, _HALF], half_sl)
+        qr = gl.allocate_shared_memory(dtype, [1, _BH, D_T], tail_sl)
+        kl = gl.allocate_shared_memory(dtype, [2, _BK, _HALF], half_sl)
+        kh = gl.allocate_shared_memory(dtype, [2, _BK, _HALF], half_sl)
+        kr = gl.allocate_shared_memory(dtype, [2, _BK, D_T], tail_sl)  # [64, 64]: also P_a's tile ([heads, keys])
+        pb_smem = gl.allocate_shared_memory(dtype, [1, _BH, _BK], tail_sl)
+        m0_smem = gl.allocate_shared_memory(gl.float32, [_BH], row_sl)
+        m1_smem = gl.allocate_shared_memory(gl.float32, [_BH], row_sl)
+        la_smem = gl.allocate_shared_memory(gl.float32, [_BH], row_sl)
+        lb_smem = gl.allocate_shared_memory(gl.float32, [_BH], row_sl)
+        ready_lo = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready_hi = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty_lo = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty_hi = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        xbar = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ready_lo.index(i), count=PRODUCER_WARPS * 32)
+            mbarrier.init(ready_hi.index(i), count=PRODUCER_WARPS * 32)
+            mbarrier.init(empty_lo.index(i), count=1)
+            mbarrier.init(empty_hi.index(i), count=1)
+        for i in gl.static_range(7):
+            mbarrier.init(xbar.index(i), count=1)
+
+        s_qb = gl.multiple_of(s_qb, 8)  # hopper_fwd_supports checks: every row starts on 16 bytes
+        s_qt = gl.multiple_of(s_qt, 8)
+        s_qh = gl.multiple_of(s_qh, 8)
+        ql_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        qt_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        q_base = q_ptr + b * s_qb + t * s_qt + h0.to(gl.int64) * s_qh
+        rq = gl.arange(0, _BH, layout=gl.SliceLayout(1, ql_l))
+        cq = gl.arange(0, _HALF, layout=gl.SliceLayout(0, ql_l))
+        ql.index(0).store(gl.load(q_base + rq[:, None] * s_qh + cq[None, :]))
+        qh.index(0).store(gl.load(q_base + rq[:, None] * s_qh + _HALF + cq[None, :]))
+        rt = gl.arange(0, _BH, layout=gl.SliceLayout(1, qt_l))
+        ct = gl.arange(0, D_T, layout=gl.SliceLayout(0, qt_l))
+        qr.index(0).store(gl.load(q_base + rt[:, None] * s_qh + 2 * _HALF + ct[None, :]))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # (argument tuples written out: a tuple bound to a name first turns its constexprs into tensors)
+        gl.warp_specialize(
+            [
+                (_consumer_a, (ql, qh, qr, kl, kh, kr, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo,
+                               ready_hi, empty_lo, xbar, idx_ptr, out_ptr, lse_ptr, b, t, h0, S, K, n_pairs,
+                               s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2)),
+                (_consumer_b, (ql, qh, qr, kl, kh, kr, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo,
+                               ready_hi, empty_hi, xbar, idx_ptr, out_ptr, lse_ptr, b, t, h0, S, K, n_pairs,
+                               s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2)),
+                (_pair_producer, (kv_ptr, idx_ptr, kl, kh, kr, ready_lo, ready_hi, empty_lo, empty_hi, b, t, S, K,
+                                  n_pairs, s_kvb, s_kvs, s_ib, s_it, D_T, PRODUCER_WARPS, DIAG)),
+            ],
+            [4, PRODUCER_WARPS],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
+
+
+def launch_seesaw_fwd(q, kv, indices, scale_log2, out, lse, n_keys, cfg: dict | None = None):
+    """Fill out / lse for inputs `hopper_fwd_supports` accepts; n_keys [B, T] int32 contiguous (the key extent).
+    Returns the compiled kernel handle (registers, spills)."""
+    c = dict(SEESAW_CFG, **(cfg or {}))
+    unknown = set(c) - set(SEESAW_CFG)
+    if unknown:
+        raise ValueError(f"sparse MLA seesaw forward: unknown config keys {sorted(unknown)} "
+                         f"(known: {sorted(SEESAW_CFG)})")
+    B, T, H, D_qk = q.shape
+    S, K = kv.shape[1], indices.shape[2]
+    n_hblk = H // BLOCK_H
+    return _seesaw_fwd_kernel[(n_hblk * B * T,)](
+        q, kv, indices, n_keys, out, lse,
+        T, S, K, n_hblk, scale_log2,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        D_T=D_qk - 2 * HALF, PRODUCER_WARPS=c["PRODUCER_WARPS"], PRODUCER_REGS=c["PRODUCER_REGS"],
+        CONSUMER_REGS=c["CONSUMER_REGS"], DIAG=c["DIAG"], KEY_EXTENT=c["KEY_EXTENT"], num_warps=4,
+    )
