@@ -18,6 +18,9 @@ done; and A hands B its scaled P_a in stage 0's rope tile, which nobody reads af
 ring 144 KB + P_b 8 KB = 224 KB. Row sums are kept per warpgroup (relative to the running max) and added at the end.
 Exchange mbarriers (one arrival each): m0 (A -> B), m1 (B -> A), pa (A -> B: P_a written), pb (B -> A: P_b
 written), pb_free (A's MMA on P_b done), done_a / done_b (row sums written).
+Every partition runs the pairs below the query's key extent (KEY_EXTENT 0: every slot); invalid indices are not
+read (cp.async zero-fills) and score -inf; a query with no valid key writes out = 0 and lse = -inf. DIAG 1 is a
+timing-only variant (no copies: the consumers alone) whose output is wrong. Measurements: docs/kernels.md item 24.
 """
 from __future__ import annotations
 
