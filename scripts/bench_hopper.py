@@ -37,7 +37,7 @@ H, D_QK, D_V, TOPK = 128, 576, 512, 2048
 VARIANTS = {  # earlier rounds also timed EARLY_QK, LAZY_SUM, lock-step producer registers 80 and 32-row blocks
     # (all slower or equal; docs/kernels.md items 14-15 and 21), and seesaw variants (item 24)
     "seesaw": dict(),  # the default schedule
-    "seesaw_all_slots": dict(KEY_EXTENT=0),  # what serving prefill runs (no grad): no key-extent launch or load
+    "seesaw_all_slots": dict(KEY_EXTENT=0),  # every slot: no key-extent launch or load
     "seesaw_diag1_no_copies": dict(DIAG=1),  # timing only: the consumers alone (stale tiles)
     "lockstep": dict(SCHEDULE="lockstep"),
     "lockstep_all_slots": dict(SCHEDULE="lockstep", KEY_EXTENT=0),

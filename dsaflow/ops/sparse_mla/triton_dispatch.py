@@ -31,7 +31,6 @@ from .triton_decode import choose_num_splits, sparse_mla_decode_triton
 from .triton_prefill import fwd_config, key_extent, sparse_mla_fwd_triton
 
 FORWARD_KERNELS = ("auto", "triton", "hopper")
-NO_GRAD_HOPPER_CFG = {"KEY_EXTENT": 0}  # the Hopper forward over every slot (no key-extent launch)
 _WARNED_NO_GLUON: set = set()
 
 MAX_D_V = 512  # the fp32 accumulator [64, 512] is the most two warpgroups' registers hold
@@ -155,9 +154,10 @@ def sparse_mla_triton(
     if select_forward(q, kv, indices, d_v) == "hopper":
         cfg = fwd_config(q, d_v, q.shape[-1] - d_v, indices.shape[2])
         if choose_num_splits(q, indices.shape[2], cfg["BLOCK_H"], cfg["BLOCK_K"]) == 1:  # the grid fills the GPU
-            # Without grad (serving prefill, evaluation) every slot: a served chunk's rows are full past the first
-            # topk positions, where the extent's launch and dependent load cost 2-5 % (H200, 4096 queries).
-            return sparse_mla_fwd_hopper(q, kv, indices, float(sm_scale), int(d_v), cfg=NO_GRAD_HOPPER_CFG)
+            # Loops stop at each query's key extent here too: the seesaw kernel with the extent (its launch
+            # included) beat the every-slot variant even on full rows (H200, 4096 queries: 0.8-4 %), and a
+            # served prefill's first topk positions have short rows.
+            return sparse_mla_fwd_hopper(q, kv, indices, float(sm_scale), int(d_v))
     if select_decode(q, kv, indices, d_v) == "hopper":
         return sparse_mla_decode_hopper(q, kv, indices, float(sm_scale), int(d_v))
     return sparse_mla_decode_triton(q, kv, indices, float(sm_scale), int(d_v))
