@@ -25,6 +25,8 @@ class ForwardContext:
     causal_rows: True when there is no cache and every query at row t is token t itself (positions[b, t] == t) or
     padding (< 0). Dense attention then runs as causal SDPA (FlashAttention, O(T) memory) instead of sparse_mla over
     `causal_indices` ([B, T, S] indices); StageModule sets it.
+    no_padding: True when StageModule built the positions itself (arange: no padding query), so dense attention
+    can skip zeroing padding rows.
     recompute_attention: training without a cache keeps only each layer's attention inputs and recomputes the
     absorbed query, the sparse attention and the output projection in backward (`train.recompute=attention`).
     """
@@ -37,6 +39,7 @@ class ForwardContext:
     index_slot: IndexSlot
     recorder: Optional["IndexerLossRecorder"] = None
     causal_rows: bool = False
+    no_padding: bool = False
     recompute_attention: bool = False
 
 

@@ -140,8 +140,8 @@ class MLA(nn.Module):
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.sm_scale
         ).transpose(1, 2)  # [B, T, H, V]
-        # A padding query (position < 0) sees no key: output 0, exactly like sparse_mla over no index.
-        o = o * (ctx.positions >= 0).to(o.dtype).view(B, T, 1, 1)
+        if not ctx.no_padding:  # a padding query (position < 0) sees no key: output 0, like sparse_mla over no index
+            o = o * (ctx.positions >= 0).to(o.dtype).view(B, T, 1, 1)
         return self.wo(o.reshape(B, T, H * self.v_dim))
 
     def _indices(self, x: torch.Tensor, q_latent: torch.Tensor, num_keys: int, ctx: ForwardContext) -> torch.Tensor:

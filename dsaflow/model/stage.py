@@ -93,6 +93,7 @@ class StageModule(nn.Module):
         h = self.embed(x) if self.embed is not None else x
         B, T = h.shape[:2]
         causal_rows = False  # see ForwardContext.causal_rows (only dense attention reads it)
+        no_padding = positions is None
         if positions is None:
             if cache is not None:
                 raise ValueError("StageModule.forward with a cache needs positions [B, T] (absolute, < 0 = padding).")
@@ -123,6 +124,7 @@ class StageModule(nn.Module):
             index_slot=slot,
             recorder=recorder,
             causal_rows=causal_rows,
+            no_padding=no_padding,
             recompute_attention=self.recompute_attention,
         )
         for layer in self.layers.values():
