@@ -9,7 +9,8 @@ Forward: 4096 queries at the end of a 32K / 128K context, h128, d_qk 576, d_v 51
 (with invalid indices and one query without keys) and against the Triton kernel's full output, then timed with
 triton.testing.do_bench (median) next to the Triton kernel and the bf16 8192^3 matmul ceiling of the same process.
 Decode: 128 sequences x 1 token x 16 heads (a TP-8 shard), 32K cache, topk 2048; bytes = gathered rows
-(128 x 2048 x 576 x 2) + q + out + indices, against the device copy rate of the same process.
+(128 x 2048 x 576 x 2) + q + out + indices, against the device copy rate of the same process; and 8-128 sequences
+x 1 token x 128 heads (compute-bound: TFLOP/s), split-K Triton kernel against the Hopper forward.
 Each query's keys are sorted ascending, as the top-k op returns them (--index-order random: unsorted, the layout
 of the numbers measured before the op's order changed). Writes <out>/bench_hopper_<part>[_random].json and .md.
 """
@@ -151,6 +152,23 @@ def decode_part(cp, configs, order):
             rec(kind="decode", cfg=name, error=f"{type(e).__name__}: {str(e)[:200]}")
 
 
+def decode_h128_part(mm, order, batches=(8, 16, 32, 64, 128)):
+    """All 128 heads per query (V3.2 attention on one GPU): B seqs x 1 token, 32K cache, topk 2048. The split-K
+    Triton kernel against the Hopper forward (which `sparse_mla` without grad runs when one split fills the GPU);
+    compute-bound, so rates are TFLOP/s against the matmul ceiling."""
+    scale = D_QK**-0.5
+    for B in batches:
+        q, kv, idx = inputs(32768, 1, batch=B, seed=2, order=order)
+        flops = 2 * H * TOPK * (D_QK + D_V) * B
+        ref_o, _ = td.sparse_mla_decode_triton(q, kv, idx, scale, D_V)
+        for name, fn in (("split-K triton", lambda: td.sparse_mla_decode_triton(q, kv, idx, scale, D_V)),
+                         ("hopper forward", lambda: hp.sparse_mla_fwd_hopper(q, kv, idx, scale, D_V))):
+            diff = (fn()[0].float() - ref_o.float()).abs().max().item()
+            ms = bench(fn)
+            rec(kind="decode_h128", cfg=f"{name}, {B} seqs", ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
+                frac_mm=round(flops / ms / 1e9 / mm, 3), maxdiff=diff)
+
+
 GLUON_DECODE_CONFIGS = [{}, dict(BLOCK_K=32, NUM_STAGES=4), dict(BLOCK_K=32, NUM_STAGES=5)]  # over DECODE_CFG
 DECODE_CONFIGS = [  # merged over triton_decode.decode_overrides (8 warps for this shape)
     {},  # the committed rule: 2 splits, BLOCK_K 64, 2 stages, 8 warps
@@ -177,12 +195,13 @@ def main():
         fwd_part(args.variant.split(","), [int(c) for c in args.contexts.split(",")], mm, args.index_order)
     if args.part in ("all", "decode"):
         decode_part(cp, DECODE_CONFIGS, args.index_order)
+        decode_h128_part(mm, args.index_order)
     tag = args.part if args.part != "fwd" else f"fwd_{args.variant.replace(',', '_')}"
     tag += "" if args.index_order == "ascending" else "_random"
     (out / f"bench_hopper_{tag}.json").write_text(json.dumps(ROWS, indent=1))
     lines = ["| kind | impl / cfg | ctx | ms | TFLOP/s or TB/s | fraction of ceiling | check |", "|---|---|---|---|---|---|---|"]
     for r in ROWS:
-        if r["kind"] in ("fwd", "decode"):
+        if r["kind"] in ("fwd", "decode", "decode_h128"):
             rate = r.get("tflops", r.get("tbps", ""))
             frac = r.get("frac_mm", r.get("frac_copy", ""))
             chk = r.get("error") or f"maxdiff {r.get('maxdiff_vs_triton', r.get('maxdiff', ''))}"

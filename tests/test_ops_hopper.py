@@ -277,6 +277,18 @@ def test_dispatch_selects_by_an_explicit_rule(monkeypatch):
         select_forward(q, kv, idx, 512)
 
 
+def test_no_grad_rule_takes_the_hopper_forward_from_half_the_sms():
+    """128 heads, topk 2048, 132 SMs (the CPU stand-in): 32 sequences x 1 token (64 head-block programs, 2 splits
+    for the split-K kernel) and up take the Hopper forward; 16 (4 splits) keep the split-K kernel; a prefill does."""
+    from dsaflow.ops.sparse_mla.triton_dispatch import no_grad_takes_hopper_forward
+
+    idx = torch.zeros(1, 1, 2048, dtype=torch.int32)
+    assert no_grad_takes_hopper_forward(_t(32, 1, 128, 576), idx, 512)
+    assert no_grad_takes_hopper_forward(_t(128, 1, 128, 576), idx, 512)
+    assert not no_grad_takes_hopper_forward(_t(16, 1, 128, 576), idx, 512)
+    assert no_grad_takes_hopper_forward(_t(1, 4096, 128, 576), idx, 512)
+
+
 @pytest.mark.gpu
 def test_training_forward_uses_the_hopper_kernel_and_matches_the_portable_one(monkeypatch):
     """At V3.2 shapes on sm_90 the differentiable op runs the Gluon forward; its out/lse (and so the Triton backward

@@ -101,6 +101,16 @@ def select_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v:
     return "hopper" if reason is None else "triton"
 
 
+def no_grad_takes_hopper_forward(q: torch.Tensor, indices: torch.Tensor, d_v: int) -> bool:
+    """Without grad, the Hopper forward (one program per query and 64-head block, whole key range) runs when its
+    grid covers at least half the SMs, i.e. where the split-K kernel would take at most 2 splits; below that the
+    split-K kernel's extra programs win. Shape-only. H200, 128 heads, 32K cache, topk 2048
+    (`scripts/bench_hopper.py --part decode`): 32 seqs 0.086 vs 0.104 ms, 64 seqs 0.122 vs 0.181, 128 seqs 0.166
+    vs 0.346; 16 seqs 0.083 vs 0.064 (split-K, 4 splits, faster)."""
+    cfg = fwd_config(q, d_v, q.shape[-1] - d_v, indices.shape[2])
+    return choose_num_splits(q, indices.shape[2], cfg["BLOCK_H"], cfg["BLOCK_K"]) <= 2
+
+
 def prefill_forward(q, kv, indices, sm_scale: float, d_v: int, n_keys=None):
     if select_forward(q, kv, indices, d_v) == "hopper":
         return sparse_mla_fwd_hopper(q, kv, indices, sm_scale, d_v, n_keys=n_keys)
@@ -151,13 +161,11 @@ def sparse_mla_triton(
         return SparseMLATriton.apply(q, kv, indices, float(sm_scale), int(d_v), probs_into)
     if probs_into is not None:
         raise ValueError("sparse_mla_triton: probs_into is filled by the backward, but this call has no gradient")
-    if select_forward(q, kv, indices, d_v) == "hopper":
-        cfg = fwd_config(q, d_v, q.shape[-1] - d_v, indices.shape[2])
-        if choose_num_splits(q, indices.shape[2], cfg["BLOCK_H"], cfg["BLOCK_K"]) == 1:  # the grid fills the GPU
-            # Loops stop at each query's key extent here too: the seesaw kernel with the extent (its launch
-            # included) beat the every-slot variant even on full rows (H200, 4096 queries: 0.8-4 %), and a
-            # served prefill's first topk positions have short rows.
-            return sparse_mla_fwd_hopper(q, kv, indices, float(sm_scale), int(d_v))
+    if select_forward(q, kv, indices, d_v) == "hopper" and no_grad_takes_hopper_forward(q, indices, d_v):
+        # Loops stop at each query's key extent here too: the seesaw kernel with the extent (its launch included)
+        # beat the every-slot variant even on full rows (H200, 4096 queries: 0.8-4 %), and a served prefill's
+        # first topk positions have short rows.
+        return sparse_mla_fwd_hopper(q, kv, indices, float(sm_scale), int(d_v))
     if select_decode(q, kv, indices, d_v) == "hopper":
         return sparse_mla_decode_hopper(q, kv, indices, float(sm_scale), int(d_v))
     return sparse_mla_decode_triton(q, kv, indices, float(sm_scale), int(d_v))
