@@ -2,11 +2,11 @@
 
 - grad needed (grad mode on and q or kv requires grad): `SparseMLATriton` (prefill forward + Triton backward; the
   backward is deterministic when `determinism.is_deterministic()` holds at backward time).
-- no grad: the Hopper prefill forward when the grid already fills the GPU; else, for 16 heads per query (a TP-8
-  shard of V3.2's 128) on sm_90, the warp-specialised Gluon decode (`hopper_decode.py`, `select_decode`); else the
-  split-K decode launcher, which uses one split (= the prefill kernel) when the grid already fills the GPU and several
-  when B * T is small.
-- the prefill forward (grad, or no grad with one split) is the warp-specialised Gluon kernel (`hopper_prefill.py`)
+- no grad: the Hopper prefill forward when its grid covers at least half the GPU (`no_grad_takes_hopper_forward`);
+  else, for 16 heads per query (a TP-8 shard of V3.2's 128) on sm_90, the warp-specialised Gluon decode
+  (`hopper_decode.py`, `select_decode`); else the split-K decode launcher, which uses one split (= the prefill
+  kernel) when the grid already fills the GPU and several when B * T is small.
+- the prefill forward (grad, or the no-grad case above) is the warp-specialised Gluon kernel (`hopper_prefill.py`)
   where `select_forward` says so: an sm_90 GPU, DeepSeek MLA shapes and triton 3.6's Gluon; else the portable Triton
   kernel. `DSAFLOW_SPARSE_MLA_FWD=triton|hopper` forces one (hopper raises with the reason where it cannot run).
 - shapes the kernels cannot take (see `kernel_supports`) raise `ValueError` naming the shape and the reason: no
