@@ -43,6 +43,11 @@ if _GLUON_ERROR is None:
     _BH = gl.constexpr(BLOCK_H)
     _BK = gl.constexpr(BLOCK_K)
     _HALF = gl.constexpr(HALF)
+    # one consumer warpgroup's register layouts: S [64, 64] and its half of O [64, 256] (wgmma accumulators), and P as
+    # the A operand of its P.V
+    _S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+    _O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+    _A_L = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_L.value, k_width=2))
 
     @gluon.jit
     def _fill_lo(kl_st, ready, empty, ph, kv_base, idx, S, s_kvs, offs_h, all_h, DIAG: gl.constexpr):
@@ -110,9 +115,9 @@ if _GLUON_ERROR is None:
         return warpgroup_mma(qr, kr_st.permute((1, 0)), sc, is_async=True)
 
     @gluon.jit
-    def _masked(sc, blk, idx_base, S, K, scale_log2, s_l: gl.constexpr):
+    def _masked(sc, blk, idx_base, S, K, scale_log2):
         """S of block `blk` scaled to base 2, -inf where the slot holds no valid key."""
-        offs_k = blk * _BK + gl.arange(0, _BK, layout=gl.SliceLayout(0, s_l))
+        offs_k = blk * _BK + gl.arange(0, _BK, layout=gl.SliceLayout(0, _S_L))
         idx = gl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
         return gl.where(((idx >= 0) & (idx < S))[None, :], sc * scale_log2, float("-inf"))
 
@@ -129,8 +134,8 @@ if _GLUON_ERROR is None:
         return gl.where(m == float("-inf"), 0.0, m)
 
     @gluon.jit
-    def _rescale(acc, factor, o_l: gl.constexpr):
-        return acc * gl.convert_layout(factor, gl.SliceLayout(1, o_l))[:, None]
+    def _rescale(acc, factor):
+        return acc * gl.convert_layout(factor, gl.SliceLayout(1, _O_L))[:, None]
 
     @gluon.jit
     def _signal(bar):
@@ -140,13 +145,13 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _finish(acc, m_i, l_i, l_mine, l_theirs, done_mine, done_theirs, o_smem, out_ptr, lse_ptr, b, t, h0, col0,
-                s_ob, s_ot, s_oh, s_lb, s_lt, WRITE_LSE: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr):
+                s_ob, s_ot, s_oh, s_lb, s_lt, WRITE_LSE: gl.constexpr):
         """Add the other warpgroup's row sums, normalise this half of O, store it (and lse, from warpgroup A)."""
         l_mine.store(l_i)
         _signal(done_mine)
         mbarrier.wait(done_theirs, 0)
-        l_tot = l_i + l_theirs.load(gl.SliceLayout(1, s_l))
-        l_o = gl.convert_layout(l_tot, gl.SliceLayout(1, o_l))
+        l_tot = l_i + l_theirs.load(gl.SliceLayout(1, _S_L))
+        l_o = gl.convert_layout(l_tot, gl.SliceLayout(1, _O_L))
         # both warpgroups' MMAs have completed (done_*), so Q's half tile is free: stage O through it and store
         # coalesced 16-byte rows (a store from the MMA layout would need 128 64-bit pointers per thread)
         o_smem.store((acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(o_smem.dtype))
@@ -159,24 +164,27 @@ if _GLUON_ERROR is None:
         if WRITE_LSE:
             lse = gl.where(l_tot == 0.0, float("-inf"),
                            (m_i + gl.log2(gl.where(l_tot == 0.0, 1.0, l_tot))) * 0.6931471805599453)
-            lrows = gl.arange(0, _BH, layout=gl.SliceLayout(1, s_l))
+            lrows = gl.arange(0, _BH, layout=gl.SliceLayout(1, _S_L))
             gl.store(lse_ptr + b * s_lb + t * s_lt + h0 + lrows, lse)
+
+    @gluon.jit
+    def _fresh_state():
+        """A consumer's running row max and row sums, its half of O, and an S tile (every S is issued with
+        use_acc=False on a dead tile)."""
+        m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, _S_L))
+        l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, _S_L))
+        acc = gl.zeros([_BH, _HALF], gl.float32, _O_L)
+        sc = gl.zeros([_BH, _BK], gl.float32, _S_L)
+        return m_i, l_i, acc, sc
 
     @gluon.jit
     def _consumer_a(ql, qh, qr, kl, kh, kr, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo, ready_hi,
                     empty_lo, xbar, idx_ptr, out_ptr, lse_ptr, b, t, h0, S, K, n_pairs,
                     s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2):
         """Even blocks' softmax; output columns [0, 256). xbar: m0, m1, pa, pb, pb_free, done_a, done_b."""
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 256, 16])
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         dtype: gl.constexpr = ql.dtype
         idx_base = idx_ptr + b * s_ib + t * s_it
-        m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
-        l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, s_l))
-        acc = gl.zeros([_BH, _HALF], gl.float32, o_l)
-        sc = gl.zeros([_BH, _BK], gl.float32, s_l)  # every S below is issued with use_acc=False on a dead tile
+        m_i, l_i, acc, sc = _fresh_state()
         for j in range(n_pairs):
             ph = j & 1
             z = _stage_base(j)
@@ -187,23 +195,23 @@ if _GLUON_ERROR is None:
                 tok = _s_lo(q_l, k0_l, ready_lo.index(0), 0, sc, False)
                 tok = _s_hi(q_h, q_r, k0_h, k0_r, ready_hi.index(0), 0, tok, True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-            sc = _masked(sc, 2 * j, idx_base, S, K, scale_log2, s_l)
+            sc = _masked(sc, 2 * j, idx_base, S, K, scale_log2)
             m0 = gl.maximum(m_i, gl.max(sc, 1))
             m0_smem.store(m0)
             _signal(xbar.index(0))
             alpha = gl.exp2(m_i - _finite(m0))
             p = gl.exp2(sc - _finite(m0)[:, None]).to(dtype)  # bf16 only: it stays live until m1 arrives
             l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
-            tok = warpgroup_mma(gl.convert_layout(p, a_l), k0_l, _rescale(acc, alpha, o_l), is_async=True)
+            tok = warpgroup_mma(gl.convert_layout(p, _A_L), k0_l, _rescale(acc, alpha), is_async=True)
             mbarrier.wait(xbar.index(1), ph)
-            m1 = m1_smem.load(gl.SliceLayout(1, s_l))
+            m1 = m1_smem.load(gl.SliceLayout(1, _S_L))
             beta = gl.exp2(m0 - _finite(m1))
             k0_r.store((p.to(gl.float32) * beta[:, None]).to(dtype))  # P_a for B, in the rope tile only A's S read
             fence_async_shared()
             _signal(xbar.index(2))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
             _signal(empty_lo.index(0))
-            acc = _rescale(acc, beta, o_l)
+            acc = _rescale(acc, beta)
             l_i = l_i * beta
             mbarrier.wait(xbar.index(3), ph)  # P_b written
             mbarrier.wait(ready_lo.index(1), ph)  # stage 1's lo columns landed (B saw it; these threads must too)
@@ -222,23 +230,16 @@ if _GLUON_ERROR is None:
                 mbarrier.arrive(xbar.index(4), count=1)
             m_i = m1
         _finish(acc, m_i, l_i, la_smem, lb_smem, xbar.index(5), xbar.index(6), ql.index(0), out_ptr, lse_ptr,
-                b, t, h0, 0, s_ob, s_ot, s_oh, s_lb, s_lt, True, s_l, o_l)
+                b, t, h0, 0, s_ob, s_ot, s_oh, s_lb, s_lt, True)
 
     @gluon.jit
     def _consumer_b(ql, qh, qr, kl, kh, kr, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo, ready_hi,
                     empty_hi, xbar, idx_ptr, out_ptr, lse_ptr, b, t, h0, S, K, n_pairs,
                     s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2):
         """Odd blocks' softmax; output columns [256, 512)."""
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 256, 16])
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         dtype: gl.constexpr = ql.dtype
         idx_base = idx_ptr + b * s_ib + t * s_it
-        m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
-        l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, s_l))
-        acc = gl.zeros([_BH, _HALF], gl.float32, o_l)
-        sc = gl.zeros([_BH, _BK], gl.float32, s_l)  # every S below is issued with use_acc=False on a dead tile
+        m_i, l_i, acc, sc = _fresh_state()
         for j in range(n_pairs):
             ph = j & 1
             z = _stage_base(j)
@@ -249,15 +250,15 @@ if _GLUON_ERROR is None:
                 tok = _s_hi(q_h, q_r, k1_h, k1_r, ready_hi.index(1), 0, sc, False)
                 tok = _s_lo(q_l, k1_l, ready_lo.index(1), 0, tok, True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-            sc = _masked(sc, 2 * j + 1, idx_base, S, K, scale_log2, s_l)
+            sc = _masked(sc, 2 * j + 1, idx_base, S, K, scale_log2)
             mbarrier.wait(xbar.index(0), ph)
-            m1 = gl.maximum(m0_smem.load(gl.SliceLayout(1, s_l)), gl.max(sc, 1))
+            m1 = gl.maximum(m0_smem.load(gl.SliceLayout(1, _S_L)), gl.max(sc, 1))
             m1_smem.store(m1)
             _signal(xbar.index(1))
             alpha = gl.exp2(m_i - _finite(m1))
             p = gl.exp2(sc - _finite(m1)[:, None]).to(dtype)
             l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
-            tok = warpgroup_mma(gl.convert_layout(p, a_l), k1_h, _rescale(acc, alpha, o_l), is_async=True)
+            tok = warpgroup_mma(gl.convert_layout(p, _A_L), k1_h, _rescale(acc, alpha), is_async=True)
             mbarrier.wait(xbar.index(4), ph ^ 1)  # A's MMA on the previous P_b is done
             pb_smem.index(z).store(p)
             fence_async_shared()
@@ -276,7 +277,7 @@ if _GLUON_ERROR is None:
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(stok, ))
             m_i = m1
         _finish(acc, m_i, l_i, lb_smem, la_smem, xbar.index(6), xbar.index(5), qh.index(0), out_ptr, lse_ptr,
-                b, t, h0, _HALF, s_ob, s_ot, s_oh, s_lb, s_lt, False, s_l, o_l)
+                b, t, h0, _HALF, s_ob, s_ot, s_oh, s_lb, s_lt, False)
 
     @gluon.jit
     def _seesaw_fwd_kernel(
