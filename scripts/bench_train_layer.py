@@ -40,7 +40,7 @@ KINDS = ("matmul", "indexer", "attn_fwd", "attn_bwd", "indexer_loss", "other")
 PATTERNS = (
     ("indexer_loss", ("indexer_kl", "attention_target", "attn_target", "_kl_", "probs_into")),
     ("attn_bwd", ("sparse_mla_bwd",)),
-    ("attn_fwd", ("sparse_mla_fwd", "sparse_mla_hopper", "hopper_fwd")),
+    ("attn_fwd", ("sparse_mla_fwd", "sparse_mla_hopper", "hopper_fwd", "seesaw_fwd")),
     ("indexer", ("indexer_logits", "topk", "radix", "select", "sort")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma")),
 )
