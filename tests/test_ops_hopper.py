@@ -166,6 +166,26 @@ def test_hopper_fwd_key_extent_layouts(layout, cfg):
     check_against_naive(out, lse, q, kv, idx, 576**-0.5, sample=torch.arange(T))
 
 
+@pytest.mark.gpu
+@hopper_only
+@pytest.mark.parametrize("layout", ["edges", "interleaved"])
+def test_hopper_fwd_persistent_programs_walk_mixed_items(layout):
+    """3 persistent programs walk 256 work items each with its own key extent (single-slot and keyless rows among
+    them), so the ring's phases, the Q reload and the epilogue's tile hand-back run on across items of different
+    lengths; batch 2; NaN-poisoned outputs, every query checked."""
+    from test_ops_key_extent import layout_indices
+
+    B, T, H, S, K = 2, 64, 128, 4096, 2000
+    g = torch.Generator().manual_seed(17)
+    q = torch.randn(B, T, H, 576, generator=g).to("cuda", torch.bfloat16)
+    kv = torch.randn(B, S, 576, generator=g).to("cuda", torch.bfloat16)
+    idx = layout_indices(layout, B, T, S, K, g).cuda()
+    out = torch.full((B, T, H, 512), float("nan"), device="cuda", dtype=q.dtype)
+    lse = torch.full((B, T, H), float("nan"), device="cuda")
+    launch_hopper_fwd(q, kv, idx, 576**-0.5, 512, out, lse, dict(PROGRAMS=3))
+    check_against_naive(out, lse, q, kv, idx, 576**-0.5, sample=torch.arange(T))
+
+
 # ---- decode options (triton_decode.decode_overrides) ----
 
 def test_decode_overrides_rule():

@@ -15,30 +15,36 @@ so one warpgroup's exponentials run beside the other's MMAs. The ring holds one 
 shared memory fits because of two things: each stage is released in halves (value columns [0, 256) and [256, 512) +
 rope tail, each with its own ready / empty mbarrier), so the producer refills a half as soon as its last reader is
 done; and A hands B its scaled P_a in stage 0's rope tile, which nobody reads after A's S. Shared memory: Q 72 KB +
-ring 144 KB + P_b 8 KB = 224 KB. Row sums are kept per warpgroup (relative to the running max) and added at the end.
-Exchange mbarriers (one arrival each): m0 (A -> B), m1 (B -> A), pa (A -> B: P_a written), pb (B -> A: P_b
-written), pb_free (A's MMA on P_b done), done_a / done_b (row sums written).
-Every partition runs the pairs below the query's key extent (KEY_EXTENT 0: every slot); invalid indices are not
-read (cp.async zero-fills) and score -inf; a query with no valid key writes out = 0 and lse = -inf. DIAG 1 is a
-timing-only variant (no copies: the consumers alone) whose output is wrong. Measurements: docs/kernels.md item 24.
+ring 144 KB + P_b 8 KB + the ring's block indices 0.5 KB = 225 KB. Row sums are kept per warpgroup (relative to the
+running max) and added at the end. Exchange mbarriers (one arrival each): m0 (A -> B), m1 (B -> A), pa (A -> B: P_a
+written), pb (B -> A: P_b written), pb_free (A's MMA on P_b done), done_a / done_b (row sums written).
+
+Persistent: one program per SM walks the work items (query, 64-head block) p, p + P, ...; the ring's and exchanges'
+phases run on across items, so the producer gathers the next item's first pair while the consumers finish the last
+one. Q is reloaded once both consumers' last S of an item is done (Q free -> Q ready), and each consumer stages its
+O for the store in the stage-1 tile it read last, which it releases after (so the epilogue never waits on Q).
+Every partition runs the pairs below the query's key extent (KEY_EXTENT 0: every slot), at least one; invalid
+indices are not read (cp.async zero-fills) and score -inf; a query with no valid key writes out = 0 and lse = -inf.
+DIAG 1 is a timing-only variant (no copies: the consumers alone) whose output is wrong. Measurements:
+docs/kernels.md items 24-25.
 """
 from __future__ import annotations
 
 from .hopper_prefill import _GLUON_ERROR, BLOCK_H
+from .hopper_seesaw_gather import BLOCK_K, HALF
+from .triton_decode import _num_sms
 
-SEESAW_CFG = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=224, DIAG=0, KEY_EXTENT=1)
-BLOCK_K = 64  # key rows per block: one S wgmma of N = 64 per warpgroup
-HALF = 256  # output columns per consumer warpgroup (d_v 512 / 2)
+# PROGRAMS: how many persistent programs (0: one per SM; tests set a few, so each walks many items)
+SEESAW_CFG = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=224, DIAG=0, KEY_EXTENT=1, PROGRAMS=0)
 
 if _GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
     )
 
-    from .hopper_prefill import _issue_rows, _program_query
+    from .hopper_seesaw_gather import _pair_producer, _work_item
 
     _BH = gl.constexpr(BLOCK_H)
     _BK = gl.constexpr(BLOCK_K)
@@ -48,56 +54,6 @@ if _GLUON_ERROR is None:
     _S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
     _O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
     _A_L = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O_L.value, k_width=2))
-
-    @gluon.jit
-    def _fill_lo(kl_st, ready, empty, ph, kv_base, idx, S, s_kvs, offs_h, all_h, DIAG: gl.constexpr):
-        """One stage's value columns [0, 256), once its last reader released them."""
-        mbarrier.wait(empty, ph)
-        if DIAG != 1:  # DIAG 1 (timing only): no copies, the consumers read stale tiles
-            _issue_rows(kl_st, kv_base, idx, S, s_kvs, 0, offs_h, all_h)
-        async_copy.mbarrier_arrive(ready, increment_count=False)
-
-    @gluon.jit
-    def _fill_hi(kh_st, kr_st, ready, empty, ph, kv_base, idx, S, s_kvs, offs_h, all_h, offs_t, all_t,
-                 DIAG: gl.constexpr):
-        """One stage's value columns [256, 512) and rope tail, once their last reader released them."""
-        mbarrier.wait(empty, ph)
-        if DIAG != 1:
-            _issue_rows(kh_st, kv_base, idx, S, s_kvs, _HALF, offs_h, all_h)
-            _issue_rows(kr_st, kv_base, idx, S, s_kvs, 2 * _HALF, offs_t, all_t)
-        async_copy.mbarrier_arrive(ready, increment_count=False)
-
-    @gluon.jit
-    def _pair_producer(kv_ptr, idx_ptr, kl, kh, kr, ready_lo, ready_hi, empty_lo, empty_hi, b, t, S, K, n_pairs,
-                       s_kvb, s_kvs, s_ib, s_it, D_T: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                       DIAG: gl.constexpr):
-        """Gather each pair's rows into stage 0 (even block) and stage 1 (odd block), half by half in the order
-        the consumers release them: stage 0 lo, stage 1 hi + rope, stage 0 hi + rope, stage 1 lo."""
-        # 4 rows x 64 columns per warp instruction: a thread holds 4 of a block's row indices, not 16
-        row_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
-        offs_h = gl.arange(0, _HALF, layout=gl.SliceLayout(0, row_l))
-        offs_t = gl.arange(0, D_T, layout=gl.SliceLayout(0, row_l))
-        all_h = offs_h < _HALF
-        all_t = offs_t < D_T
-        kv_base = kv_ptr + b * gl.multiple_of(s_kvb, 8)
-        s_kvs = gl.multiple_of(s_kvs, 8)
-        idx_base = idx_ptr + b * s_ib + t * s_it
-        offs_n = gl.arange(0, _BK, layout=gl.SliceLayout(1, row_l))
-        ia = gl.load(idx_base + offs_n, mask=offs_n < K, other=-1)
-        ib = gl.load(idx_base + _BK + offs_n, mask=_BK + offs_n < K, other=-1)
-        for j in range(n_pairs):
-            ph = (j & 1) ^ 1  # a fresh empty barrier passes parity 1 at once
-            k2 = (2 * j + 2) * _BK  # the next pair's indices, loaded before the waits
-            na = gl.load(idx_base + k2 + offs_n, mask=k2 + offs_n < K, other=-1)
-            nb = gl.load(idx_base + _BK + k2 + offs_n, mask=_BK + k2 + offs_n < K, other=-1)
-            _fill_lo(kl.index(0), ready_lo.index(0), empty_lo.index(0), ph, kv_base, ia, S, s_kvs, offs_h, all_h, DIAG)
-            _fill_hi(kh.index(1), kr.index(1), ready_hi.index(1), empty_hi.index(1), ph, kv_base, ib, S, s_kvs,
-                     offs_h, all_h, offs_t, all_t, DIAG)
-            _fill_hi(kh.index(0), kr.index(0), ready_hi.index(0), empty_hi.index(0), ph, kv_base, ia, S, s_kvs,
-                     offs_h, all_h, offs_t, all_t, DIAG)
-            _fill_lo(kl.index(1), ready_lo.index(1), empty_lo.index(1), ph, kv_base, ib, S, s_kvs, offs_h, all_h, DIAG)
-            ia = na
-            ib = nb
 
     @gluon.jit
     def _s_lo(ql, kl_st, ready, phase, sc, use_acc: gl.constexpr):
@@ -115,11 +71,13 @@ if _GLUON_ERROR is None:
         return warpgroup_mma(qr, kr_st.permute((1, 0)), sc, is_async=True)
 
     @gluon.jit
-    def _masked(sc, blk, idx_base, S, K, scale_log2):
-        """S of block `blk` scaled to base 2, -inf where the slot holds no valid key."""
+    def _masked(sc, blk, idx_st, S, K, scale_log2):
+        """S of block `blk` scaled to base 2, -inf where the slot holds no valid key. The block's indices come from
+        shared memory, copied by the producer with its rows: loading them from global memory here put an L2
+        round trip on every block's critical path (6 % of the kernel)."""
         offs_k = blk * _BK + gl.arange(0, _BK, layout=gl.SliceLayout(0, _S_L))
-        idx = gl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
-        return gl.where(((idx >= 0) & (idx < S))[None, :], sc * scale_log2, float("-inf"))
+        idx = idx_st.load(gl.SliceLayout(0, _S_L))
+        return gl.where(((offs_k < K) & (idx >= 0) & (idx < S))[None, :], sc * scale_log2, float("-inf"))
 
     @gluon.jit
     def _stage_base(j):
@@ -144,16 +102,17 @@ if _GLUON_ERROR is None:
         mbarrier.arrive(bar, count=1)
 
     @gluon.jit
-    def _finish(acc, m_i, l_i, l_mine, l_theirs, done_mine, done_theirs, o_smem, out_ptr, lse_ptr, b, t, h0, col0,
-                s_ob, s_ot, s_oh, s_lb, s_lt, WRITE_LSE: gl.constexpr):
-        """Add the other warpgroup's row sums, normalise this half of O, store it (and lse, from warpgroup A)."""
+    def _finish(acc, m_i, l_i, l_mine, l_theirs, done_mine, done_theirs, phase, o_smem, out_ptr, lse_ptr, b, t, h0,
+                col0, s_ob, s_ot, s_oh, s_lb, s_lt, WRITE_LSE: gl.constexpr):
+        """Add the other warpgroup's row sums, normalise this half of O, store it (and lse, from warpgroup A).
+        o_smem: a [64, 256] ring tile this warpgroup still holds (it releases it after)."""
         l_mine.store(l_i)
         _signal(done_mine)
-        mbarrier.wait(done_theirs, 0)
+        mbarrier.wait(done_theirs, phase)
         l_tot = l_i + l_theirs.load(gl.SliceLayout(1, _S_L))
         l_o = gl.convert_layout(l_tot, gl.SliceLayout(1, _O_L))
-        # both warpgroups' MMAs have completed (done_*), so Q's half tile is free: stage O through it and store
-        # coalesced 16-byte rows (a store from the MMA layout would need 128 64-bit pointers per thread)
+        # stage O through shared memory and store coalesced 16-byte rows (a store from the MMA layout would need
+        # 128 64-bit pointers per thread)
         o_smem.store((acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(o_smem.dtype))
         gl.thread_barrier()
         st_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
@@ -178,120 +137,134 @@ if _GLUON_ERROR is None:
         return m_i, l_i, acc, sc
 
     @gluon.jit
-    def _consumer_a(ql, qh, qr, kl, kh, kr, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo, ready_hi,
-                    empty_lo, xbar, idx_ptr, out_ptr, lse_ptr, b, t, h0, S, K, n_pairs,
-                    s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2):
+    def _consumer_a(ql, qh, qr, kl, kh, kr, idx_smem, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo, ready_hi,
+                    empty_lo, xbar, q_ready, q_free, nk_ptr, out_ptr, lse_ptr, T, S, K, n_hblk, n_work,
+                    s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2, KEY_EXTENT: gl.constexpr):
         """Even blocks' softmax; output columns [0, 256). xbar: m0, m1, pa, pb, pb_free, done_a, done_b."""
         dtype: gl.constexpr = ql.dtype
-        idx_base = idx_ptr + b * s_ib + t * s_it
-        m_i, l_i, acc, sc = _fresh_state()
-        for j in range(n_pairs):
-            ph = j & 1
-            z = _stage_base(j)
-            q_l, q_h, q_r = ql.index(z), qh.index(z), qr.index(z)
-            k0_l, k0_h, k0_r = kl.index(z), kh.index(z), kr.index(z)  # stage 0: this warpgroup's block
-            k1_l = kl.index(z + 1)  # stage 1's value columns [0, 256): B's block, for P_b V_b,lo
-            if j == 0:
-                tok = _s_lo(q_l, k0_l, ready_lo.index(0), 0, sc, False)
-                tok = _s_hi(q_h, q_r, k0_h, k0_r, ready_hi.index(0), 0, tok, True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-            sc = _masked(sc, 2 * j, idx_base, S, K, scale_log2)
-            m0 = gl.maximum(m_i, gl.max(sc, 1))
-            m0_smem.store(m0)
-            _signal(xbar.index(0))
-            alpha = gl.exp2(m_i - _finite(m0))
-            p = gl.exp2(sc - _finite(m0)[:, None]).to(dtype)  # bf16 only: it stays live until m1 arrives
-            l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
-            tok = warpgroup_mma(gl.convert_layout(p, _A_L), k0_l, _rescale(acc, alpha), is_async=True)
-            mbarrier.wait(xbar.index(1), ph)
-            m1 = m1_smem.load(gl.SliceLayout(1, _S_L))
-            beta = gl.exp2(m0 - _finite(m1))
-            k0_r.store((p.to(gl.float32) * beta[:, None]).to(dtype))  # P_a for B, in the rope tile only A's S read
-            fence_async_shared()
-            _signal(xbar.index(2))
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-            _signal(empty_lo.index(0))
-            acc = _rescale(acc, beta)
-            l_i = l_i * beta
-            mbarrier.wait(xbar.index(3), ph)  # P_b written
-            mbarrier.wait(ready_lo.index(1), ph)  # stage 1's lo columns landed (B saw it; these threads must too)
-            fence_async_shared()
-            tok = warpgroup_mma(pb_smem.index(z), k1_l, acc, is_async=True)
-            if j + 1 < n_pairs:  # the next even block's S, its lo half issued behind P_b V_b,lo
-                stok = _s_lo(q_l, k0_l, ready_lo.index(0), ph ^ 1, sc, False)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok, ))
-                _signal(empty_lo.index(1))
-                mbarrier.arrive(xbar.index(4), count=1)
-                stok = _s_hi(q_h, q_r, k0_h, k0_r, ready_hi.index(0), ph ^ 1, stok, True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(stok, ))
-            else:
+        g = 0  # pairs of earlier items (phases)
+        it = 0
+        for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
+            b, t, h0, n_pairs = _work_item(w, n_hblk, T, nk_ptr, K, KEY_EXTENT)
+            m_i, l_i, acc, sc = _fresh_state()
+            mbarrier.wait(q_ready, it & 1)
+            for j in range(n_pairs):
+                ph = (g + j) & 1
+                z = _stage_base(j)
+                q_l, q_h, q_r = ql.index(z), qh.index(z), qr.index(z)
+                k0_l, k0_h, k0_r = kl.index(z), kh.index(z), kr.index(z)  # stage 0: this warpgroup's block
+                k1_l = kl.index(z + 1)  # stage 1's value columns [0, 256): B's block, for P_b V_b,lo
+                if j == 0:
+                    tok = _s_lo(q_l, k0_l, ready_lo.index(0), ph, sc, False)
+                    tok = _s_hi(q_h, q_r, k0_h, k0_r, ready_hi.index(0), ph, tok, True)
+                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+                if j + 1 == n_pairs:
+                    _signal(q_free)  # this item's last S is done: the producer may copy the next item's Q
+                sc = _masked(sc, 2 * j, idx_smem.index(0), S, K, scale_log2)
+                m0 = gl.maximum(m_i, gl.max(sc, 1))
+                m0_smem.store(m0)
+                _signal(xbar.index(0))
+                alpha = gl.exp2(m_i - _finite(m0))
+                p = gl.exp2(sc - _finite(m0)[:, None]).to(dtype)  # bf16 only: it stays live until m1 arrives
+                l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+                tok = warpgroup_mma(gl.convert_layout(p, _A_L), k0_l, _rescale(acc, alpha), is_async=True)
+                mbarrier.wait(xbar.index(1), ph)
+                m1 = m1_smem.load(gl.SliceLayout(1, _S_L))
+                beta = gl.exp2(m0 - _finite(m1))
+                k0_r.store((p.to(gl.float32) * beta[:, None]).to(dtype))  # P_a for B, in the rope tile only A's S read
+                fence_async_shared()
+                _signal(xbar.index(2))
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-                _signal(empty_lo.index(1))
-                mbarrier.arrive(xbar.index(4), count=1)
-            m_i = m1
-        _finish(acc, m_i, l_i, la_smem, lb_smem, xbar.index(5), xbar.index(6), ql.index(0), out_ptr, lse_ptr,
-                b, t, h0, 0, s_ob, s_ot, s_oh, s_lb, s_lt, True)
+                _signal(empty_lo.index(0))
+                acc = _rescale(acc, beta)
+                l_i = l_i * beta
+                mbarrier.wait(xbar.index(3), ph)  # P_b written
+                mbarrier.wait(ready_lo.index(1), ph)  # stage 1's lo columns landed (B saw it; these threads too)
+                fence_async_shared()
+                tok = warpgroup_mma(pb_smem.index(z), k1_l, acc, is_async=True)
+                if j + 1 < n_pairs:  # the next even block's S, its lo half issued behind P_b V_b,lo
+                    stok = _s_lo(q_l, k0_l, ready_lo.index(0), ph ^ 1, sc, False)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok, ))
+                    _signal(empty_lo.index(1))
+                    mbarrier.arrive(xbar.index(4), count=1)
+                    stok = _s_hi(q_h, q_r, k0_h, k0_r, ready_hi.index(0), ph ^ 1, stok, True)
+                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(stok, ))
+                else:  # the last pair: stage 1's lo tile stays held for the epilogue
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+                    mbarrier.arrive(xbar.index(4), count=1)
+                m_i = m1
+            g += n_pairs
+            _finish(acc, m_i, l_i, la_smem, lb_smem, xbar.index(5), xbar.index(6), it & 1, kl.index(1), out_ptr,
+                    lse_ptr, b, t, h0, 0, s_ob, s_ot, s_oh, s_lb, s_lt, True)
+            _signal(empty_lo.index(1))
+            it += 1
 
     @gluon.jit
-    def _consumer_b(ql, qh, qr, kl, kh, kr, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo, ready_hi,
-                    empty_hi, xbar, idx_ptr, out_ptr, lse_ptr, b, t, h0, S, K, n_pairs,
-                    s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2):
+    def _consumer_b(ql, qh, qr, kl, kh, kr, idx_smem, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo, ready_hi,
+                    empty_hi, xbar, q_ready, q_free, nk_ptr, out_ptr, lse_ptr, T, S, K, n_hblk, n_work,
+                    s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2, KEY_EXTENT: gl.constexpr):
         """Odd blocks' softmax; output columns [256, 512)."""
         dtype: gl.constexpr = ql.dtype
-        idx_base = idx_ptr + b * s_ib + t * s_it
-        m_i, l_i, acc, sc = _fresh_state()
-        for j in range(n_pairs):
-            ph = j & 1
-            z = _stage_base(j)
-            q_l, q_h, q_r = ql.index(z), qh.index(z), qr.index(z)
-            k1_l, k1_h, k1_r = kl.index(z + 1), kh.index(z + 1), kr.index(z + 1)  # stage 1: this warpgroup's block
-            k0_h, p_a = kh.index(z), kr.index(z)  # stage 0: A's value columns [256, 512), and P_a in its rope tile
-            if j == 0:
-                tok = _s_hi(q_h, q_r, k1_h, k1_r, ready_hi.index(1), 0, sc, False)
-                tok = _s_lo(q_l, k1_l, ready_lo.index(1), 0, tok, True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-            sc = _masked(sc, 2 * j + 1, idx_base, S, K, scale_log2)
-            mbarrier.wait(xbar.index(0), ph)
-            m1 = gl.maximum(m0_smem.load(gl.SliceLayout(1, _S_L)), gl.max(sc, 1))
-            m1_smem.store(m1)
-            _signal(xbar.index(1))
-            alpha = gl.exp2(m_i - _finite(m1))
-            p = gl.exp2(sc - _finite(m1)[:, None]).to(dtype)
-            l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
-            tok = warpgroup_mma(gl.convert_layout(p, _A_L), k1_h, _rescale(acc, alpha), is_async=True)
-            mbarrier.wait(xbar.index(4), ph ^ 1)  # A's MMA on the previous P_b is done
-            pb_smem.index(z).store(p)
-            fence_async_shared()
-            _signal(xbar.index(3))
-            mbarrier.wait(xbar.index(2), ph)  # P_a written (in stage 0's rope tile)
-            mbarrier.wait(ready_hi.index(0), ph)  # stage 0's hi columns landed (A saw it; these threads too)
-            fence_async_shared()
-            tok2 = warpgroup_mma(p_a, k0_h, tok, is_async=True)
-            warpgroup_mma_wait(num_outstanding=1, deps=(m1, ))  # not tok: its registers are tok2's, still in flight
+        g = 0
+        it = 0
+        for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
+            b, t, h0, n_pairs = _work_item(w, n_hblk, T, nk_ptr, K, KEY_EXTENT)
+            m_i, l_i, acc, sc = _fresh_state()
+            mbarrier.wait(q_ready, it & 1)
+            for j in range(n_pairs):
+                ph = (g + j) & 1
+                z = _stage_base(j)
+                q_l, q_h, q_r = ql.index(z), qh.index(z), qr.index(z)
+                k1_l, k1_h, k1_r = kl.index(z + 1), kh.index(z + 1), kr.index(z + 1)  # stage 1: this warpgroup's
+                k0_h, p_a = kh.index(z), kr.index(z)  # stage 0: A's value columns [256, 512), P_a in its rope tile
+                if j == 0:
+                    tok = _s_hi(q_h, q_r, k1_h, k1_r, ready_hi.index(1), ph, sc, False)
+                    tok = _s_lo(q_l, k1_l, ready_lo.index(1), ph, tok, True)
+                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+                if j + 1 == n_pairs:
+                    _signal(q_free)
+                sc = _masked(sc, 2 * j + 1, idx_smem.index(1), S, K, scale_log2)
+                mbarrier.wait(xbar.index(0), ph)
+                m1 = gl.maximum(m0_smem.load(gl.SliceLayout(1, _S_L)), gl.max(sc, 1))
+                m1_smem.store(m1)
+                _signal(xbar.index(1))
+                alpha = gl.exp2(m_i - _finite(m1))
+                p = gl.exp2(sc - _finite(m1)[:, None]).to(dtype)
+                l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
+                tok = warpgroup_mma(gl.convert_layout(p, _A_L), k1_h, _rescale(acc, alpha), is_async=True)
+                mbarrier.wait(xbar.index(4), ph ^ 1)  # A's MMA on the previous P_b is done
+                pb_smem.index(z).store(p)
+                fence_async_shared()
+                _signal(xbar.index(3))
+                mbarrier.wait(xbar.index(2), ph)  # P_a written (in stage 0's rope tile)
+                mbarrier.wait(ready_hi.index(0), ph)  # stage 0's hi columns landed (A saw it; these threads too)
+                fence_async_shared()
+                tok2 = warpgroup_mma(p_a, k0_h, tok, is_async=True)
+                warpgroup_mma_wait(num_outstanding=1, deps=(m1, ))  # not tok: its registers are tok2's, in flight
+                if j + 1 < n_pairs:  # the last pair's stage 1 hi tile stays held for the epilogue
+                    _signal(empty_hi.index(1))
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok2, ))
+                _signal(empty_hi.index(0))
+                if j + 1 < n_pairs:
+                    stok = _s_hi(q_h, q_r, k1_h, k1_r, ready_hi.index(1), ph ^ 1, sc, False)
+                    stok = _s_lo(q_l, k1_l, ready_lo.index(1), ph ^ 1, stok, True)
+                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(stok, ))
+                m_i = m1
+            g += n_pairs
+            _finish(acc, m_i, l_i, lb_smem, la_smem, xbar.index(6), xbar.index(5), it & 1, kh.index(1), out_ptr,
+                    lse_ptr, b, t, h0, _HALF, s_ob, s_ot, s_oh, s_lb, s_lt, False)
             _signal(empty_hi.index(1))
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok2, ))
-            _signal(empty_hi.index(0))
-            if j + 1 < n_pairs:
-                stok = _s_hi(q_h, q_r, k1_h, k1_r, ready_hi.index(1), ph ^ 1, sc, False)
-                stok = _s_lo(q_l, k1_l, ready_lo.index(1), ph ^ 1, stok, True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(stok, ))
-            m_i = m1
-        _finish(acc, m_i, l_i, lb_smem, la_smem, xbar.index(6), xbar.index(5), qh.index(0), out_ptr, lse_ptr,
-                b, t, h0, _HALF, s_ob, s_ot, s_oh, s_lb, s_lt, False)
+            it += 1
 
     @gluon.jit
     def _seesaw_fwd_kernel(
         q_ptr, kv_ptr, idx_ptr, nk_ptr, out_ptr, lse_ptr,
-        T, S, K, n_hblk, scale_log2,
+        T, S, K, n_hblk, n_work, scale_log2,
         s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt,
         D_T: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         DIAG: gl.constexpr, KEY_EXTENT: gl.constexpr,
     ):
-        qi, b, t, h0 = _program_query(n_hblk, T, _BH)
-        if KEY_EXTENT:  # one trip count for all partitions, read before they split
-            n_pairs = gl.cdiv(gl.load(nk_ptr + qi), 2 * _BK)
-        else:  # every slot
-            n_pairs = gl.cdiv(K, 2 * _BK)
+        """Persistent: program p takes work items p, p + P, ... (P programs, one per SM at most)."""
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         half_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, _HALF], dtype)
         tail_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BH, D_T], dtype)
@@ -303,6 +276,7 @@ if _GLUON_ERROR is None:
         kh = gl.allocate_shared_memory(dtype, [2, _BK, _HALF], half_sl)
         kr = gl.allocate_shared_memory(dtype, [2, _BK, D_T], tail_sl)  # [64, 64]: also P_a's tile ([heads, keys])
         pb_smem = gl.allocate_shared_memory(dtype, [1, _BH, _BK], tail_sl)
+        idx_smem = gl.allocate_shared_memory(gl.int32, [2, _BK], row_sl)
         m0_smem = gl.allocate_shared_memory(gl.float32, [_BH], row_sl)
         m1_smem = gl.allocate_shared_memory(gl.float32, [_BH], row_sl)
         la_smem = gl.allocate_shared_memory(gl.float32, [_BH], row_sl)
@@ -312,6 +286,7 @@ if _GLUON_ERROR is None:
         empty_lo = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty_hi = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         xbar = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
+        qbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # Q ready, Q free
         for i in gl.static_range(2):
             mbarrier.init(ready_lo.index(i), count=PRODUCER_WARPS * 32)
             mbarrier.init(ready_hi.index(i), count=PRODUCER_WARPS * 32)
@@ -319,34 +294,26 @@ if _GLUON_ERROR is None:
             mbarrier.init(empty_hi.index(i), count=1)
         for i in gl.static_range(7):
             mbarrier.init(xbar.index(i), count=1)
-
-        s_qb = gl.multiple_of(s_qb, 8)  # hopper_fwd_supports checks: every row starts on 16 bytes
-        s_qt = gl.multiple_of(s_qt, 8)
-        s_qh = gl.multiple_of(s_qh, 8)
-        ql_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        qt_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        q_base = q_ptr + b * s_qb + t * s_qt + h0.to(gl.int64) * s_qh
-        rq = gl.arange(0, _BH, layout=gl.SliceLayout(1, ql_l))
-        cq = gl.arange(0, _HALF, layout=gl.SliceLayout(0, ql_l))
-        ql.index(0).store(gl.load(q_base + rq[:, None] * s_qh + cq[None, :]))
-        qh.index(0).store(gl.load(q_base + rq[:, None] * s_qh + _HALF + cq[None, :]))
-        rt = gl.arange(0, _BH, layout=gl.SliceLayout(1, qt_l))
-        ct = gl.arange(0, D_T, layout=gl.SliceLayout(0, qt_l))
-        qr.index(0).store(gl.load(q_base + rt[:, None] * s_qh + 2 * _HALF + ct[None, :]))
+        mbarrier.init(qbar.index(0), count=PRODUCER_WARPS * 32)
+        mbarrier.init(qbar.index(1), count=2)  # both consumers' last S of an item
         fence_async_shared()
         gl.thread_barrier()
 
         # (argument tuples written out: a tuple bound to a name first turns its constexprs into tensors)
         gl.warp_specialize(
             [
-                (_consumer_a, (ql, qh, qr, kl, kh, kr, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo,
-                               ready_hi, empty_lo, xbar, idx_ptr, out_ptr, lse_ptr, b, t, h0, S, K, n_pairs,
-                               s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2)),
-                (_consumer_b, (ql, qh, qr, kl, kh, kr, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo,
-                               ready_hi, empty_hi, xbar, idx_ptr, out_ptr, lse_ptr, b, t, h0, S, K, n_pairs,
-                               s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2)),
-                (_pair_producer, (kv_ptr, idx_ptr, kl, kh, kr, ready_lo, ready_hi, empty_lo, empty_hi, b, t, S, K,
-                                  n_pairs, s_kvb, s_kvs, s_ib, s_it, D_T, PRODUCER_WARPS, DIAG)),
+                (_consumer_a, (ql, qh, qr, kl, kh, kr, idx_smem, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo,
+                               ready_hi, empty_lo, xbar, qbar.index(0), qbar.index(1), nk_ptr, out_ptr,
+                               lse_ptr, T, S, K, n_hblk, n_work, s_ob, s_ot, s_oh, s_lb, s_lt,
+                               scale_log2, KEY_EXTENT)),
+                (_consumer_b, (ql, qh, qr, kl, kh, kr, idx_smem, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo,
+                               ready_hi, empty_hi, xbar, qbar.index(0), qbar.index(1), nk_ptr, out_ptr,
+                               lse_ptr, T, S, K, n_hblk, n_work, s_ob, s_ot, s_oh, s_lb, s_lt,
+                               scale_log2, KEY_EXTENT)),
+                (_pair_producer, (q_ptr, kv_ptr, idx_ptr, nk_ptr, ql, qh, qr, kl, kh, kr, idx_smem, qbar.index(0),
+                                  qbar.index(1), ready_lo, ready_hi, empty_lo, empty_hi, T, S, K, n_hblk, n_work,
+                                  s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, D_T, PRODUCER_WARPS, DIAG,
+                                  KEY_EXTENT)),
             ],
             [4, PRODUCER_WARPS],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -364,9 +331,11 @@ def launch_seesaw_fwd(q, kv, indices, scale_log2, out, lse, n_keys, cfg: dict | 
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
     n_hblk = H // BLOCK_H
-    return _seesaw_fwd_kernel[(n_hblk * B * T,)](
+    n_work = n_hblk * B * T
+    programs = min(n_work, c["PROGRAMS"] or _num_sms(q.device.index))
+    return _seesaw_fwd_kernel[(programs,)](
         q, kv, indices, n_keys, out, lse,
-        T, S, K, n_hblk, scale_log2,
+        T, S, K, n_hblk, n_work, scale_log2,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         D_T=D_qk - 2 * HALF, PRODUCER_WARPS=c["PRODUCER_WARPS"], PRODUCER_REGS=c["PRODUCER_REGS"],
