@@ -153,17 +153,7 @@ def test_hopper_fwd_key_extent_layouts(layout, cfg):
     """Producer and consumers stop at the query's key extent: the top-k layout (valid prefix, then -1), holes before
     the last valid slot, single-slot and keyless rows; K = 2000 is not a multiple of either key block; NaN-poisoned
     outputs, every query checked."""
-    from test_ops_key_extent import layout_indices
-
-    B, T, H, S, K = 1, 40, 128, 4096, 2000
-    g = torch.Generator().manual_seed(13)
-    q = torch.randn(B, T, H, 576, generator=g).to("cuda", torch.bfloat16)
-    kv = torch.randn(B, S, 576, generator=g).to("cuda", torch.bfloat16)
-    idx = layout_indices(layout, B, T, S, K, g).cuda()
-    out = torch.full((B, T, H, 512), float("nan"), device="cuda", dtype=q.dtype)
-    lse = torch.full((B, T, H), float("nan"), device="cuda")
-    launch_hopper_fwd(q, kv, idx, 576**-0.5, 512, out, lse, cfg)
-    check_against_naive(out, lse, q, kv, idx, 576**-0.5, sample=torch.arange(T))
+    check_layout_against_naive(layout, B=1, T=40, seed=13, cfg=cfg)
 
 
 @pytest.mark.gpu
@@ -173,16 +163,21 @@ def test_hopper_fwd_persistent_programs_walk_mixed_items(layout):
     """3 persistent programs walk 256 work items each with its own key extent (single-slot and keyless rows among
     them), so the ring's phases, the Q reload and the epilogue's tile hand-back run on across items of different
     lengths; batch 2; NaN-poisoned outputs, every query checked."""
+    check_layout_against_naive(layout, B=2, T=64, seed=17, cfg=dict(PROGRAMS=3))
+
+
+def check_layout_against_naive(layout, B, T, seed, cfg):
+    """h128, S 4096, K 2000 (not a multiple of any key block), indices from `layout_indices`; every query checked."""
     from test_ops_key_extent import layout_indices
 
-    B, T, H, S, K = 2, 64, 128, 4096, 2000
-    g = torch.Generator().manual_seed(17)
+    H, S, K = 128, 4096, 2000
+    g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, 576, generator=g).to("cuda", torch.bfloat16)
     kv = torch.randn(B, S, 576, generator=g).to("cuda", torch.bfloat16)
     idx = layout_indices(layout, B, T, S, K, g).cuda()
     out = torch.full((B, T, H, 512), float("nan"), device="cuda", dtype=q.dtype)
     lse = torch.full((B, T, H), float("nan"), device="cuda")
-    launch_hopper_fwd(q, kv, idx, 576**-0.5, 512, out, lse, dict(PROGRAMS=3))
+    launch_hopper_fwd(q, kv, idx, 576**-0.5, 512, out, lse, cfg)
     check_against_naive(out, lse, q, kv, idx, 576**-0.5, sample=torch.arange(T))
 
 
