@@ -1,18 +1,17 @@
-"""Sparse MLA forward on Hopper: the Gluon warp-specialised kernel's variants vs the Triton kernel, plus decode
-configs of the split-K Triton kernel and the Gluon decode.
+"""Sparse MLA forward on Hopper: the Gluon seesaw kernel (and any launch configs of it) vs the Triton kernel, plus
+decode configs of the split-K Triton kernel and the Gluon decode.
 
-    python scripts/bench_hopper.py --out bench_out/hopper                 # everything, one process
-    python scripts/bench_hopper.py --out DIR --part fwd --variant early   # one forward variant (own process)
+    python scripts/bench_hopper.py --out bench_out/hopper                  # everything, one process
+    python scripts/bench_hopper.py --out DIR --part fwd --variant seesaw   # one forward variant (own process)
 
-Forward: 4096 queries at the end of a 32K / 128K context, h128, d_qk 576, d_v 512, topk 2048, bf16; FLOPs
+Forward: 4096 queries at the end of an 8K-128K context, h128, d_qk 576, d_v 512, topk 2048, bf16; FLOPs
 2 H K (d_qk + d_v) per query. Each variant is first checked against the naive fp32 reference on sampled queries
 (with invalid indices and one query without keys) and against the Triton kernel's full output, then timed with
 triton.testing.do_bench (median) next to the Triton kernel and the bf16 8192^3 matmul ceiling of the same process.
 Decode: 128 sequences x 1 token x 16 heads (a TP-8 shard), 32K cache, topk 2048; bytes = gathered rows
 (128 x 2048 x 576 x 2) + q + out + indices, against the device copy rate of the same process; and 8-128 sequences
 x 1 token x 128 heads (compute-bound: TFLOP/s), split-K Triton kernel against the Hopper forward.
-Each query's keys are sorted ascending, as the top-k op returns them (--index-order random: unsorted, the layout
-of the numbers measured before the op's order changed). Writes <out>/bench_hopper_<part>[_random].json and .md.
+Each query's keys are sorted ascending, as the top-k op returns them (--index-order random: unsorted). Writes <out>/bench_hopper_<part>[_random].json and .md.
 """
 from __future__ import annotations
 
@@ -28,22 +27,16 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import importlib  # noqa: E402
 
-hp = importlib.import_module("dsaflow.ops.sparse_mla.hopper_prefill")
+hp = importlib.import_module("dsaflow.ops.sparse_mla.hopper_seesaw")
 tp = importlib.import_module("dsaflow.ops.sparse_mla.triton_prefill")
 td = importlib.import_module("dsaflow.ops.sparse_mla.triton_decode")
 hd = importlib.import_module("dsaflow.ops.sparse_mla.hopper_decode")
 naive = importlib.import_module("dsaflow.ops.sparse_mla.naive")
 
 H, D_QK, D_V, TOPK = 128, 576, 512, 2048
-VARIANTS = {  # earlier rounds also timed EARLY_QK, LAZY_SUM, lock-step producer registers 80 and 32-row blocks
-    # (all slower or equal; docs/kernels.md items 14-15 and 21), and seesaw variants (item 24)
-    "seesaw": dict(),  # the default schedule
-    "seesaw_all_slots": dict(KEY_EXTENT=0),  # every slot: no key-extent launch or load
-    "seesaw_diag1_no_copies": dict(DIAG=1),  # timing only: the consumers alone (stale tiles)
-    "lockstep": dict(SCHEDULE="lockstep"),
-    "lockstep_all_slots": dict(SCHEDULE="lockstep", KEY_EXTENT=0),
-    "lockstep_diag1_no_copies": dict(SCHEDULE="lockstep", DIAG=1),
-    "lockstep_diag2_no_math": dict(SCHEDULE="lockstep", DIAG=2),  # timing only: the producer alone
+VARIANTS = {  # launch configs of the seesaw kernel over hopper_seesaw.SEESAW_CFG
+    "seesaw": dict(),  # the default
+    "seesaw_regs_48_232": dict(PRODUCER_REGS=48, CONSUMER_REGS=232),
 }
 ROWS: list[dict] = []
 
@@ -172,7 +165,7 @@ def decode_h128_part(mm, order, batches=(8, 16, 32, 64, 128)):
 GLUON_DECODE_CONFIGS = [{}, dict(BLOCK_K=32, NUM_STAGES=4), dict(BLOCK_K=32, NUM_STAGES=5)]  # over DECODE_CFG
 DECODE_CONFIGS = [  # merged over triton_decode.decode_overrides (8 warps for this shape)
     {},  # the committed rule: 2 splits, BLOCK_K 64, 2 stages, 8 warps
-    dict(num_warps=4),  # round 2's default
+    dict(num_warps=4),  # the prefill kernel's warps
     dict(num_splits=4), dict(num_splits=2, BLOCK_K=32),
 ]
 

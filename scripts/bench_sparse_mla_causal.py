@@ -4,11 +4,11 @@
 
 One sequence of `seq` tokens, every token a query, V3.2 attention shapes (h128, d_qk 576, d_v 512, topk 2048, bf16).
 Indices have the indexer's layout: query t selects min(t + 1, topk) keys in [0, t] (random scores), in ascending
-key order as the op returns them, padded with -1, so queries t < topk have fewer keys than slots. Each kernel is timed (triton.testing.do_bench
-median) with its loops stopped at each query's key extent (the default, n_keys = `key_extent`) and over all topk
-slots (n_keys = topk everywhere; for the Gluon forward its KEY_EXTENT=0 build), in one process, next to the bf16
-8192^3 matmul ceiling. Also timed: `key_extent` itself, and the torch fp32 delta = rowsum(dO * O) (casts, product,
-sum) that the backward ran before pass 1 computed it. FLOP rates are given two ways: nominal (all topk slots, the
+key order as the op returns them, padded with -1, so queries t < topk have fewer keys than slots. Each kernel is
+timed (triton.testing.do_bench median) with its loops stopped at each query's key extent (the default, n_keys =
+`key_extent`) and over all topk slots (n_keys = topk everywhere), in one process, next to the bf16 8192^3 matmul
+ceiling. Also timed: `key_extent` itself, and the torch fp32 delta = rowsum(dO * O) (casts, product,
+sum) that pass 1 of the backward now computes. FLOP rates are given two ways: nominal (all topk slots, the
 count docs/kernels.md uses: fwd 2 H K (d_qk + d_v), bwd 2 H K (3 d_qk + 2 d_v) per query) and over the valid pairs
 only (sum of n_keys instead of T K). Before timing, the bounded and unbounded results are compared.
 Writes <out>/bench_sparse_mla_causal.json and .md.
@@ -86,8 +86,7 @@ def run(S: int, mm: float, seed: int = 0):
     row("key_extent", "", bench(lambda: tp.key_extent(idx, S)), 0)
     fwds = {"triton": lambda n: tp.sparse_mla_fwd_triton(q, kv, idx, scale, D_V, n_keys=n)}
     if hp.hopper_fwd_supports(q, kv, idx, D_V) is None:
-        fwds["hopper"] = lambda n: hp.sparse_mla_fwd_hopper(q, kv, idx, scale, D_V,
-                                                           cfg=None if n is nk else dict(KEY_EXTENT=0), n_keys=nk)
+        fwds["hopper"] = lambda n: hp.sparse_mla_fwd_hopper(q, kv, idx, scale, D_V, n_keys=n)
     for name, f in fwds.items():
         (o1, l1), (o2, l2) = f(nk), f(full)
         assert rel(o1, o2) < 1e-2 and torch.equal(torch.isinf(l1), torch.isinf(l2)), f"{name}: extent changes out"

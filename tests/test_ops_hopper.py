@@ -1,5 +1,5 @@
-"""Hopper (sm_90) Gluon sparse MLA forward and decode vs the naive fp32 reference, their capability rules, and
-decode configs.
+"""Hopper (sm_90) Gluon sparse MLA forward and decode vs the naive fp32 reference, their capability rules, the
+dispatch table, and decode configs.
 
 The Gluon kernel does not run in the CPU interpreter: the CPU tests check only what `hopper_fwd_supports` refuses.
 `gpu` tests skip unless a CUDA device of compute capability 9.x is present. Inputs come from seeded generators;
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsaflow.ops.sparse_mla.hopper_prefill import (
-    _shape_reason, hopper_fwd_supports, launch_hopper_fwd, sparse_mla_fwd_hopper,
-)
+from dsaflow.ops.sparse_mla import dispatch
+from dsaflow.ops.sparse_mla.hopper_common import shape_reason
+from dsaflow.ops.sparse_mla.hopper_seesaw import hopper_fwd_supports, launch_hopper_fwd, sparse_mla_fwd_hopper
 from dsaflow.ops.sparse_mla.naive import sparse_mla_naive
 
 IS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -64,41 +64,34 @@ def test_supports_refuses_cpu_and_raises():
 
 def test_shape_rule_refuses_what_it_must():
     q, kv, idx = _t(1, 2, 128, 576), _t(1, 8, 576), torch.zeros(1, 2, 4, dtype=torch.int32)
-    assert _shape_reason(q, kv, idx, 512) is None
-    assert "dtypes" in _shape_reason(q.float(), kv.float(), idx, 512)
-    assert "dtypes" in _shape_reason(q, kv.half(), idx, 512)
-    assert "d_v" in _shape_reason(q, kv, idx, 256)
-    assert "d_v" in _shape_reason(_t(1, 2, 128, 192), _t(1, 8, 192), idx, 128)
-    assert "H=16" in _shape_reason(_t(1, 2, 16, 576), kv, idx, 512)
-    assert "int32" in _shape_reason(q, kv, idx.long(), 512)
-    assert "contiguous" in _shape_reason(_t(1, 2, 128, 1152)[..., ::2], kv, idx, 512)
-    assert "multiples of 8" in _shape_reason(q, _t(1, 8, 580)[..., :576], idx, 512)
-    assert "empty" in _shape_reason(q, _t(1, 0, 576), idx, 512)
-    assert "empty" in _shape_reason(q, kv, torch.zeros(1, 2, 0, dtype=torch.int32), 512)
-    assert "ranks" in _shape_reason(q[0], kv, idx, 512)
+    assert shape_reason(q, kv, idx, 512) is None
+    assert "dtypes" in shape_reason(q.float(), kv.float(), idx, 512)
+    assert "dtypes" in shape_reason(q, kv.half(), idx, 512)
+    assert "d_v" in shape_reason(q, kv, idx, 256)
+    assert "d_v" in shape_reason(_t(1, 2, 128, 192), _t(1, 8, 192), idx, 128)
+    assert "H=16" in shape_reason(_t(1, 2, 16, 576), kv, idx, 512)
+    assert "int32" in shape_reason(q, kv, idx.long(), 512)
+    assert "contiguous" in shape_reason(_t(1, 2, 128, 1152)[..., ::2], kv, idx, 512)
+    assert "multiples of 8" in shape_reason(q, _t(1, 8, 580)[..., :576], idx, 512)
+    assert "empty" in shape_reason(q, _t(1, 0, 576), idx, 512)
+    assert "empty" in shape_reason(q, kv, torch.zeros(1, 2, 0, dtype=torch.int32), 512)
+    assert "ranks" in shape_reason(q[0], kv, idx, 512)
 
 
-def test_launch_refuses_unknown_schedules_and_knobs():
-    """The launcher names the bad SCHEDULE or knob before any kernel runs (no device needed)."""
+def test_launch_refuses_unknown_knobs():
+    """The launcher names a knob it does not know before any kernel runs (no device needed)."""
     q, kv, idx = _t(1, 2, 128, 576), _t(1, 8, 576), torch.zeros(1, 2, 4, dtype=torch.int32)
     out, lse, n_keys = _t(1, 2, 128, 512), torch.zeros(1, 2, 128), torch.ones(1, 2, dtype=torch.int32)
-    with pytest.raises(ValueError, match="SCHEDULE='zigzag'"):
-        launch_hopper_fwd(q, kv, idx, 0.1, 512, out, lse, dict(SCHEDULE="zigzag"), n_keys)
-    with pytest.raises(ValueError, match=r"unknown config keys \['BLOCK_K'\]"):  # a lock-step knob
+    with pytest.raises(ValueError, match=r"unknown config keys \['BLOCK_K'\]"):
         launch_hopper_fwd(q, kv, idx, 0.1, 512, out, lse, dict(BLOCK_K=32), n_keys)
-    with pytest.raises(ValueError, match=r"lockstep\): unknown config keys \['CONSUMER_REGS'\]"):
-        launch_hopper_fwd(q, kv, idx, 0.1, 512, out, lse, dict(SCHEDULE="lockstep", CONSUMER_REGS=200), n_keys)
 
 
 # ---- GPU (sm_90) ----
 
-LOCKSTEP = dict(SCHEDULE="lockstep")
-
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("cfg", [None, dict(KEY_EXTENT=0), LOCKSTEP, dict(LOCKSTEP, PRODUCER_REGS=80),
-                                 dict(LOCKSTEP, BLOCK_K=32, NUM_STAGES=4), dict(LOCKSTEP, KEY_EXTENT=0)])
+@pytest.mark.parametrize("cfg", [None, dict(PROGRAMS=5)])
 def test_hopper_fwd_deepseek_shapes_poisoned(cfg):
     """V3.2 shapes (h128, 576/512, topk 2048) in bf16, invalid indices, a query with no key, NaN-poisoned out."""
     B, T, H, S, K = 2, 48, 128, 8192, 2048
@@ -146,14 +139,12 @@ def test_hopper_fwd_cuda_graph_replay_bitwise():
 
 @pytest.mark.gpu
 @hopper_only
-@pytest.mark.parametrize("cfg", [None, dict(KEY_EXTENT=0), LOCKSTEP, dict(LOCKSTEP, BLOCK_K=32, NUM_STAGES=4),
-                                 dict(LOCKSTEP, KEY_EXTENT=0)])
 @pytest.mark.parametrize("layout", ["topk", "interleaved", "edges"])
-def test_hopper_fwd_key_extent_layouts(layout, cfg):
+def test_hopper_fwd_key_extent_layouts(layout):
     """Producer and consumers stop at the query's key extent: the top-k layout (valid prefix, then -1), holes before
     the last valid slot, single-slot and keyless rows; K = 2000 is not a multiple of either key block; NaN-poisoned
     outputs, every query checked."""
-    check_layout_against_naive(layout, B=1, T=40, seed=13, cfg=cfg)
+    check_layout_against_naive(layout, B=1, T=40, seed=13, cfg=None)
 
 
 @pytest.mark.gpu
@@ -249,53 +240,91 @@ def test_hopper_decode_multi_token_odd_keys_fp16():
 def test_decode_rule_takes_16_head_shards_only():
     """The Gluon decode's shape rule (heads in blocks of 16) and the dispatch rule on CPU tensors (never)."""
     from dsaflow.ops.sparse_mla.hopper_decode import DECODE_BLOCK_H
-    from dsaflow.ops.sparse_mla.triton_dispatch import select_decode
 
     kv, idx = _t(1, 8, 576), torch.zeros(1, 1, 4, dtype=torch.int32)
-    assert _shape_reason(_t(1, 1, 16, 576), kv, idx, 512, DECODE_BLOCK_H) is None
-    assert "multiple of 16" in _shape_reason(_t(1, 1, 8, 576), kv, idx, 512, DECODE_BLOCK_H)
-    assert "multiple of 64" in _shape_reason(_t(1, 1, 16, 576), kv, idx, 512)
-    assert select_decode(_t(1, 1, 16, 576), kv, idx, 512) == "triton"
+    assert shape_reason(_t(1, 1, 16, 576), kv, idx, 512, DECODE_BLOCK_H) is None
+    assert "multiple of 16" in shape_reason(_t(1, 1, 8, 576), kv, idx, 512, DECODE_BLOCK_H)
+    assert "multiple of 64" in shape_reason(_t(1, 1, 16, 576), kv, idx, 512)
+    choice = dispatch.explain_sparse_mla(_t(1, 1, 16, 576), kv, idx, 512, grad=False)
+    assert choice.kernel == "reference"
+
+
+@pytest.fixture
+def forced_kernel(monkeypatch):
+    """Set DSAFLOW_SPARSE_MLA_KERNEL for one test (the dispatch reads it once per process: clear its cache)."""
+    def force(value: str | None):
+        if value is None:
+            monkeypatch.delenv(dispatch.ENV_KERNEL, raising=False)
+        else:
+            monkeypatch.setenv(dispatch.ENV_KERNEL, value)
+        dispatch.forced_kernels.cache_clear()
+    yield force
+    force(None)
+
+
+def test_explain_walks_the_table_in_order(forced_kernel):
+    """CPU tensors: the reference, nothing refused before it. The kernels alone (as the CPU tests run them): the
+    Gluon kernels refuse the device, the grad-less kernel refuses a call with grad and the other way round."""
+    q, kv, idx = _t(1, 2, 64, 576), _t(1, 8, 576), torch.zeros(1, 2, 4, dtype=torch.int32)
+    assert dispatch.explain_sparse_mla(q, kv, idx, 512) == dispatch.Choice("reference", ())
+    kernels = dispatch.KERNELS[1:]
+    with_grad = dispatch._choose(q, kv, idx, 512, True, kernels)
+    assert with_grad.kernel == "triton_prefill"
+    assert [name for name, _ in with_grad.refused] == ["empty", "hopper_seesaw", "hopper_decode"]
+    assert "device cpu" in dict(with_grad.refused)["hopper_seesaw"]
+    assert "no backward" in dict(with_grad.refused)["hopper_decode"]
+    no_grad = dispatch._choose(q, kv, idx, 512, False, kernels)
+    assert no_grad.kernel == "triton_decode" and "no grad" in dict(no_grad.refused)["triton_prefill"]
+    assert dispatch._choose(q[:, :0], kv, idx[:, :0], 512, True, kernels).kernel == "empty"
+    assert "runs triton_decode" in str(no_grad) and "hopper_seesaw: device cpu" in str(no_grad)
+
+
+def test_forcing_a_kernel_that_refuses_raises_with_its_reason(forced_kernel):
+    """DSAFLOW_SPARSE_MLA_KERNEL restricts the kernels; a forced kernel that refuses the inputs raises with its
+    reason; an unknown value is refused with the choices."""
+    from dsaflow.ops.sparse_mla.dispatch import sparse_mla_kernels
+
+    g = torch.Generator().manual_seed(3)
+    q, kv = torch.randn(1, 2, 2, 40, generator=g), torch.randn(1, 8, 40, generator=g)
+    idx = torch.randint(0, 8, (1, 2, 4), generator=g, dtype=torch.int32)
+    forced_kernel("hopper")
+    with pytest.raises(ValueError, match=r"DSAFLOW_SPARSE_MLA_KERNEL=hopper: .*hopper_seesaw: device cpu"):
+        sparse_mla_kernels(q, kv, idx, 0.1, 32)
+    forced_kernel("triton_prefill")  # a grad-only kernel, forced on a call without grad
+    with pytest.raises(ValueError, match=r"triton_prefill: no grad"):
+        sparse_mla_kernels(q, kv, idx, 0.1, 32)
+    forced_kernel("triton")
+    out, lse = sparse_mla_kernels(q, kv, idx, 0.1, 32)
+    ref_out, ref_lse = sparse_mla_naive(q, kv, idx, 0.1, 32)
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
+    forced_kernel("fastest")
+    with pytest.raises(ValueError, match="use one of auto, triton, hopper, hopper_seesaw"):
+        sparse_mla_kernels(q, kv, idx, 0.1, 32)
 
 
 @pytest.mark.gpu
 @hopper_only
-def test_no_grad_16_head_calls_run_the_gluon_decode(monkeypatch):
+def test_no_grad_16_head_calls_run_the_gluon_decode(forced_kernel):
     """On sm_90 a no-grad `sparse_mla` call with 16 heads is the Gluon decode (bit for bit); 32 heads and
-    DSAFLOW_SPARSE_MLA_FWD=triton keep the split-K kernel."""
+    DSAFLOW_SPARSE_MLA_KERNEL=triton keep the split-K kernel."""
     from dsaflow.ops.sparse_mla.hopper_decode import sparse_mla_decode_hopper
-    from dsaflow.ops.sparse_mla.triton_dispatch import select_decode, sparse_mla_triton
+    from dsaflow.ops.sparse_mla.dispatch import explain_sparse_mla, sparse_mla_kernels
 
     q, kv, idx = make_inputs(4, 2, 16, 3000, 512, torch.bfloat16, "cuda", seed=24)
-    assert select_decode(q, kv, idx, 512) == "hopper"
-    assert select_decode(torch.cat([q, q], dim=2), kv, idx, 512) == "triton"
+    assert explain_sparse_mla(q, kv, idx, 512, grad=False).kernel == "hopper_decode"
+    assert explain_sparse_mla(torch.cat([q, q], dim=2), kv, idx, 512, grad=False).kernel == "triton_decode"
     with torch.no_grad():
-        out, lse = sparse_mla_triton(q, kv, idx, 0.04, 512)
+        out, lse = sparse_mla_kernels(q, kv, idx, 0.04, 512)
     ref_out, ref_lse = sparse_mla_decode_hopper(q, kv, idx, 0.04, 512)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    monkeypatch.setenv("DSAFLOW_SPARSE_MLA_FWD", "triton")
-    assert select_decode(q, kv, idx, 512) == "triton"
-
-
-def test_dispatch_selects_by_an_explicit_rule(monkeypatch):
-    """On CPU tensors the rule picks the portable kernel; forcing the Gluon kernel where it cannot run raises with
-    the reason; an unknown choice is refused."""
-    from dsaflow.ops.sparse_mla.triton_dispatch import select_forward
-
-    q, kv, idx = torch.zeros(1, 2, 64, 576), torch.zeros(1, 8, 576), torch.zeros(1, 2, 4, dtype=torch.int32)
-    assert select_forward(q, kv, idx, 512) == "triton"
-    monkeypatch.setenv("DSAFLOW_SPARSE_MLA_FWD", "hopper")
-    with pytest.raises(ValueError, match="cannot run these inputs"):
-        select_forward(q, kv, idx, 512)
-    monkeypatch.setenv("DSAFLOW_SPARSE_MLA_FWD", "fastest")
-    with pytest.raises(ValueError, match="use one of"):
-        select_forward(q, kv, idx, 512)
+    forced_kernel("triton")
+    assert explain_sparse_mla(q, kv, idx, 512, grad=False).kernel == "triton_decode"
 
 
 def test_no_grad_rule_takes_the_hopper_forward_from_half_the_sms():
     """128 heads, topk 2048, 132 SMs (the CPU stand-in): 32 sequences x 1 token (64 head-block programs, 2 splits
     for the split-K kernel) and up take the Hopper forward; 16 (4 splits) keep the split-K kernel; a prefill does."""
-    from dsaflow.ops.sparse_mla.triton_dispatch import no_grad_takes_hopper_forward
+    from dsaflow.ops.sparse_mla.dispatch import no_grad_takes_hopper_forward
 
     idx = torch.zeros(1, 1, 2048, dtype=torch.int32)
     assert no_grad_takes_hopper_forward(_t(32, 1, 128, 576), idx, 512)
@@ -305,10 +334,10 @@ def test_no_grad_rule_takes_the_hopper_forward_from_half_the_sms():
 
 
 @pytest.mark.gpu
-def test_training_forward_uses_the_hopper_kernel_and_matches_the_portable_one(monkeypatch):
+def test_training_forward_uses_the_hopper_kernel_and_matches_the_portable_one(forced_kernel):
     """At V3.2 shapes on sm_90 the differentiable op runs the Gluon forward; its out/lse (and so the Triton backward
     built on them) agree with the portable forward to bf16 rounding."""
-    from dsaflow.ops.sparse_mla.triton_dispatch import select_forward, sparse_mla_triton
+    from dsaflow.ops.sparse_mla.dispatch import explain_sparse_mla, sparse_mla_kernels
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
@@ -316,9 +345,10 @@ def test_training_forward_uses_the_hopper_kernel_and_matches_the_portable_one(mo
     q = torch.randn(1, 256, 128, 576, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
     kv = torch.randn(1, 4096, 576, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
     idx = torch.randint(0, 4096, (1, 256, 2048), generator=g, dtype=torch.int32).to("cuda")
-    assert select_forward(q, kv, idx, 512) == "hopper"
-    out_h, lse_h = sparse_mla_triton(q, kv, idx, 576**-0.5, 512)
-    monkeypatch.setenv("DSAFLOW_SPARSE_MLA_FWD", "triton")
-    out_t, lse_t = sparse_mla_triton(q, kv, idx, 576**-0.5, 512)
+    assert explain_sparse_mla(q, kv, idx, 512).kernel == "hopper_seesaw"
+    out_h, lse_h = sparse_mla_kernels(q, kv, idx, 576**-0.5, 512)
+    forced_kernel("triton")
+    assert explain_sparse_mla(q, kv, idx, 512).kernel == "triton_prefill"
+    out_t, lse_t = sparse_mla_kernels(q, kv, idx, 576**-0.5, 512)
     assert (out_h.float() - out_t.float()).abs().max().item() < 2e-2
     assert (lse_h - lse_t).abs().max().item() < 1e-3

@@ -16,7 +16,7 @@ import torch
 from dsaflow.ops.sparse_mla import deterministic, sparse_mla_naive
 from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
 from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
-from dsaflow.ops.sparse_mla.triton_dispatch import sparse_mla_triton
+from dsaflow.ops.sparse_mla.dispatch import sparse_mla_kernels
 from dsaflow.ops.sparse_mla.triton_prefill import key_extent, launch_sparse_mla_fwd
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -147,7 +147,7 @@ def test_public_op_layouts(layout, dtype, poisoned):
     q, kv, idx = make(layout, 2, 6, 4, 40, 23, 21, dtype, seed=3)
     q.requires_grad_(True)
     kv.requires_grad_(True)
-    out, lse = sparse_mla_triton(q, kv, idx, 0.15, 32)
+    out, lse = sparse_mla_kernels(q, kv, idx, 0.15, 32)
     g_out, g_lse = torch.randn(out.shape, device=DEV), torch.randn(lse.shape, device=DEV)
     dq, dkv = torch.autograd.grad(loss_of(out, lse, g_out, g_lse), (q, kv))
     ref_out, ref_lse, ref_dq, ref_dkv = reference(q, kv, idx, 0.15, 32, g_out, g_lse)
@@ -231,7 +231,7 @@ def test_gpu_causal_topk_layout_deepseek_shapes(det, poisoned):
     grads = []
     with deterministic(det):
         for _ in range(2 if det else 1):
-            out, lse = sparse_mla_triton(q, kv, idx, 576**-0.5, 512)
+            out, lse = sparse_mla_kernels(q, kv, idx, 576**-0.5, 512)
             grads.append(torch.autograd.grad(loss_of(out, lse, g_out, g_lse), (q, kv)))
     ref_out, ref_lse, ref_dq, ref_dkv = reference(q, kv, idx, 576**-0.5, 512, g_out, g_lse)
     assert rel_err(out, ref_out) < 1e-2

@@ -14,10 +14,10 @@ import torch
 from dsaflow.ops.indexer_topk import indexer_scores_naive, indexer_topk
 from dsaflow.ops.indexer_topk.triton_indexer import indexer_logits_triton, indexer_topk_triton
 from dsaflow.ops.sparse_mla import deterministic, sparse_mla, sparse_mla_naive
-from dsaflow.ops.sparse_mla import triton_dispatch
+from dsaflow.ops.sparse_mla import function as sparse_mla_function
 from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
 from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
-from dsaflow.ops.sparse_mla.triton_dispatch import kernel_supports, sparse_mla_triton
+from dsaflow.ops.sparse_mla.dispatch import kernel_supports, sparse_mla_kernels
 from dsaflow.ops.sparse_mla.triton_prefill import launch_sparse_mla_fwd
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,7 +64,7 @@ def check_forward_backward(B, T, H, d_qk, d_v, S, K, dtype, tol, seed):
     scale = d_qk**-0.5
     q.requires_grad_(True)
     kv.requires_grad_(True)
-    out, lse = sparse_mla_triton(q, kv, idx, scale, d_v)
+    out, lse = sparse_mla_kernels(q, kv, idx, scale, d_v)
     ref_out, ref_lse = sparse_mla_naive(q.float(), kv.float(), idx, scale, d_v)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert rel_err(out, ref_out) < tol
@@ -175,17 +175,17 @@ def test_backward_variants_match_reference(variant):
 def test_deterministic_switch_reaches_backward(monkeypatch):
     """The process-wide switch (context manager here) is read when backward runs, and restored after the block."""
     seen = []
-    real = triton_dispatch.sparse_mla_bwd_triton
+    real = sparse_mla_function.sparse_mla_bwd_triton
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("deterministic"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(triton_dispatch, "sparse_mla_bwd_triton", spy)
+    monkeypatch.setattr(sparse_mla_function, "sparse_mla_bwd_triton", spy)
     q, kv, idx = make_mla(1, 2, 4, 40, 9, 16, torch.float32, seed=16)
     q.requires_grad_(True)
     for det in (False, True, False):
-        out, lse = sparse_mla_triton(q, kv, idx, 0.2, 32)
+        out, lse = sparse_mla_kernels(q, kv, idx, 0.2, 32)
         with deterministic(det):
             out.sum().backward()
     assert seen == [False, True, False]
@@ -197,17 +197,17 @@ def test_unsupported_shapes_raise():
     q, kv, idx = make_mla(1, 2, 2, 700, 8, 4, torch.float32, device="cpu", seed=17)
     assert "d_v=600" in kernel_supports(q, kv, idx, 600)
     with pytest.raises(ValueError, match=r"d_v=600.*kernels take 0 < d_v <= 512"):
-        sparse_mla_triton(q, kv, idx, 0.1, 600)
+        sparse_mla_kernels(q, kv, idx, 0.1, 600)
     q32, kv32, idx32 = make_mla(1, 2, 2, 576, 8, 4, torch.float32, device="cpu", seed=18)
     with pytest.raises(ValueError, match=r"\(1, 2, 2, 576\).*fp32 with d_qk=576"):
-        sparse_mla_triton(q32, kv32, idx32, 0.1, 512)
+        sparse_mla_kernels(q32, kv32, idx32, 0.1, 512)
     with pytest.raises(ValueError, match="dtypes"):
-        sparse_mla_triton(q32.half()[..., :40], kv32[..., :40], idx32, 0.1, 32)
+        sparse_mla_kernels(q32.half()[..., :40], kv32[..., :40], idx32, 0.1, 32)
     assert kernel_supports(q32.half(), kv32.half(), idx32, 512) is None
     qe, kve, idxe = q32[:, :0, :, :40], kv32[..., :40], idx32[:, :0]
-    out, lse = sparse_mla_triton(qe, kve, idxe, 0.1, 32)
+    out, lse = sparse_mla_kernels(qe, kve, idxe, 0.1, 32)
     assert out.shape == (1, 0, 2, 32) and lse.shape == (1, 0, 2)
-    out, lse = sparse_mla_triton(q32[..., :40], kv32[:, :0, :40], idx32, 0.1, 32)  # no kv row: no key anywhere
+    out, lse = sparse_mla_kernels(q32[..., :40], kv32[:, :0, :40], idx32, 0.1, 32)  # no kv row: no key anywhere
     assert (out == 0).all() and out.shape == (1, 2, 2, 32) and torch.isneginf(lse).all()
 
 

@@ -1,9 +1,15 @@
-"""MQA-mode sparse MLA attention over selected latent rows. CUDA tensors use Triton, CPU tensors the reference."""
+"""MQA-mode sparse MLA attention over selected latent rows.
+
+Layout: `naive.py` (fp32 reference), the kernels (`triton_prefill`, `triton_decode`, `triton_backward`, and the
+Hopper Gluon kernels `hopper_seesaw` + `hopper_seesaw_gather`, `hopper_decode`, sharing `hopper_common`), the
+`autograd.Function` (`function.py`), the dispatch table (`dispatch.py`), and the public `sparse_mla` below.
+"""
 from __future__ import annotations
 
 import torch
 
 from .determinism import deterministic, is_deterministic, set_deterministic
+from .dispatch import explain_sparse_mla, run_sparse_mla
 from .naive import sparse_mla_naive
 
 
@@ -17,8 +23,9 @@ def sparse_mla(
     (-1 or >= S = no key), sm_scale float -> out [B, T, H, d_v] in q.dtype, lse [B, T, H] fp32 (natural log;
     -inf and out = 0 for a query with no valid key). Differentiable in q and kv. Batched: pad sequences to a common
     length and mark missing keys with -1. Small T (decode) and large T (prefill) share this entry point; B * T up to
-    2^20 queries and more in one call. On CUDA, shapes the kernels refuse raise ValueError (see
-    `triton_dispatch.kernel_supports`); `set_deterministic(True)` makes the backward bit-reproducible.
+    2^20 queries and more in one call. The kernel is chosen by the table in `dispatch.py`
+    (`explain_sparse_mla(...)` says which and why); CUDA shapes no kernel takes raise ValueError.
+    `set_deterministic(True)` makes the backward bit-reproducible.
 
     probs_into = (target fp32 [B, T, K], weight), for the indexer loss: adds weight * each query's attention
     probabilities summed over heads and L1-normalised over its K slots (`ops.indexer_loss.attention_target`) into
@@ -27,14 +34,9 @@ def sparse_mla(
     here, by `attention_target`. Deterministic either way.
     """
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
-    if q.is_cuda:
-        from .triton_dispatch import sparse_mla_triton
-
-        if needs_grad or probs_into is None:
-            return sparse_mla_triton(q, kv, indices, sm_scale, d_v, probs_into)
-        out, lse = sparse_mla_triton(q, kv, indices, sm_scale, d_v)
-    else:
-        out, lse = sparse_mla_naive(q, kv, indices, sm_scale, d_v)
+    if probs_into is not None and q.is_cuda and needs_grad:
+        return run_sparse_mla(q, kv, indices, sm_scale, d_v, probs_into)
+    out, lse = run_sparse_mla(q, kv, indices, sm_scale, d_v)
     if probs_into is not None:
         from dsaflow.ops.indexer_loss import attention_target
 
@@ -44,4 +46,5 @@ def sparse_mla(
     return out, lse
 
 
-__all__ = ["deterministic", "is_deterministic", "set_deterministic", "sparse_mla", "sparse_mla_naive"]
+__all__ = ["deterministic", "explain_sparse_mla", "is_deterministic", "set_deterministic", "sparse_mla",
+           "sparse_mla_naive"]

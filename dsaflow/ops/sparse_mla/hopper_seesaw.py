@@ -1,5 +1,9 @@
-"""Seesaw schedule of the Hopper sparse MLA forward (Gluon, triton 3.6): same contract and capability rule as
-`hopper_prefill.sparse_mla_fwd_hopper`, which launches it.
+"""Warp-specialised sparse MLA forward for Hopper (sm_90), written in Gluon (triton 3.6): the "seesaw" schedule.
+
+The contract is `sparse_mla_fwd_hopper`'s (below); `hopper_fwd_supports` is the capability rule (DeepSeek MLA shapes,
+bf16/fp16, H a multiple of 64, sm_90, triton 3.6's Gluon). Roles: a producer partition (`hopper_seesaw_gather`)
+gathers each query's selected latent rows with cp.async into a shared-memory ring; two consumer warpgroups compute
+S = Q.K^T and O += P.V with wgmma and the online softmax in base 2.
 
 Why not lock step: when both consumer warpgroups split every key block, each computes S with N = 32 (the Q
 operand is read from shared memory twice per block), every block's row max needs a cross-warpgroup reduction, and
@@ -23,21 +27,23 @@ Persistent: one program per SM walks the work items (query, 64-head block) p, p 
 phases run on across items, so the producer gathers the next item's first pair while the consumers finish the last
 one. Q is reloaded once both consumers' last S of an item is done (Q free -> Q ready), and each consumer stages its
 O for the store in the stage-1 tile it read last, which it releases after (so the epilogue never waits on Q).
-Every partition runs the pairs below the query's key extent (KEY_EXTENT 0: every slot), at least one; invalid
+Every partition runs the pairs below the query's key extent (`triton_prefill.key_extent`), at least one; invalid
 indices are not read (cp.async zero-fills) and score -inf; a query with no valid key writes out = 0 and lse = -inf.
-DIAG 1 is a timing-only variant (no copies: the consumers alone) whose output is wrong. Measurements:
-docs/kernels.md items 24-25.
+Grids and buffers depend on shapes only (CUDA-graph safe). Measurements: docs/kernels.md.
 """
 from __future__ import annotations
 
-from .hopper_prefill import _GLUON_ERROR, BLOCK_H
+import torch
+
+from .hopper_common import BLOCK_H, GLUON_ERROR, LOG2E, device_reason, gluon_reason, shape_reason
 from .hopper_seesaw_gather import BLOCK_K, HALF
 from .triton_decode import _num_sms
+from .triton_prefill import key_extent
 
 # PROGRAMS: how many persistent programs (0: one per SM; tests set a few, so each walks many items)
-SEESAW_CFG = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=224, DIAG=0, KEY_EXTENT=1, PROGRAMS=0)
+SEESAW_CFG = dict(PRODUCER_WARPS=4, PRODUCER_REGS=56, CONSUMER_REGS=224, PROGRAMS=0)
 
-if _GLUON_ERROR is None:
+if GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -139,13 +145,13 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _consumer_a(ql, qh, qr, kl, kh, kr, idx_smem, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo, ready_hi,
                     empty_lo, xbar, q_ready, q_free, nk_ptr, out_ptr, lse_ptr, T, S, K, n_hblk, n_work,
-                    s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2, KEY_EXTENT: gl.constexpr):
+                    s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2):
         """Even blocks' softmax; output columns [0, 256). xbar: m0, m1, pa, pb, pb_free, done_a, done_b."""
         dtype: gl.constexpr = ql.dtype
         g = 0  # pairs of earlier items (phases)
         it = 0
         for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-            b, t, h0, n_pairs = _work_item(w, n_hblk, T, nk_ptr, K, KEY_EXTENT)
+            b, t, h0, n_pairs = _work_item(w, n_hblk, T, nk_ptr)
             m_i, l_i, acc, sc = _fresh_state()
             mbarrier.wait(q_ready, it & 1)
             for j in range(n_pairs):
@@ -202,13 +208,13 @@ if _GLUON_ERROR is None:
     @gluon.jit
     def _consumer_b(ql, qh, qr, kl, kh, kr, idx_smem, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo, ready_hi,
                     empty_hi, xbar, q_ready, q_free, nk_ptr, out_ptr, lse_ptr, T, S, K, n_hblk, n_work,
-                    s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2, KEY_EXTENT: gl.constexpr):
+                    s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2):
         """Odd blocks' softmax; output columns [256, 512)."""
         dtype: gl.constexpr = ql.dtype
         g = 0
         it = 0
         for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-            b, t, h0, n_pairs = _work_item(w, n_hblk, T, nk_ptr, K, KEY_EXTENT)
+            b, t, h0, n_pairs = _work_item(w, n_hblk, T, nk_ptr)
             m_i, l_i, acc, sc = _fresh_state()
             mbarrier.wait(q_ready, it & 1)
             for j in range(n_pairs):
@@ -262,7 +268,6 @@ if _GLUON_ERROR is None:
         T, S, K, n_hblk, n_work, scale_log2,
         s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt,
         D_T: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        DIAG: gl.constexpr, KEY_EXTENT: gl.constexpr,
     ):
         """Persistent: program p takes work items p, p + P, ... (P programs, one per SM at most)."""
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -305,24 +310,30 @@ if _GLUON_ERROR is None:
                 (_consumer_a, (ql, qh, qr, kl, kh, kr, idx_smem, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo,
                                ready_hi, empty_lo, xbar, qbar.index(0), qbar.index(1), nk_ptr, out_ptr,
                                lse_ptr, T, S, K, n_hblk, n_work, s_ob, s_ot, s_oh, s_lb, s_lt,
-                               scale_log2, KEY_EXTENT)),
+                               scale_log2)),
                 (_consumer_b, (ql, qh, qr, kl, kh, kr, idx_smem, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo,
                                ready_hi, empty_hi, xbar, qbar.index(0), qbar.index(1), nk_ptr, out_ptr,
                                lse_ptr, T, S, K, n_hblk, n_work, s_ob, s_ot, s_oh, s_lb, s_lt,
-                               scale_log2, KEY_EXTENT)),
+                               scale_log2)),
                 (_pair_producer, (q_ptr, kv_ptr, idx_ptr, nk_ptr, ql, qh, qr, kl, kh, kr, idx_smem, qbar.index(0),
                                   qbar.index(1), ready_lo, ready_hi, empty_lo, empty_hi, T, S, K, n_hblk, n_work,
-                                  s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, D_T, PRODUCER_WARPS, DIAG,
-                                  KEY_EXTENT)),
+                                  s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, D_T, PRODUCER_WARPS)),
             ],
             [4, PRODUCER_WARPS],
             [CONSUMER_REGS, PRODUCER_REGS],
         )
 
 
-def launch_seesaw_fwd(q, kv, indices, scale_log2, out, lse, n_keys, cfg: dict | None = None):
-    """Fill out / lse for inputs `hopper_fwd_supports` accepts; n_keys [B, T] int32 contiguous (the key extent).
-    Returns the compiled kernel handle (registers, spills)."""
+def hopper_fwd_supports(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> str | None:
+    """None if `sparse_mla_fwd_hopper` takes these inputs, else the reason it does not (no GPU needed to ask)."""
+    return device_reason(q) or shape_reason(q, kv, indices, d_v) or gluon_reason()
+
+
+def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None = None, n_keys=None):
+    """Fill out [B, T, H, 512] and lse [B, T, H] fp32 (both with unit last stride) for inputs that
+    `hopper_fwd_supports` accepts; n_keys [B, T] int32 contiguous = `key_extent(indices, S)` (computed when not
+    given). cfg: knobs of `SEESAW_CFG`. Returns the compiled kernel handle (registers, spills)."""
+    assert out.stride(-1) == 1 and lse.stride(-1) == 1, "out and lse need unit last strides"
     c = dict(SEESAW_CFG, **(cfg or {}))
     unknown = set(c) - set(SEESAW_CFG)
     if unknown:
@@ -330,14 +341,33 @@ def launch_seesaw_fwd(q, kv, indices, scale_log2, out, lse, n_keys, cfg: dict | 
                          f"(known: {sorted(SEESAW_CFG)})")
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
+    if n_keys is None:
+        n_keys = key_extent(indices, S)
     n_hblk = H // BLOCK_H
     n_work = n_hblk * B * T
     programs = min(n_work, c["PROGRAMS"] or _num_sms(q.device.index))
     return _seesaw_fwd_kernel[(programs,)](
         q, kv, indices, n_keys, out, lse,
-        T, S, K, n_hblk, n_work, scale_log2,
+        T, S, K, n_hblk, n_work, sm_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         D_T=D_qk - 2 * HALF, PRODUCER_WARPS=c["PRODUCER_WARPS"], PRODUCER_REGS=c["PRODUCER_REGS"],
-        CONSUMER_REGS=c["CONSUMER_REGS"], DIAG=c["DIAG"], KEY_EXTENT=c["KEY_EXTENT"], num_warps=4,
+        CONSUMER_REGS=c["CONSUMER_REGS"], num_warps=4,
     )
+
+
+def sparse_mla_fwd_hopper(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, cfg: dict | None = None,
+    n_keys: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill forward on sm_90: q [B, T, H, 576], kv [B, S, 576], indices [B, T, K] int32 (-1 / >= S: no key)
+    -> out [B, T, H, 512] q.dtype, lse [B, T, H] fp32 (natural log; -inf and out 0 for a query with no valid key).
+    Raises ValueError with the reason when `hopper_fwd_supports` refuses the inputs (no silent fallback)."""
+    reason = hopper_fwd_supports(q, kv, indices, d_v)
+    if reason is not None:
+        raise ValueError(f"sparse_mla_fwd_hopper: {reason}")
+    B, T, H, _ = q.shape
+    out = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg, n_keys)
+    return out, lse
