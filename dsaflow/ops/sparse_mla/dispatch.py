@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import torch
 
 from ..kernel_table import Choice, walk
 from .function import SparseMLAFunction
-from .hopper_common import gluon_reason, shape_reason
 from .hopper_decode import DECODE_BLOCK_H, hopper_decode_supports, sparse_mla_decode_hopper
 from .hopper_seesaw import hopper_fwd_supports, sparse_mla_fwd_hopper
 from .naive import sparse_mla_naive
@@ -43,7 +41,6 @@ ALWAYS_ALLOWED = frozenset({"reference", "empty"})  # not kernels a user can for
 MAX_D_V = 512  # the fp32 accumulator [64, 512] is the most two warpgroups' registers hold
 MAX_D_TAIL = 128
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_WARNED_NO_GLUON: set = set()
 
 
 def kernel_supports(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> str | None:
@@ -158,18 +155,6 @@ def explain_sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     return _choose(*_normalised(q, kv, indices), d_v, grad)
 
 
-def _warn_once_if_gluon_missing(q, kv, indices, d_v, choice: Choice) -> None:
-    """An sm_90 GPU with DeepSeek shapes whose triton lacks the Gluon the kernels are written for runs the
-    portable kernels, about 1.7x slower: say so once per reason."""
-    reason = gluon_reason()
-    if (reason is None or reason in _WARNED_NO_GLUON or not choice.kernel.startswith("triton")
-            or torch.cuda.get_device_capability(q.device)[0] != 9 or shape_reason(q, kv, indices, d_v) is not None):
-        return
-    _WARNED_NO_GLUON.add(reason)
-    warnings.warn(f"sparse_mla: the Hopper kernels are unavailable ({reason}); running {choice.kernel}.",
-                  stacklevel=4)
-
-
 def run_sparse_mla(q, kv, indices, sm_scale: float, d_v: int, probs_into=None, table=KERNELS):
     """Walk `table` for these inputs and run the chosen kernel (`sparse_mla`'s contract). probs_into is handed to
     the backward, so it needs a call with grad. Raises ValueError when no kernel takes the inputs."""
@@ -185,8 +170,6 @@ def run_sparse_mla(q, kv, indices, sm_scale: float, d_v: int, probs_into=None, t
             f"sparse_mla: no kernel takes q {tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)} {kv.dtype}, indices "
             f"{tuple(indices.shape)}, d_v={d_v}, grad={grad}" + (f", {ENV_KERNEL}={forced}" if forced != "auto" else "")
             + f": {choice.reasons()}")
-    if q.is_cuda:
-        _warn_once_if_gluon_missing(q, kv, indices, d_v, choice)
     sm_scale, d_v = float(sm_scale), int(d_v)
     if choice.kernel == "reference":
         return sparse_mla_naive(*given, sm_scale, d_v)
