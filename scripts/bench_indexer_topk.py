@@ -4,9 +4,8 @@ Shapes: DeepSeek-V3.2 indexer (64 heads x 128, topk 2048, bf16), one sequence; b
 8K / 32K / 128K context (the same queries as `bench_ops.py`), plus one whole causal prefill (every query of a 32K
 context, chunked). Rows: the whole op with each selector, its parts (fp32 logits with invisible tiles unwritten,
 radix select alone on those scores, int64 keys + torch.topk + sort alone, the fp8 logits and the fp8 rounding of q and
-k), the whole op with fp8 logits (`model.index_fp8`, with the share of the bf16 selection it keeps), the two select
-algorithms at every context, and at the largest context a sweep of the select kernels (block sizes, warps, sample
-size, no floor), of the logits kernel's tile, and decode-like row counts (--no-sweeps skips them). Writes
+k), the whole op with fp8 logits (`model.index_fp8`, with the share of the bf16 selection it keeps), and at the
+largest context a sweep of the select kernels (block sizes, warps, sample size, no floor), of the logits kernel's tile, and decode-like row counts (--no-sweeps skips them). Writes
 indexer_topk.json and indexer_topk.md to --out.
 
     python3 scripts/bench_indexer_topk.py --out /tmp/bench [--contexts 8192,32768,131072] [--queries 4096] \
@@ -118,12 +117,10 @@ def run(contexts, n_queries, prefill_ctx, out_dir, sweeps=True):
         record("part: radix select", S, chunk, ms, tbps_one_read=round(4 * int((pc + 1).sum()) / ms / 1e9, 3))
         sweep = []
         if S == contexts[-1] and sweeps:  # one knob at a time around the defaults (`select_config`)
-            sweep += [dict(algo="sampled", BLOCK=bl, warps_compact=wp) for bl in (256, 512, 1024) for wp in (1, 2)]
-            sweep += [dict(algo="sampled", BLOCK_FINISH=bl, warps_finish=wp) for bl in (512, 1024) for wp in (4, 8)]
-            sweep += [dict(algo="sampled", SAMPLE=sm) for sm in (512, 1024, 2048)]
-            sweep += [dict(algo="sampled", whole_row=True)]
-        if sweeps:
-            sweep += [dict(algo="scan"), dict(algo="sampled")]  # where the default switches algorithms
+            sweep += [dict(BLOCK=bl, warps_compact=wp) for bl in (256, 512, 1024) for wp in (1, 2)]
+            sweep += [dict(BLOCK_FINISH=bl, warps_finish=wp) for bl in (512, 1024) for wp in (4, 8)]
+            sweep += [dict(SAMPLE=sm) for sm in (512, 1024, 2048)]
+            sweep += [dict(whole_row=True)]
         for cfg in sweep:
             ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch, overrides=cfg), rep_ms=100)
             record("sweep: select " + " ".join(f"{k} {v}" for k, v in cfg.items()), S, chunk, ms)

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from dsaflow.ops.indexer_topk import indexer_topk_naive, topk_from_scores
-from dsaflow.ops.indexer_topk.triton_indexer import (
-    choose_select, indexer_logits_triton, indexer_topk_triton, query_chunk,
-)
+from dsaflow.ops.indexer_topk.dispatch import choose_select, explain_indexer_topk
+from dsaflow.ops.indexer_topk.triton_indexer import indexer_logits_triton, indexer_topk_triton, query_chunk
 from dsaflow.ops.indexer_topk.triton_select import radix_topk_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,11 +54,10 @@ def tie_scores(B: int, T: int, S: int, g: torch.Generator) -> torch.Tensor:
 
 # sampled: "sort": small sample, one compaction program per row (index order, no atomics); "whole": no floor, every
 # visible key is a candidate (the path a missed sample takes); "split": many compaction programs per row (atomic,
-# unordered slots). "scan": the whole-row histogram kernel.
-SELECT_CFGS = {"sort": dict(algo="sampled", BLOCK=64, BLOCK_FINISH=64, SAMPLE=16, programs=4),
-               "whole": dict(algo="sampled", BLOCK=64, BLOCK_FINISH=32, SAMPLE=16, whole_row=True, programs=4),
-               "split": dict(algo="sampled", BLOCK=32, SAMPLE=32, programs=64),
-               "scan": dict(algo="scan", BLOCK=64)}
+# unordered slots).
+SELECT_CFGS = {"sort": dict(BLOCK=64, BLOCK_FINISH=64, SAMPLE=16, programs=4),
+               "whole": dict(BLOCK=64, BLOCK_FINISH=32, SAMPLE=16, whole_row=True, programs=4),
+               "split": dict(BLOCK=32, SAMPLE=32, programs=64)}
 
 
 # the whole-op tests below pass this on CPU: the interpreter's sort of a 4096 sample / cap takes minutes
@@ -92,7 +90,7 @@ def test_sampled_floor_that_misses_falls_back_to_the_whole_row():
     scores[:, :, sampled] = 10.0 + torch.arange(sample).float()
     positions = torch.tensor([[S - 1, S - 1]])
     scores[0, 1, sampled[::2]] = 5.0  # ties inside the sample too
-    got = radix_topk_triton(scores, positions, topk, overrides=dict(algo="sampled", BLOCK=64, SAMPLE=sample))
+    got = radix_topk_triton(scores, positions, topk, overrides=dict(BLOCK=64, SAMPLE=sample))
     assert torch.equal(got, topk_from_scores(masked(scores, positions), topk))
 
 
@@ -155,8 +153,6 @@ def test_indexer_topk_op_equals_naive_exactly(seed, chunk):
     radix = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk,
                                 select="radix", select_overrides=SELECT_CFGS["whole"])
     assert torch.equal(radix.cpu(), ref)
-    scan = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk, select="radix")
-    assert torch.equal(scan.cpu(), ref)  # the default algo at this S is "scan"
 
 
 def test_indexer_topk_op_wider_than_context():
@@ -171,9 +167,25 @@ def test_indexer_topk_op_wider_than_context():
         assert torch.equal(got.cpu(), ref), select
 
 
+def test_explain_walks_the_table():
+    """CPU tensors take the reference; the Triton paths in table order: the radix select needs long rows and
+    enough of them per chunk, the sort path takes the rest."""
+    from dsaflow.ops.indexer_topk.dispatch import KERNELS, choose_kernel
+
+    q, k = torch.zeros(1, 2048, 2, 16), torch.zeros(1, 8192, 16)
+    assert explain_indexer_topk(q, k, None, None, 64).kernel == "reference"
+    assert choose_kernel(q, k, False, table=KERNELS[1:]).kernel == "triton_radix"
+    short = choose_kernel(q, k[:, :4096], False, table=KERNELS[1:])
+    assert short.kernel == "triton_sort" and "S=4096 < 8192" in dict(short.refused)["triton_radix"]
+    decode = choose_kernel(q[:, :1], k, False, table=KERNELS[1:])
+    assert decode.kernel == "triton_sort" and "1 rows < 1024" in dict(decode.refused)["triton_radix"]
+
+
 def test_auto_select_rule_and_query_chunk_are_shape_only():
     assert choose_select(2048, 131072) == "radix" and choose_select(4096, 8192) == "radix"
     assert choose_select(1, 131072) == "sort" and choose_select(4096, 4096) == "sort"  # decode; short rows
+    with pytest.raises(ValueError, match=r"unknown config keys \['algo'\]"):
+        radix_topk_triton(torch.zeros(1, 1, 8), torch.zeros(1, 1, dtype=torch.long), 2, overrides=dict(algo="scan"))
     assert query_chunk(1, 16384, 131200) % 64 == 0 and query_chunk(1, 16384, 65664) % 64 == 0
     assert query_chunk(1, 5, 100) == 5 and query_chunk(1, 10**6, 2**27) == 2
 
@@ -212,8 +224,7 @@ def test_gpu_radix_equals_sort_path_v32(S):
     scores = indexer_logits_triton(q, k, w, positions)
     out = torch.full((1, T, topk), POISON, device="cuda", dtype=torch.int32)
     ref = topk_from_scores(scores, topk)
-    for cfg in ({}, dict(algo="scan"), dict(algo="sampled"), dict(algo="sampled", whole_row=True),
-                dict(algo="sampled", programs=4096)):  # default; each algo; no floor; more splits
+    for cfg in ({}, dict(whole_row=True), dict(programs=4096)):  # default; no floor; more splits
         got = radix_topk_triton(scores, positions, topk, out=out.fill_(POISON), overrides=cfg)
         assert torch.equal(got, ref), cfg
     assert torch.equal(indexer_topk_triton(q, k, w, positions, topk, select="radix"),
@@ -228,7 +239,7 @@ def test_gpu_radix_ties_and_256k_rows():
     positions = torch.randint(0, S, (B, T), generator=g).cuda()
     positions[0, :3] = torch.tensor([S - 1, -1, 100])
     ref = topk_from_scores(masked(scores, positions), topk)
-    for cfg in (dict(algo="scan"), dict(algo="sampled"), dict(algo="sampled", whole_row=True)):
+    for cfg in ({}, dict(whole_row=True)):
         assert torch.equal(radix_topk_triton(scores, positions, topk, overrides=cfg), ref), cfg
 
 

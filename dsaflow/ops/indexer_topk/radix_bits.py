@@ -1,5 +1,5 @@
-"""Order-preserving bits of fp32 scores and the radix-digit step shared by the select kernels (`triton_select`,
-`triton_scan`): a score's ordered int32 sorts like the float, so an exact top-k can be found a byte at a time."""
+"""Order-preserving bits of fp32 scores and the radix-digit step of the select kernels (`triton_select`): a score's
+ordered int32 sorts like the float, so an exact top-k can be found a byte at a time."""
 from __future__ import annotations
 
 import triton

@@ -11,7 +11,7 @@ Top-k (`indexer_topk_triton`): fp32 logits, then `triton_select.radix_topk_trito
 the row: sampled floor, one streaming compaction, a radix select on the candidate keys, the survivors written in
 the candidates' ascending key order; ties to the lower key index, -1 padding, exactly `naive.topk_from_scores`).
 The other path (int64 sort keys from the kernel + torch.topk + a sort of the survivors' indices, `topk_from_keys`)
-serves short rows and few rows (`choose_select`).
+serves short rows and few rows (`dispatch.py` decides).
 Chunk size, grids and buffers depend on shapes only, so the whole op is CUDA-graph safe.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .budget import SCORE_BUDGET_ELEMS
+from .budget import query_chunk
+from .dispatch import KERNELS, SELECTS, choose_kernel, fp8_reason, refusal
 from .naive import ascending_keys
 from .triton_select import radix_topk_triton, select_scratch
 
@@ -202,26 +203,6 @@ def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
     return idx
 
 
-def query_chunk(B: int, T: int, S: int) -> int:
-    """Queries per chunk so the fp32 logits [B, chunk, S] stay under SCORE_BUDGET_ELEMS (shape-only); a multiple of
-    64 (the logits kernel's query tile) when it is one at all, so long contexts reuse the same compiled kernels."""
-    c = SCORE_BUDGET_ELEMS // max(1, B * S)
-    return max(1, min(T, c // 64 * 64 if c >= 64 else c))
-
-
-# Where the select kernels (`triton_select`) beat int64 keys + torch.topk + sort, measured on an H200 (64 x 128
-# indexer, topk 2048, bf16, 2048-4096 rows per chunk, docs/indexer_topk_h200.md): 1.24 vs 1.64 ms at 8K keys, 1.67
-# vs 3.80 ms at 32K, 1.54 vs 6.27 ms at 128K. Shorter rows and few rows (decode: one program per row leaves the GPU
-# idle) were not shown to win, so "auto" keeps torch.topk there.
-RADIX_MIN_KEYS = 8192
-RADIX_MIN_ROWS = 1024
-
-
-def choose_select(rows: int, S: int) -> str:
-    """The top-k path "auto" takes for `rows` score rows (B x query chunk) of S keys (shape-only)."""
-    return "radix" if S >= RADIX_MIN_KEYS and rows >= RADIX_MIN_ROWS else "sort"
-
-
 @torch.no_grad()
 def indexer_topk_triton(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int,
@@ -233,18 +214,23 @@ def indexer_topk_triton(
     than topk keys are visible.
 
     select="radix": fp32 logits (invisible tiles unwritten) + the select kernels (`triton_select`); select="sort":
-    int64 sort keys + torch.topk + a sort of the survivors; "auto" (default): `choose_select`. Both are exact and
-    return the same indices.
+    int64 sort keys + torch.topk + a sort of the survivors; "auto" (default): the table in `dispatch.py` (without
+    its CPU reference, so CPU tensors run the kernels in the Triton interpreter). Both are exact and return the
+    same indices. Raises ValueError where no path takes the inputs (fp8 without fp8 tensor cores).
     overrides: logits kernel config; select_overrides: radix select config (`triton_select.select_config`).
     fp8=True: q and k rounded to per-row-scaled fp8 e4m3 (`fp8.quantize_rows`) and multiplied on fp8 tensor cores,
     the queries' scales folded into w and the keys' applied after the head sum (compute capability 8.9+)."""
+    if select == "auto":
+        choice = choose_kernel(q, k, fp8, chunk, KERNELS[1:])
+        if choice.kernel is None:
+            raise ValueError(refusal(choice))
+        select = SELECTS[choice.kernel]
+    elif select not in ("radix", "sort"):
+        raise ValueError(f"select must be 'auto', 'radix' or 'sort', got {select!r}")
+    elif fp8 and (reason := fp8_reason(q)) is not None:
+        raise ValueError(reason)
     k_scale = None
     if fp8:
-        if torch.cuda.get_device_capability(q.device) < (8, 9):
-            major, minor = torch.cuda.get_device_capability(q.device)
-            raise ValueError(f"model.index_fp8=true needs fp8 tensor cores (compute capability 8.9+: Ada, Hopper and "
-                             f"later); {torch.cuda.get_device_name(q.device)} is sm_{major}{minor}. Set "
-                             f"model.index_fp8=false")
         q, _, w = quantize_rows_triton(q, w)  # the queries' scales folded into w
         k, k_scale = quantize_rows_triton(k)
     if q.stride(-1) != 1:
@@ -258,15 +244,11 @@ def indexer_topk_triton(
         return out.fill_(-1)
     chunk = chunk or query_chunk(B, T, S)
     rows = min(chunk, T)
-    if select == "auto":
-        select = choose_select(B * rows, S)
     if select == "sort":
         keys = torch.empty(B, rows, S, device=q.device, dtype=torch.int64)
-    elif select == "radix":
+    else:
         scores = torch.empty(B, rows, S, device=q.device, dtype=torch.float32)
         scratch = select_scratch(B * rows, S, topk, q.device)
-    else:
-        raise ValueError(f"select must be 'auto', 'radix' or 'sort', got {select!r}")
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
         qc, wc, pc = q[:, t0:t1], w[:, t0:t1], positions[:, t0:t1]

@@ -4,7 +4,7 @@ Scores map to order-preserving int32 (-0.0 made +0.0 first), and a key is the in
 2^31 - 1 - index): keys are distinct and their descending order is the model's order (ties to the lower key index);
 the kk best come out in ascending key order, -1 after, exactly `naive.topk_from_scores`. Only each row's visible
 prefix [0, n), n = clamp(position + 1, 0, S), is read, so the invisible part of the score row need not be written.
-Rows up to 4K keys use one kernel (`triton_scan`: a radix select over the whole row); longer rows three ("sampled"):
+Three kernels:
 
   1. floor (one program per row): the r-th largest of SAMPLE evenly spaced scores (a radix select in registers),
      r chosen so that the row holds >= kk = min(topk, n) scores at or above it but for ~1e-6 of rows (on an H200
@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from .radix_bits import INT32_MAX, INT32_MIN, INT64_MIN, NEG_INF_ORDERED, SIGN, _ordered, _threshold_bucket
-from .triton_scan import _scan_topk_kernel
 
 
 @triton.jit
@@ -194,26 +193,19 @@ def _finish_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, surv_ptr, out_ptr, S, TO
 
 
 def select_config(S: int, overrides: dict | None = None) -> dict:
-    """Shape-only defaults. algo "scan" (whole-row histogram) up to SCAN_MAX_KEYS keys, "sampled" beyond.
-    BLOCK: the compaction's block (for "scan": its whole-row passes'); BLOCK_FINISH: the finish's; whole_row=True
-    skips the floor (every visible key is a candidate: the path a missed sample takes, for tests and benchmarks).
-    Timings: docs/indexer_topk_h200.md."""
+    """Shape-only defaults. BLOCK: the compaction's block; BLOCK_FINISH: the finish's; SAMPLE: the floor's sample;
+    whole_row=True skips the floor (every visible key is a candidate: the path a missed sample takes, for tests and
+    benchmarks); programs: the compaction's target program count (None: 4 per SM). Unknown keys are refused.
+    A one-warp compaction (its prefix sum needs no barrier across warps) of 512-key blocks, SAMPLE 1024 and a
+    4-warp finish of 512-key blocks were the fastest on an H200 at 8K-128K keys (docs/kernels.md)."""
     p2 = max(16, triton.next_power_of_2(S))
-    algo = "sampled" if S > SCAN_MAX_KEYS else "scan"
-    # H200 (docs/indexer_topk_h200.md), 2048 rows of 128K keys: a one-warp compaction of 512-key blocks 1.23 ms
-    # against 1.43 (4 warps, 2048 keys; its prefix sum needs no barrier across warps); then, with the floor's wider
-    # margin, SAMPLE 1024 and a 4-warp finish of 512-key blocks 1.24 ms against 1.33 (SAMPLE 512, 8 warps, 2048),
-    # also the best at 32K and 8K keys (1.29 and 0.98 ms for 4096 rows)
-    cfg = dict(algo=algo, BLOCK=min(512 if algo == "sampled" else 2048, p2), BLOCK_FINISH=min(512, p2),
-               SAMPLE=min(1024, p2), whole_row=False, warps_floor=4, warps_compact=1, warps_finish=4, warps_scan=8,
-               programs=None)
+    cfg = dict(BLOCK=min(512, p2), BLOCK_FINISH=min(512, p2), SAMPLE=min(1024, p2), whole_row=False, warps_floor=4,
+               warps_compact=1, warps_finish=4, programs=None)
+    unknown = set(overrides or {}) - set(cfg)
+    if unknown:
+        raise ValueError(f"radix_topk_triton: unknown config keys {sorted(unknown)} (known: {sorted(cfg)})")
     cfg.update(overrides or {})
     return cfg
-
-
-# sampled beats scan from 8K keys up (H200, 2048-4096 rows, topk 2048: 1.24 vs 1.31 ms at 8K, 1.67 vs 2.86 ms at
-# 32K, 1.54 vs 4.47 ms at 128K); scan serves shorter rows, which the op's "auto" sends to torch.topk anyway
-SCAN_MAX_KEYS = 4096
 
 
 def select_scratch(rows: int, S: int, topk: int, device) -> dict:
@@ -241,7 +233,7 @@ def radix_topk_triton(
     """scores [B, T, S] fp32 (last dim contiguous; only [0, positions + 1) of each row is read), positions [B, T]
     int (< 0 = padding) -> int32 [B, T, topk]: the best keys in ascending key order, ties to the lower key index,
     -1 after them where the score is -inf or fewer than topk keys are visible. `out` may be a [B, T, topk] int32
-    view; `scratch` from `select_scratch` with at least B * T rows. overrides: see `select_config` (algo, BLOCK,
+    view; `scratch` from `select_scratch` with at least B * T rows. overrides: see `select_config` (BLOCK,
     BLOCK_FINISH, SAMPLE, whole_row, warps, programs)."""
     B, T, S = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
@@ -260,16 +252,6 @@ def radix_topk_triton(
     if rows == 0:
         return out
     k_pow2 = max(16, triton.next_power_of_2(topk))
-    if cfg["algo"] == "scan":
-        cand = sc["cand"].view(torch.int32)  # int32 candidate indices: the int64 buffer holds two per key
-        _scan_topk_kernel[(rows,)](
-            scores, positions, cand, out, S, topk, T,
-            scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1), cand.stride(0),
-            out.stride(0), out.stride(1), BLOCK=cfg["BLOCK"], K_POW2=k_pow2, num_warps=cfg["warps_scan"],
-        )
-        return out
-    if cfg["algo"] != "sampled":
-        raise ValueError(f"radix_topk_triton: algo must be 'scan' or 'sampled', got {cfg['algo']!r}")
     row_args = (S, topk, T, scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1))
     if cfg["whole_row"]:
         sc["floor"][:rows].fill_(-2**31)
