@@ -175,6 +175,26 @@ def test_public_entry_uses_the_chunked_reference_on_cpu():
                                dense_indexer_kl_naive(q, k, 0.5, q_i, k_i, w, pos), rtol=1e-6, atol=1e-7)
 
 
+def test_dispatch_table_names_its_choice_and_refusals():
+    """CPU: the chunked reference. The kernel's own rule names what it refuses (a CUDA call it refuses raises with
+    that reason; see the GPU test below)."""
+    from dsaflow.ops.dense_indexer_kl.dispatch import KERNELS, explain_dense_indexer_kl
+    from dsaflow.ops.kernel_table import walk
+
+    q, k, q_i, k_i, w, _ = make_inputs(1, 1, 12, 2, 8, 2, 8, device="cpu", seed=9)
+    assert explain_dense_indexer_kl(q, k, q_i, k_i, w).kernel == "chunked"
+    assert walk(KERNELS[1:], q, k, q_i, k_i, w).kernel == "triton"
+    refused = walk(KERNELS[1:], q, k, q_i, k_i[:, :5], w)
+    assert refused.kernel is None and "mismatched key sets" in refused.reasons()
+
+
+@pytest.mark.gpu
+def test_cuda_shapes_the_kernels_refuse_raise():
+    q, k, q_i, k_i, w, pos = make_inputs(1, 1, 12, 2, 8, 2, 8, device="cuda", seed=9)
+    with pytest.raises(ValueError, match=r"dense_indexer_kl: no kernel takes .*index head dim 512 > 256"):
+        dense_indexer_kl(q, k, 0.5, q_i.new_zeros(*q_i.shape[:-1], 512), k_i.new_zeros(*k_i.shape[:-1], 512), w, pos)
+
+
 # ---------------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("L,T", [(1, 1000), (2, 640)])

@@ -294,7 +294,7 @@ def test_model_indexer_loss_cuda_fused_matches_reference(monkeypatch, autocast):
         assert rel_err(grads[n], ref_grads[n]) < (2e-2 if autocast else 1e-3), n
 
 def test_kernel_support_reasons():
-    """Shapes the kernels refuse are named (the CUDA dispatch then warns once and runs the reference)."""
+    """Shapes the kernels refuse are named (a CUDA call they refuse raises with the reason)."""
     from dsaflow.ops.indexer_loss import kl_supports, target_supports
 
     q = torch.zeros(1, 2, 4, 576)
@@ -331,3 +331,30 @@ def test_topk_style_rows_with_trailing_padding():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
     for a, b in zip(torch.autograd.grad(loss, (qa, ka, wa)), torch.autograd.grad(ref_loss, (qr, kr, wr))):
         assert rel_err(a, b) < 1e-4
+
+
+def test_dispatch_tables_name_their_choice(monkeypatch):
+    """CPU tensors run the references; the kernel rules refuse by name; the env choice is checked."""
+    from dsaflow.ops.indexer_loss import explain_attention_target, explain_indexer_kl
+    from dsaflow.ops.indexer_loss.dispatch import KL_KERNELS, TARGET_KERNELS, reference_requested
+    from dsaflow.ops.kernel_table import walk
+
+    q = torch.zeros(1, 2, 4, 576)
+    assert explain_attention_target(q, q[:, :, 0]).kernel == "reference"
+    assert explain_indexer_kl(q[..., :64], q[:, :, 0, :64]).kernel == "reference"
+    target = walk(TARGET_KERNELS[1:], q, q[:, :, 0])
+    assert target.kernel is None and "fp32 rows of d_qk=576" in target.reasons()
+    kl = walk(KL_KERNELS[1:], torch.zeros(1, 2, 256, 128), torch.zeros(1, 2, 128))
+    assert kl.kernel is None and "H_I=256" in kl.reasons()
+    monkeypatch.setenv("DSAFLOW_INDEXER_LOSS", "fastest")
+    with pytest.raises(ValueError, match="use auto or reference"):
+        reference_requested()
+
+
+@pytest.mark.gpu
+def test_cuda_shapes_the_kernels_refuse_raise():
+    q = torch.zeros(1, 2, 4, 576, device="cuda")  # fp32 rows wider than 256
+    idx = torch.zeros(1, 2, 3, dtype=torch.int32, device="cuda")
+    lse = torch.zeros(1, 2, 4, device="cuda")
+    with pytest.raises(ValueError, match=r"attention_target: no kernel takes .*fp32 rows of d_qk=576"):
+        attention_target(q, q[:, :, 0], idx, lse, 0.1)

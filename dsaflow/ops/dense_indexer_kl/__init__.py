@@ -1,18 +1,16 @@
 """Dense indexer KL (the DeepSeek-V3.2 dense warm-up loss) without [T, S] tensors.
 
-CUDA tensors use the Triton kernels, CPU tensors the chunked reference (same loss, O(chunk * S) memory). Under
-`torch.use_deterministic_algorithms(True)` (train.deterministic) CUDA runs the chunked reference too: the kernels'
-key-gradient atomics would make the result depend on scheduling.
+Layout: `naive.py` (the fp32 reference and the chunked one, same loss in O(chunk * S) memory), the kernels
+(`triton_kl`, launched with their autograd.Function by `triton_launch`), the dispatch table (`dispatch.py`: CUDA
+runs the kernels, CPU and deterministic mode the chunked reference; CUDA shapes the kernels refuse raise
+ValueError), and the public function below.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
+from .dispatch import explain_dense_indexer_kl
 from .naive import dense_indexer_kl_chunked, dense_indexer_kl_naive, dense_target_naive
-
-_warned: set = set()
 
 
 def dense_indexer_kl(
@@ -29,17 +27,16 @@ def dense_indexer_kl(
     padding and is left out of the mean. Returns a fp32 scalar, differentiable in q_i, k_i and w only (q, k are
     treated as constants). Run it outside autocast: the arithmetic is fp32 whatever the input dtypes.
     """
-    if q_i.is_cuda and not torch.are_deterministic_algorithms_enabled():
-        from .triton_launch import dense_indexer_kl_triton, kernel_supports
+    choice = explain_dense_indexer_kl(q, k, q_i, k_i, w)
+    if choice.kernel == "triton":
+        from .triton_launch import dense_indexer_kl_triton
 
-        reason = kernel_supports(q, k, q_i, k_i, w)
-        if reason is None:
-            return dense_indexer_kl_triton(q, k, sm_scale, q_i, k_i, w, positions)
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(f"dense_indexer_kl: the Triton kernels refuse {reason}; using the chunked torch reference "
-                          f"(correct, much slower).", stacklevel=2)
+        return dense_indexer_kl_triton(q, k, sm_scale, q_i, k_i, w, positions)
+    if choice.kernel is None:
+        raise ValueError(f"dense_indexer_kl: no kernel takes q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, q_i "
+                         f"{tuple(q_i.shape)} {q_i.dtype}, k_i {tuple(k_i.shape)}: {choice.reasons()}")
     return dense_indexer_kl_chunked(q, k, sm_scale, q_i, k_i, w, positions)
 
 
-__all__ = ["dense_indexer_kl", "dense_indexer_kl_naive", "dense_indexer_kl_chunked", "dense_target_naive"]
+__all__ = ["dense_indexer_kl", "dense_indexer_kl_chunked", "dense_indexer_kl_naive", "dense_target_naive",
+           "explain_dense_indexer_kl"]

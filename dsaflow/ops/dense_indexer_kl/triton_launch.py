@@ -10,23 +10,6 @@ import triton
 
 from .triton_kl import LOG2E, _attn_lse_kernel, _kl_bwd_kernel, _kl_fwd_kernel
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_DI = 256  # the index key tile [BLOCK_DI, BLOCK_S] and the dk accumulator [BLOCK_S, BLOCK_DI] stay on chip
-
-
-def kernel_supports(q, k, q_i, k_i, w) -> str | None:
-    """None if the kernels take these inputs, else the reason they do not."""
-    if q.dim() != 5 or k.dim() != 5 or q.shape[:2] != k.shape[:2] or q.shape[3:] != k.shape[3:]:
-        return f"q {tuple(q.shape)} / k {tuple(k.shape)} (expected [L, B, T, H, D] and [L, B, S, H, D])"
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or q_i.dtype not in _DTYPES or k_i.dtype != q_i.dtype:
-        return f"dtypes q={q.dtype} k={k.dtype} q_i={q_i.dtype} k_i={k_i.dtype} (pairs must match, bf16/fp16/fp32)"
-    if q_i.shape[-1] > MAX_DI:
-        return f"index head dim {q_i.shape[-1]} > {MAX_DI}"
-    if k.shape[2] == 0 or q.shape[2] == 0 or k_i.shape[1] != k.shape[2]:
-        return f"empty or mismatched key sets (attention S={k.shape[2]}, indexer S={k_i.shape[1]})"
-    return None
-
-
 def _prec(dtype: torch.dtype) -> str:
     """fp32 dots in IEEE fp32 (the target is fp32 by contract; tf32 would round it); others: tensor-core default."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -138,6 +121,7 @@ class DenseIndexerKLTriton(torch.autograd.Function):
 
 
 def dense_indexer_kl_triton(q, k, sm_scale, q_i, k_i, w, positions, overrides: dict | None = None) -> torch.Tensor:
-    """Same contract as `dsaflow.ops.dense_indexer_kl.dense_indexer_kl`; the caller checked `kernel_supports`."""
+    """Same contract as `dsaflow.ops.dense_indexer_kl.dense_indexer_kl`; the caller checked
+    `dispatch.kernel_supports`."""
     q, k, q_i, k_i = (_last_dim_contiguous(x) for x in (q.detach(), k.detach(), q_i, k_i))
     return DenseIndexerKLTriton.apply(q_i, k_i, w, q, k, positions, float(sm_scale), overrides)
