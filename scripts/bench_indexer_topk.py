@@ -1,4 +1,4 @@
-"""Benchmark the lightning indexer op: logits + radix-select top-k vs the previous int64-key torch.topk path.
+"""Benchmark the lightning indexer op: logits + radix-select top-k vs the int64-key torch.topk path.
 
 Shapes: DeepSeek-V3.2 indexer (64 heads x 128, topk 2048, bf16), one sequence; by default the last 4096 queries of an
 8K / 32K / 128K context (the same queries as `bench_ops.py`), plus one whole causal prefill (every query of a 32K

@@ -123,15 +123,14 @@ def bench_sparse_mla(contexts, do_sweep):
     if do_sweep:
         q, kv, idx = mla_inputs(32768, n_fwd)
         fwd_cfg = sweep("sparse_mla_fwd", lambda c: lambda: sparse_mla_fwd_triton(q, kv, idx, scale, D_V, c), [
-            {},  # round 2 (docs/kernels.md): stages 3, BLOCK_H 128 x 16 warps, d_v split, warp_specialize: none won
+            {},  # 3 stages, BLOCK_H 128 x 16 warps, a d_v split and warp_specialize all measured slower
         ])
         qb, kvb, idxb = q[:, :n_bwd], kv, idx[:, :n_bwd]
         out, lse = sparse_mla_fwd_triton(qb, kvb, idxb, scale, D_V)
         do = torch.randn_like(out)
         gemm = lambda bk, bn, bj, w, st: dict(gemm_BLOCK_K=bk, gemm_BLOCK_N=bn, gemm_BLOCK_J=bj,  # noqa: E731
                                               gemm_num_warps=w, gemm_num_stages=st)
-        # round 2 (docs/kernels.md) also timed the one-pass fused dkv / dq kernels and plain-store diagnostics;
-        # they lost and were removed from the kernel file
+        # one-pass fused dkv / dq kernels measured slower than these (docs/kernels.md, "What we tried")
         bwd_cfg = sweep("sparse_mla_bwd", lambda c: lambda: sparse_mla_bwd_triton(
             qb, kvb, idxb, out, lse, do, None, scale, D_V, c), [
             {}, dict(dqg_BLOCK_K=32, dqg_num_stages=3), dict(dqg_BLOCK_K=128, dqg_num_stages=1),
@@ -172,7 +171,7 @@ def bench_decode(contexts, do_sweep):
         ms = bench(lambda: sparse_mla_decode_triton(q, kv, idx, scale, D_V))
         record("sparse_mla_decode", "triton", ctx, ms, flops=flops, nbytes=nbytes, batch=batch, tokens=t, heads=h)
         if do_sweep and h < 64:  # h128 is compute-bound (the prefill kernel's loop); sweep the memory-bound case
-            configs = [dict(num_splits=n) for n in (1, 2, 4)]  # round 2: more stages and a d_v split lost
+            configs = [dict(num_splits=n) for n in (1, 2, 4)]  # more stages and a d_v split measured slower
             sweep(f"sparse_mla_decode b{batch} t{t} h{h}", lambda c: lambda: sparse_mla_decode_triton(
                 q, kv, idx, scale, D_V, num_splits=c["num_splits"]), configs)
         del q, kv, idx

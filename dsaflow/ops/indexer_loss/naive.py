@@ -16,7 +16,7 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x [B, S, D], idx [B, T, K] in [0, S) -> [B, T, K, D]; backward accumulates into [B, S, D] (no [B, T, S, D]).
 
     index_select on the flattened rows, not advanced indexing: its backward is index_add_ (atomics on CUDA), while
-    advanced indexing's is a sort-based index_put_ that took 90% of a training step on an H200."""
+    advanced indexing's is a sort-based index_put_ that dominated a training step on an H200."""
     B, S, D = x.shape
     flat = (idx.long() + torch.arange(B, device=x.device).view(-1, 1, 1) * S).reshape(-1)
     return x.reshape(B * S, D).index_select(0, flat).view(*idx.shape, D)

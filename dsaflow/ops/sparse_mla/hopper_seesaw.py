@@ -79,8 +79,8 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _masked(sc, blk, idx_st, S, K, scale_log2):
         """S of block `blk` scaled to base 2, -inf where the slot holds no valid key. The block's indices come from
-        shared memory, copied by the producer with its rows: loading them from global memory here put an L2
-        round trip on every block's critical path (6 % of the kernel)."""
+        shared memory, copied by the producer with its rows: loading them from global memory here would put an L2
+        round trip on every block's critical path."""
         offs_k = blk * _BK + gl.arange(0, _BK, layout=gl.SliceLayout(0, _S_L))
         idx = idx_st.load(gl.SliceLayout(0, _S_L))
         return gl.where(((offs_k < K) & (idx >= 0) & (idx < S))[None, :], sc * scale_log2, float("-inf"))

@@ -15,8 +15,8 @@ causal training query t < topk has t + 1 keys): pass 1 and dq loop over [0, n_ke
 starts at or past n_keys do no work, and G is read only below n_keys (pass 1 writes it up to its last block there).
 Grids are one-dimensional (CUDA caps grid axes 1 and 2 at 65,535; B*T reaches 2^20), program id -> tile with the
 tiles that share data adjacent in launch order; ids and offsets derived from them are int64. Grids, chunk counts and
-buffers depend on shapes only. fp32 inputs use IEEE fp32 dots. Measured alternatives (one-pass fused
-dkv, S-first dkv, fused dq, plain-store diagnostics) and their numbers are in docs/kernels.md.
+buffers depend on shapes only. fp32 inputs use IEEE fp32 dots. Alternatives that measured slower (a one-pass
+fused dkv, an S-first dkv, a fused dq) are listed in docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -255,7 +255,7 @@ def bwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict |
     """Block sizes of the backward kernels (ds_*: pass 1, dqg_*: dq GEMM, gemm_* / tail_*: dkv GEMM on the value /
     rope-tail columns, red_*: deterministic reduction) and the byte budgets that set the query chunk: g_max_bytes
     for G (1 MiB per query at DeepSeek shapes), det_max_bytes for G + C in deterministic mode (C: K d_qk fp32 per
-    query, 4.5 MiB at DeepSeek shapes). Shape-only. Tile choices: H200 sweeps in docs/kernels.md."""
+    query, 4.5 MiB at DeepSeek shapes). Shape-only; the tiles are the fastest of sweeps on an H200."""
     H = q.shape[2]
     bh = min(64, max(16, triton.next_power_of_2(H)))
     cfg = dict(
@@ -315,9 +315,8 @@ def sparse_mla_bwd_triton(
     S, K = kv.shape[1], indices.shape[2]
     d_tail = D_qk - d_v
     # One copy at most of out and d_out (no-ops when contiguous). In training d_out arrives head-major ([H, T, d_v]
-    # in memory: the backward of the einsum with w_uv), and every dkv program of a query reads it; read in place, the
-    # backward kernels took 29.2 ms per layer in the 4096-token training profile against 20.1 ms for contiguous
-    # inputs in the kernel benchmark (one H200, docs/kernels.md round 5), so the copy (~0.3 ms) stays.
+    # in memory: the backward of the einsum with w_uv), and every dkv program of a query reads it; read in place it
+    # made the backward kernels about 1.5x slower in training than on contiguous inputs, far more than the copy.
     out, d_out = out.contiguous(), d_out.contiguous()
     lse = lse if lse.stride(-1) == 1 else lse.contiguous()
     if d_lse is not None and d_lse.stride(-1) != 1:

@@ -62,8 +62,8 @@ def _num_sms(device_index: int) -> int:
 def choose_num_splits(q: torch.Tensor, K: int, block_h: int, block_k: int) -> int:
     """Splits so the grid covers the SMs about once (a power of two), never below one row block per split.
     Shape-only. More splits cost fp32 partial outputs (ns x [B, T, H, d_v], large at H = 128) and a combine; the
-    memory-bound small-H case gains from twice as many loads in flight. H200 sweep (docs/kernels.md): 64 x h128
-    best at 1 split (2: +5%, 4: +20%); 128 x h16 best at 2 (4: +5%, 8: +18%)."""
+    memory-bound small-H case gains from twice as many loads in flight (on an H200, 128 heads were fastest at the
+    grid-filling split count and 16-head shards at twice it)."""
     B, T, H = q.shape[:3]
     n_sm = _num_sms(q.device.index or 0) if q.is_cuda else 132
     programs = B * T * triton.cdiv(H, block_h)
@@ -75,9 +75,8 @@ def choose_num_splits(q: torch.Tensor, K: int, block_h: int, block_k: int) -> in
 
 def decode_overrides(q: torch.Tensor, d_v: int) -> dict:
     """Decode-specific launch options on top of `fwd_config` (shape-only). Small-H shards (H <= 32: one 16-head
-    block per program, memory-bound) in bf16/fp16 with a wide value (d_v >= 256) run on 8 warps instead of 4:
-    H200, 128 seqs x 1 token x 16 heads, 32K cache, topk 2048, 2 splits: 0.1045 vs 0.1073 ms (same process;
-    docs/kernels.md, round 3). Other shapes keep the prefill kernel's options."""
+    block per program, memory-bound) in bf16/fp16 with a wide value (d_v >= 256) run on 8 warps instead of 4 (a
+    few percent faster on an H200 for the TP-8 decode shard). Other shapes keep the prefill kernel's options."""
     if q.shape[2] <= 32 and q.element_size() == 2 and d_v >= 256:
         return {"num_warps": 8}
     return {}

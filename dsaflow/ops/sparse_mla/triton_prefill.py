@@ -136,7 +136,7 @@ def _rotated_blocks(query, n_k, BLOCK_K: tl.constexpr):
     """(blocks of BLOCK_K slots below the key extent n_k, the block a query's loop starts at and wraps around from;
     used by the backward's pass 1 and dq). The top-k op returns each query's keys in ascending order, so queries that
     run side by side would otherwise read the same rows at the same time (in causal training every query t < topk
-    selects exactly [0, t]): on an H200 at 4096 tokens that cost the backward 6 % (docs/kernels.md, item 23).
+    selects exactly [0, t]), and on an H200 those L2 bank collisions slowed the backward measurably.
     Depends on the query only, so the summation order is fixed run to run."""
     n_blk = tl.cdiv(n_k, BLOCK_K)
     return n_blk, (query % tl.maximum(n_blk, 1)).to(tl.int32)
@@ -169,8 +169,8 @@ def launch_sparse_mla_fwd(
 ):
     """Fill out/lse for q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32 (last dims contiguous).
     n_keys [B, T] int32 contiguous: `key_extent(indices, S)`, computed here when not given. use_extent=False loops
-    over every slot and launches no extent kernel (decode: a few queries over a long cache, whose rows are full;
-    on one H200 the extra launch and the dependent load cost the TP-8 decode shard ~40 % of its 0.1 ms).
+    over every slot and launches no extent kernel (decode: a few queries over a long cache, whose rows are full,
+    where the extra launch and the dependent load would cost a large share of a ~0.1 ms call).
 
     num_splits == 1: out [B, T, H, d_v] (any float dtype), lse [B, T, H] fp32.
     num_splits > 1: out [num_splits, B, T, H, d_v] fp32 and lse [num_splits, B, T, H] fp32 hold per-split partials.
