@@ -174,7 +174,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_out/hopper")
     ap.add_argument("--part", default="all", choices=("all", "fwd", "decode"))
-    ap.add_argument("--variant", default=",".join(VARIANTS))
+    ap.add_argument("--variant", default="seesaw", help=f"comma-separated, of {','.join(VARIANTS)}")
     ap.add_argument("--contexts", default="8192,16384,32768,65536,131072")
     ap.add_argument("--index-order", default="ascending", choices=("ascending", "random"),
                     help="order of each query's selected keys: the top-k op's (ascending) or unsorted")
