@@ -11,7 +11,8 @@ triton.testing.do_bench (median) next to the Triton kernel and the bf16 8192^3 m
 Decode: 128 sequences x 1 token x 16 heads (a TP-8 shard), 32K cache, topk 2048; bytes = gathered rows
 (128 x 2048 x 576 x 2) + q + out + indices, against the device copy rate of the same process; and 8-128 sequences
 x 1 token x 128 heads (compute-bound: TFLOP/s), split-K Triton kernel against the Hopper forward.
-Each query's keys are sorted ascending, as the top-k op returns them (--index-order random: unsorted). Writes <out>/bench_hopper_<part>[_random].json and .md.
+Each query's keys are sorted ascending, as the top-k op returns them (--index-order random: unsorted). Writes
+<out>/bench_hopper_<part>[_random].json and .md.
 """
 from __future__ import annotations
 

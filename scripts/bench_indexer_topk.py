@@ -5,8 +5,8 @@ Shapes: DeepSeek-V3.2 indexer (64 heads x 128, topk 2048, bf16), one sequence; b
 context, chunked). Rows: the whole op with each selector, its parts (fp32 logits with invisible tiles unwritten,
 radix select alone on those scores, int64 keys + torch.topk + sort alone, the fp8 logits and the fp8 rounding of q and
 k), the whole op with fp8 logits (`model.index_fp8`, with the share of the bf16 selection it keeps), and at the
-largest context a sweep of the select kernels (block sizes, warps, sample size, no floor), of the logits kernel's tile, and decode-like row counts (--no-sweeps skips them). Writes
-indexer_topk.json and indexer_topk.md to --out.
+largest context a sweep of the select kernels (block sizes, warps, sample size, no floor), of the logits kernel's
+tile, and decode-like row counts (--no-sweeps skips them). Writes indexer_topk.json and indexer_topk.md to --out.
 
     python3 scripts/bench_indexer_topk.py --out /tmp/bench [--contexts 8192,32768,131072] [--queries 4096] \
         [--no-sweeps]
