@@ -116,15 +116,15 @@ KERNEL_NAMES = tuple(name for name, _ in KERNELS)
 
 
 @functools.lru_cache(maxsize=1)
-def forced_kernels() -> frozenset[str] | None:
-    """The CUDA kernels `DSAFLOW_SPARSE_MLA_KERNEL` allows (read once per process; None: all of them)."""
+def forced_kernels() -> tuple[str, frozenset[str] | None]:
+    """(`DSAFLOW_SPARSE_MLA_KERNEL`'s value, the kernels it allows; None: all), read once per process."""
     want = os.environ.get(ENV_KERNEL, "auto")
     if want == "auto":
-        return None
+        return want, None
     if want in FAMILIES:
-        return FAMILIES[want] | ALWAYS_ALLOWED
+        return want, FAMILIES[want] | ALWAYS_ALLOWED
     if want in KERNEL_NAMES and want not in ALWAYS_ALLOWED:
-        return frozenset({want}) | ALWAYS_ALLOWED
+        return want, frozenset({want}) | ALWAYS_ALLOWED
     choices = ["auto", *FAMILIES, *(n for n in KERNEL_NAMES if n not in ALWAYS_ALLOWED)]
     raise ValueError(f"{ENV_KERNEL}={want!r}: use one of {', '.join(choices)}.")
 
@@ -138,9 +138,8 @@ def _normalised(q, kv, indices):
 
 
 def _choose(q, kv, indices, d_v: int, grad: bool, table=KERNELS) -> Choice:
-    allowed = forced_kernels()
-    return walk(table, q, kv, indices, d_v, grad, allowed=allowed,
-                excluded_by=f"{ENV_KERNEL}={os.environ.get(ENV_KERNEL)}")
+    setting, allowed = forced_kernels()
+    return walk(table, q, kv, indices, d_v, grad, allowed=allowed, excluded_by=f"{ENV_KERNEL}={setting}")
 
 
 def explain_sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int,
@@ -165,7 +164,7 @@ def run_sparse_mla(q, kv, indices, sm_scale: float, d_v: int, probs_into=None, t
     q, kv, indices = _normalised(q, kv, indices)
     choice = _choose(q, kv, indices, d_v, grad, table)
     if choice.kernel is None:
-        forced = os.environ.get(ENV_KERNEL, "auto")
+        forced = forced_kernels()[0]
         raise ValueError(
             f"sparse_mla: no kernel takes q {tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)} {kv.dtype}, indices "
             f"{tuple(indices.shape)}, d_v={d_v}, grad={grad}" + (f", {ENV_KERNEL}={forced}" if forced != "auto" else "")
