@@ -352,3 +352,24 @@ def test_training_forward_uses_the_hopper_kernel_and_matches_the_portable_one(fo
     out_t, lse_t = sparse_mla_kernels(q, kv, idx, 576**-0.5, 512)
     assert (out_h.float() - out_t.float()).abs().max().item() < 2e-2
     assert (lse_h - lse_t).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@hopper_only
+def test_dispatch_choices_at_v32_shapes():
+    """The table's choice for the shapes that matter on sm_90 (rules only: nothing is launched)."""
+    from dsaflow.ops.sparse_mla.dispatch import explain_sparse_mla
+
+    def choice(B, T, H, grad, dtype=torch.bfloat16, d_qk=576, d_v=512):
+        q = torch.empty(B, T, H, d_qk, device="cuda", dtype=dtype)
+        kv = torch.empty(1, 32768, d_qk, device="cuda", dtype=dtype).expand(B, -1, -1)
+        idx = torch.zeros(B, T, 2048, device="cuda", dtype=torch.int32)
+        return explain_sparse_mla(q, kv, idx, d_v, grad=grad).kernel
+
+    assert choice(1, 4096, 128, grad=True) == "hopper_seesaw"  # training
+    assert choice(1, 4096, 128, grad=False) == "hopper_seesaw"  # prefill
+    assert choice(32, 1, 128, grad=False) == "hopper_seesaw"  # decode, grid covers half the SMs
+    assert choice(16, 1, 128, grad=False) == "triton_decode"  # decode, split-K is faster
+    assert choice(128, 1, 16, grad=False) == "hopper_decode"  # TP-8 decode shard
+    assert choice(128, 1, 32, grad=False) == "triton_decode"
+    assert choice(1, 64, 128, grad=True, dtype=torch.float32, d_qk=192, d_v=128) == "triton_prefill"
