@@ -1,4 +1,5 @@
-"""train.recompute=attention: the same gradients and indexer loss, fewer saved activations, one recorded attention."""
+"""train.recompute=attention|block: the same gradients and indexer loss as none, fewer saved activations, each
+attention recorded once, and no side effect of a layer repeated by its recomputation."""
 import pytest
 import torch
 
@@ -13,12 +14,13 @@ from model_helpers import SHARP_INIT, planned, tokens
 B, T = 2, 24
 
 
-def _step(recompute: bool, monkeypatch):
+def _step(recompute, monkeypatch, attn="sparse"):
     """One forward + backward of the LM loss and the indexer loss on FSSF... (topk < T, so the indexer selects).
-    Returns (grads by name, indexer loss, saved-tensor bytes, sparse_mla calls)."""
+    recompute: True = "attention", False = "none", or the mode's name.
+    Returns (grads by name, indexer loss, saved-tensor bytes, sparse_mla calls in forward, in all, cfg)."""
     cfg, plan = planned("(FSSS)*2", SHARP_INIT, "model.index_topk=8")
     stage = stage_module(cfg, plan, 0, seed=0).train()
-    stage.recompute_attention = recompute
+    stage.recompute = {True: "attention", False: "none"}.get(recompute, recompute)
     calls = []
     real = mla_module.sparse_mla
     monkeypatch.setattr(mla_module, "sparse_mla", lambda *a: calls.append(1) or real(*a))
@@ -29,7 +31,7 @@ def _step(recompute: bool, monkeypatch):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = stage(tokens(B, T), compute_indexer_loss=True)
+        logits = stage(tokens(B, T), attn=attn, compute_indexer_loss=True)
         loss = logits.logsumexp(-1).mean() + stage.indexer_loss
     forward_calls = len(calls)
     loss.backward()
@@ -55,14 +57,61 @@ def test_recompute_gives_the_same_gradients_and_saves_the_attention_intermediate
     assert ref_saved - got_saved >= 0.9 * dropped
 
 
-def test_recompute_is_off_in_eval_and_with_a_cache(monkeypatch):
+@pytest.mark.parametrize("chunk_tokens", [1 << 14, 10])
+def test_block_recompute_gives_the_same_gradients_and_keeps_only_the_block_inputs(monkeypatch, chunk_tokens):
+    """Each block runs again in backward (every sparse_mla twice; three times when the attention is also chunked)
+    and nothing of a block but its input is kept. Bit-identical in fp32."""
+    ref, ref_loss, ref_saved, _, _, cfg = _step("none", monkeypatch)
+    monkeypatch.setattr(mla_module, "RECOMPUTE_CHUNK_TOKENS", chunk_tokens)
+    got, got_loss, got_saved, fwd, total, _ = _step("block", monkeypatch)
+    assert ref.keys() == got.keys() and any(".attn.indexer." in n for n in got)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0, msg=name)
+    assert got_loss == ref_loss
+    layers, chunks = cfg.num_layers, -(-T // max(1, chunk_tokens // B))
+    if chunks == 1:
+        assert fwd == layers and total == 2 * layers  # forward, then the block's recomputation
+    else:
+        assert fwd == chunks * layers and total == 3 * fwd  # and each chunk once more inside it
+    # left: the head's and the forward-timed indexer KL's saved tensors (the block inputs live in the checkpoints)
+    assert got_saved < ref_saved / 10
+
+
+def test_block_recompute_in_dense_mode_gives_the_same_gradients(monkeypatch):
+    """Dense attention with gradient everywhere (not the warm-up, whose main weights are frozen): the recorder sees
+    each layer once, the recomputation runs the indexer again without recording it."""
+    ref, ref_loss, *_ = _step("none", monkeypatch, attn="dense")
+    got, got_loss, *_ = _step("block", monkeypatch, attn="dense")
+    assert ref.keys() == got.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0, msg=name)
+    assert got_loss == ref_loss
+
+
+def test_block_recompute_keeps_each_microbatch_indices_apart():
+    """Two forwards before either backward (a pipeline schedule's microbatches): the second overwrites the stage's
+    index slot, and the first one's recomputation must still attend to its own indices."""
+    cfg, plan = planned("(FSSS)*2", SHARP_INIT, "model.index_topk=8")
+    grads = {}
+    for mode in ("none", "block"):
+        stage = stage_module(cfg, plan, 0, seed=0).train()
+        stage.recompute = mode
+        outs = [stage(tokens(B, T, seed=s)) for s in (1, 2)]
+        (outs[0].logsumexp(-1).mean() + 2 * outs[1].logsumexp(-1).mean()).backward()
+        grads[mode] = {n: p.grad for n, p in stage.named_parameters() if p.grad is not None}
+    for name in grads["none"]:
+        torch.testing.assert_close(grads["block"][name], grads["none"][name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["attention", "block"])
+def test_recompute_is_off_in_eval_and_with_a_cache(mode):
     """No grad (eval, serving): the option changes nothing and recomputes nothing."""
     cfg, plan = planned("(FSSS)*2", "model.index_topk=8")
     stage = stage_module(cfg, plan, 0, seed=0).eval()
     x = tokens(1, T)
     with torch.no_grad():
         ref = stage(x)
-        stage.recompute_attention = True
+        stage.recompute = mode
         torch.testing.assert_close(stage(x), ref, rtol=0, atol=0)
 
 
