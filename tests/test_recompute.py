@@ -60,15 +60,16 @@ def test_recompute_gives_the_same_gradients_and_saves_the_attention_intermediate
 @pytest.mark.parametrize("chunk_tokens", [1 << 14, 10])
 def test_block_recompute_gives_the_same_gradients_and_keeps_only_the_block_inputs(monkeypatch, chunk_tokens):
     """Each block runs again in backward (every sparse_mla twice; three times when the attention is also chunked)
-    and nothing of a block but its input is kept. Bit-identical in fp32."""
+    and nothing of a block but its input is kept. Bit-identical in fp32 without query chunks."""
     ref, ref_loss, ref_saved, _, _, cfg = _step("none", monkeypatch)
     monkeypatch.setattr(mla_module, "RECOMPUTE_CHUNK_TOKENS", chunk_tokens)
     got, got_loss, got_saved, fwd, total, _ = _step("block", monkeypatch)
+    layers, chunks = cfg.num_layers, -(-T // max(1, chunk_tokens // B))
+    tol = 0 if chunks == 1 else 1e-5  # query chunks sum the weight gradients in another order
     assert ref.keys() == got.keys() and any(".attn.indexer." in n for n in got)
     for name in ref:
-        torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0, msg=name)
-    assert got_loss == ref_loss
-    layers, chunks = cfg.num_layers, -(-T // max(1, chunk_tokens // B))
+        torch.testing.assert_close(got[name], ref[name], rtol=tol, atol=tol / 10, msg=name)
+    assert got_loss == pytest.approx(ref_loss, rel=tol / 10)
     if chunks == 1:
         assert fwd == layers and total == 2 * layers  # forward, then the block's recomputation
     else:
