@@ -6,7 +6,6 @@ import torch
 
 from dsaflow.model import IndexerLossInBackward
 from dsaflow.model import indexer_loss as indexer_loss_module
-from dsaflow.model import mla as mla_module
 from dsaflow.run.stages import build_stages
 from model_helpers import planned_sharp, tokens
 
@@ -15,7 +14,7 @@ def _grads(stage):
     return {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
 
 
-def _both_modes(layout, x, weight, monkeypatch=None, chunk=None, device="cpu", recompute="attention"):
+def _both_modes(layout, x, weight, chunk=None, device="cpu", recompute="attention"):
     """(forward-mode loss, grads), (backward-mode logged values, grads) for LM-like loss + weight * indexer loss.
     chunk: recompute (`recompute` mode) with that many tokens per attention chunk; None: no recomputation."""
     model, plan = planned_sharp(layout)
@@ -24,7 +23,7 @@ def _both_modes(layout, x, weight, monkeypatch=None, chunk=None, device="cpu", r
     stage.train()
     if chunk is not None:
         stage.recompute = recompute
-        monkeypatch.setattr(mla_module, "RECOMPUTE_CHUNK_TOKENS", chunk)
+        stage.recompute_chunk_tokens = chunk
     out = stage(x, compute_indexer_loss=True)
     loss = stage.indexer_loss
     (out.pow(2).mean() + weight * loss).backward()
@@ -55,7 +54,7 @@ def test_backward_mode_under_recomputation(monkeypatch, recompute, chunk):
     runs = []
     real = indexer_loss_module.indexer_kl
     monkeypatch.setattr(indexer_loss_module, "indexer_kl", lambda *a: runs.append(1) or real(*a))
-    (loss, g_fwd), (values, g_bwd) = _both_modes("FSSSFSSS", tokens(2, 12, seed=2), 1.0, monkeypatch, chunk,
+    (loss, g_fwd), (values, g_bwd) = _both_modes("FSSSFSSS", tokens(2, 12, seed=2), 1.0, chunk,
                                                  recompute=recompute)
     assert len(runs) == 2 + 2 and len(values) == 1  # forward timing: 2 F layers; backward timing: each KL once
     torch.testing.assert_close(values[0], loss, rtol=1e-6, atol=1e-9)
@@ -96,10 +95,10 @@ def test_backward_mode_refuses_what_it_cannot_do():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("chunk,recompute", [(None, "none"), (10, "attention"), (10, "block"), (1 << 14, "block")])
-def test_gpu_backward_mode_equals_forward_mode(chunk, recompute, monkeypatch):
+def test_gpu_backward_mode_equals_forward_mode(chunk, recompute):
     """On CUDA the two modes take their targets from different kernels (the target kernel in the forward, the
     attention backward's own probabilities); fp32, plain, recomputed attention and recomputed blocks."""
-    (loss, g_fwd), (values, g_bwd) = _both_modes("FSSSFSSS", tokens(2, 48, seed=6), 0.5, monkeypatch, chunk, "cuda",
+    (loss, g_fwd), (values, g_bwd) = _both_modes("FSSSFSSS", tokens(2, 48, seed=6), 0.5, chunk, "cuda",
                                                  recompute)
     torch.testing.assert_close(values[0], loss, rtol=1e-4, atol=1e-7)
     assert g_fwd.keys() == g_bwd.keys()

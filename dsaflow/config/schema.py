@@ -172,6 +172,9 @@ class TrainConfig:
     # sparse attention and its output projection there (-2 * H * kv_lora bf16 per token per layer) | block: keep
     # only each layer's input and recompute the whole layer in backward (the fewest activations; docs/training.md)
     recompute: Recompute = Recompute.none
+    # queries per checkpointed attention chunk when recomputing: bounds one layer's attention transient in backward
+    # (about 4 * n_heads * (kv_lora_rank + qk_rope_head_dim) bf16 per query: 9 GiB at DeepSeek-V3.2 shapes)
+    recompute_chunk_tokens: int = num(16384, 1, 1 << 22)
     log_every: int = num(10, 1, 10**9)
     eval_every: int = num(50, 0, 10**9)  # 0 = only at the end
     eval_batches: int = num(4, 1, 10**6)

@@ -31,6 +31,7 @@ class ForwardContext:
     activation; "attention" keeps each layer's attention inputs and recomputes the absorbed query, the sparse
     attention and the output projection in backward, in query chunks; "block" keeps each layer's input and
     recomputes the whole layer in backward (the attention in query chunks beyond one chunk budget).
+    recompute_chunk_tokens: queries per checkpointed attention chunk when recomputing (`train.recompute_chunk_tokens`).
     replay: set by a recomputed block for its layer (see `LayerReplay`), else None.
     """
 
@@ -44,6 +45,7 @@ class ForwardContext:
     causal_rows: bool = False
     no_padding: bool = False
     recompute: str = "none"
+    recompute_chunk_tokens: int = 16384
     replay: Optional["LayerReplay"] = None
 
 

@@ -40,12 +40,6 @@ from .norms import RMSNorm
 from .rope import apply_rope
 
 
-# Queries per checkpointed chunk when recomputing (`train.recompute=attention|block`): one chunk's recomputed absorbed
-# query, attention output and their gradients are about 4 * H * (C + R) bf16 per query (9 GiB at V3.2 shapes), the
-# bound on one layer's attention transient in backward whatever the sequence length.
-RECOMPUTE_CHUNK_TOKENS = 16384
-
-
 class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int, role: str, source: int):
         super().__init__()
@@ -179,18 +173,18 @@ class MLA(nn.Module):
     def _attend_training(self, q, kv, indices, cos, sin, recorder, ctx: ForwardContext) -> torch.Tensor:
         """`_attend` without a cache: in checkpointed query chunks when recomputing (`chunked_attention`), else at
         once. [B, T, H * V]."""
-        if ctx.recompute != "none" and torch.is_grad_enabled() and chunked_attention(ctx.recompute, q.shape[0] *
-                                                                                        q.shape[1]):
-            return self._attend_chunked(q, kv, indices, cos, sin, recorder)
+        chunk = ctx.recompute_chunk_tokens
+        if torch.is_grad_enabled() and chunked_attention(ctx.recompute, q.shape[0] * q.shape[1], chunk):
+            return self._attend_chunked(q, kv, indices, cos, sin, recorder, chunk)
         return self._attend(q, kv, indices, cos, sin, recorder)
 
-    def _attend_chunked(self, q, kv, indices, cos, sin, recorder) -> torch.Tensor:
-        """`_attend` in query chunks of RECOMPUTE_CHUNK_TOKENS, each checkpointed: the forward keeps only the
+    def _attend_chunked(self, q, kv, indices, cos, sin, recorder, chunk_tokens: int) -> torch.Tensor:
+        """`_attend` in query chunks of `chunk_tokens` queries (over the batch), each checkpointed: the forward keeps only the
         inputs, and the backward rebuilds one chunk's intermediates at a time (a 128K-token layer's would be 34 GiB
         at once). Same shapes as `_attend`; each chunk hands its rows of the attention to the recorder once (its
         recomputation in backward gets none)."""
         B, T = q.shape[:2]
-        step = max(1, RECOMPUTE_CHUNK_TOKENS // B)
+        step = max(1, chunk_tokens // B)
         outs = []
         for t0, qc, ic, cc, sc in zip(range(0, T, step), q.split(step, 1), indices.split(step, 1),
                                        cos.split(step, 1), sin.split(step, 1)):
@@ -224,11 +218,11 @@ class MLA(nn.Module):
         return head_output(o_lat, w_uv)  # [B, T, H * V]; its backward hands sparse_mla a contiguous gradient
 
 
-def chunked_attention(recompute: str, queries: int) -> bool:
+def chunked_attention(recompute: str, queries: int, chunk_tokens: int) -> bool:
     """Whether a layer's attention runs in checkpointed query chunks. `attention`: always (the forward keeps only
     the attention inputs). `block`: only when the queries exceed one chunk; below that the block's recomputation
     already bounds the transient by the chunk budget, and a second recomputation of the attention would cost time."""
-    return recompute == "attention" or (recompute == "block" and queries > RECOMPUTE_CHUNK_TOKENS)
+    return recompute == "attention" or (recompute == "block" and queries > chunk_tokens)
 
 
 class _FirstRunOnly:

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from dsaflow.config.schema import ModelConfig
+from dsaflow.config.schema import ModelConfig, TrainConfig
 
 from .block import DSABlock
 from .cache import IndexSlot, StageCache
@@ -59,6 +59,7 @@ class StageModule(nn.Module):
         self.compute_indexer_loss = False
         # train.recompute: "none" | "attention" | "block" (see ForwardContext.recompute); the trainer sets it.
         self.recompute = "none"
+        self.recompute_chunk_tokens = TrainConfig.recompute_chunk_tokens  # queries per recomputed attention chunk
         self.indexer_loss: Optional[torch.Tensor] = None
         self.init_weights(seed)
 
@@ -128,6 +129,7 @@ class StageModule(nn.Module):
             causal_rows=causal_rows,
             no_padding=no_padding,
             recompute=self.recompute,
+            recompute_chunk_tokens=self.recompute_chunk_tokens,
         )
         for layer in self.layers.values():
             h = layer(h, ctx)
