@@ -117,3 +117,14 @@ def test_gpu_estimate_within_15_percent_of_the_measured_peak(seq, mode):
     row = bench.measure(8, "every4", seq, mode, reps=1)
     assert "error" not in row, row
     assert abs(row["estimate_error"]) <= 0.15, row
+
+
+def test_the_bench_table_records_out_of_memory_rows():
+    """CPU: the bench's markdown from rows as `measure` returns them, one of them out of memory."""
+    bench = load_script("bench_train_stage")
+    rows = [{"seq": 16384, "layers": 8, "recompute": "block", "step_s": 1.5, "tokens_per_s": 10923.0, "tflops": 300.0,
+             "peak_gib": 40.0, "estimate_gib": 42.0, "estimate_error": 0.05},
+            {"seq": 131072, "layers": 8, "recompute": "none", "estimate_gib": 574.4, "error": "out of memory: ..."}]
+    text = bench.markdown(rows, "an H200")
+    assert "| 16K | block | 1.50 s | 10,923 | 300 | 40.0 GiB | 42.0 GiB | +5.0 % |" in text
+    assert "| 128K | none | out of memory | | | | 574.4 GiB | |" in text

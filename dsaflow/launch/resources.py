@@ -109,7 +109,8 @@ def check_resources(cfg, plan, device_type: str, job: str = "train", local: bool
     total, r, need = worst
     if total > HEADROOM * avail:
         name, biggest = max(need.items(), key=lambda kv: kv[1])
-        fix = SERVE_FIX if job == "generate" else f"{largest_term_fix(name)} (now train.recompute={cfg.train.recompute})"
+        fix = (SERVE_FIX if job == "generate"
+               else f"{largest_term_fix(name)} (now train.recompute={cfg.train.recompute})")
         raise ResourceError(
             f"the plan needs about {_fmt(total)} on rank {r}, more than the {_fmt(avail)} it has ({source}); the "
             f"largest consumer is {name}: {_fmt(biggest)}. Fix: {fix}; or "

@@ -179,9 +179,9 @@ class MLA(nn.Module):
         return self._attend(q, kv, indices, cos, sin, recorder)
 
     def _attend_chunked(self, q, kv, indices, cos, sin, recorder, chunk_tokens: int) -> torch.Tensor:
-        """`_attend` in query chunks of `chunk_tokens` queries (over the batch), each checkpointed: the forward keeps only the
-        inputs, and the backward rebuilds one chunk's intermediates at a time (a 128K-token layer's would be 34 GiB
-        at once). Same shapes as `_attend`; each chunk hands its rows of the attention to the recorder once (its
+        """`_attend` in query chunks of `chunk_tokens` queries (over the batch), each checkpointed: the forward keeps
+        only the inputs, and the backward rebuilds one chunk's intermediates at a time (a 128K-token layer's would be
+        34 GiB at once). Same shapes as `_attend`; each chunk hands its rows of the attention to the recorder once (its
         recomputation in backward gets none)."""
         B, T = q.shape[:2]
         step = max(1, chunk_tokens // B)

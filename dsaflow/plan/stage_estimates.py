@@ -134,7 +134,7 @@ def build_estimates(cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan
         "balance": (max(costs) / (sum(costs) / len(costs))) if costs else 1.0,
         "assumptions": (
             "bf16 activations and caches, int32 indices; FLOPs = 2 per multiply-add, matmuls only; indexer FLOPs = "
-            "2*L*Hi*Di scores + q/k/weights projections; activations per the formula in docs/planning.md; "
-            "one index group (indices shared by all heads)."
+            "2*L*Hi*Di scores + q/k/weights projections; activations and training memory per dsaflow.plan.memory "
+            "(docs/training.md); one index group (indices shared by all heads)."
         ),
     }
