@@ -33,26 +33,29 @@ import torch
 MODES = ("none", "attention", "block")
 
 
-def build(layers: int, index: str, seq: int, recompute: str, chunk_tokens: int = 16384):
-    """(cfg, plan, stage on cuda in train mode, optimisers, model FLOPs of one step)."""
+def plan_for(layers: int, index: str, seq: int, recompute: str, chunk_tokens: int = 16384):
+    """(cfg, plan) of one row: the plan carries the training-memory estimate."""
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan
-    from dsaflow.run.stages import stage_module
-    from dsaflow.train.metrics import model_flops_per_token
 
     cfg = compose(["model=dsv32", "model.vocab_size=256", "model.inter_dim=2048", f"model.num_layers={layers}",
                    f"model.max_seq_len={max(seq, 4096)}", f"index={index}", f"train.seq_len={seq}",
                    f"train.recompute={recompute}", f"train.recompute_chunk_tokens={chunk_tokens}",
                    "train.batch_size=1", "pipeline.microbatches=1"])
-    plan = build_plan(cfg)
+    return cfg, build_plan(cfg)
+
+
+def build(layers: int, index: str):
+    """(stage on cuda in train mode, its two fused AdamW optimisers, as the trainer builds them). The weights do
+    not depend on the sequence length or the recompute mode, so one stage serves every row."""
+    from dsaflow.run.stages import stage_module
+
+    cfg, plan = plan_for(layers, index, 4096, "none")
     stage = stage_module(cfg.model, plan, 0, seed=0).cuda().train()
-    stage.recompute, stage.recompute_chunk_tokens = recompute, chunk_tokens
-    n = sum(p.numel() for p in stage.parameters())
-    flops = model_flops_per_token(cfg.model, plan, seq, n, stage.embed.weight.numel()) * seq
     idx = stage.indexer_parameters()
     main = [p for p in stage.parameters() if all(p is not q for q in idx)]
     opts = [torch.optim.AdamW(main, lr=1e-5, fused=True), torch.optim.AdamW(idx, lr=1e-5, fused=True)]
-    return cfg, plan, stage, opts, flops
+    return stage, opts
 
 
 def make_step(stage, opts, x):
@@ -74,22 +77,25 @@ def make_step(stage, opts, x):
     return step
 
 
-def measure(layers: int, index: str, seq: int, recompute: str, reps: int, chunk_tokens: int = 16384) -> dict:
-    """One row (see the module docstring)."""
-    row = {"seq": seq, "layers": layers, "index": index, "recompute": recompute}
-    stage = opts = None
+def measure(stage, opts, layers: int, index: str, seq: int, recompute: str, reps: int,
+            chunk_tokens: int = 16384) -> dict:
+    """One row (see the module docstring) on the stage and optimisers of `build(layers, index)`."""
+    from dsaflow.train.metrics import model_flops_per_token
+
+    cfg, plan = plan_for(layers, index, seq, recompute, chunk_tokens)
+    se = plan.estimates["stages"][0]
+    row = {"seq": seq, "layers": layers, "index": index, "recompute": recompute,
+           "roles": "".join(l.role for l in plan.layers), "estimate_gib": se["train_peak_bytes"] / 2**30,
+           "estimate_terms_gib": {k: v / 2**30 for k, v in se["train_memory_bytes"].items()}}
+    n = sum(p.numel() for p in stage.parameters())
+    flops = model_flops_per_token(cfg.model, plan, seq, n, stage.embed.weight.numel()) * seq
+    stage.recompute, stage.recompute_chunk_tokens = recompute, chunk_tokens
     gc.collect()
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     try:
-        cfg, plan, stage, opts, flops = build(layers, index, seq, recompute, chunk_tokens)
-        se = plan.estimates["stages"][0]
-        row["roles"] = "".join(l.role for l in plan.layers)
-        row["estimate_gib"] = se["train_peak_bytes"] / 2**30
-        row["estimate_terms_gib"] = {k: v / 2**30 for k, v in se["train_memory_bytes"].items()}
         x = torch.randint(0, 256, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         step = make_step(stage, opts, x)
-        step()  # creates the optimiser state
+        step()  # warm-up; the first row's also creates the optimiser state
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         times = []
@@ -103,7 +109,8 @@ def measure(layers: int, index: str, seq: int, recompute: str, reps: int, chunk_
         row["error"] = f"out of memory: {str(exc).splitlines()[0][:160]}"
         return row
     finally:
-        del stage, opts
+        for o in opts:
+            o.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
     row["step_s"] = statistics.median(times)
@@ -147,13 +154,14 @@ def main(argv=None) -> list:
     seqs = [int(s) for s in args.seq.split(",")]
     modes = args.recompute.split(",")
     rows, failed = [], set()
+    stage, opts = build(args.layers, args.index)
     for seq in seqs:
         for mode in modes:
             if args.skip_after_oom and mode in failed:
                 rows.append({"seq": seq, "layers": args.layers, "index": args.index, "recompute": mode,
                              "error": "out of memory at a shorter sequence (not run)"})
                 continue
-            row = measure(args.layers, args.index, seq, mode, args.reps, args.chunk_tokens)
+            row = measure(stage, opts, args.layers, args.index, seq, mode, args.reps, args.chunk_tokens)
             if "error" in row:
                 failed.add(mode)
             rows.append(row)

@@ -108,13 +108,20 @@ def test_eight_layers_at_128k_fit_an_h200_only_with_block_recompute(monkeypatch)
 GPU_ROWS = [(16384, "none"), (16384, "attention"), (16384, "block"), (32768, "block")]
 
 
+@pytest.fixture(scope="module")
+def bench_stage():
+    bench = load_script("bench_train_stage")
+    stage, opts = bench.build(8, "every4")
+    yield bench, stage, opts
+    del stage, opts
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq,mode", GPU_ROWS)
-def test_gpu_estimate_within_15_percent_of_the_measured_peak(seq, mode):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    bench = load_script("bench_train_stage")
-    row = bench.measure(8, "every4", seq, mode, reps=1)
+def test_gpu_estimate_within_15_percent_of_the_measured_peak(bench_stage, seq, mode):
+    bench, stage, opts = bench_stage
+    row = bench.measure(stage, opts, 8, "every4", seq, mode, reps=1)
     assert "error" not in row, row
     assert abs(row["estimate_error"]) <= 0.15, row
 
