@@ -124,3 +124,31 @@ def test_the_memory_estimate_drops_the_recomputed_activations():
     drop = mem["none"]["activations"] - mem["attention"]["activations"]
     assert drop == 2 * per_layer  # two layers, nothing kept of their attention intermediates
     assert sum(mem["attention"].values()) < 130 * 2**30 < sum(mem["none"].values())  # an H200 fits only one
+
+
+@pytest.mark.parametrize("mode", ["attention", "block"])
+def test_no_absorbed_query_or_attention_output_spans_more_than_one_chunk(monkeypatch, mode):
+    """Every [b, t, H, C + R] absorbed query and [b, t, H, C] attention output built, in the forward and in the
+    backward's recomputations, covers at most one chunk of queries (b * t <= chunk)."""
+    chunk = 10  # tokens; B = 2, T = 24: chunks of 5 queries per sequence
+    sizes = []
+    real_absorb, real_attn = mla_module.absorb_query, mla_module.sparse_mla
+
+    def absorb(q, *a):
+        out = real_absorb(q, *a)
+        sizes.append(out.shape[0] * out.shape[1])
+        return out
+
+    def attn(q, *a, **k):
+        out, lse = real_attn(q, *a, **k)
+        sizes.append(out.shape[0] * out.shape[1])
+        return out, lse
+
+    monkeypatch.setattr(mla_module, "absorb_query", absorb)
+    monkeypatch.setattr(mla_module, "sparse_mla", attn)
+    cfg, plan = planned("(FSSS)*2", SHARP_INIT, "model.index_topk=8")
+    stage = stage_module(cfg, plan, 0, seed=0).train()
+    stage.recompute, stage.recompute_chunk_tokens = mode, chunk
+    stage(tokens(B, T)).logsumexp(-1).mean().backward()
+    assert sizes and max(sizes) <= chunk
+    assert len(sizes) == 2 * cfg.num_layers * -(-T // (chunk // B)) * (2 if mode == "attention" else 3)
