@@ -32,7 +32,9 @@ Two timings for the sparse loss:
   backward produces q's gradient), computes that layer's KL from the complete target, and returns its gradient
   (times the weight) to the indexer outputs within the same backward. The values are logged once every F layer of
   a microbatch has run. Under the zero-bubble schedules the node runs in the input pass and again in the weight
-  pass: the KL runs once and the second call returns the same gradients.
+  pass: the KL runs once and the second call returns the same gradients. Under `train.recompute=block` a layer's
+  recomputation in backward applies a copy of the node (`kl_after_attention_replay`) so that it saves the same
+  tensors, and records nothing: autograd runs the first run's node, and the KL still runs once.
 """
 from __future__ import annotations
 
