@@ -122,8 +122,8 @@ def measure(stage, opts, layers: int, index: str, seq: int, recompute: str, reps
 
 
 def markdown(rows: list, device: str) -> str:
-    lines = [f"Device: {device}. One stage of {rows[0]['layers']} layers, one sequence per step "
-             f"(scripts/bench_train_stage.py).", "",
+    lines = [(f"Device: {device}. One stage of {rows[0]['layers']} layers, one sequence per step "
+              f"(scripts/bench_train_stage.py)."), "",
              "| tokens | recompute | step | tokens/s | model TFLOP/s | peak (measured) | estimate | estimate error |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -2,6 +2,7 @@
 pre-launch check that refuses on it; on a GPU, the estimate against the measured peak of real steps."""
 import pytest
 import torch
+from script_helpers import load_script
 
 from dsaflow.config.compose import compose
 from dsaflow.errors import ResourceError
@@ -10,7 +11,6 @@ from dsaflow.plan import build_plan
 from dsaflow.plan import estimates as E
 from dsaflow.plan.memory import ACTIVATIONS, GRADS, TRANSIENT, WEIGHTS, train_memory_terms
 from dsaflow.plan.render import render_table
-from script_helpers import load_script
 
 # model=tiny: dim 64, inter 128, 4 heads, q_lora 32, kv_lora 32, nope 16, rope 8, v 16, indexer 4 x 16 (rope 8),
 # topk 16, vocab 256. Layers "FS", one stage, 4 sequences of 128 tokens in one microbatch: 512 tokens.

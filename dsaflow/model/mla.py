@@ -192,7 +192,7 @@ class MLA(nn.Module):
             outs.append(checkpoint(self._attend_chunk, qc, kv, ic, cc, sc, first_run, (t0, T), use_reentrant=False))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
-    def _attend_chunk(self, q, kv, indices, cos, sin, first_run: "_FirstRunOnly", rows) -> torch.Tensor:
+    def _attend_chunk(self, q, kv, indices, cos, sin, first_run: _FirstRunOnly, rows) -> torch.Tensor:
         return self._attend(q, kv, indices, cos, sin, first_run.take(), rows)
 
     def _attend(self, q, kv, indices, cos, sin, recorder=None, rows=None) -> torch.Tensor:

@@ -16,7 +16,7 @@ training, `train.dtype=fp32`), where activations are 4 bytes and there are no au
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from collections.abc import Sequence
 
 from dsaflow.plan import estimates as E
 
@@ -34,7 +34,7 @@ def compute_dtype(cfg, device_type: str) -> tuple[int, bool]:
 
 
 def train_memory_terms(cfg, roles: Sequence[str], first: bool, last: bool, tokens: int, in_flight: int,
-                       device_type: str = "cuda") -> Dict[str, int]:
+                       device_type: str = "cuda") -> dict[str, int]:
     """{term: bytes} for one training stage holding layers of `roles`, microbatches of `tokens` tokens,
     `in_flight` of them at once (see the module docstring)."""
     m, t = cfg.model, cfg.train
