@@ -74,7 +74,7 @@ def build(layers: int, index: str, seq: int, recompute: str = "none"):
                    f"train.recompute={recompute}", "train.batch_size=1", "pipeline.microbatches=1"])
     plan = build_plan(cfg)
     stage = stage_module(cfg.model, plan, 0, seed=0).cuda().train()
-    stage.recompute_attention = recompute == "attention"
+    stage.recompute = recompute
     n = sum(p.numel() for p in stage.parameters())
     flops = model_flops_per_token(cfg.model, plan, seq, n, stage.embed.weight.numel()) * seq
     idx = stage.indexer_parameters()
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default="fused,fused_forward,naive", help=f"comma-separated, of {IMPLS}")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--recompute", default="none", choices=["none", "attention"],
+    ap.add_argument("--recompute", default="none", choices=["none", "attention", "block"],
                     help="train.recompute: attention = keep only the attention inputs, recompute in backward")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)

@@ -6,7 +6,6 @@ import torch
 
 from dsaflow.model import IndexerLossInBackward
 from dsaflow.model import indexer_loss as indexer_loss_module
-from dsaflow.model import mla as mla_module
 from dsaflow.run.stages import build_stages
 from model_helpers import planned_sharp, tokens
 
@@ -15,15 +14,16 @@ def _grads(stage):
     return {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
 
 
-def _both_modes(layout, x, weight, monkeypatch=None, chunk=None, device="cpu", *overrides):
-    """(forward-mode loss, grads), (backward-mode logged values, grads) for LM-like loss + weight * indexer loss."""
-    model, plan = planned_sharp(layout, *overrides)
+def _both_modes(layout, x, weight, chunk=None, device="cpu", recompute="attention"):
+    """(forward-mode loss, grads), (backward-mode logged values, grads) for LM-like loss + weight * indexer loss.
+    chunk: recompute (`recompute` mode) with that many tokens per attention chunk; None: no recomputation."""
+    model, plan = planned_sharp(layout)
     stage = build_stages(model, plan, seed=3)[0].to(device)
     x = x.to(device)
     stage.train()
     if chunk is not None:
-        stage.recompute_attention = True
-        monkeypatch.setattr(mla_module, "RECOMPUTE_CHUNK_TOKENS", chunk)
+        stage.recompute = recompute
+        stage.recompute_chunk_tokens = chunk
     out = stage(x, compute_indexer_loss=True)
     loss = stage.indexer_loss
     (out.pow(2).mean() + weight * loss).backward()
@@ -46,9 +46,17 @@ def test_backward_mode_equals_forward_mode(layout):
         torch.testing.assert_close(g_bwd[n], g_fwd[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
-def test_backward_mode_under_recomputed_attention(monkeypatch):
-    """Chunks of 5 query rows (10 tokens / B=2; T=12: three chunks): each chunk's backward fills its own rows."""
-    (loss, g_fwd), (values, g_bwd) = _both_modes("FSSSFSSS", tokens(2, 12, seed=2), 1.0, monkeypatch, chunk=10)
+@pytest.mark.parametrize("recompute", ["attention", "block"])
+@pytest.mark.parametrize("chunk", [10, 1 << 14])
+def test_backward_mode_under_recomputation(monkeypatch, recompute, chunk):
+    """Chunks of 5 query rows (10 tokens / B=2; T=12: three chunks): each chunk's backward fills its own rows. Under
+    `block` the whole layer runs again in backward: the target is still filled once and each KL runs once."""
+    runs = []
+    real = indexer_loss_module.indexer_kl
+    monkeypatch.setattr(indexer_loss_module, "indexer_kl", lambda *a: runs.append(1) or real(*a))
+    (loss, g_fwd), (values, g_bwd) = _both_modes("FSSSFSSS", tokens(2, 12, seed=2), 1.0, chunk,
+                                                 recompute=recompute)
+    assert len(runs) == 2 + 2 and len(values) == 1  # forward timing: 2 F layers; backward timing: each KL once
     torch.testing.assert_close(values[0], loss, rtol=1e-6, atol=1e-9)
     for n in g_fwd:
         torch.testing.assert_close(g_bwd[n], g_fwd[n], rtol=1e-5, atol=1e-7, msg=n)
@@ -86,25 +94,29 @@ def test_backward_mode_refuses_what_it_cannot_do():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk", [None, 10])
-def test_gpu_backward_mode_equals_forward_mode(chunk, monkeypatch):
+@pytest.mark.parametrize("chunk,recompute", [(None, "none"), (10, "attention"), (10, "block"), (1 << 14, "block")])
+def test_gpu_backward_mode_equals_forward_mode(chunk, recompute):
     """On CUDA the two modes take their targets from different kernels (the target kernel in the forward, the
-    attention backward's own probabilities); fp32, plain and recomputed attention."""
-    (loss, g_fwd), (values, g_bwd) = _both_modes("FSSSFSSS", tokens(2, 48, seed=6), 0.5, monkeypatch, chunk, "cuda")
+    attention backward's own probabilities); fp32, plain, recomputed attention and recomputed blocks."""
+    (loss, g_fwd), (values, g_bwd) = _both_modes("FSSSFSSS", tokens(2, 48, seed=6), 0.5, chunk, "cuda",
+                                                 recompute)
     torch.testing.assert_close(values[0], loss, rtol=1e-4, atol=1e-7)
     assert g_fwd.keys() == g_bwd.keys()
     for n in g_fwd:
         torch.testing.assert_close(g_bwd[n], g_fwd[n], rtol=1e-3, atol=1e-6, msg=n)
 
 
-def test_zero_bubble_split_backward_runs_each_kl_once():
+@pytest.mark.parametrize("recompute", ["none", "block"])
+def test_zero_bubble_split_backward_runs_each_kl_once(recompute):
     """torch's zero-bubble schedules split a stage backward into an input pass and a weight pass, which calls the
-    KL node twice: the KL runs once, and the weight pass gets the same gradients as one plain backward."""
+    KL node twice: the KL runs once, and the weight pass gets the same gradients as one plain backward. Under
+    `block` each pass recomputes the blocks it needs; the recomputation records nothing and runs no KL."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     model, plan = planned_sharp("FSSSFSSS")
     stage = build_stages(model, plan, seed=2)[0]
     stage.train()
+    stage.recompute = recompute
     h = stage.embed(tokens(2, 10, seed=7)).detach()
     stage.embed = None  # a middle stage: hidden states in, hidden states out
     sink = IndexerLossInBackward(1.0)

@@ -69,3 +69,36 @@ def test_losses_move(reference):
     assert len(set(round(l, 6) for l in losses)) == len(losses)
     assert all(h["indexer_loss"] > 0 for h in reference["history"])
     assert reference["history"][0]["dense"] == 1.0 and reference["history"][1]["dense"] == 0.0
+
+
+# train.recompute=block: every layer keeps only its input and runs again in the backward, under every schedule (the
+# zero-bubble ones recompute in their input pass and again in their weight pass).
+BLOCK = dict(COMMON, recompute="block")
+
+
+@pytest.fixture(scope="module")
+def block_reference(tmp_path_factory):
+    return run_configs(1, [tiny_cfg(1, None, "1F1B", **BLOCK)], tmp_path_factory.mktemp("pp1_block"))[0]
+
+
+def test_block_recompute_gives_the_losses_of_no_recompute(reference, block_reference):
+    assert len(block_reference["losses"]) == STEPS
+    for a, b in zip(reference["losses"], block_reference["losses"]):
+        assert abs(a - b) <= 1e-6 * abs(a), (reference["losses"], block_reference["losses"])
+    for r, g in zip(reference["history"], block_reference["history"]):
+        assert abs(r["indexer_loss"] - g["indexer_loss"]) <= 1e-6 * r["indexer_loss"], (r, g)
+    for step in GRAD_STEPS:
+        r, g = reference["grads"][step], block_reference["grads"][step]
+        assert g.keys() == r.keys()
+        for k in r:
+            err = (g[k] - r[k]).norm() / r[k].norm().clamp_min(1e-12)
+            assert err < 1e-6, f"step {step} {k}: relative gradient error {err:.2e}"
+
+
+@pytest.mark.slow
+def test_block_recompute_every_schedule_matches_pp1(block_reference, tmp_path):
+    layouts = LAYOUTS_2 + LAYOUTS_4
+    got2 = run_configs(2, [tiny_cfg(s, r, sched, **BLOCK) for s, r, sched in LAYOUTS_2], tmp_path / "pp2")
+    got4 = run_configs(4, [tiny_cfg(s, r, sched, **BLOCK) for s, r, sched in LAYOUTS_4], tmp_path / "pp4")
+    for (s, r, sched), got in zip(layouts, got2 + got4):
+        _assert_same(block_reference, got, f"recompute=block {sched} {s} stages / {r} ranks")

@@ -45,7 +45,7 @@ BlockKind = _choice("BlockKind", ["decode", "prefill", "head", "layers"])
 OnFailure = _choice("OnFailure", ["error", "eager"])
 DsaStage = _choice("DsaStage", ["dense_warmup", "sparse"])
 TrainDtype = _choice("TrainDtype", ["auto", "fp32", "bf16"])
-Recompute = _choice("Recompute", ["none", "attention"])
+Recompute = _choice("Recompute", ["none", "attention", "block"])
 Device = _choice("Device", ["auto", "cpu", "cuda"])
 ProgressMode = _choice("ProgressMode", ["auto", "rich", "lines", "off"])
 DataKind = _choice("DataKind", ["retrieval", "text", "bin"])
@@ -168,10 +168,13 @@ class TrainConfig:
     # Fixed reduction orders instead of atomics (sparse-attention backward, torch ops that have a deterministic
     # implementation): repeated runs give bit-identical results; slower (docs/training.md).
     deterministic: bool = False
-    # attention: keep only each layer's attention inputs for backward and recompute the absorbed query, the sparse
-    # attention and its output projection there (~1.3x attention forward time, -2 * H * kv_lora bf16 per token per
-    # layer: what makes 128K-token steps fit; docs/training.md)
+    # none | attention: keep only each layer's attention inputs for backward and recompute the absorbed query, the
+    # sparse attention and its output projection there (-2 * H * kv_lora bf16 per token per layer) | block: keep
+    # only each layer's input and recompute the whole layer in backward (the fewest activations; docs/training.md)
     recompute: Recompute = Recompute.none
+    # queries per checkpointed attention chunk when recomputing: bounds one layer's attention transient in backward
+    # (about 4 * n_heads * (kv_lora_rank + qk_rope_head_dim) bf16 per query: 9 GiB at DeepSeek-V3.2 shapes)
+    recompute_chunk_tokens: int = num(16384, 1, 1 << 22)
     log_every: int = num(10, 1, 10**9)
     eval_every: int = num(50, 0, 10**9)  # 0 = only at the end
     eval_batches: int = num(4, 1, 10**6)

@@ -3,16 +3,23 @@
 A block's place in the IndexCache layout is a `LayerSpec`: F blocks own an indexer (`attn.indexer`), S blocks read
 the indices their source wrote earlier in the same forward. The model knows nothing of plans: the planner's
 `LayerPlan` carries the same three fields, so the runtime passes a plan's layers as they are.
+
+Under `train.recompute=block` a training forward keeps only the block's input: the block runs inside a
+non-reentrant `torch.utils.checkpoint`, and its backward runs the block again (`LayerReplay` makes that second run
+side-effect free) before backpropagating through it.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dsaflow.config.schema import ModelConfig
 
-from .context import ForwardContext
+from .context import ForwardContext, LayerReplay
 from .layer_spec import LayerSpec
 from .mla import MLA
 from .norms import RMSNorm
@@ -49,5 +56,20 @@ class DSABlock(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """h [B, T, dim] -> [B, T, dim]."""
+        if ctx.recompute == "block" and self._main_path_learns(h, ctx):
+            replay = LayerReplay()
+            out = checkpoint(self._forward, h, dataclasses.replace(ctx, replay=replay), use_reentrant=False)
+            replay.replaying = True  # from here on, only the backward's recomputation runs `_forward` again
+            return out
+        return self._forward(h, ctx)
+
+    def _main_path_learns(self, h: torch.Tensor, ctx: ForwardContext) -> bool:
+        """A training forward whose backward runs through this block (its input or its weights need gradient).
+        The dense warm-up freezes the main weights and feeds inputs without gradient: autograd then saves nothing
+        of the block but the indexer's small graph, so there is nothing to recompute."""
+        return (ctx.cache is None and torch.is_grad_enabled()
+                and (h.requires_grad or self.attn_norm.weight.requires_grad))
+
+    def _forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), ctx)
         return h + self.mlp(self.ffn_norm(h))

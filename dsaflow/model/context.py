@@ -27,8 +27,12 @@ class ForwardContext:
     `causal_indices` ([B, T, S] indices); StageModule sets it.
     no_padding: True when StageModule built the positions itself (arange: no padding query), so dense attention
     can skip zeroing padding rows.
-    recompute_attention: training without a cache keeps only each layer's attention inputs and recomputes the
-    absorbed query, the sparse attention and the output projection in backward (`train.recompute=attention`).
+    recompute: `train.recompute`, read only by a training forward (grad enabled, no cache). "none" keeps every
+    activation; "attention" keeps each layer's attention inputs and recomputes the absorbed query, the sparse
+    attention and the output projection in backward, in query chunks; "block" keeps each layer's input and
+    recomputes the whole layer in backward (the attention in query chunks beyond one chunk budget).
+    recompute_chunk_tokens: queries per checkpointed attention chunk when recomputing (`train.recompute_chunk_tokens`).
+    replay: set by a recomputed block for its layer (see `LayerReplay`), else None.
     """
 
     positions: torch.Tensor
@@ -40,7 +44,22 @@ class ForwardContext:
     recorder: Optional["IndexerLossRecorder"] = None
     causal_rows: bool = False
     no_padding: bool = False
-    recompute_attention: bool = False
+    recompute: str = "none"
+    recompute_chunk_tokens: int = 16384
+    replay: Optional["LayerReplay"] = None
+
+
+RECOMPUTE_MODES = ("none", "attention", "block")
+
+
+@dataclass
+class LayerReplay:
+    """What a recomputed block's first run chose, so that its recomputation in backward repeats the same
+    computation without side effects: the indices it attended to (the index slot may hold a later microbatch's by
+    then), and whether this run is the recomputation (then no recorder, slot or top-k call)."""
+
+    indices: Optional[torch.Tensor] = None
+    replaying: bool = False
 
 
 def causal_indices(positions: torch.Tensor, num_keys: int) -> torch.Tensor:

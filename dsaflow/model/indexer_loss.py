@@ -32,7 +32,9 @@ Two timings for the sparse loss:
   backward produces q's gradient), computes that layer's KL from the complete target, and returns its gradient
   (times the weight) to the indexer outputs within the same backward. The values are logged once every F layer of
   a microbatch has run. Under the zero-bubble schedules the node runs in the input pass and again in the weight
-  pass: the KL runs once and the second call returns the same gradients.
+  pass: the KL runs once and the second call returns the same gradients. Under `train.recompute=block` a layer's
+  recomputation in backward applies a copy of the node (`kl_after_attention_replay`) so that it saves the same
+  tensors, and records nothing: autograd runs the first run's node, and the KL still runs once.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ from dsaflow.ops.indexer_loss import (
 )
 
 __all__ = ["IndexerLossInBackward", "IndexerLossRecorder", "attention_distribution", "gather_rows",
-           "index_scores_on_keys", "indexer_kl_loss"]
+           "index_scores_on_keys", "indexer_kl_loss", "kl_after_attention_replay"]
 
 
 @dataclass
@@ -76,6 +78,18 @@ class _KLAfterAttention(torch.autograd.Function):
         if ctx.grads is None:  # the zero-bubble weight pass calls this node a second time
             ctx.grads = ctx.run(*ctx.saved_tensors)
         return (grad_q, *ctx.grads, None)
+
+
+def _not_run(*_):
+    raise RuntimeError("a recomputed block's copy of the indexer-KL node ran its backward: autograd should use the "
+                       "first run's node")
+
+
+def kl_after_attention_replay(q, q_i, k_i, w) -> torch.Tensor:
+    """`IndexerLossRecorder.kl_after_attention` for the recomputation of a checkpointed block: the same node, so
+    the recomputation saves the same tensors in the same order as the first run, but no recorder state is touched
+    (autograd runs the first run's node, whose KL runs once)."""
+    return _KLAfterAttention.apply(q, q_i, k_i, w, _not_run)
 
 
 class IndexerLossRecorder:

@@ -16,6 +16,10 @@ Dense attention without a cache (training, the dense warm-up) runs the non-absor
   q = [q_nope | rope(q_pe)] (N + R),  k = [W_UK c | rope(k_pe)] (N + R),  v = W_UV c (V),
 through causal `scaled_dot_product_attention` (FlashAttention on GPU): no [B, T, S] index tensor, O(T) memory.
 Its indexer loss uses the same per-head q and k (dsaflow.ops.dense_indexer_kl, streamed over key blocks).
+
+`forward` picks one of three paths: `_forward_cached` (serving), `_forward_sparse` (training, top-k keys) and
+`_forward_dense` (training's dense warm-up). Under `train.recompute=attention|block` the training paths run the
+absorbed attention in checkpointed query chunks, so no [T, H, C + R] or [T, H, C] tensor is kept at full length.
 """
 from __future__ import annotations
 
@@ -31,13 +35,9 @@ from dsaflow.ops.head_proj import absorb_query, head_output
 from .cache import write_rows
 from .context import ForwardContext, causal_indices
 from .indexer import Indexer
+from .indexer_loss import kl_after_attention_replay
 from .norms import RMSNorm
 from .rope import apply_rope
-
-
-# Queries per checkpointed chunk under train.recompute=attention: one chunk's recomputed intermediates and their
-# gradients are about 4 * H * (C + R) bf16 per query (9 GiB at V3.2 shapes).
-RECOMPUTE_CHUNK_TOKENS = 16384
 
 
 class MLA(nn.Module):
@@ -59,105 +59,178 @@ class MLA(nn.Module):
         self.indexer = Indexer(cfg) if role == "F" else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """x [B, T, dim] (already attn_norm'ed) -> [B, T, dim]."""
-        B, T, _ = x.shape
-        H, C = self.n_heads, self.kv_lora_rank
-        cos, sin = ctx.rope_mla
-        q_latent = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_latent).view(B, T, H, self.nope + self.rope)
-        c_kv, k_pe = self.wkv_a(x).split([C, self.rope], dim=-1)
-        if ctx.attn == "dense" and ctx.cache is None:
-            q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-            out = self._dense(x, q_latent, q_nope, apply_rope(q_pe, cos, sin), self.kv_norm(c_kv),
-                              apply_rope(k_pe, cos, sin), ctx)
-            if out is not None:
-                return out
-        kv = torch.cat([self.kv_norm(c_kv), apply_rope(k_pe, cos, sin)], dim=-1)  # [B, T, C + R]
+        """x [B, T, dim] (already attn_norm'ed) -> [B, T, dim]. One of three paths, each read top to bottom."""
         if ctx.cache is not None:
-            kv = write_rows(ctx.cache.kv[self.layer_index], ctx.positions, kv)  # [B, max_context + 1, C + R]
+            return self._forward_cached(x, ctx)
+        if ctx.attn == "dense":
+            return self._forward_dense(x, ctx)
+        return self._forward_sparse(x, ctx)
 
-        indices = self._indices(x, q_latent, kv.shape[1], ctx)
-        # The recorder sees the attention once: a recomputation in backward finds the list empty.
-        record = [] if ctx.recorder is None or ctx.attn == "dense" else [ctx.recorder]  # dense records in `_dense`
-        if record and self.role == "F" and ctx.recorder.in_backward is not None:
-            q = ctx.recorder.kl_after_attention(self.layer_index, q)  # its backward follows the group's attention's
-        if ctx.recompute_attention and ctx.cache is None and torch.is_grad_enabled():
-            return self.wo(self._attend_recomputed(q, kv, indices, cos, sin, ctx.recorder if record else None))
-        record = [(r, None) for r in record]
-        return self.wo(self._attend(q, kv, indices, cos, sin, record))
+    def _project(self, x: torch.Tensor):
+        """x [B, T, dim] -> q_latent [B, T, q_lora], q [B, T, H, N + R] (q_pe not rotated), c_kv [B, T, C],
+        k_pe [B, T, R] (neither normed nor rotated)."""
+        B, T, _ = x.shape
+        q_latent = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_latent).view(B, T, self.n_heads, self.nope + self.rope)
+        c_kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        return q_latent, q, c_kv, k_pe
 
-    def _attend_recomputed(self, q, kv, indices, cos, sin, recorder) -> torch.Tensor:
-        """`_attend` in query chunks of RECOMPUTE_CHUNK_TOKENS, each checkpointed: the forward keeps only the
-        inputs, and the backward rebuilds one chunk's intermediates at a time (a 128K-token layer's would be 34 GiB
-        at once). Same shapes as `_attend`; each chunk records its rows of the indexer-loss target once."""
+    def _latent_rows(self, c_kv: torch.Tensor, k_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The MQA key/value rows [B, T, C + R] = [kv_norm(c_kv) | rope(k_pe)]."""
+        cos, sin = ctx.rope_mla
+        return torch.cat([self.kv_norm(c_kv), apply_rope(k_pe, cos, sin)], dim=-1)
+
+    # ---- serving: a cache, no gradient, no indexer loss ----
+    def _forward_cached(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Write this chunk's latent rows (and, on F layers, indexer keys) at their positions, then attend over the
+        cached rows: the top-k keys (sparse) or every causal key (dense). CUDA-graph safe."""
+        cos, sin = ctx.rope_mla
+        q_latent, q, c_kv, k_pe = self._project(x)
+        kv = write_rows(ctx.cache.kv[self.layer_index], ctx.positions, self._latent_rows(c_kv, k_pe, ctx))
+        num_keys = kv.shape[1]  # max_context + 1
+        if self.role == "F":  # F layers keep their indexer keys current, whatever the attention mode
+            q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
+            k_i = write_rows(ctx.cache.index_k[self.layer_index], ctx.positions, k_i)
+        if ctx.attn == "dense":
+            indices = causal_indices(ctx.positions, num_keys)
+        elif self.role == "F":
+            selected = indexer_topk(q_i, k_i, w_i, ctx.positions, self.topk, fp8=self.index_fp8)
+            indices = ctx.index_slot.write(self.layer_index, selected)
+        else:
+            indices = ctx.index_slot.read(self.layer_index, self.source)
+        return self.wo(self._attend(q, kv, indices, cos, sin))
+
+    # ---- training / full-sequence forward, sparse attention ----
+    def _forward_sparse(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Top-k sparse attention over the T tokens themselves. F layers run the indexer and write the stage's
+        indices; S layers read them. With a recorder the indexer loss is fed: F layers hand over their indexer
+        outputs, every layer its attention (in the forward, or through `probs_into` in the backward).
+
+        Inside a recomputed block (`ctx.replay`) the layer's second run repeats the first one's computation (the
+        same saved tensors, in the same order) without its side effects: the indices come from the first run, and
+        neither the index slot nor the recorder is touched again."""
+        cos, sin = ctx.rope_mla
+        replaying = ctx.replay is not None and ctx.replay.replaying
+        recorder = None if replaying else ctx.recorder
+        q_latent, q, c_kv, k_pe = self._project(x)
+        kv = self._latent_rows(c_kv, k_pe, ctx)
+        if self.role == "F":
+            q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
+            if replaying:
+                indices = ctx.replay.indices
+            else:
+                selected = indexer_topk(q_i, k_i, w_i, ctx.positions, self.topk, fp8=self.index_fp8)
+                indices = ctx.index_slot.write(self.layer_index, selected)
+            if recorder is not None:
+                recorder.record_index_scores(self.layer_index, q_i, k_i, w_i, indices)
+            in_backward = ctx.recorder is not None and ctx.recorder.in_backward is not None
+            if in_backward:  # the KL's backward follows its group's attention backward (dsaflow.model.indexer_loss)
+                q = (kl_after_attention_replay(q, q_i, k_i, w_i) if replaying
+                     else recorder.kl_after_attention(self.layer_index, q))
+        else:
+            indices = ctx.replay.indices if replaying else ctx.index_slot.read(self.layer_index, self.source)
+        if ctx.replay is not None and not replaying:
+            ctx.replay.indices = indices
+        return self.wo(self._attend_training(q, kv, indices, cos, sin, recorder, ctx))
+
+    # ---- training / full-sequence forward, dense attention (the dense warm-up) ----
+    def _forward_dense(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Every causal key, non-absorbed, per head: q = [q_nope | rope(q_pe)] (N + R), k = [W_UK c | rope(k_pe)]
+        (N + R), v = W_UV c (V). With a recorder, F layers hand over their indexer outputs and every layer its
+        per-head q and k (the dense indexer loss streams over them). Causal rows run causal SDPA (FlashAttention on
+        GPU, O(T) memory); other rows (caller-given positions) run sparse_mla over every causal key."""
+        B, T, _ = x.shape
+        H = self.n_heads
+        cos, sin = ctx.rope_mla
+        replaying = ctx.replay is not None and ctx.replay.replaying
+        recorder = None if replaying else ctx.recorder
+        q_latent, q, c_kv, k_pe = self._project(x)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_pe, c_kv_normed, k_pe_rot = apply_rope(q_pe, cos, sin), self.kv_norm(c_kv), apply_rope(k_pe, cos, sin)
+        kvb = self.wkv_b(c_kv_normed).view(B, T, H, self.nope + self.v_dim)  # wkv_b.weight is [H, N + V, C]
+        k_nope, v = kvb.split([self.nope, self.v_dim], dim=-1)
+        q_heads = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)  # [B, T, H, N + R]
+        k_heads = torch.cat([k_nope, k_pe_rot.to(k_nope.dtype).unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)
+        if ctx.recorder is not None:
+            if self.role == "F":
+                q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
+                if recorder is not None:
+                    recorder.record_dense_index(self.layer_index, q_i, k_i, w_i, ctx.positions)
+            if recorder is not None:
+                recorder.record_dense_attention(self.layer_index, q_heads, k_heads, self.sm_scale)
+        if not ctx.causal_rows:
+            kv = self._latent_rows(c_kv, k_pe, ctx)
+            indices = causal_indices(ctx.positions, kv.shape[1])
+            return self.wo(self._attend_training(q, kv, indices, cos, sin, None, ctx))
+        o = F.scaled_dot_product_attention(
+            q_heads.transpose(1, 2), k_heads.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.sm_scale
+        ).transpose(1, 2)  # [B, T, H, V]
+        if not ctx.no_padding:  # a padding query (position < 0) sees no key: output 0, like sparse_mla over no index
+            o = o * (ctx.positions >= 0).to(o.dtype).view(B, T, 1, 1)
+        return self.wo(o.reshape(B, T, H * self.v_dim))
+
+    # ---- the absorbed attention ----
+    def _attend_training(self, q, kv, indices, cos, sin, recorder, ctx: ForwardContext) -> torch.Tensor:
+        """`_attend` without a cache: in checkpointed query chunks when recomputing (`chunked_attention`), else at
+        once. [B, T, H * V]."""
+        chunk = ctx.recompute_chunk_tokens
+        if torch.is_grad_enabled() and chunked_attention(ctx.recompute, q.shape[0] * q.shape[1], chunk):
+            return self._attend_chunked(q, kv, indices, cos, sin, recorder, chunk)
+        return self._attend(q, kv, indices, cos, sin, recorder)
+
+    def _attend_chunked(self, q, kv, indices, cos, sin, recorder, chunk_tokens: int) -> torch.Tensor:
+        """`_attend` in query chunks of `chunk_tokens` queries (over the batch), each checkpointed: the forward keeps
+        only the inputs, and the backward rebuilds one chunk's intermediates at a time (a 128K-token layer's would be
+        34 GiB at once). Same shapes as `_attend`; each chunk hands its rows of the attention to the recorder once (its
+        recomputation in backward gets none)."""
         B, T = q.shape[:2]
-        step = max(1, RECOMPUTE_CHUNK_TOKENS // B)
+        step = max(1, chunk_tokens // B)
         outs = []
         for t0, qc, ic, cc, sc in zip(range(0, T, step), q.split(step, 1), indices.split(step, 1),
                                        cos.split(step, 1), sin.split(step, 1)):
-            record = [] if recorder is None else [(recorder, (t0, T))]
-            outs.append(checkpoint(self._attend, qc, kv, ic, cc, sc, record, use_reentrant=False))
+            first_run = _FirstRunOnly(recorder)
+            outs.append(checkpoint(self._attend_chunk, qc, kv, ic, cc, sc, first_run, (t0, T), use_reentrant=False))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
-    def _attend(self, q, kv, indices, cos, sin, record: list) -> torch.Tensor:
+    def _attend_chunk(self, q, kv, indices, cos, sin, first_run: _FirstRunOnly, rows) -> torch.Tensor:
+        return self._attend(q, kv, indices, cos, sin, first_run.take(), rows)
+
+    def _attend(self, q, kv, indices, cos, sin, recorder=None, rows=None) -> torch.Tensor:
         """Absorbed query, sparse attention, output up-projection: q [B, T, H, N + R] (q_pe not yet rotated), kv
-        [B, S, C + R], indices [B, T, K] -> [B, T, H * V]. `record` holds at most one (recorder, rows) to hand the
-        attention to (rows: (first row, total rows) of a query chunk, or None); it is emptied, so a recomputation
-        in backward records nothing. The large intermediates, q_abs [B, T, H, C + R] and o_lat [B, T, H, C], are
-        2 H C bf16 per token: 34 GiB per layer at 128K tokens, which `train.recompute=attention` does not keep."""
+        [B, S, C + R], indices [B, T, K] -> [B, T, H * V]. recorder: the indexer-loss recorder that receives this
+        attention (None: nothing recorded); rows = (first row, total rows) when q is a query chunk. The large
+        intermediates, q_abs [B, T, H, C + R] and o_lat [B, T, H, C], are 2 H C bf16 per token: 34 GiB per layer at
+        128K tokens, which the recompute modes keep only one chunk of."""
         H, C = q.shape[2], self.kv_lora_rank
         # The weight in the compute dtype (q's: bf16 under autocast, where einsum would cast it the same way); the
         # cast sits outside the projections so autograd returns the weight gradient in the parameter's dtype.
         w = self.wkv_b.weight.to(q.dtype).view(H, self.nope + self.v_dim, C)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q_abs = absorb_query(q, w_uk, cos, sin)  # [q_nope @ W_UK | rope(q_pe)], written in place: no cat, one dq
-        recorder, rows = record.pop() if record else (None, None)
-        if recorder is not None and recorder.in_backward is not None:  # the attention backward fills the target
-            o_lat, lse = sparse_mla(q_abs, kv, indices, self.sm_scale, C,
-                                    probs_into=recorder.target_rows(self.layer_index, indices, rows))
+        if recorder is None:
+            o_lat, _ = sparse_mla(q_abs, kv, indices, self.sm_scale, C)
+        elif recorder.in_backward is not None:  # the attention backward fills the target
+            o_lat, _ = sparse_mla(q_abs, kv, indices, self.sm_scale, C,
+                                  probs_into=recorder.target_rows(self.layer_index, indices, rows))
         else:
             o_lat, lse = sparse_mla(q_abs, kv, indices, self.sm_scale, C)
-            if recorder is not None:
-                recorder.record_attention(self.layer_index, q_abs, kv, indices, lse, self.sm_scale, rows)
+            recorder.record_attention(self.layer_index, q_abs, kv, indices, lse, self.sm_scale, rows)
         return head_output(o_lat, w_uv)  # [B, T, H * V]; its backward hands sparse_mla a contiguous gradient
 
-    def _dense(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, ctx: ForwardContext):
-        """Dense attention without a cache, non-absorbed. q_nope [B, T, H, N], q_pe [B, T, H, R] and k_pe [B, T, R]
-        (both rotated), c_kv [B, T, C] (normed). Records what the dense indexer loss needs; returns the layer output
-        [B, T, dim], or None when the rows are not causal-aligned (the caller then runs sparse_mla over every key)."""
-        B, T, H = q_nope.shape[0], q_nope.shape[1], self.n_heads
-        kvb = self.wkv_b(c_kv).view(B, T, H, self.nope + self.v_dim)  # wkv_b.weight is [H, N + V, C]
-        k_nope, v = kvb.split([self.nope, self.v_dim], dim=-1)
-        q = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)  # [B, T, H, N + R]
-        k = torch.cat([k_nope, k_pe.to(k_nope.dtype).unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)
-        if ctx.recorder is not None:
-            if self.role == "F":
-                q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
-                ctx.recorder.record_dense_index(self.layer_index, q_i, k_i, w_i, ctx.positions)
-            ctx.recorder.record_dense_attention(self.layer_index, q, k, self.sm_scale)
-        if not ctx.causal_rows:
-            return None
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.sm_scale
-        ).transpose(1, 2)  # [B, T, H, V]
-        if not ctx.no_padding:  # a padding query (position < 0) sees no key: output 0, like sparse_mla over no index
-            o = o * (ctx.positions >= 0).to(o.dtype).view(B, T, 1, 1)
-        return self.wo(o.reshape(B, T, H * self.v_dim))
 
-    def _indices(self, x: torch.Tensor, q_latent: torch.Tensor, num_keys: int, ctx: ForwardContext) -> torch.Tensor:
-        """int32 [B, T, K]: the keys each query attends to (K = index_topk, or num_keys in dense mode)."""
-        dense = ctx.attn == "dense"
-        if self.role == "S":
-            return causal_indices(ctx.positions, num_keys) if dense else ctx.index_slot.read(self.layer_index, self.source)
-        if dense and ctx.cache is None:  # the indexer loss was recorded in `_dense`; nothing else uses the indexer
-            return causal_indices(ctx.positions, num_keys)
-        q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
-        if ctx.cache is not None:  # F layers always keep their indexer keys current, whatever the attention mode
-            k_i = write_rows(ctx.cache.index_k[self.layer_index], ctx.positions, k_i)
-        if dense:  # with a cache: no recorder (training has no cache)
-            return causal_indices(ctx.positions, num_keys)
-        selected = indexer_topk(q_i, k_i, w_i, ctx.positions, self.topk, fp8=self.index_fp8)
-        indices = ctx.index_slot.write(self.layer_index, selected)
-        if ctx.recorder is not None:
-            ctx.recorder.record_index_scores(self.layer_index, q_i, k_i, w_i, indices)
-        return indices
+def chunked_attention(recompute: str, queries: int, chunk_tokens: int) -> bool:
+    """Whether a layer's attention runs in checkpointed query chunks. `attention`: always (the forward keeps only
+    the attention inputs). `block`: only when the queries exceed one chunk; below that the block's recomputation
+    already bounds the transient by the chunk budget, and a second recomputation of the attention would cost time."""
+    return recompute == "attention" or (recompute == "block" and queries > chunk_tokens)
+
+
+class _FirstRunOnly:
+    """Hands out its value once: a checkpointed function's recomputation in backward must not record again."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def take(self):
+        value, self.value = self.value, None
+        return value

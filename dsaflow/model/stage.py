@@ -15,11 +15,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from dsaflow.config.schema import ModelConfig
+from dsaflow.config.schema import ModelConfig, TrainConfig
 
 from .block import DSABlock
 from .cache import IndexSlot, StageCache
-from .context import ATTN_MODES, ForwardContext
+from .context import ATTN_MODES, RECOMPUTE_MODES, ForwardContext
 from .indexer_loss import IndexerLossInBackward, IndexerLossRecorder
 from .init import init_stage_weights
 from .layer_spec import LayerSpec
@@ -57,8 +57,9 @@ class StageModule(nn.Module):
             self.head.weight = self.embed.weight
         # Training-time indexer KL loss (see dsaflow.model.indexer_loss); the forward kwarg overrides the attribute.
         self.compute_indexer_loss = False
-        # train.recompute=attention (see ForwardContext.recompute_attention); the trainer sets it.
-        self.recompute_attention = False
+        # train.recompute: "none" | "attention" | "block" (see ForwardContext.recompute); the trainer sets it.
+        self.recompute = "none"
+        self.recompute_chunk_tokens = TrainConfig.recompute_chunk_tokens  # queries per recomputed attention chunk
         self.indexer_loss: Optional[torch.Tensor] = None
         self.init_weights(seed)
 
@@ -90,6 +91,8 @@ class StageModule(nn.Module):
         """
         if attn not in ATTN_MODES:
             raise ValueError(f"attn={attn!r} is not an attention mode: use one of {ATTN_MODES}.")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={self.recompute!r} is not a recompute mode: use one of {RECOMPUTE_MODES}.")
         h = self.embed(x) if self.embed is not None else x
         B, T = h.shape[:2]
         causal_rows = False  # see ForwardContext.causal_rows (only dense attention reads it)
@@ -125,7 +128,8 @@ class StageModule(nn.Module):
             recorder=recorder,
             causal_rows=causal_rows,
             no_padding=no_padding,
-            recompute_attention=self.recompute_attention,
+            recompute=self.recompute,
+            recompute_chunk_tokens=self.recompute_chunk_tokens,
         )
         for layer in self.layers.values():
             h = layer(h, ctx)

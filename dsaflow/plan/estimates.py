@@ -108,40 +108,123 @@ def kv_bytes_per_token(m, role: str) -> int:
     return latent + (m.index_head_dim * BF16 if role == "F" else 0)
 
 
+# ---- training memory: what one layer keeps between its forward and its backward, and its backward transient ----
+# Counted from the tensors autograd saves in dsaflow.model under bf16 autocast (`width` = 2; fp32 on CPU: 4, and no
+# autocast copies). The residual stream is fp32 either way; int32 indices and the fp32 indexer-loss target are exact.
+
+# The sparse-attention backward's G buffer [chunk, 2H, K] is capped at 1 GiB (dsaflow.ops.sparse_mla backward
+# configuration, g_max_bytes).
+SPARSE_MLA_BWD_BUFFER = 1 << 30
+RECOMPUTE_MODES = ("none", "attention", "block")
+
+
 def attention_recompute_elems_per_token(m) -> int:
-    """What `train.recompute=attention` does not keep per token of a layer (bf16 elements): the absorbed query
-    H*(kv_lora+rope), the attention output H*kv_lora and its up-projection H*v_head. The backward of one layer
-    rebuilds them and their gradients: about twice this, transient."""
+    """What `train.recompute=attention` does not keep per token of a layer (elements of the compute dtype): the
+    absorbed query H*(kv_lora+rope) and the attention output H*kv_lora. (The output's up-projection H*v_head stays:
+    the output projection saves it as its input.)"""
     h = m.n_heads
-    return h * (m.kv_lora_rank + m.qk_rope_head_dim) + h * m.kv_lora_rank + h * m.v_head_dim
+    return h * (m.kv_lora_rank + m.qk_rope_head_dim) + h * m.kv_lora_rank
 
 
-def activation_bytes_per_token(m, role: str, recompute_attention: bool = False) -> int:
-    """Rough activations one block keeps for backward per token (bf16 unless noted):
-    block input + 2 norm outputs + residual (4*dim), q path (2*q_lora + H*(nope+rope)), kv latent and its norm
-    (kv_lora+rope + kv_lora), absorbed query H*(kv_lora+rope), attention output H*kv_lora and after up-projection
-    H*v_head (the last three not with recompute_attention), MLP (3*inter: w1, w3, silu*gate); F layers add
-    indexer q (Hi*Di), k (Di), weights (Hi) and the top-k indices (topk int32) the stage's S layers read."""
+def index_bytes_per_token(m) -> int:
+    """What an F layer keeps for its stage until its backward, whatever the recompute mode: the top-k indices
+    (int32, index_topk wide: the indexer always returns that width, -1 past the visible keys; S layers read the same
+    tensor) and the indexer-loss target (fp32, the same width)."""
+    return m.index_topk * (INT32 + FP32)
+
+
+def activation_bytes_per_token(m, role: str, recompute: str = "none", width: int = BF16, autocast: bool = True) -> int:
+    """Bytes one block keeps for its backward per token. `none`:
+      fp32 residual stream: the block input and the MLP-norm input, 2*dim (4 bytes each);
+      the normed inputs as the linears save them: 4*dim under autocast (each of wq_a, wkv_a, w1, w3 casts its own
+      copy), 2*dim without;
+      q path 2*q_lora + H*(nope+rope), kv path 2*(kv_lora+rope) (the wkv_a output and the latent rows);
+      absorbed query H*(kv_lora+rope), attention output H*kv_lora (+ lse, H fp32), its up-projection H*v_head;
+      MLP 4*inter (w1 and w3 outputs, silu, the product);
+      F layers: the normed input again for wk and weights_proj under autocast (2*dim), indexer q Hi*Di, k Di (+ the
+      fp32 LayerNorm input, Di) and weights Hi, and `index_bytes_per_token`.
+    `attention` drops the absorbed query and the attention output (`attention_recompute_elems_per_token`).
+    `block` keeps the block input (fp32 dim) and, on F layers, `index_bytes_per_token`: the rest is rebuilt in
+    backward (`layer_backward_transient_bytes`)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    f_only = index_bytes_per_token(m) if role == "F" else 0
+    if recompute == "block":
+        return m.dim * FP32 + f_only
     h = m.n_heads
     elems = (
-        4 * m.dim
-        + 2 * m.q_lora_rank
-        + h * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-        + (m.kv_lora_rank + m.qk_rope_head_dim)
-        + m.kv_lora_rank
-        + (0 if recompute_attention else attention_recompute_elems_per_token(m))
-        + 3 * m.inter_dim
+        (4 if autocast else 2) * m.dim
+        + 2 * m.q_lora_rank + h * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        + 2 * (m.kv_lora_rank + m.qk_rope_head_dim)
+        + h * m.v_head_dim
+        + 4 * m.inter_dim
     )
-    extra = 0
+    extra = 2 * m.dim * FP32 + f_only
+    if recompute == "none":
+        elems += attention_recompute_elems_per_token(m)
+        extra += h * FP32  # lse
     if role == "F":
-        elems += m.index_n_heads * m.index_head_dim + m.index_head_dim + m.index_n_heads
-        extra = m.index_topk * INT32
-    return elems * BF16 + extra
+        elems += (2 * m.dim if autocast else 0) + m.index_n_heads * m.index_head_dim + m.index_head_dim
+        elems += m.index_n_heads
+        extra += m.index_head_dim * FP32
+    return elems * width + extra
 
 
-def head_activation_bytes_per_token(m) -> int:
-    """Last stage: final norm output (bf16) + fp32 logits for the loss."""
-    return m.dim * BF16 + m.vocab_size * FP32
+def attention_backward_bytes_per_token(m, width: int = BF16) -> int:
+    """Gradients alive at once in one layer's sparse-attention backward, per query: of the up-projected output
+    H*v_head, of the attention output H*kv_lora and of the absorbed query H*(kv_lora+rope), plus the key-value rows'
+    gradient (fp32 accumulation and its cast)."""
+    h, d_qk = m.n_heads, m.kv_lora_rank + m.qk_rope_head_dim
+    return width * h * (m.v_head_dim + m.kv_lora_rank + d_qk) + d_qk * (FP32 + width)
+
+
+def layer_backward_transient_bytes(m, role: str, tokens: int, recompute: str, chunk_tokens: int,
+                                   width: int = BF16, autocast: bool = True) -> int:
+    """The most one layer's backward allocates on top of the kept activations, for `tokens` queries:
+    none       the attention gradients over every query, and the attention backward's G buffer;
+    attention  one query chunk rebuilt (absorbed query, attention output, lse) and its gradients, and G;
+    block      the whole layer rebuilt (its `none` activations, or its `attention` ones when the queries exceed a
+               chunk: the attention is then recomputed in chunks inside the block), then, with its MLP part freed,
+               the attention's backward as above."""
+    def g_buffer(n):
+        return min(SPARSE_MLA_BWD_BUFFER, n * 2 * m.n_heads * m.index_topk * width)
+
+    def chunk_transient(n):
+        rebuilt = attention_recompute_elems_per_token(m) * width + m.n_heads * FP32
+        return n * (rebuilt + attention_backward_bytes_per_token(m, width)) + g_buffer(n)
+
+    if recompute == "none":
+        return tokens * attention_backward_bytes_per_token(m, width) + g_buffer(tokens)
+    chunk = min(tokens, chunk_tokens)
+    if recompute == "attention":
+        return chunk_transient(chunk)
+    if tokens <= chunk_tokens:
+        rebuilt = activation_bytes_per_token(m, role, "none", width, autocast)
+        after = tokens * attention_backward_bytes_per_token(m, width) + g_buffer(tokens)
+    else:
+        rebuilt = activation_bytes_per_token(m, role, "attention", width, autocast)
+        after = chunk_transient(chunk)
+    kept = activation_bytes_per_token(m, role, "block", width, autocast)
+    # The backward frees the MLP's rebuilt tensors before it reaches the attention: the peak is the whole rebuilt
+    # layer, or its attention part plus the attention's backward.
+    mlp = m.dim * FP32 + (2 if autocast else 1) * m.dim * width + 4 * m.inter_dim * width
+    return max(tokens * (rebuilt - kept), tokens * (rebuilt - kept - mlp) + after)
+
+
+def head_activation_bytes_per_token(m, width: int = BF16) -> int:
+    """Last stage: the final norm's fp32 input and its cast for the head, the fp32 logits and the loss's
+    log-softmax (fp32, vocab each)."""
+    return m.dim * (FP32 + width) + 2 * m.vocab_size * FP32
+
+
+def stage_output_bytes_per_token(m) -> int:
+    """Non-last stages: the fp32 hidden state the pipeline keeps for the stage's backward."""
+    return m.dim * FP32
+
+
+def rope_table_bytes_per_token(m) -> int:
+    """cos and sin (fp32, half the rotary width each) for MLA and the indexer, shared by a stage's layers."""
+    return (m.qk_rope_head_dim + m.index_rope_head_dim) * FP32
 
 
 def index_payload_bytes(m, tokens: int, context: int) -> int:

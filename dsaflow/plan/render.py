@@ -90,6 +90,21 @@ def _stage_table(plan: Plan, est, part: str = "all") -> Table:
     return t
 
 
+def _memory_table(plan: Plan, est) -> Optional[Table]:
+    """Training only: each stage's estimated peak on a GPU (bf16 autocast), by term (dsaflow.plan.memory)."""
+    if not any(se.get("train_memory_bytes") for se in est["stages"]):
+        return None
+    t = Table(title="training memory per stage (GPU, bf16 autocast; GiB)", box=box.SIMPLE_HEAD)
+    for col in ("stage", "weights\n+AdamW", "grads", "activations\n(x in flight)", "backward\ntransient", "peak"):
+        t.add_column(col, no_wrap=True, justify="right")
+    for se in est["stages"]:
+        terms = list(se["train_memory_bytes"].values())
+        cells = [f"{v / 2**30:.1f}" for v in terms]
+        cells[2] += f" (x{se['microbatches_in_flight']})"
+        t.add_row(str(se["index"]), *cells, f"{se['train_peak_bytes'] / 2**30:.1f}")
+    return t
+
+
 def _boundary_table(est, part: str = "all") -> Table:
     """part: all | microbatch (training/prefill trade) | decode (per decode token): narrow terminals get two tables."""
     title = ("stage boundaries: sending the top-k indices across vs recomputing them on the next stage "
@@ -138,6 +153,9 @@ def render_table(plan: Plan, cfg, width: Optional[int] = None) -> str:
     else:  # narrow terminal: roles and estimates side by side would not fit
         con.print(_stage_table(plan, est, "layers"))
         con.print(_stage_table(plan, est, "numbers"))
+    memory = _memory_table(plan, est)
+    if memory is not None:
+        con.print(memory)
     promoted = [l for l in plan.layers if l.promoted]
     if promoted:
         con.print("promoted layers (declared S, run as F):")

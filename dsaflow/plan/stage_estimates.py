@@ -2,13 +2,15 @@
 
 Contexts: savings at `estimate_context` (default 128K: the long-context case DSA exists for), KV cache at
 `model.max_seq_len` per sequence, activations at one microbatch of train.seq_len tokens
-(train.batch_size / pipeline.microbatches sequences; in serve mode one prefill chunk of serve.prefill_chunk tokens).
+(train.batch_size / pipeline.microbatches sequences; in serve mode one prefill chunk of serve.prefill_chunk tokens)
+under train.recompute; in train mode each stage's peak training memory by term (dsaflow.plan.memory).
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
 from dsaflow.plan import estimates as E
+from dsaflow.plan.memory import train_memory_terms
 from dsaflow.plan.plan import LayerPlan, PipelinePlan, StagePlan
 from dsaflow.plan.schedule import microbatches_in_flight
 
@@ -48,7 +50,7 @@ def build_estimates(cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan
     tokens = microbatch_tokens(cfg, pipeline)
     seqs_per_mb = max(1, tokens // seq)
     ctx = cost_context(cfg)
-    recompute = cfg.mode == "train" and cfg.train.recompute == "attention"
+    recompute = str(cfg.train.recompute) if cfg.mode == "train" else "none"
     last = len(stages) - 1
     per_stage: List[Dict[str, Any]] = []
     for st in stages:
@@ -57,15 +59,17 @@ def build_estimates(cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan
         n_s = len(ls) - n_f
         params = sum(E.layer_params(m, l.role) for l in ls)
         cost = sum(E.layer_forward_flops_per_token(m, l.role, ctx) for l in ls)
-        act = sum(E.activation_bytes_per_token(m, l.role, recompute) for l in ls) * tokens
+        act = sum(E.activation_bytes_per_token(m, l.role, recompute) for l in ls) + E.rope_table_bytes_per_token(m)
+        act += E.head_activation_bytes_per_token(m) if st.index == last else E.stage_output_bytes_per_token(m)
+        act *= tokens
         if st.index == 0:
             params += E.embed_params(m)
-            act += m.dim * E.BF16 * tokens
         if st.index == last:
             params += E.head_params(m)
             cost += E.head_forward_flops_per_token(m)
-            act += E.head_activation_bytes_per_token(m) * tokens
         in_flight = microbatches_in_flight(st.index, st.rank, pipeline)
+        memory = (train_memory_terms(cfg, [l.role for l in ls], st.index == 0, st.index == last, tokens, in_flight)
+                  if cfg.mode == "train" else {})
         per_stage.append({
             "index": st.index,
             "rank": st.rank,
@@ -86,6 +90,9 @@ def build_estimates(cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan
             "activation_bytes_per_microbatch": act,
             "microbatches_in_flight": in_flight,
             "activation_bytes_peak": act * in_flight,
+            # training on a GPU under bf16 autocast, by term (dsaflow.plan.memory); {} when serving
+            "train_memory_bytes": memory,
+            "train_peak_bytes": sum(memory.values()),
             "forward_flops_per_token": cost,
         })
     boundaries = []
@@ -127,7 +134,7 @@ def build_estimates(cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan
         "balance": (max(costs) / (sum(costs) / len(costs))) if costs else 1.0,
         "assumptions": (
             "bf16 activations and caches, int32 indices; FLOPs = 2 per multiply-add, matmuls only; indexer FLOPs = "
-            "2*L*Hi*Di scores + q/k/weights projections; activations per the formula in docs/planning.md; "
-            "one index group (indices shared by all heads)."
+            "2*L*Hi*Di scores + q/k/weights projections; activations and training memory per dsaflow.plan.memory "
+            "(docs/training.md); one index group (indices shared by all heads)."
         ),
     }

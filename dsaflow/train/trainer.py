@@ -46,7 +46,7 @@ class Trainer:
         self.modules: List[StageModule] = [stage_module(cfg.model, plan, s.index, t.seed).to(ctx.device)
                                            for s in self.local]
         for m in self.modules:
-            m.recompute_attention = t.recompute == "attention"
+            m.recompute, m.recompute_chunk_tokens = str(t.recompute), t.recompute_chunk_tokens
         self.wrappers = [TrainStage(m, t.indexer_loss_weight) for m in self.modules]
         self.pstages = build_pipeline_stages(
             self.wrappers, [s.index for s in self.local], plan.num_stages, ctx.device, ctx.group

@@ -1,0 +1,69 @@
+"""A training stage's peak memory, term by term: what the plan table prints and the pre-launch check refuses on.
+
+    weights and AdamW state   fp32 weights and two fp32 moments (12 bytes per parameter), plus the bf16 copies
+                              autocast makes of every matmul weight (2 bytes) and autograd keeps until the backward
+    gradients                 fp32 (4 bytes per parameter): all of them once a backward has run while other
+                              microbatches are still in flight (1F1B's steady state), else those of the layer being
+                              backpropagated and the head
+    activations               one microbatch's (`estimates.activation_bytes_per_token` under the recompute mode, per
+                              layer, + RoPE tables + the stage output or the head's logits), times the microbatches
+                              the schedule holds at once on this stage (`schedule.microbatches_in_flight`)
+    backward transient        the largest one layer's backward allocates on top
+                              (`estimates.layer_backward_transient_bytes`)
+
+Device: on a GPU with `train.dtype` auto or bf16 the compute dtype is bf16 under autocast; otherwise fp32 (CPU
+training, `train.dtype=fp32`), where activations are 4 bytes and there are no autocast copies.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dsaflow.plan import estimates as E
+
+WEIGHTS = "weights and AdamW state"
+GRADS = "gradients"
+ACTIVATIONS = "activations"
+TRANSIENT = "one layer's backward transient"
+
+
+def compute_dtype(cfg, device_type: str) -> tuple[int, bool]:
+    """(bytes per activation element, autocast on) for a training run on `device_type`."""
+    dtype = str(cfg.train.dtype)
+    autocast = dtype == "bf16" or (dtype == "auto" and device_type == "cuda")
+    return (E.BF16 if autocast else E.FP32), autocast
+
+
+def train_memory_terms(cfg, roles: Sequence[str], first: bool, last: bool, tokens: int, in_flight: int,
+                       device_type: str = "cuda") -> dict[str, int]:
+    """{term: bytes} for one training stage holding layers of `roles`, microbatches of `tokens` tokens,
+    `in_flight` of them at once (see the module docstring)."""
+    m, t = cfg.model, cfg.train
+    width, autocast = compute_dtype(cfg, device_type)
+    recompute = str(t.recompute)
+    layer_params = [E.layer_params(m, r) for r in roles]
+    edge = (E.embed_params(m) if first else 0) + (E.head_params(m) if last else 0)
+    params = sum(layer_params) + edge
+    copies = (params - (E.embed_params(m) if first else 0)) * E.BF16 if autocast else 0
+    every_grad = cfg.pipeline.microbatches > in_flight
+    grads = 4 * (params if every_grad else max(layer_params, default=0) + (E.head_params(m) if last else 0))
+    per_token = sum(E.activation_bytes_per_token(m, r, recompute, width, autocast) for r in roles)
+    per_token += E.rope_table_bytes_per_token(m)
+    per_token += E.head_activation_bytes_per_token(m, width) if last else E.stage_output_bytes_per_token(m)
+    transient = max((E.layer_backward_transient_bytes(m, r, tokens, recompute, t.recompute_chunk_tokens, width,
+                                                      autocast) for r in set(roles)), default=0)
+    return {
+        WEIGHTS: 12 * params + copies,
+        GRADS: grads,
+        ACTIVATIONS: per_token * tokens * in_flight,
+        TRANSIENT: transient,
+    }
+
+
+def largest_term_fix(name: str) -> str:
+    """What shrinks each term, for the pre-launch check's message."""
+    if name in (ACTIVATIONS, TRANSIENT):
+        return ("recompute more (train.recompute=attention keeps each layer's attention inputs, "
+                "train.recompute=block only each layer's input), fewer tokens per microbatch (train.batch_size / "
+                "pipeline.microbatches sequences of train.seq_len), or more pipeline stages (pipeline.stages) so "
+                "each holds fewer layers")
+    return "more pipeline stages (pipeline.stages), so each rank holds fewer layers"
