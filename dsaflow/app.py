@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from dsaflow.config.errors import ConfigError
-from dsaflow.plan.plan import PlanError
+from dsaflow.errors import ConfigError, PlanError
 
 # Flags Hydra owns; any of them (or -m) routes the command through Hydra's app runner.
 HYDRA_COMMAND_FLAGS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc", "-m", "--multirun")

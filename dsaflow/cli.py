@@ -11,9 +11,8 @@ import argparse
 import sys
 from typing import List, Optional, Tuple
 
-from dsaflow.plan.plan import PlanError
+from dsaflow.errors import EXIT_USER_ERROR, PlanError
 
-EXIT_USER_ERROR = 2
 COMMANDS = {
     "plan": "resolve and check the config; print the plan table (--format json: only the plan JSON)",
     "train": "plan, write the run dir, launch training (torchrun, one process per pipeline rank)",

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsaflow.plan.layout import format_layout, freq_roles, parse_layout, tile_pattern
-from dsaflow.plan.plan import PlanError
+from dsaflow.errors import PlanError
 
 
 def roles_str(parsed):

@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import dsaflow
-from dsaflow.config.errors import ConfigError, explain_omegaconf_error
+from dsaflow.config.errors import explain_omegaconf_error
+from dsaflow.errors import ConfigError
 from dsaflow.config.schema import DSAFlowConfig, register_configs, validate
 
 # Values written in the layout language contain characters that Hydra's override grammar reserves ("(", ")", "|",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from dsaflow.plan.layout import freq_roles, parse_layout, tile_pattern
-from dsaflow.plan.plan import PlanError
+from dsaflow.errors import PlanError
 
 
 

@@ -116,4 +116,4 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
-__all__ = ["GraphBlockPlan", "LayerPlan", "PipelinePlan", "Plan", "PlanError", "StagePlan"]  # PlanError: dsaflow.errors
+__all__ = ["GraphBlockPlan", "LayerPlan", "PipelinePlan", "Plan", "StagePlan"]

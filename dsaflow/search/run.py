@@ -24,8 +24,8 @@ from typing import List, Tuple
 
 import torch
 
+from dsaflow.errors import PlanError, ServeError
 from dsaflow.plan.layout import format_layout, freq_roles
-from dsaflow.plan.plan import PlanError
 
 from .evaluate import PatternEvaluator
 from .greedy import SearchLog, Step, greedy_search
@@ -60,7 +60,6 @@ def load_search_model(cfg, device: torch.device):
     if not s.checkpoint:
         raise PlanError("dsaflow search needs search.checkpoint=<a run dir trained with index=all_full>. Fix: e.g. "
                         "search.checkpoint=runs/20260101-120000-tiny-retrieval.")
-    from dsaflow.serve.engine import ServeError
 
     try:
         ckpt = resolve_checkpoint(s.checkpoint)
