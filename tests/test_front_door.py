@@ -165,3 +165,21 @@ def test_hand_run_launch_with_the_wrong_process_count_is_one_paragraph_and_exit_
     assert res.returncode == 2
     assert "Traceback" not in res.stderr
     assert res.stderr.count("WORLD_SIZE=2") == 1 and "Fix: launch exactly 1 process" in res.stderr
+
+
+def test_readme_generate_prompts_are_the_held_out_task_and_the_readme_lists_their_answers():
+    import json
+
+    from dsaflow.config.compose import compose
+
+    path = REPO / "docs" / "retrieval_prompts.jsonl"
+    made = subprocess.run([sys.executable, "scripts/retrieval_prompts.py", "--count", "8"], capture_output=True,
+                          text=True, cwd=REPO, env=ENV, timeout=120)
+    assert made.returncode == 0 and made.stdout == path.read_text()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    seq_len = compose([]).train.seq_len
+    for r in rows:  # input of the training length, the query's key holding the answer earlier in the filler
+        prompt, key, answer = r["prompt"], r["prompt"][-1], r["answer"]
+        assert len(prompt) == seq_len and prompt[-2] == "?" and f" {key}{answer};" in prompt
+    assert "serve.prompts_file=docs/retrieval_prompts.jsonl" in (REPO / "README.md").read_text()
+    assert f"in order `{' '.join(r['answer'] for r in rows)}`" in (REPO / "README.md").read_text()
