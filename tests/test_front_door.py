@@ -72,10 +72,22 @@ def test_generate_help_lists_every_serve_field_and_a_prompts_file_the_command_ac
     assert "search.calib_batches=8" in search and "serve." not in search
 
 
-def test_missing_sweeper_plugin_names_the_package_to_install():
-    res = dsaflow("train", "-m", "hydra/sweeper=optuna", "train.steps=1", "track=none")
+def test_missing_sweeper_plugin_names_the_package_to_install(monkeypatch):
+    import importlib.util
+
+    from dsaflow.app import check_sweeper_plugin
+    from dsaflow.errors import ConfigError
+
+    real_find_spec = importlib.util.find_spec
+    optuna = "hydra_plugins.hydra_optuna_sweeper"  # hidden, as on a machine without the Optuna plugin
+    hide = lambda name, *a: None if name == optuna else real_find_spec(name, *a)
+    monkeypatch.setattr(importlib.util, "find_spec", hide)
+    with pytest.raises(ConfigError, match=r"pip install hydra-optuna-sweeper"):
+        check_sweeper_plugin(["hydra/sweeper=optuna"])
+    check_sweeper_plugin(["hydra/sweeper=basic", "a=1,2"])
+    res = dsaflow("train", "-m", "hydra/sweeper=nosuch", "train.steps=1", "track=none")
     assert res.returncode == 2
-    assert "pip install hydra-optuna-sweeper" in res.stderr and "Traceback" not in res.stderr
+    assert "pip install hydra-nosuch-sweeper" in res.stderr and "Traceback" not in res.stderr
     assert res.stderr.startswith("dsaflow: error: ") and len(res.stderr.strip().splitlines()) == 1
 
 

@@ -203,7 +203,7 @@ def test_search_png_has_axes_values_and_a_title(tmp_path):
     assert ax.get_title() == "search of run X"
     assert "F layers kept" in ax.get_xlabel() and ax.get_ylabel() == "calibration loss"
     labels = [t.get_text() for t in ax.texts]
-    assert labels == ["1.250", "1.500\n-L5", "2.125\n-L2"]
+    assert labels == ["1.2500", "1.5000\n-L5", "2.1250\n-L2"]
     assert list(ax.lines[0].get_ydata()) == [1.25, 1.5, 2.125]
     assert write_search_png(tmp_path / "s.png", [4, 3], [1.0, 2.0], [None, 1], "t") is None
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

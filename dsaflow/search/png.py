@@ -24,7 +24,7 @@ def search_figure(num_f: Sequence[int], losses: Sequence[float], removed: Sequen
     ax.plot(num_f, losses, "o-", color="tab:blue")
     for x, y, r in zip(num_f, losses, removed):
         if math.isfinite(y):
-            label = f"{y:.3f}" + ("" if r is None else f"\n-L{r}")
+            label = f"{y:.4f}" + ("" if r is None else f"\n-L{r}")
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=7)
     ax.set_xlabel("F layers kept (layers that run their own indexer)")
     ax.set_ylabel("calibration loss")
