@@ -176,7 +176,8 @@ def test_hand_run_launch_with_the_wrong_process_count_is_one_paragraph_and_exit_
                          timeout=300)
     assert res.returncode == 2
     assert "Traceback" not in res.stderr
-    assert res.stderr.count("WORLD_SIZE=2") == 1 and "Fix: launch exactly 1 process" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr  # one paragraph: no banner, no per-rank copies
+    assert "WORLD_SIZE=2" in res.stderr and "Fix: launch exactly 1 process" in res.stderr
 
 
 def test_readme_generate_prompts_are_the_held_out_task_and_the_readme_lists_their_answers():
