@@ -104,3 +104,11 @@ def test_user_errors_and_exit_codes_are_defined_once_and_imported_from_dsaflow_e
                     t.id for t in node.targets if isinstance(t, ast.Name)]
                 bad += [f"{where}: defines {t}" for t in targets if t in ERROR_NAMES]
     assert not bad, "\n".join(bad)
+
+
+def test_only_hydra_private_reaches_into_hydra_internals():
+    """Hydra's private API is used in dsaflow/config/hydra_private.py only (pinned there; tests/test_hydra_private.py
+    checks it against the installed Hydra)."""
+    users = sorted(str(p.relative_to(PKG)) for p in sources()
+                   if any(m.startswith("hydra._internal") for m in imported_modules(p)))
+    assert users == ["config/hydra_private.py"]
