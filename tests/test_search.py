@@ -1,13 +1,14 @@
-"""The IndexCache layer search: role switching, the prefix-cached evaluator, the greedy choice, resume, `dsaflow search`."""
+"""The IndexCache layer search: role switching, the prefix-cached evaluator, the greedy choice, resume,
+`dsaflow search`, search.png."""
 
 import pytest
 import torch
+from model_helpers import planned_sharp, tokens
 
-from dsaflow.run.stages import build_stages
 from dsaflow.model.roles import set_roles, stage_roles
+from dsaflow.run.stages import build_stages
 from dsaflow.search import PatternEvaluator, SearchLog, greedy_search
 from dsaflow.search.run import uniform_roles
-from model_helpers import planned_sharp, tokens
 
 T, TOPK = 32, 4
 
@@ -148,8 +149,8 @@ def test_uniform_roles_keep_stage_firsts():
 
 
 def _fake_run(tmp_path, overrides):
-    """A run dir as `dsaflow train` leaves it (config.yaml, plan.json, a checkpoint (DCP + weights-only safetensors + manifest) of freshly initialised
-    weights), written in-process: the search only needs the files."""
+    """A run dir as `dsaflow train` leaves it (config.yaml, plan.json, a checkpoint (DCP + weights-only safetensors +
+    manifest) of freshly initialised weights), written in-process: the search only needs the files."""
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan
     from dsaflow.run.rundir import write_run_dir

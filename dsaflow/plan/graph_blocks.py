@@ -17,7 +17,6 @@ from dsaflow.errors import PlanError
 from dsaflow.plan.plan import GraphBlockPlan
 
 
-
 def _check_shapes(block, max_shape: int) -> Tuple[int, ...]:
     sc = list(block.shape_classes)
     field = f"graphs.blocks[{block.name}].shape_classes"

@@ -18,8 +18,6 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from dsaflow.errors import PlanError
-
 
 @dataclass(frozen=True)
 class LayerPlan:
