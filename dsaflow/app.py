@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from dsaflow.config.errors import ConfigError
-from dsaflow.plan.plan import PlanError
+from dsaflow.errors import ConfigError, PlanError
 
 # Flags Hydra owns; any of them (or -m) routes the command through Hydra's app runner.
 HYDRA_COMMAND_FLAGS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc", "-m", "--multirun")
@@ -109,22 +108,43 @@ def _refuse_in_multirun(overrides: List[str]) -> None:
 def preflight_basic_sweep(overrides: List[str]) -> int:
     """Basic sweeper: compose every job's config before any starts, so a typo in one value stops the whole sweep
     (exit 2) instead of failing after earlier jobs trained. Returns the number of jobs."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     from dsaflow.config.compose import compose, quote_layout_overrides
+    from dsaflow.config.hydra_private import basic_sweep_jobs
 
     plain = [o for o in overrides if not o.lstrip("+~").split("=", 1)[0].startswith(("hydra.", "hydra/"))]
     try:
-        parsed = OverridesParser.create().parse_overrides(quote_layout_overrides(plain))
-        batches = BasicSweeper.split_arguments(parsed, None)
+        jobs = basic_sweep_jobs(quote_layout_overrides(plain))
     except Exception as exc:  # noqa: BLE001 - Hydra's grammar and sweep errors
-        raise ConfigError(f"could not read the sweep: {' '.join(str(exc).split())} Fix: write sweeps as "
-                          "key=a,b,c, key=range(start,stop,step) or key=choice(a,b).") from None
-    jobs = batches[0] if batches else [[]]
+        raise ConfigError(f"could not read the sweep: {' '.join(str(exc).split())} Fix: write sweeps as key=a,b,c, "
+                          "key='range(start,stop,step)' or key='choice(a,b)' (quoted for the shell).") from None
     for job in jobs:
         compose(job)
     return len(jobs)
+
+
+# Sweeper plugins by name -> the pip package that provides `hydra/sweeper=<name>` (module hydra_plugins.<module>).
+SWEEPER_PLUGINS = {"optuna": "hydra-optuna-sweeper", "ax": "hydra-ax-sweeper", "nevergrad": "hydra-nevergrad-sweeper"}
+
+
+def check_sweeper_plugin(overrides: List[str]) -> None:
+    """`hydra/sweeper=NAME` needs NAME's plugin installed; say which package, instead of Hydra's raw error."""
+    import importlib.util
+
+    for ov in overrides:
+        key, _, name = ov.lstrip("+~").partition("=")
+        if key != "hydra/sweeper" or name == "basic":
+            continue
+        package = SWEEPER_PLUGINS.get(name, f"hydra-{name}-sweeper")
+        try:
+            found = importlib.util.find_spec(f"hydra_plugins.hydra_{name}_sweeper") is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError(
+                f"hydra/sweeper={name}: the {name} sweeper plugin is not installed. Fix: pip install {package} "
+                f"(into the environment that runs dsaflow), or drop hydra/sweeper={name} to use the basic sweeper "
+                "(key=a,b,c grids)."
+            )
 
 
 def _sweep_name(sweep_dir: str) -> str:
@@ -163,7 +183,8 @@ def job_task(cfg) -> float:
         if rc != 0:
             res.status = f"failed (exit {rc})"
     except PlanError as exc:
-        res.status, res.exit_code, res.error = ("config error" if isinstance(exc, ConfigError) else "plan error"), 2, str(exc)
+        kind = "config error" if isinstance(exc, ConfigError) else "plan error"
+        res.status, res.exit_code, res.error = kind, 2, str(exc)
         print(f"dsaflow: error: job {num}: {exc}", file=sys.stderr, flush=True)
     except Exception as exc:  # noqa: BLE001 - one job's crash must not end the sweep
         res.status, res.exit_code, res.error = "crashed", 1, f"{type(exc).__name__}: {exc}"
@@ -205,6 +226,9 @@ def _save_logging():
     import logging
 
     names = [None] + [n for n in logging.root.manager.loggerDict if n.split(".")[0] == "hydra"]
+    # Hydra writes --info, --cfg and the sweep lines through logging. A reader that closed the pipe
+    # (`dsaflow train --info | head`) would make every later record print a "Logging error" traceback: drop them.
+    logging.raiseExceptions = False
     return [(logging.getLogger(n), logging.getLogger(n).level, list(logging.getLogger(n).handlers),
              logging.getLogger(n).propagate, logging.getLogger(n).disabled) for n in names]
 
@@ -212,6 +236,7 @@ def _save_logging():
 def _restore_logging(saved) -> None:
     import logging
 
+    logging.raiseExceptions = True
     for lg, level, handlers, propagate, disabled in saved:
         lg.setLevel(level)
         lg.handlers[:] = handlers
@@ -228,13 +253,13 @@ def run_hydra_app(command: str, rest: List[str], nproc: Optional[int], fmt: str,
     """Hand `rest` (Hydra flags + overrides) to Hydra's app runner with `task` as the task function.
     -> exit status: 0, 2 for a config mistake found before any job started, else 1 if any job failed."""
     global _STATE
-    from hydra._internal.utils import _run_hydra, get_args_parser
     from hydra.core.global_hydra import GlobalHydra
 
     from dsaflow.config.compose import default_config_dir, quote_layout_overrides
+    from dsaflow.config.hydra_private import hydra_args_parser, hydra_run_app
     from dsaflow.config.schema import register_configs
 
-    parser = get_args_parser()
+    parser = hydra_args_parser()
     try:
         args = parser.parse_args(rest)
     except SystemExit as exc:  # argparse already printed the usage line
@@ -242,6 +267,7 @@ def run_hydra_app(command: str, rest: List[str], nproc: Optional[int], fmt: str,
     args.overrides = quote_layout_overrides(list(args.overrides))
     if args.multirun:
         _refuse_in_multirun(args.overrides)
+        check_sweeper_plugin(args.overrides)
         sweeper = any(o.lstrip("+~").split("=", 1)[0] in ("hydra/sweeper",) for o in args.overrides)
         if not sweeper:
             preflight_basic_sweep(args.overrides)
@@ -253,8 +279,7 @@ def run_hydra_app(command: str, rest: List[str], nproc: Optional[int], fmt: str,
     code = 0
     saved_logging = _save_logging()
     try:
-        _run_hydra(args=args, args_parser=parser, task_function=task, config_path=str(default_config_dir().resolve()),
-                   config_name="config")
+        hydra_run_app(args, parser, task, str(default_config_dir().resolve()))
     except SystemExit as exc:  # Hydra's run_and_report printed the error already
         code = exc.code if isinstance(exc.code, int) else 1
     finally:

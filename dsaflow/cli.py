@@ -8,12 +8,12 @@ status 2; it never shows a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional, Tuple
 
-from dsaflow.plan.plan import PlanError
+from dsaflow.errors import EXIT_USER_ERROR, PlanError
 
-EXIT_USER_ERROR = 2
 COMMANDS = {
     "plan": "resolve and check the config; print the plan table (--format json: only the plan JSON)",
     "train": "plan, write the run dir, launch training (torchrun, one process per pipeline rank)",
@@ -28,19 +28,19 @@ EXAMPLES = {
   dsaflow plan model=small index.freq=4 index.offset=1 pipeline.boundaries=[0,5]
   dsaflow plan --cfg job model=small            # the composed config, as Hydra prints it""",
     "train": """examples:
-  dsaflow train                                  # the embedded job: tiny model, retrieval, ~2 min on a CPU
+  dsaflow train                                  # the embedded job: tiny model, retrieval, ~3 min on 2 CPU cores
   dsaflow train pipeline=pp2 train.steps=600     # two pipeline ranks (gloo on CPU, NCCL on GPUs)
   dsaflow train model=small data=text data.path=README.md track=online
   dsaflow train -m index=all_full,every4 train.steps=100          # a sweep: one run dir per job + summary
-  dsaflow train -m train.lr=1e-3,3e-3 train.seed=range(0,3)      # 6 jobs, one after another
+  dsaflow train -m train.lr=1e-3,3e-3 train.seed='range(0,3)'    # 6 jobs, one after another
   dsaflow train train.resume=true run_dir=runs/<name>""",
     "generate": """examples:
-  dsaflow generate serve.checkpoint=runs/<name> serve.prompts='["qmzj xwv K7; pllr ?K"]'
-  dsaflow generate serve.checkpoint=runs/<name> serve.prompts_file=prompts.txt pipeline=pp2
+  dsaflow generate serve.checkpoint=runs/<name> serve.max_new_tokens=1 serve.prompts='["qmzj xwv K7; pllr ?K"]'
+  dsaflow generate serve.checkpoint=runs/<name> serve.prompts_file=prompts.jsonl pipeline=pp2
+      # prompts.jsonl: one JSON object per line, {"prompt": "qmzj xwv K7; pllr ?K"}
   dsaflow generate model=small graphs=decode_prefill serve.checkpoint=runs/<name>   # CUDA graphs (GPU)""",
-    "search": """search options (search.*): checkpoint=RUN_DIR (an index=all_full run)  ratio=0.25 | target_f=N
-  calib_batches=8  eval_batches=16  eval_ratios=[0.5,0.25]  out_dir=DIR (default RUN_DIR/search)  restart=true
-  device=auto|cpu|cuda; the stage split comes from pipeline.* (each stage's first layer stays F)
+    "search": """search.checkpoint is an index=all_full run; the stage split comes from pipeline.* (each stage's
+first layer stays F); out_dir defaults to RUN_DIR/search.
 
 examples:
   dsaflow search search.checkpoint=runs/<all-F run> search.ratio=0.25
@@ -48,10 +48,11 @@ examples:
   (then: dsaflow train layout="<printed layout>" ...; see docs/search.md)""",
 }
 HYDRA_FLAGS = """Hydra flags (the parent process is a Hydra app; workers never import Hydra):
-  -m, --multirun        run one job per combination of the sweeps (a=1,2  b=range(0,3)  hydra/sweeper=...)
+  -m, --multirun        run one job per combination of the sweeps (a=1,2  b='range(0,3)'  hydra/sweeper=...)
   --cfg job|hydra|all   print the composed config and exit (with --resolve: interpolations resolved)
   --info [TOPIC]        Hydra's information (config search path, defaults tree, plugins)
-  --hydra-help          Hydra's own help"""
+  --hydra-help          Hydra's own help
+  -sc install=bash      print a bash completion script for `dsaflow` (use: eval "$(dsaflow -sc install=bash)")"""
 
 
 def _groups_help() -> str:
@@ -63,14 +64,60 @@ def _groups_help() -> str:
     lines = ["overrides (Hydra syntax: key=value, group=option, +key=value); groups and options:"]
     for g in groups:
         lines.append(f"  {g.name}={'|'.join(sorted(p.stem for p in g.glob('*.yaml')))}")
-    lines.append('  layout="(FSSS)*2|(FSSS)*2"  index.freq=4 index.offset=0  pipeline.boundaries=[0,4]  pipeline.stages=4')
+    lines.append('  layout="(FSSS)*2|(FSSS)*2"  index.freq=4 index.offset=0  pipeline.boundaries=[0,4]  '
+                 "pipeline.stages=4")
     lines.append("  mode=train|serve  estimate_context=131072  run_dir=DIR (or hydra.run.dir=DIR)")
     lines.append("see docs/planning.md (layouts, plan JSON), docs/training.md (runs, sweeps), docs/search.md.")
     return "\n".join(lines)
 
 
+# The config section each command reads besides the model, index and pipeline groups (listed in its help).
+COMMAND_SECTIONS = {"generate": "serve", "search": "search"}
+
+
+def _type_text(tp) -> str:
+    """A schema annotation in words: Optional[int] -> 'int or null', List[str] -> 'list of str', a Choice -> a|b."""
+    import enum
+    import typing
+
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is typing.Union:
+        return " or ".join(_type_text(a) for a in args) + " or null"
+    if typing.get_origin(tp) in (list, typing.List):
+        return "list of " + _type_text(args[0]) if args else "list"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "|".join(m.value for m in tp)
+    return getattr(tp, "__name__", str(tp))
+
+
+def section_fields_help(section: str) -> str:
+    """Every field of one config section, read from the schema (so the help cannot drift): name, default, type
+    and allowed range."""
+    import dataclasses
+    import typing
+
+    from dsaflow.config.schema import DSAFlowConfig
+
+    owner = typing.get_type_hints(DSAFlowConfig)[section]
+    hints = typing.get_type_hints(owner)
+    lines = [f"{section} fields ({section}.NAME=VALUE; dsaflow/config/schema.py {owner.__name__}):"]
+    for f in dataclasses.fields(owner):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        shown = "null" if default is None else str(default).replace(" ", "") if isinstance(default, list) else default
+        kind = _type_text(hints[f.name])
+        rng = f.metadata.get("range")
+        if rng:
+            lo, hi, lo_open, hi_open = rng[:4]
+            kind += f" in {'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}" + (
+                ")" if hi_open else "]")
+        lines.append(f"  {section}.{f.name}={shown}".ljust(34) + f"  {kind}")
+    return "\n".join(lines)
+
+
 def usage_epilog(command: str = "plan") -> str:
-    return _groups_help() + "\n\n" + HYDRA_FLAGS + "\n\n" + EXAMPLES[command] + "\n"
+    section = COMMAND_SECTIONS.get(command)
+    fields = section_fields_help(section) + "\n\n" if section else ""
+    return _groups_help() + "\n\n" + fields + HYDRA_FLAGS + "\n\n" + EXAMPLES[command] + "\n"
 
 
 def _own_options(command: str) -> str:
@@ -147,8 +194,8 @@ def split_options(command: str, rest: List[str]) -> Tuple[List[str], Optional[in
 
 
 def _compose_and_plan(overrides: List[str], nproc: Optional[int] = None, command: str = "plan"):
-    from dsaflow.config.compose import compose, refuse_sweeps
     from dsaflow.app import single_run_dir, split_hydra_overrides
+    from dsaflow.config.compose import compose, refuse_sweeps
     from dsaflow.plan import build_plan
 
     overrides, hyd = split_hydra_overrides(overrides)
@@ -171,10 +218,50 @@ def cmd_single(command: str, overrides: List[str], nproc: Optional[int], fmt: st
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    code = _main(args)
+    try:
+        code = _main(args)
+        if argv is None:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`dsaflow train --info | head`): stop quietly. Point stdout at /dev/null so that the
+        # interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
     if argv is None:
         sys.exit(code)
     return code
+
+
+SHELL_COMPLETION_FLAGS = ("-sc", "--shell-completion")
+
+
+def shell_completion(args: List[str]) -> int:
+    """`dsaflow -sc install=bash | uninstall=bash | query=bash`. The script Hydra installs runs `dsaflow -sc
+    query=bash` with the line being typed in $COMP_LINE: complete the command name, then hand Hydra the overrides
+    after it (Hydra completes config groups, options and keys)."""
+    from dsaflow.app import run_hydra_app
+
+    rest = [a for a in args if a not in SHELL_COMPLETION_FLAGS]
+    action = rest[0].split("=", 1)[0] if len(rest) == 1 else ""
+    if action not in ("install", "uninstall", "query"):
+        raise PlanError(f"-sc {' '.join(rest) or '(nothing)'}: shell completion takes one of install=bash, "
+                        "uninstall=bash or query=bash. Fix: eval \"$(dsaflow -sc install=bash)\" in bash.")
+    if action == "install" and os.path.basename(sys.argv[0]) != "dsaflow":
+        raise PlanError(f"-sc {rest[0]}: the completion is for the `dsaflow` command, and this is "
+                        f"{os.path.basename(sys.argv[0])} (python -m dsaflow.cli has no name a shell can complete). "
+                        "Fix: run it as `dsaflow -sc install=bash` (.venv/bin/dsaflow after scripts/setup.sh).")
+    if action != "query":
+        return run_hydra_app("plan", ["-sc", rest[0]], None, "table")
+    line = os.environ.get("COMP_LINE", "")
+    words = line.split()
+    if len(words) < 2 or (len(words) == 2 and not line.endswith(" ")):  # the command name itself
+        typed = words[1] if len(words) == 2 else ""
+        print(" ".join(c for c in COMMANDS if c.startswith(typed)))
+        return 0
+    if words[1] not in COMMANDS:
+        return 0
+    os.environ["COMP_LINE"] = words[0] + " " + line.split(words[1], 1)[1].lstrip()
+    return run_hydra_app(words[1], ["-sc", rest[0]], None, "table")
 
 
 def _main(args: List[str]) -> int:
@@ -186,6 +273,8 @@ def _main(args: List[str]) -> int:
 
         print(f"dsaflow {__version__}")
         return 0
+    if any(a in SHELL_COMPLETION_FLAGS for a in args):
+        return run_cli_errors(shell_completion, args[1:] if args[0] in COMMANDS else args)
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         near = [c for c in COMMANDS if c.startswith(command[:2])]

@@ -1,10 +1,15 @@
 """`python -m dsaflow.worker RUN_DIR [--job train|generate]`: the entry torchrun starts on every rank.
 
-    torchrun --nproc-per-node 2 -m dsaflow.worker runs/20260101-120000-tiny-retrieval
+    python -m dsaflow.launch.agent --standalone --nproc-per-node 2 -m dsaflow.worker runs/20260101-120000-tiny-retrieval
 
-A user error found in a worker (a bad or corrupt checkpoint, a data file the parent could not fully check, a serving
-request) ends it with status 2 and one paragraph, written to `<RUN_DIR>/error-rank<r>.txt` (the `dsaflow` parent
-prints it once) and to stderr, never a traceback. The worker dies with its parent (torchrun).
+The worker reads the run dir (config.yaml + plan.json, no Hydra), joins the process group and runs the job: one
+process per pipeline rank. `dsaflow.launch.agent` takes torchrun's arguments; plain `torchrun` works too, and adds
+its own failure report (a traceback) after the worker's message when a worker fails.
+
+A user error found in a worker (the wrong number of processes, a bad or corrupt checkpoint, a data file the parent
+could not fully check, a serving request) ends it with status 2 and one paragraph, written to
+`<RUN_DIR>/error-rank<r>.txt` (the `dsaflow` parent prints it once) and, when run by hand, to stderr; never a
+traceback. The worker dies with its parent (torchrun).
 """
 from __future__ import annotations
 
@@ -13,31 +18,67 @@ import os
 import sys
 from pathlib import Path
 
+from dsaflow.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, PlanError
+
 ERROR_FILE = "error-rank{rank}.txt"
+JOBS = ("train", "generate")
+
+
+def check_world_size(plan, run_dir: str) -> None:
+    """The processes launched must be exactly the plan's pipeline ranks (torchrun's WORLD_SIZE)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    ranks = plan.pipeline.ranks
+    if world != ranks:
+        raise PlanError(
+            f"WORLD_SIZE={world}: {world} processes were launched, but {Path(run_dir) / 'plan.json'} has {ranks} "
+            f"pipeline rank{'s' if ranks != 1 else ''}. Fix: launch exactly {ranks} process"
+            f"{'es' if ranks != 1 else ''} (nnodes x nproc-per-node = {ranks}), e.g. "
+            f"--nproc-per-node {ranks} on one node."
+        )
+
+
+def run_worker(run_dir: str, job: str = "train") -> None:
+    """Read the run dir, join the process group (NCCL on GPUs, gloo on CPU), run `job` on this rank."""
+    import torch.distributed as dist
+
+    from dsaflow.run.context import init_distributed
+    from dsaflow.run.rundir import read_run_dir
+
+    if job not in JOBS:
+        raise PlanError(f"job={job!r} is not one of {JOBS}. Fix: --job train or --job generate.")
+    cfg, plan = read_run_dir(run_dir)
+    check_world_size(plan, run_dir)
+    ctx = init_distributed(cfg, plan, run_dir)
+    try:
+        if job == "train":
+            from dsaflow.train.loop import run_train
+
+            run_train(ctx)
+        else:
+            from dsaflow.serve.generate import run_serve
+
+            run_serve(ctx)
+        # Tear down together: a rank that destroys its gloo group while a peer still finishes its last collective
+        # (final checkpoint, tracker) can abort at exit ("terminate called without an active exception").
+        # Only on success: after an error a peer may never reach the barrier.
+        dist.barrier(group=ctx.group)
+    finally:
+        dist.destroy_process_group()
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m dsaflow.worker", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", help="a run dir written by `dsaflow train` (config.yaml + plan.json)")
-    ap.add_argument("--job", default="train", choices=("train", "generate"))
+    ap.add_argument("--job", default="train", choices=JOBS)
     args = ap.parse_args(argv)
-    from dsaflow.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, PlanError
     from dsaflow.launch.lifecycle import die_with_parent
 
     die_with_parent()
     rank = os.environ.get("RANK", "0")
     try:
-        from dsaflow.launch.worker import run_worker
-
         run_worker(args.run_dir, args.job)
     except PlanError as exc:
-        msg = str(exc)
-        try:
-            (Path(args.run_dir) / ERROR_FILE.format(rank=rank)).write_text(msg + "\n")
-        except OSError:
-            pass
-        if not os.environ.get("DSAFLOW_PARENT"):  # run by hand: no parent to print it
-            print(f"dsaflow {args.job}: error: [rank {rank}] {msg}", file=sys.stderr, flush=True)
+        _report_user_error(args, rank, str(exc))
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
@@ -47,6 +88,18 @@ def main(argv=None) -> None:
         print(f"dsaflow {args.job}: rank {rank} lost a peer ({str(exc).splitlines()[0][-160:]}); stopping",
               file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def _report_user_error(args, rank: str, msg: str) -> None:
+    try:
+        (Path(args.run_dir) / ERROR_FILE.format(rank=rank)).write_text(msg + "\n")
+    except OSError:
+        pass
+    if os.environ.get("DSAFLOW_PARENT"):  # the dsaflow parent prints the first rank's file once
+        return
+    # Run by hand: print it here. Every rank found the same launch mistake; one paragraph is enough.
+    if rank == "0" or not msg.startswith("WORLD_SIZE="):
+        print(f"dsaflow {args.job}: error: [rank {rank}] {msg}", file=sys.stderr, flush=True)
 
 
 def _lost_peer(exc: BaseException) -> bool:

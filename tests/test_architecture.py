@@ -79,3 +79,36 @@ def test_the_model_knows_nothing_of_plans_hydra_or_distributed():
 def test_files_stay_readable():
     long = [f"{p.relative_to(PKG)}: {n}" for p in sources() if (n := len(p.read_text().splitlines())) > MAX_LINES]
     assert not long, f"files over {MAX_LINES} lines (split them by concept): {long}"
+
+
+ERROR_NAMES = {"PlanError", "ConfigError", "ServeError", "CheckpointError", "ResourceError", "EXIT_USER_ERROR",
+               "EXIT_INTERRUPTED"}
+
+
+def test_user_errors_and_exit_codes_are_defined_once_and_imported_from_dsaflow_errors():
+    """dsaflow.errors is the one home of the user-error types and exit codes: nobody else defines them, and every
+    import names dsaflow.errors (no re-exports through plan/, config/ or serve/)."""
+    repo = PKG.parent
+    files = sources() + sorted((repo / "tests").glob("*.py")) + sorted((repo / "scripts").glob("*.py"))
+    bad = []
+    for p in files:
+        where = p.relative_to(repo)
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = {a.name for a in node.names} & ERROR_NAMES
+                module = node.module or ""
+                if names and (node.level or module != "dsaflow.errors"):
+                    bad.append(f"{where}: imports {sorted(names)} from {'.' * node.level}{module}")
+            elif isinstance(node, (ast.ClassDef, ast.Assign)) and p != PKG / "errors.py":
+                targets = [node.name] if isinstance(node, ast.ClassDef) else [
+                    t.id for t in node.targets if isinstance(t, ast.Name)]
+                bad += [f"{where}: defines {t}" for t in targets if t in ERROR_NAMES]
+    assert not bad, "\n".join(bad)
+
+
+def test_only_hydra_private_reaches_into_hydra_internals():
+    """Hydra's private API is used in dsaflow/config/hydra_private.py only (pinned there; tests/test_hydra_private.py
+    checks it against the installed Hydra)."""
+    users = sorted(str(p.relative_to(PKG)) for p in sources()
+                   if any(m.startswith("hydra._internal") for m in imported_modules(p)))
+    assert users == ["config/hydra_private.py"]

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from dsaflow.config.compose import compose, default_config_dir, load_config, to_yaml
-from dsaflow.config.errors import ConfigError
 from dsaflow.config.schema import DSAFlowConfig
+from dsaflow.errors import ConfigError
 from dsaflow.plan import build_plan
 
 CONFIG_DIR = default_config_dir()

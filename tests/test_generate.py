@@ -4,14 +4,13 @@ import json
 
 import pytest
 import torch
+from test_graphs_cpu import FakeCapturer
 
 from dsaflow.config.compose import compose
+from dsaflow.errors import PlanError, ServeError
+from dsaflow.plan import build_plan
 from dsaflow.run.stages import build_stages
-from dsaflow.plan import PlanError, build_plan
-from dsaflow.serve.engine import ServeError
 from dsaflow.serve.generate import build_engine, check_serve, load_prompts, write_outputs
-
-from test_graphs_cpu import FakeCapturer
 
 PROMPTS = ["hello", "hi there, friend", "abc", "x"]
 

@@ -3,8 +3,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsaflow.errors import PlanError
 from dsaflow.plan.layout import format_layout, freq_roles, parse_layout, tile_pattern
-from dsaflow.plan.plan import PlanError
 
 
 def roles_str(parsed):

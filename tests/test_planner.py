@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from dsaflow.plan import Plan, PlanError, build_plan
+from dsaflow.errors import PlanError
+from dsaflow.plan import Plan, build_plan
 from dsaflow.plan.partition import _balanced_starts
 from tests.planner_helpers import block, make_cfg
 

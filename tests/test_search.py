@@ -1,13 +1,14 @@
-"""The IndexCache layer search: role switching, the prefix-cached evaluator, the greedy choice, resume, `dsaflow search`."""
+"""The IndexCache layer search: role switching, the prefix-cached evaluator, the greedy choice, resume,
+`dsaflow search`, search.png."""
 
 import pytest
 import torch
+from model_helpers import planned_sharp, tokens
 
-from dsaflow.run.stages import build_stages
 from dsaflow.model.roles import set_roles, stage_roles
+from dsaflow.run.stages import build_stages
 from dsaflow.search import PatternEvaluator, SearchLog, greedy_search
 from dsaflow.search.run import uniform_roles
-from model_helpers import planned_sharp, tokens
 
 T, TOPK = 32, 4
 
@@ -148,8 +149,8 @@ def test_uniform_roles_keep_stage_firsts():
 
 
 def _fake_run(tmp_path, overrides):
-    """A run dir as `dsaflow train` leaves it (config.yaml, plan.json, a checkpoint (DCP + weights-only safetensors + manifest) of freshly initialised
-    weights), written in-process: the search only needs the files."""
+    """A run dir as `dsaflow train` leaves it (config.yaml, plan.json, a checkpoint (DCP + weights-only safetensors +
+    manifest) of freshly initialised weights), written in-process: the search only needs the files."""
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan
     from dsaflow.run.rundir import write_run_dir
@@ -193,3 +194,30 @@ def test_search_refuses_a_checkpoint_with_S_layers(tmp_path, capsys):
     rd = _fake_run(tmp_path, ["model.num_layers=4", "model.dim=32", "model.inter_dim=64", "index=every2"])
     assert cli.main(["search", f"search.checkpoint={rd}"]) == 2
     assert "index=all_full" in capsys.readouterr().err
+
+
+def test_search_png_has_axes_values_and_a_title(tmp_path):
+    from dsaflow.search.png import search_figure, write_search_png
+
+    fig = search_figure([4, 3, 2], [1.25, 1.5, 2.125], [None, 5, 2], "search of run X")
+    ax = fig.axes[0]
+    assert ax.get_title() == "search of run X"
+    assert "F layers kept" in ax.get_xlabel() and ax.get_ylabel() == "calibration loss"
+    labels = [t.get_text() for t in ax.texts]
+    assert labels == ["1.2500", "1.5000\n-L5", "2.1250\n-L2"]
+    assert list(ax.lines[0].get_ydata()) == [1.25, 1.5, 2.125]
+    assert write_search_png(tmp_path / "s.png", [4, 3], [1.0, 2.0], [None, 1], "t") is None
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_search_png_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
+    import sys
+
+    from dsaflow.search.png import write_search_png
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib... raises ImportError
+    note = write_search_png(tmp_path / "s.png", [2, 1], [1.0, 2.0], [None, 1], "t")
+    assert "pip install 'dsaflow[plots]'" in note and "search.csv" in note
+    assert not (tmp_path / "s.png").exists()

@@ -16,8 +16,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import dsaflow
-from dsaflow.config.errors import ConfigError, explain_omegaconf_error
+from dsaflow.config.errors import explain_omegaconf_error
 from dsaflow.config.schema import DSAFlowConfig, register_configs, validate
+from dsaflow.errors import ConfigError
 
 # Values written in the layout language contain characters that Hydra's override grammar reserves ("(", ")", "|",
 # spaces); these keys are quoted for Hydra so `layout=(FSSS)*2|(FSSS)*2` works as typed.
@@ -170,7 +171,15 @@ def typed_config(cfg) -> DSAFlowConfig:
         )
     out = OmegaConf.to_object(cfg)
     validate(out)  # ranges and choices, declared in schema.py: a ConfigError naming field, value and range
+    honour_wandb_mode(out)
     return out
+
+
+def honour_wandb_mode(cfg: DSAFlowConfig) -> None:
+    """WANDB_MODE=disabled, wandb's own off switch, turns tracking off as it would for any wandb script; the run
+    dir's config.yaml then records track.mode=disabled (no wandb/ folder, no tracker on any rank)."""
+    if os.environ.get("WANDB_MODE", "").lower() == "disabled" and str(cfg.track.backend) == "wandb":
+        cfg.track.mode = type(cfg.track.mode)("disabled")
 
 
 def to_yaml(cfg: DSAFlowConfig) -> str:

@@ -1,12 +1,10 @@
-"""Config errors: a PlanError subclass (so the CLI treats every user mistake alike) and the translation of
-OmegaConf's exceptions into one paragraph that names the key, the value and the fix."""
+"""The translation of OmegaConf's exceptions into one paragraph that names the key, the value and the fix (raised
+as `dsaflow.errors.ConfigError` by dsaflow.config.compose)."""
 from __future__ import annotations
 
 import dataclasses
 
-from dsaflow.errors import ConfigError, PlanError
-
-__all__ = ["ConfigError", "PlanError", "explain_omegaconf_error"]
+__all__ = ["explain_omegaconf_error"]
 
 
 def _fields(object_type) -> dict:
@@ -32,7 +30,8 @@ def explain_omegaconf_error(exc) -> str:
     want = fields.get(key) if isinstance(key, str) else None
     value = getattr(exc, "value", None)
     if "is not Optional" in first_line:
-        return f"{full_key}=null: this field needs a value. Fix: set {full_key} to a value of type {want or 'its declared type'}."
+        kind = want or "its declared type"
+        return f"{full_key}=null: this field needs a value. Fix: set {full_key} to a value of type {kind}."
     if name == "ValidationError" and "expected one of" in first_line:
         allowed = first_line.split("expected one of", 1)[1].strip(" []")
         return f"{full_key}={value!r} is not a valid choice. Fix: use one of {allowed}."

@@ -17,10 +17,14 @@ def main(argv=None) -> int:
     from .lifecycle import die_with_parent
 
     die_with_parent()
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    # After the imports: torch sets its loggers' levels when it creates them. torch.distributed.run's only
+    # warnings are banners (the OMP_NUM_THREADS default; each worker sets its own thread count).
+    for name in ("torch.distributed.elastic", "torch.distributed.run"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
     try:
         run(parse_args(list(sys.argv[1:] if argv is None else argv)))

@@ -131,6 +131,19 @@ def _raise_interrupted(signum, frame):
     raise _Interrupted(signum)
 
 
+def interrupt_hint(run_dir: Path, job: str) -> str:
+    """What an interrupted run can do next: resume only where a checkpoint was saved (resume refuses otherwise)."""
+    from dsaflow.run.ckpt_store import list_checkpoints
+
+    if job != "train":
+        return ""
+    saved = list_checkpoints(run_dir)
+    if saved:
+        return f" (step {saved[0][0]} was saved; continue with train.resume=true run_dir={run_dir})"
+    return (" (no checkpoint was saved, so it cannot resume: train.ckpt_every=0 saves only at the end. Start "
+            "again with train.ckpt_every=N to make an interrupted run resumable from its last N-step save)")
+
+
 def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str) -> int:
     """Run the agent in its own session and wait; SIGINT/SIGTERM stop the whole tree (one line, 128 + signal)."""
     from .lifecycle import die_with_parent, kill_tree
@@ -154,8 +167,7 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str) -> i
                 pass
         name = signal.Signals(exc.signum).name
         print(f"dsaflow {job}: interrupted ({name}); stopped torchrun and its workers ({n} processes). Run dir: "
-              f"{run_dir}" + (f" (continue with train.resume=true run_dir={run_dir})" if job == "train" else ""),
-              file=sys.stderr, flush=True)
+              f"{run_dir}{interrupt_hint(run_dir, job)}", file=sys.stderr, flush=True)
         return 128 + exc.signum
     finally:
         for s, h in old.items():

@@ -17,9 +17,8 @@ def shell_command(cmd: List[str]) -> str:
 
 def train_summary(cfg, run_dir, rc: int) -> str:
     """Lines for the end of `dsaflow train`: run dir, checkpoint, final metrics, the `wandb sync` command."""
-    from dsaflow.track.sweep_summary import final_metrics
-
     from dsaflow.run.rundir import latest_checkpoint
+    from dsaflow.track.sweep_summary import final_metrics
 
     run_dir = Path(run_dir)
     m = final_metrics(run_dir)
@@ -40,6 +39,9 @@ def train_summary(cfg, run_dir, rc: int) -> str:
         target = shell_command([str(runs[-1])]) if runs else shlex.quote(str(run_dir / "wandb")) + "/offline-run-*"
         lines.append(f"  wandb:      offline run; upload with: wandb sync {target}")
     if ck and rc == 0:
-        lines.append(f"  next:       dsaflow generate serve.checkpoint={shlex.quote(str(run_dir))} "
-                     "serve.prompts='[\"... K7; ... ?K\"]'   (docs/serving.md)")
+        # A prompt of the run's own data: a retrieval query answered by one token, or the start of a text.
+        ask = ("serve.max_new_tokens=1 serve.prompts='[\"qmzj xwv K7; pllr ?K\"]'" if str(cfg.data.kind) == "retrieval"
+               else "serve.prompts='[\"The \"]'")
+        lines.append(f"  next:       dsaflow generate serve.checkpoint={shlex.quote(str(run_dir))} {ask}   "
+                     "(docs/serving.md)")
     return "\n".join(lines)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import List, Sequence, Tuple
 
-from dsaflow.plan.plan import GraphBlockPlan, PlanError
-
+from dsaflow.errors import PlanError
+from dsaflow.plan.plan import GraphBlockPlan
 
 
 def _check_shapes(block, max_shape: int) -> Tuple[int, ...]:

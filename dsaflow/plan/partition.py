@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
+from dsaflow.errors import PlanError
 from dsaflow.plan.layout import freq_roles, parse_layout, tile_pattern
-from dsaflow.plan.plan import PlanError
-
 
 
 def declared_roles(cfg) -> Tuple[Tuple[str, ...], Optional[Tuple[int, ...]]]:

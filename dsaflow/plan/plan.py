@@ -18,8 +18,6 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from dsaflow.errors import PlanError
-
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -116,4 +114,4 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
-__all__ = ["GraphBlockPlan", "LayerPlan", "PipelinePlan", "Plan", "PlanError", "StagePlan"]  # PlanError: dsaflow.errors
+__all__ = ["GraphBlockPlan", "LayerPlan", "PipelinePlan", "Plan", "StagePlan"]

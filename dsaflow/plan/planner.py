@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+from dsaflow.errors import PlanError
 from dsaflow.plan.graph_blocks import plan_graph_blocks
 from dsaflow.plan.partition import declared_roles, stage_of_layers, stage_starts
-from dsaflow.plan.plan import LayerPlan, Plan, PlanError, StagePlan
+from dsaflow.plan.plan import LayerPlan, Plan, StagePlan
 from dsaflow.plan.schedule import resolve_pipeline, stage_ranks
 from dsaflow.plan.stage_estimates import build_estimates, layer_costs, promotion_costs
+
 
 def check_fields(cfg) -> None:
     """Every declared range and choice (dsaflow.config.schema.validate: compose runs it too, this covers configs

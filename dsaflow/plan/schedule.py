@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import List
 
-from dsaflow.plan.plan import PipelinePlan, PlanError
+from dsaflow.errors import PlanError
+from dsaflow.plan.plan import PipelinePlan
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")  # the rest of dsaflow.config.schema.Schedule runs several stages/rank
 # Schedules whose microbatch count must divide by the ranks. Recent torch relaxes this to a multiple of

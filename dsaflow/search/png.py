@@ -1,63 +1,50 @@
-"""A dependency-free line plot written as PNG (zlib + struct): calibration loss per search step.
+"""search.png: calibration loss against the F layers kept, one point per greedy step, drawn with matplotlib.
 
-Just enough for one series: axes, tick marks, the polyline and a marker per point, with the y range printed in
-the file name's companion CSV (no fonts here, so no text is drawn in the image)."""
+matplotlib is an optional extra (`pip install 'dsaflow[plots]'`): without it the search still writes every table
+(search.csv holds the same numbers) and says that the figure was not drawn and how to get it. The figure is built
+with matplotlib's object API (Figure + the Agg canvas), so a caller's pyplot backend and state are left alone.
+"""
 from __future__ import annotations
 
-import struct
-import zlib
+import math
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
+
+MISSING = ("matplotlib is not installed, so search.png was not drawn (search.csv has the same numbers). "
+           "Fix: pip install 'dsaflow[plots]' (or pip install matplotlib).")
 
 
-def _png(width: int, height: int, rows: Sequence[bytearray]) -> bytes:
-    raw = b"".join(b"\x00" + bytes(r) for r in rows)
+def search_figure(num_f: Sequence[int], losses: Sequence[float], removed: Sequence[Optional[int]], title: str):
+    """-> a matplotlib Figure: calibration loss (y) per number of F layers kept (x, falling left to right, as the
+    search runs), each point labelled with its loss and the layer whose indexer that step removed."""
+    from matplotlib.figure import Figure
 
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+    fig = Figure(figsize=(6.4, 4.0), dpi=100)
+    ax = fig.add_subplot()
+    ax.plot(num_f, losses, "o-", color="tab:blue")
+    for x, y, r in zip(num_f, losses, removed):
+        if math.isfinite(y):
+            label = f"{y:.4f}" + ("" if r is None else f"\n-L{r}")
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=7)
+    ax.set_xlabel("F layers kept (layers that run their own indexer)")
+    ax.set_ylabel("calibration loss")
+    ax.set_title(title, fontsize=10)
+    ax.set_xticks(sorted(set(num_f)))
+    if len(set(num_f)) > 1:
+        ax.invert_xaxis()  # the search removes indexers: time runs left to right
+    ax.margins(x=0.08, y=0.2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
-
-def line_plot_png(path: str | Path, ys: Sequence[float], width: int = 480, height: int = 300) -> None:
-    """Plot ys against 0..len(ys)-1 (x = search step) into `path`."""
-    img = [bytearray(b"\xff\xff\xff" * width) for _ in range(height)]
-
-    def put(x: int, y: int, rgb=(0, 0, 0)) -> None:
-        if 0 <= x < width and 0 <= y < height:
-            img[y][3 * x : 3 * x + 3] = bytes(rgb)
-
-    left, right, top, bottom = 40, width - 20, 20, height - 30
-    for x in range(left, right + 1):
-        put(x, bottom)
-    for y in range(top, bottom + 1):
-        put(left, y)
-    finite = [y for y in ys if y == y]
-    if not finite:
-        Path(path).write_bytes(_png(width, height, img))
-        return
-    lo, hi = min(finite), max(finite)
-    span = (hi - lo) or 1.0
-    n = max(len(ys) - 1, 1)
-    pts = [(left + round((right - left) * i / n), bottom - round((bottom - top) * (y - lo) / span))
-           for i, y in enumerate(ys) if y == y]
-    for i in range(len(ys)):  # x ticks, one per step
-        x = left + round((right - left) * i / n)
-        for d in range(4):
-            put(x, bottom + 1 + d)
-    for d in range(4):  # y ticks at the min and max
-        put(left - 1 - d, top)
-        put(left - 1 - d, bottom)
-    blue = (31, 119, 180)
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for t in range(steps + 1):
-            x, y = x0 + (x1 - x0) * t // steps, y0 + (y1 - y0) * t // steps
-            put(x, y, blue)
-            put(x, y + 1, blue)
-    for x, y in pts:
-        for dx in range(-3, 4):
-            for dy in range(-3, 4):
-                put(x + dx, y + dy, (214, 39, 40))
-    Path(path).write_bytes(_png(width, height, img))
+def write_search_png(path: str | Path, num_f: Sequence[int], losses: Sequence[float],
+                     removed: Sequence[Optional[int]], title: str) -> Optional[str]:
+    """Draw `search_figure` into `path`. -> None when written, else the reason it was not (matplotlib missing)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        return MISSING
+    fig = search_figure(num_f, losses, removed, title)
+    FigureCanvasAgg(fig).print_png(str(path))
+    return None

@@ -6,7 +6,7 @@ calibration batches (training-split batches the run never trained on), and write
 
     search.jsonl    the resumable log (every candidate and every step)
     search.csv      one row per step: removed layer, F count, calibration loss / accuracy, layout
-    search.png      calibration loss per step
+    search.png      calibration loss per step, with values (needs matplotlib: pip install 'dsaflow[plots]')
     eval.json, eval.md   eval loss / accuracy of all-F, uniform and searched patterns at the same F counts
 and prints the `layout=` string to paste into `dsaflow train` / `dsaflow generate`.
 
@@ -18,18 +18,19 @@ from __future__ import annotations
 import csv
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import List, Tuple
 
 import torch
 
+from dsaflow.errors import PlanError, ServeError
 from dsaflow.plan.layout import format_layout, freq_roles
-from dsaflow.plan.plan import PlanError
 
 from .evaluate import PatternEvaluator
 from .greedy import SearchLog, Step, greedy_search
-from .png import line_plot_png
+from .png import write_search_png
 
 CALIB_STEP_OFFSET = 1_000_000  # calibration batch i = training batch CALIB_STEP_OFFSET + i (never trained on)
 
@@ -51,16 +52,15 @@ def load_search_model(cfg, device: torch.device):
     import copy
 
     from dsaflow.config.compose import load_config
-    from dsaflow.run.stages import build_stages
     from dsaflow.plan import build_plan
     from dsaflow.run.rundir import CONFIG, PLAN
+    from dsaflow.run.stages import build_stages
     from dsaflow.serve.weights import load_model_weights, resolve_checkpoint
 
     s = cfg.search
     if not s.checkpoint:
         raise PlanError("dsaflow search needs search.checkpoint=<a run dir trained with index=all_full>. Fix: e.g. "
                         "search.checkpoint=runs/20260101-120000-tiny-retrieval.")
-    from dsaflow.serve.engine import ServeError
 
     try:
         ckpt = resolve_checkpoint(s.checkpoint)
@@ -78,8 +78,8 @@ def load_search_model(cfg, device: torch.device):
         s_layers = [l.index for l in old.layers if l.role == "S"]
         if s_layers:
             raise PlanError(
-                f"search.checkpoint={s.checkpoint} was trained with S layers {s_layers}, which have no indexer weights, "
-                "so the search cannot try them as F. Fix: search from a run trained with index=all_full."
+                f"search.checkpoint={s.checkpoint} was trained with S layers {s_layers}, which have no indexer "
+                "weights, so the search cannot try them as F. Fix: search from a run trained with index=all_full."
             )
     run_cfg = copy.deepcopy(trained)
     run_cfg.index.pattern, run_cfg.index.freq, run_cfg.index.offset, run_cfg.layout = None, None, 0, None
@@ -169,7 +169,8 @@ def run_search(cfg) -> int:
     out = Path(s.out_dir) if s.out_dir else ckpt.parent.parent / "search"
     out.mkdir(parents=True, exist_ok=True)
     header = {"checkpoint": str(ckpt.resolve()), "stage_starts": list(starts), "num_layers": L,
-              "calib_batches": s.calib_batches, "seq_len": run_cfg.train.seq_len, "batch_size": run_cfg.train.batch_size,
+              "calib_batches": s.calib_batches, "seq_len": run_cfg.train.seq_len,
+              "batch_size": run_cfg.train.batch_size,
               "seed": run_cfg.train.seed, "data": run_cfg.data.name}
     log = SearchLog(out / "search.jsonl", header, restart=s.restart)
     print(f"search: {L} layers, stages start at {list(starts)} (kept F), target {target} F "
@@ -188,7 +189,13 @@ def run_search(cfg) -> int:
             w.writerow([st.step, "" if st.removed is None else st.removed, st.num_f, f"{st.num_f / L:.4f}",
                         f"{st.loss:.6f}", "" if math.isnan(st.acc) else f"{st.acc:.4f}",
                         format_layout(tuple(st.roles), starts)])
-    line_plot_png(out / "search.png", [st.loss for st in steps])
+    png_note = write_search_png(out / "search.png", [st.num_f for st in steps], [st.loss for st in steps],
+                                [st.removed for st in steps],
+                                f"IndexCache greedy search: {ckpt.parent.parent.name}\n{L} layers, "
+                                f"{s.calib_batches} calibration batches of {run_cfg.train.batch_size}x"
+                                f"{run_cfg.train.seq_len}")
+    if png_note:
+        print(f"search: note: {png_note}", file=sys.stderr, flush=True)
     rows: List[dict] = []
     if s.eval_batches:
         vb, _ = _batches(run_cfg, s.eval_batches, calib=False)
@@ -198,8 +205,8 @@ def run_search(cfg) -> int:
         (out / "eval.md").write_text(_md_table(rows, starts))
     layout = format_layout(tuple(chosen.roles), starts)
     (out / "layout.txt").write_text(layout + "\n")
-    print(f"search: done in {search_s:.0f} s ({ev.layer_calls} layer forwards); wrote {out}/search.csv, "
-          f"search.png{', eval.md' if rows else ''}", flush=True)
+    wrote = ", ".join(["search.csv"] + ([] if png_note else ["search.png"]) + (["eval.md"] if rows else []))
+    print(f"search: done in {search_s:.0f} s ({ev.layer_calls} layer forwards); wrote {out}/{wrote}", flush=True)
     if rows:
         print(f"eval on {s.eval_batches} held-out batches:\n" + _md_table(rows, starts), flush=True)
     print(f'layout="{layout}"', flush=True)

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from dsaflow.errors import ServeError  # noqa: F401 - re-exported
+from dsaflow.errors import ServeError
 from dsaflow.plan.plan import Plan
 from dsaflow.run.stages import stage_cache
 

@@ -20,10 +20,11 @@ from typing import List, Optional, Tuple
 import torch
 
 from dsaflow.data.tokenizer import ByteTokenizer
+from dsaflow.errors import ServeError
 from dsaflow.plan.plan import Plan
 from dsaflow.run.stages import stage_module
 
-from .engine import PipelineEngine, ServeError, check_graph_blocks, check_prompts
+from .engine import PipelineEngine, check_graph_blocks, check_prompts
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
