@@ -30,19 +30,23 @@ from .rope import rope_angles
 class StageModule(nn.Module):
     def __init__(
         self, model_cfg: ModelConfig, layers: Sequence[LayerSpec], is_first: bool = True, is_last: bool = True,
-        seed: int = 0, name: str = "stage",
+        seed: int = 0, name: str = "stage", receives_indices: bool = False,
     ):
         """layers: LayerSpec-like objects (index, role, source) of a contiguous span, in order. `name` only labels
-        error messages (e.g. "stage 1")."""
+        error messages (e.g. "stage 1"). receives_indices: the S layers that open the span read the top-k indices
+        of an F layer on an earlier stage (cross-stage indices), handed to `forward(indices_in=...)`."""
         super().__init__()
         self.cfg, self.is_first, self.is_last = model_cfg, is_first, is_last
+        self.incoming_source = _incoming_source(layers, name) if receives_indices else None
         roles = {l.index: l.role for l in layers}
         for l in layers:  # fail closed: an S layer may only reuse indices written earlier in this very span
+            if l.role == "S" and l.source == self.incoming_source:
+                continue
             if l.role == "S" and not (l.source in roles and l.source < l.index and roles[l.source] == "F"):
                 raise ValueError(
                     f"S layer {l.index} on {name} has source={l.source}, which is not an earlier F layer of the same "
                     f"stage (layers {sorted(roles)}): rebuild plan.json with `dsaflow plan`, which promotes such "
-                    f"layers to F."
+                    f"layers to F or, with pipeline.cross_stage_indices=true, sends the indices across."
                 )
         self.layers = nn.ModuleDict({str(l.index): DSABlock(model_cfg, l) for l in layers})
         self.embed = nn.Embedding(model_cfg.vocab_size, model_cfg.dim) if self.is_first else None
@@ -60,6 +64,7 @@ class StageModule(nn.Module):
         # train.recompute=attention (see ForwardContext.recompute_attention); the trainer sets it.
         self.recompute_attention = False
         self.indexer_loss: Optional[torch.Tensor] = None
+        self.indices_out: Optional[torch.Tensor] = None
         self.init_weights(seed)
 
     def init_weights(self, seed: int) -> None:
@@ -74,6 +79,7 @@ class StageModule(nn.Module):
         attn: str = "sparse",
         compute_indexer_loss: Optional[bool] = None,
         indexer_loss_in_backward: Optional[IndexerLossInBackward] = None,
+        indices_in: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x: token ids [B, T] int64 on the first stage, hidden [B, T, dim] otherwise.
 
@@ -87,9 +93,19 @@ class StageModule(nn.Module):
         runs inside this forward's backward instead (dsaflow.model.indexer_loss): no second Q.K^T pass for its
         target, `self.indexer_loss` stays None, and the values go to `indexer_loss_in_backward.values`.
         With a cache: CUDA-graph safe (no host sync, static shapes given x.shape); run it under torch.no_grad().
+        indices_in int32 [B, T, topk] (no gradient): the top-k indices of `self.incoming_source`, an F layer of an
+        earlier stage, for a stage built with receives_indices (required with sparse attention; dense attention
+        reads none). With a cache they are copied into the stage's static index buffer. After the forward,
+        `self.indices_out` holds what the next stage reads (see `forward_with_indices`).
         """
         if attn not in ATTN_MODES:
             raise ValueError(f"attn={attn!r} is not an attention mode: use one of {ATTN_MODES}.")
+        if indices_in is not None and self.incoming_source is None:
+            raise ValueError("indices_in was given, but no S layer of this stage reads an earlier stage's indices "
+                             "(build it with receives_indices=True from a plan with cross-stage indices).")
+        if indices_in is None and self.incoming_source is not None and attn == "sparse":
+            raise ValueError(f"S layers of this stage read the indices of layer {self.incoming_source} on an earlier "
+                             f"stage: pass them as indices_in [B, T, topk] int32.")
         h = self.embed(x) if self.embed is not None else x
         B, T = h.shape[:2]
         causal_rows = False  # see ForwardContext.causal_rows (only dense attention reads it)
@@ -110,10 +126,14 @@ class StageModule(nn.Module):
                     f"sparse attention, got attn={attn!r}, cache={cache is not None}, training={self.training}, "
                     f"grad={torch.is_grad_enabled()}: leave it None and read `indexer_loss` after the forward.")
             want_loss = True
-        recorder = (IndexerLossRecorder(self.sources(), indexer_loss_in_backward)
+        # Distillation is stage-local: S layers reading an earlier stage's indices add nothing to any target here.
+        own = [(layer, src) for layer, src in self.sources() if src != self.incoming_source]
+        recorder = (IndexerLossRecorder(own, indexer_loss_in_backward)
                     if (want_loss and self.training and cache is None) else None)
         slot = cache.index_slot if cache is not None else IndexSlot()
         slot.begin()
+        if indices_in is not None and attn == "sparse":
+            slot.write(self.incoming_source, indices_in.detach())
         c = self.cfg
         ctx = ForwardContext(
             positions=positions,
@@ -129,10 +149,23 @@ class StageModule(nn.Module):
         )
         for layer in self.layers.values():
             h = layer(h, ctx)
+        self.indices_out = slot.indices if attn == "sparse" else None
         self.indexer_loss = recorder.loss() if recorder is not None else None
         if self.head is not None:
             return self.head(self.norm(h)).float()
         return h
+
+    def forward_with_indices(self, x: torch.Tensor, indices_in: Optional[torch.Tensor] = None, **kwargs):
+        """`forward` -> (its output, indices_out int32 [B, T, topk]): the indices the next stage's opening S layers
+        read (those of this stage's last F layer, or the incoming ones if it has none). Dense attention writes no
+        indices: indices_out is then -1 everywhere (same shape, so pipeline buffers keep one shape)."""
+        out = self.forward(x, indices_in=indices_in, **kwargs)
+        idx = self.indices_out
+        if idx is None:
+            B, T = x.shape[:2]
+            idx = torch.full((B, T, self.cfg.index_topk), -1, dtype=torch.int32, device=out.device)
+        self.indices_out = None
+        return out, idx
 
     def sources(self) -> List[tuple[int, int]]:
         """(layer, source) for every layer of the stage (source = itself for F layers)."""
@@ -141,6 +174,23 @@ class StageModule(nn.Module):
     def indexer_parameters(self) -> List[nn.Parameter]:
         """The parameters the indexer loss trains (F layers' `attn.indexer.*`)."""
         return [p for n, p in self.named_parameters() if ".attn.indexer." in n]
+
+
+def _incoming_source(layers: Sequence[LayerSpec], name: str) -> int:
+    """The one F layer of an earlier stage whose indices the S layers opening `layers` read."""
+    first = layers[0].index
+    opening = []
+    for l in layers:
+        if l.role == "F":
+            break
+        opening.append(l)
+    sources = {l.source for l in opening}
+    if not opening or len(sources) != 1 or min(sources) >= first:
+        raise ValueError(
+            f"{name} was built with receives_indices=True, but its opening S layers "
+            f"{[l.index for l in opening]} do not all read one F layer before layer {first} (sources {sorted(sources)})."
+        )
+    return sources.pop()
 
 
 def build_model(model_cfg: ModelConfig, roles: Optional[str] = None, seed: int = 0) -> StageModule:
