@@ -1,4 +1,5 @@
-"""A checkpoint without indexer weights on its S layers implies index.promote=false; F without an indexer is an error."""
+"""A checkpoint without indexer weights on its S layers implies index.promote=false; an F layer without one is an
+error."""
 import pytest
 import torch
 

@@ -143,7 +143,8 @@ def test_glm52_pp8_s_boundaries_are_refused_with_alternatives_then_sent(capsys):
     assert code == 2 and out == "" and "Traceback" not in err
     assert "stage 2 at layer 20" in err and "layer 20 (stage 2) -> 18 (balance" in err and "or 22 (balance" in err
     assert "pipeline.boundaries=[10, 18, 26, 34, 46, 58, 70]" in err and "cross_stage_indices=true" in err
-    args = ("model=glm52", "pipeline=pp8", "index.promote=false", GLM52_S_BOUNDARIES, "pipeline.cross_stage_indices=true")
+    args = ("model=glm52", "pipeline=pp8", "index.promote=false", GLM52_S_BOUNDARIES,
+            "pipeline.cross_stage_indices=true")
     plan = Plan.from_json(_json(capsys, *args))
     assert plan.index_boundaries == (1, 3, 5)
     assert [plan.layers[i].source for i in (20, 21, 40, 60)] == [18, 18, 38, 58]

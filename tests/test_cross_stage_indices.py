@@ -69,3 +69,23 @@ def test_serving_caches_copy_received_indices_and_match_one_stage():
         assert torch.equal(caches[2].index[:2, :n], caches[1].index[:2, :n])
         assert torch.equal(caches[3].index[:2, :n], caches[1].index[:2, :n])
         assert caches[3].index.data_ptr() != caches[1].index.data_ptr()
+
+
+@torch.no_grad()
+def test_training_sends_only_the_columns_a_sequence_can_fill():
+    """T < topk: the cut columns are all -1, the receiver pads them back, and the bytes match the plan's payload."""
+    from dsaflow.plan.estimates import index_payload_bytes
+    from dsaflow.train.pipeline import TrainStage
+
+    model, plan = planned_sharp(SPLIT, CROSS, "model.index_topk=16")
+    stages = build_stages(model, plan, seed=1)
+    x = tokens(2, 12)
+    full_out, full = stages[0].forward_with_indices(x)
+    first, second = TrainStage(stages[0], sends_indices=True), TrainStage(stages[1], sends_indices=True)
+    out, sent = first(x)
+    assert sent.shape == (2, 12, 12) and torch.equal(sent, full[..., :12]) and (full[..., 12:] == -1).all()
+    assert sent.nbytes == index_payload_bytes(model, 24, 12)
+    second.live = True  # a real microbatch: the received ids are used as they are
+    h, _ = second(out, sent)
+    want, _ = stages[1].forward_with_indices(full_out, full)
+    assert torch.equal(h, want)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsaflow.config.schema import ModelConfig
@@ -132,9 +133,11 @@ class StageModule(nn.Module):
                     if (want_loss and self.training and cache is None) else None)
         slot = cache.index_slot if cache is not None else IndexSlot()
         slot.begin()
-        if indices_in is not None and attn == "sparse":
-            slot.write(self.incoming_source, indices_in.detach())
         c = self.cfg
+        if indices_in is not None and attn == "sparse":
+            if indices_in.shape[-1] < c.index_topk:  # sent trimmed (`trim_indices`): the cut columns were -1
+                indices_in = F.pad(indices_in, (0, c.index_topk - indices_in.shape[-1]), value=-1)
+            slot.write(self.incoming_source, indices_in.detach())
         ctx = ForwardContext(
             positions=positions,
             rope_mla=rope_angles(positions, c.qk_rope_head_dim, c.rope_theta),
@@ -176,6 +179,14 @@ class StageModule(nn.Module):
         return [p for n, p in self.named_parameters() if ".attn.indexer." in n]
 
 
+def trim_indices(indices: torch.Tensor) -> torch.Tensor:
+    """indices [B, T, topk] of a forward without a cache (keys = the T tokens themselves) -> [B, T, min(topk, T)]:
+    a query sees at most T keys and `indexer_topk` puts -1 after the selected ones, so the other columns are -1 and
+    need not travel (the receiving stage pads them back). What the plan's index payload counts. A new tensor, never
+    a view: torch's pipelining detaches stage outputs in place, and a stage without an F layer sends on its input."""
+    return indices[..., : min(indices.shape[-1], indices.shape[1])].clone()
+
+
 def _incoming_source(layers: Sequence[LayerSpec], name: str) -> int:
     """The one F layer of an earlier stage whose indices the S layers opening `layers` read."""
     first = layers[0].index
@@ -188,7 +199,8 @@ def _incoming_source(layers: Sequence[LayerSpec], name: str) -> int:
     if not opening or len(sources) != 1 or min(sources) >= first:
         raise ValueError(
             f"{name} was built with receives_indices=True, but its opening S layers "
-            f"{[l.index for l in opening]} do not all read one F layer before layer {first} (sources {sorted(sources)})."
+            f"{[l.index for l in opening]} do not all read one F layer before layer {first} "
+            f"(sources {sorted(sources)})."
         )
     return sources.pop()
 

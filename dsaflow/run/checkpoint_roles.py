@@ -7,7 +7,8 @@ exist. `plan_for_checkpoint` reads the checkpoint's weight headers (no tensor da
 - when the plan would promote a layer whose indexer is missing, the checkpoint implies `index.promote=false`: the
   config is changed (the run dir records it), a message says so, and the plan is built again, so stages start on F
   or, with `pipeline.cross_stage_indices=true`, the indices cross the boundary.
-The checkpoint is `serve.checkpoint` (generate, or `plan` with mode=serve), or the run dir's newest checkpoint when `train.resume=true`.
+The checkpoint is `serve.checkpoint` (generate, or `plan` with mode=serve), or the run dir's newest checkpoint when
+`train.resume=true`.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from dsaflow.model import StageModule
+from dsaflow.model import StageModule, trim_indices
 from dsaflow.run.context import RunContext
 from dsaflow.run.p2p import StageLink
 
@@ -93,7 +93,7 @@ class ForwardPipeline:
                 else:
                     self.link.send(out.float(), self.ctx.global_rank(self._owner(s + 1)))
                     if self.plan.sends_indices(s):
-                        self.link.send(indices, self.ctx.global_rank(self._owner(s + 1)))
+                        self.link.send(trim_indices(indices), self.ctx.global_rank(self._owner(s + 1)))
         if learn:
             for module, _ in self.local.values():
                 for p in module.indexer_parameters():
@@ -107,9 +107,11 @@ class ForwardPipeline:
         return (t.batch_size // self.plan.pipeline.microbatches, t.seq_len, self.ctx.cfg.model.dim)
 
     def _index_shape(self) -> tuple:
-        """[sequences per microbatch, T, topk]: the int32 indices a stage sends with cross-stage indices."""
+        """[sequences per microbatch, T, min(topk, T)]: the int32 indices a stage sends with cross-stage indices
+        (`trim_indices`)."""
         t = self.ctx.cfg.train
-        return (t.batch_size // self.plan.pipeline.microbatches, t.seq_len, self.ctx.cfg.model.index_topk)
+        topk = min(self.ctx.cfg.model.index_topk, t.seq_len)
+        return (t.batch_size // self.plan.pipeline.microbatches, t.seq_len, topk)
 
     def _stage_forward(self, module: StageModule, inp: torch.Tensor, autocast: Callable, attn: str, learn: bool,
                        weight: Optional[float], sink: Optional[list], indices: Optional[torch.Tensor]):

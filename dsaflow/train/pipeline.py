@@ -30,7 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from dsaflow.data import IGNORE
-from dsaflow.model import IndexerLossInBackward
+from dsaflow.model import IndexerLossInBackward, trim_indices
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -82,21 +82,21 @@ class TrainStage(nn.Module):
         """x: token ids [b, T] (first stage) or hidden [b, T, dim]; indices int32 [b, T, topk]: what the previous
         stage sends when this one opens on S layers (pipeline.cross_stage_indices). Returns the output, and with
         `sends_indices` also the indices the next stage reads (an int tensor: the schedule sends it forward and,
-        since it needs no gradient, nothing back)."""
+        since it needs no gradient, nothing back), trimmed to [b, T, min(topk, T)] (`trim_indices`)."""
         learn = self.live and torch.is_grad_enabled()
         if indices is not None and not self.live:  # shape inference hands in uninitialised ids: keep them in range
             indices = torch.zeros_like(indices)
         if learn and self.attn == "sparse":
             out, sent = self.stage.forward_with_indices(
                 x, indices, attn="sparse", indexer_loss_in_backward=self.in_backward)
-            return (out, sent) if self.sends_indices else out
+            return (out, trim_indices(sent)) if self.sends_indices else out
         out, sent = self.stage.forward_with_indices(x, indices, attn=self.attn, compute_indexer_loss=learn)
         loss = self.stage.indexer_loss
         self.stage.indexer_loss = None
         if learn and loss is not None and loss.requires_grad:
             self.indexer_losses.append(loss.detach())
             out = attach_aux_loss(out, loss, self.in_backward.weight)
-        return (out, sent) if self.sends_indices else out
+        return (out, trim_indices(sent)) if self.sends_indices else out
 
 
 class ChunkTimer:
