@@ -10,16 +10,16 @@ that reads the indices of the previous stage, under all six schedules.
 from __future__ import annotations
 
 import pytest
+from train_harness import GRAD_STEPS, run_configs, tiny_cfg
 
 from dsaflow.plan import build_plan
-from train_harness import GRAD_STEPS, run_configs, tiny_cfg
 
 ROLES = "FSSFSFSS"  # 2 stages: [0-3 | 4-7]; 4 stages: [0 1 | 2 3 | 4 5 | 6 7]: every stage after the first opens on S
 LAYOUTS_2 = [(2, 2, "GPipe"), (2, 2, "1F1B"), (4, 2, "Interleaved1F1B"), (4, 2, "LoopedBFS"),
              (4, 2, "InterleavedZeroBubble"), (4, 2, "ZBVZeroBubble")]
 LAYOUTS_4 = [(4, 4, "1F1B"), (4, 4, "GPipe")]
 STEPS = 3
-COMMON = dict(steps=STEPS, dense_warmup_steps=1, indexer_lr=0.0)
+COMMON = {"steps": STEPS, "dense_warmup_steps": 1, "indexer_lr": 0.0}
 LOCAL_TO_ONE_STAGE = {2: ("layers.0.", "layers.5.")}  # F layers whose whole group is on one stage of the split
 
 
