@@ -65,3 +65,11 @@ def test_plan_command_in_serve_mode_exits_2(tmp_path, capsys):
     code = main(["plan", "mode=serve", f"serve.checkpoint={ckpt}", "index.pattern=FSSS", "pipeline.boundaries=[2]"])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and "index.promote=false" in err and "Traceback" not in err
+
+
+def test_a_checkpoint_without_weight_files_is_left_to_the_loader(tmp_path):
+    folder = tmp_path / "c"
+    folder.mkdir()
+    assert indexer_layers(folder) is None
+    cfg = serve_cfg(folder, **{"pipeline.boundaries": [2]})
+    assert plan_for_checkpoint(cfg, "generate", build_plan).layers[2].promoted

@@ -36,10 +36,13 @@ def _weight_folder(path: Path) -> Optional[Path]:
 
 
 def indexer_layers(folder: Path) -> Optional[Set[int]]:
-    """Global indices of the layers whose indexer weights the checkpoint holds; None if its headers are unreadable
-    (the weight loader reports that with its own fix)."""
+    """Global indices of the layers whose indexer weights the checkpoint holds; None if it has no weight files or
+    their headers are unreadable (the weight loader reports that with its own fix)."""
+    files = sorted(folder.glob("model-rank*.safetensors"))
+    if not files:
+        return None
     layers: Set[int] = set()
-    for f in sorted(folder.glob("model-rank*.safetensors")):
+    for f in files:
         try:
             header, _ = read_header(f)
         except (SafetensorsError, OSError):
