@@ -206,7 +206,9 @@ def _compose_and_plan(overrides: List[str], nproc: Optional[int] = None, command
     cfg = compose(overrides)
     if run_dir is not None:
         cfg.run_dir = run_dir
-    return cfg, build_plan(cfg, nproc=nproc)
+    from dsaflow.run.checkpoint_roles import plan_for_checkpoint
+
+    return cfg, plan_for_checkpoint(cfg, command, lambda c: build_plan(c, nproc=nproc))
 
 
 def cmd_single(command: str, overrides: List[str], nproc: Optional[int], fmt: str) -> int:

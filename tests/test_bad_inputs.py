@@ -77,7 +77,7 @@ CONFIG_CASES = [
     ("train", ["pipeline.microbatches=0"], "pipeline.microbatches=0"),
     ("train", ["pipeline.schedule=Zigzag"], "pipeline.schedule='Zigzag'"),
     ("train", ["pipeline.balance=flops"], "pipeline.balance='flops'"),
-    ("train", ["pipeline.cross_stage_indices=true"], "cross_stage_indices"),
+    ("train", ["index.promote=false", "layout=FS|SF"], "index.promote=false"),
     ("train", ["graphs.on_failure=ignore"], "graphs.on_failure='ignore'"),
     ("train", ["graphs.max_shape=0"], "graphs.max_shape=0"),
     ("train", ["data.kind=csv"], "data.kind='csv'"),

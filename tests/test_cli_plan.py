@@ -122,3 +122,31 @@ def test_train_and_generate_plan_first_and_stop_on_mistakes(capsys, monkeypatch)
     assert main(["generate", "graphs=decode"]) == 0  # generate implies mode=serve, so decode graphs are valid
     cfg, plan, job = calls[-1]
     assert job == "generate" and cfg.mode == "serve" and plan.graph_blocks[0].kind == "decode"
+
+
+GLM52_S_BOUNDARIES = "pipeline.boundaries=[10,20,30,40,50,60,70]"  # 20, 40 and 60 are S layers of GLM-5.2
+
+
+def test_glm52_pp8_without_promotion_starts_every_stage_on_f(capsys):
+    plan = Plan.from_json(_json(capsys, "model=glm52", "pipeline=pp8", "index.promote=false"))
+    assert plan.num_stages == 8 and plan.index_boundaries == ()
+    assert sum(l.role == "F" for l in plan.layers) == 21 and not any(l.promoted for l in plan.layers)
+    assert all(plan.layers[s.layers[0]].role == "F" for s in plan.stages)
+    aligned = plan.estimates["f_aligned_split"]
+    assert aligned["balance"] > aligned["balance_anywhere"] >= 1.0
+    code, out, _ = run(capsys, "model=glm52", "pipeline=pp8", "index.promote=false")
+    assert code == 0 and "F-aligned split (index.promote=false)" in out
+
+
+def test_glm52_pp8_s_boundaries_are_refused_with_alternatives_then_sent(capsys):
+    code, out, err = run(capsys, "model=glm52", "pipeline=pp8", "index.promote=false", GLM52_S_BOUNDARIES)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert "stage 2 at layer 20" in err and "layer 20 (stage 2) -> 18 (balance" in err and "or 22 (balance" in err
+    assert "pipeline.boundaries=[10, 18, 26, 34, 46, 58, 70]" in err and "cross_stage_indices=true" in err
+    args = ("model=glm52", "pipeline=pp8", "index.promote=false", GLM52_S_BOUNDARIES,
+            "pipeline.cross_stage_indices=true")
+    plan = Plan.from_json(_json(capsys, *args))
+    assert plan.index_boundaries == (1, 3, 5)
+    assert [plan.layers[i].source for i in (20, 21, 40, 60)] == [18, 18, 38, 58]
+    code, out, _ = run(capsys, *args)
+    assert code == 0 and "cross-stage indices: after stages [1, 3, 5]" in out and "sent" in out

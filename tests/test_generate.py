@@ -228,3 +228,30 @@ def test_more_serve_errors(tmp_path):
 
     with pytest.raises(PlanError, match="kind=head exists in the plan but is never captured"):
         setup(["serve.prompts=[a]", "graphs=decode"], head_block)
+
+
+CROSS = ["pipeline.cross_stage_indices=true", "model.num_layers=8", "serve.max_new_tokens=6"]
+
+
+@pytest.mark.parametrize("split", ["FS|SS|FSSS", "FS|SS|FS|SS"])
+def test_cross_stage_indices_generate_what_one_stage_does(split):
+    """Stages that open on S read the previous stage's indices in prefill chunks and decode steps: the same greedy
+    tokens and logits as one stage, eager and through the padded graph path."""
+    cfg1, plan1 = setup(["layout=FSSSFSSS", *CROSS])
+    out1, e1 = run(cfg1, plan1, record=True)
+    cfg, plan = setup([f"layout={split}", *CROSS])
+    assert plan.index_boundaries and not any(l.promoted for l in plan.layers)
+    out, e = run(cfg, plan, record=True)
+    assert out == out1 and all(torch.equal(a, b) for a, b in zip(e.logits_log, e1.logits_log))
+
+    def graphs(c):
+        c.serve.prefill_chunk, c.serve.max_batch = 8, 4
+        c.graphs.blocks[0].shape_classes = [1, 2, 4]
+        c.graphs.blocks[1].shape_classes = [2, 8]
+
+    cfg_g, plan_g = setup(["graphs=decode_prefill", f"layout={split}", *CROSS], graphs)
+    out_g, eg = run(cfg_g, plan_g, PROMPTS[:3], record=True, capturer=FakeCapturer())
+    out_e, ee = run(*setup(["layout=FSSSFSSS", "serve.prefill_chunk=8", *CROSS]), PROMPTS[:3], record=True)
+    assert out_g == out_e
+    for a, b in zip(eg.logits_log, ee.logits_log):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

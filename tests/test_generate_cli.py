@@ -83,3 +83,22 @@ def test_serves_a_checkpoint_written_by_dsaflow_train(tmp_path):
     assert not torch.equal(trained_w, init.stages[0].layers["0"].attn.wq_a.weight)
     eng.capture()
     assert eng.generate([list(b"hello")]) == [got]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", ["FSSS|SFSS", "FS|SS|FS|SS"])
+def test_cross_stage_indices_pp2_pp4_generate_the_one_stage_greedy_tokens(tmp_path, split):
+    """Stages open on S and read the indices the previous rank sends with the hidden state (p2p, gloo)."""
+    greedy = ["model.num_layers=8", "pipeline.cross_stage_indices=true", "serve.temperature=0", *COMMON[1:4],
+              "track=none"]
+    out = tmp_path / "out.jsonl"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    res = dsaflow(f"layout={split}", f"serve.prompts_file={prompts}", f"serve.output_file={out}",
+                  f"run_dir={tmp_path / 'run'}", *greedy)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    cfg = compose(["mode=serve", "layout=" + split.replace("|", ""), *greedy])
+    eng = build_engine(cfg, build_plan(cfg), 0, "cpu")
+    eng.capture()
+    want = eng.generate([list(p.encode()) for p in PROMPTS])
+    assert [json.loads(line)["tokens"] for line in out.read_text().splitlines()] == want

@@ -221,3 +221,38 @@ def test_search_png_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch)
     note = write_search_png(tmp_path / "s.png", [2, 1], [1.0, 2.0], [None, 1], "t")
     assert "pip install 'dsaflow[plots]'" in note and "search.csv" in note
     assert not (tmp_path / "s.png").exists()
+
+
+def test_cross_stage_scores_equal_one_stage_and_prefix_cache():
+    """With cross-stage indices a stage may open on S: scores equal a single stage with the same roles, and the
+    prefix-cached score equals a fresh evaluation whichever stage the first change lies in."""
+    cfg, plan = planned_sharp("FFFF|FFFF", f"model.index_topk={TOPK}")
+    stages = build_stages(cfg, plan, seed=3)
+    one_cfg, one_plan = planned_sharp("FFFFFFFF", f"model.index_topk={TOPK}")
+    (one,) = build_stages(one_cfg, one_plan, seed=3)
+    ev = PatternEvaluator(stages, _batches(), torch.device("cpu"), cross_stage=True)
+    ev.rebase(tuple("FFFFFFFF"))
+    for roles in ("FSSSSSSS", "FFFFSSFS", "FFSFSFFS", "FFFFFSSS"):
+        got = ev.score(tuple(roles))
+        single = PatternEvaluator([one], _batches(), torch.device("cpu")).rebase(tuple(roles))
+        assert got.loss == pytest.approx(single.loss, rel=1e-6), roles
+        fresh = PatternEvaluator(stages, _batches(), torch.device("cpu"), cross_stage=True).rebase(tuple(roles))
+        assert got.loss == pytest.approx(fresh.loss, rel=1e-6), roles
+    assert stages[1].incoming_source is None  # the base (all F) is back in place
+    with pytest.raises(ValueError, match="must stay F"):
+        PatternEvaluator(stages, _batches(), torch.device("cpu")).rebase(tuple("FFFFSFFF"))
+
+
+def test_dsaflow_search_with_cross_stage_indices_keeps_only_layer_0(tmp_path, capsys):
+    from dsaflow import cli
+
+    small = ["model.num_layers=4", "model.dim=32", "model.inter_dim=64", "model.index_topk=4", "train.seq_len=32",
+             "train.batch_size=4", "data=retrieval_hard"]
+    rd = _fake_run(tmp_path, small)
+    args = ["search", f"search.checkpoint={rd}", "search.calib_batches=1", "search.eval_batches=1",
+            "search.target_f=1", "search.eval_ratios=[0.25]", "pipeline.boundaries=[0,2]",
+            "pipeline.cross_stage_indices=true", f"search.out_dir={tmp_path / 'cross'}"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "cross" / "layout.txt").read_text().strip() == "FS|SS"
+    assert 'layout="FS|SS" pipeline.cross_stage_indices=true' in out and "uniform 1/4 | 1 |" in out

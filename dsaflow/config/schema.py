@@ -106,6 +106,10 @@ class IndexConfig:
     pattern: Optional[str] = None
     freq: Optional[int] = num(None, 1, 1024)
     offset: int = num(0, 0, 1024)
+    # true: an S layer that opens a stage (with no indices arriving from the previous stage) runs as F, which needs
+    # indexer weights on it. false: S layers have no indexer weights (models trained with index sharing, such as
+    # GLM-5.2, ship none): stages must start on F, or pipeline.cross_stage_indices must carry the indices across.
+    promote: bool = True
 
 
 @dataclass
@@ -120,6 +124,9 @@ class PipelineConfig:
     ranks: Optional[int] = num(None, 1, 4096)  # pipeline ranks; None = stages (one stage per rank)
     schedule: Schedule = Schedule["1F1B"]
     microbatches: int = num(4, 1, 65536)
+    # send each stage's top-k indices (int32 [B, T, topk], no gradient) with the activations, so that the S layers
+    # opening the next stage read the nearest preceding F of the whole model instead of being promoted to F
+    cross_stage_indices: bool = False
 
 
 @dataclass

@@ -7,7 +7,7 @@ from .layer_spec import LayerSpec
 from .indexer_loss import IndexerLossInBackward, attention_distribution, indexer_kl_loss
 from .mla import MLA
 from .norms import RMSNorm
-from .stage import StageModule, build_model, full_state_dict, load_full_state_dict
+from .stage import StageModule, build_model, full_state_dict, load_full_state_dict, trim_indices
 
 __all__ = [
     "IndexerLossInBackward",
@@ -26,4 +26,5 @@ __all__ = [
     "full_state_dict",
     "indexer_kl_loss",
     "load_full_state_dict",
+    "trim_indices",
 ]

@@ -59,7 +59,8 @@ class IndexSlot:
                     f"(the largest prefill chunk), or send smaller chunks."
                 )
             view = self.buffer[:B, :T]
-            view.copy_(indices)
+            if not (indices.data_ptr() == view.data_ptr() and indices.stride() == view.stride()):
+                view.copy_(indices)  # received cross-stage indices may already sit in the buffer
             indices = view
         self.indices, self.writer = indices, layer
         return indices

@@ -8,8 +8,9 @@ Enabled when the stage is in training mode, has no serving cache, and `compute_i
   of its F layer, so no per-layer distribution outlives its layer;
 - every F layer records its indexer outputs (q_I, k_I, w, indices), with gradient only to its indexer weights (the
   indexer's inputs are detached, V3.2 recipe).
-Target of F layer f (IndexCache distillation) = the mean of the distributions of f and of every S layer whose source
-is f (all on the same stage, by construction). S layers reuse f's indices, so all the sets line up column by column.
+Target of F layer f (IndexCache distillation) = the mean of the distributions of f and of every S layer on its stage
+whose source is f. With cross-stage indices, S layers on a later stage that read f's indices are not part of it:
+distillation stays stage-local (docs/planning.md, "Index sharing" says why). S layers reuse f's indices, so all the sets line up column by column.
 Loss_f = KL(target || softmax(index scores on the key set)), averaged over valid queries (>= 1 visible key).
 
 Dense mode (the dense warm-up, no cache) records no [B, T, S] tensor: each layer hands over its per-head attention
@@ -115,14 +116,19 @@ class IndexerLossRecorder:
     def record_attention(self, layer: int, q, kv, indices, lse, sm_scale: float, rows=None) -> None:
         """Sparse mode, forward timing: add this layer's attention distribution over its K keys into its F layer's
         target. rows = (t0, T): q, indices and lse are the query rows t0.. of a T-row forward (chunked attention)."""
+        if layer not in self.source:  # an S layer reading another stage's indices: not distilled here
+            return
         target, weight = self.target_rows(layer, indices, rows)
         with torch.autocast(q.device.type, enabled=False):
             attention_target(q.detach(), kv.detach(), indices, lse.detach(), sm_scale, target, weight)
 
-    def target_rows(self, layer: int, indices: torch.Tensor, rows=None) -> Tuple[torch.Tensor, float]:
+    def target_rows(self, layer: int, indices: torch.Tensor, rows=None) -> Optional[Tuple[torch.Tensor, float]]:
         """(the rows of this layer's F-layer target [B, T, K] fp32 that this layer's distribution is added into, its
         weight 1 / group size there). indices [B, n, K]; rows = (t0, T) for a chunk of a T-row forward, else n = T.
-        Backward timing hands them to `sparse_mla(..., probs_into=)`."""
+        Backward timing hands them to `sparse_mla(..., probs_into=)`. None for a layer the recorder does not know:
+        an S layer whose source sits on an earlier stage (cross-stage indices; distillation stays stage-local)."""
+        if layer not in self.source:
+            return None
         f = self.source[layer]
         B, n, K = indices.shape
         t0, T = rows if rows is not None else (0, n)

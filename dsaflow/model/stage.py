@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsaflow.config.schema import ModelConfig, TrainConfig
@@ -30,19 +31,23 @@ from .rope import rope_angles
 class StageModule(nn.Module):
     def __init__(
         self, model_cfg: ModelConfig, layers: Sequence[LayerSpec], is_first: bool = True, is_last: bool = True,
-        seed: int = 0, name: str = "stage",
+        seed: int = 0, name: str = "stage", receives_indices: bool = False,
     ):
         """layers: LayerSpec-like objects (index, role, source) of a contiguous span, in order. `name` only labels
-        error messages (e.g. "stage 1")."""
+        error messages (e.g. "stage 1"). receives_indices: the S layers that open the span read the top-k indices
+        of an F layer on an earlier stage (cross-stage indices), handed to `forward(indices_in=...)`."""
         super().__init__()
         self.cfg, self.is_first, self.is_last = model_cfg, is_first, is_last
+        self.incoming_source = _incoming_source(layers, name) if receives_indices else None
         roles = {l.index: l.role for l in layers}
         for l in layers:  # fail closed: an S layer may only reuse indices written earlier in this very span
+            if l.role == "S" and l.source == self.incoming_source:
+                continue
             if l.role == "S" and not (l.source in roles and l.source < l.index and roles[l.source] == "F"):
                 raise ValueError(
                     f"S layer {l.index} on {name} has source={l.source}, which is not an earlier F layer of the same "
                     f"stage (layers {sorted(roles)}): rebuild plan.json with `dsaflow plan`, which promotes such "
-                    f"layers to F."
+                    f"layers to F or, with pipeline.cross_stage_indices=true, sends the indices across."
                 )
         self.layers = nn.ModuleDict({str(l.index): DSABlock(model_cfg, l) for l in layers})
         self.embed = nn.Embedding(model_cfg.vocab_size, model_cfg.dim) if self.is_first else None
@@ -61,6 +66,7 @@ class StageModule(nn.Module):
         self.recompute = "none"
         self.recompute_chunk_tokens = TrainConfig.recompute_chunk_tokens  # queries per recomputed attention chunk
         self.indexer_loss: Optional[torch.Tensor] = None
+        self.indices_out: Optional[torch.Tensor] = None
         self.init_weights(seed)
 
     def init_weights(self, seed: int) -> None:
@@ -75,6 +81,7 @@ class StageModule(nn.Module):
         attn: str = "sparse",
         compute_indexer_loss: Optional[bool] = None,
         indexer_loss_in_backward: Optional[IndexerLossInBackward] = None,
+        indices_in: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x: token ids [B, T] int64 on the first stage, hidden [B, T, dim] otherwise.
 
@@ -88,11 +95,21 @@ class StageModule(nn.Module):
         runs inside this forward's backward instead (dsaflow.model.indexer_loss): no second Q.K^T pass for its
         target, `self.indexer_loss` stays None, and the values go to `indexer_loss_in_backward.values`.
         With a cache: CUDA-graph safe (no host sync, static shapes given x.shape); run it under torch.no_grad().
+        indices_in int32 [B, T, topk] (no gradient): the top-k indices of `self.incoming_source`, an F layer of an
+        earlier stage, for a stage built with receives_indices (required with sparse attention; dense attention
+        reads none). With a cache they are copied into the stage's static index buffer. After the forward,
+        `self.indices_out` holds what the next stage reads (see `forward_with_indices`).
         """
         if attn not in ATTN_MODES:
             raise ValueError(f"attn={attn!r} is not an attention mode: use one of {ATTN_MODES}.")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={self.recompute!r} is not a recompute mode: use one of {RECOMPUTE_MODES}.")
+        if indices_in is not None and self.incoming_source is None:
+            raise ValueError("indices_in was given, but no S layer of this stage reads an earlier stage's indices "
+                             "(build it with receives_indices=True from a plan with cross-stage indices).")
+        if indices_in is None and self.incoming_source is not None and attn == "sparse":
+            raise ValueError(f"S layers of this stage read the indices of layer {self.incoming_source} on an earlier "
+                             f"stage: pass them as indices_in [B, T, topk] int32.")
         h = self.embed(x) if self.embed is not None else x
         B, T = h.shape[:2]
         causal_rows = False  # see ForwardContext.causal_rows (only dense attention reads it)
@@ -113,11 +130,17 @@ class StageModule(nn.Module):
                     f"sparse attention, got attn={attn!r}, cache={cache is not None}, training={self.training}, "
                     f"grad={torch.is_grad_enabled()}: leave it None and read `indexer_loss` after the forward.")
             want_loss = True
-        recorder = (IndexerLossRecorder(self.sources(), indexer_loss_in_backward)
+        # Distillation is stage-local: S layers reading an earlier stage's indices add nothing to any target here.
+        own = [(layer, src) for layer, src in self.sources() if src != self.incoming_source]
+        recorder = (IndexerLossRecorder(own, indexer_loss_in_backward)
                     if (want_loss and self.training and cache is None) else None)
         slot = cache.index_slot if cache is not None else IndexSlot()
         slot.begin()
         c = self.cfg
+        if indices_in is not None and attn == "sparse":
+            if indices_in.shape[-1] < c.index_topk:  # sent trimmed (`trim_indices`): the cut columns were -1
+                indices_in = F.pad(indices_in, (0, c.index_topk - indices_in.shape[-1]), value=-1)
+            slot.write(self.incoming_source, indices_in.detach())
         ctx = ForwardContext(
             positions=positions,
             rope_mla=rope_angles(positions, c.qk_rope_head_dim, c.rope_theta),
@@ -133,10 +156,23 @@ class StageModule(nn.Module):
         )
         for layer in self.layers.values():
             h = layer(h, ctx)
+        self.indices_out = slot.indices if attn == "sparse" else None
         self.indexer_loss = recorder.loss() if recorder is not None else None
         if self.head is not None:
             return self.head(self.norm(h)).float()
         return h
+
+    def forward_with_indices(self, x: torch.Tensor, indices_in: Optional[torch.Tensor] = None, **kwargs):
+        """`forward` -> (its output, indices_out int32 [B, T, topk]): the indices the next stage's opening S layers
+        read (those of this stage's last F layer, or the incoming ones if it has none). Dense attention writes no
+        indices: indices_out is then -1 everywhere (same shape, so pipeline buffers keep one shape)."""
+        out = self.forward(x, indices_in=indices_in, **kwargs)
+        idx = self.indices_out
+        if idx is None:
+            B, T = x.shape[:2]
+            idx = torch.full((B, T, self.cfg.index_topk), -1, dtype=torch.int32, device=out.device)
+        self.indices_out = None
+        return out, idx
 
     def sources(self) -> List[tuple[int, int]]:
         """(layer, source) for every layer of the stage (source = itself for F layers)."""
@@ -145,6 +181,32 @@ class StageModule(nn.Module):
     def indexer_parameters(self) -> List[nn.Parameter]:
         """The parameters the indexer loss trains (F layers' `attn.indexer.*`)."""
         return [p for n, p in self.named_parameters() if ".attn.indexer." in n]
+
+
+def trim_indices(indices: torch.Tensor) -> torch.Tensor:
+    """indices [B, T, topk] of a forward without a cache (keys = the T tokens themselves) -> [B, T, min(topk, T)]:
+    a query sees at most T keys and `indexer_topk` puts -1 after the selected ones, so the other columns are -1 and
+    need not travel (the receiving stage pads them back). What the plan's index payload counts. A new tensor, never
+    a view: torch's pipelining detaches stage outputs in place, and a stage without an F layer sends on its input."""
+    return indices[..., : min(indices.shape[-1], indices.shape[1])].clone()
+
+
+def _incoming_source(layers: Sequence[LayerSpec], name: str) -> int:
+    """The one F layer of an earlier stage whose indices the S layers opening `layers` read."""
+    first = layers[0].index
+    opening = []
+    for l in layers:
+        if l.role == "F":
+            break
+        opening.append(l)
+    sources = {l.source for l in opening}
+    if not opening or len(sources) != 1 or min(sources) >= first:
+        raise ValueError(
+            f"{name} was built with receives_indices=True, but its opening S layers "
+            f"{[l.index for l in opening]} do not all read one F layer before layer {first} "
+            f"(sources {sorted(sources)})."
+        )
+    return sources.pop()
 
 
 def build_model(model_cfg: ModelConfig, roles: Optional[str] = None, seed: int = 0) -> StageModule:

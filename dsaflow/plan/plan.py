@@ -8,9 +8,11 @@ Frozen dataclasses that round-trip through `plan.json` (the JSON contract is doc
                  "reason": str|null}],
      "graph_blocks": [{"name", "kind", "stages", "layers", "shape_classes"}],
      "pipeline": {"ranks", "schedule", "microbatches", "stages_per_rank"},
-     "estimates": {..}}
+     "estimates": {..},
+     "index_boundaries": [s, ..]}   # stages whose boundary to the next carries top-k indices (cross-stage)
 
-`source` is the layer whose indices layer i uses (itself for an F layer). Workers read the plan, never the planner.
+`source` is the layer whose indices layer i uses (itself for an F layer); with cross-stage indices it may lie on
+an earlier stage. Workers read the plan, never the planner.
 """
 from __future__ import annotations
 
@@ -62,6 +64,8 @@ class Plan:
     graph_blocks: Tuple[GraphBlockPlan, ...] = ()
     pipeline: PipelinePlan = field(default_factory=lambda: PipelinePlan(1, "1F1B", 1, 1))
     estimates: Dict[str, Any] = field(default_factory=dict)
+    # stages whose boundary to the next stage carries top-k indices (pipeline.cross_stage_indices)
+    index_boundaries: Tuple[int, ...] = ()
 
     # --- queries used by the runtime -------------------------------------------------------------------------
     @property
@@ -79,6 +83,14 @@ class Plan:
 
     def is_last(self, stage: int) -> bool:
         return stage == len(self.stages) - 1
+
+    def receives_indices(self, stage: int) -> bool:
+        """Stage `stage` opens on S layers that read indices sent by the previous stage."""
+        return stage - 1 in self.index_boundaries
+
+    def sends_indices(self, stage: int) -> bool:
+        """Stage `stage` sends its outgoing top-k indices to the next stage."""
+        return stage in self.index_boundaries
 
     def blocks_of_stage(self, stage: int) -> List[GraphBlockPlan]:
         return [b for b in self.graph_blocks if stage in b.stages]
@@ -107,6 +119,7 @@ class Plan:
             ),
             pipeline=PipelinePlan(**d["pipeline"]) if "pipeline" in d else PipelinePlan(1, "1F1B", 1, 1),
             estimates=d.get("estimates", {}),
+            index_boundaries=tuple(d.get("index_boundaries", ())),
         )
 
     @classmethod

@@ -1,6 +1,7 @@
 """Human-readable rendering of a Plan: a per-stage table, promotions with reasons, boundary trade-offs, graph blocks.
 
-Layer notation in the stage table: `5:S<4` = layer 5 is S and reads layer 4's indices; `4:F!` = declared S,
+Layer notation in the stage table: `5:S<4` = layer 5 is S and reads layer 4's indices (with cross-stage indices
+layer 4 may sit on an earlier stage); `4:F!` = declared S,
 promoted to F (its reason is listed under the table); `6:F` = declared F.
 """
 from __future__ import annotations
@@ -107,11 +108,14 @@ def _memory_table(plan: Plan, est) -> Optional[Table]:
 
 def _boundary_table(est, part: str = "all") -> Table:
     """part: all | microbatch (training/prefill trade) | decode (per decode token): narrow terminals get two tables."""
+    sent = any(b.get("carries_indices") for b in est["boundaries"])
     title = ("stage boundaries: sending the top-k indices across vs recomputing them on the next stage "
-             "(transfer is off: this is the trade)")
+             + ("(cross-stage indices on: 'sent' boundaries carry them)" if sent else
+                "(transfer is off: this is the trade)"))
     t = Table(title=title if part != "decode" else "the same trade per decode token", box=box.SIMPLE_HEAD)
     t.add_column("after\nstage", no_wrap=True)
     t.add_column("next stage\nstarts with", no_wrap=True)
+    t.add_column("indices", no_wrap=True)
     cols = []
     if part != "decode":
         cols += [("payload\n/microbatch", "index_payload_bytes_per_microbatch", nbytes),
@@ -125,7 +129,8 @@ def _boundary_table(est, part: str = "all") -> Table:
         t.add_column(head, no_wrap=True, justify="right")
     for b in est["boundaries"]:
         start = f"layer {b['first_layer']}: " + ("S -> promoted" if b["promoted"] else b["declared"])
-        t.add_row(str(b["after_stage"]), start, *[fmt(b[key]) for _, key, fmt in cols])
+        how = "sent" if b.get("carries_indices") else ("recomputed" if b["promoted"] else "-")
+        t.add_row(str(b["after_stage"]), start, how, *[fmt(b[key]) for _, key, fmt in cols])
     return t
 
 
@@ -186,5 +191,19 @@ def render_table(plan: Plan, cfg, width: Optional[int] = None) -> str:
         f"KV cache: {nbytes(tot['kv_cache_bytes_per_seq'])} per {ntokens(est['kv_context'])}-token sequence; "
         f"activations per microbatch of {est['microbatch_tokens']} tokens; stage cost balance max/mean {est['balance']:.2f}"
     )
+    aligned = est.get("f_aligned_split")
+    if aligned:
+        con.print(
+            f"F-aligned split (index.promote=false): every stage starts on F, stage cost balance max/mean "
+            f"{aligned['balance']:.2f} against {aligned['balance_anywhere']:.2f} with boundaries anywhere "
+            f"(stages starting at {aligned['starts_anywhere']}, which needs pipeline.cross_stage_indices=true)"
+        )
+    if plan.index_boundaries:
+        carried = [b for b in est["boundaries"] if b.get("carries_indices")]
+        con.print(
+            f"cross-stage indices: after stages {list(plan.index_boundaries)}, "
+            f"{nbytes(sum(b['index_payload_bytes_per_microbatch'] for b in carried))} per microbatch in all, instead "
+            f"of {flops(sum(b['recompute_indexer_flops_per_microbatch'] for b in carried))} of indexer work"
+        )
     con.print(f"assumptions: {est['assumptions']}")
     return buf.getvalue()

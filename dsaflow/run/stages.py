@@ -22,7 +22,7 @@ def stage_layers(plan: Plan, stage: int) -> list:
 def stage_module(model_cfg, plan: Plan, stage: int, seed: int = 0) -> StageModule:
     """Stage `stage` of `plan` as a module (weights from `seed`, on CPU)."""
     return StageModule(model_cfg, stage_layers(plan, stage), plan.is_first(stage), plan.is_last(stage), seed,
-                       name=f"stage {stage}")
+                       name=f"stage {stage}", receives_indices=plan.receives_indices(stage))
 
 
 def build_stages(model_cfg, plan: Plan, seed: int = 0) -> List[StageModule]:

@@ -35,8 +35,10 @@ class PatternEvaluator:
     (dsaflow.data.BatchSource layout). `score(roles)` -> Score; `rebase(roles)` moves the prefix cache."""
 
     def __init__(self, stages: Sequence[StageModule], batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                 device: torch.device, num_queries: int = 0):
+                 device: torch.device, num_queries: int = 0, cross_stage: bool = False):
+        """cross_stage: S layers opening a stage read the previous stages' last F (pipeline.cross_stage_indices)."""
         self.stages, self.device, self.num_queries = list(stages), device, num_queries
+        self.cross_stage = cross_stage
         self.batches = [(x.to(device), y.to(device)) for x, y in batches]
         self.layer_ids = [[int(k) for k in s.layers.keys()] for s in self.stages]
         self.num_layers = sum(len(ids) for ids in self.layer_ids)
@@ -46,8 +48,10 @@ class PatternEvaluator:
         self.layer_calls = 0  # layer forwards run so far (what the prefix cache saves is visible in tests)
 
     def _apply(self, roles: Roles) -> None:
+        last_f = None  # with cross-stage indices a stage may open on S and read the previous stages' last F
         for s, ids in zip(self.stages, self.layer_ids):
-            set_roles(s, {i: roles[i] for i in ids})
+            set_roles(s, {i: roles[i] for i in ids}, last_f if self.cross_stage else None)
+            last_f = max([i for i in ids if roles[i] == "F"], default=last_f)
 
     @torch.no_grad()
     def _run(self, x: torch.Tensor, start: int, state, capture: Optional[dict]) -> torch.Tensor:
@@ -59,11 +63,14 @@ class PatternEvaluator:
         rope_mla = rope_angles(positions, c.qk_rope_head_dim, c.rope_theta)
         rope_index = rope_angles(positions, c.index_rope_head_dim, c.rope_theta)
         h = self.stages[0].embed(x) if start == 0 else state[0]
+        slot = IndexSlot()
         for stage, ids in zip(self.stages, self.layer_ids):
             if ids[-1] < start:
                 continue
-            slot = IndexSlot()
-            if start > ids[0]:  # resume inside this stage: the slot holds what the base prefix wrote
+            if not self.cross_stage:  # indices do not cross a stage: each stage starts with an empty slot
+                slot = IndexSlot()
+            if 0 < start and ids[0] <= start and (start > ids[0] or self.cross_stage):  # resume where `start` lies:
+                # the slot holds what the base prefix wrote (with crossing, also what earlier stages wrote)
                 slot.indices, slot.writer = state[1], state[2]
             ctx = ForwardContext(positions=positions, rope_mla=rope_mla, rope_index=rope_index, attn="sparse",
                                  cache=None, index_slot=slot, recorder=None)

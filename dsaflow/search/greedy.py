@@ -1,8 +1,9 @@
 """The training-free greedy IndexCache layer search, with a resumable log.
 
 Start with every layer F. At each step, try turning each remaining F layer to S (the first layer of every stage is
-never a candidate: it must stay F, so the result needs no promotion), keep the one whose change raises the
-calibration LM loss the least, and repeat until `target_f` F layers remain. Ties go to the lower layer index.
+never a candidate: it must stay F, so the result needs no promotion; with cross-stage indices only layer 0 is kept),
+keep the one whose change raises the calibration LM loss the least, and repeat until `target_f` F layers remain.
+Ties go to the lower layer index.
 
 Every candidate evaluation and every chosen step is appended to a JSONL log as soon as it is known; a rerun with the
 same settings replays the log and continues where the interrupted run stopped (mid-step included).

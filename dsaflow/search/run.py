@@ -11,7 +11,9 @@ calibration batches (training-split batches the run never trained on), and write
 and prints the `layout=` string to paste into `dsaflow train` / `dsaflow generate`.
 
 The model, data and sequence length come from the checkpoint's run dir; the stage split comes from this command's
-`pipeline.*` (each stage's first layer stays F, so the searched layout runs on that split without promotion).
+`pipeline.*`. Each stage's first layer stays F, so the searched layout runs on that split without promotion (and
+with index.promote=false). With `pipeline.cross_stage_indices=true` only layer 0 stays F: a stage may open on S
+layers that read the previous stage's indices, and the layout is then run with cross-stage indices on.
 """
 from __future__ import annotations
 
@@ -39,8 +41,14 @@ def stage_starts_of(plan) -> Tuple[int, ...]:
     return tuple(s.layers[0] for s in plan.stages)
 
 
+def kept_f(plan, cross_stage: bool) -> Tuple[int, ...]:
+    """The layers the search never turns to S: each stage's first layer, or only layer 0 with cross-stage indices."""
+    return (0,) if cross_stage else stage_starts_of(plan)
+
+
 def uniform_roles(freq: int, num_layers: int, starts) -> Tuple[str, ...]:
-    """Every `freq`-th layer F (index.freq), plus each stage's first layer (what the planner would promote)."""
+    """Every `freq`-th layer F (index.freq), plus the layers in `starts` (each stage's first layer, what the planner
+    would promote; only layer 0 with cross-stage indices)."""
     roles = list(freq_roles(freq, 0, num_layers))
     for s in starts:
         roles[s] = "F"
@@ -109,7 +117,7 @@ def _batches(run_cfg, n: int, calib: bool):
     return [data.val_batch(i) for i in range(n)], nq
 
 
-def eval_table(evaluator: PatternEvaluator, steps: List[Step], starts, ratios) -> List[dict]:
+def eval_table(evaluator: PatternEvaluator, steps: List[Step], starts, ratios, fixed=None) -> List[dict]:
     """all-F, and per ratio: uniform (every round(1/ratio)-th layer + stage firsts) and the searched pattern with the
     same F count (when the search went that far). Scored on `evaluator`'s batches (the held-out eval set)."""
     L = evaluator.num_layers
@@ -119,7 +127,7 @@ def eval_table(evaluator: PatternEvaluator, steps: List[Step], starts, ratios) -
     rows.append({"pattern": "all-F", "ratio": 1.0, "num_f": L, "roles": "F" * L, "loss": full.loss, "acc": full.acc})
     for r in ratios:
         freq = max(1, round(1 / r))
-        uni = uniform_roles(freq, L, starts)
+        uni = uniform_roles(freq, L, starts if fixed is None else fixed)
         nf = uni.count("F")
         sc = evaluator.score(uni)
         rows.append({"pattern": f"uniform 1/{freq}", "ratio": r, "num_f": nf, "roles": "".join(uni),
@@ -153,18 +161,21 @@ def run_search(cfg) -> int:
     run_cfg, plan, stages, ckpt = load_search_model(cfg, dev)
     L = plan.num_layers
     starts = stage_starts_of(plan)
+    cross = bool(cfg.pipeline.cross_stage_indices)
+    fixed = kept_f(plan, cross)
     if s.target_f is not None:
         target = s.target_f
     else:
         if not 0 < s.ratio <= 1:
             raise PlanError(f"search.ratio={s.ratio}: must lie in (0, 1]. Fix: e.g. search.ratio=0.25.")
-        target = max(len(starts), round(s.ratio * L))
-    if not len(starts) <= target <= L:
+        target = max(len(fixed), round(s.ratio * L))
+    if not len(fixed) <= target <= L:
+        kept = ("layer 0 stays F" if cross else f"each of the {len(starts)} stages keeps its first layer F")
         raise PlanError(
-            f"search.target_f={target}: must lie in {len(starts)}..{L} (each of the {len(starts)} stages keeps its "
-            f"first layer F). Fix: choose a target in that range."
+            f"search.target_f={target}: must lie in {len(fixed)}..{L} ({kept}). Fix: choose a target in that range"
+            + ("." if cross else ", or pipeline.cross_stage_indices=true to let stages open on S.")
         )
-    eval_targets = [max(len(starts), round(r * L)) for r in s.eval_ratios]
+    eval_targets = [max(len(fixed), round(r * L)) for r in s.eval_ratios]
     floor = min([target] + eval_targets)  # search far enough for every ratio of the eval table
     out = Path(s.out_dir) if s.out_dir else ckpt.parent.parent / "search"
     out.mkdir(parents=True, exist_ok=True)
@@ -172,14 +183,17 @@ def run_search(cfg) -> int:
               "calib_batches": s.calib_batches, "seq_len": run_cfg.train.seq_len,
               "batch_size": run_cfg.train.batch_size,
               "seed": run_cfg.train.seed, "data": run_cfg.data.name}
+    if cross:  # only then: logs of searches without crossing keep their header
+        header["cross_stage_indices"] = True
     log = SearchLog(out / "search.jsonl", header, restart=s.restart)
-    print(f"search: {L} layers, stages start at {list(starts)} (kept F), target {target} F "
+    kept = "only layer 0 kept F: cross-stage indices" if cross else "kept F"
+    print(f"search: {L} layers, stages start at {list(starts)} ({kept}), target {target} F "
           f"({target / L:.2f}), {s.calib_batches} calibration batches of {run_cfg.train.batch_size}x"
           f"{run_cfg.train.seq_len} on {dev.type}; log {out / 'search.jsonl'}", flush=True)
     t0 = time.perf_counter()
     batches, nq = _batches(run_cfg, s.calib_batches, calib=True)
-    ev = PatternEvaluator(stages, batches, dev, nq)
-    steps = greedy_search(ev, starts, floor, log, report=lambda m: print(m, flush=True))
+    ev = PatternEvaluator(stages, batches, dev, nq, cross_stage=cross)
+    steps = greedy_search(ev, fixed, floor, log, report=lambda m: print(m, flush=True))
     search_s = time.perf_counter() - t0
     chosen = next(st for st in steps if st.num_f == target) if any(st.num_f == target for st in steps) else steps[-1]
     with (out / "search.csv").open("w", newline="") as f:
@@ -199,7 +213,8 @@ def run_search(cfg) -> int:
     rows: List[dict] = []
     if s.eval_batches:
         vb, _ = _batches(run_cfg, s.eval_batches, calib=False)
-        rows = eval_table(PatternEvaluator(stages, vb, dev, nq), steps, starts, s.eval_ratios)
+        rows = eval_table(PatternEvaluator(stages, vb, dev, nq, cross_stage=cross), steps, starts, s.eval_ratios,
+                          fixed)
         (out / "eval.json").write_text(json.dumps({"checkpoint": str(ckpt), "eval_batches": s.eval_batches,
                                                    "rows": rows}, indent=2) + "\n")
         (out / "eval.md").write_text(_md_table(rows, starts))
@@ -209,5 +224,6 @@ def run_search(cfg) -> int:
     print(f"search: done in {search_s:.0f} s ({ev.layer_calls} layer forwards); wrote {out}/{wrote}", flush=True)
     if rows:
         print(f"eval on {s.eval_batches} held-out batches:\n" + _md_table(rows, starts), flush=True)
-    print(f'layout="{layout}"', flush=True)
+    crossing = cross and any(chosen.roles[b] == "S" for b in starts[1:])
+    print(f'layout="{layout}"' + (" pipeline.cross_stage_indices=true" if crossing else ""), flush=True)
     return 0

@@ -141,17 +141,28 @@ class PipelineEngine:
             return StaticInput((rows, tokens), torch.long, 0)
         return StaticInput((rows, tokens, self.model_cfg.dim), self.dtype, 0)
 
+    def _received(self, stage: int, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """Cross-stage indices: a stage that opens on S reads the indices the previous stage sent, which
+        `_run_stage` copies into this stage's static index buffer outside any graph -> that buffer's [R, T] view
+        (static memory, so a captured graph reads what each call copied in); None for other stages."""
+        if not self.plan.receives_indices(stage):
+            return None
+        R, T = positions.shape
+        return self.caches[stage].index[:R, :T]
+
     def _register(self, stage: int, block) -> None:
         module, cache = self.stages[stage], self.caches[stage]
         top = max(block.shape_classes)
         if block.kind == "decode":  # class = batch rows, one token each
             inputs = {"x": self._stage_input(stage, top, 1), "positions": StaticInput((top, 1), torch.long, -1)}
-            fn = lambda v: module(v["x"], v["positions"], cache)  # noqa: E731
+            fn = lambda v: module(v["x"], v["positions"], cache,  # noqa: E731
+                                  indices_in=self._received(stage, v["positions"]))
             self.graphs.register(block.name, "decode", stage, block.shape_classes, 0, fn, inputs)
         else:  # prefill: class = tokens per chunk, batch fixed at batch_cap rows
             rows = self.prefill_rows = self.batch_cap
             inputs = {"x": self._stage_input(stage, rows, top), "positions": StaticInput((rows, top), torch.long, -1)}
-            fn = lambda v: module(v["x"].contiguous(), v["positions"].contiguous(), cache)  # noqa: E731
+            fn = lambda v: module(v["x"].contiguous(), v["positions"].contiguous(), cache,  # noqa: E731
+                                  indices_in=self._received(stage, v["positions"]))
             self.graphs.register(block.name, "prefill", stage, block.shape_classes, 1, fn, inputs)
 
     def _on_device(self):
@@ -190,29 +201,43 @@ class PipelineEngine:
                 return b.name
         return None
 
-    def _run_stage(self, stage: int, kind: str, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _run_stage(self, stage: int, kind: str, x: torch.Tensor, positions: torch.Tensor,
+                   indices: Optional[torch.Tensor] = None):
+        """-> (output, the indices the next stage reads [R, T, topk] (the stage's static index buffer; with
+        cross-stage indices)). indices: what the previous stage sent, copied into this stage's buffer first."""
+        cache = self.caches[stage]
+        R, T = positions.shape
+        if indices is not None:
+            cache.index[:R, :T].copy_(indices)
         name = self._block_name(stage, kind)
         if name is None:
-            return self.stages[stage](x, positions, self.caches[stage])
-        n = x.shape[0] if kind == "decode" else x.shape[1]
-        return self.graphs.run(name, stage, n, {"x": x, "positions": positions})
+            h = self.stages[stage](x, positions, cache, indices_in=self._received(stage, positions))
+        else:
+            n = x.shape[0] if kind == "decode" else x.shape[1]
+            h = self.graphs.run(name, stage, n, {"x": x, "positions": positions})
+        return h, cache.index[:R, :T]
 
     def _forward(self, kind: str, tokens: Optional[torch.Tensor], positions: torch.Tensor) -> Optional[torch.Tensor]:
         """tokens [R, T] (used on stage 0's rank), positions [R, T] -> last-stage logits [R, T, V] on its rank."""
         R, T = positions.shape
-        h = None
+        h, idx = None, None
         for s in range(self.plan.num_stages):
             if self.owner[s] != self.rank:
                 continue
+            receives = self.plan.receives_indices(s)  # cross-stage indices travel with the hidden state
             if s == self.first:
                 inp = tokens
             elif self.owner[s - 1] == self.rank:
                 inp = h
             else:
                 inp = self.link.recv((R, T, self.model_cfg.dim), self.dtype, self.owner[s - 1])
-            h = self._run_stage(s, kind, inp, positions)
+                if receives:
+                    idx = self.link.recv((R, T, self.model_cfg.index_topk), torch.int32, self.owner[s - 1])
+            h, idx = self._run_stage(s, kind, inp, positions, idx if receives else None)
             if s != self.last and self.owner[s + 1] != self.rank:
                 self.link.send(h, self.owner[s + 1])
+                if self.plan.sends_indices(s):
+                    self.link.send(idx, self.owner[s + 1])
         return h if self.owner[self.last] == self.rank else None
 
     def _tokens_to_first(self, tok: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from dsaflow.model import StageModule
+from dsaflow.model import StageModule, trim_indices
 from dsaflow.run.context import RunContext
 from dsaflow.run.p2p import StageLink
 
@@ -67,19 +67,24 @@ class ForwardPipeline:
         xs = x.to(self.ctx.device).tensor_split(n_mb) if x is not None else None
         ys = y.to(self.ctx.device).tensor_split(n_mb) if y is not None else None
         for m in range(n_mb):
-            carried = None
+            carried, indices = None, None
             for s in range(S):
                 if s not in self.local:
                     continue
                 module, timer = self.local[s]
+                receives = self.plan.receives_indices(s)  # cross-stage indices travel with the hidden state
                 if s == 0:
                     inp = xs[m]
                 elif self._owner(s - 1) == self.ctx.rank:
                     inp = carried
                 else:
-                    inp = self.link.recv(self._hidden_shape(), torch.float32, self.ctx.global_rank(self._owner(s - 1)))
-                out = timer.run(self._stage_forward, module, inp, autocast, attn, learn, indexer_weight,
-                                None if indexer_losses is None else indexer_losses.setdefault(s, []))
+                    src = self.ctx.global_rank(self._owner(s - 1))
+                    inp = self.link.recv(self._hidden_shape(), torch.float32, src)
+                    if receives:
+                        indices = self.link.recv(self._index_shape(), torch.int32, src)
+                out, indices = timer.run(self._stage_forward, module, inp, autocast, attn, learn, indexer_weight,
+                                         None if indexer_losses is None else indexer_losses.setdefault(s, []),
+                                         indices if receives else None)
                 if s == S - 1:
                     with torch.no_grad():
                         losses.append(loss_fn(out, ys[m]).detach())
@@ -87,6 +92,8 @@ class ForwardPipeline:
                     carried = out
                 else:
                     self.link.send(out.float(), self.ctx.global_rank(self._owner(s + 1)))
+                    if self.plan.sends_indices(s):
+                        self.link.send(trim_indices(indices), self.ctx.global_rank(self._owner(s + 1)))
         if learn:
             for module, _ in self.local.values():
                 for p in module.indexer_parameters():
@@ -99,13 +106,21 @@ class ForwardPipeline:
         t = self.ctx.cfg.train
         return (t.batch_size // self.plan.pipeline.microbatches, t.seq_len, self.ctx.cfg.model.dim)
 
+    def _index_shape(self) -> tuple:
+        """[sequences per microbatch, T, min(topk, T)]: the int32 indices a stage sends with cross-stage indices
+        (`trim_indices`)."""
+        t = self.ctx.cfg.train
+        topk = min(self.ctx.cfg.model.index_topk, t.seq_len)
+        return (t.batch_size // self.plan.pipeline.microbatches, t.seq_len, topk)
+
     def _stage_forward(self, module: StageModule, inp: torch.Tensor, autocast: Callable, attn: str, learn: bool,
-                       weight: Optional[float], sink: Optional[list]) -> torch.Tensor:
+                       weight: Optional[float], sink: Optional[list], indices: Optional[torch.Tensor]):
+        """-> (output detached, the indices the next stage reads)."""
         with torch.set_grad_enabled(learn), frozen(self.main_params if learn else []), autocast():
-            out = module(inp, attn=attn, compute_indexer_loss=learn)
+            out, sent = module.forward_with_indices(inp, indices, attn=attn, compute_indexer_loss=learn)
         loss, module.indexer_loss = module.indexer_loss, None
         if learn and loss is not None and loss.requires_grad:
             if sink is not None:
                 sink.append(loss.detach())
             (loss * weight).backward()
-        return out.detach()
+        return out.detach(), sent

@@ -11,13 +11,17 @@ every schedule (also the zero-bubble ones, whose split input/weight backward fin
 identity node, which lies on the path from the stage input to its output). Both gradients sit in the same `.grad`
 buffers, and the schedule's end-of-step `scale_grads(n_microbatches)` turns both sums into microbatch means.
 
+With pipeline.cross_stage_indices a stage that sends indices returns (output, indices int32 [b, T, topk]) and the
+next stage takes them as its second input: the schedule moves them forward with the activations under every
+schedule, and sends no gradient back for them (distillation stays stage-local, docs/planning.md).
+
 TimedPipelineStage records the compute time of every forward / backward / weight-backward chunk (CUDA events on a
 GPU, so pipeline waits are excluded), which gives per-stage busy time and the measured pipeline efficiency.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from dsaflow.data import IGNORE
-from dsaflow.model import IndexerLossInBackward
+from dsaflow.model import IndexerLossInBackward, trim_indices
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -65,25 +69,34 @@ class TrainStage(nn.Module):
     module to infer shapes (2.13: under enable_grad, on uninitialised tensors for non-first stages); such calls
     must not compute an indexer loss, or garbage gradients could reach the indexers."""
 
-    def __init__(self, stage: nn.Module, indexer_loss_weight: float = 1.0):
+    def __init__(self, stage: nn.Module, indexer_loss_weight: float = 1.0, sends_indices: bool = False):
         super().__init__()
         self.stage = stage
         self.attn = "sparse"
         self.live = False
+        self.sends_indices = sends_indices
         self.in_backward = IndexerLossInBackward(indexer_loss_weight)  # holds the weight for both loss paths
         self.indexer_losses: List[torch.Tensor] = self.in_backward.values
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, indices: Optional[torch.Tensor] = None):
+        """x: token ids [b, T] (first stage) or hidden [b, T, dim]; indices int32 [b, T, topk]: what the previous
+        stage sends when this one opens on S layers (pipeline.cross_stage_indices). Returns the output, and with
+        `sends_indices` also the indices the next stage reads (an int tensor: the schedule sends it forward and,
+        since it needs no gradient, nothing back), trimmed to [b, T, min(topk, T)] (`trim_indices`)."""
         learn = self.live and torch.is_grad_enabled()
+        if indices is not None and not self.live:  # shape inference hands in uninitialised ids: keep them in range
+            indices = torch.zeros_like(indices)
         if learn and self.attn == "sparse":
-            return self.stage(x, attn="sparse", indexer_loss_in_backward=self.in_backward)
-        out = self.stage(x, attn=self.attn, compute_indexer_loss=learn)
+            out, sent = self.stage.forward_with_indices(
+                x, indices, attn="sparse", indexer_loss_in_backward=self.in_backward)
+            return (out, trim_indices(sent)) if self.sends_indices else out
+        out, sent = self.stage.forward_with_indices(x, indices, attn=self.attn, compute_indexer_loss=learn)
         loss = self.stage.indexer_loss
         self.stage.indexer_loss = None
         if learn and loss is not None and loss.requires_grad:
             self.indexer_losses.append(loss.detach())
             out = attach_aux_loss(out, loss, self.in_backward.weight)
-        return out
+        return (out, trim_indices(sent)) if self.sends_indices else out
 
 
 class ChunkTimer:

@@ -47,7 +47,8 @@ class Trainer:
                                            for s in self.local]
         for m in self.modules:
             m.recompute, m.recompute_chunk_tokens = str(t.recompute), t.recompute_chunk_tokens
-        self.wrappers = [TrainStage(m, t.indexer_loss_weight) for m in self.modules]
+        self.wrappers = [TrainStage(m, t.indexer_loss_weight, plan.sends_indices(s.index))
+                         for m, s in zip(self.modules, self.local)]
         self.pstages = build_pipeline_stages(
             self.wrappers, [s.index for s in self.local], plan.num_stages, ctx.device, ctx.group
         )
