@@ -1,0 +1,110 @@
+"""One process tree per run dir: an exclusive lock taken by every launch that writes into a run dir.
+
+`<run_dir>/.lock` is locked with `flock` (the kernel releases it when the holder exits, however it exits: Linux NFS
+clients map it to POSIX locks that every client sees) and holds `{"pid", "host", "job", "since"}` of the holder, so
+a second launch is refused with a message naming the process that has the run. A record whose lock is free was left
+by a process that ended (killed, or its host lost): it is stale, reported with its pid and host, and overwritten.
+
+Who takes it: the `dsaflow train|generate` parent (for its whole launch, workers included), and rank 0 of a launch
+started without that parent (`launch/multi_node.sh`, torchrun by hand). Readers of checkpoints (serving) do not take
+it: they pin the checkpoint they read (dsaflow.run.ckpt_store.pinned).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+from dsaflow.errors import PlanError
+from dsaflow.files import MissingFile, UnsafeFile, parse_json, read_bytes
+
+LOCK = ".lock"
+LOCK_ENV = "DSAFLOW_RUN_DIR_LOCKED"  # set for the children of the process that holds the lock
+
+
+class RunDirBusy(PlanError):
+    """Another process has the run dir."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _holder(path: Path) -> Optional[dict]:
+    try:
+        rec = parse_json(read_bytes(path, inside=path.parent, max_bytes=4096), str(path), max_depth=2)
+    except (MissingFile, UnsafeFile):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _describe(rec: Optional[dict]) -> str:
+    if not rec:
+        return "another process"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec.get("since", 0)))
+    return f"`dsaflow {rec.get('job', '?')}` (pid {rec.get('pid')} on host {rec.get('host')}, since {since})"
+
+
+def _busy(run_dir: Path, rec: Optional[dict]) -> RunDirBusy:
+    return RunDirBusy(
+        f"run_dir={run_dir} is in use by {_describe(rec)}; two launches never share a run dir (they would mix "
+        "checkpoints and metrics). Fix: wait for that run to end (or stop it), or use another run_dir."
+    )
+
+
+@contextmanager
+def run_dir_lock(run_dir: str | Path, job: str, report=None):
+    """Hold the run dir's lock for the `with` block; raises RunDirBusy naming the holder. `report(msg)` hears of a
+    stale record taken over."""
+    run_dir = Path(run_dir)
+    path = run_dir / LOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise PlanError(f"run_dir={run_dir}: cannot open its lock file {path} ({exc.strerror}); a link or another "
+                        "kind of file there is refused. Fix: remove it, or use another run_dir.") from None
+    try:
+        if not os.path.isfile(path) or os.path.islink(path):
+            raise PlanError(f"run_dir={run_dir}: {path} is not a regular file. Fix: remove it.")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(run_dir, _holder(path)) from None
+        rec = _holder(path)
+        if rec and not rec.get("released") and report is not None:
+            alive = rec.get("host") == socket.gethostname() and isinstance(rec.get("pid"), int) and \
+                _pid_alive(rec["pid"])
+            report(f"run_dir={run_dir}: taking over a stale lock of {_describe(rec)}, which ended without releasing "
+                   f"it{' (that pid now belongs to another process)' if alive else ''}")
+        mine = {"pid": os.getpid(), "host": socket.gethostname(), "job": job, "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(mine).encode(), 0)
+        try:
+            yield
+        finally:
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps({**mine, "released": time.time()}).encode(), 0)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def lock_held_by_parent(run_dir: str | Path) -> bool:
+    """True in a process started (through torchrun) by the process that holds this run dir's lock."""
+    try:
+        return os.environ.get(LOCK_ENV) == str(Path(run_dir).resolve())
+    except OSError:
+        return False
