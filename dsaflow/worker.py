@@ -53,7 +53,8 @@ def _lost_peer(exc: BaseException) -> bool:
     """A collective or p2p failed because another rank died (gloo/NCCL report it as a RuntimeError)."""
     text = str(exc)
     return any(s in text for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                                   "Socket Timeout", "NCCL communicator was aborted", "remote process exited"))
+                                   "Socket Timeout", "NCCL communicator was aborted", "remote process exited",
+                                   "Timed out waiting", "timed out after", "Timeout waiting"))
 
 
 if __name__ == "__main__":

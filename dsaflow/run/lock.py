@@ -52,7 +52,9 @@ def _holder(path: Path) -> Optional[dict]:
 def _describe(rec: Optional[dict]) -> str:
     if not rec:
         return "another process"
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec.get("since", 0)))
+    t = rec.get("since")
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) and 0 < t < 1e11 \
+        else "?"
     return f"`dsaflow {rec.get('job', '?')}` (pid {rec.get('pid')} on host {rec.get('host')}, since {since})"
 
 
@@ -108,3 +110,35 @@ def lock_held_by_parent(run_dir: str | Path) -> bool:
         return os.environ.get(LOCK_ENV) == str(Path(run_dir).resolve())
     except OSError:
         return False
+
+
+def check_fresh_start(run_dir: str | Path, cfg, job: str) -> None:
+    """A training launch that does not resume must find its run dir untrained: a second start of a prepared run dir
+    (launch/multi_node.sh run twice) would retrain from step 0 into the same metrics and checkpoints."""
+    if job != "train" or cfg.train.resume:
+        return
+    from .ckpt_store import list_checkpoints
+    from .rundir import METRICS
+
+    run_dir = Path(run_dir)
+    steps = [s for s, _ in list_checkpoints(run_dir)]
+    logged = os.path.lexists(run_dir / METRICS) and os.lstat(run_dir / METRICS).st_size > 0
+    if steps or logged:
+        what = f"checkpoints up to step {max(steps)}" if steps else "logged metrics"
+        raise PlanError(
+            f"run_dir={run_dir} already holds a trained run ({what}), and its config.yaml does not resume, so this "
+            "launch would train again from step 0 into the same metrics. Fix: to continue it, prepare it with "
+            "train.resume=true (and a larger train.steps if it finished); otherwise use a new run_dir."
+        )
+
+
+@contextmanager
+def claim_run_dir(run_dir: str | Path, cfg, job: str, rank: int):
+    """What a worker does before joining the process group: refuse a second start of a trained run dir, and on
+    rank 0 of a launch that no `dsaflow` parent holds, take the run dir's lock for the whole job."""
+    check_fresh_start(run_dir, cfg, job)
+    if rank != 0 or lock_held_by_parent(run_dir):
+        yield
+        return
+    with run_dir_lock(run_dir, job):
+        yield
