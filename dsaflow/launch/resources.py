@@ -72,6 +72,10 @@ def rank_memory(cfg, plan, rank: int, device_type: str, job: str) -> Dict[str, f
         scores += 2 * E.attention_recompute_elems_per_token(m) * chunk * E.BF16 * scale
     out["transient score and gather tensors of one layer"] = scores
     out["batch"] = t.batch_size * (seq + 1) * 8 * 5
+    from dsaflow.data.corpus import resident_bytes
+
+    out["training corpus held in memory (a folder of text files; one file is memory-mapped)"] = \
+        2 * resident_bytes(str(cfg.data.kind), cfg.data.path)  # the files, then their joined copy
     return out
 
 
