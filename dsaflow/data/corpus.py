@@ -60,7 +60,7 @@ def resident_bytes(kind: str, path) -> int:
     """Bytes of corpus every rank holds in memory: 0 for a single file (memory-mapped), the total size of a folder's
     text files (read and joined)."""
     p = Path(path).expanduser() if path else None
-    if kind != "text" or p is None or not p.is_dir():
+    if kind != "text" or p is None or not os.path.isdir(p):
         return 0
     try:
         return sum(f.stat().st_size + 1 for f in text_files(p))
