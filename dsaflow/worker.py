@@ -33,7 +33,9 @@ def main(argv=None) -> None:
     except PlanError as exc:
         msg = str(exc)
         try:
-            (Path(args.run_dir) / ERROR_FILE.format(rank=rank)).write_text(msg + "\n")
+            from dsaflow.files import atomic_write
+
+            atomic_write(Path(args.run_dir) / ERROR_FILE.format(rank=rank), msg + "\n")  # never through a link
         except OSError:
             pass
         if not os.environ.get("DSAFLOW_PARENT"):  # run by hand: no parent to print it

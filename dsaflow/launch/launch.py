@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from dsaflow.errors import EXIT_USER_ERROR, PlanError
-from dsaflow.files import explain_os_error, kind_of
+from dsaflow.files import UnsafeFile, explain_os_error, kind_of, read_text
 from dsaflow.plan.plan import Plan
 
 from dsaflow.run.ckpt_store import report_stderr
@@ -252,7 +252,11 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str, time
     if rc == EXIT_USER_ERROR:
         errors = sorted(run_dir.glob("error-rank*.txt"))
         if errors:
-            print(f"dsaflow {job}: error: {errors[0].read_text().strip()}", file=sys.stderr, flush=True)
+            try:
+                text = read_text(errors[0], inside=run_dir, max_bytes=1 << 16).strip()
+            except UnsafeFile as exc:
+                text = f"a worker reported a user error, but {exc}"
+            print(f"dsaflow {job}: error: {text}", file=sys.stderr, flush=True)
     elif rc != 0:
         print(f"dsaflow {job}: workers exited with status {rc}; see the output above and {run_dir}/train.log",
               file=sys.stderr, flush=True)
@@ -281,7 +285,7 @@ def launch(cfg, plan: Plan, job: str = "train") -> int:
 
 def _launch_in(cfg, plan: Plan, job: str, run_dir: Path) -> int:
     for stale in run_dir.glob("error-rank*.txt"):
-        stale.unlink()
+        stale.unlink()  # unlink removes a link itself, never its target
     cmd = torchrun_command(run_dir, plan.pipeline.ranks, job)
     from .run_summary import shell_command, train_summary
 
