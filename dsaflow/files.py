@@ -57,7 +57,8 @@ def explain_os_error(exc: OSError) -> str:
     return {
         errno.ENOENT: "does not exist", errno.EACCES: "is not readable or writable by you (permission denied)",
         errno.EPERM: "is not permitted", errno.ENAMETOOLONG: "is a path too long for this filesystem",
-        errno.ENOSPC: "could not be written: the disk is full", errno.EDQUOT: "could not be written: disk quota exceeded",
+        errno.ENOSPC: "could not be written: the disk is full",
+        errno.EDQUOT: "could not be written: disk quota exceeded",
         errno.EROFS: "is on a read-only filesystem", errno.ELOOP: "is a symbolic link (never followed)",
         errno.ENOTDIR: "has a file where a folder should be", errno.EISDIR: "is a folder",
     }.get(exc.errno, exc.strerror or str(exc))

@@ -203,10 +203,11 @@ def load_config(path) -> DSAFlowConfig:
     try:
         text = read_text(path)
     except UnsafeFile as exc:
-        raise ConfigError(f"{exc}. Fix: point at a run dir written by `dsaflow train`, or start a new run_dir.") from None
+        raise ConfigError(f"{exc}. Fix: point at a run dir written by `dsaflow train`, or start a new run_dir.") \
+            from None
     if not text.strip():
-        raise ConfigError(f"{path} is empty (truncated or overwritten), so the run's settings are unknown. Fix: restore "
-                          "it from a copy, or start a new run_dir.")
+        raise ConfigError(f"{path} is empty (truncated or overwritten), so the run's settings are unknown. Fix: "
+                          "restore it from a copy, or start a new run_dir.")
     try:
         data = yaml.safe_load(text)
         if not isinstance(data, dict) or not _small_tree(data):
@@ -226,7 +227,8 @@ def load_config(path) -> DSAFlowConfig:
         raise ConfigError(f"{path} is not valid YAML ({first}); the file is corrupted. Fix: restore it from a copy, "
                           "or start a new run_dir.") from None
     except RecursionError:
-        raise ConfigError(f"{path} nests too deeply to be a dsaflow config (corrupted). Fix: start a new run_dir.") from None
+        raise ConfigError(f"{path} nests too deeply to be a dsaflow config (corrupted). Fix: start a new "
+                          "run_dir.") from None
     except ConfigError as exc:
         if str(exc).startswith(str(path)):
             raise

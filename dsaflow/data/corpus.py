@@ -53,7 +53,8 @@ def _memmap(p: Path, dtype, st: os.stat_result) -> np.ndarray:
     try:
         return np.memmap(p, dtype=dtype, mode="r")
     except OSError as exc:
-        raise CorpusError(f"data.path={p} {explain_os_error(exc)}. Fix: make it readable, or use another file.") from None
+        raise CorpusError(f"data.path={p} {explain_os_error(exc)}. Fix: make it readable, or use another "
+                          "file.") from None
 
 
 def resident_bytes(kind: str, path) -> int:

@@ -35,8 +35,10 @@ def main(argv=None) -> int:
         run(args)
     except RendezvousError as exc:
         first = " ".join(str(exc).split())[:200]
-        print(f"dsaflow: the rendezvous failed ({type(exc).__name__}{': ' + first if first else ''}) while {where or 'waiting'}. Fix: start every node with the same RUN_DIR, NNODES, MASTER_ADDR and MASTER_PORT (node 0 first), "
-              "check that MASTER_ADDR:MASTER_PORT is reachable from every node, or raise launch.timeout_s.",
+        what = type(exc).__name__ + (f": {first}" if first else "")
+        print(f"dsaflow: the rendezvous failed ({what}) while {where or 'waiting'}. Fix: start every node with the "
+              "same RUN_DIR, NNODES, MASTER_ADDR and MASTER_PORT (node 0 first), check that MASTER_ADDR:MASTER_PORT "
+              "is reachable from every node, or raise launch.timeout_s.",
               file=sys.stderr, flush=True)
         return 1
     except ChildFailedError as exc:

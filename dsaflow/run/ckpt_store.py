@@ -180,7 +180,8 @@ def good_checkpoints(run_dir: str | Path, report: Optional[Callable[[str], None]
         yield step, folder, manifest
 
 
-def newest_good_checkpoint(run_dir: str | Path, report: Optional[Callable[[str], None]] = None) -> Optional[Tuple[int, Path]]:
+def newest_good_checkpoint(run_dir: str | Path,
+                           report: Optional[Callable[[str], None]] = None) -> Optional[Tuple[int, Path]]:
     """(step, folder) of the newest good checkpoint of this run, or None; every one skipped is reported by name."""
     for step, folder, _ in good_checkpoints(run_dir, report):
         return step, folder

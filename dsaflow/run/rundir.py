@@ -236,9 +236,9 @@ def read_run_dir(run_dir: str | Path):
     except PlanError as exc:
         raise PlanError(f"{run_dir / CONFIG} does not plan: {exc}") from None
     if expected.to_json() != plan.to_json():
-        raise PlanError(f"{run_dir / PLAN} is not the plan of {run_dir / CONFIG} (edited by hand, or written by another "
-                        "dsaflow version), so its stages and ranks cannot be trusted. Fix: write the run dir again "
-                        "with `python -m dsaflow.launch.launch prepare ...` (or `dsaflow train`).")
+        raise PlanError(f"{run_dir / PLAN} is not the plan of {run_dir / CONFIG} (edited by hand, or written by "
+                        "another dsaflow version), so its stages and ranks cannot be trusted. Fix: write the run dir "
+                        "again with `python -m dsaflow.launch.launch prepare ...` (or `dsaflow train`).")
     return cfg, plan
 
 

@@ -11,8 +11,9 @@ A save writes into `.step-NNNNNN.partial/` (DCP shards, then every rank's weight
 then the first rank writes the manifest (sizes and sha256 of every file), renames the folder into place and prunes
 to the newest `train.keep_checkpoints` good checkpoints of this run. A kill at any point leaves at most a partial
 folder that nothing loads; a failed save (disk full) removes its partial folder and says so. A good checkpoint is
-never rewritten; a bad folder of the same step is replaced once the new save verifies. Loading verifies the manifest and reads DCP metadata through the
-allow-listing unpickler of `ckpt_store` (no code from a checkpoint file ever runs).
+never rewritten; a bad folder of the same step is replaced once the new save verifies. Loading verifies the
+manifest and reads DCP metadata through the allow-listing unpickler of `ckpt_store` (no code from a checkpoint file
+ever runs).
 """
 from __future__ import annotations
 
