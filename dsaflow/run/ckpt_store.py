@@ -161,13 +161,36 @@ def verify_checkpoint(folder: str | Path, hashes: bool = True) -> dict:
     return manifest
 
 
-def good_checkpoints(run_dir: str | Path, report: Optional[Callable[[str], None]] = None):
+_HASHED: set = set()  # (folder, manifest mtime and size) whose every file matched its sha256 in this process
+
+
+def _verify_once(folder: Path) -> dict:
+    """verify_checkpoint, hashing each checkpoint's files once per process (later: sizes, manifest, metadata), so
+    pruning at every save does not re-read every kept checkpoint."""
+    try:
+        st = os.lstat(folder / MANIFEST)
+        key = (str(folder), st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = None
+    manifest = verify_checkpoint(folder, hashes=key not in _HASHED)
+    if key is not None:
+        _HASHED.add(key)
+    return manifest
+
+
+def mark_hashed(folder: Path) -> None:
+    """A checkpoint whose manifest was just computed from its files: no need to hash them again in this process."""
+    st = os.lstat(Path(folder) / MANIFEST)
+    _HASHED.add((str(folder), st.st_mtime_ns, st.st_size))
+
+
+def good_checkpoints(run_dir: str | Path, report: Optional[Callable[[str], None]] = None, once: bool = False):
     """(step, folder, manifest) of every good checkpoint of this run, newest first; bad ones and ones another run
-    wrote are reported by name and skipped."""
+    wrote are reported by name and skipped. once=True: hash each checkpoint once per process (pruning)."""
     rid = read_run_id(run_dir)
     for step, folder in list_checkpoints(run_dir):
         try:
-            manifest = verify_checkpoint(folder)
+            manifest = _verify_once(folder) if once else verify_checkpoint(folder)
         except CheckpointError as exc:
             if report is not None:
                 report(f"skipping {exc}; trying an older checkpoint")
@@ -243,7 +266,7 @@ def prune(run_dir: str | Path, keep: int, report: Optional[Callable[[str], None]
     rid = read_run_id(run_dir)
     if rid is None or keep < 1:
         return []
-    ours = [(s, f) for s, f, m in good_checkpoints(run_dir) if m.get("run_id") == rid]
+    ours = [(s, f) for s, f, m in good_checkpoints(run_dir, once=True) if m.get("run_id") == rid]
     deleted = [s for s, f in ours[keep:] if remove_checkpoint(f)]
     root = Path(run_dir) / CKPT
     for e in os.scandir(root):

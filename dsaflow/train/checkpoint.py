@@ -30,8 +30,8 @@ from torch import nn
 from dsaflow.errors import CheckpointError
 
 from dsaflow.files import explain_os_error
-from dsaflow.run.ckpt_store import (DELETING, ensure_run_id, partial_dir, prune, read_run_id, safe_reader,
-                                    verify_checkpoint, write_manifest)
+from dsaflow.run.ckpt_store import (DELETING, ensure_run_id, mark_hashed, partial_dir, prune, read_run_id,
+                                    safe_reader, verify_checkpoint, write_manifest)
 from dsaflow.run.safetensors_io import save_file
 
 from .optim import RankOptim
@@ -134,14 +134,15 @@ def save_checkpoint(path: Path, modules, opt: Optional[RankOptim], rank: int, st
     _barrier(group)
     if _is_first(group):
         try:
-            write_manifest(tmp, step, run_id)
-            verify_checkpoint(tmp)
+            write_manifest(tmp, step, run_id)  # hashes the files as they are on disk
+            verify_checkpoint(tmp, hashes=False)  # every listed file a regular file of its size; metadata safe
             if os.path.lexists(path):  # a bad folder of this step: out of the way only now that the new one is good
                 trash = path.parent / f".{path.name}{DELETING}"
                 shutil.rmtree(trash, ignore_errors=True)
                 os.rename(path, trash)
                 shutil.rmtree(trash, ignore_errors=True)
             os.rename(tmp, path)
+            mark_hashed(path)
         except (OSError, CheckpointError) as exc:
             raise _save_failed(tmp, step, exc) from None
         if keep:
