@@ -56,7 +56,7 @@ def _lost_peer(exc: BaseException) -> bool:
     text = str(exc)
     return any(s in text for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
                                    "Socket Timeout", "NCCL communicator was aborted", "remote process exited",
-                                   "Timed out waiting", "timed out after", "Timeout waiting"))
+                                   "Timed out waiting", "timed out after", "Timeout waiting", "Application timeout"))
 
 
 if __name__ == "__main__":
