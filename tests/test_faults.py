@@ -212,3 +212,14 @@ def test_a_second_launch_is_refused_and_a_stopped_worker_is_named_and_given_up(t
         verify_checkpoint(folder)
     steps = [r["step"] for r in read_metrics(run)]
     assert steps == sorted(set(steps)), "the refused launch must not have logged anything"
+
+
+def test_gloo_timeouts_are_recognised_as_a_lost_peer():
+    """What gloo raises once launch.timeout_s has passed (seen with torch 2.13: a recv, then a collective): the
+    worker reports a lost peer in one line instead of a traceback."""
+    from dsaflow.worker import _lost_peer
+
+    for text in ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation to complete",
+                 "Application timeout caused pair closure"):
+        assert _lost_peer(RuntimeError(text)), text
+    assert not _lost_peer(RuntimeError("shape mismatch"))
