@@ -38,16 +38,24 @@ def check_world_size(plan, run_dir: str) -> None:
 
 
 def run_worker(run_dir: str, job: str = "train") -> None:
-    """Read the run dir, join the process group (NCCL on GPUs, gloo on CPU), run `job` on this rank."""
-    import torch.distributed as dist
-
-    from dsaflow.run.context import init_distributed
+    """Read the run dir, hold its lock (rank 0 without a dsaflow parent), join the process group (NCCL on GPUs,
+    gloo on CPU), run `job` on this rank."""
+    from dsaflow.run.lock import claim_run_dir
     from dsaflow.run.rundir import read_run_dir
 
     if job not in JOBS:
         raise PlanError(f"job={job!r} is not one of {JOBS}. Fix: --job train or --job generate.")
     cfg, plan = read_run_dir(run_dir)
     check_world_size(plan, run_dir)
+    with claim_run_dir(run_dir, cfg, job, int(os.environ.get("RANK", 0))):
+        _run_job(cfg, plan, run_dir, job)
+
+
+def _run_job(cfg, plan, run_dir: str, job: str) -> None:
+    import torch.distributed as dist
+
+    from dsaflow.run.context import init_distributed
+
     ctx = init_distributed(cfg, plan, run_dir)
     try:
         if job == "train":
@@ -92,7 +100,9 @@ def main(argv=None) -> None:
 
 def _report_user_error(args, rank: str, msg: str) -> None:
     try:
-        (Path(args.run_dir) / ERROR_FILE.format(rank=rank)).write_text(msg + "\n")
+        from dsaflow.files import atomic_write
+
+        atomic_write(Path(args.run_dir) / ERROR_FILE.format(rank=rank), msg + "\n")  # never through a link
     except OSError:
         pass
     if os.environ.get("DSAFLOW_PARENT"):  # the dsaflow parent prints the first rank's file once
@@ -106,7 +116,8 @@ def _lost_peer(exc: BaseException) -> bool:
     """A collective or p2p failed because another rank died (gloo/NCCL report it as a RuntimeError)."""
     text = str(exc)
     return any(s in text for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                                   "Socket Timeout", "NCCL communicator was aborted", "remote process exited"))
+                                   "Socket Timeout", "NCCL communicator was aborted", "remote process exited",
+                                   "Timed out waiting", "timed out after", "Timeout waiting", "Application timeout"))
 
 
 if __name__ == "__main__":

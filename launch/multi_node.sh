@@ -8,7 +8,11 @@
 #      RUN_DIR=/shared/runs/exp1 NNODES=2 NODE_RANK=<0|1> NPROC_PER_NODE=4 \
 #      MASTER_ADDR=<node 0 hostname> MASTER_PORT=29500 launch/multi_node.sh
 # NNODES x NPROC_PER_NODE must equal the plan's pipeline ranks (the worker checks and says so otherwise).
-# Resume after a failure: edit nothing, set train.resume=true when preparing (same run_dir), start again.
+# Every wait (the rendezvous of the nodes, each collective or send/receive between ranks) gives up after the run's
+# launch.timeout_s (set it when preparing, e.g. launch.timeout_s=120) with a message naming what it waited for.
+# Rank 0 holds the run dir's lock while the job runs: a second launch on the same run dir is refused. Starting a
+# finished (or started) run dir again is refused too; to continue it, prepare it again with train.resume=true
+# (same run_dir, a larger train.steps if it finished), then start every node again.
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 : "${RUN_DIR:?set RUN_DIR to the shared run dir written by 'python -m dsaflow.launch.launch prepare'}"
@@ -20,8 +24,11 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 JOB=${JOB:-train}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}  # a peer that left is reported once, in our words
+TIMEOUT_S=$("$PYTHON" -m dsaflow.launch.timeouts "$RUN_DIR")
 
-exec "$PYTHON" -m torch.distributed.run \
+exec "$PYTHON" -m dsaflow.launch.agent \
   --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="dsaflow-$(basename "$RUN_DIR")" \
+  --rdzv-conf="join_timeout=$TIMEOUT_S,read_timeout=$TIMEOUT_S,close_timeout=$TIMEOUT_S" \
   -m dsaflow.worker "$RUN_DIR" --job "$JOB"

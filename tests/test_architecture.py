@@ -12,7 +12,8 @@ import dsaflow
 
 PKG = Path(dsaflow.__file__).parent
 RANK = {"errors": 0, "config": 1, "data": 2, "track": 2, "ops": 2, "plan": 3, "model": 3, "run": 4, "train": 5,
-        "serve": 5, "launch": 6, "search": 6, "cli": 8, "app": 7, "worker": 7, "__init__": 0}
+        "serve": 5, "launch": 6, "search": 6, "cli": 8, "app": 7, "worker": 7, "__init__": 0,
+        "files": 0.5}
 MAX_LINES = 400
 
 

@@ -7,6 +7,7 @@ subprocesses of the installed entry point."""
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -147,11 +148,67 @@ CONFIG_CASES = [
     ("train", ["run_dir={files}/crafted", "train.resume=true", "index=every4"], "layer roles"),
     ("train", ["run_dir={files}/crafted", "train.resume=true", "pipeline=pp2"], "stages"),
     ("train", ["run_dir={files}/crafted", "train.resume=true", "train.seed=3"], "train.seed"),
+    ("train", ["run_dir={files}/crafted/checkpoints/step-000001"], "lies inside"),
+    ("train", ["run_dir={files}/crafted/checkpoints/step-000001/again"], "lies inside"),
+    ("train", ["run_dir={files}/" + "x" * 300], "too long"),
+    # corrupted or planted run-dir files on resume, and in a served run dir
+    ("train", ["run_dir={files}/emptycfg", "train.resume=true"], "is empty"),
+    ("train", ["run_dir={files}/badplan", "train.resume=true"], "plan.json"),
+    ("train", ["run_dir={files}/badmetrics", "train.resume=true"], "line 2"),
+    ("train", ["run_dir={files}/linkedmetrics", "train.resume=true"], "symbolic link"),
+    ("generate", [*PROMPT, "serve.checkpoint={files}/servedemptycfg"], "is empty"),
+    # layouts a parser must survive
+    ("train", ["layout=((F)*1000)*1000"], "expands to"),
+    ("train", ["layout=" + "(" * 40 + "F" + ")" * 40], "nest deeper"),
+    ("train", ["layout=F*99999999999999999999999"], "too large"),
+    ("train", ["layout=" + "F" * 20000], "characters long"),
+    # every search.* and launch.* field has a range
+    ("train", ["search.eval_ratios=[0]"], "search.eval_ratios="),
+    ("train", ["search.eval_ratios=[0.5,2]"], "search.eval_ratios="),
+    ("train", ["search.ratio=0"], "search.ratio=0"),
+    ("train", ["search.ratio=1.5"], "search.ratio=1.5"),
+    ("train", ["search.target_f=0"], "search.target_f=0"),
+    ("train", ["search.calib_batches=0"], "search.calib_batches=0"),
+    ("train", ["search.eval_batches=-1"], "search.eval_batches=-1"),
+    ("train", ["search.device=tpu"], "search.device='tpu'"),
+    ("train", ["launch.timeout_s=0"], "launch.timeout_s=0"),
+    # data and prompt files that are not what they claim
+    ("train", ["data=bin", "data.path={files}/zero.bin"], "is empty"),
+    ("train", ["data=text", "data.path={files}/zero.txt"], "is empty"),
+    ("train", ["data=bin", "data.path={files}/fifo"], "FIFO"),
+    ("train", ["data=text", "data.path={files}/fifo"], "FIFO"),
+    ("train", ["data=text", "data.path={files}/" + "y" * 300], "too long"),
+    ("generate", ["serve.prompts_file={files}/numbers.jsonl"], "line 2"),
+    ("generate", ["serve.prompts_file={files}/nullprompt.jsonl"], "line 1"),
+    ("generate", ["serve.prompts_file={files}/listprompt.jsonl"], "line 1"),
+    ("generate", ["serve.prompts_file={files}/fifo"], "FIFO"),
+    ("generate", ["serve.prompts_file={files}/emptydir"], "folder"),
+    # where the completions go, checked before anything is generated
+    ("generate", [*PROMPT, "serve.output_file={files}/emptydir"], "is a folder"),
+    ("generate", [*PROMPT, "serve.output_file={files}/nodir/out.jsonl"], "does not exist"),
 ]
 
 
 def _snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+def good_run_dir(run_dir: Path, steps=(1,)) -> Path:
+    """A run dir of SMALL (train.steps=2) with real checkpoints at `steps`."""
+    from dsaflow.config.compose import compose
+    from dsaflow.plan import build_plan, render_table
+    from dsaflow.run.ckpt_store import checkpoint_dir
+    from dsaflow.run.rundir import write_run_dir
+    from dsaflow.run.stages import stage_module
+    from dsaflow.train.checkpoint import save_checkpoint
+
+    cfg = compose([*SMALL, f"run_dir={run_dir}"])
+    plan = build_plan(cfg)
+    write_run_dir(cfg, plan, render_table(plan, cfg))
+    for step in steps:
+        save_checkpoint(checkpoint_dir(run_dir, step), [stage_module(cfg.model, plan, 0, seed=0)], None, 0, step)
+    return run_dir
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +225,20 @@ def files(tmp_path_factory):
     (d / "notempty").mkdir()
     (d / "notempty" / "mine.txt").write_text("user data")
     crafted_run_dir(d / "crafted", d / "PWNED", SMALL)
+    (d / "zero.bin").write_bytes(b"")
+    (d / "zero.txt").write_bytes(b"")
+    os.mkfifo(d / "fifo")
+    (d / "numbers.jsonl").write_text('{"prompt": "ok"}\n{"prompt": 12345}\n')
+    (d / "nullprompt.jsonl").write_text('{"prompt": null}\n')
+    (d / "listprompt.jsonl").write_text('{"prompt": ["a"]}\n')
+    for name, edit in (("emptycfg", lambda r: (r / "config.yaml").write_text("")),
+                       ("badplan", lambda r: (r / "plan.json").write_text('{"layers": [')),
+                       ("badmetrics", lambda r: (r / "metrics.jsonl").write_text('{"step": 1}\n{"st\n{"step": 2}\n')),
+                       ("linkedmetrics", lambda r: (r / "metrics.jsonl").symlink_to(d / "afile"))):
+        shutil.copytree(d / "crafted", d / name, symlinks=True)
+        edit(d / name)
+    served = good_run_dir(d / "servedemptycfg")
+    (served / "config.yaml").write_text("")
     # a checkpoint folder whose shard is shorter than its manifest says
     from dsaflow.run.ckpt_store import write_manifest
 
@@ -213,6 +284,50 @@ def test_bad_input_exits_2_names_the_field_and_writes_nothing(files, empty_cwd, 
 
 def test_at_least_80_cases():
     assert len(CONFIG_CASES) >= 80
+
+
+def test_a_run_dir_in_use_is_refused_naming_its_holder(files, empty_cwd, capsys):
+    """A resume of a run dir another launch holds stops before anything starts, naming that launch."""
+    from dsaflow.run.lock import run_dir_lock
+
+    run = good_run_dir(empty_cwd.parent / "inuse")
+    with run_dir_lock(run, "train"):
+        before = _snapshot(run)
+        code = cli.main(["train", *SMALL, f"run_dir={run}", "train.resume=true"])
+        err = capsys.readouterr().err
+        assert code == 2 and f"is in use by `dsaflow train` (pid {os.getpid()}" in err and "Fix:" in err, err
+        assert _snapshot(run) == before and list(empty_cwd.iterdir()) == []
+
+
+def test_ctrl_c_during_the_prelaunch_checks_is_one_line(empty_cwd, capsys, monkeypatch):
+    from dsaflow.data import BatchSource
+
+    def interrupted(self):
+        raise KeyboardInterrupt  # the corpus scan of a large data.path, cut short
+
+    monkeypatch.setattr(BatchSource, "check_vocab", interrupted)
+    assert cli.main(["train", *SMALL]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "interrupted during the pre-launch checks" in err, err
+    assert list(empty_cwd.iterdir()) == []
+
+
+def test_a_hand_started_worker_refuses_an_edited_plan(tmp_path, capsys, monkeypatch):
+    import json
+
+    from dsaflow import worker
+
+    run = good_run_dir(tmp_path / "run")
+    plan = json.loads((run / "plan.json").read_text())
+    plan["stages"][0]["layers"] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    (run / "plan.json").write_text(json.dumps(plan))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("DSAFLOW_PARENT", raising=False)
+    monkeypatch.setattr("dsaflow.launch.lifecycle.die_with_parent", lambda *a: None)
+    with pytest.raises(SystemExit) as e:
+        worker.main([str(run)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "is not the plan of" in err and "Traceback" not in err, err
 
 
 def test_crafted_pickle_is_never_executed(tmp_path):

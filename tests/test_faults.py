@@ -170,3 +170,56 @@ def test_keep_prunes_to_the_newest_checkpoints(tmp_path):
     assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 3]
     manifest = json.loads((checkpoint_dir(tmp_path, 4) / "manifest.json").read_text())
     assert set(manifest["files"]) >= {".metadata", "model-rank0.safetensors"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the process tree")
+def test_a_second_launch_is_refused_and_a_stopped_worker_is_named_and_given_up(tmp_path):
+    """While a run trains, a resume of its run dir is refused naming the running launch (the lock). Then a worker
+    is stopped (SIGSTOP): the parent names it within seconds and the run ends within launch.timeout_s plus the
+    time to stop, with no traceback, nothing left running and every checkpoint good."""
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    timeout_s = 10
+    parent = subprocess.Popen([sys.executable, "-m", "dsaflow.cli", "train", *LONG_RUN, f"run_dir={run}",
+                               f"launch.timeout_s={timeout_s}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: len(read_metrics(run)) >= 2 or parent.poll() is not None, 240, "2 logged steps")
+        assert parent.poll() is None, parent.communicate()[1][-3000:]
+        second = subprocess.run([sys.executable, "-m", "dsaflow.cli", "train", *LONG_RUN, f"run_dir={run}",
+                                 "train.resume=true"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=120)
+        assert second.returncode == 2, second.stderr
+        assert f"is in use by `dsaflow train` (pid {parent.pid}" in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr
+        agent = _wait(lambda: children(parent.pid), 30, "torchrun")[0]
+        workers = _wait(lambda: len(children(agent)) == 2 and children(agent), 30, "two workers")
+        tree = [parent.pid, agent, *workers]
+        os.kill(workers[0], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        out, err = parent.communicate(timeout=timeout_s + 60)
+        took = time.monotonic() - stopped_at
+        _wait(lambda: not any(_alive(p) for p in tree), 20, f"every process of {tree} to end")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    assert parent.returncode != 0
+    assert took < timeout_s + 30, f"the run ended {took:.0f} s after the stop (launch.timeout_s={timeout_s})"
+    assert "is stopped (SIGSTOP or a debugger)" in err and "launch.timeout_s=10" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    for _, folder in list_checkpoints(run):
+        verify_checkpoint(folder)
+    steps = [r["step"] for r in read_metrics(run)]
+    assert steps == sorted(set(steps)), "the refused launch must not have logged anything"
+
+
+def test_gloo_timeouts_are_recognised_as_a_lost_peer():
+    """What gloo raises once launch.timeout_s has passed (seen with torch 2.13: a recv, then a collective): the
+    worker reports a lost peer in one line instead of a traceback."""
+    from dsaflow.worker import _lost_peer
+
+    for text in ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation to complete",
+                 "Application timeout caused pair closure"):
+        assert _lost_peer(RuntimeError(text)), text
+    assert not _lost_peer(RuntimeError("shape mismatch"))

@@ -187,10 +187,42 @@ def to_yaml(cfg: DSAFlowConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def _small_tree(data, max_nodes: int = 100_000, max_depth: int = 16) -> bool:
+    """YAML aliases can make a small file expand to an exponential tree: walk it with a node budget."""
+    todo, seen = [(data, 1)], 0
+    while todo:
+        x, d = todo.pop()
+        seen += 1
+        if seen > max_nodes or d > max_depth:
+            return False
+        if isinstance(x, dict):
+            todo.extend((v, d + 1) for v in x.values())
+        elif isinstance(x, list):
+            todo.extend((v, d + 1) for v in x)
+    return True
+
+
 def load_config(path) -> DSAFlowConfig:
-    """Read a resolved config.yaml into a DSAFlowConfig with OmegaConf only (no Hydra): for workers."""
+    """Read a resolved config.yaml into a DSAFlowConfig with OmegaConf only (no Hydra): for workers. The file is
+    read as a regular file (no link, no FIFO, bounded size); an empty or unparsable file is named as such."""
+    import yaml
+
+    from dsaflow.files import UnsafeFile, read_text
+
     try:
-        loaded = OmegaConf.load(str(path))
+        text = read_text(path)
+    except UnsafeFile as exc:
+        raise ConfigError(f"{exc}. Fix: point at a run dir written by `dsaflow train`, or start a new run_dir.") \
+            from None
+    if not text.strip():
+        raise ConfigError(f"{path} is empty (truncated or overwritten), so the run's settings are unknown. Fix: "
+                          "restore it from a copy, or start a new run_dir.")
+    try:
+        data = yaml.safe_load(text)
+        if not isinstance(data, dict) or not _small_tree(data):
+            raise ConfigError(f"{path} is not a YAML mapping of config groups of a sane size (corrupted). Fix: "
+                              "restore it from a copy, or start a new run_dir.")
+        loaded = OmegaConf.create(data)
         for key in COMMAND_KEYS:  # run dirs written before these moved to the command line still load
             loaded.pop(key, None)
         merged = OmegaConf.merge(OmegaConf.structured(DSAFlowConfig), loaded)
@@ -199,5 +231,14 @@ def load_config(path) -> DSAFlowConfig:
         return cfg
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{path}: " + explain_omegaconf_error(exc)) from None
+    except yaml.YAMLError as exc:
+        first = " ".join(str(exc).split())[:200]
+        raise ConfigError(f"{path} is not valid YAML ({first}); the file is corrupted. Fix: restore it from a copy, "
+                          "or start a new run_dir.") from None
+    except RecursionError:
+        raise ConfigError(f"{path} nests too deeply to be a dsaflow config (corrupted). Fix: start a new "
+                          "run_dir.") from None
     except ConfigError as exc:
+        if str(exc).startswith(str(path)):
+            raise
         raise ConfigError(f"{path}: {exc}") from None

@@ -244,14 +244,25 @@ class SearchConfig:
     """`dsaflow search`: the training-free greedy IndexCache layer search (docs/search.md)."""
 
     checkpoint: Optional[str] = None  # run dir (latest checkpoint) or checkpoint folder of an index=all_full run
-    ratio: float = 0.25  # stop at round(ratio x layers) F layers ...
-    target_f: Optional[int] = None  # ... or at exactly this many (wins over ratio)
-    calib_batches: int = 8  # calibration batches (training split, never trained on) of train.batch_size x seq_len
-    eval_batches: int = 16  # held-out batches for the all-F / uniform / searched table (0 = no table)
+    ratio: float = num(0.25, 0, 1, lo_open=True)  # stop at round(ratio x layers) F layers ...
+    target_f: Optional[int] = num(None, 1, 1024)  # ... or at exactly this many (wins over ratio)
+    # calibration batches (training split, never trained on) of train.batch_size x seq_len
+    calib_batches: int = num(8, 1, 10**6)
+    eval_batches: int = num(16, 0, 10**6)  # held-out batches for the all-F / uniform / searched table (0 = no table)
+    # F fractions of the uniform layouts in the table: each in (0, 1] (checked in validate)
     eval_ratios: List[float] = field(default_factory=lambda: [0.5, 0.25])
     out_dir: Optional[str] = None  # default <run dir>/search
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = Device.auto  # auto | cpu | cuda
     restart: bool = False  # discard an earlier search log in out_dir instead of resuming it
+
+
+@dataclass
+class LaunchConfig:
+    """How long a launch waits for what it cannot control: peers, the rendezvous of several nodes."""
+
+    # every wait on another process (process-group collectives and p2p, the multi-node rendezvous, a stopped
+    # worker seen by the parent's watchdog) gives up after this many seconds with a message naming what it waited for
+    timeout_s: int = num(600, 5, 7 * 86400)
 
 
 @dataclass
@@ -265,6 +276,7 @@ class DSAFlowConfig:
     track: TrackConfig = field(default_factory=TrackConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     layout: Optional[str] = None  # e.g. "(FSSS)*2 | (FSSS)*2": roles and stage boundaries in one string
     mode: Mode = Mode.train  # train | serve: which graph blocks make sense
     run_dir: Optional[str] = None  # default: runs/<timestamp>-<name>-<unique suffix>
@@ -319,6 +331,12 @@ def validate(cfg, prefix: str = "") -> None:
             enum_type = _ENUM_FIELDS.get((type(cfg).__name__, f.name))
             if enum_type is not None:
                 _check_choice(path, v, enum_type)
+    if isinstance(cfg, SearchConfig):
+        ratios = list(cfg.eval_ratios)
+        if len(ratios) > 64 or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)
+                                       and 0 < r <= 1 for r in ratios):
+            raise ConfigError(f"search.eval_ratios={ratios}: each must lie in (0, 1] (the fraction of F layers of a "
+                              "uniform layout), at most 64 of them. Fix: e.g. search.eval_ratios=[0.5,0.25].")
     if isinstance(cfg, TrainConfig):
         betas = list(cfg.betas)
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
@@ -332,7 +350,7 @@ def _enum_fields() -> dict:
 
     out = {}
     for cls in (ModelConfig, IndexConfig, PipelineConfig, GraphBlockConfig, GraphsConfig, TrainConfig, DataConfig,
-                TrackConfig, ServeConfig, DSAFlowConfig):
+                TrackConfig, ServeConfig, SearchConfig, LaunchConfig, DSAFlowConfig):
         for name, hint in typing.get_type_hints(cls).items():
             if isinstance(hint, type) and issubclass(hint, Choice):
                 out[(cls.__name__, name)] = hint

@@ -7,12 +7,14 @@ tokens is held out for evaluation.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import List
 
 import numpy as np
 
 from dsaflow.errors import PlanError
+from dsaflow.files import explain_os_error, kind_of
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 
@@ -30,18 +32,62 @@ def text_files(path: Path) -> List[Path]:
     return files
 
 
+def _stat(p: Path, kind: str) -> os.stat_result:
+    want = "text file/folder" if kind == "text" else ".bin token file"
+    try:
+        return os.stat(p)
+    except FileNotFoundError:
+        raise CorpusError(f"data.path={p} does not exist. Fix: set data.path to an existing {want}.") from None
+    except OSError as exc:
+        raise CorpusError(f"data.path={str(p)[:200]} {explain_os_error(exc)}. Fix: set data.path to a readable "
+                          f"{want}.") from None
+
+
+def _memmap(p: Path, dtype, st: os.stat_result) -> np.ndarray:
+    """A read-only map of a regular file (nothing is loaded: a corpus of any size costs no memory up front)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise CorpusError(f"data.path={p} is {kind_of(st.st_mode)}, not a regular file. Fix: point data.path at a "
+                          "file (a FIFO or a device cannot be sampled at random).")
+    if st.st_size == 0:
+        raise CorpusError(f"data.path={p} is empty (0 bytes). Fix: point data.path at a file that holds tokens.")
+    try:
+        return np.memmap(p, dtype=dtype, mode="r")
+    except OSError as exc:
+        raise CorpusError(f"data.path={p} {explain_os_error(exc)}. Fix: make it readable, or use another "
+                          "file.") from None
+
+
+def resident_bytes(kind: str, path) -> int:
+    """Bytes of corpus every rank holds in memory: 0 for a single file (memory-mapped), the total size of a folder's
+    text files (read and joined)."""
+    p = Path(path).expanduser() if path else None
+    if kind != "text" or p is None or not os.path.isdir(p):
+        return 0
+    try:
+        return sum(f.stat().st_size + 1 for f in text_files(p))
+    except (CorpusError, OSError):
+        return 0  # load_tokens names the problem
+
+
 def load_tokens(kind: str, path: str | os.PathLike) -> np.ndarray:
-    """kind 'text' -> uint8 [N] bytes; kind 'bin' -> uint16 [N] memmap."""
+    """kind 'text' -> uint8 [N] bytes (a memmap for one file); kind 'bin' -> uint16 [N] memmap."""
     p = Path(path).expanduser()
-    if not p.exists():
-        raise CorpusError(f"data.path={p} does not exist. Fix: set data.path to an existing {'text file/folder' if kind == 'text' else '.bin token file'}.")
+    st = _stat(p, kind)
     if kind == "bin":
-        if not p.is_file():
+        if stat.S_ISDIR(st.st_mode):
             raise CorpusError(f"data.kind=bin needs a file, but data.path={p} is a folder. Fix: point data.path at the .bin file.")
-        if p.stat().st_size % 2:
+        if stat.S_ISREG(st.st_mode) and st.st_size % 2:
             raise CorpusError(f"data.path={p} has an odd size, so it is not a flat uint16 array. Fix: use a nanoGPT-style .bin (np.uint16 tokens).")
-        return np.memmap(p, dtype=np.uint16, mode="r")
-    chunks = [np.fromfile(f, dtype=np.uint8) for f in text_files(p)]
+        return _memmap(p, np.uint16, st)
+    if not stat.S_ISDIR(st.st_mode):
+        return _memmap(p, np.uint8, st)
+    chunks = []
+    for f in text_files(p):
+        try:
+            chunks.append(np.fromfile(f, dtype=np.uint8))
+        except OSError as exc:
+            raise CorpusError(f"data.path={p}: {f} {explain_os_error(exc)}. Fix: make it readable, or move it out "
+                              "of the folder.") from None
     sep = np.frombuffer(b"\n", dtype=np.uint8)
     joined: List[np.ndarray] = []
     for i, c in enumerate(chunks):

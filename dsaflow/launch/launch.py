@@ -19,21 +19,27 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from dsaflow.errors import EXIT_USER_ERROR, PlanError
+from dsaflow.files import UnsafeFile, explain_os_error, kind_of, read_text
 from dsaflow.plan.plan import Plan
 
+from dsaflow.run.ckpt_store import report_stderr
 from dsaflow.run.context import resolve_device_type
+from dsaflow.run.lock import LOCK_ENV, run_dir_lock
 from dsaflow.run.rundir import TMP, check_run_dir, write_run_dir
 
 # Kept on the GPU machines (NVLink multicast off); a user's own values win.
 GPU_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 STOP_TIMEOUT_S = 10.0
+WATCH_EVERY_S = 1.0
 
 
 def check_track(cfg) -> None:
@@ -54,6 +60,28 @@ def check_track(cfg) -> None:
         "Fix: run `wandb login` (or export WANDB_API_KEY=...), or use track=offline (sync later with `wandb sync "
         "<run_dir>/wandb/offline-run-*`) or track=none."
     )
+
+
+def check_output_file(path: Optional[str]) -> None:
+    """serve.output_file must be writable before generation starts, or the completions would be lost after it."""
+    if not path:
+        return
+    p = Path(path).expanduser()
+    field = f"serve.output_file={path}"
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise PlanError(f"{field} {explain_os_error(exc)}. Fix: choose another output file.") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise PlanError(f"{field} is {kind_of(st.st_mode)}, not a file the completions can be written to. Fix: name "
+                        "a file, e.g. serve.output_file=completions.jsonl.")
+    folder = p.parent if str(p.parent) else Path(".")
+    if not folder.is_dir():
+        raise PlanError(f"{field}: its folder {folder} does not exist. Fix: create it, or choose another output file.")
+    if (st is not None and not os.access(p, os.W_OK)) or not os.access(folder, os.W_OK | os.X_OK):
+        raise PlanError(f"{field} is not writable by you. Fix: choose an output file in a folder you can write.")
 
 
 def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> None:
@@ -79,6 +107,7 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
     if job == "generate":  # serve config, prompts and graph blocks (dsaflow.serve.generate; raises ServeError)
         from dsaflow.serve.generate import check_serve
 
+        check_output_file(cfg.serve.output_file)
         check_serve(cfg, plan, device)
     else:
         t = cfg.train
@@ -96,8 +125,6 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
         data.batch(0)
         data.check_vocab()
         check_track(cfg)
-    from dsaflow.run.ckpt_store import report_stderr
-
     check_run_dir(cfg, plan, job, report_stderr)
 
 
@@ -144,8 +171,56 @@ def interrupt_hint(run_dir: Path, job: str) -> str:
             "again with train.ckpt_every=N to make an interrupted run resumable from its last N-step save)")
 
 
-def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str) -> int:
-    """Run the agent in its own session and wait; SIGINT/SIGTERM stop the whole tree (one line, 128 + signal)."""
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _rank_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        return f"rank {env[b'RANK'].decode()}" if b"RANK" in env else "torchrun"
+    except (OSError, KeyError, ValueError):
+        return "a process"
+
+
+class Watchdog:
+    """The parent's eye on the tree: a stopped process (SIGSTOP, a debugger) makes every peer wait in silence, so
+    say within seconds which one it is and what the others wait for, and give up after `timeout_s`."""
+
+    def __init__(self, root: int, job: str, timeout_s: float, say=None):
+        self.root, self.job, self.timeout_s = root, job, timeout_s
+        self.stopped_since: Dict[int, float] = {}
+        self.say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    def check(self, now: float) -> Optional[str]:
+        """Returns a reason to give up, or None."""
+        from .lifecycle import descendants
+
+        stopped = {p for p in [self.root, *descendants(self.root)] if _proc_state(p) in ("T", "t")}
+        for p in list(self.stopped_since):
+            if p not in stopped:
+                del self.stopped_since[p]
+                self.say(f"dsaflow {self.job}: pid {p} continues")
+        for p in stopped:
+            if p not in self.stopped_since:
+                self.stopped_since[p] = now
+                self.say(f"dsaflow {self.job}: {_rank_of(p)} (pid {p}) is stopped (SIGSTOP or a debugger); the other "
+                         f"ranks wait for it in their next send, receive or collective. Giving up in "
+                         f"launch.timeout_s={self.timeout_s:g} s unless it continues (kill -CONT {p}).")
+            elif now - self.stopped_since[p] > self.timeout_s:
+                return (f"{_rank_of(p)} (pid {p}) stayed stopped for more than launch.timeout_s={self.timeout_s:g} s; "
+                        "stopped every process of the run")
+        return None
+
+
+def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str, timeout_s: float = 600.0) -> int:
+    """Run the agent in its own session and wait; SIGINT/SIGTERM stop the whole tree (one line, 128 + signal); a
+    process stopped for longer than `timeout_s` stops it too (status 1)."""
     from .lifecycle import die_with_parent, kill_tree
 
     main_thread = threading.current_thread() is threading.main_thread()
@@ -157,7 +232,18 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str) -> i
     (run_dir / TMP).mkdir(exist_ok=True)  # TMPDIR must exist, or tempfile falls back to /tmp
     try:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
-        rc = proc.wait()
+        dog = Watchdog(proc.pid, job, timeout_s)
+        while True:
+            try:
+                rc = proc.wait(timeout=WATCH_EVERY_S)
+                break
+            except subprocess.TimeoutExpired:
+                reason = dog.check(time.monotonic())
+                if reason:
+                    kill_tree(proc.pid)
+                    proc.wait()
+                    print(f"dsaflow {job}: {reason}. Run dir: {run_dir}", file=sys.stderr, flush=True)
+                    return 1
     except _Interrupted as exc:
         n = kill_tree(proc.pid) if proc is not None else 0
         if proc is not None:
@@ -178,7 +264,11 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str) -> i
     if rc == EXIT_USER_ERROR:
         errors = sorted(run_dir.glob("error-rank*.txt"))
         if errors:
-            print(f"dsaflow {job}: error: {errors[0].read_text().strip()}", file=sys.stderr, flush=True)
+            try:
+                text = read_text(errors[0], inside=run_dir, max_bytes=1 << 16).strip()
+            except UnsafeFile as exc:
+                text = f"a worker reported a user error, but {exc}"
+            print(f"dsaflow {job}: error: {text}", file=sys.stderr, flush=True)
     elif rc != 0:
         print(f"dsaflow {job}: workers exited with status {rc}; see the output above and {run_dir}/train.log",
               file=sys.stderr, flush=True)
@@ -186,19 +276,35 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str) -> i
 
 
 def launch(cfg, plan: Plan, job: str = "train") -> int:
-    """Check, write the run dir, run the workers; returns the exit status (0 = every rank finished, 2 = a user
-    error, 128 + signal = interrupted)."""
-    check_launch(cfg, plan, job)
+    """Check, write the run dir, run the workers under the run dir's lock; returns the exit status (0 = every rank
+    finished, 2 = a user error, 128 + signal = interrupted)."""
+    try:
+        check_launch(cfg, plan, job)  # may scan a large corpus: Ctrl-C here is one line, not a traceback
+    except KeyboardInterrupt:
+        print(f"dsaflow {job}: interrupted during the pre-launch checks; nothing was started or written.",
+              file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     from dsaflow.plan import render_table
 
-    run_dir = write_run_dir(cfg, plan, render_table(plan, cfg), job)
+    resume = job == "train" and cfg.train.resume
+    if resume:  # the run dir exists: lock it before rewriting its files
+        with run_dir_lock(cfg.run_dir, job, report_stderr):
+            return _launch_in(cfg, plan, job, write_run_dir(cfg, plan, render_table(plan, cfg), job))
+    run_dir = write_run_dir(cfg, plan, render_table(plan, cfg), job)  # new and unique: nobody else has it
+    with run_dir_lock(run_dir, job, report_stderr):
+        return _launch_in(cfg, plan, job, run_dir)
+
+
+def _launch_in(cfg, plan: Plan, job: str, run_dir: Path) -> int:
     for stale in run_dir.glob("error-rank*.txt"):
-        stale.unlink()
+        stale.unlink()  # unlink removes a link itself, never its target
     cmd = torchrun_command(run_dir, plan.pipeline.ranks, job)
     from .run_summary import shell_command, train_summary
 
     print(f"run dir: {run_dir}\nlaunch:  {shell_command(cmd)}", flush=True)
-    rc = supervise(cmd, launch_env(run_dir=run_dir), run_dir, job)
+    env = launch_env(run_dir=run_dir)
+    env[LOCK_ENV] = str(run_dir.resolve())  # the workers are under this launch's lock
+    rc = supervise(cmd, env, run_dir, job, cfg.launch.timeout_s)
     if job == "train" and rc < 128:  # an interrupted run already said so in one line
         print(train_summary(cfg, run_dir, rc), flush=True)
     return rc

@@ -67,6 +67,10 @@ def rank_memory(cfg, plan, rank: int, device_type: str, job: str) -> Dict[str, f
         forward = min(seqs * seq * seq, SCORE_BUDGET_ELEMS) * 12
     out[TRANSIENT] = max(out.get(TRANSIENT, 0), forward)
     out[BATCH] = t.batch_size * (seq + 1) * 8 * 5
+    from dsaflow.data.corpus import resident_bytes
+
+    out["training corpus held in memory (a folder of text files; one file is memory-mapped)"] = \
+        2 * resident_bytes(str(cfg.data.kind), cfg.data.path)  # the files, then their joined copy
     return out
 
 

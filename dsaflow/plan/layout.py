@@ -23,6 +23,11 @@ from typing import List, Optional, Tuple
 from dsaflow.errors import PlanError
 
 ROLES = ("F", "S")
+# Bounds that keep hostile input from exhausting memory or the stack (model.num_layers is at most 1024).
+MAX_CHARS = 10_000
+MAX_DEPTH = 16
+MAX_TOKENS = 1 << 16  # layers and boundaries after expanding every repeat
+MAX_COUNT_DIGITS = 6
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,11 @@ class ParsedLayout:
 
 
 def _error(field: str, text: str, pos: int, what: str, fix: str) -> PlanError:
-    caret = " " * pos + "^"
-    return PlanError(f"{field}={text!r}: {what} at position {pos}:\n    {text}\n    {caret}\n{fix}")
+    lo = max(0, pos - 40)  # a window around the position: a long layout stays one short paragraph
+    shown = ("..." if lo else "") + text[lo:pos + 40] + ("..." if pos + 40 < len(text) else "")
+    caret = " " * (pos - lo + (3 if lo else 0)) + "^"
+    head = text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
+    return PlanError(f"{field}={head!r}: {what} at position {pos}:\n    {shown}\n    {caret}\n{fix}")
 
 
 class _Parser:
@@ -64,6 +72,9 @@ class _Parser:
         return _error(self.field, self.text, self.pos if pos is None else pos, what, fix)
 
     def parse(self) -> List[str]:
+        if len(self.text) > MAX_CHARS:
+            raise PlanError(f"{self.field} is {len(self.text)} characters long, more than the {MAX_CHARS} a layout may "
+                            f"have. Fix: use repeats, e.g. {self.field}='(FSSS)*16'.")
         tokens = self._sequence(depth=0)
         if self._peek() is not None:  # only a stray ")" stops a top-level sequence early
             raise self.fail("unbalanced ')' with no matching '('", "Fix: remove the ')' or add the '(' it closes.")
@@ -80,6 +91,9 @@ class _Parser:
                 out.append("|")
                 continue
             out.extend(self._repeat(self._atom(depth)))
+            if len(out) > MAX_TOKENS:
+                raise self.fail(f"the layout expands to more than {MAX_TOKENS} layers and boundaries",
+                                "Fix: match the repeats to model.num_layers.")
 
     def _atom(self, depth: int) -> List[str]:
         ch, start = self._peek(), self.pos
@@ -87,6 +101,9 @@ class _Parser:
             self.pos += 1
             return [ch]
         if ch == "(":
+            if depth >= MAX_DEPTH:
+                raise self.fail(f"groups nest deeper than {MAX_DEPTH} levels",
+                                "Fix: flatten the layout; a few levels of (..)*n describe any model.")
             self.pos += 1
             inner = self._sequence(depth + 1)
             if self._peek() != ")":
@@ -114,9 +131,15 @@ class _Parser:
         digits = self.text[start:self.pos]
         if not digits:
             raise self.fail("'*' must be followed by a repeat count", "Fix: write e.g. (FSSS)*4.", pos=start)
+        if len(digits.lstrip("0")) > MAX_COUNT_DIGITS:
+            raise self.fail(f"repeat count {digits[:12]}{'...' if len(digits) > 12 else ''} is too large",
+                            f"Fix: a layout has at most {MAX_TOKENS} layers; use a count below that.", pos=start)
         count = int(digits)
         if count < 1:
             raise self.fail("repeat count must be at least 1", "Fix: use a positive count, e.g. *2.", pos=start)
+        if len(tokens) * count > MAX_TOKENS:
+            raise self.fail(f"this repeat expands to {len(tokens) * count} layers and boundaries, more than the "
+                            f"{MAX_TOKENS} a layout may have", "Fix: match the count to model.num_layers.", pos=start)
         return tokens * count
 
 

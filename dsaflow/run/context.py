@@ -70,10 +70,10 @@ def init_distributed(cfg, plan: Plan, run_dir: Path) -> RunContext:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         if not dist.is_initialized():
-            dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=10))
+            dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=cfg.launch.timeout_s))
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, int(cfg.train.cpu_threads)))
         if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+            dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.launch.timeout_s))
     return RunContext(cfg, plan, dist.get_rank(), world, local_rank, device, Path(run_dir))

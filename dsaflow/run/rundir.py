@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from dsaflow.errors import PlanError
+from dsaflow.files import UnsafeFile, atomic_write, explain_os_error, parse_json, read_text
 from dsaflow.plan.plan import Plan
 
-from .ckpt_store import CKPT, checkpoint_dir, list_checkpoints, newest_good_checkpoint
+from .ckpt_store import CKPT, MANIFEST, checkpoint_dir, list_checkpoints, newest_good_checkpoint
 
 __all__ = ["CKPT", "checkpoint_dir", "list_checkpoints", "latest_checkpoint", "read_run_dir", "read_metrics",
            "write_run_dir", "check_run_dir", "check_resume"]
@@ -51,7 +52,32 @@ def latest_checkpoint(run_dir: str | Path, report=None) -> Optional[Tuple[int, P
 
 
 def is_run_dir(path: Path) -> bool:
-    return (path / PLAN).is_file() or (path / CONFIG).is_file()
+    return os.path.lexists(path / PLAN) or os.path.lexists(path / CONFIG)
+
+
+def _enclosing_run(p: Path) -> Optional[Path]:
+    """The run dir or checkpoint folder that `p` would lie inside, if any (a run dir never nests in either)."""
+    try:
+        resolved = p.resolve()
+    except (OSError, RuntimeError):
+        return None
+    for parent in resolved.parents:
+        if is_run_dir(parent) or os.path.lexists(parent / MANIFEST):
+            return parent
+    return None
+
+
+def read_plan(run_dir: Path) -> Plan:
+    """plan.json of a run dir, read as a regular file with bounds; PlanError naming the file when it is corrupt."""
+    path = Path(run_dir) / PLAN
+    try:
+        data = parse_json(read_text(path, inside=run_dir), str(path), max_depth=16)
+        return Plan.from_json(json.dumps(data))
+    except UnsafeFile as exc:
+        raise PlanError(f"{exc}. Fix: point at a run dir written by `dsaflow train`, or start a new run_dir.") from None
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise PlanError(f"{path} is unreadable ({type(exc).__name__}: {str(exc)[:120]}): corrupted or edited. Fix: "
+                        "start a new run_dir (or restore the file).") from None
 
 
 def _asdict(x) -> dict:
@@ -69,14 +95,12 @@ def check_resume(cfg, plan: Plan, report=None) -> Tuple[int, Path]:
     from dsaflow.config.compose import load_config
 
     run_dir = Path(cfg.run_dir)
-    if not (run_dir / CONFIG).is_file() or not (run_dir / PLAN).is_file():
+    if not os.path.lexists(run_dir / CONFIG) or not os.path.lexists(run_dir / PLAN):
         raise PlanError(f"train.resume=true but run_dir={run_dir} is not a dsaflow run dir (no {CONFIG} and {PLAN}). "
                         "Fix: point run_dir at runs/<name> of the run to continue.")
     old_cfg = load_config(run_dir / CONFIG)
-    try:
-        old_plan = Plan.from_json((run_dir / PLAN).read_text())
-    except (ValueError, KeyError, TypeError) as exc:
-        raise PlanError(f"run_dir={run_dir}: {PLAN} is unreadable ({exc}). Fix: start a new run_dir.") from None
+    old_plan = read_plan(run_dir)
+    read_metrics(run_dir, strict=True)
     diffs = _diff("model", old_cfg.model, cfg.model) + _diff("data", old_cfg.data, cfg.data)
     for k in ("seed", "seq_len", "batch_size"):
         if getattr(old_cfg.train, k) != getattr(cfg.train, k):
@@ -118,8 +142,19 @@ def check_run_dir(cfg, plan: Plan, job: str = "train", report=None) -> None:
             raise PlanError("train.resume=true needs run_dir=<the run to continue>. Fix: add run_dir=runs/<name>.")
         return
     p = Path(cfg.run_dir)
+    try:
+        os.lstat(p)
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise PlanError(f"run_dir={str(p)[:120]}... ({len(str(p))} characters) {explain_os_error(exc)}. Fix: "
+                            "choose a shorter run_dir (each folder name at most 255 bytes).") from None
     if p.exists() and not p.is_dir():
         raise PlanError(f"run_dir={p} exists and is not a folder. Fix: choose another run_dir.")
+    outer = _enclosing_run(p)
+    if outer is not None:
+        raise PlanError(f"run_dir={p} lies inside {outer}, which is a run dir or a checkpoint folder; a run there "
+                        "would mix its files with that run's (and its checkpoints could be pruned as that run's). "
+                        "Fix: choose a run_dir outside every run dir, e.g. runs/<new name>.")
     if resume:
         check_resume(cfg, plan, report)
         return
@@ -146,8 +181,12 @@ def write_run_dir(cfg, plan: Plan, table: str, job: str = "train") -> Path:
     files = {CONFIG: to_yaml(cfg), PLAN: plan.to_json(), PLAN_TXT: table + "\n"}
     if cfg.run_dir and job == "train" and cfg.train.resume:
         run_dir = Path(cfg.run_dir)
-        for name, text in files.items():
-            _atomic_write(run_dir / name, text)
+        try:
+            for name, text in files.items():
+                atomic_write(run_dir / name, text)
+        except OSError as exc:
+            raise PlanError(f"run_dir={run_dir}: cannot rewrite its files ({explain_os_error(exc)}). Fix: free space "
+                            "or fix the folder's permissions.") from None
         return run_dir
     base = Path(cfg.run_dir or default_run_dir(cfg, job))
     try:
@@ -158,7 +197,7 @@ def write_run_dir(cfg, plan: Plan, table: str, job: str = "train") -> Path:
     try:
         tmp.mkdir()
         for name, text in files.items():
-            (tmp / name).write_text(text)
+            atomic_write(tmp / name, text)
         for attempt in range(1, 1000):
             target = base if attempt == 1 else base.with_name(f"{base.name}-{attempt}")
             try:
@@ -180,26 +219,55 @@ def write_run_dir(cfg, plan: Plan, table: str, job: str = "train") -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def read_run_dir(run_dir: str | Path):
-    """-> (cfg, plan) from a run dir written by `write_run_dir` (no Hydra)."""
+    """-> (cfg, plan) from a run dir written by `write_run_dir` (no Hydra). Both files are read as regular files
+    with bounds, and plan.json must be the plan of config.yaml (a hand-edited plan with impossible values is refused
+    here, before any process group forms)."""
     from dsaflow.config.compose import load_config
+    from dsaflow.plan import build_plan
 
     run_dir = Path(run_dir)
     for name in (CONFIG, PLAN):
-        if not (run_dir / name).is_file():
+        if not os.path.lexists(run_dir / name):
             raise PlanError(f"{run_dir / name} is missing: RUN_DIR must be a folder written by `dsaflow train`.")
-    return load_config(run_dir / CONFIG), Plan.from_json((run_dir / PLAN).read_text())
+    cfg, plan = load_config(run_dir / CONFIG), read_plan(run_dir)
+    try:
+        expected = build_plan(cfg)
+    except PlanError as exc:
+        raise PlanError(f"{run_dir / CONFIG} does not plan: {exc}") from None
+    if expected.to_json() != plan.to_json():
+        raise PlanError(f"{run_dir / PLAN} is not the plan of {run_dir / CONFIG} (edited by hand, or written by "
+                        "another dsaflow version), so its stages and ranks cannot be trusted. Fix: write the run dir "
+                        "again with `python -m dsaflow.launch.launch prepare ...` (or `dsaflow train`).")
+    return cfg, plan
 
 
-def read_metrics(run_dir: str | Path) -> list:
-    """Every record of metrics.jsonl (a resumed run may repeat steps; the later record wins in `by_step`)."""
+def read_metrics(run_dir: str | Path, strict: bool = False) -> list:
+    """Every record of metrics.jsonl (a resumed run may repeat steps; the later record wins in `by_step`). A torn
+    last line (a kill mid-write) is dropped. Other unreadable lines are skipped, or with strict=True refused with a
+    PlanError naming the line."""
     path = Path(run_dir) / METRICS
-    if not path.is_file():
+    if not os.path.lexists(path):
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = read_text(path, inside=run_dir, max_bytes=1 << 30)
+    except UnsafeFile as exc:
+        if strict:
+            raise PlanError(f"{exc}. Fix: remove it (or move it away) to continue the run.") from None
+        return []
+    lines = text.split("\n")
+    out = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = parse_json(line, f"{path} line {n}", max_depth=4)
+            if not isinstance(rec, dict) or type(rec.get("step")) is not int:
+                raise UnsafeFile(f"{path} line {n} is not a record with an integer step")
+        except UnsafeFile as exc:
+            if n == len(lines) or not strict:  # the last line has no newline: a torn write
+                continue
+            raise PlanError(f"{exc}: metrics.jsonl is corrupted. Fix: delete that line (or the file) to resume; "
+                            "the checkpoints are unaffected.") from None
+        out.append(rec)
+    return out

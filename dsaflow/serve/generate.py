@@ -21,6 +21,7 @@ import torch
 
 from dsaflow.data.tokenizer import ByteTokenizer
 from dsaflow.errors import ServeError
+from dsaflow.files import UnsafeFile, read_text
 from dsaflow.plan.plan import Plan
 from dsaflow.run.stages import stage_module
 
@@ -50,18 +51,22 @@ def load_prompts(serve_cfg) -> List[str]:
         )
     if given:
         return [str(p) for p in given]
-    if not os.path.isfile(path):
-        raise ServeError(f"serve.prompts_file={path} does not exist. Fix: point it at a JSONL file.")
+    try:  # a regular file only: a FIFO or a folder is named as such, never waited on
+        text = read_text(path)
+    except UnsafeFile as exc:
+        raise ServeError(f"serve.prompts_file={path}: {exc}. Fix: point it at a JSONL file.") from None
     prompts = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            prompts.append(str(row["prompt"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
+            if not isinstance(row["prompt"], str):
+                raise TypeError
+            prompts.append(row["prompt"])
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
             raise ServeError(
-                f'serve.prompts_file={path} line {n} is not a JSON object with a "prompt" key: {line[:80]!r}. '
+                f'serve.prompts_file={path} line {n} is not a JSON object with a string "prompt": {line[:80]!r}. '
                 'Fix: one {"prompt": "..."} per line.'
             ) from None
     if not prompts:

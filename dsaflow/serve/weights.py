@@ -4,7 +4,10 @@ Every checkpoint folder holds, next to its DCP shards, one weights-only `model-r
 with global state-dict keys (`layers.5.attn.wkv_b.weight`; dsaflow.train.checkpoint). Serving reads those files
 only: a model trained with PP=N can be served with any other stage split (each rank takes the keys of its own
 stages), and a crafted checkpoint can be wrong but can never run code. The folder's manifest (sizes, sha256) is
-checked first; a run dir falls back past bad checkpoints to the newest good one, naming each it skips.
+checked first; a run dir falls back past bad checkpoints to the newest good one, naming each it skips. Only the
+weight files the manifest lists are read, as regular files inside the checkpoint folder (a stray or planted
+`model-rank*.safetensors`, a link or a FIFO is never opened), and the checkpoint is pinned while it is read, so a
+training run pruning its checkpoints meanwhile skips it.
 
 `serve.checkpoint` may be a run dir (its newest good checkpoint is used, and its config.yaml must describe the same
 model) or one checkpoint folder (`<run_dir>/checkpoints/step-000300`). `export_weights` writes one merged
@@ -13,6 +16,8 @@ safetensors file for sharing.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from pathlib import Path
 from typing import Dict
 
@@ -20,15 +25,17 @@ import torch
 
 from dsaflow.errors import CheckpointError, ServeError
 
-from dsaflow.run.ckpt_store import MANIFEST, newest_good_checkpoint, report_stderr, verify_checkpoint
+from dsaflow.run.ckpt_store import MANIFEST, newest_good_checkpoint, pinned, report_stderr, verify_checkpoint
 from dsaflow.run.rundir import CONFIG
 from dsaflow.run.safetensors_io import SafetensorsError, load_tensors, read_header, save_file
+
+WEIGHTS = re.compile(r"^model-rank\d{1,6}\.safetensors$")
 
 
 def resolve_checkpoint(path: str | Path, report=report_stderr) -> Path:
     """A run dir -> its newest good checkpoint folder; a checkpoint folder -> itself once verified."""
     p = Path(path)
-    if (p / MANIFEST).is_file() or (p / ".metadata").is_file():
+    if os.path.lexists(p / MANIFEST) or os.path.lexists(p / ".metadata"):
         try:
             verify_checkpoint(p)
         except CheckpointError as exc:
@@ -47,7 +54,7 @@ def resolve_checkpoint(path: str | Path, report=report_stderr) -> Path:
 def check_same_model(model_cfg, checkpoint: Path) -> None:
     """If the checkpoint's run dir has a config.yaml, its model section must equal the serving model config."""
     run_dir = checkpoint.parent.parent
-    if not (run_dir / CONFIG).is_file():
+    if not os.path.lexists(run_dir / CONFIG):
         return
     from dsaflow.config.compose import load_config
 
@@ -63,18 +70,25 @@ def check_same_model(model_cfg, checkpoint: Path) -> None:
 
 
 def weight_files(ckpt: Path) -> Dict[str, Path]:
-    """{global key: safetensors file holding it} over the checkpoint's model-rank*.safetensors."""
+    """{global key: safetensors file holding it} over the model-rank*.safetensors files the manifest lists."""
+    try:
+        listed = sorted(n for n in verify_checkpoint(ckpt, hashes=False)["files"] if WEIGHTS.match(n))
+    except CheckpointError as exc:
+        raise ServeError(f"serve.checkpoint={ckpt}: {exc}. Fix: use another checkpoint.") from None
+    if not listed:
+        raise ServeError(f"serve.checkpoint={ckpt} lists no model-rank*.safetensors weights in its manifest. Fix: use "
+                         "a checkpoint written by this version of `dsaflow train`.")
     where: Dict[str, Path] = {}
-    files = sorted(ckpt.glob("model-rank*.safetensors"))
-    if not files:
-        raise ServeError(f"serve.checkpoint={ckpt} holds no model-rank*.safetensors weights. Fix: use a checkpoint "
-                         "written by this version of `dsaflow train`.")
-    for f in files:
+    for name in listed:
+        f = ckpt / name
         try:
             header, _ = read_header(f)
         except (SafetensorsError, OSError) as exc:
             raise ServeError(f"serve.checkpoint={ckpt}: {exc}. Fix: use another checkpoint.") from None
         for k in header:
+            if k in where:
+                raise ServeError(f"serve.checkpoint={ckpt}: {k} is in both {where[k].name} and {name}; refused. "
+                                 "Fix: use a checkpoint written by `dsaflow train`.")
             where[k] = f
     return where
 
@@ -84,6 +98,18 @@ def load_model_weights(stages: Dict[int, torch.nn.Module], path: str | Path, mod
     ckpt = resolve_checkpoint(path)
     if model_cfg is not None:
         check_same_model(model_cfg, ckpt)
+    try:
+        with pinned(ckpt):
+            verify_checkpoint(ckpt)  # again, under the pin: what was verified is what is read
+            _load_into(stages, path, ckpt)
+    except CheckpointError as exc:
+        if isinstance(exc, ServeError):
+            raise
+        raise ServeError(f"serve.checkpoint={path}: {exc}. Fix: use another checkpoint.") from None
+    return ckpt
+
+
+def _load_into(stages, path, ckpt: Path) -> None:
     where = weight_files(ckpt)
     wanted = {k: v for m in stages.values() for k, v in m.state_dict().items()}
     missing = [k for k in wanted if k not in where]
@@ -103,15 +129,15 @@ def load_model_weights(stages: Dict[int, torch.nn.Module], path: str | Path, mod
                     raise ServeError(f"serve.checkpoint={path}: {k} is {list(t.shape)} in {f.name} but the model "
                                      f"has {list(wanted[k].shape)}. Fix: serve with the training run's model.")
                 wanted[k].copy_(t)
-    return ckpt
 
 
 def export_weights(path: str | Path, out: str | Path) -> Path:
     """One safetensors file with every model weight of a checkpoint (or a run dir's newest good one)."""
     ckpt = resolve_checkpoint(path)
     tensors = {}
-    for f in sorted(ckpt.glob("model-rank*.safetensors")):
-        tensors.update(load_tensors(f))
+    with pinned(ckpt):
+        for f in sorted(set(weight_files(ckpt).values())):
+            tensors.update(load_tensors(f))
     save_file(tensors, out, {"format": "dsaflow-weights", "source": str(ckpt)})
     return Path(out)
 
@@ -126,7 +152,7 @@ def main(argv=None) -> int:
         return 2
     try:
         print(export_weights(args[1], args[2]))
-    except ServeError as exc:
+    except (ServeError, CheckpointError) as exc:
         print(f"dsaflow: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Dict, List
 
+from dsaflow.files import UnsafeFile, read_text
+
 METRICS = ("loss", "indexer_loss", "eval_loss", "eval_acc", "tokens_per_s")
 
 
@@ -15,9 +17,18 @@ def final_metrics(run_dir) -> Dict[str, float]:
     """Last value of each metric in <run_dir>/metrics.jsonl (eval metrics: the last eval); tokens/s: the median
     over the run's steps after the first (the first step includes start-up)."""
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
+    try:
+        text = read_text(path, inside=run_dir, max_bytes=1 << 30)
+    except UnsafeFile:  # none, or not a file dsaflow wrote: no metrics to summarise
         return {}
-    recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    recs = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line) if line.strip() else None
+        except (ValueError, RecursionError):
+            rec = None  # a torn or corrupted line: the summary shows the records that parse
+        if isinstance(rec, dict):
+            recs.append(rec)
     out: Dict[str, float] = {}
     for r in recs:
         for k in ("loss", "indexer_loss", "eval_loss", "eval_acc", "step"):

@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from dsaflow.files import MissingFile, atomic_write, read_text
+
 from .base import Tracker
 
 
@@ -18,7 +20,12 @@ class WandbTracker(Tracker):
         os.environ.setdefault("WANDB_SILENT", "true")
         id_file = Path(run_dir) / "wandb" / "run_id"
         id_file.parent.mkdir(parents=True, exist_ok=True)
-        resume_id = id_file.read_text().strip() if (resume and id_file.is_file()) else None
+        resume_id = None
+        if resume:
+            try:
+                resume_id = read_text(id_file, inside=id_file.parent, max_bytes=256).strip() or None
+            except MissingFile:
+                pass
         self.run = wandb.init(
             project=track_cfg.project,
             entity=track_cfg.entity,
@@ -31,7 +38,7 @@ class WandbTracker(Tracker):
             resume="allow" if resume_id else None,
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
-        id_file.write_text(self.run.id)
+        atomic_write(id_file, self.run.id)  # never through a link planted in the run dir
 
     @property
     def run_id(self) -> str:

@@ -9,9 +9,11 @@ The lr schedule is a pure function of the step, so the step restores it too.
 
 A save writes into `.step-NNNNNN.partial/` (DCP shards, then every rank's weights-only `model-rank<r>.safetensors`),
 then the first rank writes the manifest (sizes and sha256 of every file), renames the folder into place and prunes
-to the newest `train.keep_checkpoints`. A kill at any point leaves at most a partial folder that nothing loads. An
-existing checkpoint is never rewritten. Loading verifies the manifest and reads DCP metadata through the
-allow-listing unpickler of `ckpt_store` (no code from a checkpoint file ever runs).
+to the newest `train.keep_checkpoints` good checkpoints of this run. A kill at any point leaves at most a partial
+folder that nothing loads; a failed save (disk full) removes its partial folder and says so. A good checkpoint is
+never rewritten; a bad folder of the same step is replaced once the new save verifies. Loading verifies the
+manifest and reads DCP metadata through the allow-listing unpickler of `ckpt_store` (no code from a checkpoint file
+ever runs).
 """
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ from torch import nn
 
 from dsaflow.errors import CheckpointError
 
-from dsaflow.run.ckpt_store import partial_dir, prune, safe_reader, verify_checkpoint, write_manifest
+from dsaflow.files import explain_os_error
+from dsaflow.run.ckpt_store import (DELETING, ensure_run_id, mark_hashed, partial_dir, prune, read_run_id,
+                                    safe_reader, verify_checkpoint, write_manifest)
 from dsaflow.run.safetensors_io import save_file
 
 from .optim import RankOptim
@@ -76,25 +80,71 @@ def _is_first(group) -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group=group) == 0
 
 
+def _existing_is_good(path: Path) -> bool:
+    """A folder of this step already exists: keep it if it is a good checkpoint of this run."""
+    if not os.path.lexists(path):
+        return False
+    try:
+        manifest = verify_checkpoint(path)
+    except CheckpointError:
+        return False
+    return manifest.get("run_id") in (None, read_run_id(path.parent.parent))
+
+
+def _save_failed(tmp: Path, step: int, exc: BaseException) -> CheckpointError:
+    shutil.rmtree(tmp, ignore_errors=True)
+    inner = exc
+    for failure in getattr(exc, "failures", {}).values():  # DCP wraps each rank's error
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        break
+    why = explain_os_error(inner) if isinstance(inner, OSError) else f"{type(inner).__name__}: {str(inner)[:200]}"
+    return CheckpointError(
+        f"could not save the checkpoint of step {step} in {tmp.parent} ({why}); the partial save was removed, so "
+        f"nothing half-written is left and the newest good checkpoint is unchanged. Fix: free disk space (or fix "
+        f"the folder's permissions), then continue with train.resume=true"
+    )
+
+
 def save_checkpoint(path: Path, modules, opt: Optional[RankOptim], rank: int, step: int, group=None,
                     keep: Optional[int] = None) -> bool:
     """Collective: every rank of the pipeline calls it with its own stages. Returns False (and writes nothing)
-    when the checkpoint already exists: a checkpoint is never rewritten."""
+    when a good checkpoint of this run already exists at `path`: a good checkpoint is never rewritten. A folder
+    of this step that is not good (corrupted, another run's) is replaced, and only once the new save verifies."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     path = Path(path)
-    if path.exists():
+    if _existing_is_good(path):  # every rank decides before the first barrier, so all agree
         return False
     tmp = partial_dir(path)
+    run_id = None
     if _is_first(group):
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            run_id = ensure_run_id(path.parent.parent)
+        except OSError as exc:
+            raise _save_failed(tmp, step, exc) from None
     _barrier(group)
-    dcp.save(rank_state(modules, opt, rank, step, for_load=False), checkpoint_id=str(tmp), process_group=group)
-    weights = {k: v for m in modules for k, v in m.state_dict().items()}
-    save_file(weights, tmp / f"model-rank{rank}.safetensors", {"step": str(step), "format": "dsaflow-weights"})
+    try:
+        dcp.save(rank_state(modules, opt, rank, step, for_load=False), checkpoint_id=str(tmp), process_group=group)
+        weights = {k: v for m in modules for k, v in m.state_dict().items()}
+        save_file(weights, tmp / f"model-rank{rank}.safetensors", {"step": str(step), "format": "dsaflow-weights"})
+    except (OSError, CheckpointException) as exc:
+        raise _save_failed(tmp, step, exc) from None
     _barrier(group)
     if _is_first(group):
-        write_manifest(tmp, step)
-        os.rename(tmp, path)
+        try:
+            write_manifest(tmp, step, run_id)  # hashes the files as they are on disk
+            verify_checkpoint(tmp, hashes=False)  # every listed file a regular file of its size; metadata safe
+            if os.path.lexists(path):  # a bad folder of this step: out of the way only now that the new one is good
+                trash = path.parent / f".{path.name}{DELETING}"
+                shutil.rmtree(trash, ignore_errors=True)
+                os.rename(path, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            os.rename(tmp, path)
+            mark_hashed(path)
+        except (OSError, CheckpointError) as exc:
+            raise _save_failed(tmp, step, exc) from None
         if keep:
             prune(path.parent.parent, keep)
     _barrier(group)

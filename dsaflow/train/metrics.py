@@ -16,7 +16,8 @@ from typing import Mapping, Optional
 
 import torch
 
-from dsaflow.run.rundir import LOG, METRICS
+from dsaflow.files import append_text, atomic_write, open_append
+from dsaflow.run.rundir import LOG, METRICS, read_metrics
 
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 CPU_NOMINAL_TFLOPS = 0.1
@@ -60,8 +61,8 @@ class RunRecords:
             self.logger.removeHandler(old)
             old.close()
         self.handler = None
-        if enabled:
-            self.handler = logging.FileHandler(self.log_path, mode="a", encoding="utf-8")
+        if enabled:  # never through a link planted in the run dir (dsaflow.files)
+            self.handler = logging.StreamHandler(open_append(self.log_path))
             self.handler.setFormatter(logging.Formatter("%(message)s"))
             self.logger.addHandler(self.handler)
 
@@ -69,19 +70,19 @@ class RunRecords:
         if self.handler is not None:
             self.logger.removeHandler(self.handler)
             self.handler.close()
+            self.handler.stream.close()
             self.handler = None
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records of steps the interrupted run logged after its last checkpoint."""
-        if not self.enabled or not self.metrics_path.is_file():
+        if not self.enabled:
             return
-        keep = [l for l in self.metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-        self.metrics_path.write_text("".join(l + "\n" for l in keep))
+        keep = [r for r in read_metrics(self.metrics_path.parent) if r["step"] <= step]
+        atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in keep))
 
     def metrics(self, record: Mapping) -> None:
         if self.enabled:
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(dict(record)) + "\n")
+            append_text(self.metrics_path, json.dumps(dict(record)) + "\n")
 
     def log(self, line: str) -> None:
         if self.enabled:
