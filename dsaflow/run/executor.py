@@ -62,13 +62,13 @@ def segments_of(owner: Dict[int, int]) -> List[Tuple[int, List[int]]]:
 class Timeline:
     """Compute and wall time of one rank, resolved once at the end (no host sync while running).
 
-    `mark()` is a CUDA event recorded on the current stream (GPU) or perf_counter (CPU). Ticks in which this rank
-    ran only decode items are summed separately (`decode_busy`)."""
+    `mark()` is a CUDA event recorded on the current stream (GPU) or perf_counter (CPU). Ticks in which every item
+    in flight is a decode step (the same ticks on every rank) are summed separately (`decode_busy`)."""
 
     def __init__(self, device: torch.device):
         self.cuda = torch.device(device).type == "cuda"
         self.spans: List[Tuple[Any, Any, bool]] = []  # (start, end, decode) of each compute segment
-        self.ticks: List[Tuple[Any, Any, bool]] = []  # (start, end, decode) of each tick with work on this rank
+        self.ticks: List[Tuple[Any, Any, bool]] = []  # (start, end, decode) of every tick
         self.start = self.end = None
 
     def mark(self):
@@ -150,7 +150,7 @@ class PipelineExecutor:
                 started[t] = _Flight(item, t)
                 busy_keys.add(item.key)
             work = [(j, started[t - j]) for j in self.mine if (t - j) in started]
-            tick0 = tl.mark() if work else None
+            tick0 = tl.mark()
             sends: List[Tuple[Tuple[int, int], torch.Tensor, int]] = []
             message: Optional[torch.Tensor] = None
             for j, flight in work:
@@ -174,8 +174,7 @@ class PipelineExecutor:
                     message = buf
                 else:
                     inbox[(tick, j)] = buf
-            if work:
-                tl.ticks.append((tick0, tl.mark(), all(f.item.decode for _, f in work)))
+            tl.ticks.append((tick0, tl.mark(), all(f.item.decode for f in started.values())))
             done = started.pop(t - (K - 1), None)
             if done is not None:
                 busy_keys.discard(done.item.key)

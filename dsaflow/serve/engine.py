@@ -148,6 +148,7 @@ class PipelineEngine:
         self.timings: Dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
         self.stats: Dict[str, object] = {}
         self.on_finished: Optional[Callable[[int, int], None]] = None  # last rank: (requests done, tokens so far)
+        self.continuous = True  # False: fixed batches, for comparison (scripts/bench_serve.py)
 
     # --- setup -------------------------------------------------------------------------------------------------
     def _graph_name(self, block_name: str, group: int) -> str:
@@ -281,7 +282,7 @@ class PipelineEngine:
             if problem:
                 raise ServeError(problem)
         requests = [Request(i, list(p), int(m)) for i, (p, m) in enumerate(zip(prompts, max_new))]
-        self.scheduler = Scheduler(requests, self.ranges, s.prefill_chunk)
+        self.scheduler = Scheduler(requests, self.ranges, s.prefill_chunk, refill=self.continuous)
         self.logits_log, self.first_mark, self.last_mark = {}, {}, {}
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
         for c in self.caches.values():

@@ -67,8 +67,10 @@ class Scheduler:
     """requests in input order; `next_pass(group)` admits waiting requests into free rows and builds the pass;
     `finish(pass, eos)` advances the rows (eos: per pass row, did it emit EOS; None when serve.eos_id is unset)."""
 
-    def __init__(self, requests: Sequence[Request], ranges: Sequence[Tuple[int, int]], chunk: int):
+    def __init__(self, requests: Sequence[Request], ranges: Sequence[Tuple[int, int]], chunk: int,
+                 refill: bool = True):
         self.queue: Deque[Request] = deque(requests)
+        self.refill = refill  # False: fixed batches (a group takes requests only once all its rows finished)
         self.ranges, self.chunk = list(ranges), chunk
         self.rows: List[List[Optional[Row]]] = [[None] * (b - a) for a, b in self.ranges]
         self.generated = {r.index: 0 for r in requests}  # final token count per request
@@ -79,9 +81,10 @@ class Scheduler:
 
     def next_pass(self, group: int) -> Optional[Pass]:
         rows = self.rows[group]
-        for i, r in enumerate(rows):
-            if r is None and self.queue:
-                rows[i] = Row(self.queue.popleft())
+        if self.refill or all(r is None for r in rows):
+            for i, r in enumerate(rows):
+                if r is None and self.queue:
+                    rows[i] = Row(self.queue.popleft())
         active = [i for i, r in enumerate(rows) if r is not None]
         if not active:
             return None

@@ -9,10 +9,9 @@ indexer's small graph, and backpropagates its own `indexer_loss_weight * indexer
 gradients equal the ones the schedule's backward produced (the same per-microbatch seeds, summed, then divided by
 the number of microbatches as the schedule's `scale_grads` does).
 
-Every rank walks the same (microbatch, stage) order and runs the stages it owns: a stage's input comes from the
-owner of the stage before it (point to point, or kept in place when that is the same rank) and its output goes to
-the owner of the next. The order is the same on every rank, so the blocking moves always meet. Hidden states travel
-in fp32 (the residual stream's dtype under autocast).
+The microbatches move through the stages with the pipelined forward executor (dsaflow.run.executor), the one that
+serving uses: stage s runs microbatch m while stage s+1 runs m-1, each stage sees the microbatches in order, and the
+moves of one tick are posted together. Hidden states travel in fp32 (the residual stream's dtype under autocast).
 """
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ import torch
 
 from dsaflow.model import StageModule
 from dsaflow.run.context import RunContext
+from dsaflow.run.executor import Item, PipelineExecutor, run_items
 from dsaflow.run.p2p import StageLink
 
 from .pipeline import ChunkTimer
@@ -50,9 +50,7 @@ class ForwardPipeline:
         self.local: Dict[int, tuple] = {s: (m, t) for s, m, t in zip(stage_indices, modules, timers)}
         self.main_params = [p for m in modules for n, p in m.named_parameters() if ".attn.indexer." not in n]
         self.link = StageLink(ctx.device) if self.plan.pipeline.ranks > 1 else None
-
-    def _owner(self, stage: int) -> int:
-        return self.plan.stages[stage].rank
+        self.owner = {sp.index: sp.rank for sp in self.plan.stages}
 
     def run(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], losses: list, loss_fn: Callable,
             autocast: Callable, attn: str, indexer_weight: Optional[float] = None,
@@ -66,27 +64,19 @@ class ForwardPipeline:
         learn = indexer_weight is not None
         xs = x.to(self.ctx.device).tensor_split(n_mb) if x is not None else None
         ys = y.to(self.ctx.device).tensor_split(n_mb) if y is not None else None
-        for m in range(n_mb):
-            carried = None
-            for s in range(S):
-                if s not in self.local:
-                    continue
-                module, timer = self.local[s]
-                if s == 0:
-                    inp = xs[m]
-                elif self._owner(s - 1) == self.ctx.rank:
-                    inp = carried
-                else:
-                    inp = self.link.recv(self._hidden_shape(), torch.float32, self.ctx.global_rank(self._owner(s - 1)))
-                out = timer.run(self._stage_forward, module, inp, autocast, attn, learn, indexer_weight,
-                                None if indexer_losses is None else indexer_losses.setdefault(s, []))
-                if s == S - 1:
-                    with torch.no_grad():
-                        losses.append(loss_fn(out, ys[m]).detach())
-                elif self._owner(s + 1) == self.ctx.rank:
-                    carried = out
-                else:
-                    self.link.send(out.float(), self.ctx.global_rank(self._owner(s + 1)))
+
+        def stage_fn(item: Item, s: int, inp: Optional[torch.Tensor]) -> torch.Tensor:
+            module, timer = self.local[s]
+            m = item.key
+            out = timer.run(self._stage_forward, module, xs[m] if s == 0 else inp, autocast, attn, learn,
+                            indexer_weight, None if indexer_losses is None else indexer_losses.setdefault(s, []))
+            if s == S - 1:
+                with torch.no_grad():
+                    losses.append(loss_fn(out, ys[m]).detach())
+            return out
+
+        executor = PipelineExecutor(self.owner, self.ctx.rank, self.link, self.ctx.device, self.ctx.global_rank)
+        run_items(executor, [Item(m, self._hidden_shape(), torch.float32) for m in range(n_mb)], stage_fn)
         if learn:
             for module, _ in self.local.values():
                 for p in module.indexer_parameters():
