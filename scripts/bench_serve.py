@@ -50,12 +50,12 @@ def parse_args(argv=None):
     ap.add_argument("--pipelines", default="single,pp2", help="comma separated: single, pp2, pp4")
     ap.add_argument("--workloads", default="mixed,uniform")
     ap.add_argument("--model", default=None, help="configs/model name (default: tiny on CPU, small on CUDA)")
-    ap.add_argument("--requests", type=int, default=None, help="requests per workload (default 24 CPU, 128 CUDA)")
-    ap.add_argument("--max-batch", type=int, default=8, help="serve.max_batch (cache rows)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per workload (default 64 CPU, 256 CUDA)")
+    ap.add_argument("--max-batch", type=int, default=None, help="serve.max_batch, cache rows (default 32 CPU, 64 CUDA)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="serve.prefill_chunk (default 64 CPU, 256 CUDA)")
     ap.add_argument("--mixed-prompt", default=None, help="lo,hi prompt tokens (default 16,256 CPU; 16,4096 CUDA)")
     ap.add_argument("--mixed-new", default=None, help="lo,hi max_new_tokens (default 16,64 CPU; 16,256 CUDA)")
-    ap.add_argument("--uniform-prompt", type=int, default=None, help="default 64 CPU, 512 CUDA")
+    ap.add_argument("--uniform-prompt", type=int, default=None, help="default 32 CPU, 512 CUDA")
     ap.add_argument("--uniform-new", type=int, default=None, help="default 32 CPU, 128 CUDA")
     ap.add_argument("--graphs", default=None, choices=("on", "off"), help="CUDA graphs (default on with CUDA)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
@@ -69,11 +69,12 @@ def parse_args(argv=None):
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     cpu = a.device == "cpu"
     a.model = a.model or ("tiny" if cpu else "small")
-    a.requests = a.requests or (24 if cpu else 128)
+    a.requests = a.requests or (64 if cpu else 256)
+    a.max_batch = a.max_batch or (32 if cpu else 64)
     a.prefill_chunk = a.prefill_chunk or (64 if cpu else 256)
     a.mixed_prompt = a.mixed_prompt or ("16,256" if cpu else "16,4096")
     a.mixed_new = a.mixed_new or ("16,64" if cpu else "16,256")
-    a.uniform_prompt = a.uniform_prompt or (64 if cpu else 512)
+    a.uniform_prompt = a.uniform_prompt or (32 if cpu else 512)
     a.uniform_new = a.uniform_new or (32 if cpu else 128)
     a.graphs = a.graphs or ("off" if cpu else "on")
     if a.graphs == "on" and cpu:
@@ -128,7 +129,8 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) 
     cfg0, plan0 = make_cfg(args, pipeline, 1, context)
     dtype = serve_dtype("auto", device)
     stages = build_stage_modules(cfg0, plan0, None if pipeline == "single" else rank, device, dtype)
-    runs = [(w, mb, True) for w in loads for mb in (1, None)] + [("mixed", None, False)] * ("mixed" in loads)
+    settings = (None,) if RANKS[pipeline] == 1 else (1, None)  # one rank: the default is one group
+    runs = [(w, mb, True) for w in loads for mb in settings] + [("mixed", None, False)] * ("mixed" in loads)
     for w, mb, continuous in runs:
         cfg, plan = make_cfg(args, pipeline, mb, context)
         eng = PipelineEngine(cfg.model, plan, stages, cfg.serve, cfg.graphs, device, dtype, rank, link)
@@ -234,12 +236,12 @@ def markdown(rows: list, env: dict, cks: list) -> str:
              f"{env['max_batch']}, {env['requests']} requests per workload (mixed: prompts {env['mixed_prompt']} "
              f"log-uniform, new {env['mixed_new']}; uniform: {env['uniform_prompt']} + {env['uniform_new']}), "
              f"{env['threads']} thread(s) per process on CPU. Command: `{env['command']}`.", "",
-             "| pipeline | groups | workload | batching | tokens/s | TTFT p50 s | TTFT p99 s | TPOT p50 ms "
+             "| pipeline | groups (serve.microbatches) | workload | batching | tokens/s | TTFT p50 s | TTFT p99 s | TPOT p50 ms "
              "| TPOT p99 ms | busy per rank | decode busy per rank |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         ms = lambda v: None if v is None else v * 1e3  # noqa: E731
-        lines.append(f"| {r['pipeline']} | {r['microbatches']} | {r['workload']} | {r['batching']} | "
+        lines.append(f"| {r['pipeline']} | {r['microbatches']} ({r['microbatches_setting']}) | {r['workload']} | {r['batching']} | "
                      f"{r['tokens_per_s']:.1f} | {f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | "
                      f"{f(ms(r['tpot_p50_s']), '{:.2f}')} | {f(ms(r['tpot_p99_s']), '{:.2f}')} | "
                      f"{', '.join(f'{b:.2f}' for b in r['busy_fraction'])} | "
@@ -291,8 +293,16 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    if args.device == "cpu":
-        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    try:
+        if args.device == "cpu":
+            torch.set_num_threads(args.threads)
+        return run_all(args, argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_all(args, argv) -> int:
     device = torch.device(args.device)
     rows, skipped = [], []
     for p in args.pipelines.split(","):

@@ -30,11 +30,12 @@ def cli(*args, timeout=600):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A tiny model trained briefly on the repo's docs (bytes): peaked next-token distributions, not random init."""
+    """A tiny model trained briefly on a doc of the repo (bytes, loss about 2.5): its greedy continuations differ from
+    prompt to prompt and its next-token distributions are peaked, unlike the random init's near-ties."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    res = cli("train", *MODEL, "data=text", f"data.path={REPO}/docs/serving.md", "train.steps=40",
-              "train.seq_len=64", "train.batch_size=8", "train.eval_every=0", "train.warmup_steps=4",
-              "train.lr=1e-2", "pipeline.microbatches=1", f"run_dir={run}")
+    res = cli("train", *MODEL, "data=text", f"data.path={REPO}/docs/serving.md", "train.steps=150",
+              "train.seq_len=64", "train.batch_size=16", "train.eval_every=0", "train.warmup_steps=10",
+              "train.lr=5e-3", "pipeline.microbatches=1", f"run_dir={run}")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return run
 
@@ -53,8 +54,10 @@ def workload(n=64, seed=0):
 
 
 def engine(run, pipeline, microbatches=None, extra=()):
+    """An in-process engine running every stage (run None: the seeded random init)."""
     mb = [] if microbatches is None else [f"serve.microbatches={microbatches}"]
-    cfg = compose(["mode=serve", f"pipeline={pipeline}", *MODEL, *SERVE, f"serve.checkpoint={run}", *mb, *extra])
+    ckpt = [] if run is None else [f"serve.checkpoint={run}"]
+    cfg = compose(["mode=serve", f"pipeline={pipeline}", *MODEL, *SERVE, *ckpt, *mb, *extra])
     eng = build_engine(cfg, build_plan(cfg), 0, "cpu", all_stages=True)
     eng.capture()
     return eng
@@ -94,12 +97,12 @@ def test_torchrun_pp2_and_pp4_serve_the_same_tokens(trained, tmp_path):
         assert "requests done" in res.stdout  # the progress lines of the last stage's rank
 
 
-def test_s_layers_read_only_their_groups_indices(trained, monkeypatch):
+def test_s_layers_read_only_their_groups_indices(monkeypatch):
     """Every index read returns a view inside its own group's rows of the stage's index cache, and poisoning every
     other group's index rows before each pass changes no token."""
     prompts, limits = workload(16, seed=2)
-    clean = engine(trained, "pp2", 2).generate(prompts, limits)
-    eng = engine(trained, "pp2", 2)
+    clean = engine(None, "pp2", 2).generate(prompts, limits)
+    eng = engine(None, "pp2", 2)
     owner_rows = {}  # data_ptr of a group's slot buffer -> (stage, row range)
     for s, caches in eng.group_caches.items():
         for (a, b), c in zip(eng.ranges, caches):
@@ -131,14 +134,14 @@ def test_s_layers_read_only_their_groups_indices(trained, monkeypatch):
     assert {a for _, a in reads} == {0, 4}  # both groups' S layers read, each from its own rows
 
 
-def test_continuous_batching_refills_rows(trained):
+def test_continuous_batching_refills_rows():
     """With 2 rows and 6 requests of different limits, finished rows take the next request while the other row keeps
     decoding: the tokens equal serving each request alone, and there are fewer passes than batch after batch."""
     prompts, limits = workload(6, seed=3)
     limits = [12, 1, 3, 12, 2, 5]
-    eng = engine(trained, "single", 1, ["serve.max_batch=2"])
+    eng = engine(None, "single", 1, ["serve.max_batch=2"])
     got = eng.generate(prompts, limits)
-    alone = [engine(trained, "single", 1, ["serve.max_batch=1"]).generate([p], [m])[0]
+    alone = [engine(None, "single", 1, ["serve.max_batch=1"]).generate([p], [m])[0]
              for p, m in zip(prompts, limits)]
     assert got == alone
     fixed_passes = sum(max(math.ceil(len(p) / 16) for p in prompts[i : i + 2]) + max(limits[i : i + 2]) - 1
