@@ -24,7 +24,6 @@ import json
 import math
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -221,7 +220,8 @@ def checks(rows: list) -> list:
         if mb == "default" and b == "continuous" and one is not None and r["ranks"] > 1:
             out.append({"check": f"{p} {w}: default groups vs serve.microbatches=1", "pipeline": p, "workload": w,
                         "tokens_per_s_ratio": r["tokens_per_s"] / one["tokens_per_s"],
-                        "decode_busy_default": r["decode_busy_fraction"], "decode_busy_one": one["decode_busy_fraction"]})
+                        "decode_busy_default": r["decode_busy_fraction"],
+                        "decode_busy_one": one["decode_busy_fraction"]})
         fixed = by.get((p, w, "default", "fixed"))
         if mb == "default" and b == "continuous" and fixed is not None:
             out.append({"check": f"{p} {w}: continuous vs fixed batches", "pipeline": p, "workload": w,
@@ -232,16 +232,18 @@ def checks(rows: list) -> list:
 def markdown(rows: list, env: dict, cks: list) -> str:
     f = lambda v, s="{:.3f}": "-" if v is None else s.format(v)  # noqa: E731
     lines = ["# Serving benchmark", "",
-             f"{env['device_name']}, torch {env['torch']}, model {env['model']}, graphs {env['graphs']}, serve.max_batch "
-             f"{env['max_batch']}, {env['requests']} requests per workload (mixed: prompts {env['mixed_prompt']} "
-             f"log-uniform, new {env['mixed_new']}; uniform: {env['uniform_prompt']} + {env['uniform_new']}), "
+             f"{env['device_name']}, torch {env['torch']}, model {env['model']}, graphs {env['graphs']}, "
+             f"serve.max_batch {env['max_batch']}, {env['requests']} requests per workload (mixed: prompts "
+             f"{env['mixed_prompt']} log-uniform, new {env['mixed_new']}; uniform: {env['uniform_prompt']} + "
+             f"{env['uniform_new']}), "
              f"{env['threads']} thread(s) per process on CPU. Command: `{env['command']}`.", "",
-             "| pipeline | groups (serve.microbatches) | workload | batching | tokens/s | TTFT p50 s | TTFT p99 s | TPOT p50 ms "
-             "| TPOT p99 ms | busy per rank | decode busy per rank |",
+             "| pipeline | groups (serve.microbatches) | workload | batching | tokens/s | TTFT p50 s | TTFT p99 s "
+             "| TPOT p50 ms | TPOT p99 ms | busy per rank | decode busy per rank |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         ms = lambda v: None if v is None else v * 1e3  # noqa: E731
-        lines.append(f"| {r['pipeline']} | {r['microbatches']} ({r['microbatches_setting']}) | {r['workload']} | {r['batching']} | "
+        lines.append(f"| {r['pipeline']} | {r['microbatches']} ({r['microbatches_setting']}) | {r['workload']} | "
+                     f"{r['batching']} | "
                      f"{r['tokens_per_s']:.1f} | {f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | "
                      f"{f(ms(r['tpot_p50_s']), '{:.2f}')} | {f(ms(r['tpot_p99_s']), '{:.2f}')} | "
                      f"{', '.join(f'{b:.2f}' for b in r['busy_fraction'])} | "
@@ -270,7 +272,8 @@ def plot(rows: list, path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     labels = [f"{r['pipeline']}\n{r['workload']}\ng={r['microbatches']} {r['batching'][:4]}" for r in rows]
     x = range(len(rows))
-    ax1.bar(x, [r["tokens_per_s"] for r in rows], color=["C0" if r["batching"] == "continuous" else "C7" for r in rows])
+    colors = ["C0" if r["batching"] == "continuous" else "C7" for r in rows]
+    ax1.bar(x, [r["tokens_per_s"] for r in rows], color=colors)
     ax1.set_xticks(list(x), labels, fontsize=6)
     ax1.set_ylabel("output tokens/s")
     ax1.set_title("throughput")
@@ -319,7 +322,8 @@ def run_all(args, argv) -> int:
             rows += run_pipeline(args, p)
     cks = checks(rows)
     env = {"torch": torch.__version__, "device": args.device, "model": args.model, "graphs": args.graphs,
-           "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)",
+           "device_name": (torch.cuda.get_device_name(0) if args.device == "cuda"
+                           else f"CPU ({os.cpu_count()} cores)"),
            "max_batch": args.max_batch, "requests": args.requests, "mixed_prompt": args.mixed_prompt,
            "mixed_new": args.mixed_new, "uniform_prompt": args.uniform_prompt, "uniform_new": args.uniform_new,
            "prefill_chunk": args.prefill_chunk, "threads": args.threads, "skipped": skipped,

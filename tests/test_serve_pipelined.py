@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from dsaflow.config.compose import compose
 from dsaflow.model.cache import IndexSlot

@@ -23,7 +23,7 @@ A `Timeline` records, per rank, the time its segments computed (CUDA events on G
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
