@@ -228,8 +228,15 @@ def run_serve(ctx) -> None:
     bar = Progress(len(served), enabled=is_last, label="generate", unit="requests done")
     t0 = time.perf_counter()
 
+    every = max(1, len(served) // 20)  # plain-line mode (not a terminal): about 20 lines per job
+
+    shown = [0]
+
     def progress(done: int, tokens: int) -> None:
-        bar.update(done, {"tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9)}, print_line=True)
+        rate = tokens / max(time.perf_counter() - t0, 1e-9)
+        line = done // every > shown[0] // every or done == len(served)
+        shown[0] = done if line else shown[0]
+        bar.update(done, {"tokens_per_s": rate}, print_line=line)
 
     engine.on_finished = progress
     rows = serve_requests(engine, reqs)
