@@ -275,6 +275,8 @@ class PipelineEngine:
         per prompt, in input order, on the last stage's rank (None on the others). Sets `stats` (per-request time to
         first token and time per output token, per-rank busy fractions) and `timings`."""
         s = self.serve
+        if not prompts:
+            return [] if self.owner[self.last] == self.rank else None
         max_new = list(max_new) if max_new is not None else [s.max_new_tokens] * len(prompts)
         check_prompts(prompts, self.model_cfg.vocab_size)
         for i, (p, m) in enumerate(zip(prompts, max_new)):
