@@ -102,19 +102,21 @@ def test_s_layers_read_only_their_groups_indices(monkeypatch):
     prompts, limits = workload(16, seed=2)
     clean = engine(None, "pp2", 2).generate(prompts, limits)
     eng = engine(None, "pp2", 2)
-    owner_rows = {}  # data_ptr of a group's slot buffer -> (stage, row range)
-    for s, caches in eng.group_caches.items():
-        for (a, b), c in zip(eng.ranges, caches):
-            owner_rows[c.index_slot.buffer.data_ptr()] = (s, a, b)
     reads = []
     real_read = IndexSlot.read
 
+    def first_row(t, s):
+        full = eng.caches[s].index
+        return (t.data_ptr() - full.data_ptr()) // (full.stride(0) * full.element_size())
+
     def checked_read(self, layer, source):
         got = real_read(self, layer, source)
-        s, a, b = owner_rows[self.buffer.data_ptr()]
-        full = eng.caches[s].index
-        row = (got.data_ptr() - full.data_ptr()) // (full.stride(0) * full.element_size())
-        assert a <= row < b and got.shape[0] <= b - a
+        s = next(s for s, c in eng.caches.items()
+                 if c.index.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
+        slot_row = first_row(self.buffer, s)
+        a, b = next((a, b) for a, b in eng.ranges if a <= slot_row < b)  # the group this slot belongs to
+        row = first_row(got, s)
+        assert a <= row and row + got.shape[0] <= b  # the indices read lie in the group's own rows
         reads.append((s, a))
         return got
 

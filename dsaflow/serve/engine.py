@@ -219,15 +219,18 @@ class PipelineEngine:
         with self._sync_guard(item.decode):
             if w.positions is None:
                 w.positions = self._h2d(w.p.positions)
+            p = w.p
             if stage == self.first:
-                x = self._h2d(w.p.tokens)
-                mask = self._h2d(w.p.decode).bool()
-                last = self.last_tokens[w.p.group][: w.rows]
+                x = self._h2d(p.tokens)
+                mask = self._h2d(p.decode).bool()
+                last = self.last_tokens[p.group][p.row0 : p.row0 + w.rows]
                 x[:, 0] = torch.where(mask, last, x[:, 0])  # decode rows feed their previous token
-            kind = "decode" if w.p.decode_only else "prefill"
-            name = self._block_name(stage, kind, w.p.group)
-            cache = self.group_caches[stage][w.p.group]
+            kind = "decode" if p.decode_only else "prefill"
+            name = self._block_name(stage, kind, p.group) if w.graph else None
+            cache = self.group_caches[stage][p.group]
             if name is None:
+                if p.row0 > 0:  # a pass over some rows of the group: a view of just those rows
+                    cache = cache.rows(p.row0, p.row0 + w.rows)
                 return self.stages[stage](x, w.positions, cache)
             n = x.shape[0] if kind == "decode" else x.shape[1]
             return self.graphs.run(name, stage, n, {"x": x, "positions": w.positions})
@@ -255,7 +258,7 @@ class PipelineEngine:
         """Every rank: the pass is through. Stage 0's rank keeps the tokens; everyone advances the scheduler."""
         w: _Work = item.payload
         if self.first in self.stages:
-            self.last_tokens[w.p.group][: w.rows].copy_(message[0])
+            self.last_tokens[w.p.group][w.p.row0 : w.p.row0 + w.rows].copy_(message[0])
         eos = message[1].tolist() if self.serve.eos_id is not None else None  # the one data-dependent read
         done = self.scheduler.finish(w.p, eos)
         if w.mark is not None:
@@ -316,17 +319,19 @@ class PipelineEngine:
         return [tokens[r.index][: self.scheduler.generated[r.index]] for r in requests]
 
     def _item(self, p: Pass) -> Item:
+        """The executor's item of a pass. Decode passes start at the group's row 0 and replay the decode graphs.
+        A prefill pass replays the group's prefill graph (padded to the group's rows) when it starts at row 0 and
+        covers more than half the group; a pass of a few joining rows runs eagerly on a view of just those rows
+        (padding it to the whole group would cost more than the launches a graph saves)."""
+        group_rows = self.ranges[p.group][1] - self.ranges[p.group][0]
+        graph = p.decode_only or (p.row0 == 0 and 2 * p.rows > group_rows)
+        if self.prefill_graphs and not p.decode_only and graph:
+            p.pad_rows(group_rows)
         rows = p.rows
-        if self.prefill_graphs and not p.decode_only:  # prefill graphs have static rows: pad to the group
-            rows = self.ranges[p.group][1] - self.ranges[p.group][0]
-            p.tokens += [[0] * p.T for _ in range(rows - p.rows)]
-            p.positions += [[-1] * p.T for _ in range(rows - p.rows)]
-            p.decode += [False] * (rows - p.rows)
-            p.rows = rows
         cols, keys = [0] * rows, [0] * rows
         for r, c, req, k in p.emit:
             cols[r], keys[r] = c, req * TOKEN_KEY + k
-        work = _Work(p, rows, cols, keys)
+        work = _Work(p, rows, cols, keys, graph)
         return Item(p.group, (rows, p.T, self.model_cfg.dim), self.dtype, work, (2, rows), p.decode_only)
 
     def _summarise(self, tl: Dict[str, float], ticks: int, requests: List[Request]) -> None:
@@ -349,7 +354,7 @@ class PipelineEngine:
 class _Work:
     """The engine's payload of one pass: the host pass, its padded row count, sampling columns and keys."""
 
-    def __init__(self, p: Pass, rows: int, sample_cols: List[int], keys: List[int]):
-        self.p, self.rows, self.sample_cols, self.keys = p, rows, sample_cols, keys
+    def __init__(self, p: Pass, rows: int, sample_cols: List[int], keys: List[int], graph: bool):
+        self.p, self.rows, self.sample_cols, self.keys, self.graph = p, rows, sample_cols, keys, graph
         self.positions: Optional[torch.Tensor] = None  # on the device, built by the first stage of this rank
         self.mark = None  # last stage: when the pass was sampled

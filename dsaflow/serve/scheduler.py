@@ -1,24 +1,25 @@
 """Continuous batching on the host: which request sits in which cache row, and what the next pass of a group is.
 
 The serving cache rows [0, serve.max_batch) are split into `groups` contiguous row ranges (microbatch groups). A
-pass is one forward of one group through every stage: [rows, T] tokens, T = 1 when every active row of the group
-decodes, else T = the longest prompt chunk in it (at most serve.prefill_chunk). In a pass each row either
+pass is one forward of one group through every stage, of one of two kinds:
 
-- prefills the next chunk of its prompt (positions offset .. offset + t - 1; padded columns get position -1), and
-  emits its first token when the chunk holds the last prompt token; or
-- decodes: column 0 is its previous token (sampled on the device; stage 0 swaps it in), at position
-  len(prompt) + generated - 1, and it emits one token; or
-- is idle (every position -1: the row writes only the caches' trash row).
+- decode: [rows, 1], one token for every decoding row (column 0: its previous token, sampled on the device; stage 0
+  swaps it in) at position len(prompt) + generated - 1; rows [0, last decoding row], the others idle (position -1,
+  which writes only the caches' trash row);
+- prefill: [rows, T], the next prompt chunk of the prefilling rows (T = their longest chunk, at most
+  serve.prefill_chunk; shorter chunks pad with position -1), over the span of rows they occupy; a row whose chunk
+  holds its last prompt token samples its first token.
 
-A row is freed when it reaches its own max_new_tokens (host-known) or emits EOS (known from the feedback flags that
-every rank receives), and the next waiting request takes it at the group's next pass. Every rank runs this same
+When a group has rows of both kinds its passes alternate, so the decoding rows keep going while a joining request
+prefills. A row is freed when it reaches its own max_new_tokens (host-known) or emits EOS (known from the feedback
+flags that every rank receives), and the next waiting request takes it at the group's next pass. Every rank runs this same
 scheduler with the same inputs, so every rank builds the same passes without talking.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 
 @dataclass
@@ -37,19 +38,30 @@ class Row:
 
 @dataclass
 class Pass:
-    """One group's forward. Host lists only; the engine turns them into device tensors.
+    """One group's forward over its rows [row0, row0 + rows). Host lists only; the engine makes device tensors.
 
     tokens, positions [rows][T]; decode[r]: row r's column 0 is its previous sampled token; emit: (row, column,
-    request index, token index) of every row that samples a token in this pass."""
+    request index, token index) of every row that samples a token in this pass; advance: row -> its prompt offset
+    after this pass (prefilling rows). Rows are local to the pass (row r is cache row row0 + r of the group)."""
 
     group: int
+    row0: int
     rows: int
     T: int
     tokens: List[List[int]]
     positions: List[List[int]]
     decode: List[bool]
     emit: List[Tuple[int, int, int, int]] = field(default_factory=list)
-    decode_only: bool = False  # no row prefills: a decode step of the whole group
+    advance: Dict[int, int] = field(default_factory=dict)
+    decode_only: bool = False  # no row prefills: a decode step of the group
+
+    def pad_rows(self, rows: int) -> None:
+        """Append idle rows (position -1) up to `rows` (for a graph with a static row count)."""
+        extra = rows - self.rows
+        self.tokens += [[0] * self.T for _ in range(extra)]
+        self.positions += [[-1] * self.T for _ in range(extra)]
+        self.decode += [False] * extra
+        self.rows = rows
 
 
 def group_ranges(max_batch: int, groups: int) -> List[Tuple[int, int]]:
@@ -74,6 +86,7 @@ class Scheduler:
         self.ranges, self.chunk = list(ranges), chunk
         self.rows: List[List[Optional[Row]]] = [[None] * (b - a) for a, b in self.ranges]
         self.generated = {r.index: 0 for r in requests}  # final token count per request
+        self.turn = ["prefill"] * len(self.ranges)  # which kind a group runs next when it has both
         self.finished = 0
 
     def has_work(self, group: int) -> bool:
@@ -88,42 +101,62 @@ class Scheduler:
         active = [i for i, r in enumerate(rows) if r is not None]
         if not active:
             return None
-        n = active[-1] + 1
         prefilling = [i for i in active if rows[i].offset < len(rows[i].request.prompt)]
-        T = max((min(self.chunk, len(rows[i].request.prompt) - rows[i].offset) for i in prefilling), default=1)
-        tokens = [[0] * T for _ in range(n)]
-        positions = [[-1] * T for _ in range(n)]
-        decode = [False] * n
-        p = Pass(group, n, T, tokens, positions, decode, decode_only=not prefilling)
-        for i in active:
+        decoding = [i for i in active if i not in set(prefilling)]
+        # both kinds waiting: alternate, so decoding rows keep going while a joining request prefills
+        if prefilling and (not decoding or self.turn[group] == "prefill"):
+            self.turn[group] = "decode"
+            return self._prefill_pass(group, prefilling)
+        self.turn[group] = "prefill"
+        return self._decode_pass(group, decoding)
+
+    def _decode_pass(self, group: int, decoding: List[int]) -> Pass:
+        """One token for every decoding row: rows [0, last decoding row], the others idle."""
+        rows, n = self.rows[group], decoding[-1] + 1
+        p = Pass(group, 0, n, 1, [[0] for _ in range(n)], [[-1] for _ in range(n)], [False] * n, decode_only=True)
+        for i in decoding:
+            req = rows[i].request
+            p.decode[i] = True
+            p.positions[i][0] = len(req.prompt) + rows[i].generated - 1
+            p.emit.append((i, 0, req.index, rows[i].generated))
+        return p
+
+    def _prefill_pass(self, group: int, prefilling: List[int]) -> Pass:
+        """The next chunk of the prefilling rows: their span when at least half of it prefills, else their first
+        contiguous run (so decoding rows between them cost little padding)."""
+        rows = self.rows[group]
+        a, b = prefilling[0], prefilling[-1] + 1
+        if 2 * len(prefilling) < b - a:
+            b = a
+            while b in prefilling:
+                b += 1
+        span = [i for i in prefilling if a <= i < b]
+        T = max(min(self.chunk, len(rows[i].request.prompt) - rows[i].offset) for i in span)
+        n = b - a
+        p = Pass(group, a, n, T, [[0] * T for _ in range(n)], [[-1] * T for _ in range(n)], [False] * n)
+        for i in span:
             row, req = rows[i], rows[i].request
-            L = len(req.prompt)
-            if row.offset < L:
-                seg = req.prompt[row.offset : row.offset + T]
-                tokens[i][: len(seg)] = seg
-                positions[i][: len(seg)] = range(row.offset, row.offset + len(seg))
-                if row.offset + len(seg) == L:
-                    p.emit.append((i, len(seg) - 1, req.index, 0))
-            else:
-                decode[i] = True
-                positions[i][0] = L + row.generated - 1
-                p.emit.append((i, 0, req.index, row.generated))
+            seg = req.prompt[row.offset : row.offset + T]
+            r = i - a
+            p.tokens[r][: len(seg)] = seg
+            p.positions[r][: len(seg)] = range(row.offset, row.offset + len(seg))
+            p.advance[r] = row.offset + len(seg)
+            if row.offset + len(seg) == len(req.prompt):
+                p.emit.append((r, len(seg) - 1, req.index, 0))
         return p
 
     def finish(self, p: Pass, eos: Optional[Sequence[bool]] = None) -> List[int]:
-        """Advance the rows of a pass that went through every stage -> indices of the requests that finished."""
+        """Advance the rows of a pass that went through every stage -> indices of the requests that finished.
+        eos[r]: pass row r emitted EOS (None when serve.eos_id is unset)."""
         rows, done = self.rows[p.group], []
-        emitted = {r for r, *_ in p.emit}
-        for i in range(p.rows):
-            row = rows[i]
-            if row is None:
-                continue
-            row.offset = min(row.offset + p.T, len(row.request.prompt)) if not p.decode[i] else row.offset
-            if i in emitted:
-                row.generated += 1
-                if row.generated >= row.request.max_new or (eos is not None and eos[i]):
-                    self.generated[row.request.index] = row.generated
-                    rows[i] = None
-                    self.finished += 1
-                    done.append(row.request.index)
+        for r, offset in p.advance.items():
+            rows[p.row0 + r].offset = offset
+        for r, _, _, _ in p.emit:
+            row = rows[p.row0 + r]
+            row.generated += 1
+            if row.generated >= row.request.max_new or (eos is not None and eos[r]):
+                self.generated[row.request.index] = row.generated
+                rows[p.row0 + r] = None
+                self.finished += 1
+                done.append(row.request.index)
         return done
