@@ -41,6 +41,9 @@ from dsaflow.serve.engine import PipelineEngine  # noqa: E402
 from dsaflow.serve.generate import build_stage_modules, serve_dtype  # noqa: E402
 
 RANKS = {"single": 1, "pp2": 2, "pp4": 4}
+# the CPU default model: tiny (8 layers) at dim 256. At dim 64 a decode pass is ~10 ms of per-op overhead whatever
+# its rows (2-core CPU, one thread), so splitting rows into groups could not show; here the rows cost time.
+CPU_WIDE = "model.dim=256 model.inter_dim=1024 model.q_lora_rank=128 model.kv_lora_rank=64"
 
 
 def parse_args(argv=None):
@@ -49,13 +52,16 @@ def parse_args(argv=None):
     ap.add_argument("--pipelines", default="single,pp2", help="comma separated: single, pp2, pp4")
     ap.add_argument("--workloads", default="mixed,uniform")
     ap.add_argument("--model", default=None, help="configs/model name (default: tiny on CPU, small on CUDA)")
-    ap.add_argument("--requests", type=int, default=None, help="requests per workload (default 64 CPU, 256 CUDA)")
-    ap.add_argument("--max-batch", type=int, default=None, help="serve.max_batch, cache rows (default 32 CPU, 64 CUDA)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per workload (default 384 CPU, 512 CUDA)")
+    ap.add_argument("--max-batch", type=int, default=None, help="serve.max_batch, cache rows (default 64)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="serve.prefill_chunk (default 64 CPU, 256 CUDA)")
-    ap.add_argument("--mixed-prompt", default=None, help="lo,hi prompt tokens (default 16,256 CPU; 16,4096 CUDA)")
-    ap.add_argument("--mixed-new", default=None, help="lo,hi max_new_tokens (default 16,64 CPU; 16,256 CUDA)")
+    ap.add_argument("--mixed-prompt", default=None, help="lo,hi prompt tokens (default 16,64 CPU; 16,4096 CUDA)")
+    ap.add_argument("--mixed-new", default=None, help="lo,hi max_new_tokens (default 16,96 CPU; 16,256 CUDA)")
     ap.add_argument("--uniform-prompt", type=int, default=None, help="default 32 CPU, 512 CUDA")
     ap.add_argument("--uniform-new", type=int, default=None, help="default 32 CPU, 128 CUDA")
+    ap.add_argument("--overrides", default=None,
+                    help="extra config overrides, space separated (default on CPU: a tiny model widened to dim 256, "
+                         "so that a pass's time grows with its rows; 'none' for none)")
     ap.add_argument("--graphs", default=None, choices=("on", "off"), help="CUDA graphs (default on with CUDA)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
     ap.add_argument("--seed", type=int, default=0)
@@ -68,14 +74,17 @@ def parse_args(argv=None):
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     cpu = a.device == "cpu"
     a.model = a.model or ("tiny" if cpu else "small")
-    a.requests = a.requests or (64 if cpu else 256)
-    a.max_batch = a.max_batch or (32 if cpu else 64)
+    a.requests = a.requests or (384 if cpu else 512)
+    a.max_batch = a.max_batch or 64
     a.prefill_chunk = a.prefill_chunk or (64 if cpu else 256)
-    a.mixed_prompt = a.mixed_prompt or ("16,256" if cpu else "16,4096")
-    a.mixed_new = a.mixed_new or ("16,64" if cpu else "16,256")
+    a.mixed_prompt = a.mixed_prompt or ("16,64" if cpu else "16,4096")
+    a.mixed_new = a.mixed_new or ("16,96" if cpu else "16,256")
     a.uniform_prompt = a.uniform_prompt or (32 if cpu else 512)
     a.uniform_new = a.uniform_new or (32 if cpu else 128)
     a.graphs = a.graphs or ("off" if cpu else "on")
+    if a.overrides is None:
+        a.overrides = CPU_WIDE if cpu else ""
+    a.overrides = "" if a.overrides == "none" else a.overrides
     if a.graphs == "on" and cpu:
         ap.error("--graphs on needs --device cuda")
     return a
@@ -102,7 +111,7 @@ def make_cfg(args, pipeline: str, microbatches, context: int):
     graphs = ["graphs=decode_prefill"] if args.graphs == "on" else ["graphs=off"]
     cfg = compose(["mode=serve", "track=none", f"model={args.model}", f"pipeline={pipeline}", *graphs,
                    f"serve.max_batch={args.max_batch}", f"serve.prefill_chunk={args.prefill_chunk}",
-                   f"serve.max_context={context}"])
+                   f"serve.max_context={context}", *args.overrides.split()])
     cfg.serve.microbatches = microbatches
     if args.graphs == "on":
         groups = microbatches or RANKS[pipeline]
@@ -197,8 +206,8 @@ def run_pipeline(args, pipeline: str) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         rows_file = os.path.join(tmp, "rows.json")
         passed = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-            "device", "workloads", "model", "requests", "max_batch", "prefill_chunk", "mixed_prompt", "mixed_new",
-            "uniform_prompt", "uniform_new", "graphs", "threads", "seed")]
+            "device", "workloads", "model", "overrides", "requests", "max_batch", "prefill_chunk", "mixed_prompt",
+            "mixed_new", "uniform_prompt", "uniform_new", "graphs", "threads", "seed")]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS[pipeline]}",
                str(Path(__file__).resolve()), *passed, "--worker", f"--pipeline={pipeline}",
                f"--rows-file={rows_file}"]
@@ -232,11 +241,13 @@ def checks(rows: list) -> list:
 def markdown(rows: list, env: dict, cks: list) -> str:
     f = lambda v, s="{:.3f}": "-" if v is None else s.format(v)  # noqa: E731
     lines = ["# Serving benchmark", "",
-             f"{env['device_name']}, torch {env['torch']}, model {env['model']}, graphs {env['graphs']}, "
+             f"{env['device_name']}, torch {env['torch']}, model {env['model']} {env['overrides']}, "
+             f"graphs {env['graphs']}, "
              f"serve.max_batch {env['max_batch']}, {env['requests']} requests per workload (mixed: prompts "
              f"{env['mixed_prompt']} log-uniform, new {env['mixed_new']}; uniform: {env['uniform_prompt']} + "
              f"{env['uniform_new']}), "
-             f"{env['threads']} thread(s) per process on CPU. Command: `{env['command']}`.", "",
+             f"{env['threads']} thread(s) per process on CPU, 1-minute load average {env['load_average_1min'][0]:.1f} "
+             f"before and {env['load_average_1min'][1]:.1f} after. Command: `{env['command']}`.", "",
              "| pipeline | groups (serve.microbatches) | workload | batching | tokens/s | TTFT p50 s | TTFT p99 s "
              "| TPOT p50 ms | TPOT p99 ms | busy per rank | decode busy per rank |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|---|---|"]
@@ -308,6 +319,7 @@ def main(argv=None) -> int:
 def run_all(args, argv) -> int:
     device = torch.device(args.device)
     rows, skipped = [], []
+    load_before = os.getloadavg()[0]
     for p in args.pipelines.split(","):
         if p not in RANKS:
             raise SystemExit(f"--pipelines: {p!r} is not one of {', '.join(RANKS)}")
@@ -321,12 +333,15 @@ def run_all(args, argv) -> int:
         else:
             rows += run_pipeline(args, p)
     cks = checks(rows)
-    env = {"torch": torch.__version__, "device": args.device, "model": args.model, "graphs": args.graphs,
+    env = {"torch": torch.__version__, "device": args.device, "model": args.model, "overrides": args.overrides,
+           "graphs": args.graphs,
            "device_name": (torch.cuda.get_device_name(0) if args.device == "cuda"
                            else f"CPU ({os.cpu_count()} cores)"),
            "max_batch": args.max_batch, "requests": args.requests, "mixed_prompt": args.mixed_prompt,
            "mixed_new": args.mixed_new, "uniform_prompt": args.uniform_prompt, "uniform_new": args.uniform_new,
            "prefill_chunk": args.prefill_chunk, "threads": args.threads, "skipped": skipped,
+           # other processes on the machine: pp ranks compute at once, so a busy machine slows them most
+           "load_average_1min": [load_before, os.getloadavg()[0]],
            "command": "python scripts/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

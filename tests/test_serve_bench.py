@@ -12,7 +12,7 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
     bench = load_script("bench_serve")
     argv = ["--device", "cpu", "--pipelines", "single,pp2", "--requests", "6", "--max-batch", "4",
             "--prefill-chunk", "8", "--mixed-prompt", "4,24", "--mixed-new", "2,6", "--uniform-prompt", "8",
-            "--uniform-new", "4", "--out", str(tmp_path)]
+            "--uniform-new", "4", "--overrides", "none", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     data = json.loads((tmp_path / "bench_serve.json").read_text())
     rows = data["rows"]
@@ -37,3 +37,4 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
     md = (tmp_path / "bench_serve.md").read_text()
     assert md.count("\n| pp2 |") == 5 and "default groups vs serve.microbatches=1" in md
     assert (tmp_path / "bench_serve.png").stat().st_size > 1000
+    assert data["env"]["overrides"] == "" and len(data["env"]["load_average_1min"]) == 2

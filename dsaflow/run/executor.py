@@ -67,7 +67,7 @@ class Timeline:
 
     def __init__(self, device: torch.device):
         self.cuda = torch.device(device).type == "cuda"
-        self.spans: List[Tuple[Any, Any, bool]] = []  # (start, end, decode) of each compute segment
+        self.spans: List[Tuple[Any, Any, bool]] = []  # (start, end, decode tick) of each compute segment
         self.ticks: List[Tuple[Any, Any, bool]] = []  # (start, end, decode) of every tick
         self.start = self.end = None
 
@@ -151,6 +151,7 @@ class PipelineExecutor:
                 busy_keys.add(item.key)
             work = [(j, started[t - j]) for j in self.mine if (t - j) in started]
             tick0 = tl.mark()
+            tick_decode = all(f.item.decode for f in started.values())  # the same on every rank
             sends: List[Tuple[Tuple[int, int], torch.Tensor, int]] = []
             message: Optional[torch.Tensor] = None
             for j, flight in work:
@@ -160,7 +161,7 @@ class PipelineExecutor:
                     x = stage_fn(flight.item, s, x)
                 if j == K - 1 and finish is not None:
                     message = finish(flight.item, x)
-                tl.spans.append((a, tl.mark(), flight.item.decode))
+                tl.spans.append((a, tl.mark(), tick_decode))
                 if j < K - 1:
                     sends.append(((flight.start, 0), x.to(flight.item.hidden_dtype), self.segments[j + 1][0]))
                 elif message is not None and flight.item.feedback is not None:
@@ -174,7 +175,7 @@ class PipelineExecutor:
                     message = buf
                 else:
                     inbox[(tick, j)] = buf
-            tl.ticks.append((tick0, tl.mark(), all(f.item.decode for f in started.values())))
+            tl.ticks.append((tick0, tl.mark(), tick_decode))
             done = started.pop(t - (K - 1), None)
             if done is not None:
                 busy_keys.discard(done.item.key)

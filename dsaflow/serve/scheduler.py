@@ -12,7 +12,8 @@ pass is one forward of one group through every stage, of one of two kinds:
 
 When a group has rows of both kinds its passes alternate, so the decoding rows keep going while a joining request
 prefills. A row is freed when it reaches its own max_new_tokens (host-known) or emits EOS (known from the feedback
-flags that every rank receives), and the next waiting request takes it at the group's next pass. Every rank runs this same
+flags that every rank receives); once a quarter of the group's rows are free (or enough for every waiting
+request), waiting requests take them at the group's next pass and prefill together. Every rank runs this same
 scheduler with the same inputs, so every rank builds the same passes without talking.
 """
 from __future__ import annotations
@@ -94,7 +95,11 @@ class Scheduler:
 
     def next_pass(self, group: int) -> Optional[Pass]:
         rows = self.rows[group]
-        if self.refill or all(r is None for r in rows):
+        free = sum(r is None for r in rows)
+        # refill once a quarter of the group is free (or every waiting request fits): the joining requests then
+        # prefill together, instead of one narrow prefill pass (and one paused decode step) per finished row
+        wanted = min(max(1, len(rows) // 4), len(self.queue))
+        if (self.refill and free >= max(wanted, 1)) or free == len(rows):
             for i, r in enumerate(rows):
                 if r is None and self.queue:
                     rows[i] = Row(self.queue.popleft())
