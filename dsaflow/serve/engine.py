@@ -257,8 +257,9 @@ class PipelineEngine:
     def _feedback(self, item: Item, message: torch.Tensor) -> None:
         """Every rank: the pass is through. Stage 0's rank keeps the tokens; everyone advances the scheduler."""
         w: _Work = item.payload
-        if self.first in self.stages:
-            self.last_tokens[w.p.group][w.p.row0 : w.p.row0 + w.rows].copy_(message[0])
+        if self.first in self.stages and w.p.emit:  # only rows that sampled: a prefill pass may span decoding rows
+            local = [r for r, *_ in w.p.emit]
+            self.last_tokens[w.p.group][self._h2d([w.p.row0 + r for r in local])] = message[0][self._h2d(local)]
         eos = message[1].tolist() if self.serve.eos_id is not None else None  # the one data-dependent read
         done = self.scheduler.finish(w.p, eos)
         if w.mark is not None:

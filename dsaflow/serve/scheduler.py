@@ -80,6 +80,9 @@ class Scheduler:
     """requests in input order; `next_pass(group)` admits waiting requests into free rows and builds the pass;
     `finish(pass, eos)` advances the rows (eos: per pass row, did it emit EOS; None when serve.eos_id is unset)."""
 
+    REFILL_FRACTION = 0.125  # refill a group once this share of its rows is free
+    SPAN_DENSITY = 0.5  # a prefill pass spans all prefilling rows when they fill at least this share of the span
+
     def __init__(self, requests: Sequence[Request], ranges: Sequence[Tuple[int, int]], chunk: int,
                  refill: bool = True):
         self.queue: Deque[Request] = deque(requests)
@@ -98,11 +101,14 @@ class Scheduler:
         free = sum(r is None for r in rows)
         # refill once a quarter of the group is free (or every waiting request fits): the joining requests then
         # prefill together, instead of one narrow prefill pass (and one paused decode step) per finished row
-        wanted = min(max(1, len(rows) // 4), len(self.queue))
+        wanted = min(max(1, int(len(rows) * self.REFILL_FRACTION)), len(self.queue))
         if (self.refill and free >= max(wanted, 1)) or free == len(rows):
-            for i, r in enumerate(rows):
-                if r is None and self.queue:
-                    rows[i] = Row(self.queue.popleft())
+            slots = [i for i, r in enumerate(rows) if r is None][: len(self.queue)]
+            joining = [self.queue.popleft() for _ in slots]
+            # the longest remaining work takes the lowest rows, so the span a decode pass covers (rows up to the
+            # last active one) shrinks as requests finish
+            for i, req in zip(slots, sorted(joining, key=lambda q: -(len(q.prompt) + q.max_new))):
+                rows[i] = Row(req)
         active = [i for i, r in enumerate(rows) if r is not None]
         if not active:
             return None
@@ -131,7 +137,7 @@ class Scheduler:
         contiguous run (so decoding rows between them cost little padding)."""
         rows = self.rows[group]
         a, b = prefilling[0], prefilling[-1] + 1
-        if 2 * len(prefilling) < b - a:
+        if len(prefilling) < self.SPAN_DENSITY * (b - a):
             b = a
             while b in prefilling:
                 b += 1
