@@ -12,8 +12,9 @@ pass is one forward of one group through every stage, of one of two kinds:
 
 When a group has rows of both kinds its passes alternate, so the decoding rows keep going while a joining request
 prefills. A row is freed when it reaches its own max_new_tokens (host-known) or emits EOS (known from the feedback
-flags that every rank receives); once a quarter of the group's rows are free (or enough for every waiting
-request), waiting requests take them at the group's next pass and prefill together. Every rank runs this same
+flags that every rank receives); once an eighth of the group's rows are free (or enough for every waiting
+request), waiting requests take them at the group's next pass (longest first, in the lowest rows) and prefill
+together. Every rank runs this same
 scheduler with the same inputs, so every rank builds the same passes without talking.
 """
 from __future__ import annotations
@@ -99,7 +100,7 @@ class Scheduler:
     def next_pass(self, group: int) -> Optional[Pass]:
         rows = self.rows[group]
         free = sum(r is None for r in rows)
-        # refill once a quarter of the group is free (or every waiting request fits): the joining requests then
+        # refill once REFILL_FRACTION of the group is free (or every waiting request fits): the joining requests
         # prefill together, instead of one narrow prefill pass (and one paused decode step) per finished row
         wanted = min(max(1, int(len(rows) * self.REFILL_FRACTION)), len(self.queue))
         if (self.refill and free >= max(wanted, 1)) or free == len(rows):
