@@ -67,6 +67,7 @@ def make_cfg(args, model: str, pp: int, batch: int, graphs: bool):
                  f"serve.max_context={args.prompt_len + args.steps + 1}", f"serve.prefill_chunk={args.prompt_len}",
                  "graphs=decode" if graphs else "graphs=off", *args.overrides.split()]
     cfg = compose(overrides)
+    cfg.serve.microbatches = 1  # one batch through the stages: the latency of a decode step of the whole pipeline
     if graphs:
         cfg.graphs.blocks[0].shape_classes = [batch]  # captured for exactly this batch: no padding in the comparison
     return cfg, build_plan(cfg)

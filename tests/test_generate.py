@@ -35,6 +35,16 @@ def run(cfg, plan, prompts=PROMPTS, record=False, **kw):
     return eng.generate(ids_of(prompts)), eng
 
 
+def flat(log):
+    """The engine's logits log {request: [V] per token} as one list, request by request."""
+    return [t for r in sorted(log) for t in log[r]]
+
+
+def same_logits(log_a, log_b):
+    return sorted(log_a) == sorted(log_b) and all(
+        len(log_a[r]) == len(log_b[r]) and all(torch.equal(a, b) for a, b in zip(log_a[r], log_b[r])) for r in log_a)
+
+
 def greedy_reference(cfg, plan, prompt, steps):
     """Greedy continuation by full forwards without any cache (the model's training-mode path)."""
     stages = build_stages(cfg.model, plan, seed=cfg.train.seed)
@@ -63,8 +73,8 @@ def test_two_local_stages_equal_one_stage_with_sampling():
     assert plan2.num_stages == 2
     out1, e1 = run(cfg1, plan1, record=True)
     out2, e2 = run(cfg2, plan2, record=True)
-    assert out1 == out2
-    assert all(torch.equal(a, b) for a, b in zip(e1.logits_log, e2.logits_log))
+    assert out1 == out2 and e2.groups == 2  # two local stages keep two groups in flight
+    assert same_logits(e1.logits_log, e2.logits_log)
     greedy, _ = run(*setup(["layout=FSFF"]))
     assert out1 != greedy  # temperature sampling really sampled
 
@@ -75,6 +85,7 @@ def _graph_cfg(cache=True):
         cfg.graphs.blocks[0].shape_classes = [1, 2, 4]
         cfg.graphs.blocks[1].shape_classes = [2, 8]
         cfg.graphs.cache = cache
+        cfg.serve.microbatches = 1
 
     return setup(["graphs=decode_prefill", "layout=FS|FF"], edit)
 
@@ -88,14 +99,15 @@ def test_padded_graph_path_matches_plain_eager():
     assert {(r.block, r.shape_class, r.stage) for r in eg.graphs.report().records} == {
         (b, c, s) for s in (0, 1) for b, cs in (("decode", (1, 2, 4)), ("prefill", (2, 8))) for c in cs
     }
-    cfg_e, plan_e = setup(["layout=FS|FF", "serve.prefill_chunk=8"])
+    cfg_e, plan_e = setup(["layout=FS|FF", "serve.prefill_chunk=8", "serve.microbatches=1"])
     out_e, ee = run(cfg_e, plan_e, PROMPTS[:3], record=True)
     assert out_g == out_e
-    for a, b in zip(eg.logits_log, ee.logits_log):
+    assert len(flat(eg.logits_log)) == len(flat(ee.logits_log)) == 3 * 5
+    for a, b in zip(flat(eg.logits_log), flat(ee.logits_log)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # the force-eager reference runs the identical padded shapes: bit-identical
     out_f, ef = run(cfg, plan, PROMPTS[:3], record=True, force_eager=True)
-    assert out_f == out_g and all(torch.equal(a, b) for a, b in zip(eg.logits_log, ef.logits_log))
+    assert out_f == out_g and same_logits(eg.logits_log, ef.logits_log)
 
 
 def test_graph_cache_bypass_is_bit_identical():
@@ -103,7 +115,7 @@ def test_graph_cache_bypass_is_bit_identical():
     cap_on, cap_off = FakeCapturer(), FakeCapturer()
     out_on, e_on = run(cfg_on, plan_on, PROMPTS[:3], record=True, capturer=cap_on)
     out_off, e_off = run(cfg_off, plan_off, PROMPTS[:3], record=True, capturer=cap_off)
-    assert out_on == out_off and all(torch.equal(a, b) for a, b in zip(e_on.logits_log, e_off.logits_log))
+    assert out_on == out_off and same_logits(e_on.logits_log, e_off.logits_log)
     assert cap_off.calls > cap_on.calls  # the bypass captured afresh on every call
 
 
@@ -176,7 +188,8 @@ def test_checkpoint_with_other_roles_is_a_clear_error(tmp_path):
 ERRORS = [
     (["serve.prompts=[]"], "no prompts"),
     (["serve.prompts=[]", "serve.prompts_file=/nonexistent.jsonl"], "does not exist"),
-    (["serve.max_context=20"], r"prompt 1 is 16 tokens.*serve.max_context=20. Fix: serve.max_context=21"),
+    (["serve.max_context=9"], r"no request fits: prompt 0 is 5 tokens.*serve.max_context=9. Fix: serve.max_context=10"),
+    (["serve.microbatches=9"], r"serve.microbatches=9 must be between 1 and serve.max_batch=8"),
     (["serve.eos_id=999"], "serve.eos_id=999"),
     (["serve.checkpoint=/nope"], "serve.checkpoint=/nope does not exist"),
     (["graphs=decode", "serve.max_batch=4"], r"shape_classes=\[1, 2, 4, 8\] go beyond serve.max_batch=4"),
@@ -189,6 +202,7 @@ COMPOSE_ERRORS = [
     (["serve.max_new_tokens=0"], "serve.max_new_tokens=0 is out of range"),
     (["serve.top_p=0"], r"serve.top_p=0 is out of range: allowed \(0, 1\]"),
     (["serve.temperature=-1"], "serve.temperature=-1 is out of range"),
+    (["serve.microbatches=0"], r"serve.microbatches=0 is out of range"),
     (["serve.dtype=fp16"], "serve.dtype='fp16' is not a valid choice. Fix: use one of auto, fp32, bf16"),
 ]
 
@@ -239,13 +253,16 @@ def test_cross_stage_indices_generate_what_one_stage_does(split):
     tokens and logits as one stage, eager and through the padded graph path."""
     cfg1, plan1 = setup(["layout=FSSSFSSS", *CROSS])
     out1, e1 = run(cfg1, plan1, record=True)
-    cfg, plan = setup([f"layout={split}", *CROSS])
+    cfg, plan = setup([f"layout={split}", "serve.microbatches=1", *CROSS])  # the same rows per pass: bit-equal
     assert plan.index_boundaries and not any(l.promoted for l in plan.layers)
     out, e = run(cfg, plan, record=True)
-    assert out == out1 and all(torch.equal(a, b) for a, b in zip(e.logits_log, e1.logits_log))
+    assert out == out1 and same_logits(e.logits_log, e1.logits_log)
+    cfg_mb, plan_mb = setup([f"layout={split}", *CROSS])  # one group per stage, each with its own index buffer
+    out_mb, e_mb = run(cfg_mb, plan_mb, record=True)
+    assert e_mb.groups == plan_mb.num_stages > 1 and out_mb == out1
 
     def graphs(c):
-        c.serve.prefill_chunk, c.serve.max_batch = 8, 4
+        c.serve.prefill_chunk, c.serve.max_batch = 8, 4 * plan_mb.num_stages  # 4 rows per group
         c.graphs.blocks[0].shape_classes = [1, 2, 4]
         c.graphs.blocks[1].shape_classes = [2, 8]
 
@@ -253,5 +270,33 @@ def test_cross_stage_indices_generate_what_one_stage_does(split):
     out_g, eg = run(cfg_g, plan_g, PROMPTS[:3], record=True, capturer=FakeCapturer())
     out_e, ee = run(*setup(["layout=FSSSFSSS", "serve.prefill_chunk=8", *CROSS]), PROMPTS[:3], record=True)
     assert out_g == out_e
-    for a, b in zip(eg.logits_log, ee.logits_log):
+    assert len(flat(eg.logits_log)) == len(flat(ee.logits_log)) == 3 * 6
+    for a, b in zip(flat(eg.logits_log), flat(ee.logits_log)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_request_that_does_not_fit_is_rejected_by_line_and_the_rest_served(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hello"}\n{"prompt": "hi there, friend", "max_new_tokens": 30}\n'
+                 '{"prompt": "abc", "max_new_tokens": 2}\n')
+    cfg, plan = setup([f"serve.prompts_file={f}"])
+    reqs = check_serve(cfg, plan, "cpu")
+    assert reqs.served == [0, 2] and reqs.max_new == [5, 30, 2]
+    assert reqs.rejected[1].startswith(f"serve.prompts_file={f} line 2 is 16 tokens; with max_new_tokens=30")
+    assert "Fix: serve.max_context=46" in reqs.rejected[1]
+    eng = build_engine(cfg, plan, 0, "cpu", all_stages=True)
+    eng.capture()
+    from dsaflow.serve.generate import serve_requests
+
+    rows = serve_requests(eng, reqs)
+    assert rows[0]["tokens"] == run(cfg, plan, ["hello"])[0][0]
+    assert rows[2]["tokens"] == run(cfg, plan, ["abc"])[0][0][:2]  # its own limit, the same greedy tokens
+    assert [sorted(r) for r in rows] == [
+        ["completion", "num_tokens", "prompt", "tokens", "tpot_s", "ttft_s"], ["error", "prompt"],
+        ["completion", "num_tokens", "prompt", "tokens", "tpot_s", "ttft_s"]]
+    assert rows[0]["num_tokens"] == 5 and rows[0]["ttft_s"] > 0 and rows[0]["tpot_s"] > 0
+    assert rows[2]["ttft_s"] > 0 and rows[2]["num_tokens"] == 2 and rows[1]["error"] == reqs.rejected[1]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok", "max_new_tokens": 0}\n')
+    with pytest.raises(ServeError, match="line 1: max_new_tokens=0 is not a positive integer"):
+        check_serve(*setup([f"serve.prompts_file={bad}"]), "cpu")

@@ -230,6 +230,9 @@ class ServeConfig:
     output_file: Optional[str] = None
     max_new_tokens: int = num(32, 1, 1 << 22)
     max_batch: int = num(8, 1, 4096)
+    # microbatch groups of rows in flight (stage s runs group g while stage s+1 runs g-1); None = one per pipeline
+    # rank; at most max_batch (checked before launch)
+    microbatches: Optional[int] = num(None, 1, 4096)
     max_context: int = num(512, 1, 1 << 22)
     prefill_chunk: int = num(128, 1, 65536)
     temperature: float = num(0.0, 0, 100)  # 0 = greedy

@@ -139,6 +139,18 @@ class StageCache:
         """Global index of the layer that wrote the index cache in the current forward (None before any F layer)."""
         return self.index_slot.writer
 
+    def rows(self, start: int, stop: int) -> "StageCache":
+        """The cache of rows [start, stop) only: views of the same storage, and an index slot of its own over
+        index[start:stop], so the rows of one serving group never read indices written for another group."""
+        if not 0 <= start < stop <= self.max_batch:
+            raise ValueError(f"StageCache.rows({start}, {stop}) outside the {self.max_batch} allocated rows.")
+        return StageCache(
+            stop - start, self.max_context, self.max_tokens,
+            {i: t[start:stop] for i, t in self.kv.items()},
+            {i: t[start:stop] for i, t in self.index_k.items()},
+            IndexSlot(self.index_slot.buffer[start:stop]),
+        )
+
     def reset(self) -> None:
         """Forget every cached row (new requests). Outside any captured graph; keeps the same storage."""
         for t in (*self.kv.values(), *self.index_k.values()):

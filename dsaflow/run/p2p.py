@@ -52,3 +52,11 @@ class StageLink:
         flag = flag.clone()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag
+
+    def exchange(self, ops) -> None:
+        """ops: [("send" | "recv", tensor, global rank)] of one pipeline tick, posted together in one
+        `batch_isend_irecv` (sends and receives in flight at once, so a ring of sends cannot deadlock) and waited.
+        Receive tensors are filled in place. With NCCL the wait orders the current stream only (no host sync)."""
+        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer) for kind, tensor, peer in ops]
+        for req in dist.batch_isend_irecv(p2p):
+            req.wait()

@@ -1,54 +1,79 @@
-"""Pipeline inference engine: chunked prefill, then decode steps, across the stages of a plan.
+"""Pipeline inference engine: microbatch groups in flight, continuous batching, across the stages of a plan.
 
-Every rank runs the same host loop over the same batches (all ranks read the same prompts), and does only the work of
-the stages it owns, in pipeline order:
+The cache rows [0, serve.max_batch) are split into serve.microbatches groups (default: the number of pipeline ranks),
+each a contiguous row range with its own slice of every stage's caches and its own index slot. A pass is one forward
+of one group through every stage (dsaflow.serve.scheduler builds it: prefill chunks and decode steps mixed row by
+row), and the pipelined executor (dsaflow.run.executor) moves passes through the stages in ticks: stage s runs group
+g while stage s+1 runs group g-1. The last stage samples the group's next tokens and sends them, with one EOS flag
+per row, to every rank ([2, rows] int64); stage 0's rank feeds them into the group's next pass.
 
-    stage s input = token ids (s = 0) | the previous stage's output (same rank) | a recv from the previous rank
-    stage s output -> the next stage (same rank) | a send to the next rank
-    last stage: pick each row's last-prompt-token logits (prefill) or the step's logits (decode), sample the next token
-    on the device, and send the token ids back to stage 0's rank (p2p) for the next step.
+Every rank runs the same scheduler over the same requests, so all ranks build the same passes. Per pass no host sync:
+positions and prompt tokens are host-known (copied from pinned memory), decode tokens are swapped in on the device,
+sampling is branchless and keyed by (request, token index), tokens accumulate on the device and reach the host once
+at the end. The one exception: with serve.eos_id set, each rank reads the flags of a pass when it arrives, to free
+the rows that emitted EOS (the only data-dependent fact of the schedule).
 
-Requests are padded into a batch of n <= `batch_cap` rows; a stage with a decode / prefill graph block runs through
-the GraphManager, which pads n up to the block's shape class (padding rows have position -1 and write only the cache's
-trash row). Transfers stay outside graphs. No host sync inside a step: positions are built on the device from the
-prompt lengths, sampling is branchless, tokens accumulate on the device and reach the host once per batch. The one
-exception is optional: with `serve.eos_id` set, every step ends with one small sync (plus a MAX all-reduce across
-ranks) to stop when every row has produced EOS.
+A stage with a decode / prefill graph block runs through the GraphManager: one graph per group and shape class (the
+group's cache rows are baked into its graph), decode passes padded to the smallest class >= the group's active rows,
+prefill passes run at the group's full rows and padded along tokens. Transfers stay outside graphs.
+
+With pipeline.cross_stage_indices, a stage that opens on S reads the top-k indices of the previous stage's last F
+layer: they travel with the hidden state (int32 [rows, T, topk], the executor's `extra`) and are copied into the
+group's static index buffer outside any graph, where the stage's S layers (eager or replayed) read them.
 """
 from __future__ import annotations
 
 import contextlib
-import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
-from dsaflow.errors import ServeError
+from dsaflow.errors import ServeError  # noqa: F401 - re-exported
 from dsaflow.plan.plan import Plan
+from dsaflow.run.executor import Item, PipelineExecutor
 from dsaflow.run.stages import stage_cache
 
 from .graphs import GraphManager, StaticInput
 from .report import CaptureReport
-from .sampling import make_generator, sample_next
+from .sampling import sample_keyed
+from .scheduler import Pass, Request, Scheduler, group_ranges
 
 SERVED_KINDS = ("decode", "prefill")
+TOKEN_KEY = 1 << 24  # sampling key = request index * TOKEN_KEY + token index
 
 
+def serve_groups(serve_cfg, plan: Plan) -> int:
+    """serve.microbatches, or by default the number of pipeline ranks (at most serve.max_batch)."""
+    g = getattr(serve_cfg, "microbatches", None)
+    return int(g) if g is not None else min(plan.pipeline.ranks, serve_cfg.max_batch)
 
 
-def check_prompts(prompts: List[List[int]], serve, vocab_size: int) -> None:
-    """Token-id prompts must be non-empty, fit serve.max_context with serve.max_new_tokens, and stay in the vocab.
-    The parent checks them before launch (serve.check_serve) and the engine again per request."""
+def check_groups(serve_cfg, plan: Plan) -> int:
+    g = serve_groups(serve_cfg, plan)
+    if not 1 <= g <= serve_cfg.max_batch:
+        raise ServeError(
+            f"serve.microbatches={g} must be between 1 and serve.max_batch={serve_cfg.max_batch} (each group of rows "
+            f"in flight needs at least one cache row). Fix: serve.microbatches={min(max(g, 1), serve_cfg.max_batch)} "
+            f"or leave it unset (one group per pipeline rank), or raise serve.max_batch."
+        )
+    return g
+
+
+def fit_problem(index: int, prompt: List[int], max_new: int, max_context: int, where: str) -> Optional[str]:
+    """Why a request cannot be served with these limits (None when it fits). `where` names it (a line, a prompt)."""
+    if len(prompt) + max_new > max_context:
+        return (f"{where} is {len(prompt)} tokens; with max_new_tokens={max_new} it exceeds serve.max_context="
+                f"{max_context}. Fix: serve.max_context={len(prompt) + max_new} or more, or shorten the prompt / "
+                f"lower its max_new_tokens.")
+    return None
+
+
+def check_prompts(prompts: List[List[int]], vocab_size: int) -> None:
+    """Token-id prompts must be non-empty and stay in the vocab (whole-job errors; fit is per request)."""
     for i, p in enumerate(prompts):
         if not p:
             raise ServeError(f"prompt {i} is empty. Fix: every prompt needs at least one token.")
-        if len(p) + serve.max_new_tokens > serve.max_context:
-            raise ServeError(
-                f"prompt {i} is {len(p)} tokens; with serve.max_new_tokens={serve.max_new_tokens} it exceeds "
-                f"serve.max_context={serve.max_context}. Fix: serve.max_context={len(p) + serve.max_new_tokens} or "
-                f"more, or shorten the prompt / lower serve.max_new_tokens."
-            )
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise ServeError(f"prompt {i} has token id {bad[0]} outside model.vocab_size={vocab_size}. Fix: "
@@ -57,14 +82,18 @@ def check_prompts(prompts: List[List[int]], serve, vocab_size: int) -> None:
 
 def check_graph_blocks(plan: Plan, serve_cfg) -> None:
     """The plan's graph blocks must fit the serve config: one decode and one prefill block at most; decode classes <=
-    serve.max_batch (cache rows); the largest prefill class == serve.prefill_chunk (the index cache holds one chunk).
-    The planner already refused every kind serving does not capture (dsaflow.plan.graph_blocks)."""
+    the rows of one group (serve.max_batch / serve.microbatches); the largest prefill class == serve.prefill_chunk
+    (the index cache holds one chunk). The planner already refused every kind serving does not capture."""
+    groups = check_groups(serve_cfg, plan)
+    rows = min(b - a for a, b in group_ranges(serve_cfg.max_batch, groups))
     for b in plan.graph_blocks:
-        if b.kind == "decode" and max(b.shape_classes) > serve_cfg.max_batch:
+        if b.kind == "decode" and max(b.shape_classes) > rows:
+            per = (f"the {rows} rows of one microbatch group (serve.max_batch={serve_cfg.max_batch} over "
+                   f"serve.microbatches={groups})" if groups > 1 else f"serve.max_batch={serve_cfg.max_batch}")
             raise ServeError(
-                f"graphs.blocks[{b.name}].shape_classes={list(b.shape_classes)} go beyond serve.max_batch="
-                f"{serve_cfg.max_batch} (the caches hold that many rows). Fix: drop the larger classes or set "
-                f"serve.max_batch={max(b.shape_classes)}."
+                f"graphs.blocks[{b.name}].shape_classes={list(b.shape_classes)} go beyond {per}; the caches hold that "
+                f"many rows per group. Fix: drop the classes above {rows}, or set serve.max_batch="
+                f"{max(b.shape_classes) * groups}" + (", or serve.microbatches=1." if groups > 1 else ".")
             )
         if b.kind == "prefill" and max(b.shape_classes) != serve_cfg.prefill_chunk:
             raise ServeError(
@@ -79,99 +108,92 @@ def check_graph_blocks(plan: Plan, serve_cfg) -> None:
 
 
 class PipelineEngine:
-    """Serving state of one rank: its stage modules, their caches, its graph manager and the p2p link.
+    """Serving state of one rank: its stage modules, their caches (split into groups), its graph manager and the
+    pipelined executor.
 
     stages: {stage index: StageModule} for the stages this rank owns (already on `device`, in `dtype`, eval mode);
     given every stage of the plan, the engine runs the whole pipeline in this process (tests, one-GPU benchmarks).
     link: a `StageLink` when stages live on other ranks, else None (all stages local).
     """
 
-    def __init__(
-        self,
-        model_cfg,
-        plan: Plan,
-        stages: Dict[int, nn.Module],
-        serve_cfg,
-        graphs_cfg,
-        device: torch.device,
-        dtype: torch.dtype,
-        rank: int = 0,
-        link=None,
-        force_eager: bool = False,
-        capturer=None,
-    ):
+    def __init__(self, model_cfg, plan: Plan, stages: Dict[int, nn.Module], serve_cfg, graphs_cfg,
+                 device: torch.device, dtype: torch.dtype, rank: int = 0, link=None, force_eager: bool = False,
+                 capturer=None):
         self.model_cfg, self.plan, self.stages, self.serve = model_cfg, plan, stages, serve_cfg
         self.device, self.dtype, self.rank, self.link = torch.device(device), dtype, rank, link
+        check_graph_blocks(plan, serve_cfg)
         # stage -> rank that runs it; when this process was handed every stage, it runs them all locally
         local_all = len(stages) == plan.num_stages
         self.owner = {s.index: (rank if local_all else s.rank) for s in plan.stages}
         self.first, self.last = 0, plan.num_stages - 1
-        self.blocks = {s: self._served_blocks(s) for s in stages}
-        decode = [max(b.shape_classes) for blocks in self.blocks.values() for b in blocks if b.kind == "decode"]
-        self.batch_cap = min([serve_cfg.max_batch] + decode)
+        self.cross_stage = bool(plan.index_boundaries)  # indices travel with the hidden state at those boundaries
+        self.groups = serve_groups(serve_cfg, plan)
+        self.ranges = group_ranges(serve_cfg.max_batch, self.groups)
+        self.batch_cap = serve_cfg.max_batch
         self.caches = {
-            s: stage_cache(
-                model_cfg, plan, s, serve_cfg.max_batch, serve_cfg.max_context, serve_cfg.prefill_chunk,
-                self.device, dtype,
-            )
+            s: stage_cache(model_cfg, plan, s, serve_cfg.max_batch, serve_cfg.max_context, serve_cfg.prefill_chunk,
+                           self.device, dtype)
             for s in stages
         }
-        self.graphs = GraphManager(
-            self.device, cache=graphs_cfg.cache, on_failure=graphs_cfg.on_failure, force_eager=force_eager,
-            rank=rank, capturer=capturer,
-        )
-        self.prefill_rows: Optional[int] = None  # static batch of prefill graphs (None: prefill runs n rows eagerly)
+        self.group_caches = {s: [c.rows(a, b) for a, b in self.ranges] for s, c in self.caches.items()}
+        self.graphs = GraphManager(self.device, cache=graphs_cfg.cache, on_failure=graphs_cfg.on_failure,
+                                   force_eager=force_eager, rank=rank, capturer=capturer)
+        # prefill graphs have a static row count: prefill passes then run every row of the group (on every rank)
+        self.prefill_graphs = any(b.kind == "prefill" for b in plan.graph_blocks)
+        self.blocks = {s: plan.blocks_of_stage(s) for s in stages}
         for s, blocks in self.blocks.items():
             for b in blocks:
-                self._register(s, b)
+                for g in range(self.groups):
+                    self._register(s, b, g)
         self.record_logits = False
-        # strict_sync: run every decode step under torch.cuda.set_sync_debug_mode("error") (proof of no host sync;
-        # needs graphs.cache=true and no eos_id, since a fresh capture and the EOS check do sync by design)
+        # strict_sync: run every decode pass under torch.cuda.set_sync_debug_mode("error") (proof of no host sync;
+        # needs graphs.cache=true and no eos_id, since a fresh capture and the EOS flags do sync by design)
         self.strict_sync = False
-        self.logits_log: List[torch.Tensor] = []  # last stage, when record_logits: [n, V] per generated token
+        self.logits_log: Dict[int, List[torch.Tensor]] = {}  # last stage, record_logits: request -> [V] per token
         self.timings: Dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
+        self.stats: Dict[str, object] = {}
+        self.on_finished: Optional[Callable[[int, int], None]] = None  # last rank: (requests done, tokens so far)
+        self.continuous = True  # False: fixed batches, for comparison (scripts/bench_serve.py)
 
     # --- setup -------------------------------------------------------------------------------------------------
-    def _served_blocks(self, stage: int):
-        check_graph_blocks(self.plan, self.serve)
-        return self.plan.blocks_of_stage(stage)
+    def _graph_name(self, block_name: str, group: int) -> str:
+        return block_name if self.groups == 1 else f"{block_name}/g{group}"
 
     def _stage_input(self, stage: int, rows: int, tokens: int) -> StaticInput:
         if stage == self.first:
             return StaticInput((rows, tokens), torch.long, 0)
         return StaticInput((rows, tokens, self.model_cfg.dim), self.dtype, 0)
 
-    def _received(self, stage: int, positions: torch.Tensor) -> Optional[torch.Tensor]:
-        """Cross-stage indices: a stage that opens on S reads the indices the previous stage sent, which
-        `_run_stage` copies into this stage's static index buffer outside any graph -> that buffer's [R, T] view
-        (static memory, so a captured graph reads what each call copied in); None for other stages."""
-        if not self.plan.receives_indices(stage):
-            return None
-        R, T = positions.shape
-        return self.caches[stage].index[:R, :T]
-
-    def _register(self, stage: int, block) -> None:
-        module, cache = self.stages[stage], self.caches[stage]
-        top = max(block.shape_classes)
+    def _register(self, stage: int, block, group: int) -> None:
+        module, cache = self.stages[stage], self.group_caches[stage][group]
+        top, name = max(block.shape_classes), self._graph_name(block.name, group)
         if block.kind == "decode":  # class = batch rows, one token each
             inputs = {"x": self._stage_input(stage, top, 1), "positions": StaticInput((top, 1), torch.long, -1)}
             fn = lambda v: module(v["x"], v["positions"], cache,  # noqa: E731
-                                  indices_in=self._received(stage, v["positions"]))
-            self.graphs.register(block.name, "decode", stage, block.shape_classes, 0, fn, inputs)
-        else:  # prefill: class = tokens per chunk, batch fixed at batch_cap rows
-            rows = self.prefill_rows = self.batch_cap
+                                  indices_in=self._received(stage, cache, v["positions"]))
+            self.graphs.register(name, "decode", stage, block.shape_classes, 0, fn, inputs)
+        else:  # prefill: class = tokens per chunk, rows fixed at the group's rows
+            rows = cache.max_batch
             inputs = {"x": self._stage_input(stage, rows, top), "positions": StaticInput((rows, top), torch.long, -1)}
             fn = lambda v: module(v["x"].contiguous(), v["positions"].contiguous(), cache,  # noqa: E731
-                                  indices_in=self._received(stage, v["positions"]))
-            self.graphs.register(block.name, "prefill", stage, block.shape_classes, 1, fn, inputs)
+                                  indices_in=self._received(stage, cache, v["positions"]))
+            self.graphs.register(name, "prefill", stage, block.shape_classes, 1, fn, inputs)
+
+    def _received(self, stage: int, cache, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """Cross-stage indices for a stage that opens on S: the [R, T] view of the cache's static index buffer, into
+        which `_stage` copied what the previous stage sent (static memory, so a captured graph reads each pass's
+        copy); None for every other stage."""
+        if not self.plan.receives_indices(stage):
+            return None
+        R, T = positions.shape
+        return cache.index[:R, :T]
 
     def _on_device(self):
-        """Device guard: every kernel (eager Triton launches included) runs on this rank's device, whatever the
-        process's current device is."""
+        """Device guard: every kernel (eager Triton launches included) runs on this rank's device."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
-    def _sync_guard(self):
-        if not (self.strict_sync and self.device.type == "cuda"):
+    def _sync_guard(self, on: bool):
+        if not (on and self.strict_sync and self.device.type == "cuda"):
             return contextlib.nullcontext()
 
         @contextlib.contextmanager
@@ -194,163 +216,177 @@ class PipelineEngine:
             c.reset()
         return report
 
-    # --- one forward through this rank's stages ------------------------------------------------------------------
-    def _block_name(self, stage: int, kind: str) -> Optional[str]:
+    def _h2d(self, rows) -> torch.Tensor:
+        """Host lists -> a device int64 tensor without a host sync (pinned memory, non-blocking copy on GPU)."""
+        t = torch.tensor(rows, dtype=torch.long)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    # --- one stage of one pass -----------------------------------------------------------------------------------
+    def _block_name(self, stage: int, kind: str, group: int) -> Optional[str]:
         for b in self.blocks.get(stage, ()):
             if b.kind == kind:
-                return b.name
+                return self._graph_name(b.name, group)
         return None
 
-    def _run_stage(self, stage: int, kind: str, x: torch.Tensor, positions: torch.Tensor,
-                   indices: Optional[torch.Tensor] = None):
-        """-> (output, the indices the next stage reads [R, T, topk] (the stage's static index buffer; with
-        cross-stage indices)). indices: what the previous stage sent, copied into this stage's buffer first."""
-        cache = self.caches[stage]
-        R, T = positions.shape
-        if indices is not None:
-            cache.index[:R, :T].copy_(indices)
-        name = self._block_name(stage, kind)
-        if name is None:
-            h = self.stages[stage](x, positions, cache, indices_in=self._received(stage, positions))
-        else:
-            n = x.shape[0] if kind == "decode" else x.shape[1]
-            h = self.graphs.run(name, stage, n, {"x": x, "positions": positions})
-        return h, cache.index[:R, :T]
-
-    def _forward(self, kind: str, tokens: Optional[torch.Tensor], positions: torch.Tensor) -> Optional[torch.Tensor]:
-        """tokens [R, T] (used on stage 0's rank), positions [R, T] -> last-stage logits [R, T, V] on its rank."""
-        R, T = positions.shape
-        h, idx = None, None
-        for s in range(self.plan.num_stages):
-            if self.owner[s] != self.rank:
-                continue
-            receives = self.plan.receives_indices(s)  # cross-stage indices travel with the hidden state
-            if s == self.first:
-                inp = tokens
-            elif self.owner[s - 1] == self.rank:
-                inp = h
+    def _stage(self, item: Item, stage: int, x):
+        """One stage of one pass -> its output; with cross-stage indices, (output, the indices the next stage reads)
+        for every stage but the last. x: the previous stage's output (a tuple with indices likewise), None on
+        stage 0."""
+        indices = None
+        if isinstance(x, tuple):
+            x, indices = x
+        w: _Work = item.payload
+        with self._sync_guard(item.decode):
+            if w.positions is None:
+                w.positions = self._h2d(w.p.positions)
+            p = w.p
+            if stage == self.first:
+                x = self._h2d(p.tokens)
+                mask = self._h2d(p.decode).bool()
+                last = self.last_tokens[p.group][p.row0 : p.row0 + w.rows]
+                x[:, 0] = torch.where(mask, last, x[:, 0])  # decode rows feed their previous token
+            kind = "decode" if p.decode_only else "prefill"
+            name = self._block_name(stage, kind, p.group) if w.graph else None
+            cache = self.group_caches[stage][p.group]
+            if name is None and p.row0 > 0:  # a pass over some rows of the group: a view of just those rows
+                cache = cache.rows(p.row0, p.row0 + w.rows)
+            R, T = w.positions.shape
+            if self.plan.receives_indices(stage):
+                cache.index[:R, :T].copy_(indices)  # outside any graph: the stage's S layers read this buffer
+            if name is None:
+                out = self.stages[stage](x, w.positions, cache, indices_in=self._received(stage, cache, w.positions))
             else:
-                inp = self.link.recv((R, T, self.model_cfg.dim), self.dtype, self.owner[s - 1])
-                if receives:
-                    idx = self.link.recv((R, T, self.model_cfg.index_topk), torch.int32, self.owner[s - 1])
-            h, idx = self._run_stage(s, kind, inp, positions, idx if receives else None)
-            if s != self.last and self.owner[s + 1] != self.rank:
-                self.link.send(h, self.owner[s + 1])
-                if self.plan.sends_indices(s):
-                    self.link.send(idx, self.owner[s + 1])
-        return h if self.owner[self.last] == self.rank else None
+                n = x.shape[0] if kind == "decode" else x.shape[1]
+                out = self.graphs.run(name, stage, n, {"x": x, "positions": w.positions})
+            if self.cross_stage and stage != self.last:
+                return out, cache.index[:R, :T]
+            return out
 
-    def _tokens_to_first(self, tok: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
-        """Token ids [n] from the last stage's rank to stage 0's rank (p2p), or as is when they share a rank."""
-        src, dst = self.owner[self.last], self.owner[self.first]
-        if src == dst:
-            return tok
-        if self.rank == src:
-            self.link.send(tok, dst)
-            return None
-        if self.rank == dst:
-            return self.link.recv((n,), torch.long, src).clone()
-        return None
+    def _finish(self, item: Item, logits: torch.Tensor) -> torch.Tensor:
+        """Last stage: sample every emitting row -> [2, rows] int64 (tokens, EOS flags)."""
+        w: _Work = item.payload
+        with self._sync_guard(item.decode):
+            rows = torch.arange(w.rows, device=self.device)
+            cols = self._h2d(w.sample_cols)
+            picked = logits[rows, cols].float()  # [rows, V]
+            tok = sample_keyed(picked, self.serve.temperature, self.serve.top_p, self.serve.seed, self._h2d(w.keys))
+            eos = self.serve.eos_id
+            flags = (tok == eos).long() if eos is not None else torch.zeros_like(tok)
+            if w.p.emit:
+                e_rows, e_req, e_tok = (self._h2d([e[k] for e in w.p.emit]) for k in (0, 2, 3))
+                self.out_tokens[e_req, e_tok] = tok[e_rows]
+            if self.record_logits:
+                for r, _, req, _ in w.p.emit:
+                    self.logits_log.setdefault(req, []).append(picked[r].clone())
+            w.mark = self.executor.timeline.mark()
+            return torch.stack([tok, flags])
+
+    def _feedback(self, item: Item, message: torch.Tensor) -> None:
+        """Every rank: the pass is through. Stage 0's rank keeps the tokens; everyone advances the scheduler."""
+        w: _Work = item.payload
+        if self.first in self.stages and w.p.emit:  # only rows that sampled: a prefill pass may span decoding rows
+            local = [r for r, *_ in w.p.emit]
+            self.last_tokens[w.p.group][self._h2d([w.p.row0 + r for r in local])] = message[0][self._h2d(local)]
+        eos = message[1].tolist() if self.serve.eos_id is not None else None  # the one data-dependent read
+        done = self.scheduler.finish(w.p, eos)
+        if w.mark is not None:
+            for _, _, req, k in w.p.emit:
+                if k == 0:
+                    self.first_mark[req] = w.mark
+                self.last_mark[req] = w.mark
+        self.timings["tokens"] += len(w.p.emit)
+        self.timings["decode_steps"] += int(w.p.decode_only)
+        if done and self.on_finished is not None and self.owner[self.last] == self.rank:
+            self.on_finished(self.scheduler.finished, int(self.timings["tokens"]))
 
     # --- generation --------------------------------------------------------------------------------------------
-    def check_request(self, prompts: List[List[int]]) -> None:
-        check_prompts(prompts, self.serve, self.model_cfg.vocab_size)
-
     @torch.no_grad()
-    def generate(self, prompts: List[List[int]]) -> Optional[List[List[int]]]:
-        """Token-id prompts -> generated token ids per prompt (on the last stage's rank; None on the others).
-
-        Batches of at most `batch_cap` prompts, in order. Sampling restarts from serve.seed on every call."""
-        self.check_request(prompts)
-        self.generator = make_generator(self.device, self.serve.seed)
-        self.logits_log = []
-        out: List[List[int]] = []
-        for i in range(0, len(prompts), self.batch_cap):
-            with self._on_device():
-                got = self._generate_batch(prompts[i : i + self.batch_cap])
-            if got is not None:
-                out.extend(got)
-        return out if self.owner[self.last] == self.rank else None
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _generate_batch(self, prompts: List[List[int]]) -> Optional[List[List[int]]]:
-        n, lens = len(prompts), [len(p) for p in prompts]
-        s, dev = self.serve, self.device
-        is_last = self.owner[self.last] == self.rank
+    def generate(self, prompts: List[List[int]], max_new: Optional[List[int]] = None) -> Optional[List[List[int]]]:
+        """Token-id prompts (and optional per-request limits, default serve.max_new_tokens) -> generated token ids
+        per prompt, in input order, on the last stage's rank (None on the others). Sets `stats` (per-request time to
+        first token and time per output token, per-rank busy fractions) and `timings`."""
+        s = self.serve
+        if not prompts:
+            return [] if self.owner[self.last] == self.rank else None
+        max_new = list(max_new) if max_new is not None else [s.max_new_tokens] * len(prompts)
+        check_prompts(prompts, self.model_cfg.vocab_size)
+        for i, (p, m) in enumerate(zip(prompts, max_new)):
+            problem = fit_problem(i, p, m, s.max_context, f"prompt {i}")
+            if problem:
+                raise ServeError(problem)
+        requests = [Request(i, list(p), int(m)) for i, (p, m) in enumerate(zip(prompts, max_new))]
+        self.scheduler = Scheduler(requests, self.ranges, s.prefill_chunk, refill=self.continuous)
+        self.logits_log, self.first_mark, self.last_mark = {}, {}, {}
+        self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
         for c in self.caches.values():
             c.reset()
-        self._sync()
-        t0 = time.perf_counter()
-        # chunked prefill: chunk j holds prompt tokens [j*C, (j+1)*C) of every row; shorter rows pad with position -1
-        rows = self.prefill_rows or n
-        C, L = s.prefill_chunk, max(lens)
-        V = self.model_cfg.vocab_size
-        next_logits = torch.zeros(n, V, device=dev) if is_last else None
-        for c0 in range(0, L, C):
-            t = min(C, L - c0)
-            tok = torch.zeros(rows, t, dtype=torch.long)
-            pos = torch.full((rows, t), -1, dtype=torch.long)
-            for i, p in enumerate(prompts):
-                seg = p[c0 : c0 + t]
-                tok[i, : len(seg)] = torch.tensor(seg, dtype=torch.long)
-                pos[i, : len(seg)] = torch.arange(c0, c0 + len(seg))
-            logits = self._forward("prefill", tok.to(dev), pos.to(dev))
-            if is_last:  # rows whose last prompt token falls in this chunk (host-known: no sync)
-                r = [i for i in range(n) if c0 <= lens[i] - 1 < c0 + t]
-                if r:
-                    ri = torch.tensor(r, device=dev)
-                    ci = torch.tensor([lens[i] - 1 - c0 for i in r], device=dev)
-                    next_logits[ri] = logits[ri, ci].float()
-        tok = self._sample(next_logits) if is_last else None
-        self._sync()
-        t1 = time.perf_counter()
-        # decode: step k feeds the token generated at k-1 at position len + k
-        lens_dev = torch.tensor(lens, dtype=torch.long, device=dev)
-        generated = torch.zeros(n, s.max_new_tokens, dtype=torch.long, device=dev) if is_last else None
-        steps = 0
-        for k in range(s.max_new_tokens):
-            if is_last:
-                generated[:, k] = tok
-            if k == s.max_new_tokens - 1 or self._all_done(generated, k):
-                break
-            with self._sync_guard():  # one decode step: no host sync from here to the next token
-                tok = self._tokens_to_first(tok, n)
-                pos = (lens_dev + k).view(n, 1)
-                logits = self._forward("decode", tok.view(n, 1) if tok is not None else None, pos)
-                tok = self._sample(logits[:, -1]) if is_last else None
-            steps += 1
-        self._sync()
-        t2 = time.perf_counter()
-        self.timings["prefill_s"] += t1 - t0
-        self.timings["decode_s"] += t2 - t1
-        self.timings["decode_steps"] += steps
-        self.timings["tokens"] += n * (steps + 1)
+        with self._on_device():
+            is_last = self.owner[self.last] == self.rank
+            self.out_tokens = (torch.zeros(len(prompts), max(max_new), dtype=torch.long, device=self.device)
+                               if is_last else None)
+            self.last_tokens = [torch.zeros(b - a, dtype=torch.long, device=self.device) for a, b in self.ranges]
+            self.executor = PipelineExecutor(self.owner, self.rank, self.link, self.device,
+                                             carries_extra=self.plan.sends_indices)
+            rr = [0]
+
+            def pick(free):
+                for k in range(self.groups):
+                    g = (rr[0] + k) % self.groups
+                    if free(g) and self.scheduler.has_work(g):
+                        p = self.scheduler.next_pass(g)
+                        if p is not None:
+                            rr[0] = g + 1
+                            return self._item(p)
+                return None
+
+            ticks = self.executor.run(pick, self._stage, self._finish, self._feedback)
+            tl = self.executor.timeline.resolve()
+        self._summarise(tl, ticks, requests)
         if not is_last:
             return None
-        return [self._trim(row) for row in generated.tolist()]  # the one device -> host copy of the batch
+        tokens = self.out_tokens.tolist()  # the one device -> host copy of the tokens
+        return [tokens[r.index][: self.scheduler.generated[r.index]] for r in requests]
 
-    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.record_logits:
-            self.logits_log.append(logits.float().clone())
-        return sample_next(logits, self.serve.temperature, self.serve.top_p, self.generator)
+    def _item(self, p: Pass) -> Item:
+        """The executor's item of a pass. Decode passes start at the group's row 0 and replay the decode graphs.
+        A prefill pass replays the group's prefill graph (padded to the group's rows) when it starts at row 0 and
+        covers more than half the group; a pass of a few joining rows runs eagerly on a view of just those rows
+        (padding it to the whole group would cost more than the launches a graph saves)."""
+        group_rows = self.ranges[p.group][1] - self.ranges[p.group][0]
+        graph = p.decode_only or (p.row0 == 0 and 2 * p.rows > group_rows)
+        if self.prefill_graphs and not p.decode_only and graph:
+            p.pad_rows(group_rows)
+        rows = p.rows
+        cols, keys = [0] * rows, [0] * rows
+        for r, c, req, k in p.emit:
+            cols[r], keys[r] = c, req * TOKEN_KEY + k
+        work = _Work(p, rows, cols, keys, graph)
+        extra = (((rows, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
+        return Item(p.group, (rows, p.T, self.model_cfg.dim), self.dtype, work, (2, rows), p.decode_only, extra)
 
-    def _all_done(self, generated: Optional[torch.Tensor], k: int) -> bool:
-        """With serve.eos_id: one sync per step (+ a MAX all-reduce across ranks) -> every row has emitted EOS."""
-        eos = getattr(self.serve, "eos_id", None)
-        if eos is None:
-            return False
-        flag = torch.zeros(1, dtype=torch.long, device=self.device)
-        if generated is not None:
-            flag = (generated[:, : k + 1] == eos).any(dim=1).all().long().view(1)
-        if self.link is not None:
-            flag = self.link.all_ranks_max(flag)
-        return bool(flag.item())
+    def _summarise(self, tl: Dict[str, float], ticks: int, requests: List[Request]) -> None:
+        tlx = self.executor.timeline
+        self.timings["prefill_s"] = tl["wall_s"] - tl["decode_wall_s"]
+        self.timings["decode_s"] = tl["decode_wall_s"]
+        ttft, tpot = {}, {}
+        for r in requests:
+            first, last = self.first_mark.get(r.index), self.last_mark.get(r.index)
+            if first is None:
+                continue
+            ttft[r.index] = tlx.seconds(tlx.start, first)
+            n = self.scheduler.generated[r.index]
+            tpot[r.index] = tlx.seconds(first, last) / (n - 1) if n > 1 else None
+        self.stats = {"wall_s": tl["wall_s"], "ticks": ticks, "busy_fraction": tl["busy_fraction"],
+                      "decode_busy": tl["decode_busy"], "ttft_s": ttft, "tpot_s": tpot,
+                      "tokens": int(self.timings["tokens"])}
 
-    def _trim(self, row: List[int]) -> List[int]:
-        eos = getattr(self.serve, "eos_id", None)
-        if eos is not None and eos in row:
-            return row[: row.index(eos) + 1]
-        return row
+
+class _Work:
+    """The engine's payload of one pass: the host pass, its padded row count, sampling columns and keys."""
+
+    def __init__(self, p: Pass, rows: int, sample_cols: List[int], keys: List[int], graph: bool):
+        self.p, self.rows, self.sample_cols, self.keys, self.graph = p, rows, sample_cols, keys, graph
+        self.positions: Optional[torch.Tensor] = None  # on the device, built by the first stage of this rank
+        self.mark = None  # last stage: when the pass was sampled

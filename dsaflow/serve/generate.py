@@ -3,11 +3,14 @@
 Parent (before any process starts): `check_serve(cfg, plan)` validates the serve config, the prompts and the graph
 blocks and raises `ServeError` (a PlanError: one paragraph, exit status 2). Worker, per rank:
 
-    prompts (serve.prompts or serve.prompts_file JSONL {"prompt": ...}) -> byte tokenizer
+    requests (serve.prompts, or serve.prompts_file JSONL {"prompt": ..., "max_new_tokens": n (optional)}) -> byte
+        tokenizer; a request with len + max_new_tokens > serve.max_context is rejected (named) and the rest served
     build this rank's stages (random init from train.seed, or serve.checkpoint) on ctx.device in serve.dtype
-    PipelineEngine: preallocated caches, graph blocks captured on this device -> capture report (printed, logged,
-                    written to <run_dir>/graphs_rank<r>.json)
-    generate -> the last stage's rank prints the completions, or writes serve.output_file (JSONL)
+    PipelineEngine: preallocated caches split into microbatch groups, graph blocks captured on this device ->
+                    capture report (printed, logged, written to <run_dir>/graphs_rank<r>.json)
+    generate (continuous batching, a progress bar on the last stage's rank) -> the last stage's rank prints the
+        completions, or writes serve.output_file (JSONL in input order: tokens, num_tokens, ttft_s, tpot_s, or
+        error for a rejected request)
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -25,7 +29,7 @@ from dsaflow.files import UnsafeFile, read_text
 from dsaflow.plan.plan import Plan
 from dsaflow.run.stages import stage_module
 
-from .engine import PipelineEngine, check_graph_blocks, check_prompts
+from .engine import PipelineEngine, check_graph_blocks, check_prompts, fit_problem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -37,8 +41,30 @@ def serve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[str(name)]
 
 
+@dataclass
+class Requests:
+    """The prompts of a generate job, in input order: text, token ids, per-request max_new_tokens, where each came
+    from (for messages) and why a request is rejected (None when it is served)."""
+
+    prompts: List[str]
+    ids: List[List[int]]
+    max_new: List[int]
+    where: List[str]
+    rejected: List[Optional[str]]
+
+    @property
+    def served(self) -> List[int]:
+        return [i for i, r in enumerate(self.rejected) if r is None]
+
+
 def load_prompts(serve_cfg) -> List[str]:
-    """serve.prompts (a list) or serve.prompts_file (JSONL, {"prompt": "..."} per line) -> prompt strings."""
+    """serve.prompts (a list) or serve.prompts_file (JSONL) -> prompt strings."""
+    return [p for p, _, _ in load_requests(serve_cfg)]
+
+
+def load_requests(serve_cfg) -> List[Tuple[str, int, str]]:
+    """serve.prompts or serve.prompts_file (JSONL, one {"prompt": "...", "max_new_tokens": n (optional)} per line)
+    -> (prompt, max_new_tokens, where) per request, where = "prompt i" or "<file> line n"."""
     given, path = list(serve_cfg.prompts or []), serve_cfg.prompts_file
     if given and path:
         raise ServeError(
@@ -50,12 +76,12 @@ def load_prompts(serve_cfg) -> List[str]:
             '(one {"prompt": "..."} per line).'
         )
     if given:
-        return [str(p) for p in given]
+        return [(str(p), serve_cfg.max_new_tokens, f"prompt {i}") for i, p in enumerate(given)]
     try:  # a regular file only: a FIFO or a folder is named as such, never waited on
         text = read_text(path)
     except UnsafeFile as exc:
         raise ServeError(f"serve.prompts_file={path}: {exc}. Fix: point it at a JSONL file.") from None
-    prompts = []
+    out = []
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -63,19 +89,24 @@ def load_prompts(serve_cfg) -> List[str]:
             row = json.loads(line)
             if not isinstance(row["prompt"], str):
                 raise TypeError
-            prompts.append(row["prompt"])
-        except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
+            prompt, limit = row["prompt"], row.get("max_new_tokens", serve_cfg.max_new_tokens)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError):
             raise ServeError(
                 f'serve.prompts_file={path} line {n} is not a JSON object with a string "prompt": {line[:80]!r}. '
                 'Fix: one {"prompt": "..."} per line.'
             ) from None
-    if not prompts:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ServeError(f"serve.prompts_file={path} line {n}: max_new_tokens={limit!r} is not a positive "
+                             f"integer. Fix: a whole number >= 1, or drop the key (serve.max_new_tokens applies).")
+        out.append((prompt, limit, f"serve.prompts_file={path} line {n}"))
+    if not out:
         raise ServeError(f"serve.prompts_file={path} holds no prompts. Fix: add {{\"prompt\": \"...\"}} lines.")
-    return prompts
+    return out
 
 
-def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Tuple[List[str], List[List[int]]]:
-    """Everything about a generate job that can be checked in the parent -> (prompts, their token ids)."""
+def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Requests:
+    """Everything about a generate job that can be checked in the parent -> its requests. A request that does not
+    fit serve.max_context is rejected (named, the others are served); the job fails only when none fits."""
     s = cfg.serve  # ranges and choices: dsaflow.config.schema (checked at compose); cross-field rules here
     if s.eos_id is not None and not 0 <= s.eos_id < cfg.model.vocab_size:
         raise ServeError(f"serve.eos_id={s.eos_id} is outside model.vocab_size={cfg.model.vocab_size}. Fix: a valid id.")
@@ -92,10 +123,14 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Tuple[Lis
             f"workers run on cpu. Fix: graphs=off on CPU, or graphs.on_failure=eager to run the blocks eagerly."
         )
     tok = ByteTokenizer()
-    prompts = load_prompts(s)
-    ids = [tok.encode(p) for p in prompts]
-    check_prompts(ids, s, cfg.model.vocab_size)
-    return prompts, ids
+    loaded = load_requests(s)
+    ids = [tok.encode(p) for p, _, _ in loaded]
+    check_prompts(ids, cfg.model.vocab_size)
+    rejected = [fit_problem(i, q, m, s.max_context, where) for i, (q, (_, m, where)) in enumerate(zip(ids, loaded))]
+    reqs = Requests([p for p, _, _ in loaded], ids, [m for _, m, _ in loaded], [w for _, _, w in loaded], rejected)
+    if not reqs.served:
+        raise ServeError(f"no request fits: {rejected[0]}")
+    return reqs
 
 
 def build_stage_modules(cfg, plan: Plan, rank: Optional[int], device, dtype) -> dict:
@@ -123,9 +158,37 @@ def build_engine(
     )
 
 
-def write_outputs(prompts: List[str], outputs: List[List[int]], output_file: Optional[str]) -> None:
+def output_rows(reqs: Requests, outputs: Dict[int, List[int]], stats: Optional[dict] = None) -> List[dict]:
+    """One JSON row per request, in input order: prompt, completion, tokens, num_tokens, ttft_s, tpot_s; a
+    rejected request gets its message under "error" instead."""
+    tok, stats = ByteTokenizer(), stats or {}
+    rows = []
+    for i, p in enumerate(reqs.prompts):
+        if reqs.rejected[i] is not None:
+            rows.append({"prompt": p, "error": reqs.rejected[i]})
+            continue
+        o = outputs[i]
+        rows.append({"prompt": p, "completion": tok.decode(o), "tokens": o, "num_tokens": len(o),
+                     "ttft_s": stats.get("ttft_s", {}).get(i), "tpot_s": stats.get("tpot_s", {}).get(i)})
+    return rows
+
+
+def serve_requests(engine: PipelineEngine, reqs: Requests) -> Optional[List[dict]]:
+    """Generate every served request -> `output_rows` on the last stage's rank (None on the others)."""
+    served = reqs.served
+    outputs = engine.generate([reqs.ids[i] for i in served], [reqs.max_new[i] for i in served])
+    if outputs is None:
+        return None
+    stats = {k: {served[j]: v for j, v in engine.stats[k].items()} for k in ("ttft_s", "tpot_s")}
+    return output_rows(reqs, dict(zip(served, outputs)), stats)
+
+
+def write_outputs(prompts: List[str], outputs: List[List[int]], output_file: Optional[str],
+                  rows: Optional[List[dict]] = None) -> None:
+    """Completions as JSONL in serve.output_file, or printed. rows: prebuilt rows (`output_rows`)."""
     tok = ByteTokenizer()
-    rows = [{"prompt": p, "completion": tok.decode(o), "tokens": o} for p, o in zip(prompts, outputs)]
+    if rows is None:
+        rows = [{"prompt": p, "completion": tok.decode(o), "tokens": o} for p, o in zip(prompts, outputs)]
     if output_file:
         Path(output_file).parent.mkdir(parents=True, exist_ok=True)
         with open(output_file, "w") as f:
@@ -134,7 +197,7 @@ def write_outputs(prompts: List[str], outputs: List[List[int]], output_file: Opt
         print(f"wrote {len(rows)} completions to {output_file}", flush=True)
         return
     for i, r in enumerate(rows):
-        print(f"--- [{i}] {r['prompt']!r}\n{r['completion']}", flush=True)
+        print(f"--- [{i}] {r['prompt']!r}\n{r.get('completion', 'REJECTED: ' + str(r.get('error')))}", flush=True)
 
 
 def _log(run_dir, rank: int, text: str) -> None:
@@ -146,7 +209,7 @@ def run_serve(ctx) -> None:
     """The worker's generate job (see the module docstring). A ServeError ends the worker with exit status 2 and
     one paragraph (dsaflow.worker)."""
     cfg, plan = ctx.cfg, ctx.plan
-    prompts, ids = check_serve(cfg, plan, ctx.device.type)
+    reqs = check_serve(cfg, plan, ctx.device.type)
     link = None
     if ctx.world_size > 1:
         from dsaflow.run.p2p import StageLink
@@ -160,16 +223,38 @@ def run_serve(ctx) -> None:
         print(text, flush=True)
     _log(ctx.run_dir, ctx.rank, text)
     report.write_json(str(ctx.run_dir))
+    served = reqs.served
+    is_last = engine.owner[engine.last] == ctx.rank
+    if is_last:
+        for i, why in enumerate(reqs.rejected):
+            if why is not None:
+                print(f"rejected: {why}", flush=True)
+    from dsaflow.track.progress import Progress
+
+    bar = Progress(len(served), enabled=is_last, label="generate", unit="requests done")
     t0 = time.perf_counter()
-    outputs = engine.generate(ids)
+
+    every = max(1, len(served) // 20)  # plain-line mode (not a terminal): about 20 lines per job
+
+    shown = [0]
+
+    def progress(done: int, tokens: int) -> None:
+        rate = tokens / max(time.perf_counter() - t0, 1e-9)
+        line = done // every > shown[0] // every or done == len(served)
+        shown[0] = done if line else shown[0]
+        bar.update(done, {"tokens_per_s": rate}, print_line=line)
+
+    engine.on_finished = progress
+    rows = serve_requests(engine, reqs)
+    bar.close()
     wall = time.perf_counter() - t0
-    t = engine.timings
+    st = engine.stats
     summary = (
-        f"[rank {ctx.rank}] generated {t['tokens']} tokens for {len(ids)} prompts in {wall:.2f} s "
-        f"(prefill {t['prefill_s']:.3f} s, decode {t['decode_s']:.3f} s over {t['decode_steps']} steps)"
+        f"[rank {ctx.rank}] generated {st['tokens']} tokens for {len(served)} requests in {wall:.2f} s "
+        f"({st['tokens'] / max(wall, 1e-9):.1f} tokens/s, {engine.groups} microbatch groups, busy "
+        f"{st['busy_fraction']:.2f} of the time, {st['decode_busy']:.2f} in decode)"
     )
     _log(ctx.run_dir, ctx.rank, summary)
-    if outputs is not None:
-        write_outputs(prompts, outputs, cfg.serve.output_file)
+    if rows is not None:
+        write_outputs(reqs.prompts, [], cfg.serve.output_file, rows)
         print(summary, flush=True)
-

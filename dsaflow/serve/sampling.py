@@ -50,3 +50,39 @@ def make_generator(device: torch.device | str, seed: int) -> torch.Generator:
     gen = torch.Generator(device=torch.device(device))
     gen.manual_seed(int(seed))
     return gen
+
+
+_MASK63 = (1 << 63) - 1
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 64-bit integer hash (splitmix64's finaliser, on int64 with wrap-around, kept non-negative)."""
+    x = x & _MASK63
+    x = ((x ^ (x >> 31)) * 0x5BD1E995) & _MASK63
+    x = ((x ^ (x >> 29)) * 0x27D4EB2F165667C5) & _MASK63
+    return x ^ (x >> 32)
+
+
+def keyed_uniform(seed: int, keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys [B] int64 -> uniforms [B, vocab] fp32 in (0, 1), a pure function of (seed, key, column): a row's draws
+    do not depend on which other rows share its batch or on how many draws came before."""
+    cols = torch.arange(vocab, device=keys.device, dtype=torch.long)
+    x = _mix(_mix(keys.view(-1, 1) * 0x100000001B3 + int(seed) % (1 << 40)) + cols.view(1, -1))
+    return (((x >> 8) & 0xFFFFFF).float() + 0.5) / float(1 << 24)
+
+
+def sample_keyed(logits: torch.Tensor, temperature: float, top_p: float, seed: int,
+                 keys: torch.Tensor) -> torch.Tensor:
+    """Like `sample_next`, with the exponential race drawn from `keyed_uniform(seed, keys)`: logits [B, V],
+    keys [B] int64 (serving uses request index x 2^24 + token index) -> token ids [B]. Sampling a request then
+    gives the same tokens whatever the batch, the microbatch groups or the pipeline split."""
+    if temperature < 0 or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"sample_keyed: temperature must be >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        probs = torch.where(top_p_mask(probs, top_p), probs, torch.zeros_like(probs))
+    race = -torch.log(keyed_uniform(seed, keys, logits.shape[-1]))
+    return (probs / race).argmax(dim=-1)

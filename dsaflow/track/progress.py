@@ -23,8 +23,9 @@ EVAL = ("eval_loss", "eval_acc")
 class Progress:
     """`update(step, metrics)` after every step; `close()` at the end. mode: auto | rich | lines | off."""
 
-    def __init__(self, total: int, start: int = 0, enabled: bool = True, mode: str = "auto", stream=None):
-        self.stream = stream or sys.stdout
+    def __init__(self, total: int, start: int = 0, enabled: bool = True, mode: str = "auto", stream=None,
+                 label: str = "train", unit: str = "step"):
+        self.stream, self.label, self.unit = stream or sys.stdout, label, unit
         self.total, self._bar, self._task = total, None, None
         if not enabled or mode == "off":
             self.mode = "off"
@@ -38,11 +39,11 @@ class Progress:
             from rich.progress import Progress as RichProgress
 
             self._bar = RichProgress(
-                TextColumn("[bold]train"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn(f"[bold]{label}"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeRemainingColumn(),
                 TextColumn("{task.fields[info]}"), transient=False, console=Console(file=self.stream),
             )
             self._bar.start()
-            self._task = self._bar.add_task("train", total=total, completed=start, info="")
+            self._task = self._bar.add_task(label, total=total, completed=start, info="")
 
     def update(self, step: int, metrics: Mapping[str, float], print_line: bool) -> None:
         """step: steps completed so far (1-based)."""
@@ -51,7 +52,7 @@ class Progress:
                 self._bar.console.print(f"step {step}/{self.total} {_fmt(metrics, ('loss',) + EVAL)}")
             self._bar.update(self._task, completed=step, info=_fmt(metrics, BAR))
         elif self.mode == "lines" and print_line:
-            print(f"step {step}/{self.total} {_fmt(metrics, SHOWN)}", file=self.stream, flush=True)
+            print(f"{self.unit} {step}/{self.total} {_fmt(metrics, SHOWN)}", file=self.stream, flush=True)
 
     def message(self, text: str) -> None:
         if self.mode == "rich":

@@ -9,10 +9,9 @@ indexer's small graph, and backpropagates its own `indexer_loss_weight * indexer
 gradients equal the ones the schedule's backward produced (the same per-microbatch seeds, summed, then divided by
 the number of microbatches as the schedule's `scale_grads` does).
 
-Every rank walks the same (microbatch, stage) order and runs the stages it owns: a stage's input comes from the
-owner of the stage before it (point to point, or kept in place when that is the same rank) and its output goes to
-the owner of the next. The order is the same on every rank, so the blocking moves always meet. Hidden states travel
-in fp32 (the residual stream's dtype under autocast).
+The microbatches move through the stages with the pipelined forward executor (dsaflow.run.executor), the one that
+serving uses: stage s runs microbatch m while stage s+1 runs m-1, each stage sees the microbatches in order, and the
+moves of one tick are posted together. Hidden states travel in fp32 (the residual stream's dtype under autocast).
 """
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ import torch
 
 from dsaflow.model import StageModule, trim_indices
 from dsaflow.run.context import RunContext
+from dsaflow.run.executor import Item, PipelineExecutor, run_items
 from dsaflow.run.p2p import StageLink
 
 from .pipeline import ChunkTimer
@@ -50,9 +50,7 @@ class ForwardPipeline:
         self.local: Dict[int, tuple] = {s: (m, t) for s, m, t in zip(stage_indices, modules, timers)}
         self.main_params = [p for m in modules for n, p in m.named_parameters() if ".attn.indexer." not in n]
         self.link = StageLink(ctx.device) if self.plan.pipeline.ranks > 1 else None
-
-    def _owner(self, stage: int) -> int:
-        return self.plan.stages[stage].rank
+        self.owner = {sp.index: sp.rank for sp in self.plan.stages}
 
     def run(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], losses: list, loss_fn: Callable,
             autocast: Callable, attn: str, indexer_weight: Optional[float] = None,
@@ -66,34 +64,30 @@ class ForwardPipeline:
         learn = indexer_weight is not None
         xs = x.to(self.ctx.device).tensor_split(n_mb) if x is not None else None
         ys = y.to(self.ctx.device).tensor_split(n_mb) if y is not None else None
-        for m in range(n_mb):
-            carried, indices = None, None
-            for s in range(S):
-                if s not in self.local:
-                    continue
-                module, timer = self.local[s]
-                receives = self.plan.receives_indices(s)  # cross-stage indices travel with the hidden state
-                if s == 0:
-                    inp = xs[m]
-                elif self._owner(s - 1) == self.ctx.rank:
-                    inp = carried
-                else:
-                    src = self.ctx.global_rank(self._owner(s - 1))
-                    inp = self.link.recv(self._hidden_shape(), torch.float32, src)
-                    if receives:
-                        indices = self.link.recv(self._index_shape(), torch.int32, src)
-                out, indices = timer.run(self._stage_forward, module, inp, autocast, attn, learn, indexer_weight,
-                                         None if indexer_losses is None else indexer_losses.setdefault(s, []),
-                                         indices if receives else None)
-                if s == S - 1:
-                    with torch.no_grad():
-                        losses.append(loss_fn(out, ys[m]).detach())
-                elif self._owner(s + 1) == self.ctx.rank:
-                    carried = out
-                else:
-                    self.link.send(out.float(), self.ctx.global_rank(self._owner(s + 1)))
-                    if self.plan.sends_indices(s):
-                        self.link.send(trim_indices(indices), self.ctx.global_rank(self._owner(s + 1)))
+
+        def stage_fn(item: Item, s: int, inp):
+            """-> the stage's output, or (output, indices) where the boundary after it carries cross-stage indices
+            (the previous stage's tuple arrives likewise)."""
+            module, timer = self.local[s]
+            m = item.key
+            indices = None
+            if isinstance(inp, tuple):
+                inp, indices = inp
+            out, sent = timer.run(self._stage_forward, module, xs[m] if s == 0 else inp, autocast, attn, learn,
+                                  indexer_weight, None if indexer_losses is None else indexer_losses.setdefault(s, []),
+                                  indices if self.plan.receives_indices(s) else None)
+            if s == S - 1:
+                with torch.no_grad():
+                    losses.append(loss_fn(out, ys[m]).detach())
+            if self.plan.sends_indices(s):
+                return out, trim_indices(sent)
+            return out
+
+        extra = ((self._index_shape(), torch.int32),) if self.plan.index_boundaries else ()
+        executor = PipelineExecutor(self.owner, self.ctx.rank, self.link, self.ctx.device, self.ctx.global_rank,
+                                    carries_extra=self.plan.sends_indices)
+        items = [Item(m, self._hidden_shape(), torch.float32, extra=extra) for m in range(n_mb)]
+        run_items(executor, items, stage_fn)
         if learn:
             for module, _ in self.local.values():
                 for p in module.indexer_parameters():

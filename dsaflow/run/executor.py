@@ -1,0 +1,254 @@
+"""The pipelined forward executor: items (microbatches, groups of serving rows) move through the stages in ticks.
+
+Used by serving (dsaflow.serve.engine), evaluation and the dense warm-up (dsaflow.train.forward_pass); the training
+schedules (forward + backward) are torch.distributed.pipelining's, not this.
+
+The stages are cut into *segments*: maximal runs of consecutive stages owned by one rank (a rank running every stage
+has one segment; pp2 has two; an interleaved pp2 with four stages has four). Every rank walks the same ticks:
+
+    tick t:  segment j runs the item that started at tick t - j (one item per segment per tick)
+             then one batch of point-to-point ops: each segment's output to the next segment's rank, and the last
+             segment's feedback (serving: the sampled tokens + EOS flags) to every other rank, all posted together
+             with the receives of the next tick (`dist.batch_isend_irecv`), so sends around a ring never deadlock
+
+Items carry a `key` (a serving group). An item whose key is still in flight cannot start: with feedback, item i's
+first stage needs the tokens its key's previous item sampled on the last stage. So with G keys (groups) and K
+segments, G >= K keeps every segment busy every tick in steady state, and G = 1 leaves each rank idle (K-1)/K of the
+time (the schedule of one batch at a time). Without feedback (evaluation) items start one per tick.
+
+The schedule is a pure function of what `pick` returns, and `pick` runs on every rank with the same information
+(host-known facts plus the feedback every rank receives), so every rank posts matching ops without talking.
+A `Timeline` records, per rank, the time its segments computed (CUDA events on GPU, perf_counter on CPU).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+
+@dataclass
+class Item:
+    """One unit of work that moves through every stage.
+
+    key: items with the same key run one after the other (the next starts once the previous item's feedback arrived).
+    hidden: shape of the activation a stage sends to the next ([rows, tokens, dim]); hidden_dtype its dtype.
+    feedback: shape of the int64 message the last stage sends to every rank ([2, rows] for serving), or None.
+    payload: whatever the caller's stage function needs (never read by the executor).
+    decode: the item is a decode step (the timeline reports the busy fraction of decode ticks separately).
+    extra: (shape, dtype) of each tensor that travels with the activation across the boundaries `carries_extra`
+        names (cross-stage top-k indices, int32 [rows, tokens, k]); there a stage returns (hidden, *extra) and the
+        next stage receives that tuple. Elsewhere a tuple output sends only its hidden state.
+    """
+
+    key: int
+    hidden: Tuple[int, ...]
+    hidden_dtype: torch.dtype
+    payload: Any = None
+    feedback: Optional[Tuple[int, ...]] = None
+    decode: bool = False
+    extra: Tuple[Tuple[Tuple[int, ...], torch.dtype], ...] = ()
+
+
+def segments_of(owner: Dict[int, int]) -> List[Tuple[int, List[int]]]:
+    """{stage: rank} -> [(rank, [stages])] runs of consecutive stages on one rank, in stage order."""
+    segs: List[Tuple[int, List[int]]] = []
+    for s in sorted(owner):
+        if segs and segs[-1][0] == owner[s]:
+            segs[-1][1].append(s)
+        else:
+            segs.append((owner[s], [s]))
+    return segs
+
+
+class Timeline:
+    """Compute and wall time of one rank, resolved once at the end (no host sync while running).
+
+    `mark()` is a CUDA event recorded on the current stream (GPU) or perf_counter (CPU). Ticks in which every item
+    in flight is a decode step (the same ticks on every rank) are summed separately (`decode_busy`)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.spans: List[Tuple[Any, Any, bool]] = []  # (start, end, decode tick) of each compute segment
+        self.ticks: List[Tuple[Any, Any, bool]] = []  # (start, end, decode) of every tick
+        self.start = self.end = None
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+    def resolve(self) -> Dict[str, float]:
+        """Synchronises once, then -> wall_s, busy_s, busy_fraction, decode_wall_s, decode_busy_s, decode_busy."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        if self.start is None or self.end is None:
+            return {"wall_s": 0.0, "busy_s": 0.0, "busy_fraction": 0.0, "decode_wall_s": 0.0, "decode_busy_s": 0.0,
+                    "decode_busy": 0.0}
+        wall = self.seconds(self.start, self.end)
+        busy = sum(self.seconds(a, b) for a, b, _ in self.spans)
+        dwall = sum(self.seconds(a, b) for a, b, d in self.ticks if d)
+        dbusy = sum(self.seconds(a, b) for a, b, d in self.spans if d)
+        return {"wall_s": wall, "busy_s": busy, "busy_fraction": busy / wall if wall > 0 else 0.0,
+                "decode_wall_s": dwall, "decode_busy_s": dbusy, "decode_busy": dbusy / dwall if dwall > 0 else 0.0}
+
+
+@dataclass
+class _Flight:
+    item: Item
+    start: int  # tick at which segment 0 ran it
+
+
+class PipelineExecutor:
+    """owner: {stage: pipeline rank}; rank: this process's pipeline rank; link: a StageLink (None when every stage is
+    local); peer: pipeline rank -> global rank for the link (identity by default); carries_extra(stage): whether
+    the boundary after `stage` carries each item's `extra` tensors (default: none does)."""
+
+    def __init__(self, owner: Dict[int, int], rank: int, link=None, device="cpu",
+                 peer: Optional[Callable[[int], int]] = None, carries_extra: Optional[Callable[[int], bool]] = None):
+        self.segments = segments_of(owner)
+        self.carries_extra = carries_extra or (lambda stage: False)
+        self.rank, self.link, self.device = rank, link, torch.device(device)
+        self.peer = peer or (lambda r: r)
+        self.mine = [j for j, (r, _) in enumerate(self.segments) if r == rank]
+        if len(self.segments) > 1 and link is None:
+            raise ValueError("PipelineExecutor: stages live on several ranks but no link was given.")
+        self.ranks = sorted({r for r, _ in self.segments})
+        self.timeline = Timeline(self.device)
+
+    @property
+    def last_rank(self) -> int:
+        return self.segments[-1][0]
+
+    def run(
+        self,
+        pick: Callable[[Callable[[int], bool]], Optional[Item]],
+        stage_fn: Callable[[Item, int, Optional[torch.Tensor]], torch.Tensor],
+        finish: Optional[Callable[[Item, torch.Tensor], Optional[torch.Tensor]]] = None,
+        on_feedback: Optional[Callable[[Item, torch.Tensor], None]] = None,
+    ) -> int:
+        """Run items until `pick` has none left and nothing is in flight; returns the number of ticks.
+
+        pick(free) -> the item to start this tick, or None (a bubble; the end once nothing is in flight). Called on
+            every rank, once per tick; free(key) says whether a key has no item in flight.
+        stage_fn(item, stage, x) -> the stage's output; x is None on stage 0 (the caller feeds its own input).
+        finish(item, out) on the last stage's rank -> the feedback message (int64, item.feedback shape) or None.
+        on_feedback(item, message) on every rank, when the item's feedback has arrived (the same tick on all ranks).
+        """
+        K, tl = len(self.segments), self.timeline
+        started: Dict[int, _Flight] = {}  # start tick -> item in flight
+        busy_keys: set = set()
+        inbox: Dict[Tuple[int, int], torch.Tensor] = {}  # (start tick, segment) -> received input
+        t = 0
+        tl.start = tl.mark()
+        while True:
+            item = pick(lambda k: k not in busy_keys)
+            if item is None and not started:
+                break
+            if item is not None:
+                started[t] = _Flight(item, t)
+                busy_keys.add(item.key)
+            work = [(j, started[t - j]) for j in self.mine if (t - j) in started]
+            tick0 = tl.mark()
+            tick_decode = all(f.item.decode for f in started.values())  # the same on every rank
+            sends: List[Tuple[Tuple[int, int], torch.Tensor, int]] = []
+            message: Optional[torch.Tensor] = None
+            for j, flight in work:
+                x = inbox.pop((flight.start, j)) if j > 0 else None
+                a = tl.mark()
+                for s in self.segments[j][1]:
+                    x = stage_fn(flight.item, s, x)
+                if j == K - 1 and finish is not None:
+                    message = finish(flight.item, x)
+                tl.spans.append((a, tl.mark(), tick_decode))
+                if j < K - 1:
+                    parts = x if isinstance(x, tuple) else (x,)
+                    dst = self.segments[j + 1][0]
+                    sends.append(((flight.start, 0, 0), parts[0].to(flight.item.hidden_dtype), dst))
+                    if self._carries(j, flight.item):
+                        for e, part in enumerate(parts[1:], start=1):
+                            sends.append(((flight.start, 0, e), part, dst))
+                elif message is not None and flight.item.feedback is not None:
+                    for r in self.ranks:
+                        if r != self.rank:
+                            sends.append(((flight.start, 1, 0), message, r))
+            recvs = self._recvs(t, started, K)
+            got = self._exchange(sends, recvs)
+            for (tick, j, part), buf in sorted(got.items(), key=lambda kv: kv[0]):
+                if j == -1:
+                    message = buf
+                elif part == 0:
+                    inbox[(tick, j)] = buf
+                else:  # extra tensors follow their activation (sorted by part)
+                    inbox[(tick, j)] = (*(inbox[(tick, j)] if isinstance(inbox[(tick, j)], tuple)
+                                          else (inbox[(tick, j)],)), buf)
+            tl.ticks.append((tick0, tl.mark(), tick_decode))
+            done = started.pop(t - (K - 1), None)
+            if done is not None:
+                busy_keys.discard(done.item.key)
+                if on_feedback is not None and done.item.feedback is not None:
+                    on_feedback(done.item, message)
+            t += 1
+        tl.end = tl.mark()
+        return t
+
+    def _carries(self, j: int, item: Item) -> bool:
+        """Whether the boundary after segment j carries the item's extra tensors."""
+        return bool(item.extra) and self.carries_extra(self.segments[j][1][-1])
+
+    def _recvs(self, t: int, started: Dict[int, _Flight], K: int) -> list:
+        """Receives of this tick: inputs of my segments for tick t + 1 (the activation, then any extra tensors), and
+        the feedback of an item finishing now. Keys: (start tick, receiving segment or -1 for feedback, part)."""
+        recvs = []
+        for j in self.mine:
+            if j > 0 and (t + 1 - j) in started:
+                f = started[t + 1 - j]
+                src = self.segments[j - 1][0]
+                recvs.append(((f.start, j, 0), f.item.hidden, f.item.hidden_dtype, src))
+                if self._carries(j - 1, f.item):
+                    for e, (shape, dtype) in enumerate(f.item.extra, start=1):
+                        recvs.append(((f.start, j, e), shape, dtype, src))
+        f = started.get(t - (K - 1))
+        if f is not None and f.item.feedback is not None and self.last_rank != self.rank:
+            recvs.append(((f.start, -1, 0), f.item.feedback, torch.long, self.last_rank))
+        return recvs
+
+    def _exchange(self, sends, recvs) -> Dict[Tuple[int, int], torch.Tensor]:
+        """Post every send and receive of one tick in one batch, in a canonical order (start tick, then activations
+        before feedback), which both sides of each pair build identically; wait; return the received tensors."""
+        if not sends and not recvs:
+            return {}
+        ops = [(key, "send", tensor, peer) for key, tensor, peer in sends]
+        ops += [(key, "recv", (shape, dtype), peer) for key, shape, dtype, peer in recvs]
+        def order(op):  # sends key feedback as (start, 1, 0), receives as (start, -1, 0); activations come first,
+            (start, j, part), kind = op[0], op[1]  # each followed by its extra tensors in part order
+            return start, (j == 1) if kind == "send" else (j == -1), part
+
+        ops.sort(key=order)
+        posted, out = [], {}
+        for key, kind, what, peer in ops:
+            if kind == "send":
+                posted.append(("send", what.contiguous(), self.peer(peer)))
+            else:
+                buf = torch.empty(what[0], dtype=what[1], device=self.device)
+                out[key] = buf
+                posted.append(("recv", buf, self.peer(peer)))
+        self.link.exchange(posted)
+        return out
+
+
+def run_items(executor: PipelineExecutor, items: Sequence[Item], stage_fn, finish=None) -> int:
+    """Every item once, in order, one per tick (no feedback: evaluation, the dense warm-up)."""
+    queue = list(items)
+
+    def pick(free):
+        return queue.pop(0) if queue else None
+
+    return executor.run(pick, stage_fn, finish)

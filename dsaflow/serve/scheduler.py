@@ -1,0 +1,174 @@
+"""Continuous batching on the host: which request sits in which cache row, and what the next pass of a group is.
+
+The serving cache rows [0, serve.max_batch) are split into `groups` contiguous row ranges (microbatch groups). A
+pass is one forward of one group through every stage, of one of two kinds:
+
+- decode: [rows, 1], one token for every decoding row (column 0: its previous token, sampled on the device; stage 0
+  swaps it in) at position len(prompt) + generated - 1; rows [0, last decoding row], the others idle (position -1,
+  which writes only the caches' trash row);
+- prefill: [rows, T], the next prompt chunk of the prefilling rows (T = their longest chunk, at most
+  serve.prefill_chunk; shorter chunks pad with position -1), over the span of rows they occupy; a row whose chunk
+  holds its last prompt token samples its first token.
+
+When a group has rows of both kinds its passes alternate, so the decoding rows keep going while a joining request
+prefills. A row is freed when it reaches its own max_new_tokens (host-known) or emits EOS (known from the feedback
+flags that every rank receives); once an eighth of the group's rows are free (or enough for every waiting
+request), waiting requests take them at the group's next pass (longest first, in the lowest rows) and prefill
+together. Every rank runs this same
+scheduler with the same inputs, so every rank builds the same passes without talking.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+
+@dataclass
+class Request:
+    index: int  # position in the input (outputs come back in this order)
+    prompt: List[int]
+    max_new: int  # its own limit (the JSONL's max_new_tokens, else serve.max_new_tokens)
+
+
+@dataclass
+class Row:
+    request: Request
+    offset: int = 0  # prompt tokens already sent through the stages
+    generated: int = 0  # tokens emitted so far
+
+
+@dataclass
+class Pass:
+    """One group's forward over its rows [row0, row0 + rows). Host lists only; the engine makes device tensors.
+
+    tokens, positions [rows][T]; decode[r]: row r's column 0 is its previous sampled token; emit: (row, column,
+    request index, token index) of every row that samples a token in this pass; advance: row -> its prompt offset
+    after this pass (prefilling rows). Rows are local to the pass (row r is cache row row0 + r of the group)."""
+
+    group: int
+    row0: int
+    rows: int
+    T: int
+    tokens: List[List[int]]
+    positions: List[List[int]]
+    decode: List[bool]
+    emit: List[Tuple[int, int, int, int]] = field(default_factory=list)
+    advance: Dict[int, int] = field(default_factory=dict)
+    decode_only: bool = False  # no row prefills: a decode step of the group
+
+    def pad_rows(self, rows: int) -> None:
+        """Append idle rows (position -1) up to `rows` (for a graph with a static row count)."""
+        extra = rows - self.rows
+        self.tokens += [[0] * self.T for _ in range(extra)]
+        self.positions += [[-1] * self.T for _ in range(extra)]
+        self.decode += [False] * extra
+        self.rows = rows
+
+
+def group_ranges(max_batch: int, groups: int) -> List[Tuple[int, int]]:
+    """Row ranges of the groups: max_batch rows as evenly as possible (the first groups take the remainder)."""
+    base, extra = divmod(max_batch, groups)
+    out, start = [], 0
+    for g in range(groups):
+        size = base + (1 if g < extra else 0)
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+class Scheduler:
+    """requests in input order; `next_pass(group)` admits waiting requests into free rows and builds the pass;
+    `finish(pass, eos)` advances the rows (eos: per pass row, did it emit EOS; None when serve.eos_id is unset)."""
+
+    REFILL_FRACTION = 0.125  # refill a group once this share of its rows is free
+    SPAN_DENSITY = 0.5  # a prefill pass spans all prefilling rows when they fill at least this share of the span
+
+    def __init__(self, requests: Sequence[Request], ranges: Sequence[Tuple[int, int]], chunk: int,
+                 refill: bool = True):
+        self.queue: Deque[Request] = deque(requests)
+        self.refill = refill  # False: fixed batches (a group takes requests only once all its rows finished)
+        self.ranges, self.chunk = list(ranges), chunk
+        self.rows: List[List[Optional[Row]]] = [[None] * (b - a) for a, b in self.ranges]
+        self.generated = {r.index: 0 for r in requests}  # final token count per request
+        self.turn = ["prefill"] * len(self.ranges)  # which kind a group runs next when it has both
+        self.finished = 0
+
+    def has_work(self, group: int) -> bool:
+        return bool(self.queue) or any(r is not None for r in self.rows[group])
+
+    def next_pass(self, group: int) -> Optional[Pass]:
+        rows = self.rows[group]
+        free = sum(r is None for r in rows)
+        # refill once REFILL_FRACTION of the group is free (or every waiting request fits): the joining requests
+        # prefill together, instead of one narrow prefill pass (and one paused decode step) per finished row
+        wanted = min(max(1, int(len(rows) * self.REFILL_FRACTION)), len(self.queue))
+        if (self.refill and free >= max(wanted, 1)) or free == len(rows):
+            slots = [i for i, r in enumerate(rows) if r is None][: len(self.queue)]
+            joining = [self.queue.popleft() for _ in slots]
+            # the longest remaining work takes the lowest rows, so the span a decode pass covers (rows up to the
+            # last active one) shrinks as requests finish
+            for i, req in zip(slots, sorted(joining, key=lambda q: -(len(q.prompt) + q.max_new))):
+                rows[i] = Row(req)
+        active = [i for i, r in enumerate(rows) if r is not None]
+        if not active:
+            return None
+        prefilling = [i for i in active if rows[i].offset < len(rows[i].request.prompt)]
+        decoding = [i for i in active if i not in set(prefilling)]
+        # both kinds waiting: alternate, so decoding rows keep going while a joining request prefills
+        if prefilling and (not decoding or self.turn[group] == "prefill"):
+            self.turn[group] = "decode"
+            return self._prefill_pass(group, prefilling)
+        self.turn[group] = "prefill"
+        return self._decode_pass(group, decoding)
+
+    def _decode_pass(self, group: int, decoding: List[int]) -> Pass:
+        """One token for every decoding row: rows [0, last decoding row], the others idle."""
+        rows, n = self.rows[group], decoding[-1] + 1
+        p = Pass(group, 0, n, 1, [[0] for _ in range(n)], [[-1] for _ in range(n)], [False] * n, decode_only=True)
+        for i in decoding:
+            req = rows[i].request
+            p.decode[i] = True
+            p.positions[i][0] = len(req.prompt) + rows[i].generated - 1
+            p.emit.append((i, 0, req.index, rows[i].generated))
+        return p
+
+    def _prefill_pass(self, group: int, prefilling: List[int]) -> Pass:
+        """The next chunk of the prefilling rows: their span when at least half of it prefills, else their first
+        contiguous run (so decoding rows between them cost little padding)."""
+        rows = self.rows[group]
+        a, b = prefilling[0], prefilling[-1] + 1
+        if len(prefilling) < self.SPAN_DENSITY * (b - a):
+            b = a
+            while b in prefilling:
+                b += 1
+        span = [i for i in prefilling if a <= i < b]
+        T = max(min(self.chunk, len(rows[i].request.prompt) - rows[i].offset) for i in span)
+        n = b - a
+        p = Pass(group, a, n, T, [[0] * T for _ in range(n)], [[-1] * T for _ in range(n)], [False] * n)
+        for i in span:
+            row, req = rows[i], rows[i].request
+            seg = req.prompt[row.offset : row.offset + T]
+            r = i - a
+            p.tokens[r][: len(seg)] = seg
+            p.positions[r][: len(seg)] = range(row.offset, row.offset + len(seg))
+            p.advance[r] = row.offset + len(seg)
+            if row.offset + len(seg) == len(req.prompt):
+                p.emit.append((r, len(seg) - 1, req.index, 0))
+        return p
+
+    def finish(self, p: Pass, eos: Optional[Sequence[bool]] = None) -> List[int]:
+        """Advance the rows of a pass that went through every stage -> indices of the requests that finished.
+        eos[r]: pass row r emitted EOS (None when serve.eos_id is unset)."""
+        rows, done = self.rows[p.group], []
+        for r, offset in p.advance.items():
+            rows[p.row0 + r].offset = offset
+        for r, _, _, _ in p.emit:
+            row = rows[p.row0 + r]
+            row.generated += 1
+            if row.generated >= row.request.max_new or (eos is not None and eos[r]):
+                self.generated[row.request.index] = row.generated
+                rows[p.row0 + r] = None
+                self.finished += 1
+                done.append(row.request.index)
+        return done

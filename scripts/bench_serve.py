@@ -1,0 +1,359 @@
+"""Serving benchmark: output tokens/s, time to first token, time per output token and per-rank busy fractions, for
+pipeline splits x microbatch groups x workloads, and continuous against fixed batches.
+
+    python scripts/bench_serve.py --device cpu --pipelines single,pp2 --out bench_out/serve      # a few minutes
+    python scripts/bench_serve.py --device cuda --pipelines single,pp2,pp4 --out bench_out/serve_gpu
+
+Every configuration serves the same requests through `PipelineEngine.generate` (random-init weights; the schedule,
+not the text, is measured). pipeline=single runs in this process; ppN runs N processes under torchrun (gloo on CPU,
+NCCL with one GPU per rank on CUDA; a ppN that needs more GPUs than the machine has is skipped and listed as such,
+never run on a shared GPU). On CPU every process uses one thread (--threads), so pp2 on a 2-core machine is one core
+per rank. Workloads: `mixed` (prompt lengths log-uniform in [--mixed-prompt], max_new_tokens uniform in [--mixed-new])
+and `uniform` (every prompt --uniform-prompt tokens, --uniform-new new tokens). Each (pipeline, workload) runs with
+serve.microbatches=1 (one group: one batch through the stages at a time) and the default (one group per rank), and
+the mixed workload also with fixed batches (a group takes new requests only once all its rows finished).
+
+Busy fraction of a rank = time its stages computed / wall time (perf_counter on CPU, CUDA events on GPU); `decode`
+counts only ticks in which every pass in flight was a decode step. Writes <out>/bench_serve.json, bench_serve.md and
+bench_serve.png (matplotlib).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dsaflow.config.compose import compose  # noqa: E402
+from dsaflow.plan import build_plan  # noqa: E402
+from dsaflow.serve.engine import PipelineEngine  # noqa: E402
+from dsaflow.serve.generate import build_stage_modules, serve_dtype  # noqa: E402
+
+RANKS = {"single": 1, "pp2": 2, "pp4": 4}
+# the CPU default model: tiny (8 layers) at dim 256. At dim 64 a decode pass is ~10 ms of per-op overhead whatever
+# its rows (2-core CPU, one thread), so splitting rows into groups could not show; here the rows cost time.
+CPU_WIDE = "model.dim=256 model.inter_dim=1024 model.q_lora_rank=128 model.kv_lora_rank=64"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    ap.add_argument("--pipelines", default="single,pp2", help="comma separated: single, pp2, pp4")
+    ap.add_argument("--workloads", default="mixed,uniform")
+    ap.add_argument("--model", default=None, help="configs/model name (default: tiny on CPU, small on CUDA)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per workload (default 384 CPU, 512 CUDA)")
+    ap.add_argument("--max-batch", type=int, default=None, help="serve.max_batch, cache rows (default 64)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="serve.prefill_chunk (default 64 CPU, 256 CUDA)")
+    ap.add_argument("--mixed-prompt", default=None, help="lo,hi prompt tokens (default 16,64 CPU; 16,4096 CUDA)")
+    ap.add_argument("--mixed-new", default=None, help="lo,hi max_new_tokens (default 16,96 CPU; 16,256 CUDA)")
+    ap.add_argument("--uniform-prompt", type=int, default=None, help="default 32 CPU, 512 CUDA")
+    ap.add_argument("--uniform-new", type=int, default=None, help="default 32 CPU, 128 CUDA")
+    ap.add_argument("--overrides", default=None,
+                    help="extra config overrides, space separated (default on CPU: a tiny model widened to dim 256, "
+                         "so that a pass's time grows with its rows; 'none' for none)")
+    ap.add_argument("--graphs", default=None, choices=("on", "off"), help="CUDA graphs (default on with CUDA)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench_out/serve")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--pipeline", default="single", help=argparse.SUPPRESS)
+    ap.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.device == "auto":
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cpu = a.device == "cpu"
+    a.model = a.model or ("tiny" if cpu else "small")
+    a.requests = a.requests or (384 if cpu else 512)
+    a.max_batch = a.max_batch or 64
+    a.prefill_chunk = a.prefill_chunk or (64 if cpu else 256)
+    a.mixed_prompt = a.mixed_prompt or ("16,64" if cpu else "16,4096")
+    a.mixed_new = a.mixed_new or ("16,96" if cpu else "16,256")
+    a.uniform_prompt = a.uniform_prompt or (32 if cpu else 512)
+    a.uniform_new = a.uniform_new or (32 if cpu else 128)
+    a.graphs = a.graphs or ("off" if cpu else "on")
+    if a.overrides is None:
+        a.overrides = CPU_WIDE if cpu else ""
+    a.overrides = "" if a.overrides == "none" else a.overrides
+    if a.graphs == "on" and cpu:
+        ap.error("--graphs on needs --device cuda")
+    return a
+
+
+def workload(args, name: str, vocab: int):
+    """(prompts, max_new) of one workload, the same on every rank (seeded)."""
+    rng = random.Random(f"{args.seed}-{name}")
+    prompts, limits = [], []
+    for _ in range(args.requests):
+        if name == "mixed":
+            lo, hi = (int(x) for x in args.mixed_prompt.split(","))
+            L = int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+            nlo, nhi = (int(x) for x in args.mixed_new.split(","))
+            m = rng.randint(nlo, nhi)
+        else:
+            L, m = args.uniform_prompt, args.uniform_new
+        prompts.append([rng.randrange(vocab) for _ in range(L)])
+        limits.append(m)
+    return prompts, limits
+
+
+def make_cfg(args, pipeline: str, microbatches, context: int):
+    graphs = ["graphs=decode_prefill"] if args.graphs == "on" else ["graphs=off"]
+    cfg = compose(["mode=serve", "track=none", f"model={args.model}", f"pipeline={pipeline}", *graphs,
+                   f"serve.max_batch={args.max_batch}", f"serve.prefill_chunk={args.prefill_chunk}",
+                   f"serve.max_context={context}", *args.overrides.split()])
+    cfg.serve.microbatches = microbatches
+    if args.graphs == "on":
+        groups = microbatches or RANKS[pipeline]
+        rows = args.max_batch // groups
+        cfg.graphs.blocks[0].shape_classes = [c for c in (1, 2, 4, 8, 16, 32, 64) if c < rows] + [rows]
+        c = args.prefill_chunk
+        cfg.graphs.blocks[1].shape_classes = sorted({max(c // 8, 1), max(c // 2, 1), c})
+    return cfg, build_plan(cfg)
+
+
+def pct(values, q: float):
+    v = sorted(x for x in values if x is not None)
+    if not v:
+        return None
+    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
+
+
+def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) -> list:
+    """Every (workload, groups, batching) of one pipeline split on this rank -> rows (on the last stage's rank)."""
+    rows = []
+    loads = {w: workload(args, w, 256) for w in args.workloads.split(",")}
+    context = max(len(p) + m for ps, ms in loads.values() for p, m in zip(ps, ms))
+    cfg0, plan0 = make_cfg(args, pipeline, 1, context)
+    dtype = serve_dtype("auto", device)
+    stages = build_stage_modules(cfg0, plan0, None if pipeline == "single" else rank, device, dtype)
+    settings = (None,) if RANKS[pipeline] == 1 else (1, None)  # one rank: the default is one group
+    runs = [(w, mb, True) for w in loads for mb in settings] + [("mixed", None, False)] * ("mixed" in loads)
+    for w, mb, continuous in runs:
+        cfg, plan = make_cfg(args, pipeline, mb, context)
+        eng = PipelineEngine(cfg.model, plan, stages, cfg.serve, cfg.graphs, device, dtype, rank, link)
+        eng.capture()
+        eng.continuous = continuous
+        prompts, limits = loads[w]
+        eng.generate(prompts[:2], [2, 2])  # warm-up: first calls allocate and compile
+        t0 = time.perf_counter()
+        out = eng.generate(prompts, limits)
+        wall = time.perf_counter() - t0
+        st = eng.stats
+        busy = gather((st["busy_fraction"], st["decode_busy"]))
+        if out is not None:
+            tokens = sum(len(o) for o in out)
+            rows.append({
+                "pipeline": pipeline, "ranks": RANKS[pipeline], "microbatches": eng.groups,
+                "microbatches_setting": "default" if mb is None else mb, "workload": w,
+                "batching": "continuous" if continuous else "fixed", "requests": len(prompts),
+                "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                "ttft_p50_s": pct(st["ttft_s"].values(), 0.5), "ttft_p99_s": pct(st["ttft_s"].values(), 0.99),
+                "tpot_p50_s": pct(st["tpot_s"].values(), 0.5), "tpot_p99_s": pct(st["tpot_s"].values(), 0.99),
+                "busy_fraction": [b[0] for b in busy], "decode_busy_fraction": [b[1] for b in busy],
+                "ticks": st["ticks"], "graphs": args.graphs, "device": str(device),
+            })
+            r = rows[-1]
+            print(f"{pipeline} groups={r['microbatches']} {w} {r['batching']}: {r['tokens_per_s']:.1f} tokens/s, "
+                  f"busy {[round(b, 2) for b in r['busy_fraction']]}, decode busy "
+                  f"{[round(b, 2) for b in r['decode_busy_fraction']]}", flush=True)
+        del eng
+    return rows
+
+
+def worker(args) -> None:
+    """One pipeline rank under torchrun: NCCL on GPUs, gloo on CPU."""
+    import torch.distributed as dist
+
+    from dsaflow.run.p2p import StageLink
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        torch.set_num_threads(args.threads)
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    try:
+        link = StageLink(device)
+        link.warm_up()
+
+        def gather(x):
+            out = [None] * dist.get_world_size()
+            dist.all_gather_object(out, x)
+            return out
+
+        rows = measure(args, args.pipeline, dist.get_rank(), device, link, gather)
+        if rows:
+            Path(args.rows_file).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_pipeline(args, pipeline: str) -> list:
+    with tempfile.TemporaryDirectory() as tmp:
+        rows_file = os.path.join(tmp, "rows.json")
+        passed = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
+            "device", "workloads", "model", "overrides", "requests", "max_batch", "prefill_chunk", "mixed_prompt",
+            "mixed_new", "uniform_prompt", "uniform_new", "graphs", "threads", "seed")]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS[pipeline]}",
+               str(Path(__file__).resolve()), *passed, "--worker", f"--pipeline={pipeline}",
+               f"--rows-file={rows_file}"]
+        env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+        if args.device == "cpu":
+            env["OMP_NUM_THREADS"] = str(args.threads)
+        subprocess.run(cmd, check=True, env=env, cwd=str(REPO))
+        return json.loads(Path(rows_file).read_text())
+
+
+def checks(rows: list) -> list:
+    """The comparisons the benchmark exists for: default groups vs one group (tokens/s, decode busy) per pipeline
+    and workload, and continuous vs fixed batches on the mixed workload."""
+    out = []
+    key = lambda r: (r["pipeline"], r["workload"], r["microbatches_setting"], r["batching"])  # noqa: E731
+    by = {key(r): r for r in rows}
+    for (p, w, mb, b), r in by.items():
+        one = by.get((p, w, 1, "continuous"))
+        if mb == "default" and b == "continuous" and one is not None and r["ranks"] > 1:
+            out.append({"check": f"{p} {w}: default groups vs serve.microbatches=1", "pipeline": p, "workload": w,
+                        "tokens_per_s_ratio": r["tokens_per_s"] / one["tokens_per_s"],
+                        "decode_busy_default": r["decode_busy_fraction"],
+                        "decode_busy_one": one["decode_busy_fraction"]})
+        fixed = by.get((p, w, "default", "fixed"))
+        if mb == "default" and b == "continuous" and fixed is not None:
+            out.append({"check": f"{p} {w}: continuous vs fixed batches", "pipeline": p, "workload": w,
+                        "tokens_per_s_ratio": r["tokens_per_s"] / fixed["tokens_per_s"]})
+    return out
+
+
+def markdown(rows: list, env: dict, cks: list) -> str:
+    f = lambda v, s="{:.3f}": "-" if v is None else s.format(v)  # noqa: E731
+    lines = ["# Serving benchmark", "",
+             f"{env['device_name']}, torch {env['torch']}, model {env['model']} {env['overrides']}, "
+             f"graphs {env['graphs']}, "
+             f"serve.max_batch {env['max_batch']}, {env['requests']} requests per workload (mixed: prompts "
+             f"{env['mixed_prompt']} log-uniform, new {env['mixed_new']}; uniform: {env['uniform_prompt']} + "
+             f"{env['uniform_new']}), "
+             f"{env['threads']} thread(s) per process on CPU, 1-minute load average {env['load_average_1min'][0]:.1f} "
+             f"before and {env['load_average_1min'][1]:.1f} after. Command: `{env['command']}`.", "",
+             "| pipeline | groups (serve.microbatches) | workload | batching | tokens/s | TTFT p50 s | TTFT p99 s "
+             "| TPOT p50 ms | TPOT p99 ms | busy per rank | decode busy per rank |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+        lines.append(f"| {r['pipeline']} | {r['microbatches']} ({r['microbatches_setting']}) | {r['workload']} | "
+                     f"{r['batching']} | "
+                     f"{r['tokens_per_s']:.1f} | {f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | "
+                     f"{f(ms(r['tpot_p50_s']), '{:.2f}')} | {f(ms(r['tpot_p99_s']), '{:.2f}')} | "
+                     f"{', '.join(f'{b:.2f}' for b in r['busy_fraction'])} | "
+                     f"{', '.join(f'{b:.2f}' for b in r['decode_busy_fraction'])} |")
+    if cks:
+        lines += ["", "| comparison | tokens/s ratio | decode busy (default groups) | decode busy (one group) |",
+                  "|---|---:|---|---|"]
+        for c in cks:
+            d = ", ".join(f"{b:.2f}" for b in c.get("decode_busy_default", [])) or "-"
+            o = ", ".join(f"{b:.2f}" for b in c.get("decode_busy_one", [])) or "-"
+            lines.append(f"| {c['check']} | {c['tokens_per_s_ratio']:.2f}x | {d} | {o} |")
+    if env.get("skipped"):
+        lines += ["", "Skipped: " + "; ".join(env["skipped"])]
+    return "\n".join(lines)
+
+
+def plot(rows: list, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("bench_serve.py draws its PNG with matplotlib: pip install 'dsaflow[plots]' "
+                         "(or pip install matplotlib), then rerun.") from None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    labels = [f"{r['pipeline']}\n{r['workload']}\ng={r['microbatches']} {r['batching'][:4]}" for r in rows]
+    x = range(len(rows))
+    colors = ["C0" if r["batching"] == "continuous" else "C7" for r in rows]
+    ax1.bar(x, [r["tokens_per_s"] for r in rows], color=colors)
+    ax1.set_xticks(list(x), labels, fontsize=6)
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_title("throughput")
+    width = 0.8 / max(r["ranks"] for r in rows)
+    for k in range(max(r["ranks"] for r in rows)):
+        ax2.bar([i + k * width for i in x], [r["decode_busy_fraction"][k] if k < r["ranks"] else 0 for r in rows],
+                width, label=f"rank {k}")
+    ax2.set_xticks([i + 0.4 - width / 2 for i in x], labels, fontsize=6)
+    ax2.set_ylim(0, 1)
+    ax2.set_ylabel("busy fraction in decode")
+    ax2.legend(fontsize=7)
+    ax2.set_title("per-rank busy fraction (decode ticks)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    threads = torch.get_num_threads()
+    try:
+        if args.device == "cpu":
+            torch.set_num_threads(args.threads)
+        return run_all(args, argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_all(args, argv) -> int:
+    device = torch.device(args.device)
+    rows, skipped = [], []
+    load_before = os.getloadavg()[0]
+    for p in args.pipelines.split(","):
+        if p not in RANKS:
+            raise SystemExit(f"--pipelines: {p!r} is not one of {', '.join(RANKS)}")
+        n_gpu = torch.cuda.device_count() if args.device == "cuda" else 0
+        if args.device == "cuda" and RANKS[p] > n_gpu:
+            skipped.append(f"{p} needs {RANKS[p]} GPUs, this machine has {n_gpu} (not run on a shared GPU)")
+            print(f"skipped: {skipped[-1]}", flush=True)
+            continue
+        if p == "single":
+            rows += measure(args, p, 0, device, None, lambda x: [x])
+        else:
+            rows += run_pipeline(args, p)
+    cks = checks(rows)
+    env = {"torch": torch.__version__, "device": args.device, "model": args.model, "overrides": args.overrides,
+           "graphs": args.graphs,
+           "device_name": (torch.cuda.get_device_name(0) if args.device == "cuda"
+                           else f"CPU ({os.cpu_count()} cores)"),
+           "max_batch": args.max_batch, "requests": args.requests, "mixed_prompt": args.mixed_prompt,
+           "mixed_new": args.mixed_new, "uniform_prompt": args.uniform_prompt, "uniform_new": args.uniform_new,
+           "prefill_chunk": args.prefill_chunk, "threads": args.threads, "skipped": skipped,
+           # other processes on the machine: pp ranks compute at once, so a busy machine slows them most
+           "load_average_1min": [load_before, os.getloadavg()[0]],
+           "command": "python scripts/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_serve.json").write_text(json.dumps({"env": env, "rows": rows, "checks": cks}, indent=2))
+    md = markdown(rows, env, cks)
+    (out / "bench_serve.md").write_text(md + "\n")
+    if rows:
+        plot(rows, out / "bench_serve.png")
+    print(md)
+    print(f"wrote {out / 'bench_serve.json'}, {out / 'bench_serve.md'} and {out / 'bench_serve.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Pipelined serving on one GPU with CUDA graphs on: greedy tokens of a trained model are identical across
+pipeline=single / pp2 / pp4 (every stage in this process, each group with its own graphs) and across
+serve.microbatches=1 / the default. Run on a GPU machine:
+
+    .venv/bin/python -m pytest -q -m gpu tests/test_serve_pipelined_gpu.py
+
+fp32 serving: the groups change the row count of every GEMM, and bf16 rounding would then flip near-ties.
+"""
+import pytest
+
+from dsaflow.config.compose import compose
+from dsaflow.plan import build_plan
+from dsaflow.serve.generate import build_engine
+
+from test_serve_pipelined import MODEL, PIPELINES, REPO, cli, workload
+
+SERVE = ["serve.max_batch=8", "serve.max_context=96", "serve.prefill_chunk=16", "serve.dtype=fp32",
+         "graphs=decode_prefill"]
+
+
+@pytest.fixture(scope="module")
+def trained_gpu(tmp_path_factory):
+    run = tmp_path_factory.mktemp("trained_gpu") / "run"
+    res = cli("train", *MODEL, "data=text", f"data.path={REPO}/docs/serving.md", "train.steps=150",
+              "train.seq_len=64", "train.batch_size=16", "train.eval_every=0", "train.warmup_steps=10",
+              "train.lr=5e-3", "pipeline.microbatches=1", f"run_dir={run}")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return run
+
+
+def gpu_engine(run, pipeline, microbatches):
+    mb = [] if microbatches is None else [f"serve.microbatches={microbatches}"]
+    cfg = compose(["mode=serve", f"pipeline={pipeline}", *MODEL, *SERVE, f"serve.checkpoint={run}", *mb])
+    groups = microbatches or {"single": 1, "pp2": 2, "pp4": 4}[pipeline]
+    rows = 8 // groups
+    cfg.graphs.blocks[0].shape_classes = [c for c in (1, 2, 4, 8) if c <= rows]
+    cfg.graphs.blocks[1].shape_classes = [8, 16]
+    plan = build_plan(cfg)
+    eng = build_engine(cfg, plan, 0, "cuda:0", all_stages=True)
+    report = eng.capture()
+    assert report.records and all(r.status == "captured" for r in report.records)
+    eng.strict_sync = True  # every decode pass under set_sync_debug_mode("error")
+    return eng
+
+
+@pytest.mark.gpu
+def test_greedy_tokens_identical_across_pipelines_and_groups_with_graphs(trained_gpu):
+    prompts, limits = workload()
+    ref = gpu_engine(trained_gpu, "single", 1).generate(prompts, limits)
+    assert [len(o) for o in ref] == limits and len({tuple(o) for o in ref}) > 32
+    for pipeline in PIPELINES:
+        for mb in (1, None):
+            eng = gpu_engine(trained_gpu, pipeline, mb)
+            captures = eng.graphs.captures
+            assert eng.generate(prompts, limits) == ref, (pipeline, mb)
+            assert eng.graphs.captures == captures  # replays only
