@@ -27,7 +27,9 @@ from dsaflow.plan import build_plan
 from dsaflow.serve.generate import build_engine
 
 ONE, SPLIT2, SPLIT4 = "FSSFSSSS", "FSSF|SSSS", "FS|SF|SS|SS"
-CROSS = ["pipeline.cross_stage_indices=true"]
+# one group of rows: the split and the one-stage run then pass the same rows through the same kernels (groups in
+# flight are tested in tests/test_serve_pipelined_gpu.py)
+CROSS = ["pipeline.cross_stage_indices=true", "serve.microbatches=1"]
 
 
 def make(layout, prefill_chunk=32):
