@@ -140,7 +140,7 @@ def test_continuous_batching_refills_rows():
     decoding: the tokens equal serving each request alone, and there are fewer passes than batch after batch."""
     prompts, limits = workload(6, seed=3)
     limits = [12, 1, 3, 12, 2, 5]
-    eng = engine(None, "single", 1, ["serve.max_batch=2"])
+    eng = engine(None, "single", 1, ["serve.max_batch=2", "serve.batching=continuous"])
     got = eng.generate(prompts, limits)
     alone = [engine(None, "single", 1, ["serve.max_batch=1"]).generate([p], [m])[0]
              for p, m in zip(prompts, limits)]
@@ -156,7 +156,7 @@ def test_refills_spanning_decoding_rows_keep_their_tokens():
     it alone."""
     prompts, _ = workload(20, seed=4)
     limits = [1 + (7 * i) % 12 for i in range(20)]
-    eng = engine(None, "pp2", 1, ["serve.max_batch=8"])
+    eng = engine(None, "pp2", 1, ["serve.max_batch=8", "serve.batching=continuous"])
     seen = []
     inner = eng._item
 

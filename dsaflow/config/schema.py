@@ -53,6 +53,7 @@ LossOn = _choice("LossOn", ["answer", "all"])
 TrackBackend = _choice("TrackBackend", ["wandb", "none"])
 TrackMode = _choice("TrackMode", ["offline", "online", "disabled"])
 Mode = _choice("Mode", ["train", "serve"])
+Batching = _choice("Batching", ["fixed", "continuous"])
 
 BIG = 1 << 31  # int32 sizes: beyond this an index tensor or an embedding row id overflows
 
@@ -233,6 +234,9 @@ class ServeConfig:
     # microbatch groups of rows in flight (stage s runs group g while stage s+1 runs g-1); None = one per pipeline
     # rank; at most max_batch (checked before launch)
     microbatches: Optional[int] = num(None, 1, 4096)
+    # fixed: a group takes new requests once all its rows finished; continuous: finished rows take the next
+    # request at once (docs/serving.md compares them; fixed is faster on one H200 today, see there)
+    batching: Batching = Batching.fixed
     max_context: int = num(512, 1, 1 << 22)
     prefill_chunk: int = num(128, 1, 65536)
     temperature: float = num(0.0, 0, 100)  # 0 = greedy

@@ -153,7 +153,7 @@ class PipelineEngine:
         self.timings: Dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
         self.stats: Dict[str, object] = {}
         self.on_finished: Optional[Callable[[int, int], None]] = None  # last rank: (requests done, tokens so far)
-        self.continuous = True  # False: fixed batches, for comparison (scripts/bench_serve.py)
+        self.continuous = str(serve_cfg.batching) == "continuous"  # serve.batching (bench_serve sets both)
 
     # --- setup -------------------------------------------------------------------------------------------------
     def _graph_name(self, block_name: str, group: int) -> str:
