@@ -10,6 +10,7 @@ is recorded and returns; the sweep goes on, and `dsaflow.track.sweep_summary` wr
 A plain single run does not start a Hydra app (Hydra would create its run dir before the plan is checked); it uses
 the compose API (`dsaflow.config.compose.compose`), and `hydra.run.dir=DIR` is honoured as `run_dir=DIR`.
 """
+
 from __future__ import annotations
 
 import math
@@ -83,8 +84,10 @@ def single_run_dir(hyd: Dict[str, str], overrides: List[str]) -> Optional[str]:
             )
     if "hydra.run.dir" in hyd:
         if any(o.lstrip("+").startswith("run_dir=") for o in overrides):
-            raise ConfigError("both run_dir=... and hydra.run.dir=... are given. Fix: keep one of them (they mean the "
-                              "same: the run dir).")
+            raise ConfigError(
+                "both run_dir=... and hydra.run.dir=... are given. Fix: keep one of them (they mean the "
+                "same: the run dir)."
+            )
         return hyd["hydra.run.dir"]
     return None
 
@@ -98,11 +101,15 @@ def _refuse_in_multirun(overrides: List[str]) -> None:
                 "folder with hydra.sweep.dir=DIR (each job writes DIR/<job number>)."
             )
         if key == "hydra.run.dir":
-            raise ConfigError("hydra.run.dir=... names a single run's dir and is unused with -m. Fix: use "
-                              "hydra.sweep.dir=DIR (and hydra.sweep.subdir=...) for a sweep.")
+            raise ConfigError(
+                "hydra.run.dir=... names a single run's dir and is unused with -m. Fix: use "
+                "hydra.sweep.dir=DIR (and hydra.sweep.subdir=...) for a sweep."
+            )
         if key == "hydra.job.chdir" and ov.split("=", 1)[1].lower() == "true":
-            raise ConfigError("hydra.job.chdir=true would move every job into its output dir, breaking relative "
-                              "data and checkpoint paths. Fix: drop it (dsaflow never changes directory).")
+            raise ConfigError(
+                "hydra.job.chdir=true would move every job into its output dir, breaking relative "
+                "data and checkpoint paths. Fix: drop it (dsaflow never changes directory)."
+            )
 
 
 def preflight_basic_sweep(overrides: List[str]) -> int:
@@ -115,8 +122,10 @@ def preflight_basic_sweep(overrides: List[str]) -> int:
     try:
         jobs = basic_sweep_jobs(quote_layout_overrides(plain))
     except Exception as exc:  # noqa: BLE001 - Hydra's grammar and sweep errors
-        raise ConfigError(f"could not read the sweep: {' '.join(str(exc).split())} Fix: write sweeps as key=a,b,c, "
-                          "key='range(start,stop,step)' or key='choice(a,b)' (quoted for the shell).") from None
+        raise ConfigError(
+            f"could not read the sweep: {' '.join(str(exc).split())} Fix: write sweeps as key=a,b,c, "
+            "key='range(start,stop,step)' or key='choice(a,b)' (quoted for the shell)."
+        ) from None
     for job in jobs:
         compose(job)
     return len(jobs)
@@ -215,8 +224,12 @@ def run_command(command: str, cfg, plan, fmt: str = "table") -> int:
 
         return run_search(cfg)
     if command == "generate" and not cfg.serve.checkpoint:
-        print("dsaflow generate: WARNING: no serve.checkpoint: the weights are RANDOM and the output is noise. "
-              "Fix: serve.checkpoint=runs/<a dsaflow train run>.", file=sys.stderr, flush=True)
+        print(
+            "dsaflow generate: WARNING: no serve.checkpoint: the weights are RANDOM and the output is noise. "
+            "Fix: serve.checkpoint=runs/<a dsaflow train run>.",
+            file=sys.stderr,
+            flush=True,
+        )
     from dsaflow.launch.launch import launch
 
     return launch(cfg, plan, command) or 0
@@ -231,8 +244,16 @@ def _save_logging():
     # Hydra writes --info, --cfg and the sweep lines through logging. A reader that closed the pipe
     # (`dsaflow train --info | head`) would make every later record print a "Logging error" traceback: drop them.
     logging.raiseExceptions = False
-    return [(logging.getLogger(n), logging.getLogger(n).level, list(logging.getLogger(n).handlers),
-             logging.getLogger(n).propagate, logging.getLogger(n).disabled) for n in names]
+    return [
+        (
+            logging.getLogger(n),
+            logging.getLogger(n).level,
+            list(logging.getLogger(n).handlers),
+            logging.getLogger(n).propagate,
+            logging.getLogger(n).disabled,
+        )
+        for n in names
+    ]
 
 
 def _restore_logging(saved) -> None:
@@ -250,8 +271,7 @@ def _restore_logging(saved) -> None:
             lg.handlers[:] = []
 
 
-def run_hydra_app(command: str, rest: List[str], nproc: Optional[int], fmt: str,
-                  task: Callable = job_task) -> int:
+def run_hydra_app(command: str, rest: List[str], nproc: Optional[int], fmt: str, task: Callable = job_task) -> int:
     """Hand `rest` (Hydra flags + overrides) to Hydra's app runner with `task` as the task function.
     -> exit status: 0, 2 for a config mistake found before any job started, else 1 if any job failed."""
     global _STATE

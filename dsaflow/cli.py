@@ -5,6 +5,7 @@ app (`--cfg job|all [--resolve]`, `--info`, `--hydra-help`, `-m/--multirun` with
 `range(..)`): see dsaflow.app. A config or plan mistake prints one paragraph to stderr and exits with
 status 2; it never shows a traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,9 @@ def _groups_help() -> str:
     lines = ["overrides (Hydra syntax: key=value, group=option, +key=value); groups and options:"]
     for g in groups:
         lines.append(f"  {g.name}={'|'.join(sorted(p.stem for p in g.glob('*.yaml')))}")
-    lines.append('  layout="(FSSS)*2|(FSSS)*2"  index.freq=4 index.offset=0  pipeline.boundaries=[0,4]  '
-                 "pipeline.stages=4")
+    lines.append(
+        '  layout="(FSSS)*2|(FSSS)*2"  index.freq=4 index.offset=0  pipeline.boundaries=[0,4]  pipeline.stages=4'
+    )
     lines.append("  mode=train|serve  estimate_context=131072  run_dir=DIR (or hydra.run.dir=DIR)")
     lines.append("see docs/planning.md (layouts, plan JSON), docs/training.md (runs, sweeps), docs/search.md.")
     return "\n".join(lines)
@@ -109,7 +111,8 @@ def section_fields_help(section: str) -> str:
         if rng:
             lo, hi, lo_open, hi_open = rng[:4]
             kind += f" in {'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}" + (
-                ")" if hi_open else "]")
+                ")" if hi_open else "]"
+            )
         lines.append(f"  {section}.{f.name}={shown}".ljust(34) + f"  {kind}")
     return "\n".join(lines)
 
@@ -132,11 +135,18 @@ def command_help(command: str) -> str:
     return (
         f"usage: dsaflow {command} [-h] {_own_options(command)}[-m] [--cfg job|hydra|all [--resolve]] [--info] "
         f"[OVERRIDE ...]\n\n{COMMANDS[command]}\n\noptions:\n  -h, --help            show this help and exit\n"
-        + ("  --format table|json   table (default) or only the plan JSON on stdout (also: format=json)\n"
-           if command == "plan" else "")
-        + ("  --nproc N             processes to launch; must equal the plan's pipeline ranks (also: nproc=N)\n"
-           if command in ("train", "generate") else "")
-        + "\n" + usage_epilog(command)
+        + (
+            "  --format table|json   table (default) or only the plan JSON on stdout (also: format=json)\n"
+            if command == "plan"
+            else ""
+        )
+        + (
+            "  --nproc N             processes to launch; must equal the plan's pipeline ranks (also: nproc=N)\n"
+            if command in ("train", "generate")
+            else ""
+        )
+        + "\n"
+        + usage_epilog(command)
     )
 
 
@@ -148,7 +158,8 @@ def top_help() -> str:
         f"usage: dsaflow [-h] [--version] {{{','.join(COMMANDS)}}} ...\n\n"
         f"dsaflow {__version__}: plan, train and serve DSA transformers with IndexCache across pipeline stages.\n\n"
         f"commands:\n{cmds}\n\n`dsaflow COMMAND --help` lists that command's options and examples.\n\n"
-        + EXAMPLES["train"] + "\n"
+        + EXAMPLES["train"]
+        + "\n"
     )
 
 
@@ -246,12 +257,16 @@ def shell_completion(args: List[str]) -> int:
     rest = [a for a in args if a not in SHELL_COMPLETION_FLAGS]
     action = rest[0].split("=", 1)[0] if len(rest) == 1 else ""
     if action not in ("install", "uninstall", "query"):
-        raise PlanError(f"-sc {' '.join(rest) or '(nothing)'}: shell completion takes one of install=bash, "
-                        "uninstall=bash or query=bash. Fix: eval \"$(dsaflow -sc install=bash)\" in bash.")
+        raise PlanError(
+            f"-sc {' '.join(rest) or '(nothing)'}: shell completion takes one of install=bash, "
+            'uninstall=bash or query=bash. Fix: eval "$(dsaflow -sc install=bash)" in bash.'
+        )
     if action == "install" and os.path.basename(sys.argv[0]) != "dsaflow":
-        raise PlanError(f"-sc {rest[0]}: the completion is for the `dsaflow` command, and this is "
-                        f"{os.path.basename(sys.argv[0])} (python -m dsaflow.cli has no name a shell can complete). "
-                        "Fix: run it as `dsaflow -sc install=bash` (.venv/bin/dsaflow after scripts/setup.sh).")
+        raise PlanError(
+            f"-sc {rest[0]}: the completion is for the `dsaflow` command, and this is "
+            f"{os.path.basename(sys.argv[0])} (python -m dsaflow.cli has no name a shell can complete). "
+            "Fix: run it as `dsaflow -sc install=bash` (.venv/bin/dsaflow after scripts/setup.sh)."
+        )
     if action != "query":
         return run_hydra_app("plan", ["-sc", rest[0]], None, "table")
     line = os.environ.get("COMP_LINE", "")
@@ -280,8 +295,12 @@ def _main(args: List[str]) -> int:
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         near = [c for c in COMMANDS if c.startswith(command[:2])]
-        print(f"dsaflow: error: {command!r} is not a command. Fix: use one of {', '.join(COMMANDS)}"
-              + (f" (did you mean {near[0]}?)" if near else "") + "; `dsaflow --help` lists them.", file=sys.stderr)
+        print(
+            f"dsaflow: error: {command!r} is not a command. Fix: use one of {', '.join(COMMANDS)}"
+            + (f" (did you mean {near[0]}?)" if near else "")
+            + "; `dsaflow --help` lists them.",
+            file=sys.stderr,
+        )
         return EXIT_USER_ERROR
     if "-h" in rest or "--help" in rest:
         sys.stdout.write(command_help(command))
@@ -297,8 +316,11 @@ def _main(args: List[str]) -> int:
         return run_cli_errors(run_hydra_app, command, rest, nproc, fmt)
     flags = [a for a in rest if a.startswith("-")]
     if flags:
-        print(f"dsaflow: error: unrecognized option {flags[0]!r}. Fix: see `dsaflow {command} --help` (overrides are "
-              "key=value, without dashes).", file=sys.stderr)
+        print(
+            f"dsaflow: error: unrecognized option {flags[0]!r}. Fix: see `dsaflow {command} --help` (overrides are "
+            "key=value, without dashes).",
+            file=sys.stderr,
+        )
         return EXIT_USER_ERROR
     return run_cli_errors(cmd_single, command, rest, nproc, fmt)
 
@@ -308,8 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsaflow", description=top_help().splitlines()[2])
     sub = parser.add_subparsers(dest="command")
     for name, text in COMMANDS.items():
-        p = sub.add_parser(name, help=text, description=text, epilog=usage_epilog(name),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=usage_epilog(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.add_argument("overrides", nargs="*", metavar="OVERRIDE")
     return parser
 

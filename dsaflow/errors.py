@@ -1,6 +1,7 @@
 """User-error types: a leaf module that imports nothing of dsaflow, so config/, plan/ and runtime/ can all raise
 them without import cycles. Every one is a `PlanError` (a ValueError): the CLI prints its one-paragraph message
 (field, value, fix) and exits with status 2, never a traceback."""
+
 from __future__ import annotations
 
 EXIT_USER_ERROR = 2  # a config, plan, data or checkpoint mistake: nothing started, or a worker stopped cleanly

@@ -13,6 +13,7 @@ elsewhere, a FIFO, a folder, a huge file or a deeply nested JSON under a name ds
 
 Failures are `UnsafeFile` (a PlanError: one paragraph, exit status 2) naming the path and what is wrong with it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -44,9 +45,14 @@ class MissingFile(UnsafeFile):
 
 def kind_of(mode: int) -> str:
     """'a folder', 'a FIFO (named pipe)', ... for an lstat mode."""
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
-                       (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    for test, name in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return name
     return "a regular file" if stat.S_ISREG(mode) else "not a regular file"
@@ -55,12 +61,16 @@ def kind_of(mode: int) -> str:
 def explain_os_error(exc: OSError) -> str:
     """A short phrase for the OS errors a user can fix."""
     return {
-        errno.ENOENT: "does not exist", errno.EACCES: "is not readable or writable by you (permission denied)",
-        errno.EPERM: "is not permitted", errno.ENAMETOOLONG: "is a path too long for this filesystem",
+        errno.ENOENT: "does not exist",
+        errno.EACCES: "is not readable or writable by you (permission denied)",
+        errno.EPERM: "is not permitted",
+        errno.ENAMETOOLONG: "is a path too long for this filesystem",
         errno.ENOSPC: "could not be written: the disk is full",
         errno.EDQUOT: "could not be written: disk quota exceeded",
-        errno.EROFS: "is on a read-only filesystem", errno.ELOOP: "is a symbolic link (never followed)",
-        errno.ENOTDIR: "has a file where a folder should be", errno.EISDIR: "is a folder",
+        errno.EROFS: "is on a read-only filesystem",
+        errno.ELOOP: "is a symbolic link (never followed)",
+        errno.ENOTDIR: "has a file where a folder should be",
+        errno.EISDIR: "is a folder",
     }.get(exc.errno, exc.strerror or str(exc))
 
 
@@ -86,8 +96,9 @@ def open_regular(path: PathLike, inside: Optional[PathLike] = None, max_bytes: O
         raise MissingFile(f"{path} does not exist") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP or (os.path.islink(path)):
-            raise UnsafeFile(f"{path} is a symbolic link; dsaflow never follows links in a run dir or checkpoint "
-                             "(refused)") from None
+            raise UnsafeFile(
+                f"{path} is a symbolic link; dsaflow never follows links in a run dir or checkpoint (refused)"
+            ) from None
         raise UnsafeFile(f"{path} {explain_os_error(exc)}") from None
     try:
         st = os.fstat(fd)
@@ -150,8 +161,9 @@ def parse_json(text: Union[str, bytes], what: str, max_depth: int = MAX_JSON_DEP
     return obj
 
 
-def read_json(path: PathLike, inside: Optional[PathLike] = None, max_bytes: int = MAX_TEXT_BYTES,
-              max_depth: int = MAX_JSON_DEPTH):
+def read_json(
+    path: PathLike, inside: Optional[PathLike] = None, max_bytes: int = MAX_TEXT_BYTES, max_depth: int = MAX_JSON_DEPTH
+):
     return parse_json(read_bytes(path, inside, max_bytes), str(path), max_depth)
 
 
@@ -230,8 +242,10 @@ def open_append(path: PathLike):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC, 0o644)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise UnsafeFile(f"{path} is a symbolic link; dsaflow never writes through links in a run dir "
-                             "(refused). Fix: remove the link.") from None
+            raise UnsafeFile(
+                f"{path} is a symbolic link; dsaflow never writes through links in a run dir "
+                "(refused). Fix: remove the link."
+            ) from None
         raise UnsafeFile(f"{path} {explain_os_error(exc)}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):

@@ -11,6 +11,7 @@ could not fully check, a serving request) ends it with status 2 and one paragrap
 `<RUN_DIR>/error-rank<r>.txt` (the `dsaflow` parent prints it once) and, when run by hand, to stderr; never a
 traceback. The worker dies with its parent (torchrun).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,8 +94,11 @@ def main(argv=None) -> None:
     except Exception as exc:  # noqa: BLE001 - a lost peer is reported in one line; anything else is a bug
         if not _lost_peer(exc):
             raise
-        print(f"dsaflow {args.job}: rank {rank} lost a peer ({str(exc).splitlines()[0][-160:]}); stopping",
-              file=sys.stderr, flush=True)
+        print(
+            f"dsaflow {args.job}: rank {rank} lost a peer ({str(exc).splitlines()[0][-160:]}); stopping",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(1)
 
 
@@ -115,9 +119,21 @@ def _report_user_error(args, rank: str, msg: str) -> None:
 def _lost_peer(exc: BaseException) -> bool:
     """A collective or p2p failed because another rank died (gloo/NCCL report it as a RuntimeError)."""
     text = str(exc)
-    return any(s in text for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                                   "Socket Timeout", "NCCL communicator was aborted", "remote process exited",
-                                   "Timed out waiting", "timed out after", "Timeout waiting", "Application timeout"))
+    return any(
+        s in text
+        for s in (
+            "Connection reset by peer",
+            "Connection closed by peer",
+            "Broken pipe",
+            "Socket Timeout",
+            "NCCL communicator was aborted",
+            "remote process exited",
+            "Timed out waiting",
+            "timed out after",
+            "Timeout waiting",
+            "Application timeout",
+        )
+    )
 
 
 if __name__ == "__main__":

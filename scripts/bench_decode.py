@@ -15,6 +15,7 @@ On CPU only the eager mode runs (graphs need CUDA): it exists so CI proves the s
 
 Writes <out>/bench_decode.json (every measurement + environment) and <out>/bench_decode.md (the tables).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,13 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
     ap.add_argument("--overrides", default="", help="extra config overrides, space separated (e.g. index=every4)")
     ap.add_argument("--out", default="bench_out/decode")
-    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                    help="only combine earlier bench_decode.json files (e.g. one per machine) into one JSON + table")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="only combine earlier bench_decode.json files (e.g. one per machine) into one JSON + table",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set when started by torchrun
     ap.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)
@@ -62,10 +68,19 @@ def parse_args(argv=None):
 
 
 def make_cfg(args, model: str, pp: int, batch: int, graphs: bool):
-    overrides = ["mode=serve", "track=none", f"model={model}", f"pipeline.stages={pp}", f"serve.dtype={args.dtype}",
-                 f"serve.max_batch={batch}", f"serve.max_new_tokens={args.steps + 1}",
-                 f"serve.max_context={args.prompt_len + args.steps + 1}", f"serve.prefill_chunk={args.prompt_len}",
-                 "graphs=decode" if graphs else "graphs=off", *args.overrides.split()]
+    overrides = [
+        "mode=serve",
+        "track=none",
+        f"model={model}",
+        f"pipeline.stages={pp}",
+        f"serve.dtype={args.dtype}",
+        f"serve.max_batch={batch}",
+        f"serve.max_new_tokens={args.steps + 1}",
+        f"serve.max_context={args.prompt_len + args.steps + 1}",
+        f"serve.prefill_chunk={args.prompt_len}",
+        "graphs=decode" if graphs else "graphs=off",
+        *args.overrides.split(),
+    ]
     cfg = compose(overrides)
     cfg.serve.microbatches = 1  # one batch through the stages: the latency of a decode step of the whole pipeline
     if graphs:
@@ -99,14 +114,23 @@ def measure(args, model: str, pp: int, rank: int, device: torch.device, link):
                 prefill.append(eng.timings["prefill_s"])
             if eng.owner[plan.num_stages - 1] == rank:
                 lat = statistics.median(per_step)
-                rows.append({
-                    "model": model, "params": params, "gpus": pp, "batch": batch, "mode": mode,
-                    "per_token_ms": lat * 1e3, "tokens_per_s": batch / lat, "decode_steps": args.steps,
-                    "prefill_ms": statistics.median(prefill) * 1e3, "repeats_ms": [x * 1e3 for x in per_step],
-                    "capture_s": capture_s if mode == "graphs" else 0.0,
-                    "graph_pool_mib": sum(r.pool_bytes for r in report.records) / 2**20,
-                    "device": str(device),
-                })
+                rows.append(
+                    {
+                        "model": model,
+                        "params": params,
+                        "gpus": pp,
+                        "batch": batch,
+                        "mode": mode,
+                        "per_token_ms": lat * 1e3,
+                        "tokens_per_s": batch / lat,
+                        "decode_steps": args.steps,
+                        "prefill_ms": statistics.median(prefill) * 1e3,
+                        "repeats_ms": [x * 1e3 for x in per_step],
+                        "capture_s": capture_s if mode == "graphs" else 0.0,
+                        "graph_pool_mib": sum(r.pool_bytes for r in report.records) / 2**20,
+                        "device": str(device),
+                    }
+                )
             del eng
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -143,11 +167,25 @@ def run_pipeline(args, pp: int) -> list:
     """pp stages in pp processes via torchrun; returns the last rank's rows."""
     with tempfile.TemporaryDirectory() as tmp:
         rows_file = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pp}",
-               str(Path(__file__).resolve()), "--worker", f"--pp={pp}", f"--rows-file={rows_file}",
-               f"--models={args.models}", f"--batches={args.batches}", f"--steps={args.steps}",
-               f"--repeats={args.repeats}", f"--prompt-len={args.prompt_len}", f"--device={args.device}",
-               f"--dtype={args.dtype}", f"--overrides={args.overrides}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={pp}",
+            str(Path(__file__).resolve()),
+            "--worker",
+            f"--pp={pp}",
+            f"--rows-file={rows_file}",
+            f"--models={args.models}",
+            f"--batches={args.batches}",
+            f"--steps={args.steps}",
+            f"--repeats={args.repeats}",
+            f"--prompt-len={args.prompt_len}",
+            f"--device={args.device}",
+            f"--dtype={args.dtype}",
+            f"--overrides={args.overrides}",
+        ]
         env = dict(os.environ)
         env.setdefault("NCCL_NVLS_ENABLE", "0")
         env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -164,26 +202,35 @@ def add_savings(rows: list) -> list:
 
 
 def markdown(rows: list, env: dict) -> str:
-    lines = ["# Decode benchmark: eager vs CUDA graphs", "",
-             f"{env['device_name']}, torch {env['torch']}, dtype {env['dtype']}, prompt {env['prompt_len']} tokens, "
-             f"{env['steps']} decode steps x {env['repeats']} repeats (median). Per-token latency = one decode step "
-             f"of the whole pipeline (all stages + p2p hops); tokens/s = batch / latency; graphs remove = 1 - graphs "
-             f"latency / eager latency.", ""]
+    lines = [
+        "# Decode benchmark: eager vs CUDA graphs",
+        "",
+        f"{env['device_name']}, torch {env['torch']}, dtype {env['dtype']}, prompt {env['prompt_len']} tokens, "
+        f"{env['steps']} decode steps x {env['repeats']} repeats (median). Per-token latency = one decode step "
+        f"of the whole pipeline (all stages + p2p hops); tokens/s = batch / latency; graphs remove = 1 - graphs "
+        f"latency / eager latency.",
+        "",
+    ]
     for model in dict.fromkeys(r["model"] for r in rows):
         mr = [r for r in rows if r["model"] == model]
-        lines += [f"## {model} ({mr[0]['params'] / 1e6:.2f}M parameters)", "",
-                  "| stages (GPUs) | batch | eager ms/token | graphs ms/token | eager tokens/s | graphs tokens/s "
-                  "| graphs remove |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## {model} ({mr[0]['params'] / 1e6:.2f}M parameters)",
+            "",
+            "| stages (GPUs) | batch | eager ms/token | graphs ms/token | eager tokens/s | graphs tokens/s "
+            "| graphs remove |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for gpus in sorted({r["gpus"] for r in mr}):
             for batch in sorted({r["batch"] for r in mr if r["gpus"] == gpus}):
                 e = next((r for r in mr if (r["gpus"], r["batch"], r["mode"]) == (gpus, batch, "eager")), None)
                 gr = next((r for r in mr if (r["gpus"], r["batch"], r["mode"]) == (gpus, batch, "graphs")), None)
                 cell = lambda r, k, f: f.format(r[k]) if r else "-"  # noqa: E731
                 share = f"{gr['graphs_remove'] * 100:.1f}%" if gr and gr["graphs_remove"] is not None else "-"
-                lines.append(f"| {gpus} | {batch} | {cell(e, 'per_token_ms', '{:.3f}')} | "
-                             f"{cell(gr, 'per_token_ms', '{:.3f}')} | {cell(e, 'tokens_per_s', '{:.0f}')} | "
-                             f"{cell(gr, 'tokens_per_s', '{:.0f}')} | {share} |")
+                lines.append(
+                    f"| {gpus} | {batch} | {cell(e, 'per_token_ms', '{:.3f}')} | "
+                    f"{cell(gr, 'per_token_ms', '{:.3f}')} | {cell(e, 'tokens_per_s', '{:.0f}')} | "
+                    f"{cell(gr, 'tokens_per_s', '{:.0f}')} | {share} |"
+                )
         lines.append("")
     return "\n".join(lines)
 
@@ -221,9 +268,16 @@ def main(argv=None) -> int:
             rows += run_pipeline(args, pp)
         print(f"done: {pp} process(es)", flush=True)
     rows = add_savings(rows)
-    env = {"torch": torch.__version__, "device": args.device, "dtype": str(serve_dtype(args.dtype, device)),
-           "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU",
-           "prompt_len": args.prompt_len, "steps": args.steps, "repeats": args.repeats, "overrides": args.overrides}
+    env = {
+        "torch": torch.__version__,
+        "device": args.device,
+        "dtype": str(serve_dtype(args.dtype, device)),
+        "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU",
+        "prompt_len": args.prompt_len,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "overrides": args.overrides,
+    }
     write(Path(args.out), rows, env)
     return 0
 

@@ -12,6 +12,7 @@ Writes <out>/bench_dense_warmup.json and <out>/bench_dense_warmup.md (rewritten 
 
     PYTHONPATH=. python scripts/bench_dense_warmup.py --out bench_out [--contexts 4096,8192,16384] [--layers 1,2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,10 @@ import triton.testing
 
 from dsaflow.ops.dense_indexer_kl import dense_indexer_kl_chunked
 from dsaflow.ops.dense_indexer_kl.triton_launch import (
-    _config, attn_lse_triton, kl_backward_triton, kl_forward_triton,
+    _config,
+    attn_lse_triton,
+    kl_backward_triton,
+    kl_forward_triton,
 )
 
 H, D, H_I, D_I = 128, 192, 64, 128
@@ -36,15 +40,28 @@ OUT = {"device": None, "ceilings": {}, "steps": [], "op": [], "errors": []}
 def save(out_dir: str) -> None:
     with open(os.path.join(out_dir, "bench_dense_warmup.json"), "w") as f:
         json.dump(OUT, f, indent=1)
-    lines = [f"# Dense warm-up on {OUT['device']}", "", f"bf16 matmul ceiling: {OUT['ceilings'].get('matmul_tflops')} "
-             "TFLOP/s (8192^3)", "", "## Dense-phase training step (V3.2 attention, byte vocab, MLP 2048, batch 1)", "",
-             "| layers | context | step ms | peak GiB | of which: forward ms | indexer-loss bwd ms | LM bwd ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Dense warm-up on {OUT['device']}",
+        "",
+        f"bf16 matmul ceiling: {OUT['ceilings'].get('matmul_tflops')} TFLOP/s (8192^3)",
+        "",
+        "## Dense-phase training step (V3.2 attention, byte vocab, MLP 2048, batch 1)",
+        "",
+        "| layers | context | step ms | peak GiB | of which: forward ms | indexer-loss bwd ms | LM bwd ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in OUT["steps"]:
-        lines.append(f"| {r['layout']} | {r['context']} | {r['step_ms']:.1f} | {r['peak_gib']:.2f} | {r['fwd_ms']:.1f} "
-                     f"| {r['idx_bwd_ms']:.1f} | {r['lm_bwd_ms']:.1f} |")
-    lines += ["", "## Dense indexer KL op (L served layers, 128x192 attention, 64x128 indexer, bf16, batch 1)", "",
-              "| L | context | part | time ms | causal TFLOP | TFLOP/s | of matmul ceiling |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['layout']} | {r['context']} | {r['step_ms']:.1f} | {r['peak_gib']:.2f} | {r['fwd_ms']:.1f} "
+            f"| {r['idx_bwd_ms']:.1f} | {r['lm_bwd_ms']:.1f} |"
+        )
+    lines += [
+        "",
+        "## Dense indexer KL op (L served layers, 128x192 attention, 64x128 indexer, bf16, batch 1)",
+        "",
+        "| L | context | part | time ms | causal TFLOP | TFLOP/s | of matmul ceiling |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in OUT["op"]:
         tf = f"{r['tflops']:.0f}" if r.get("tflops") else "-"
         fr = f"{r['frac_matmul']:.2f}" if r.get("frac_matmul") else "-"
@@ -69,11 +86,18 @@ def model_step(layout: str, T: int, reps: int, frozen: bool = True) -> dict:
     """frozen=True: main weights requires_grad=False and no LM backward (the trainer's dense step,
     dsaflow/train/forward_pass.py); False: also the LM backward through trainable weights (the earlier trainer)."""
     from dsaflow.config.compose import compose
-    from dsaflow.run.stages import stage_module
     from dsaflow.plan import build_plan
+    from dsaflow.run.stages import stage_module
 
-    cfg = compose(["model=dsv32", "model.vocab_size=256", "model.inter_dim=2048", f"model.num_layers={len(layout)}",
-                   f"layout={layout}"])
+    cfg = compose(
+        [
+            "model=dsv32",
+            "model.vocab_size=256",
+            "model.inter_dim=2048",
+            f"model.num_layers={len(layout)}",
+            f"layout={layout}",
+        ]
+    )
     stage = stage_module(cfg.model, build_plan(cfg), 0).cuda().train()
     if frozen:
         for n, p in stage.named_parameters():
@@ -104,8 +128,16 @@ def model_step(layout: str, T: int, reps: int, frozen: bool = True) -> dict:
     fwd, ib, lb = (sorted(t[j] for t in times[1:])[(reps - 1) // 2] if reps > 1 else times[-1][j] for j in range(3))
     del stage
     torch.cuda.empty_cache()
-    return dict(layout=layout + ("" if frozen else " + LM backward (earlier trainer)"), context=T, step_ms=fwd + ib + lb, fwd_ms=fwd, idx_bwd_ms=ib, lm_bwd_ms=lb,
-                peak_gib=peak, indexer_loss=float(idx_loss))
+    return dict(
+        layout=layout + ("" if frozen else " + LM backward (earlier trainer)"),
+        context=T,
+        step_ms=fwd + ib + lb,
+        fwd_ms=fwd,
+        idx_bwd_ms=ib,
+        lm_bwd_ms=lb,
+        peak_gib=peak,
+        indexer_loss=float(idx_loss),
+    )
 
 
 def op_inputs(L: int, T: int, seed: int = 0):
@@ -132,17 +164,38 @@ def op_rows(L: int, T: int, chunked_max: int, overrides: dict | None = None) -> 
     parts = {
         "attention lse": (lambda: attn_lse_triton(q, k, pos, scale, cfg), att),
         "KL forward": (lambda: kl_forward_triton(q, k, lse, q_i, k_i, w, pos, scale, cfg), att + idx),
-        "KL backward": (lambda: kl_backward_triton(q, k, lse, q_i, k_i, w, pos, lse_i, coef, scale, cfg), att + 4 * idx),
+        "KL backward": (
+            lambda: kl_backward_triton(q, k, lse, q_i, k_i, w, pos, lse_i, coef, scale, cfg),
+            att + 4 * idx,
+        ),
     }
     total_ms, total_fl = 0.0, 0.0
     ceil = OUT["ceilings"]["matmul_tflops"]
     for name, (fn, fl) in parts.items():
         ms = triton.testing.do_bench(fn, warmup=25, rep=100 if T <= 8192 else 60, return_mode="median")
         total_ms, total_fl = total_ms + ms, total_fl + fl
-        OUT["op"].append(dict(L=L, context=T, part=name + (f" {overrides}" if overrides else ""), time_ms=ms, flops=fl, tflops=fl / ms / 1e9,
-                              frac_matmul=fl / ms / 1e9 / ceil))
-    OUT["op"].append(dict(L=L, context=T, part="Triton total (fwd + bwd)" + (f" {overrides}" if overrides else ""), time_ms=total_ms, flops=total_fl,
-                          tflops=total_fl / total_ms / 1e9, frac_matmul=total_fl / total_ms / 1e9 / ceil))
+        OUT["op"].append(
+            dict(
+                L=L,
+                context=T,
+                part=name + (f" {overrides}" if overrides else ""),
+                time_ms=ms,
+                flops=fl,
+                tflops=fl / ms / 1e9,
+                frac_matmul=fl / ms / 1e9 / ceil,
+            )
+        )
+    OUT["op"].append(
+        dict(
+            L=L,
+            context=T,
+            part="Triton total (fwd + bwd)" + (f" {overrides}" if overrides else ""),
+            time_ms=total_ms,
+            flops=total_fl,
+            tflops=total_fl / total_ms / 1e9,
+            frac_matmul=total_fl / total_ms / 1e9 / ceil,
+        )
+    )
     OUT["op"][-1]["loss"] = float(kl.sum() / T)
     if T <= chunked_max and not overrides:  # the torch baseline: the chunked reference, forward + backward
         qi, ki, wi = (t.detach().requires_grad_(True) for t in (q_i, k_i, w))
@@ -154,9 +207,18 @@ def op_rows(L: int, T: int, chunked_max: int, overrides: dict | None = None) -> 
 
         ref_loss = ref()
         ms = cuda_ms(ref)
-        OUT["op"].append(dict(L=L, context=T, part="torch chunked reference (fwd + bwd)", time_ms=ms, flops=total_fl,
-                              tflops=total_fl / ms / 1e9, frac_matmul=total_fl / ms / 1e9 / ceil,
-                              loss=float(ref_loss)))
+        OUT["op"].append(
+            dict(
+                L=L,
+                context=T,
+                part="torch chunked reference (fwd + bwd)",
+                time_ms=ms,
+                flops=total_fl,
+                tflops=total_fl / ms / 1e9,
+                frac_matmul=total_fl / ms / 1e9 / ceil,
+                loss=float(ref_loss),
+            )
+        )
         OUT["op"][-1]["loss_rel_diff_vs_triton"] = abs(float(ref_loss) - float(kl.sum() / T)) / float(ref_loss)
 
 

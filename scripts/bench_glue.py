@@ -13,6 +13,7 @@ a bf16 8192^3 matmul. Writes <out>/bench_glue.json and <out>/bench_glue.md.
 
     PYTHONPATH=. python scripts/bench_glue.py --out bench_out
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-
 
 DEV = "cuda"
 
@@ -49,6 +49,7 @@ def ceilings() -> dict:
 def fwd_bwd(f, inputs, dy):
     def run():
         torch.autograd.grad(f(*inputs), [t for t in inputs if t.requires_grad], dy)
+
     return run
 
 
@@ -69,22 +70,42 @@ def cases(T: int):
         x, w = rnd(1, T, D, dtype=dt), rnd(D, dtype=torch.float32)
         nbytes = 5 * x.numel() * x.element_size()  # fwd: x in, y out; bwd: x, dy in, dx out
         dy = rnd(1, T, D, dtype=dt, grad=False)
-        yield (f"rms_norm [T, {D}] {str(dt)[6:]}", fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6), (x, w), dy),
-               fwd_bwd(lambda a, b: rms_norm_naive(a, b, 1e-6), (x, w), dy), nbytes, None)
+        yield (
+            f"rms_norm [T, {D}] {str(dt)[6:]}",
+            fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6), (x, w), dy),
+            fwd_bwd(lambda a, b: rms_norm_naive(a, b, 1e-6), (x, w), dy),
+            nbytes,
+            None,
+        )
     q = rnd(1, T, H, N + R)
     q_pe = q[..., N:]
     dy = rnd(1, T, H, R, grad=False)
-    yield ("rope q_pe [T, 128, 64] bf16", fwd_bwd(lambda a: rope(a, cos, sin), (q_pe,), dy),
-           fwd_bwd(lambda a: rope_naive(a, cos, sin), (q_pe,), dy), 4 * q_pe.numel() * 2, None)
+    yield (
+        "rope q_pe [T, 128, 64] bf16",
+        fwd_bwd(lambda a: rope(a, cos, sin), (q_pe,), dy),
+        fwd_bwd(lambda a: rope_naive(a, cos, sin), (q_pe,), dy),
+        4 * q_pe.numel() * 2,
+        None,
+    )
     w = rnd(H, N + V, C, grad=False) * C**-0.5
     w_uk, w_uv = w[:, :N].detach().requires_grad_(True), w[:, N:].detach().requires_grad_(True)
     dy = rnd(1, T, H, C + R, grad=False)
-    yield ("absorb_query -> [T, 128, 576] bf16", fwd_bwd(lambda a, b: absorb_query(a, b, cos, sin), (q, w_uk), dy),
-           fwd_bwd(lambda a, b: absorb_query_naive(a, b, cos, sin), (q, w_uk), dy), None, 3 * 2 * T * H * N * C)
+    yield (
+        "absorb_query -> [T, 128, 576] bf16",
+        fwd_bwd(lambda a, b: absorb_query(a, b, cos, sin), (q, w_uk), dy),
+        fwd_bwd(lambda a, b: absorb_query_naive(a, b, cos, sin), (q, w_uk), dy),
+        None,
+        3 * 2 * T * H * N * C,
+    )
     o_lat = rnd(1, T, H, C)
     dy = rnd(1, T, H * V, grad=False)
-    yield ("head_output -> [T, 16384] bf16", fwd_bwd(head_output, (o_lat, w_uv), dy),
-           fwd_bwd(head_output_naive, (o_lat, w_uv), dy), None, 3 * 2 * T * H * V * C)
+    yield (
+        "head_output -> [T, 16384] bf16",
+        fwd_bwd(head_output, (o_lat, w_uv), dy),
+        fwd_bwd(head_output_naive, (o_lat, w_uv), dy),
+        None,
+        3 * 2 * T * H * V * C,
+    )
 
 
 def main(argv=None) -> int:
@@ -114,14 +135,20 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)", "seq": args.seq, **ceil}
     (out / "bench_glue.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    lines = [f"{meta['device']}, T = {args.seq}: copy {ceil['copy_gb_s']:.0f} GB/s, bf16 matmul "
-             f"{ceil['matmul_tflops']:.0f} TFLOP/s (same process). Forward + backward, ms:", "",
-             "| op | new | torch | speedup | rate | of ceiling |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"{meta['device']}, T = {args.seq}: copy {ceil['copy_gb_s']:.0f} GB/s, bf16 matmul "
+        f"{ceil['matmul_tflops']:.0f} TFLOP/s (same process). Forward + backward, ms:",
+        "",
+        "| op | new | torch | speedup | rate | of ceiling |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         rate = f"{r['gb_s']:.0f} GB/s" if "gb_s" in r else f"{r['tflops']:.0f} TFLOP/s"
         frac = r.get("of_copy", r.get("of_matmul"))
-        lines.append(f"| {r['op']} | {r['new_ms']:.3f} | {r['torch_ms']:.3f} | {r['speedup']:.2f}x | {rate} | "
-                     f"{100 * frac:.0f} % |")
+        lines.append(
+            f"| {r['op']} | {r['new_ms']:.3f} | {r['torch_ms']:.3f} | {r['speedup']:.2f}x | {rate} | "
+            f"{100 * frac:.0f} % |"
+        )
     (out / "bench_glue.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -14,6 +14,7 @@ x 1 token x 128 heads (compute-bound: TFLOP/s), split-K Triton kernel against th
 Each query's keys are sorted ascending, as the top-k op returns them (--index-order random: unsorted). Writes
 <out>/bench_hopper_<part>[_random].json and .md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,24 +99,47 @@ def fwd_part(variants, contexts, mm, order):
         err = ((o[:, :8].double() - ref_o.double()).norm() / ref_o.double().norm()).item()
         fin = torch.isfinite(ref_l)
         lerr = (l[:, :8][fin] - ref_l[fin]).abs().max().item()
-        rec(kind="fwd_check", variant=name, rel_err=err, lse_err=lerr, nan=bool(torch.isnan(o).any()),
-            empty_ok=bool(torch.isinf(l[0, 1]).all() and (o[0, 1] == 0).all()), compile_s=round(time.time() - t0, 1),
-            regs=regs, spills=spills, shared=getattr(k, "metadata", None) and k.metadata.shared)
+        rec(
+            kind="fwd_check",
+            variant=name,
+            rel_err=err,
+            lse_err=lerr,
+            nan=bool(torch.isnan(o).any()),
+            empty_ok=bool(torch.isinf(l[0, 1]).all() and (o[0, 1] == 0).all()),
+            compile_s=round(time.time() - t0, 1),
+            regs=regs,
+            spills=spills,
+            shared=getattr(k, "metadata", None) and k.metadata.shared,
+        )
     for ctx in contexts:
         q, kv, idx = inputs(ctx, 4096, order=order)
         flops = 2 * H * TOPK * (D_QK + D_V) * 4096
         o_t, l_t = tp.sparse_mla_fwd_triton(q, kv, idx, scale, D_V)
         ms = bench(lambda: tp.sparse_mla_fwd_triton(q, kv, idx, scale, D_V))
-        rec(kind="fwd", impl="triton", ctx=ctx, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
-            frac_mm=round(flops / ms / 1e9 / mm, 3))
+        rec(
+            kind="fwd",
+            impl="triton",
+            ctx=ctx,
+            ms=round(ms, 3),
+            tflops=round(flops / ms / 1e9, 1),
+            frac_mm=round(flops / ms / 1e9 / mm, 3),
+        )
         for name in variants:
             try:
                 o, l = hp.sparse_mla_fwd_hopper(q, kv, idx, scale, D_V, VARIANTS[name])
                 diff = (o.float() - o_t.float()).abs().max().item()
                 ldiff = (l - l_t).abs().max().item()
                 ms = bench(lambda: hp.sparse_mla_fwd_hopper(q, kv, idx, scale, D_V, VARIANTS[name]))
-                rec(kind="fwd", impl=f"gluon-{name}", ctx=ctx, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
-                    frac_mm=round(flops / ms / 1e9 / mm, 3), maxdiff_vs_triton=diff, lse_maxdiff=ldiff)
+                rec(
+                    kind="fwd",
+                    impl=f"gluon-{name}",
+                    ctx=ctx,
+                    ms=round(ms, 3),
+                    tflops=round(flops / ms / 1e9, 1),
+                    frac_mm=round(flops / ms / 1e9 / mm, 3),
+                    maxdiff_vs_triton=diff,
+                    lse_maxdiff=ldiff,
+                )
             except Exception as e:
                 rec(kind="fwd", impl=f"gluon-{name}", ctx=ctx, error=f"{type(e).__name__}: {str(e)[:300]}")
         del q, kv, idx, o_t, l_t
@@ -130,12 +154,15 @@ def decode_part(cp, configs, order):
 
     def split_k(cfg):
         ov = {k: v for k, v in cfg.items() if k != "num_splits"} or None
-        return lambda: td.sparse_mla_decode_triton(q, kv, idx, scale, D_V, num_splits=cfg.get("num_splits"),
-                                                   overrides=ov)
+        return lambda: td.sparse_mla_decode_triton(
+            q, kv, idx, scale, D_V, num_splits=cfg.get("num_splits"), overrides=ov
+        )
 
     runs = [(cfg, split_k(cfg)) for cfg in configs]
-    runs += [(dict(kernel="gluon", **cfg), lambda cfg=cfg: hd.sparse_mla_decode_hopper(q, kv, idx, scale, D_V, cfg))
-             for cfg in GLUON_DECODE_CONFIGS]
+    runs += [
+        (dict(kernel="gluon", **cfg), lambda cfg=cfg: hd.sparse_mla_decode_hopper(q, kv, idx, scale, D_V, cfg))
+        for cfg in GLUON_DECODE_CONFIGS
+    ]
     for name, fn in runs:
         try:
             diff = (fn()[0].float() - ref_o.float()).abs().max().item()
@@ -155,19 +182,28 @@ def decode_h128_part(mm, order, batches=(8, 16, 32, 64, 128)):
         q, kv, idx = inputs(32768, 1, batch=B, seed=2, order=order)
         flops = 2 * H * TOPK * (D_QK + D_V) * B
         ref_o, _ = td.sparse_mla_decode_triton(q, kv, idx, scale, D_V)
-        for name, fn in (("split-K triton", lambda: td.sparse_mla_decode_triton(q, kv, idx, scale, D_V)),
-                         ("hopper forward", lambda: hp.sparse_mla_fwd_hopper(q, kv, idx, scale, D_V))):
+        for name, fn in (
+            ("split-K triton", lambda: td.sparse_mla_decode_triton(q, kv, idx, scale, D_V)),
+            ("hopper forward", lambda: hp.sparse_mla_fwd_hopper(q, kv, idx, scale, D_V)),
+        ):
             diff = (fn()[0].float() - ref_o.float()).abs().max().item()
             ms = bench(fn)
-            rec(kind="decode_h128", cfg=f"{name}, {B} seqs", ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
-                frac_mm=round(flops / ms / 1e9 / mm, 3), maxdiff=diff)
+            rec(
+                kind="decode_h128",
+                cfg=f"{name}, {B} seqs",
+                ms=round(ms, 4),
+                tflops=round(flops / ms / 1e9, 1),
+                frac_mm=round(flops / ms / 1e9 / mm, 3),
+                maxdiff=diff,
+            )
 
 
 GLUON_DECODE_CONFIGS = [{}, dict(BLOCK_K=32, NUM_STAGES=4), dict(BLOCK_K=32, NUM_STAGES=5)]  # over DECODE_CFG
 DECODE_CONFIGS = [  # merged over triton_decode.decode_overrides (8 warps for this shape)
     {},  # the committed rule: 2 splits, BLOCK_K 64, 2 stages, 8 warps
     dict(num_warps=4),  # the prefill kernel's warps
-    dict(num_splits=4), dict(num_splits=2, BLOCK_K=32),
+    dict(num_splits=4),
+    dict(num_splits=2, BLOCK_K=32),
 ]
 
 
@@ -177,13 +213,22 @@ def main():
     ap.add_argument("--part", default="all", choices=("all", "fwd", "decode"))
     ap.add_argument("--variant", default="seesaw", help=f"comma-separated, of {','.join(VARIANTS)}")
     ap.add_argument("--contexts", default="8192,16384,32768,65536,131072")
-    ap.add_argument("--index-order", default="ascending", choices=("ascending", "random"),
-                    help="order of each query's selected keys: the top-k op's (ascending) or unsorted")
+    ap.add_argument(
+        "--index-order",
+        default="ascending",
+        choices=("ascending", "random"),
+        help="order of each query's selected keys: the top-k op's (ascending) or unsorted",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rec(kind="env", device=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
-        index_order=args.index_order)
+    rec(
+        kind="env",
+        device=torch.cuda.get_device_name(),
+        triton=triton.__version__,
+        torch=torch.__version__,
+        index_order=args.index_order,
+    )
     mm, cp = ceilings()
     if args.part in ("all", "fwd"):
         fwd_part(args.variant.split(","), [int(c) for c in args.contexts.split(",")], mm, args.index_order)
@@ -193,14 +238,19 @@ def main():
     tag = args.part if args.part != "fwd" else f"fwd_{args.variant.replace(',', '_')}"
     tag += "" if args.index_order == "ascending" else "_random"
     (out / f"bench_hopper_{tag}.json").write_text(json.dumps(ROWS, indent=1))
-    lines = ["| kind | impl / cfg | ctx | ms | TFLOP/s or TB/s | fraction of ceiling | check |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| kind | impl / cfg | ctx | ms | TFLOP/s or TB/s | fraction of ceiling | check |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in ROWS:
         if r["kind"] in ("fwd", "decode", "decode_h128"):
             rate = r.get("tflops", r.get("tbps", ""))
             frac = r.get("frac_mm", r.get("frac_copy", ""))
             chk = r.get("error") or f"maxdiff {r.get('maxdiff_vs_triton', r.get('maxdiff', ''))}"
-            lines.append(f"| {r['kind']} | {r.get('impl', r.get('cfg'))} | {r.get('ctx', 32768)} | {r.get('ms', '')} "
-                         f"| {rate} | {frac} | {chk} |")
+            lines.append(
+                f"| {r['kind']} | {r.get('impl', r.get('cfg'))} | {r.get('ctx', 32768)} | {r.get('ms', '')} "
+                f"| {rate} | {frac} | {chk} |"
+            )
     (out / f"bench_hopper_{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -25,6 +25,7 @@ Writes indexcache.json, indexcache.md and (matplotlib permitting) indexcache.png
 ratios beside ours. The paper (H100, a 30B DSA model): prefill 1.27 / 1.31 / 1.51 / 1.82x and decode 1.24 / 1.33 /
 1.40 / 1.48x at 10K / 60K / 120K / 200K; the indexer's share of prefill 27 % -> 81 %.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,9 +48,13 @@ from dsaflow.run.stages import stage_module  # noqa: E402
 from dsaflow.serve.engine import PipelineEngine  # noqa: E402
 from dsaflow.serve.generate import serve_dtype  # noqa: E402
 
-PAPER = {"contexts": [10_000, 60_000, 120_000, 200_000], "prefill_1_4": [1.27, 1.31, 1.51, 1.82],
-         "decode_1_4": [1.24, 1.33, 1.40, 1.48], "indexer_share_prefill": [0.27, 0.81],
-         "setup": "IndexCache paper: H100, 30B DSA model, 1/4 of layers F"}
+PAPER = {
+    "contexts": [10_000, 60_000, 120_000, 200_000],
+    "prefill_1_4": [1.27, 1.31, 1.51, 1.82],
+    "decode_1_4": [1.24, 1.33, 1.40, 1.48],
+    "indexer_share_prefill": [0.27, 0.81],
+    "setup": "IndexCache paper: H100, 30B DSA model, 1/4 of layers F",
+}
 INDEXES = {"all_full": 1, "every2": 2, "every4": 4}
 
 
@@ -102,10 +107,20 @@ def fast_init(stage, seed: int, std: float) -> None:
 
 
 def make_cfg(a, index: str, ctx: int, graphs: bool):
-    over = ["mode=serve", "track=none", f"model={a.model}", f"model.num_layers={a.layers}", *a.extra.split(),
-            f"index={index}", "pipeline.stages=1", "serve.max_batch=1", f"serve.max_new_tokens={a.decode_steps + 1}",
-            f"serve.max_context={ctx + 127}", f"serve.prefill_chunk={min(a.prefill_chunk, ctx)}",
-            "graphs=decode" if graphs else "graphs=off"]
+    over = [
+        "mode=serve",
+        "track=none",
+        f"model={a.model}",
+        f"model.num_layers={a.layers}",
+        *a.extra.split(),
+        f"index={index}",
+        "pipeline.stages=1",
+        "serve.max_batch=1",
+        f"serve.max_new_tokens={a.decode_steps + 1}",
+        f"serve.max_context={ctx + 127}",
+        f"serve.prefill_chunk={min(a.prefill_chunk, ctx)}",
+        "graphs=decode" if graphs else "graphs=off",
+    ]
     cfg = compose(over)
     if graphs:
         cfg.graphs.blocks[0].shape_classes = [1]
@@ -144,7 +159,9 @@ def indexer_op_seconds(m, ctx: int, chunk: int, device, dtype) -> float:
 def dense_model_seconds(stage, ctx: int, device, repeats: int) -> float:
     """The same stage as a dense-attention model: one forward of `ctx` tokens with attn="dense" and no cache (causal
     SDPA over the non-absorbed heads, O(T) memory; no indexer runs)."""
-    x = torch.randint(0, stage.cfg.vocab_size, (1, ctx), device=device, generator=torch.Generator(device).manual_seed(0))
+    x = torch.randint(
+        0, stage.cfg.vocab_size, (1, ctx), device=device, generator=torch.Generator(device).manual_seed(0)
+    )
     return timed(lambda: stage(x, attn="dense"), device, repeats)
 
 
@@ -190,14 +207,24 @@ def run(a) -> dict:
                 base[ctx] = dict(
                     indexer_s=indexer_op_seconds(m, ctx, min(a.prefill_chunk, ctx), device, dtype),
                     sdpa_layer_s=sdpa_seconds(m, ctx, device, dtype, reps),
-                    dense_model_s=dense_model_seconds(stage, ctx, device, reps))
+                    dense_model_s=dense_model_seconds(stage, ctx, device, reps),
+                )
             prefill_s, step_s = statistics.median(pre), statistics.median(dec)
-            row = dict(index=index, f_layers=n_f, layers=a.layers, context=ctx, prefill_ms=prefill_s * 1e3,
-                       prefill_tokens_per_s=ctx / prefill_s, decode_ms_per_token=step_s * 1e3,
-                       decode_tokens_per_s=1.0 / step_s, indexer_ms=n_f * base[ctx]["indexer_s"] * 1e3,
-                       indexer_share=n_f * base[ctx]["indexer_s"] / prefill_s,
-                       dense_sdpa_ms=a.layers * base[ctx]["sdpa_layer_s"] * 1e3,
-                       dense_model_ms=base[ctx]["dense_model_s"] * 1e3, decode_graphs=graphs)
+            row = dict(
+                index=index,
+                f_layers=n_f,
+                layers=a.layers,
+                context=ctx,
+                prefill_ms=prefill_s * 1e3,
+                prefill_tokens_per_s=ctx / prefill_s,
+                decode_ms_per_token=step_s * 1e3,
+                decode_tokens_per_s=1.0 / step_s,
+                indexer_ms=n_f * base[ctx]["indexer_s"] * 1e3,
+                indexer_share=n_f * base[ctx]["indexer_s"] / prefill_s,
+                dense_sdpa_ms=a.layers * base[ctx]["sdpa_layer_s"] * 1e3,
+                dense_model_ms=base[ctx]["dense_model_s"] * 1e3,
+                decode_graphs=graphs,
+            )
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
             save(result(a, rows, device, dtype), Path(a.out), final=False)  # a cut-off run keeps its rows
@@ -216,9 +243,18 @@ def result(a, rows: list, device, dtype) -> dict:
         r["decode_speedup_vs_all_f"] = r["decode_tokens_per_s"] / f["decode_tokens_per_s"] if f else None
         r["vs_dense_sdpa"] = r["dense_sdpa_ms"] / r["prefill_ms"]
         r["vs_dense_model"] = r["dense_model_ms"] / r["prefill_ms"]
-    env = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-               model=a.model, layers=a.layers, extra=a.extra, prefill_chunk=a.prefill_chunk,
-               decode_steps=a.decode_steps, repeats=a.repeats, batch=1, dtype=str(dtype))
+    env = dict(
+        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        model=a.model,
+        layers=a.layers,
+        extra=a.extra,
+        prefill_chunk=a.prefill_chunk,
+        decode_steps=a.decode_steps,
+        repeats=a.repeats,
+        batch=1,
+        dtype=str(dtype),
+    )
     return dict(env=env, rows=rows, paper=PAPER)
 
 
@@ -238,26 +274,36 @@ def ratio(x) -> str:
 
 def markdown(res: dict) -> str:
     e = res["env"]
-    lines = [f"# IndexCache: prefill and decode vs the share of F layers ({e['device']})", "",
-             f"`model={e['model']}` attention, {e['layers']} layers, `{e['extra']}`, {e['dtype']}, batch 1; prefill "
-             f"in {e['prefill_chunk']}-token chunks through the serving engine; decode {e['decode_steps']} steps "
-             f"(CUDA graphs: {res['rows'][0]['decode_graphs'] if res['rows'] else '-'}). Indexer share: the op alone "
-             f"on the same shapes x F layers / prefill. Dense model: the same layers with dense attention (causal SDPA), "
-             f"one forward; dense SDPA: causal attention alone x layers. A ratio > 1 means DSA is faster.", "",
-             "| index | F layers | context | prefill ms | speedup vs all-F | indexer ms (share) | dense model ms "
-             "| dense model / DSA | dense SDPA ms | SDPA / DSA | decode tokens/s | decode speedup |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# IndexCache: prefill and decode vs the share of F layers ({e['device']})",
+        "",
+        f"`model={e['model']}` attention, {e['layers']} layers, `{e['extra']}`, {e['dtype']}, batch 1; prefill "
+        f"in {e['prefill_chunk']}-token chunks through the serving engine; decode {e['decode_steps']} steps "
+        f"(CUDA graphs: {res['rows'][0]['decode_graphs'] if res['rows'] else '-'}). Indexer share: the op alone "
+        f"on the same shapes x F layers / prefill. Dense model: the same layers with dense attention (causal SDPA), "
+        f"one forward; dense SDPA: causal attention alone x layers. A ratio > 1 means DSA is faster.",
+        "",
+        "| index | F layers | context | prefill ms | speedup vs all-F | indexer ms (share) | dense model ms "
+        "| dense model / DSA | dense SDPA ms | SDPA / DSA | decode tokens/s | decode speedup |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in res["rows"]:
-        lines.append(f"| {r['index']} | {r['f_layers']} | {r['context']} | {r['prefill_ms']:.1f} | "
-                     f"{ratio(r['prefill_speedup_vs_all_f'])} | {r['indexer_ms']:.1f} ({r['indexer_share'] * 100:.0f} %) "
-                     f"| {r['dense_model_ms']:.1f} | {r['vs_dense_model']:.2f}x "
-                     f"| {r['dense_sdpa_ms']:.1f} | {r['vs_dense_sdpa']:.2f}x | {r['decode_tokens_per_s']:.1f} | "
-                     f"{ratio(r['decode_speedup_vs_all_f'])} |")
+        lines.append(
+            f"| {r['index']} | {r['f_layers']} | {r['context']} | {r['prefill_ms']:.1f} | "
+            f"{ratio(r['prefill_speedup_vs_all_f'])} | {r['indexer_ms']:.1f} ({r['indexer_share'] * 100:.0f} %) "
+            f"| {r['dense_model_ms']:.1f} | {r['vs_dense_model']:.2f}x "
+            f"| {r['dense_sdpa_ms']:.1f} | {r['vs_dense_sdpa']:.2f}x | {r['decode_tokens_per_s']:.1f} | "
+            f"{ratio(r['decode_speedup_vs_all_f'])} |"
+        )
     p = res["paper"]
-    lines += ["", f"{p['setup']}: prefill {' / '.join(f'{x}x' for x in p['prefill_1_4'])}, decode "
-              f"{' / '.join(f'{x}x' for x in p['decode_1_4'])} at {' / '.join(f'{c // 1000}K' for c in p['contexts'])}; "
-              f"indexer share of prefill {p['indexer_share_prefill'][0] * 100:.0f} % -> "
-              f"{p['indexer_share_prefill'][1] * 100:.0f} %.", ""]
+    lines += [
+        "",
+        f"{p['setup']}: prefill {' / '.join(f'{x}x' for x in p['prefill_1_4'])}, decode "
+        f"{' / '.join(f'{x}x' for x in p['decode_1_4'])} at {' / '.join(f'{c // 1000}K' for c in p['contexts'])}; "
+        f"indexer share of prefill {p['indexer_share_prefill'][0] * 100:.0f} % -> "
+        f"{p['indexer_share_prefill'][1] * 100:.0f} %.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -271,8 +317,10 @@ def plot(res: dict, path: Path) -> bool:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     p = res["paper"]
-    for ax, key, paper_key, title in ((axes[0], "prefill_speedup_vs_all_f", "prefill_1_4", "prefill speedup vs all-F"),
-                                      (axes[1], "decode_speedup_vs_all_f", "decode_1_4", "decode speedup vs all-F")):
+    for ax, key, paper_key, title in (
+        (axes[0], "prefill_speedup_vs_all_f", "prefill_1_4", "prefill speedup vs all-F"),
+        (axes[1], "decode_speedup_vs_all_f", "decode_1_4", "decode speedup vs all-F"),
+    ):
         for index in dict.fromkeys(r["index"] for r in res["rows"]):
             if index == "all_full":
                 continue
@@ -286,8 +334,10 @@ def plot(res: dict, path: Path) -> bool:
         axes[2].plot([r["context"] / 1000 for r in rs], [100 * r["indexer_share"] for r in rs], "o-", label=index)
     axes[2].set(title="indexer share of prefill (%)", xlabel="context (K tokens)")
     axes[2].legend(fontsize=7)
-    fig.suptitle(f"IndexCache on {res['env']['device']}, {res['env']['model']} attention x {res['env']['layers']} "
-                 "layers", fontsize=9)
+    fig.suptitle(
+        f"IndexCache on {res['env']['device']}, {res['env']['model']} attention x {res['env']['layers']} layers",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

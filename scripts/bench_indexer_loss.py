@@ -14,6 +14,7 @@ Writes <out>/bench_indexer_loss.json and <out>/bench_indexer_loss.md (after ever
 
     PYTHONPATH=. python scripts/bench_indexer_loss.py --out bench_out [--no-sweep] [--only ops,step]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,11 @@ import triton
 import triton.testing
 
 from dsaflow.ops.indexer_loss import (
-    attention_distribution, attention_target_naive, index_scores_on_keys, indexer_kl_loss, indexer_kl_naive,
+    attention_distribution,
+    attention_target_naive,
+    index_scores_on_keys,
+    indexer_kl_loss,
+    indexer_kl_naive,
 )
 from dsaflow.ops.indexer_loss.triton_kl import indexer_kl_triton
 from dsaflow.ops.indexer_loss.triton_target import attention_target_triton
@@ -122,11 +127,18 @@ def bench_ops(do_sweep):
 
     tcfg = {}
     if do_sweep:
-        tcfg = sweep("attention_target", lambda c: lambda: attention_target_triton(
-            q, kv, idx, lse, SM_SCALE, overrides=c), [
-            {}, dict(BLOCK_K=32, num_stages=3), dict(num_warps=8), dict(BLOCK_K=128, num_warps=8),
-            dict(BLOCK_H=128, BLOCK_K=32, num_warps=8), dict(BLOCK_H=128, BLOCK_K=16, num_warps=8),
-        ])
+        tcfg = sweep(
+            "attention_target",
+            lambda c: lambda: attention_target_triton(q, kv, idx, lse, SM_SCALE, overrides=c),
+            [
+                {},
+                dict(BLOCK_K=32, num_stages=3),
+                dict(num_warps=8),
+                dict(BLOCK_K=128, num_warps=8),
+                dict(BLOCK_H=128, BLOCK_K=32, num_warps=8),
+                dict(BLOCK_H=128, BLOCK_K=16, num_warps=8),
+            ],
+        )
     CHOSEN["target"] = tcfg
     ref = attention_distribution(q, kv, idx, lse, SM_SCALE)
     got = attention_target_triton(q, kv, idx, lse, SM_SCALE, overrides=tcfg)
@@ -152,8 +164,14 @@ def bench_ops(do_sweep):
             return torch.stack([attention_distribution(ql, kvl, idx, lsel, SM_SCALE) for ql, kvl, lsel in grp]).mean(0)
 
         record("ops", f"attention target, group of {n} layers", "triton", bench(fused_group), n * t_flops, **extra)
-        record("ops", f"attention target, group of {n} layers", "torch fp32 reference", timed_slow(torch_group, 2),
-               n * t_flops, **extra)
+        record(
+            "ops",
+            f"attention target, group of {n} layers",
+            "torch fp32 reference",
+            timed_slow(torch_group, 2),
+            n * t_flops,
+            **extra,
+        )
         if n == 4:
             target = fused_group()
             err = rel(target, torch_group())
@@ -170,13 +188,25 @@ def bench_ops(do_sweep):
 
     kcfg = {}
     if do_sweep:
-        bwd = sweep("indexer_kl fwd+bwd (bwd configs)", lambda c: fused_fb({"bwd": c}), [
-            {}, dict(BLOCK_K=32, num_warps=4), dict(BLOCK_K=32, num_warps=8, num_stages=3),
-            dict(BLOCK_K=128, num_warps=8),
-        ])
-        fwd = sweep("indexer_kl fwd", lambda c: lambda: indexer_kl_triton(qi, ki, wi, idx, target, {"fwd": c}), [
-            {}, dict(BLOCK_K=128, num_warps=8), dict(BLOCK_K=64, num_warps=4),
-        ])
+        bwd = sweep(
+            "indexer_kl fwd+bwd (bwd configs)",
+            lambda c: fused_fb({"bwd": c}),
+            [
+                {},
+                dict(BLOCK_K=32, num_warps=4),
+                dict(BLOCK_K=32, num_warps=8, num_stages=3),
+                dict(BLOCK_K=128, num_warps=8),
+            ],
+        )
+        fwd = sweep(
+            "indexer_kl fwd",
+            lambda c: lambda: indexer_kl_triton(qi, ki, wi, idx, target, {"fwd": c}),
+            [
+                {},
+                dict(BLOCK_K=128, num_warps=8),
+                dict(BLOCK_K=64, num_warps=4),
+            ],
+        )
         kcfg = {"fwd": fwd, "bwd": bwd}
     CHOSEN["kl"] = kcfg
     with torch.no_grad():
@@ -196,8 +226,14 @@ def bench_ops(do_sweep):
     for name, a, b in zip("qkw", torch.autograd.grad(loss, (qa, ka, wa)), torch.autograd.grad(ref_loss, (qr, kr, wr))):
         errs["d" + name] = rel(a, b)
     print("KL rel errs vs reference:", {k: f"{v:.2e}" for k, v in errs.items()}, flush=True)
-    ROWS.append(dict(section="check", what="indexer KL vs reference (bf16 inputs)", impl="triton",
-                     **{k: float(f"{v:.3g}") for k, v in errs.items()}))
+    ROWS.append(
+        dict(
+            section="check",
+            what="indexer KL vs reference (bf16 inputs)",
+            impl="triton",
+            **{k: float(f"{v:.3g}") for k, v in errs.items()},
+        )
+    )
 
     # Sparse MLA forward + backward at the same shapes (the attention the target distils), for scale.
     qs, kvs = q.clone().requires_grad_(True), kv.clone().requires_grad_(True)
@@ -215,10 +251,25 @@ def v32_stage(layout: str, seed: int = 0):
     from dsaflow.config.schema import ModelConfig
     from dsaflow.model import build_model
 
-    cfg = ModelConfig(name="dsv32-attn", num_layers=len(layout), dim=7168, n_heads=128, q_lora_rank=1536,
-                      kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64,
-                      index_head_dim=128, index_rope_head_dim=64, index_topk=TOPK, inter_dim=2048, vocab_size=256,
-                      max_seq_len=SEQ, init_std=0.006)
+    cfg = ModelConfig(
+        name="dsv32-attn",
+        num_layers=len(layout),
+        dim=7168,
+        n_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_rope_head_dim=64,
+        index_topk=TOPK,
+        inter_dim=2048,
+        vocab_size=256,
+        max_seq_len=SEQ,
+        init_std=0.006,
+    )
     if DEV == "cpu":  # --smoke: the tiny model
         cfg = ModelConfig(num_layers=len(layout), index_topk=TOPK, max_seq_len=SEQ)
     return build_model(cfg, layout, seed).to(DEV).train()
@@ -234,8 +285,11 @@ def bench_step(layouts):
         return attention_target_triton(q, kv, indices, lse, sm_scale, out, weight, CHOSEN["target"])
 
     def fused_kl(q, k, w, indices, target):
-        return indexer_kl_triton(q, k, w, indices, target, CHOSEN["kl"]) if q.is_cuda else indexer_kl(
-            q, k, w, indices, target)
+        return (
+            indexer_kl_triton(q, k, w, indices, target, CHOSEN["kl"])
+            if q.is_cuda
+            else indexer_kl(q, k, w, indices, target)
+        )
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (1, SEQ), generator=g).to(DEV)
@@ -261,10 +315,17 @@ def bench_step(layouts):
                 torch.cuda.reset_peak_memory_stats()
             times[mode] = timed_slow(step, 3)
             share = None if mode == "off" else round((times[mode] - times["off"]) / times[mode], 3)
-            record("step", f"train step, layout {layout}", mode, times[mode], layers=len(layout),
-                   ms_per_layer=round(times[mode] / len(layout), 2), indexer_loss_share=share,
-                   config=None if mode == "off" or ref else CHOSEN,
-                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if DEV == "cuda" else None)
+            record(
+                "step",
+                f"train step, layout {layout}",
+                mode,
+                times[mode],
+                layers=len(layout),
+                ms_per_layer=round(times[mode] / len(layout), 2),
+                indexer_loss_share=share,
+                config=None if mode == "off" or ref else CHOSEN,
+                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1) if DEV == "cuda" else None,
+            )
         recorder_mod.attention_target, recorder_mod.indexer_kl = attention_target, indexer_kl
         del stage
         torch.cuda.empty_cache()
@@ -273,16 +334,22 @@ def bench_step(layouts):
 def write(out, meta):
     with open(os.path.join(out, "bench_indexer_loss.json"), "w") as f:
         json.dump(dict(meta=meta, ceilings=CEIL, chosen=CHOSEN, rows=ROWS), f, indent=1)
-    lines = [f"# Indexer-loss kernels ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})", "",
-             f"bf16 matmul ceiling {CEIL.get('matmul_tflops')} TFLOP/s; seq {SEQ}, topk {TOPK}, MLA {H} x {D_QK}, "
-             f"indexer {H_I} x {D_I}. Configs: {CHOSEN}", "",
-             "| section | what | impl | time (ms) | TFLOP/s | of matmul ceiling | indexer-loss share | peak GiB |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Indexer-loss kernels ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})",
+        "",
+        f"bf16 matmul ceiling {CEIL.get('matmul_tflops')} TFLOP/s; seq {SEQ}, topk {TOPK}, MLA {H} x {D_QK}, "
+        f"indexer {H_I} x {D_I}. Configs: {CHOSEN}",
+        "",
+        "| section | what | impl | time (ms) | TFLOP/s | of matmul ceiling | indexer-loss share | peak GiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in ROWS:
         if r["section"] in ("ops", "step"):
-            lines.append(f"| {r['section']} | {r['what']} | {r['impl']} | {r['time_ms']} | {r.get('tflops', '')} | "
-                         f"{r.get('frac_matmul', '')} | {r.get('indexer_loss_share', '') or ''} | "
-                         f"{r.get('peak_gib', '')} |")
+            lines.append(
+                f"| {r['section']} | {r['what']} | {r['impl']} | {r['time_ms']} | {r.get('tflops', '')} | "
+                f"{r.get('frac_matmul', '')} | {r.get('indexer_loss_share', '') or ''} | "
+                f"{r.get('peak_gib', '')} |"
+            )
     checks = [r for r in ROWS if r["section"] == "check"]
     if checks:
         lines += ["", "Checks: " + "; ".join(json.dumps(c) for c in checks)]
@@ -302,8 +369,11 @@ def main():
         global SEQ, H, D_QK, D_V, TOPK, H_I, D_I, SM_SCALE, DEV, DT
         SEQ, H, D_QK, D_V, TOPK, H_I, D_I, SM_SCALE, DEV, DT = 24, 4, 40, 32, 8, 4, 16, 40**-0.5, "cpu", torch.float32
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu smoke", torch=torch.__version__,
-                triton=triton.__version__)
+    meta = dict(
+        device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu smoke",
+        torch=torch.__version__,
+        triton=triton.__version__,
+    )
     t0 = time.time()
     measure_ceiling()
     sections = [("ops", lambda: bench_ops(not args.no_sweep)), ("step", lambda: bench_step(args.layouts.split(",")))]

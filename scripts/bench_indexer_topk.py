@@ -11,6 +11,7 @@ tile, and decode-like row counts (--no-sweeps skips them). Writes indexer_topk.j
     python3 scripts/bench_indexer_topk.py --out /tmp/bench [--contexts 8192,32768,131072] [--queries 4096] \
         [--no-sweeps]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,14 @@ import os
 import torch
 import triton
 
-from dsaflow.ops.indexer_topk.triton_indexer import (
-    indexer_logits_triton, indexer_topk_triton, query_chunk, quantize_rows_triton, topk_from_keys,
-)
 from dsaflow.ops.indexer_topk.fp8 import quantize_rows
+from dsaflow.ops.indexer_topk.triton_indexer import (
+    indexer_logits_triton,
+    indexer_topk_triton,
+    quantize_rows_triton,
+    query_chunk,
+    topk_from_keys,
+)
 from dsaflow.ops.indexer_topk.triton_select import radix_topk_triton, select_scratch
 
 H_I, D_I, TOPK = 64, 128, 2048
@@ -74,12 +79,26 @@ def run(contexts, n_queries, prefill_ctx, out_dir, sweeps=True):
         ms_auto = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK))
         ms_fp8 = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, fp8=True))
         record("op: logits + int64 keys + torch.topk + sort (before)", S, T, ms_old)
-        record("op: logits + select kernels", S, T, ms_new, speedup=round(ms_old / ms_new, 2), same_indices=same,
-               tflops=round(flops / ms_new / 1e9, 1))
+        record(
+            "op: logits + select kernels",
+            S,
+            T,
+            ms_new,
+            speedup=round(ms_old / ms_new, 2),
+            same_indices=same,
+            tflops=round(flops / ms_new / 1e9, 1),
+        )
         record("op: default (select=auto)", S, T, ms_auto, speedup=round(ms_old / ms_auto, 2))
-        record("op: fp8 logits + default select (model.index_fp8=true)", S, T, ms_fp8,
-               speedup=round(ms_old / ms_fp8, 2), same_as_fp8_sort_path=same8,
-               recall_of_bf16_selection=round(selection_recall(new8, new), 4), tflops=round(flops / ms_fp8 / 1e9, 1))
+        record(
+            "op: fp8 logits + default select (model.index_fp8=true)",
+            S,
+            T,
+            ms_fp8,
+            speedup=round(ms_old / ms_fp8, 2),
+            same_as_fp8_sort_path=same8,
+            recall_of_bf16_selection=round(selection_recall(new8, new), 4),
+            tflops=round(flops / ms_fp8 / 1e9, 1),
+        )
         del old, new, new8
         chunk = query_chunk(1, T, S)
         qc, wc, pc = q[:, :chunk], w[:, :chunk], pos[:, :chunk]
@@ -94,19 +113,34 @@ def run(contexts, n_queries, prefill_ctx, out_dir, sweeps=True):
         ms = bench(lambda: indexer_logits_triton(q8, k8, w8, pc, scores, write_invisible=False, k_scale=k_scale))
         record("part: fp32 logits from fp8 q, k", S, chunk, ms, tflops=round(chunk_flops / ms / 1e9, 1))
         ms = bench(lambda: (quantize_rows_triton(q, w), quantize_rows_triton(k)))
-        codes_differ = int((quantize_rows_triton(q)[0].view(torch.uint8) != quantize_rows(q)[0].view(torch.uint8)).sum())
-        record("part: fp8 rounding of q and k (all queries)", S, T, ms,
-               q_codes_unlike_torch_cast=f"{codes_differ} of {q.numel()}")
+        codes_differ = int(
+            (quantize_rows_triton(q)[0].view(torch.uint8) != quantize_rows(q)[0].view(torch.uint8)).sum()
+        )
+        record(
+            "part: fp8 rounding of q and k (all queries)",
+            S,
+            T,
+            ms,
+            q_codes_unlike_torch_cast=f"{codes_differ} of {q.numel()}",
+        )
         if S == contexts[-1] and sweeps:  # the logits kernel's tile, bf16 and fp8
-            for lc in (dict(BLOCK_T=64, BLOCK_S=128, num_warps=4, num_stages=4),
-                       dict(BLOCK_T=64, BLOCK_S=256, num_warps=8, num_stages=3),
-                       dict(BLOCK_T=128, BLOCK_S=128, num_warps=8, num_stages=3)):
+            for lc in (
+                dict(BLOCK_T=64, BLOCK_S=128, num_warps=4, num_stages=4),
+                dict(BLOCK_T=64, BLOCK_S=256, num_warps=8, num_stages=3),
+                dict(BLOCK_T=128, BLOCK_S=128, num_warps=8, num_stages=3),
+            ):
                 name = " ".join(f"{a} {v}" for a, v in lc.items())
-                ms = bench(lambda: indexer_logits_triton(qc, k, wc, pc, scores, write_invisible=False, overrides=lc),
-                           rep_ms=100)
+                ms = bench(
+                    lambda: indexer_logits_triton(qc, k, wc, pc, scores, write_invisible=False, overrides=lc),
+                    rep_ms=100,
+                )
                 record(f"sweep: logits {name}", S, chunk, ms, tflops=round(chunk_flops / ms / 1e9, 1))
-                ms = bench(lambda: indexer_logits_triton(q8, k8, w8, pc, scores, write_invisible=False,
-                                                         k_scale=k_scale, overrides=lc), rep_ms=100)
+                ms = bench(
+                    lambda: indexer_logits_triton(
+                        q8, k8, w8, pc, scores, write_invisible=False, k_scale=k_scale, overrides=lc
+                    ),
+                    rep_ms=100,
+                )
                 record(f"sweep: fp8 logits {name}", S, chunk, ms, tflops=round(chunk_flops / ms / 1e9, 1))
         del q8, k8, w8
         indexer_logits_triton(qc, k, wc, pc, scores, write_invisible=False)  # the select parts read bf16 scores
@@ -140,14 +174,26 @@ def run(contexts, n_queries, prefill_ctx, out_dir, sweeps=True):
         ms_old = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="sort"), rep_ms=300)
         ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="radix"), rep_ms=300)
         record("whole causal prefill: before", S, S, ms_old)
-        record("whole causal prefill: after", S, S, ms_new, speedup=round(ms_old / ms_new, 2), same_indices=same,
-               tflops=round(2 * H_I * D_I * S * (S + 1) / 2 / ms_new / 1e9, 1))
+        record(
+            "whole causal prefill: after",
+            S,
+            S,
+            ms_new,
+            speedup=round(ms_old / ms_new, 2),
+            same_indices=same,
+            tflops=round(2 * H_I * D_I * S * (S + 1) / 2 / ms_new / 1e9, 1),
+        )
     os.makedirs(out_dir, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     with open(os.path.join(out_dir, "indexer_topk.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    lines = [f"Indexer op on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}); 64 heads x 128, "
-             f"topk {TOPK}, bf16, one sequence.", "", "| what | context | queries | ms | notes |", "|---|---|---|---|---|"]
+    lines = [
+        f"Indexer op on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}); 64 heads x 128, "
+        f"topk {TOPK}, bf16, one sequence.",
+        "",
+        "| what | context | queries | ms | notes |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         notes = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("what", "context", "queries", "time_ms"))
         lines.append(f"| {r['what']} | {r['context']} | {r['queries']} | {r['time_ms']} | {notes} |")

@@ -8,6 +8,7 @@ Writes <out>/bench_ops.json and <out>/bench_ops.md.
 
     PYTHONPATH=. python scripts/bench_ops.py --out bench_out [--contexts 8192,32768,131072] [--no-sweep]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,10 @@ import triton.testing
 
 from dsaflow.ops.indexer_topk.naive import topk_from_scores
 from dsaflow.ops.indexer_topk.triton_indexer import (
-    indexer_logits_triton, indexer_topk_triton, query_chunk, topk_from_keys,
+    indexer_logits_triton,
+    indexer_topk_triton,
+    query_chunk,
+    topk_from_keys,
 )
 from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
 from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
@@ -122,20 +126,36 @@ def bench_sparse_mla(contexts, do_sweep):
     fwd_cfg = bwd_cfg = None
     if do_sweep:
         q, kv, idx = mla_inputs(32768, n_fwd)
-        fwd_cfg = sweep("sparse_mla_fwd", lambda c: lambda: sparse_mla_fwd_triton(q, kv, idx, scale, D_V, c), [
-            {},  # 3 stages, BLOCK_H 128 x 16 warps, a d_v split and warp_specialize all measured slower
-        ])
+        fwd_cfg = sweep(
+            "sparse_mla_fwd",
+            lambda c: lambda: sparse_mla_fwd_triton(q, kv, idx, scale, D_V, c),
+            [
+                {},  # 3 stages, BLOCK_H 128 x 16 warps, a d_v split and warp_specialize all measured slower
+            ],
+        )
         qb, kvb, idxb = q[:, :n_bwd], kv, idx[:, :n_bwd]
         out, lse = sparse_mla_fwd_triton(qb, kvb, idxb, scale, D_V)
         do = torch.randn_like(out)
-        gemm = lambda bk, bn, bj, w, st: dict(gemm_BLOCK_K=bk, gemm_BLOCK_N=bn, gemm_BLOCK_J=bj,  # noqa: E731
-                                              gemm_num_warps=w, gemm_num_stages=st)
+        gemm = lambda bk, bn, bj, w, st: dict(
+            gemm_BLOCK_K=bk,
+            gemm_BLOCK_N=bn,
+            gemm_BLOCK_J=bj,  # noqa: E731
+            gemm_num_warps=w,
+            gemm_num_stages=st,
+        )
         # one-pass fused dkv / dq kernels measured slower than these (docs/kernels.md, "What we tried")
-        bwd_cfg = sweep("sparse_mla_bwd", lambda c: lambda: sparse_mla_bwd_triton(
-            qb, kvb, idxb, out, lse, do, None, scale, D_V, c), [
-            {}, dict(dqg_BLOCK_K=32, dqg_num_stages=3), dict(dqg_BLOCK_K=128, dqg_num_stages=1),
-            dict(ds_BLOCK_K=32, ds_num_stages=2), dict(dqg_num_stages=1), gemm(64, 128, 64, 4, 3),
-        ])
+        bwd_cfg = sweep(
+            "sparse_mla_bwd",
+            lambda c: lambda: sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V, c),
+            [
+                {},
+                dict(dqg_BLOCK_K=32, dqg_num_stages=3),
+                dict(dqg_BLOCK_K=128, dqg_num_stages=1),
+                dict(ds_BLOCK_K=32, ds_num_stages=2),
+                dict(dqg_num_stages=1),
+                gemm(64, 128, 64, 4, 3),
+            ],
+        )
         # the sweep only times: check the winner against the deterministic path (fixed-order dkv) on the same inputs
         ref = sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V, deterministic=True)
         got = sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V, bwd_cfg)
@@ -155,8 +175,10 @@ def bench_sparse_mla(contexts, do_sweep):
         do = torch.randn_like(out)
         ms = bench(lambda: sparse_mla_bwd_triton(qb, kv, idxb, out, lse, do, None, scale, D_V, bwd_cfg), rep_ms=300)
         record("sparse_mla_bwd", "triton", ctx, ms, flops=bwd_flops, queries=n_bwd, config=bwd_cfg)
-        ms = bench(lambda: sparse_mla_bwd_triton(qb, kv, idxb, out, lse, do, None, scale, D_V, bwd_cfg,
-                                                 deterministic=True), rep_ms=300)
+        ms = bench(
+            lambda: sparse_mla_bwd_triton(qb, kv, idxb, out, lse, do, None, scale, D_V, bwd_cfg, deterministic=True),
+            rep_ms=300,
+        )
         record("sparse_mla_bwd (deterministic)", "triton", ctx, ms, flops=bwd_flops, queries=n_bwd, config=bwd_cfg)
         del q, kv, idx, qb, idxb, out, lse, do
 
@@ -172,8 +194,11 @@ def bench_decode(contexts, do_sweep):
         record("sparse_mla_decode", "triton", ctx, ms, flops=flops, nbytes=nbytes, batch=batch, tokens=t, heads=h)
         if do_sweep and h < 64:  # h128 is compute-bound (the prefill kernel's loop); sweep the memory-bound case
             configs = [dict(num_splits=n) for n in (1, 2, 4)]  # more stages and a d_v split measured slower
-            sweep(f"sparse_mla_decode b{batch} t{t} h{h}", lambda c: lambda: sparse_mla_decode_triton(
-                q, kv, idx, scale, D_V, num_splits=c["num_splits"]), configs)
+            sweep(
+                f"sparse_mla_decode b{batch} t{t} h{h}",
+                lambda c: lambda: sparse_mla_decode_triton(q, kv, idx, scale, D_V, num_splits=c["num_splits"]),
+                configs,
+            )
         del q, kv, idx
 
 
@@ -214,10 +239,18 @@ def bench_indexer(contexts, do_sweep):
     if do_sweep:
         q, k, w, pos = indexer_inputs(32768, n_q)
         buf = torch.empty(1, n_q, 32768, device="cuda")
-        cfg = sweep("indexer_logits", lambda c: lambda: indexer_logits_triton(q, k, w, pos, buf, c), [
-            {}, dict(num_warps=8), dict(BLOCK_T=128, num_warps=8), dict(BLOCK_S=256, num_warps=8),
-            dict(BLOCK_T=128, BLOCK_S=64), dict(BLOCK_T=128, BLOCK_S=256, num_warps=8, num_stages=2),
-        ])
+        cfg = sweep(
+            "indexer_logits",
+            lambda c: lambda: indexer_logits_triton(q, k, w, pos, buf, c),
+            [
+                {},
+                dict(num_warps=8),
+                dict(BLOCK_T=128, num_warps=8),
+                dict(BLOCK_S=256, num_warps=8),
+                dict(BLOCK_T=128, BLOCK_S=64),
+                dict(BLOCK_T=128, BLOCK_S=256, num_warps=8, num_stages=2),
+            ],
+        )
         del q, k, w, pos, buf
     for ctx in contexts:
         q, k, w, pos = indexer_inputs(ctx, n_q)
@@ -228,20 +261,43 @@ def bench_indexer(contexts, do_sweep):
         qc, wc, pc = q[:, :chunk], w[:, :chunk], pos[:, -chunk:]
         ms = bench(lambda: indexer_logits_triton(qc, k, wc, pc, buf, cfg))
         chunk_pairs = int(sum(range(ctx - chunk + 1, ctx + 1)))
-        record("indexer_logits", "triton", ctx, ms, flops=2 * H_I * D_I * chunk_pairs, nbytes=chunk * ctx * 4,
-               queries=chunk, config=cfg)
+        record(
+            "indexer_logits",
+            "triton",
+            ctx,
+            ms,
+            flops=2 * H_I * D_I * chunk_pairs,
+            nbytes=chunk * ctx * 4,
+            queries=chunk,
+            config=cfg,
+        )
         keys = torch.empty(1, chunk, ctx, device="cuda", dtype=torch.int64)
         ms = bench(lambda: indexer_logits_triton(qc, k, wc, pc, keys, cfg))
-        record("indexer_logits (int64 keys)", "triton", ctx, ms, flops=2 * H_I * D_I * chunk_pairs,
-               nbytes=chunk * ctx * 8, queries=chunk, config=cfg)
+        record(
+            "indexer_logits (int64 keys)",
+            "triton",
+            ctx,
+            ms,
+            flops=2 * H_I * D_I * chunk_pairs,
+            nbytes=chunk * ctx * 8,
+            queries=chunk,
+            config=cfg,
+        )
         ms = bench(lambda: topk_from_scores(buf, TOPK))
         record("indexer_topk_only", "naive stable sort", ctx, ms, nbytes=chunk * ctx * 4, queries=chunk)
         ms = bench(lambda: unsorted_topk_then_sort(buf, TOPK))
-        record("indexer_topk_only", "fp32 topk(sorted=False)+sort, no tie rule", ctx, ms, nbytes=chunk * ctx * 4,
-               queries=chunk)
+        record(
+            "indexer_topk_only",
+            "fp32 topk(sorted=False)+sort, no tie rule",
+            ctx,
+            ms,
+            nbytes=chunk * ctx * 4,
+            queries=chunk,
+        )
         ms = bench(lambda: topk_from_keys(keys, TOPK))
-        record("indexer_topk_only", "int64 keys topk(sorted=False)+sort", ctx, ms, nbytes=chunk * ctx * 8,
-               queries=chunk)
+        record(
+            "indexer_topk_only", "int64 keys topk(sorted=False)+sort", ctx, ms, nbytes=chunk * ctx * 8, queries=chunk
+        )
         del keys
         ms = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, overrides=cfg), rep_ms=300)
         record("indexer_logits+topk", "triton+torch.topk", ctx, ms, flops=flops, queries=n_q)
@@ -268,16 +324,29 @@ def kernel_stats():
     from dsaflow.ops.sparse_mla import triton_backward, triton_decode, triton_prefill
 
     stats = []
-    for fn in (triton_prefill._sparse_mla_fwd_kernel, triton_backward._sparse_mla_bwd_ds_kernel,
-               triton_backward._sparse_mla_bwd_dq_gemm_kernel, triton_backward._sparse_mla_bwd_dkv_gemm_kernel,
-               triton_backward._sparse_mla_bwd_dkv_reduce_kernel,
-               triton_decode._combine_kernel, triton_indexer._indexer_logits_kernel):
+    for fn in (
+        triton_prefill._sparse_mla_fwd_kernel,
+        triton_backward._sparse_mla_bwd_ds_kernel,
+        triton_backward._sparse_mla_bwd_dq_gemm_kernel,
+        triton_backward._sparse_mla_bwd_dkv_gemm_kernel,
+        triton_backward._sparse_mla_bwd_dkv_reduce_kernel,
+        triton_decode._combine_kernel,
+        triton_indexer._indexer_logits_kernel,
+    ):
         try:
             for cache in fn.device_caches.values():
                 for key, k in cache[0].items():
-                    stats.append(dict(kernel=fn.__name__, n_regs=k.n_regs, n_spills=k.n_spills,
-                                      shared=k.metadata.shared, num_warps=k.metadata.num_warps,
-                                      num_stages=k.metadata.num_stages, key=str(key)[-160:]))
+                    stats.append(
+                        dict(
+                            kernel=fn.__name__,
+                            n_regs=k.n_regs,
+                            n_spills=k.n_spills,
+                            shared=k.metadata.shared,
+                            num_warps=k.metadata.num_warps,
+                            num_stages=k.metadata.num_stages,
+                            key=str(key)[-160:],
+                        )
+                    )
         except Exception as e:  # the cache layout is a Triton internal; report rather than fail
             stats.append(dict(kernel=fn.__name__, error=repr(e)[:200]))
     for s in stats:
@@ -286,11 +355,15 @@ def kernel_stats():
 
 
 def write_markdown(path, meta):
-    lines = [f"# bench_ops ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})", "",
-             f"Ceilings measured here: bf16 8192^3 matmul {CEIL['matmul_tflops']} TFLOP/s, "
-             f"device copy {CEIL['copy_tbps']} TB/s (read + write).", "",
-             "| kernel | impl | context | shape | time ms | TFLOP/s | % matmul | TB/s | % copy |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# bench_ops ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})",
+        "",
+        f"Ceilings measured here: bf16 8192^3 matmul {CEIL['matmul_tflops']} TFLOP/s, "
+        f"device copy {CEIL['copy_tbps']} TB/s (read + write).",
+        "",
+        "| kernel | impl | context | shape | time ms | TFLOP/s | % matmul | TB/s | % copy |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in ROWS:
         if r["impl"] == "sweep":
             continue
@@ -298,7 +371,8 @@ def write_markdown(path, meta):
         lines.append(
             f"| {r['kernel']} | {r['impl']} | {r['context']} | {shape} | {r['time_ms']:.3f} | "
             f"{r.get('tflops', '')} | {'' if 'frac_matmul' not in r else round(100 * r['frac_matmul'], 1)} | "
-            f"{r.get('tbps', '')} | {'' if 'frac_copy' not in r else round(100 * r['frac_copy'], 1)} |")
+            f"{r.get('tbps', '')} | {'' if 'frac_copy' not in r else round(100 * r['frac_copy'], 1)} |"
+        )
     lines += ["", "Sweeps (ms at 32K):", ""]
     lines += [f"- {r['kernel']} {r['config']}: {r['time_ms']}" for r in ROWS if r["impl"] == "sweep"]
     open(path, "w").write("\n".join(lines) + "\n")

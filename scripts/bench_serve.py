@@ -17,6 +17,7 @@ Busy fraction of a rank = time its stages computed / wall time (perf_counter on 
 counts only ticks in which every pass in flight was a decode step. Writes <out>/bench_serve.json, bench_serve.md and
 bench_serve.png (matplotlib).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,9 +60,12 @@ def parse_args(argv=None):
     ap.add_argument("--mixed-new", default=None, help="lo,hi max_new_tokens (default 16,96 CPU; 16,256 CUDA)")
     ap.add_argument("--uniform-prompt", type=int, default=None, help="default 32 CPU, 512 CUDA")
     ap.add_argument("--uniform-new", type=int, default=None, help="default 32 CPU, 128 CUDA")
-    ap.add_argument("--overrides", default=None,
-                    help="extra config overrides, space separated (default on CPU: a tiny model widened to dim 256, "
-                         "so that a pass's time grows with its rows; 'none' for none)")
+    ap.add_argument(
+        "--overrides",
+        default=None,
+        help="extra config overrides, space separated (default on CPU: a tiny model widened to dim 256, "
+        "so that a pass's time grows with its rows; 'none' for none)",
+    )
     ap.add_argument("--graphs", default=None, choices=("on", "off"), help="CUDA graphs (default on with CUDA)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
     ap.add_argument("--seed", type=int, default=0)
@@ -109,9 +113,19 @@ def workload(args, name: str, vocab: int):
 
 def make_cfg(args, pipeline: str, microbatches, context: int):
     graphs = ["graphs=decode_prefill"] if args.graphs == "on" else ["graphs=off"]
-    cfg = compose(["mode=serve", "track=none", f"model={args.model}", f"pipeline={pipeline}", *graphs,
-                   f"serve.max_batch={args.max_batch}", f"serve.prefill_chunk={args.prefill_chunk}",
-                   f"serve.max_context={context}", *args.overrides.split()])
+    cfg = compose(
+        [
+            "mode=serve",
+            "track=none",
+            f"model={args.model}",
+            f"pipeline={pipeline}",
+            *graphs,
+            f"serve.max_batch={args.max_batch}",
+            f"serve.prefill_chunk={args.prefill_chunk}",
+            f"serve.max_context={context}",
+            *args.overrides.split(),
+        ]
+    )
     cfg.serve.microbatches = microbatches
     if args.graphs == "on":
         groups = microbatches or RANKS[pipeline]
@@ -153,20 +167,36 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) 
         busy = gather((st["busy_fraction"], st["decode_busy"]))
         if out is not None:
             tokens = sum(len(o) for o in out)
-            rows.append({
-                "pipeline": pipeline, "ranks": RANKS[pipeline], "microbatches": eng.groups,
-                "microbatches_setting": "default" if mb is None else mb, "workload": w,
-                "batching": "continuous" if continuous else "fixed", "requests": len(prompts),
-                "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                "ttft_p50_s": pct(st["ttft_s"].values(), 0.5), "ttft_p99_s": pct(st["ttft_s"].values(), 0.99),
-                "tpot_p50_s": pct(st["tpot_s"].values(), 0.5), "tpot_p99_s": pct(st["tpot_s"].values(), 0.99),
-                "busy_fraction": [b[0] for b in busy], "decode_busy_fraction": [b[1] for b in busy],
-                "ticks": st["ticks"], "graphs": args.graphs, "device": str(device),
-            })
+            rows.append(
+                {
+                    "pipeline": pipeline,
+                    "ranks": RANKS[pipeline],
+                    "microbatches": eng.groups,
+                    "microbatches_setting": "default" if mb is None else mb,
+                    "workload": w,
+                    "batching": "continuous" if continuous else "fixed",
+                    "requests": len(prompts),
+                    "output_tokens": tokens,
+                    "wall_s": wall,
+                    "tokens_per_s": tokens / wall,
+                    "ttft_p50_s": pct(st["ttft_s"].values(), 0.5),
+                    "ttft_p99_s": pct(st["ttft_s"].values(), 0.99),
+                    "tpot_p50_s": pct(st["tpot_s"].values(), 0.5),
+                    "tpot_p99_s": pct(st["tpot_s"].values(), 0.99),
+                    "busy_fraction": [b[0] for b in busy],
+                    "decode_busy_fraction": [b[1] for b in busy],
+                    "ticks": st["ticks"],
+                    "graphs": args.graphs,
+                    "device": str(device),
+                }
+            )
             r = rows[-1]
-            print(f"{pipeline} groups={r['microbatches']} {w} {r['batching']}: {r['tokens_per_s']:.1f} tokens/s, "
-                  f"busy {[round(b, 2) for b in r['busy_fraction']]}, decode busy "
-                  f"{[round(b, 2) for b in r['decode_busy_fraction']]}", flush=True)
+            print(
+                f"{pipeline} groups={r['microbatches']} {w} {r['batching']}: {r['tokens_per_s']:.1f} tokens/s, "
+                f"busy {[round(b, 2) for b in r['busy_fraction']]}, decode busy "
+                f"{[round(b, 2) for b in r['decode_busy_fraction']]}",
+                flush=True,
+            )
         del eng
     return rows
 
@@ -205,12 +235,37 @@ def worker(args) -> None:
 def run_pipeline(args, pipeline: str) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         rows_file = os.path.join(tmp, "rows.json")
-        passed = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-            "device", "workloads", "model", "overrides", "requests", "max_batch", "prefill_chunk", "mixed_prompt",
-            "mixed_new", "uniform_prompt", "uniform_new", "graphs", "threads", "seed")]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS[pipeline]}",
-               str(Path(__file__).resolve()), *passed, "--worker", f"--pipeline={pipeline}",
-               f"--rows-file={rows_file}"]
+        passed = [
+            f"--{k.replace('_', '-')}={getattr(args, k)}"
+            for k in (
+                "device",
+                "workloads",
+                "model",
+                "overrides",
+                "requests",
+                "max_batch",
+                "prefill_chunk",
+                "mixed_prompt",
+                "mixed_new",
+                "uniform_prompt",
+                "uniform_new",
+                "graphs",
+                "threads",
+                "seed",
+            )
+        ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={RANKS[pipeline]}",
+            str(Path(__file__).resolve()),
+            *passed,
+            "--worker",
+            f"--pipeline={pipeline}",
+            f"--rows-file={rows_file}",
+        ]
         env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
         if args.device == "cpu":
             env["OMP_NUM_THREADS"] = str(args.threads)
@@ -227,41 +282,62 @@ def checks(rows: list) -> list:
     for (p, w, mb, b), r in by.items():
         one = by.get((p, w, 1, "continuous"))
         if mb == "default" and b == "continuous" and one is not None and r["ranks"] > 1:
-            out.append({"check": f"{p} {w}: default groups vs serve.microbatches=1", "pipeline": p, "workload": w,
-                        "tokens_per_s_ratio": r["tokens_per_s"] / one["tokens_per_s"],
-                        "decode_busy_default": r["decode_busy_fraction"],
-                        "decode_busy_one": one["decode_busy_fraction"]})
+            out.append(
+                {
+                    "check": f"{p} {w}: default groups vs serve.microbatches=1",
+                    "pipeline": p,
+                    "workload": w,
+                    "tokens_per_s_ratio": r["tokens_per_s"] / one["tokens_per_s"],
+                    "decode_busy_default": r["decode_busy_fraction"],
+                    "decode_busy_one": one["decode_busy_fraction"],
+                }
+            )
         fixed = by.get((p, w, "default", "fixed"))
         if mb == "default" and b == "continuous" and fixed is not None:
-            out.append({"check": f"{p} {w}: continuous vs fixed batches", "pipeline": p, "workload": w,
-                        "tokens_per_s_ratio": r["tokens_per_s"] / fixed["tokens_per_s"]})
+            out.append(
+                {
+                    "check": f"{p} {w}: continuous vs fixed batches",
+                    "pipeline": p,
+                    "workload": w,
+                    "tokens_per_s_ratio": r["tokens_per_s"] / fixed["tokens_per_s"],
+                }
+            )
     return out
 
 
 def markdown(rows: list, env: dict, cks: list) -> str:
     f = lambda v, s="{:.3f}": "-" if v is None else s.format(v)  # noqa: E731
-    lines = ["# Serving benchmark", "",
-             f"{env['device_name']}, torch {env['torch']}, model {env['model']} {env['overrides']}, "
-             f"graphs {env['graphs']}, "
-             f"serve.max_batch {env['max_batch']}, {env['requests']} requests per workload (mixed: prompts "
-             f"{env['mixed_prompt']} log-uniform, new {env['mixed_new']}; uniform: {env['uniform_prompt']} + "
-             f"{env['uniform_new']}), "
-             f"{env['threads']} thread(s) per process on CPU, 1-minute load average {env['load_average_1min'][0]:.1f} "
-             f"before and {env['load_average_1min'][1]:.1f} after. Command: `{env['command']}`.", "",
-             "| pipeline | groups (serve.microbatches) | workload | batching | tokens/s | TTFT p50 s | TTFT p99 s "
-             "| TPOT p50 ms | TPOT p99 ms | busy per rank | decode busy per rank |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---|---|"]
+    lines = [
+        "# Serving benchmark",
+        "",
+        f"{env['device_name']}, torch {env['torch']}, model {env['model']} {env['overrides']}, "
+        f"graphs {env['graphs']}, "
+        f"serve.max_batch {env['max_batch']}, {env['requests']} requests per workload (mixed: prompts "
+        f"{env['mixed_prompt']} log-uniform, new {env['mixed_new']}; uniform: {env['uniform_prompt']} + "
+        f"{env['uniform_new']}), "
+        f"{env['threads']} thread(s) per process on CPU, 1-minute load average {env['load_average_1min'][0]:.1f} "
+        f"before and {env['load_average_1min'][1]:.1f} after. Command: `{env['command']}`.",
+        "",
+        "| pipeline | groups (serve.microbatches) | workload | batching | tokens/s | TTFT p50 s | TTFT p99 s "
+        "| TPOT p50 ms | TPOT p99 ms | busy per rank | decode busy per rank |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---|---|",
+    ]
     for r in rows:
         ms = lambda v: None if v is None else v * 1e3  # noqa: E731
-        lines.append(f"| {r['pipeline']} | {r['microbatches']} ({r['microbatches_setting']}) | {r['workload']} | "
-                     f"{r['batching']} | "
-                     f"{r['tokens_per_s']:.1f} | {f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | "
-                     f"{f(ms(r['tpot_p50_s']), '{:.2f}')} | {f(ms(r['tpot_p99_s']), '{:.2f}')} | "
-                     f"{', '.join(f'{b:.2f}' for b in r['busy_fraction'])} | "
-                     f"{', '.join(f'{b:.2f}' for b in r['decode_busy_fraction'])} |")
+        lines.append(
+            f"| {r['pipeline']} | {r['microbatches']} ({r['microbatches_setting']}) | {r['workload']} | "
+            f"{r['batching']} | "
+            f"{r['tokens_per_s']:.1f} | {f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | "
+            f"{f(ms(r['tpot_p50_s']), '{:.2f}')} | {f(ms(r['tpot_p99_s']), '{:.2f}')} | "
+            f"{', '.join(f'{b:.2f}' for b in r['busy_fraction'])} | "
+            f"{', '.join(f'{b:.2f}' for b in r['decode_busy_fraction'])} |"
+        )
     if cks:
-        lines += ["", "| comparison | tokens/s ratio | decode busy (default groups) | decode busy (one group) |",
-                  "|---|---:|---|---|"]
+        lines += [
+            "",
+            "| comparison | tokens/s ratio | decode busy (default groups) | decode busy (one group) |",
+            "|---|---:|---|---|",
+        ]
         for c in cks:
             d = ", ".join(f"{b:.2f}" for b in c.get("decode_busy_default", [])) or "-"
             o = ", ".join(f"{b:.2f}" for b in c.get("decode_busy_one", [])) or "-"
@@ -278,8 +354,10 @@ def plot(rows: list, path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("bench_serve.py draws its PNG with matplotlib: pip install 'dsaflow[plots]' "
-                         "(or pip install matplotlib), then rerun.") from None
+        raise SystemExit(
+            "bench_serve.py draws its PNG with matplotlib: pip install 'dsaflow[plots]' "
+            "(or pip install matplotlib), then rerun."
+        ) from None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     labels = [f"{r['pipeline']}\n{r['workload']}\ng={r['microbatches']} {r['batching'][:4]}" for r in rows]
     x = range(len(rows))
@@ -290,8 +368,12 @@ def plot(rows: list, path: Path) -> None:
     ax1.set_title("throughput")
     width = 0.8 / max(r["ranks"] for r in rows)
     for k in range(max(r["ranks"] for r in rows)):
-        ax2.bar([i + k * width for i in x], [r["decode_busy_fraction"][k] if k < r["ranks"] else 0 for r in rows],
-                width, label=f"rank {k}")
+        ax2.bar(
+            [i + k * width for i in x],
+            [r["decode_busy_fraction"][k] if k < r["ranks"] else 0 for r in rows],
+            width,
+            label=f"rank {k}",
+        )
     ax2.set_xticks([i + 0.4 - width / 2 for i in x], labels, fontsize=6)
     ax2.set_ylim(0, 1)
     ax2.set_ylabel("busy fraction in decode")
@@ -333,16 +415,26 @@ def run_all(args, argv) -> int:
         else:
             rows += run_pipeline(args, p)
     cks = checks(rows)
-    env = {"torch": torch.__version__, "device": args.device, "model": args.model, "overrides": args.overrides,
-           "graphs": args.graphs,
-           "device_name": (torch.cuda.get_device_name(0) if args.device == "cuda"
-                           else f"CPU ({os.cpu_count()} cores)"),
-           "max_batch": args.max_batch, "requests": args.requests, "mixed_prompt": args.mixed_prompt,
-           "mixed_new": args.mixed_new, "uniform_prompt": args.uniform_prompt, "uniform_new": args.uniform_new,
-           "prefill_chunk": args.prefill_chunk, "threads": args.threads, "skipped": skipped,
-           # other processes on the machine: pp ranks compute at once, so a busy machine slows them most
-           "load_average_1min": [load_before, os.getloadavg()[0]],
-           "command": "python scripts/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    env = {
+        "torch": torch.__version__,
+        "device": args.device,
+        "model": args.model,
+        "overrides": args.overrides,
+        "graphs": args.graphs,
+        "device_name": (torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"),
+        "max_batch": args.max_batch,
+        "requests": args.requests,
+        "mixed_prompt": args.mixed_prompt,
+        "mixed_new": args.mixed_new,
+        "uniform_prompt": args.uniform_prompt,
+        "uniform_new": args.uniform_new,
+        "prefill_chunk": args.prefill_chunk,
+        "threads": args.threads,
+        "skipped": skipped,
+        # other processes on the machine: pp ranks compute at once, so a busy machine slows them most
+        "load_average_1min": [load_before, os.getloadavg()[0]],
+        "command": "python scripts/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_serve.json").write_text(json.dumps({"env": env, "rows": rows, "checks": cks}, indent=2))

@@ -13,6 +13,7 @@ count docs/kernels.md uses: fwd 2 H K (d_qk + d_v), bwd 2 H K (3 d_qk + 2 d_v) p
 only (sum of n_keys instead of T K). Before timing, the bounded and unbounded results are compared.
 Writes <out>/bench_sparse_mla_causal.json and .md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,9 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_hopper import D_QK, D_V, H, ROWS, TOPK, bench, hp, rec, tp  # noqa: E402  (one timer, one row list)
-
 import importlib  # noqa: E402
+
+from bench_hopper import D_QK, D_V, ROWS, TOPK, H, bench, hp, rec, tp  # noqa: E402  (one timer, one row list)
 
 from dsaflow.ops.indexer_topk import ascending_keys  # noqa: E402
 
@@ -46,7 +47,7 @@ def causal_topk(S: int, K: int, seed: int) -> torch.Tensor:
         val, sel = sc.topk(min(K, S), dim=-1)
         sel = ascending_keys(torch.where(val < 0, -1, sel).int())
         idx[0, t0:t1, : sel.shape[1]] = sel
-        idx[0, t0:t1, sel.shape[1]:] = -1
+        idx[0, t0:t1, sel.shape[1] :] = -1
     return idx
 
 
@@ -79,9 +80,16 @@ def run(S: int, mm: float, seed: int = 0):
     bwd_nom = 2 * H * slots * (3 * D_QK + 2 * D_V)
 
     def row(kernel, variant, ms, nominal):
-        rec(seq=S, kernel=kernel, variant=variant, time_ms=round(ms, 4),
-            tflops_nominal=round(nominal / ms / 1e9, 1), frac_matmul=round(nominal / ms / 1e9 / mm, 3),
-            tflops_valid_pairs=round(nominal * pairs / slots / ms / 1e9, 1), valid_pair_share=round(pairs / slots, 4))
+        rec(
+            seq=S,
+            kernel=kernel,
+            variant=variant,
+            time_ms=round(ms, 4),
+            tflops_nominal=round(nominal / ms / 1e9, 1),
+            frac_matmul=round(nominal / ms / 1e9 / mm, 3),
+            tflops_valid_pairs=round(nominal * pairs / slots / ms / 1e9, 1),
+            valid_pair_share=round(pairs / slots, 4),
+        )
 
     row("key_extent", "", bench(lambda: tp.key_extent(idx, S)), 0)
     fwds = {"triton": lambda n: tp.sparse_mla_fwd_triton(q, kv, idx, scale, D_V, n_keys=n)}
@@ -110,14 +118,19 @@ def run(S: int, mm: float, seed: int = 0):
 
 
 def markdown(meta) -> str:
-    lines = [f"Device: {meta['device']} (torch {meta['torch']}, triton {meta['triton']}); bf16 matmul ceiling "
-             f"{meta['matmul_tflops']:.0f} TFLOP/s. Causal top-{TOPK} layout, h{H}, d_qk {D_QK}, d_v {D_V}.", "",
-             "| seq | kernel | loop bound | ms | TFLOP/s nominal (all slots) | % of matmul | TFLOP/s on valid pairs |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Device: {meta['device']} (torch {meta['torch']}, triton {meta['triton']}); bf16 matmul ceiling "
+        f"{meta['matmul_tflops']:.0f} TFLOP/s. Causal top-{TOPK} layout, h{H}, d_qk {D_QK}, d_v {D_V}.",
+        "",
+        "| seq | kernel | loop bound | ms | TFLOP/s nominal (all slots) | % of matmul | TFLOP/s on valid pairs |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in ROWS:
         frac = f"{100 * r['frac_matmul']:.1f}" if r["frac_matmul"] else ""
-        lines.append(f"| {r['seq']} | {r['kernel']} | {r['variant']} | {r['time_ms']:.3f} | "
-                     f"{r['tflops_nominal'] or ''} | {frac} | {r['tflops_valid_pairs'] or ''} |")
+        lines.append(
+            f"| {r['seq']} | {r['kernel']} | {r['variant']} | {r['time_ms']:.3f} | "
+            f"{r['tflops_nominal'] or ''} | {frac} | {r['tflops_valid_pairs'] or ''} |"
+        )
     shares = sorted({(r["seq"], r["valid_pair_share"]) for r in ROWS})
     lines += ["", "Valid (query, key) pairs / (T x topk): " + ", ".join(f"{s}: {v:.3f}" for s, v in shares)]
     return "\n".join(lines) + "\n"
@@ -134,8 +147,12 @@ def main():
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm = 2 * 8192**3 / bench(lambda: a @ b) / 1e9
     del a, b
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                matmul_tflops=round(mm, 1))
+    meta = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        matmul_tflops=round(mm, 1),
+    )
     t0 = time.time()
     for s in (int(x) for x in args.seq.split(",")):
         run(s, mm)

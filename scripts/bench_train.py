@@ -21,6 +21,7 @@ Reported per schedule (JSON + a markdown table in --out):
                         the peak stated there
 Efficiency also pays for optimizer, clipping and the metric all-reduce, which the ideal ignores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,10 +40,24 @@ MULTI = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble
 def run_one(schedule: str, ranks: int, steps: int, overrides, out: Path) -> dict:
     stages = ranks if schedule in SINGLE else 2 * ranks
     run_dir = out / f"run-{schedule}"
-    cmd = [sys.executable, "-m", "dsaflow.cli", "train", *overrides, f"pipeline.stages={stages}",
-           f"pipeline.ranks={ranks}", f"pipeline.schedule={schedule}", f"train.steps={steps}", "track=none",
-           "train.eval_every=0", "train.eval_batches=1", "train.final_ckpt=false", "train.progress=lines",
-           f"train.log_every={steps}", f"run_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsaflow.cli",
+        "train",
+        *overrides,
+        f"pipeline.stages={stages}",
+        f"pipeline.ranks={ranks}",
+        f"pipeline.schedule={schedule}",
+        f"train.steps={steps}",
+        "track=none",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.final_ckpt=false",
+        "train.progress=lines",
+        f"train.log_every={steps}",
+        f"run_dir={run_dir}",
+    ]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     result = {"schedule": schedule, "ranks": ranks, "stages": stages, "launch_wall_s": time.time() - t0}
@@ -77,10 +92,12 @@ def summarize(res: dict, warmup: int) -> dict:
 
 
 def markdown(rows, args) -> str:
-    head = (f"# Pipeline training benchmark\n\n{args.ranks} ranks, {args.steps} steps ({args.warmup} warm-up dropped), "
-            f"overrides: `{' '.join(args.overrides) or '(defaults)'}`\n\n"
-            "| schedule | stages | m | tokens/s | step (s) | efficiency | ideal m/(m+p-1) | ideal interleaved | MFU | "
-            "stage compute (s) |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        f"# Pipeline training benchmark\n\n{args.ranks} ranks, {args.steps} steps ({args.warmup} warm-up dropped), "
+        f"overrides: `{' '.join(args.overrides) or '(defaults)'}`\n\n"
+        "| schedule | stages | m | tokens/s | step (s) | efficiency | ideal m/(m+p-1) | ideal interleaved | MFU | "
+        "stage compute (s) |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     lines = []
     for r in rows:
         if "error" in r:
@@ -88,11 +105,15 @@ def markdown(rows, args) -> str:
             continue
         mfu = f"{100 * r['mfu']:.2f}%" if "mfu" in r else "n/a"
         st = ", ".join(f"{t:.3f}" for t in r["stage_time_s"])
-        lines.append(f"| {r['schedule']} | {r['stages']} | {r['microbatches']} | {r['tokens_per_s']:.0f} | "
-                     f"{r['step_time_s']:.3f} | {r['efficiency']:.3f} | {r['ideal']:.3f} | {r['ideal_interleaved']:.3f} "
-                     f"| {mfu} | {st} |")
-    notes = ("\n\nefficiency = sum of per-stage compute time / (ranks x wall step time); compute time is the sum of "
-             "the stage's forward/backward/weight-backward chunks (CUDA events on GPU). See the script docstring.\n")
+        lines.append(
+            f"| {r['schedule']} | {r['stages']} | {r['microbatches']} | {r['tokens_per_s']:.0f} | "
+            f"{r['step_time_s']:.3f} | {r['efficiency']:.3f} | {r['ideal']:.3f} | {r['ideal_interleaved']:.3f} "
+            f"| {mfu} | {st} |"
+        )
+    notes = (
+        "\n\nefficiency = sum of per-stage compute time / (ranks x wall step time); compute time is the sum of "
+        "the stage's forward/backward/weight-backward chunks (CUDA events on GPU). See the script docstring.\n"
+    )
     return head + "\n".join(lines) + notes
 
 
@@ -113,13 +134,20 @@ def main(argv=None) -> int:
     for sched in args.schedules.split(","):
         print(f"[bench_train] {sched} on {args.ranks} ranks ...", flush=True)
         row = summarize(run_one(sched, args.ranks, args.steps, args.overrides, out), args.warmup)
-        print("   ", row.get("error") or f"{row['tokens_per_s']:.0f} tokens/s, efficiency {row['efficiency']:.3f} "
-              f"(ideal {row['ideal']:.3f})", flush=True)
+        print(
+            "   ",
+            row.get("error")
+            or f"{row['tokens_per_s']:.0f} tokens/s, efficiency {row['efficiency']:.3f} (ideal {row['ideal']:.3f})",
+            flush=True,
+        )
         rows.append(row)
     import torch
 
-    env = {"torch": torch.__version__, "cpus": os.cpu_count(),
-           "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    env = {
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
     (out / "bench_train.json").write_text(json.dumps({"env": env, "args": vars(args), "results": rows}, indent=2))
     (out / "bench_train.md").write_text(markdown(rows, args))
     print(f"[bench_train] wrote {out / 'bench_train.json'} and {out / 'bench_train.md'}")

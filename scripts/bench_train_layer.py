@@ -24,6 +24,7 @@ fp32 PyTorch reference in the forward, the path before the kernels existed):
 
 Writes bench_train_layer.json and bench_train_layer.md into --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,13 +66,24 @@ def matmul_ceiling_tflops() -> float:
 
 def build(layers: int, index: str, seq: int, recompute: str = "none"):
     from dsaflow.config.compose import compose
-    from dsaflow.run.stages import stage_module
     from dsaflow.plan import build_plan
+    from dsaflow.run.stages import stage_module
     from dsaflow.train.metrics import model_flops_per_token
 
-    cfg = compose(["model=dsv32", "model.vocab_size=256", "model.inter_dim=2048", f"model.num_layers={layers}",
-                   f"model.max_seq_len={max(seq, 4096)}", f"index={index}", f"train.seq_len={seq}",
-                   f"train.recompute={recompute}", "train.batch_size=1", "pipeline.microbatches=1"])
+    cfg = compose(
+        [
+            "model=dsv32",
+            "model.vocab_size=256",
+            "model.inter_dim=2048",
+            f"model.num_layers={layers}",
+            f"model.max_seq_len={max(seq, 4096)}",
+            f"index={index}",
+            f"train.seq_len={seq}",
+            f"train.recompute={recompute}",
+            "train.batch_size=1",
+            "pipeline.microbatches=1",
+        ]
+    )
     plan = build_plan(cfg)
     stage = stage_module(cfg.model, plan, 0, seed=0).cuda().train()
     stage.recompute = recompute
@@ -152,15 +164,22 @@ def set_impl(impl: str) -> None:
 IMPLS = ("fused", "fused_forward", "naive")
 
 
-def run_case(seq: int, layers: int, index: str, impl: str, reps: int, profile: bool, ceiling: float,
-             recompute: str = "none") -> dict:
+def run_case(
+    seq: int, layers: int, index: str, impl: str, reps: int, profile: bool, ceiling: float, recompute: str = "none"
+) -> dict:
     set_impl(impl)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     cfg, plan, stage, opts, flops = build(layers, index, seq, recompute)
     x = torch.randint(0, 256, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    row = {"seq": seq, "layers": layers, "index": index, "impl": impl,
-           "roles": "".join(l.role for l in plan.layers), "recompute": recompute}
+    row = {
+        "seq": seq,
+        "layers": layers,
+        "index": index,
+        "impl": impl,
+        "roles": "".join(l.role for l in plan.layers),
+        "recompute": recompute,
+    }
     try:
         full = make_step(stage, opts, x, True, in_backward=impl == "fused")
         full()  # creates the optimiser state
@@ -192,27 +211,40 @@ def run_case(seq: int, layers: int, index: str, impl: str, reps: int, profile: b
 
 
 def markdown(rows: list, ceiling: float, device: str) -> str:
-    lines = [f"Device: {device}; bf16 8192^3 matmul ceiling measured here: {ceiling:.0f} TFLOP/s.", "",
-             "| seq | layers (roles) | recompute | indexer loss | step ms | tokens/s | no-loss ms | indexer loss share | model TFLOP/step "
-             "| TFLOP/s | of matmul ceiling | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Device: {device}; bf16 8192^3 matmul ceiling measured here: {ceiling:.0f} TFLOP/s.",
+        "",
+        "| seq | layers (roles) | recompute | indexer loss | step ms | tokens/s | no-loss ms | indexer loss share | model TFLOP/step "
+        "| TFLOP/s | of matmul ceiling | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['seq']} | {r['layers']} ({r['roles']}) | {r['recompute']} | {r['impl']} | {r['error']} "
-                         "|||||||||")
+            lines.append(
+                f"| {r['seq']} | {r['layers']} ({r['roles']}) | {r['recompute']} | {r['impl']} | {r['error']} |||||||||"
+            )
             continue
         lines.append(
             f"| {r['seq']} | {r['layers']} ({r['roles']}) | {r['recompute']} | {r['impl']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
             f"{r['no_loss_ms']:.1f} | {100 * r['indexer_loss_share']:.1f}% | {r['model_tflop']:.2f} | {r['tflops']:.0f} | "
-            f"{100 * r['mfu_of_measured_matmul']:.1f}% | {r['peak_mem_gib']:.1f} |")
+            f"{100 * r['mfu_of_measured_matmul']:.1f}% | {r['peak_mem_gib']:.1f} |"
+        )
     prof = [r for r in rows if "per_layer_mb_ms" in r]
     if prof:
-        lines += ["", "Per layer x microbatch (one sequence), kernel time by kind (ms, torch.profiler):", "",
-                  "| seq | indexer loss | " + " | ".join(KINDS) + " | sum |", "|---|---|" + "---|" * (len(KINDS) + 1)]
+        lines += [
+            "",
+            "Per layer x microbatch (one sequence), kernel time by kind (ms, torch.profiler):",
+            "",
+            "| seq | indexer loss | " + " | ".join(KINDS) + " | sum |",
+            "|---|---|" + "---|" * (len(KINDS) + 1),
+        ]
         for r in prof:
             k = r["per_layer_mb_ms"]
-            lines.append(f"| {r['seq']} | {r['impl']} | " + " | ".join(f"{k[x]:.2f}" for x in KINDS)
-                         + f" | {sum(k.values()):.2f} |")
+            lines.append(
+                f"| {r['seq']} | {r['impl']} | "
+                + " | ".join(f"{k[x]:.2f}" for x in KINDS)
+                + f" | {sum(k.values()):.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -224,8 +256,12 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default="fused,fused_forward,naive", help=f"comma-separated, of {IMPLS}")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--recompute", default="none", choices=["none", "attention", "block"],
-                    help="train.recompute: attention = keep only the attention inputs, recompute in backward")
+    ap.add_argument(
+        "--recompute",
+        default="none",
+        choices=["none", "attention", "block"],
+        help="train.recompute: attention = keep only the attention inputs, recompute in backward",
+    )
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     bad = set(args.impls.split(",")) - set(IMPLS)
@@ -241,12 +277,12 @@ def main(argv=None) -> int:
     rows = []
     for seq in (int(s) for s in args.seq.split(",")):
         for impl in args.impls.split(","):
-            row = run_case(seq, args.layers, args.index, impl, args.reps, not args.no_profile, ceiling,
-                           args.recompute)
+            row = run_case(seq, args.layers, args.index, impl, args.reps, not args.no_profile, ceiling, args.recompute)
             print(json.dumps({k: v for k, v in row.items() if k != "top_other_kernels_ms"}), flush=True)
             rows.append(row)
-    (out / "bench_train_layer.json").write_text(json.dumps({"device": device, "matmul_tflops": ceiling,
-                                                            "rows": rows}, indent=2))
+    (out / "bench_train_layer.json").write_text(
+        json.dumps({"device": device, "matmul_tflops": ceiling, "rows": rows}, indent=2)
+    )
     md = markdown(rows, ceiling, device)
     (out / "bench_train_layer.md").write_text(md)
     print(md)

@@ -19,6 +19,7 @@ estimate_gib (the plan's training peak, dsaflow.plan.memory, with its terms) and
 
 Writes bench_train_stage.json and bench_train_stage.md into --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,21 @@ def plan_for(layers: int, index: str, seq: int, recompute: str, chunk_tokens: in
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan
 
-    cfg = compose(["model=dsv32", "model.vocab_size=256", "model.inter_dim=2048", f"model.num_layers={layers}",
-                   f"model.max_seq_len={max(seq, 4096)}", f"index={index}", f"train.seq_len={seq}",
-                   f"train.recompute={recompute}", f"train.recompute_chunk_tokens={chunk_tokens}",
-                   "train.batch_size=1", "pipeline.microbatches=1"])
+    cfg = compose(
+        [
+            "model=dsv32",
+            "model.vocab_size=256",
+            "model.inter_dim=2048",
+            f"model.num_layers={layers}",
+            f"model.max_seq_len={max(seq, 4096)}",
+            f"index={index}",
+            f"train.seq_len={seq}",
+            f"train.recompute={recompute}",
+            f"train.recompute_chunk_tokens={chunk_tokens}",
+            "train.batch_size=1",
+            "pipeline.microbatches=1",
+        ]
+    )
     return cfg, build_plan(cfg)
 
 
@@ -77,16 +89,23 @@ def make_step(stage, opts, x):
     return step
 
 
-def measure(stage, opts, layers: int, index: str, seq: int, recompute: str, reps: int,
-            chunk_tokens: int = 16384) -> dict:
+def measure(
+    stage, opts, layers: int, index: str, seq: int, recompute: str, reps: int, chunk_tokens: int = 16384
+) -> dict:
     """One row (see the module docstring) on the stage and optimisers of `build(layers, index)`."""
     from dsaflow.train.metrics import model_flops_per_token
 
     cfg, plan = plan_for(layers, index, seq, recompute, chunk_tokens)
     se = plan.estimates["stages"][0]
-    row = {"seq": seq, "layers": layers, "index": index, "recompute": recompute,
-           "roles": "".join(l.role for l in plan.layers), "estimate_gib": se["train_peak_bytes"] / 2**30,
-           "estimate_terms_gib": {k: v / 2**30 for k, v in se["train_memory_bytes"].items()}}
+    row = {
+        "seq": seq,
+        "layers": layers,
+        "index": index,
+        "recompute": recompute,
+        "roles": "".join(l.role for l in plan.layers),
+        "estimate_gib": se["train_peak_bytes"] / 2**30,
+        "estimate_terms_gib": {k: v / 2**30 for k, v in se["train_memory_bytes"].items()},
+    }
     n = sum(p.numel() for p in stage.parameters())
     flops = model_flops_per_token(cfg.model, plan, seq, n, stage.embed.weight.numel()) * seq
     stage.recompute, stage.recompute_chunk_tokens = recompute, chunk_tokens
@@ -122,18 +141,25 @@ def measure(stage, opts, layers: int, index: str, seq: int, recompute: str, reps
 
 
 def markdown(rows: list, device: str) -> str:
-    lines = [(f"Device: {device}. One stage of {rows[0]['layers']} layers, one sequence per step "
-              f"(scripts/bench_train_stage.py)."), "",
-             "| tokens | recompute | step | tokens/s | model TFLOP/s | peak (measured) | estimate | estimate error |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            f"Device: {device}. One stage of {rows[0]['layers']} layers, one sequence per step "
+            f"(scripts/bench_train_stage.py)."
+        ),
+        "",
+        "| tokens | recompute | step | tokens/s | model TFLOP/s | peak (measured) | estimate | estimate error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         head = f"| {r['seq'] // 1024}K | {r['recompute']} |"
         est = f"{r['estimate_gib']:.1f} GiB" if "estimate_gib" in r else "-"
         if "error" in r:
             lines.append(f"{head} out of memory | | | | {est} | |")
             continue
-        lines.append(f"{head} {r['step_s']:.2f} s | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
-                     f"{r['peak_gib']:.1f} GiB | {est} | {100 * r['estimate_error']:+.1f} % |")
+        lines.append(
+            f"{head} {r['step_s']:.2f} s | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
+            f"{r['peak_gib']:.1f} GiB | {est} | {100 * r['estimate_error']:+.1f} % |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -145,8 +171,11 @@ def main(argv=None) -> list:
     ap.add_argument("--index", default="every4")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk-tokens", type=int, default=16384, help="train.recompute_chunk_tokens")
-    ap.add_argument("--skip-after-oom", action="store_true",
-                    help="once a mode runs out of memory, record its longer sequences as out of memory unrun")
+    ap.add_argument(
+        "--skip-after-oom",
+        action="store_true",
+        help="once a mode runs out of memory, record its longer sequences as out of memory unrun",
+    )
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -158,8 +187,15 @@ def main(argv=None) -> list:
     for seq in seqs:
         for mode in modes:
             if args.skip_after_oom and mode in failed:
-                rows.append({"seq": seq, "layers": args.layers, "index": args.index, "recompute": mode,
-                             "error": "out of memory at a shorter sequence (not run)"})
+                rows.append(
+                    {
+                        "seq": seq,
+                        "layers": args.layers,
+                        "index": args.index,
+                        "recompute": mode,
+                        "error": "out of memory at a shorter sequence (not run)",
+                    }
+                )
                 continue
             row = measure(stage, opts, args.layers, args.index, seq, mode, args.reps, args.chunk_tokens)
             if "error" in row:

@@ -3,6 +3,7 @@
 Usage: python scripts/profile_step.py [overrides...]   (default model=small, train.seq_len=512, batch 2 x 4 microbatches)
 Prints per-variant ms (sparse with/without indexer loss, dense) and a torch.profiler table of the slowest ops.
 """
+
 from __future__ import annotations
 
 import sys
@@ -12,8 +13,8 @@ import torch
 
 from dsaflow.config.compose import compose
 from dsaflow.model import IndexerLossInBackward
-from dsaflow.run.stages import stage_module
 from dsaflow.plan import build_plan
+from dsaflow.run.stages import stage_module
 
 
 def main(argv):
@@ -32,7 +33,11 @@ def main(argv):
         if ind and m.indexer_loss is not None:
             m.indexer_loss.backward()
 
-    for name, kw in [("sparse+indexer_loss", {}), ("sparse", {"ind": False}), ("dense", {"attn": "dense", "ind": False})]:
+    for name, kw in [
+        ("sparse+indexer_loss", {}),
+        ("sparse", {"ind": False}),
+        ("dense", {"attn": "dense", "ind": False}),
+    ]:
         for _ in range(3):
             step(**kw)
         torch.cuda.synchronize()
@@ -43,6 +48,7 @@ def main(argv):
         print(f"{name:22s} {1e3 * (time.perf_counter() - t0) / 5:8.2f} ms / microbatch fwd+bwd", flush=True)
 
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         step()
         torch.cuda.synchronize()

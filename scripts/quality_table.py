@@ -10,6 +10,7 @@ Rows (eval loss and exact-match accuracy, mean and spread over seeds, on held-ou
 Every step skips what is already done (a finished run dir, a finished search), so rerunning resumes. Outputs live
 under runs/quality/ (not in git); docs/search.md holds the table of one measured run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,15 +24,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's dsaflow, whatever else is installed
 ROOT = REPO / "runs" / "quality"
-TASK = ["data=retrieval_hard", "train.seq_len=128", "model.index_topk=16", "train.eval_every=100",
-        "train.eval_batches=8", "train.log_every=50", "train.cpu_threads=1", "track=none", "train.progress=lines"]
+TASK = [
+    "data=retrieval_hard",
+    "train.seq_len=128",
+    "model.index_topk=16",
+    "train.eval_every=100",
+    "train.eval_batches=8",
+    "train.log_every=50",
+    "train.cpu_threads=1",
+    "track=none",
+    "train.progress=lines",
+]
 
 
 def dsaflow(*args: str, log: Path) -> int:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     with log.open("a") as f:
-        return subprocess.call([sys.executable, "-m", "dsaflow.cli", *args], cwd=REPO, env=env, stdout=f,
-                               stderr=subprocess.STDOUT)
+        return subprocess.call(
+            [sys.executable, "-m", "dsaflow.cli", *args], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT
+        )
 
 
 def run_dir(kind: str, seed: int) -> Path:
@@ -65,8 +76,15 @@ def cmd_train(a) -> None:
 
                 shutil.rmtree(rd)
             print(f"{rd.name}: training", flush=True)
-            rc = dsaflow("train", *TASK, f"index={kind}", f"train.seed={seed}", f"train.steps={a.steps}",
-                         f"run_dir={rd}", log=ROOT / f"{rd.name}.log")
+            rc = dsaflow(
+                "train",
+                *TASK,
+                f"index={kind}",
+                f"train.seed={seed}",
+                f"train.steps={a.steps}",
+                f"run_dir={rd}",
+                log=ROOT / f"{rd.name}.log",
+            )
             print(f"{rd.name}: exit {rc}", flush=True)
             if rc != 0:
                 lock.unlink()
@@ -78,8 +96,15 @@ def cmd_search(a) -> None:
         if not finished(rd):
             print(f"{rd.name}: not trained yet", flush=True)
             continue
-        rc = dsaflow("search", f"search.checkpoint={rd}", "search.ratio=0.25", "search.calib_batches=8",
-                     "search.eval_batches=32", "train.cpu_threads=1", log=ROOT / f"{rd.name}-search.log")
+        rc = dsaflow(
+            "search",
+            f"search.checkpoint={rd}",
+            "search.ratio=0.25",
+            "search.calib_batches=8",
+            "search.eval_batches=32",
+            "train.cpu_threads=1",
+            log=ROOT / f"{rd.name}-search.log",
+        )
         print(f"{rd.name}: search exit {rc}", flush=True)
 
 
@@ -89,10 +114,10 @@ def _distilled_eval(rd: Path, batches: int) -> dict:
 
     from dsaflow.config.compose import load_config
     from dsaflow.data import BatchSource
-    from dsaflow.run.stages import build_stages
     from dsaflow.plan.plan import Plan
-    from dsaflow.serve.weights import load_model_weights
+    from dsaflow.run.stages import build_stages
     from dsaflow.search.evaluate import PatternEvaluator
+    from dsaflow.serve.weights import load_model_weights
 
     cfg = load_config(rd / "config.yaml")
     plan = Plan.from_json((rd / "plan.json").read_text())
@@ -102,11 +127,18 @@ def _distilled_eval(rd: Path, batches: int) -> dict:
         m.eval()
     t = cfg.train
     data = BatchSource(cfg.data, t.seq_len, t.batch_size, t.seed, cfg.model.vocab_size)
-    ev = PatternEvaluator(stages, [data.val_batch(i) for i in range(batches)], torch.device("cpu"), cfg.data.num_queries)
+    ev = PatternEvaluator(
+        stages, [data.val_batch(i) for i in range(batches)], torch.device("cpu"), cfg.data.num_queries
+    )
     roles = tuple(l.role for l in plan.layers)
     sc = ev.rebase(roles)
-    return {"pattern": "distilled uniform 1/4", "roles": "".join(roles), "num_f": roles.count("F"),
-            "loss": sc.loss, "acc": sc.acc}
+    return {
+        "pattern": "distilled uniform 1/4",
+        "roles": "".join(roles),
+        "num_f": roles.count("F"),
+        "loss": sc.loss,
+        "acc": sc.acc,
+    }
 
 
 def _mean_sd(xs):
@@ -149,20 +181,40 @@ def cmd_collect(a) -> None:
         am, asd = _mean_sd([r["acc"] for r in runs])
         dlm, dls = _mean_sd([r["d_loss"] for r in runs])
         dam, das = _mean_sd([r["d_acc_points"] for r in runs])
-        rows.append({"pattern": name, "seeds": [r["seed"] for r in runs], "loss_mean": lm, "loss_sd": ls,
-                     "acc_mean": am, "acc_sd": asd, "d_loss_mean": dlm, "d_loss_sd": dls, "d_acc_points_mean": dam,
-                     "d_acc_points_sd": das, "per_seed": runs})
+        rows.append(
+            {
+                "pattern": name,
+                "seeds": [r["seed"] for r in runs],
+                "loss_mean": lm,
+                "loss_sd": ls,
+                "acc_mean": am,
+                "acc_sd": asd,
+                "d_loss_mean": dlm,
+                "d_loss_sd": dls,
+                "d_acc_points_mean": dam,
+                "d_acc_points_sd": das,
+                "per_seed": runs,
+            }
+        )
     ROOT.mkdir(parents=True, exist_ok=True)
     (ROOT / "quality.json").write_text(json.dumps({"task": TASK, "rows": rows}, indent=2) + "\n")
-    md = ["| pattern | seeds | eval loss (mean ± sd) | eval acc (mean ± sd) | Δ loss vs all-F | Δ acc vs all-F "
-          "(points) | per-seed acc | per-seed layouts |", "|---|---|---|---|---|---|---|---|"]
+    md = [
+        "| pattern | seeds | eval loss (mean ± sd) | eval acc (mean ± sd) | Δ loss vs all-F | Δ acc vs all-F "
+        "(points) | per-seed acc | per-seed layouts |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         accs = " / ".join(f"{x['acc']:.3f}" for x in r["per_seed"])
-        lays = " / ".join(x["roles"] for x in r["per_seed"]) if len({x["roles"] for x in r["per_seed"]}) > 1 \
+        lays = (
+            " / ".join(x["roles"] for x in r["per_seed"])
+            if len({x["roles"] for x in r["per_seed"]}) > 1
             else r["per_seed"][0]["roles"]
-        md.append(f"| {r['pattern']} | {len(r['seeds'])} | {r['loss_mean']:.3f} ± {r['loss_sd']:.3f} | "
-                  f"{r['acc_mean']:.3f} ± {r['acc_sd']:.3f} | {r['d_loss_mean']:+.3f} ± {r['d_loss_sd']:.3f} | "
-                  f"{r['d_acc_points_mean']:+.1f} ± {r['d_acc_points_sd']:.1f} | {accs} | {lays} |")
+        )
+        md.append(
+            f"| {r['pattern']} | {len(r['seeds'])} | {r['loss_mean']:.3f} ± {r['loss_sd']:.3f} | "
+            f"{r['acc_mean']:.3f} ± {r['acc_sd']:.3f} | {r['d_loss_mean']:+.3f} ± {r['d_loss_sd']:.3f} | "
+            f"{r['d_acc_points_mean']:+.1f} ± {r['d_acc_points_sd']:.1f} | {accs} | {lays} |"
+        )
     text = "\n".join(md) + "\n"
     (ROOT / "quality.md").write_text(text)
     print(text)

@@ -7,6 +7,7 @@ Each line is {"prompt": ..., "answer": ...}: a sample of the composed data confi
 pair in filler, one query, `train.seq_len` bytes of input) drawn from a split no run trains or evaluates on, cut
 just before the answer. `dsaflow generate` reads the "prompt" key; "answer" is there for the reader to compare.
 """
+
 from __future__ import annotations
 
 import argparse

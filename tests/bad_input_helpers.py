@@ -1,4 +1,5 @@
 """Files for the bad-input tests: crafted checkpoints (an executing pickle), data files, prompt files, run dirs."""
+
 from __future__ import annotations
 
 import os

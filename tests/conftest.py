@@ -1,4 +1,5 @@
 """Shared test setup: GPU markers skip cleanly on machines without CUDA devices."""
+
 import os
 
 import pytest

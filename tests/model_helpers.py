@@ -1,4 +1,5 @@
 """Helpers shared by the model, cache and indexer-loss tests."""
+
 import torch
 
 from dsaflow.config.compose import compose

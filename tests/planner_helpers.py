@@ -1,4 +1,5 @@
 """Build DSAFlowConfig objects in tests without Hydra: `make_cfg(**{"model.num_layers": 8, "layout": "FSSS"})`."""
+
 from dsaflow.config.schema import DSAFlowConfig, GraphBlockConfig
 
 
@@ -15,4 +16,6 @@ def make_cfg(**dotted):
 
 
 def block(name, kind, layers=None, shape_classes=(1, 2, 4)):
-    return GraphBlockConfig(name=name, kind=kind, layers=list(layers) if layers else None, shape_classes=list(shape_classes))
+    return GraphBlockConfig(
+        name=name, kind=kind, layers=list(layers) if layers else None, shape_classes=list(shape_classes)
+    )

@@ -1,4 +1,5 @@
 """Load a script from scripts/ as a module, so its CPU smoke tests call `main(argv)` in-process."""
+
 import importlib.util
 import os
 

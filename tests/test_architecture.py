@@ -3,6 +3,7 @@
 Rooms, bottom-up (a room may import rooms below it and itself, never one above or beside it):
     errors < config < data, track, ops < plan, model < run < train, serve < launch, search < app, worker < cli
 """
+
 from __future__ import annotations
 
 import ast
@@ -11,9 +12,25 @@ from pathlib import Path
 import dsaflow
 
 PKG = Path(dsaflow.__file__).parent
-RANK = {"errors": 0, "config": 1, "data": 2, "track": 2, "ops": 2, "plan": 3, "model": 3, "run": 4, "train": 5,
-        "serve": 5, "launch": 6, "search": 6, "cli": 8, "app": 7, "worker": 7, "__init__": 0,
-        "files": 0.5}
+RANK = {
+    "errors": 0,
+    "config": 1,
+    "data": 2,
+    "track": 2,
+    "ops": 2,
+    "plan": 3,
+    "model": 3,
+    "run": 4,
+    "train": 5,
+    "serve": 5,
+    "launch": 6,
+    "search": 6,
+    "cli": 8,
+    "app": 7,
+    "worker": 7,
+    "__init__": 0,
+    "files": 0.5,
+}
 MAX_LINES = 400
 
 
@@ -82,8 +99,15 @@ def test_files_stay_readable():
     assert not long, f"files over {MAX_LINES} lines (split them by concept): {long}"
 
 
-ERROR_NAMES = {"PlanError", "ConfigError", "ServeError", "CheckpointError", "ResourceError", "EXIT_USER_ERROR",
-               "EXIT_INTERRUPTED"}
+ERROR_NAMES = {
+    "PlanError",
+    "ConfigError",
+    "ServeError",
+    "CheckpointError",
+    "ResourceError",
+    "EXIT_USER_ERROR",
+    "EXIT_INTERRUPTED",
+}
 
 
 def test_user_errors_and_exit_codes_are_defined_once_and_imported_from_dsaflow_errors():
@@ -101,8 +125,11 @@ def test_user_errors_and_exit_codes_are_defined_once_and_imported_from_dsaflow_e
                 if names and (node.level or module != "dsaflow.errors"):
                     bad.append(f"{where}: imports {sorted(names)} from {'.' * node.level}{module}")
             elif isinstance(node, (ast.ClassDef, ast.Assign)) and p != PKG / "errors.py":
-                targets = [node.name] if isinstance(node, ast.ClassDef) else [
-                    t.id for t in node.targets if isinstance(t, ast.Name)]
+                targets = (
+                    [node.name]
+                    if isinstance(node, ast.ClassDef)
+                    else [t.id for t in node.targets if isinstance(t, ast.Name)]
+                )
                 bad += [f"{where}: defines {t}" for t in targets if t in ERROR_NAMES]
     assert not bad, "\n".join(bad)
 
@@ -110,6 +137,7 @@ def test_user_errors_and_exit_codes_are_defined_once_and_imported_from_dsaflow_e
 def test_only_hydra_private_reaches_into_hydra_internals():
     """Hydra's private API is used in dsaflow/config/hydra_private.py only (pinned there; tests/test_hydra_private.py
     checks it against the installed Hydra)."""
-    users = sorted(str(p.relative_to(PKG)) for p in sources()
-                   if any(m.startswith("hydra._internal") for m in imported_modules(p)))
+    users = sorted(
+        str(p.relative_to(PKG)) for p in sources() if any(m.startswith("hydra._internal") for m in imported_modules(p))
+    )
     assert users == ["config/hydra_private.py"]

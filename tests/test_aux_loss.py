@@ -1,13 +1,14 @@
 """The stage-local indexer loss reaches autograd inside the stage's own backward (sparse: after each group's
 attention backward; dense: through the stage output, `attach_aux_loss`), never through a `.backward()` inside the
 forward."""
+
 from __future__ import annotations
 
 import torch
+from model_helpers import planned
 
 from dsaflow.run.stages import stage_module
 from dsaflow.train.pipeline import TrainStage, attach_aux_loss
-from model_helpers import planned
 
 
 def test_attach_aux_loss_adds_weighted_gradient():

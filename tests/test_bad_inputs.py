@@ -4,6 +4,7 @@ prints no traceback and leaves nothing on disk (cwd stays empty; a run dir that 
 Configs, data files, prompts, checkpoints (including one whose metadata is an executing pickle) and run dirs. All but
 a few run in-process through `dsaflow.cli.main`; `test_bad_inputs_through_the_real_cli` runs a handful as
 subprocesses of the installed entry point."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from bad_input_helpers import crafted_checkpoint, crafted_run_dir
+
 from dsaflow import cli
 
 SMALL = ["track=none", "model.num_layers=4", "train.seq_len=32", "train.batch_size=4", "train.steps=2"]
@@ -105,8 +106,11 @@ CONFIG_CASES = [
     ("train", ["model.index_topk=65536", "train.batch_size=1024"], "largest consumer"),
     ("train", ["model.vocab_size=2000000", "model.dim=65536"], "largest consumer"),
     ("train", ["train.batch_size=1000000", "pipeline.microbatches=1"], "largest consumer"),
-    ("generate", [*PROMPT, "serve.max_batch=4096", "serve.max_context=4000000", "model.max_seq_len=4000000"],
-     "largest consumer"),
+    (
+        "generate",
+        [*PROMPT, "serve.max_batch=4096", "serve.max_context=4000000", "model.max_seq_len=4000000"],
+        "largest consumer",
+    ),
     # serving fields
     ("generate", ["serve.max_batch=0", *PROMPT], "serve.max_batch=0"),
     ("generate", ["serve.max_batch=100000", *PROMPT], "serve.max_batch=100000"),
@@ -190,8 +194,10 @@ CONFIG_CASES = [
 
 
 def _snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() and not p.is_symlink() else None)
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def good_run_dir(run_dir: Path, steps=(1,)) -> Path:
@@ -231,10 +237,12 @@ def files(tmp_path_factory):
     (d / "numbers.jsonl").write_text('{"prompt": "ok"}\n{"prompt": 12345}\n')
     (d / "nullprompt.jsonl").write_text('{"prompt": null}\n')
     (d / "listprompt.jsonl").write_text('{"prompt": ["a"]}\n')
-    for name, edit in (("emptycfg", lambda r: (r / "config.yaml").write_text("")),
-                       ("badplan", lambda r: (r / "plan.json").write_text('{"layers": [')),
-                       ("badmetrics", lambda r: (r / "metrics.jsonl").write_text('{"step": 1}\n{"st\n{"step": 2}\n')),
-                       ("linkedmetrics", lambda r: (r / "metrics.jsonl").symlink_to(d / "afile"))):
+    for name, edit in (
+        ("emptycfg", lambda r: (r / "config.yaml").write_text("")),
+        ("badplan", lambda r: (r / "plan.json").write_text('{"layers": [')),
+        ("badmetrics", lambda r: (r / "metrics.jsonl").write_text('{"step": 1}\n{"st\n{"step": 2}\n')),
+        ("linkedmetrics", lambda r: (r / "metrics.jsonl").symlink_to(d / "afile")),
+    ):
         shutil.copytree(d / "crafted", d / name, symlinks=True)
         edit(d / name)
     served = good_run_dir(d / "servedemptycfg")
@@ -268,7 +276,9 @@ def empty_cwd(monkeypatch, tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("job,overrides,needle", CONFIG_CASES, ids=[f"{c[0]}:{' '.join(c[1])[:60]}" for c in CONFIG_CASES])
+@pytest.mark.parametrize(
+    "job,overrides,needle", CONFIG_CASES, ids=[f"{c[0]}:{' '.join(c[1])[:60]}" for c in CONFIG_CASES]
+)
 def test_bad_input_exits_2_names_the_field_and_writes_nothing(files, empty_cwd, capsys, job, overrides, needle):
     before = _snapshot(files)
     args = [o.format(files=files, cwd=empty_cwd) for o in overrides]
@@ -348,7 +358,7 @@ def test_crafted_pickle_is_never_executed(tmp_path):
     skipped = []
     assert newest_good_checkpoint(tmp_path / "run", skipped.append) is None
     assert "step-000001" in skipped[0]
-    with pytest.raises(BaseException):  # DCP wraps the reader's CheckpointError
+    with pytest.raises(BaseException):  # noqa: B017 - DCP wraps the reader's CheckpointError in its own type
         dcp.load({"x": torch.zeros(1)}, storage_reader=safe_reader(ck))
     assert not marker.exists()
 
@@ -381,8 +391,9 @@ def test_bad_inputs_through_the_real_cli(files, tmp_path, argv, needle):
     env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
     env.update(PYTHONPATH=str(Path(__file__).resolve().parents[1]), NETRC=str(tmp_path / "none"))
     args = [argv[0], *SMALL, *[a.format(files=files) for a in argv[1:]]]
-    r = subprocess.run([sys.executable, "-m", "dsaflow.cli", *args], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsaflow.cli", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) <= 2, r.stderr
@@ -423,12 +434,12 @@ def test_a_user_error_in_a_worker_exits_2_with_one_paragraph(tmp_path, capsys, m
 
 def test_weights_export_is_one_safetensors_file(tmp_path):
     from dsaflow.config.compose import compose
-    from dsaflow.run.stages import stage_module
     from dsaflow.plan import build_plan
-    from dsaflow.train.checkpoint import save_checkpoint
     from dsaflow.run.ckpt_store import checkpoint_dir
     from dsaflow.run.safetensors_io import load_tensors
+    from dsaflow.run.stages import stage_module
     from dsaflow.serve.weights import main as export_main
+    from dsaflow.train.checkpoint import save_checkpoint
 
     cfg = compose(["pipeline=pp2", *SMALL])
     plan = build_plan(cfg)
@@ -450,12 +461,12 @@ def test_resume_checks_in_the_parent(empty_cwd, capsys):
     """A run dir with a good checkpoint at step 1 of 2 passes every parent check (and nothing is written); at the
     final step it is refused as finished instead of re-saving its last checkpoint."""
     from dsaflow.config.compose import compose
-    from dsaflow.run.stages import stage_module
-    from dsaflow.plan import build_plan, render_table
-    from dsaflow.train.checkpoint import save_checkpoint
-    from dsaflow.run.ckpt_store import checkpoint_dir
     from dsaflow.launch.launch import check_launch
+    from dsaflow.plan import build_plan, render_table
+    from dsaflow.run.ckpt_store import checkpoint_dir
     from dsaflow.run.rundir import write_run_dir
+    from dsaflow.run.stages import stage_module
+    from dsaflow.train.checkpoint import save_checkpoint
 
     cfg = compose([*SMALL, "run_dir=r"])
     plan = build_plan(cfg)

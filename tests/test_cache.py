@@ -1,15 +1,14 @@
 """Serving caches: prefill chunks + token-by-token decode reproduce the full forward; bookkeeping; graph safety."""
+
 import pytest
 import torch
+from model_helpers import planned_sharp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsaflow.model import IndexCacheError
 from dsaflow.run.stages import build_stages, stage_cache
-from model_helpers import planned_sharp
-
 
 V = 256
-
 
 
 def run(stages, caches, x, pos, attn="sparse"):
@@ -147,7 +146,10 @@ def test_forward_with_cache_has_no_host_sync_and_static_shapes():
     with the same shapes whatever the positions hold (decode and prefill chunk shapes)."""
     model, plan = planned_sharp("FSSS|FSSS")
     stages = build_stages(model, plan)
-    for T, pos_a, pos_b in [(1, [[3], [0]], [[9], [-1]]), (4, [[0, 1, 2, 3], [5, 6, -1, -1]], [[8, 9, 10, 11], [-1] * 4])]:
+    for T, pos_a, pos_b in [
+        (1, [[3], [0]], [[9], [-1]]),
+        (4, [[0, 1, 2, 3], [5, 6, -1, -1]], [[8, 9, 10, 11], [-1] * 4]),
+    ]:
         traces = []
         for pos in (pos_a, pos_b):
             caches = allocate(model, plan, max_batch=2, max_context=12, max_tokens=4, poison=False)

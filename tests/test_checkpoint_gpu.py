@@ -1,6 +1,7 @@
 """Checkpoints on GPUs through the real launch path (NCCL with launch.timeout_s, CUDA tensors saved through the
 safetensors package): train, resume under the run dir's lock, prune to this run's newest good checkpoint, then
 serve the weights the manifest lists. Skipped without CUDA devices."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,21 @@ from dsaflow import cli
 from dsaflow.run.ckpt_store import MANIFEST, list_checkpoints, read_run_id, verify_checkpoint
 from dsaflow.run.rundir import read_metrics
 
-SMALL = ["model.num_layers=4", "model.dim=64", "train.seq_len=128", "train.batch_size=8", "train.warmup_steps=1",
-         "train.eval_every=0", "train.eval_batches=1", "train.progress=lines", "track=none", "train.device=cuda",
-         "train.ckpt_every=1", "train.keep_checkpoints=1", "launch.timeout_s=120"]
+SMALL = [
+    "model.num_layers=4",
+    "model.dim=64",
+    "train.seq_len=128",
+    "train.batch_size=8",
+    "train.warmup_steps=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.progress=lines",
+    "track=none",
+    "train.device=cuda",
+    "train.ckpt_every=1",
+    "train.keep_checkpoints=1",
+    "launch.timeout_s=120",
+]
 
 
 def _train_resume_serve(tmp_path, monkeypatch, *extra):
@@ -28,9 +41,20 @@ def _train_resume_serve(tmp_path, monkeypatch, *extra):
     assert step == 3 and manifest["run_id"] == read_run_id(run)
     assert json.loads((folder / MANIFEST).read_text())["files"].keys() >= {"model-rank0.safetensors", ".metadata"}
     out = tmp_path / "out.jsonl"
-    assert cli.main(["generate", *[a for a in SMALL if a.startswith(("model.", "launch."))], *extra,
-                     f"serve.checkpoint={run}", 'serve.prompts=["K7; ?K"]', "serve.max_new_tokens=4",
-                     f"serve.output_file={out}"]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                *[a for a in SMALL if a.startswith(("model.", "launch."))],
+                *extra,
+                f"serve.checkpoint={run}",
+                'serve.prompts=["K7; ?K"]',
+                "serve.max_new_tokens=4",
+                f"serve.output_file={out}",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 1 and len(rows[0]["tokens"]) >= 1
 

@@ -1,5 +1,6 @@
 """A checkpoint without indexer weights on its S layers implies index.promote=false; an F layer without one is an
 error."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """`dsaflow plan`: the table, the JSON, and every user mistake as exit 2 with one paragraph and no traceback."""
+
 import json
 import os
 import subprocess
@@ -68,8 +69,10 @@ BAD = [
     (["pipeline.stages=9", "pipeline.microbatches=9"], "pipeline.stages=9 is more than model.num_layers=8"),
     (["model.index_topk=0"], "model.index_topk=0"),
     (["graphs.enabled=true", "graphs.blocks=[{name:x,kind:layers,layers:[6,9]}]"], "layer 9 does not exist"),
-    (["graphs.enabled=true", "graphs.blocks=[{name:x,kind:layers,layers:[2,5]}]", "pipeline=pp2"],
-     "spans stage 0 and stage 1"),
+    (
+        ["graphs.enabled=true", "graphs.blocks=[{name:x,kind:layers,layers:[2,5]}]", "pipeline=pp2"],
+        "spans stage 0 and stage 1",
+    ),
     (["mode=serve", "graphs=decode", "graphs.blocks.0.shape_classes=[4,2,8]"], "sorted strictly increasing"),
     (["graphs.blocks=[{name:lm,kind:head}]"], "graphs.enabled=false"),
     (["pipeline=pp4_interleaved", "pipeline.stages=6"], "does not divide the 6 stages"),
@@ -143,8 +146,13 @@ def test_glm52_pp8_s_boundaries_are_refused_with_alternatives_then_sent(capsys):
     assert code == 2 and out == "" and "Traceback" not in err
     assert "stage 2 at layer 20" in err and "layer 20 (stage 2) -> 18 (balance" in err and "or 22 (balance" in err
     assert "pipeline.boundaries=[10, 18, 26, 34, 46, 58, 70]" in err and "cross_stage_indices=true" in err
-    args = ("model=glm52", "pipeline=pp8", "index.promote=false", GLM52_S_BOUNDARIES,
-            "pipeline.cross_stage_indices=true")
+    args = (
+        "model=glm52",
+        "pipeline=pp8",
+        "index.promote=false",
+        GLM52_S_BOUNDARIES,
+        "pipeline.cross_stage_indices=true",
+    )
     plan = Plan.from_json(_json(capsys, *args))
     assert plan.index_boundaries == (1, 3, 5)
     assert [plan.layers[i].source for i in (20, 21, 40, 60)] == [18, 18, 38, 58]

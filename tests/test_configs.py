@@ -1,4 +1,5 @@
 """Every YAML in configs/ composes into the typed schema and plans; schema violations fail at compose, by name."""
+
 import shutil
 from pathlib import Path
 
@@ -16,8 +17,15 @@ SERVE_ONLY_KINDS = {"decode", "prefill"}
 
 def test_config_dir_is_the_repo_configs_folder():
     assert (CONFIG_DIR / "config.yaml").is_file()
-    assert {p.name for p in CONFIG_DIR.iterdir() if p.is_dir()} >= {"model", "index", "pipeline", "graphs", "train",
-                                                                    "data", "track"}
+    assert {p.name for p in CONFIG_DIR.iterdir() if p.is_dir()} >= {
+        "model",
+        "index",
+        "pipeline",
+        "graphs",
+        "train",
+        "data",
+        "track",
+    }
 
 
 def test_root_config_composes_to_the_typed_schema():
@@ -50,9 +58,20 @@ def test_real_models_plan_under_every_pipeline(model, pipeline):
 
 def test_model_shapes_are_the_public_ones():
     v32 = compose(["model=dsv32"]).model
-    assert (v32.num_layers, v32.dim, v32.n_heads, v32.q_lora_rank, v32.kv_lora_rank, v32.qk_rope_head_dim,
-            v32.qk_nope_head_dim, v32.v_head_dim, v32.index_n_heads, v32.index_head_dim, v32.index_topk,
-            v32.vocab_size) == (61, 7168, 128, 1536, 512, 64, 128, 128, 64, 128, 2048, 129280)
+    assert (
+        v32.num_layers,
+        v32.dim,
+        v32.n_heads,
+        v32.q_lora_rank,
+        v32.kv_lora_rank,
+        v32.qk_rope_head_dim,
+        v32.qk_nope_head_dim,
+        v32.v_head_dim,
+        v32.index_n_heads,
+        v32.index_head_dim,
+        v32.index_topk,
+        v32.vocab_size,
+    ) == (61, 7168, 128, 1536, 512, 64, 128, 128, 64, 128, 2048, 129280)
     assert compose(["model=glm47flash"]).model.num_layers == 47
     assert compose(["model=glm5"]).model.num_layers == 78
 
@@ -117,8 +136,17 @@ def test_layout_values_need_no_hydra_quoting():
 
 
 def test_to_yaml_and_load_config_round_trip(tmp_path):
-    cfg = compose(["model=small", "index=every2", "pipeline=pp2", "layout=null", "+extra.note=hello", "mode=serve",
-                   "graphs=decode"])
+    cfg = compose(
+        [
+            "model=small",
+            "index=every2",
+            "pipeline=pp2",
+            "layout=null",
+            "+extra.note=hello",
+            "mode=serve",
+            "graphs=decode",
+        ]
+    )
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(cfg))
     back = load_config(path)

@@ -8,6 +8,7 @@ gpu:      stages that open on S (all stages in one process on cuda:0) generate t
           receiving stage's static buffer.
 multigpu: the same split as a 2-rank NCCL pipeline (`dsaflow generate`, torchrun) equals one stage.
 """
+
 import json
 
 import pytest
@@ -67,16 +68,25 @@ def test_cross_stage_graphs_generate_the_one_stage_tokens(split):
     torch.cuda.synchronize()
     per_copy_us = start.elapsed_time(end)  # ms for 1000 copies = us per copy
     steps = eng.timings["decode_steps"]
-    print(json.dumps({"split": split, "device": torch.cuda.get_device_name(0), "rows": n, "topk": topk,
-                      "index_bytes_per_decode_step": sent, "copy_us_per_boundary_step": round(per_copy_us, 2),
-                      "decode_ms_per_step": round(1e3 * eng.timings["decode_s"] / steps, 3),
-                      "decode_ms_per_step_one_stage": round(1e3 * eng_ref.timings["decode_s"] / steps, 3)}))
+    print(
+        json.dumps(
+            {
+                "split": split,
+                "device": torch.cuda.get_device_name(0),
+                "rows": n,
+                "topk": topk,
+                "index_bytes_per_decode_step": sent,
+                "copy_us_per_boundary_step": round(per_copy_us, 2),
+                "decode_ms_per_step": round(1e3 * eng.timings["decode_s"] / steps, 3),
+                "decode_ms_per_step_one_stage": round(1e3 * eng_ref.timings["decode_s"] / steps, 3),
+            }
+        )
+    )
 
 
 @pytest.mark.multigpu
 def test_cross_stage_nccl_pipeline_equals_one_stage(tmp_path):
-    rows, _ = dsaflow_generate(tmp_path, "graphs=decode_prefill", f"layout={SPLIT2}", *CROSS,
-                               prompts_list=TEXT_PROMPTS)
+    rows, _ = dsaflow_generate(tmp_path, "graphs=decode_prefill", f"layout={SPLIT2}", *CROSS, prompts_list=TEXT_PROMPTS)
     assert all(len(r["tokens"]) == STEPS + 1 for r in rows)
     cfg = compose(BASE + ["graphs=decode_prefill", f"layout={ONE}"])
     eng = build_engine(cfg, build_plan(cfg), 0, "cuda:0")

@@ -1,5 +1,6 @@
 """Cross-stage indices in the model: stages that open on S read the indices the previous stage hands over, and the
 chained stages compute exactly what one stage does (training forward and backward, and serving with caches)."""
+
 import pytest
 import torch
 from model_helpers import planned_sharp, tokens

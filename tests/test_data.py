@@ -1,4 +1,5 @@
 """Data: byte tokenizer, retrieval task structure and determinism, text / nanoGPT .bin corpora, step-indexed batches."""
+
 from __future__ import annotations
 
 import numpy as np

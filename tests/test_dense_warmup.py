@@ -3,15 +3,16 @@
 No [B, T, S] tensor: `causal_indices` and the [B, T, S] recorders must not run; outputs and losses equal the
 sparse path when top-k covers every key; padding and unaligned positions stay right.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import planned_sharp, tokens
 
 import dsaflow.model.indexer_loss as indexer_loss_mod
 import dsaflow.model.mla as mla_mod
 from dsaflow.run.stages import build_stages
-from model_helpers import planned_sharp, tokens
 
 
 def _forbid(monkeypatch):

@@ -1,5 +1,6 @@
 """The pipelined forward executor's schedule, with two ranks as threads joined by an in-memory link (FIFO per pair,
 so a send and a receive that were posted in different orders on the two sides would mismatch and fail)."""
+
 import queue
 import threading
 
@@ -51,7 +52,7 @@ def serve_like(owner, groups, passes):
             def stage_fn(item, s, x):
                 log.append((state["tick"], s, item.key))
                 base = torch.full((1, 1, 2), item.payload) if s == 0 else x
-                return base + 10 ** s
+                return base + 10**s
 
             def finish(item, out):
                 return torch.tensor([[int(out[0, 0, 0])], [0]])
@@ -83,7 +84,7 @@ def test_segments_are_runs_of_one_rank():
 @pytest.mark.parametrize("groups", [1, 2, 3])
 def test_two_ranks_groups_in_flight(groups):
     res = serve_like({0: 0, 1: 1}, groups, passes=5)
-    (t0, log0, fed0), (t1, log1, fed1) = res[0], res[1]
+    (t0, log0, fed0), (t1, _log1, fed1) = res[0], res[1]
     assert t0 == t1 and fed0 == fed1  # every rank walked the same ticks and saw the same feedback
     # each pass adds 1 + 10 on top of the previous one's value: the feedback chain is intact
     for g in range(groups):

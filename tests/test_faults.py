@@ -2,6 +2,7 @@
 two ranks, interrupt checkpoint saves, corrupt checkpoints. Afterwards nothing of the run is left running, every
 checkpoint folder that exists is good, and resume continues from the newest good checkpoint with the losses of an
 uninterrupted run."""
+
 from __future__ import annotations
 
 import json
@@ -15,17 +16,31 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from dsaflow.run.ckpt_store import list_checkpoints, newest_good_checkpoint, verify_checkpoint
-from dsaflow.launch.lifecycle import children
-from dsaflow.run.rundir import read_metrics
 from train_harness import run_configs, stop_and_resume_cfgs, tiny_cfg
 
+from dsaflow.launch.lifecycle import children
+from dsaflow.run.ckpt_store import list_checkpoints, newest_good_checkpoint, verify_checkpoint
+from dsaflow.run.rundir import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
-LONG_RUN = ["track=none", "pipeline=pp2", "model.num_layers=2", "model.dim=32", "model.inter_dim=64",
-            "model.index_topk=8", "train.seq_len=32", "train.batch_size=4", "train.warmup_steps=1",
-            "train.eval_every=0", "train.eval_batches=1", "train.log_every=1", "train.progress=lines",
-            "train.steps=100000", "train.ckpt_every=1", "train.keep_checkpoints=2"]
+LONG_RUN = [
+    "track=none",
+    "pipeline=pp2",
+    "model.num_layers=2",
+    "model.dim=32",
+    "model.inter_dim=64",
+    "model.index_topk=8",
+    "train.seq_len=32",
+    "train.batch_size=4",
+    "train.warmup_steps=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.progress=lines",
+    "train.steps=100000",
+    "train.ckpt_every=1",
+    "train.keep_checkpoints=2",
+]
 
 
 def _alive(pid: int) -> bool:
@@ -48,14 +63,22 @@ def _wait(cond, timeout: float, what: str):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the process tree")
-@pytest.mark.parametrize("victim,sig", [("parent", signal.SIGINT), ("parent", signal.SIGKILL),
-                                        ("torchrun", signal.SIGKILL), ("worker", signal.SIGKILL)])
+@pytest.mark.parametrize(
+    "victim,sig",
+    [("parent", signal.SIGINT), ("parent", signal.SIGKILL), ("torchrun", signal.SIGKILL), ("worker", signal.SIGKILL)],
+)
 def test_a_single_kill_leaves_nothing_running(tmp_path, victim, sig):
     rng = random.Random(f"{victim}-{sig}")  # the kill point is random but replayable
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    parent = subprocess.Popen([sys.executable, "-m", "dsaflow.cli", "train", *LONG_RUN, f"run_dir={run}"], cwd=tmp_path,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "dsaflow.cli", "train", *LONG_RUN, f"run_dir={run}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         need = rng.randint(2, 3)  # step 1's checkpoint is complete once step 2 is logged
         _wait(lambda: len(read_metrics(run)) >= need or parent.poll() is not None, 240, f"{need} logged steps")
@@ -122,10 +145,10 @@ def test_resume_skips_bad_checkpoints_and_matches_an_uninterrupted_run(tmp_path)
 def test_interrupted_save_leaves_no_checkpoint_and_existing_ones_are_never_rewritten(tmp_path, monkeypatch):
     """A save killed at any point before its rename leaves only `.step-N.partial`; newest_good falls back to the
     previous checkpoint; saving over an existing checkpoint is a no-op; truncation and deletion are detected."""
-    from dsaflow.run.stages import stage_module
     from dsaflow.plan import build_plan
-    from dsaflow.train import checkpoint as ck
     from dsaflow.run.ckpt_store import checkpoint_dir
+    from dsaflow.run.stages import stage_module
+    from dsaflow.train import checkpoint as ck
 
     cfg = tiny_cfg(1, None, "1F1B")
     modules = [stage_module(cfg.model, build_plan(cfg), 0, seed=0)]
@@ -139,6 +162,7 @@ def test_interrupted_save_leaves_no_checkpoint_and_existing_ones_are_never_rewri
 
     def killed(*a, **k):
         raise KeyboardInterrupt  # the process dies between the shards and the manifest
+
     monkeypatch.setattr(ck, "write_manifest", killed)
     with pytest.raises(KeyboardInterrupt):
         ck.save_checkpoint(checkpoint_dir(run, 2), modules, None, 0, 2)
@@ -158,10 +182,10 @@ def test_interrupted_save_leaves_no_checkpoint_and_existing_ones_are_never_rewri
 
 
 def test_keep_prunes_to_the_newest_checkpoints(tmp_path):
-    from dsaflow.run.stages import stage_module
     from dsaflow.plan import build_plan
-    from dsaflow.train.checkpoint import save_checkpoint
     from dsaflow.run.ckpt_store import checkpoint_dir
+    from dsaflow.run.stages import stage_module
+    from dsaflow.train.checkpoint import save_checkpoint
 
     cfg = tiny_cfg(1, None, "1F1B")
     modules = [stage_module(cfg.model, build_plan(cfg), 0, seed=0)]
@@ -181,15 +205,25 @@ def test_a_second_launch_is_refused_and_a_stopped_worker_is_named_and_given_up(t
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     timeout_s = 10
-    parent = subprocess.Popen([sys.executable, "-m", "dsaflow.cli", "train", *LONG_RUN, f"run_dir={run}",
-                               f"launch.timeout_s={timeout_s}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "dsaflow.cli", "train", *LONG_RUN, f"run_dir={run}", f"launch.timeout_s={timeout_s}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait(lambda: len(read_metrics(run)) >= 2 or parent.poll() is not None, 240, "2 logged steps")
         assert parent.poll() is None, parent.communicate()[1][-3000:]
-        second = subprocess.run([sys.executable, "-m", "dsaflow.cli", "train", *LONG_RUN, f"run_dir={run}",
-                                 "train.resume=true"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                timeout=120)
+        second = subprocess.run(
+            [sys.executable, "-m", "dsaflow.cli", "train", *LONG_RUN, f"run_dir={run}", "train.resume=true"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 2, second.stderr
         assert f"is in use by `dsaflow train` (pid {parent.pid}" in second.stderr, second.stderr
         assert "Traceback" not in second.stderr
@@ -219,7 +253,9 @@ def test_gloo_timeouts_are_recognised_as_a_lost_peer():
     worker reports a lost peer in one line instead of a traceback."""
     from dsaflow.worker import _lost_peer
 
-    for text in ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation to complete",
-                 "Application timeout caused pair closure"):
+    for text in (
+        "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation to complete",
+        "Application timeout caused pair closure",
+    ):
         assert _lost_peer(RuntimeError(text)), text
     assert not _lost_peer(RuntimeError("shape mismatch"))

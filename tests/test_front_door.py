@@ -1,6 +1,7 @@
 """What a newcomer types at the front door: help examples that bash accepts, completion that completes, the
 sweeper plugin named when missing, a quiet `| head`, WANDB_MODE=disabled, an interrupt hint that works, and a
 hand-run torchrun with the wrong process count. The CLI runs as `python -m dsaflow.cli` in a subprocess."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,9 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def dsaflow(*args, env=None, timeout=120, **kw):
-    return subprocess.run([*DSAFLOW, *args], capture_output=True, text=True, cwd=REPO, env={**ENV, **(env or {})},
-                          timeout=timeout, **kw)
+    return subprocess.run(
+        [*DSAFLOW, *args], capture_output=True, text=True, cwd=REPO, env={**ENV, **(env or {})}, timeout=timeout, **kw
+    )
 
 
 def _command_lines(text: str):
@@ -37,8 +39,9 @@ def _command_lines(text: str):
 def _bash_syntax_errors(lines):
     bad = []
     for line in lines:
-        check = subprocess.run(["bash", "-n", "-c", line.replace("<", "_").replace(">", "_")],
-                               capture_output=True, text=True)
+        check = subprocess.run(
+            ["bash", "-n", "-c", line.replace("<", "_").replace(">", "_")], capture_output=True, text=True
+        )
         if check.returncode:
             bad.append(f"{line}\n  {check.stderr.strip()}")
     return bad
@@ -104,8 +107,10 @@ def test_shell_completion_installs_for_dsaflow_and_completes_commands_and_option
 
     def complete(line: str) -> list:
         words = line.split() + ([""] if line.endswith(" ") else [])
-        probe = (f'source {tmp_path / "completion.sh"}; COMP_LINE="{line}"; COMP_POINT=${{#COMP_LINE}}; '
-                 f"COMP_CWORD={len(words) - 1}; hydra_bash_completion; echo \"${{COMPREPLY[@]}}\"")
+        probe = (
+            f'source {tmp_path / "completion.sh"}; COMP_LINE="{line}"; COMP_POINT=${{#COMP_LINE}}; '
+            f'COMP_CWORD={len(words) - 1}; hydra_bash_completion; echo "${{COMPREPLY[@]}}"'
+        )
         res = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
         assert res.returncode == 0, res.stderr
         return res.stdout.split()
@@ -118,8 +123,15 @@ def test_shell_completion_installs_for_dsaflow_and_completes_commands_and_option
 
 
 def test_info_into_a_closed_pipe_exits_quietly():
-    res = subprocess.run(f"{sys.executable} -m dsaflow.cli train --info | head -n 1",
-                         shell=True, capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120)
+    res = subprocess.run(
+        f"{sys.executable} -m dsaflow.cli train --info | head -n 1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=120,
+    )
     assert res.stdout.startswith("Hydra")
     assert res.stderr == ""
 
@@ -149,8 +161,14 @@ def test_interrupt_hint_offers_resume_only_when_a_checkpoint_exists(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_on_a_run_without_checkpoints_does_not_suggest_a_resume_that_would_be_refused(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([*DSAFLOW, "train", "train.steps=100000", "track=none", f"run_dir={run_dir}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    proc = subprocess.Popen(
+        [*DSAFLOW, "train", "train.steps=100000", "track=none", f"run_dir={run_dir}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+    )
     try:
         for line in proc.stdout:  # interrupt once training runs
             if line.startswith("training "):
@@ -168,12 +186,32 @@ def test_ctrl_c_on_a_run_without_checkpoints_does_not_suggest_a_resume_that_woul
 @pytest.mark.slow
 def test_hand_run_launch_with_the_wrong_process_count_is_one_paragraph_and_exit_2(tmp_path):
     run_dir = tmp_path / "run"
-    prep = subprocess.run([sys.executable, "-m", "dsaflow.launch.launch", "prepare", f"run_dir={run_dir}",
-                           "track=none"], capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120)
+    prep = subprocess.run(
+        [sys.executable, "-m", "dsaflow.launch.launch", "prepare", f"run_dir={run_dir}", "track=none"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=120,
+    )
     assert prep.returncode == 0, prep.stderr
-    res = subprocess.run([sys.executable, "-m", "dsaflow.launch.agent", "--standalone", "--nproc-per-node=2",
-                          "-m", "dsaflow.worker", str(run_dir)], capture_output=True, text=True, cwd=REPO, env=ENV,
-                         timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsaflow.launch.agent",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "dsaflow.worker",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=300,
+    )
     assert res.returncode == 2
     assert "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr  # one paragraph: no banner, no per-rank copies
@@ -186,8 +224,14 @@ def test_readme_generate_prompts_are_the_held_out_task_and_the_readme_lists_thei
     from dsaflow.config.compose import compose
 
     path = REPO / "docs" / "retrieval_prompts.jsonl"
-    made = subprocess.run([sys.executable, "scripts/retrieval_prompts.py", "--count", "8"], capture_output=True,
-                          text=True, cwd=REPO, env=ENV, timeout=120)
+    made = subprocess.run(
+        [sys.executable, "scripts/retrieval_prompts.py", "--count", "8"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=120,
+    )
     assert made.returncode == 0 and made.stdout == path.read_text()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     seq_len = compose([]).train.seq_len

@@ -1,5 +1,6 @@
 """Serving on CPU, in one process: chunked prefill + decode vs a full forward, stage splits, padding through the graph
 manager (with a fake capturer), batching, EOS, prompts/outputs files, checkpoints, and every serve-config error."""
+
 import json
 
 import pytest
@@ -16,8 +17,15 @@ PROMPTS = ["hello", "hi there, friend", "abc", "x"]
 
 
 def setup(overrides=(), edit=None):
-    base = ["mode=serve", "track=none", "model.num_layers=4", "layout=FSFF", "serve.max_new_tokens=5",
-            "serve.prefill_chunk=4", "serve.max_context=40"]
+    base = [
+        "mode=serve",
+        "track=none",
+        "model.num_layers=4",
+        "layout=FSFF",
+        "serve.max_new_tokens=5",
+        "serve.prefill_chunk=4",
+        "serve.max_context=40",
+    ]
     cfg = compose(base + list(overrides))
     if edit:
         edit(cfg)
@@ -42,7 +50,8 @@ def flat(log):
 
 def same_logits(log_a, log_b):
     return sorted(log_a) == sorted(log_b) and all(
-        len(log_a[r]) == len(log_b[r]) and all(torch.equal(a, b) for a, b in zip(log_a[r], log_b[r])) for r in log_a)
+        len(log_a[r]) == len(log_b[r]) and all(torch.equal(a, b) for a, b in zip(log_a[r], log_b[r])) for r in log_a
+    )
 
 
 def greedy_reference(cfg, plan, prompt, steps):
@@ -55,7 +64,7 @@ def greedy_reference(cfg, plan, prompt, steps):
             for s in stages:
                 h = s(h)
             seq.append(int(h[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 16])
@@ -145,8 +154,10 @@ def test_prompts_file_and_output_file(tmp_path, capsys):
     out = tmp_path / "o" / "out.jsonl"
     write_outputs(["one", "two"], [[104, 105], [33]], str(out))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rows == [{"prompt": "one", "completion": "hi", "tokens": [104, 105]},
-                    {"prompt": "two", "completion": "!", "tokens": [33]}]
+    assert rows == [
+        {"prompt": "one", "completion": "hi", "tokens": [104, 105]},
+        {"prompt": "two", "completion": "!", "tokens": [33]},
+    ]
     write_outputs(["one"], [[104, 105]], None)
     assert "hi" in capsys.readouterr().out
 
@@ -277,8 +288,10 @@ def test_cross_stage_indices_generate_what_one_stage_does(split):
 
 def test_request_that_does_not_fit_is_rejected_by_line_and_the_rest_served(tmp_path):
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "hello"}\n{"prompt": "hi there, friend", "max_new_tokens": 30}\n'
-                 '{"prompt": "abc", "max_new_tokens": 2}\n')
+    f.write_text(
+        '{"prompt": "hello"}\n{"prompt": "hi there, friend", "max_new_tokens": 30}\n'
+        '{"prompt": "abc", "max_new_tokens": 2}\n'
+    )
     cfg, plan = setup([f"serve.prompts_file={f}"])
     reqs = check_serve(cfg, plan, "cpu")
     assert reqs.served == [0, 2] and reqs.max_new == [5, 30, 2]
@@ -292,8 +305,10 @@ def test_request_that_does_not_fit_is_rejected_by_line_and_the_rest_served(tmp_p
     assert rows[0]["tokens"] == run(cfg, plan, ["hello"])[0][0]
     assert rows[2]["tokens"] == run(cfg, plan, ["abc"])[0][0][:2]  # its own limit, the same greedy tokens
     assert [sorted(r) for r in rows] == [
-        ["completion", "num_tokens", "prompt", "tokens", "tpot_s", "ttft_s"], ["error", "prompt"],
-        ["completion", "num_tokens", "prompt", "tokens", "tpot_s", "ttft_s"]]
+        ["completion", "num_tokens", "prompt", "tokens", "tpot_s", "ttft_s"],
+        ["error", "prompt"],
+        ["completion", "num_tokens", "prompt", "tokens", "tpot_s", "ttft_s"],
+    ]
     assert rows[0]["num_tokens"] == 5 and rows[0]["ttft_s"] > 0 and rows[0]["tpot_s"] > 0
     assert rows[2]["ttft_s"] > 0 and rows[2]["num_tokens"] == 2 and rows[1]["error"] == reqs.rejected[1]
     bad = tmp_path / "bad.jsonl"

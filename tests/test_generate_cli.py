@@ -1,5 +1,6 @@
 """`dsaflow generate` end to end on CPU: parent plan + torchrun + 2 gloo workers (one stage each) + p2p between
 stages, against the same model served by one process with one stage. Plus the CLI's user-error exits."""
+
 import json
 import os
 import subprocess
@@ -13,8 +14,16 @@ from dsaflow.plan import build_plan
 from dsaflow.serve.generate import build_engine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMON = ["model.num_layers=4", "serve.max_new_tokens=5", "serve.prefill_chunk=4", "serve.max_context=40",
-          "serve.temperature=0.9", "serve.top_p=0.8", "serve.seed=3", "track=none"]
+COMMON = [
+    "model.num_layers=4",
+    "serve.max_new_tokens=5",
+    "serve.prefill_chunk=4",
+    "serve.max_context=40",
+    "serve.temperature=0.9",
+    "serve.top_p=0.8",
+    "serve.seed=3",
+    "track=none",
+]
 PROMPTS = ["hello", "hi there, friend", "abc"]
 
 
@@ -28,8 +37,13 @@ def test_two_stage_pipeline_generates_the_same_tokens_as_one_stage(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.jsonl"
-    res = dsaflow("layout=FS|FF", f"serve.prompts_file={prompts}", f"serve.output_file={out}",
-                  f"run_dir={tmp_path / 'run'}", *COMMON)
+    res = dsaflow(
+        "layout=FS|FF",
+        f"serve.prompts_file={prompts}",
+        f"serve.output_file={out}",
+        f"run_dir={tmp_path / 'run'}",
+        *COMMON,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == PROMPTS
@@ -65,13 +79,27 @@ def test_serves_a_checkpoint_written_by_dsaflow_train(tmp_path):
     """Train 2 steps on 2 gloo stages, then serve the run's checkpoint from 1 stage: the worker loads the trained
     weights (not the init), and its tokens equal an in-process engine that loads the same checkpoint."""
     model = ["model.num_layers=4", "track=none"]
-    train = [sys.executable, "-c", "from dsaflow.cli import main; main()", "train", *model, "layout=FS|FF",
-             "train.steps=2", "train.eval_every=0", f"run_dir={tmp_path / 'train'}"]
+    train = [
+        sys.executable,
+        "-c",
+        "from dsaflow.cli import main; main()",
+        "train",
+        *model,
+        "layout=FS|FF",
+        "train.steps=2",
+        "train.eval_every=0",
+        f"run_dir={tmp_path / 'train'}",
+    ]
     res = subprocess.run(train, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = tmp_path / "out.jsonl"
-    serve = ["layout=FSFF", f"serve.checkpoint={tmp_path / 'train'}", "serve.max_new_tokens=4",
-             "serve.max_context=40", "serve.prompts=[hello]"]
+    serve = [
+        "layout=FSFF",
+        f"serve.checkpoint={tmp_path / 'train'}",
+        "serve.max_new_tokens=4",
+        "serve.max_context=40",
+        "serve.prompts=[hello]",
+    ]
     res = dsaflow(*model, *serve, f"serve.output_file={out}", f"run_dir={tmp_path / 'serve'}")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = json.loads(out.read_text())["tokens"]
@@ -89,13 +117,23 @@ def test_serves_a_checkpoint_written_by_dsaflow_train(tmp_path):
 @pytest.mark.parametrize("split", ["FSSS|SFSS", "FS|SS|FS|SS"])
 def test_cross_stage_indices_pp2_pp4_generate_the_one_stage_greedy_tokens(tmp_path, split):
     """Stages open on S and read the indices the previous rank sends with the hidden state (p2p, gloo)."""
-    greedy = ["model.num_layers=8", "pipeline.cross_stage_indices=true", "serve.temperature=0", *COMMON[1:4],
-              "track=none"]
+    greedy = [
+        "model.num_layers=8",
+        "pipeline.cross_stage_indices=true",
+        "serve.temperature=0",
+        *COMMON[1:4],
+        "track=none",
+    ]
     out = tmp_path / "out.jsonl"
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    res = dsaflow(f"layout={split}", f"serve.prompts_file={prompts}", f"serve.output_file={out}",
-                  f"run_dir={tmp_path / 'run'}", *greedy)
+    res = dsaflow(
+        f"layout={split}",
+        f"serve.prompts_file={prompts}",
+        f"serve.output_file={out}",
+        f"run_dir={tmp_path / 'run'}",
+        *greedy,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     cfg = compose(["mode=serve", "layout=" + split.replace("|", ""), *greedy])
     eng = build_engine(cfg, build_plan(cfg), 0, "cpu")

@@ -3,6 +3,7 @@
 The capture itself is injected: `FakeCapturer` behaves like a CUDA graph where it matters here — the output is one
 static tensor that every replay overwrites in place — so an engine that held on to a stale output would fail.
 """
+
 import json
 
 import pytest
@@ -58,7 +59,12 @@ def make_manager(classes=(1, 2, 4, 8), capturer=None, **kw):
     m = GraphManager("cpu", capturer=capturer or FakeCapturer(), **kw)
     top = classes[-1]
     m.register(
-        "decode", "decode", 0, classes, 0, double_block(seen),
+        "decode",
+        "decode",
+        0,
+        classes,
+        0,
+        double_block(seen),
         {"x": StaticInput((top, 1), torch.long, 0), "positions": StaticInput((top, 1), torch.long, -1)},
     )
     return m, seen
@@ -106,7 +112,9 @@ def test_static_buffers_allocated_once_and_reused():
     m.capture_all()
     ptrs = {k: b.data_ptr() for k, b in m.blocks[("decode", 0)].buffers.items()}
     for n in (3, 1, 8, 2):
-        m.run("decode", 0, n, {"x": torch.ones(n, 1, dtype=torch.long), "positions": torch.zeros(n, 1, dtype=torch.long)})
+        m.run(
+            "decode", 0, n, {"x": torch.ones(n, 1, dtype=torch.long), "positions": torch.zeros(n, 1, dtype=torch.long)}
+        )
     assert {k: b.data_ptr() for k, b in m.blocks[("decode", 0)].buffers.items()} == ptrs
     assert m.blocks[("decode", 0)].buffers["x"].shape == (8, 1)  # sized to the largest class
 
@@ -190,7 +198,12 @@ def test_prefill_pads_token_dim():
     m = GraphManager("cpu", capturer=FakeCapturer())
     seen = []
     m.register(
-        "prefill", "prefill", 1, (4, 8), 1, double_block(seen),
+        "prefill",
+        "prefill",
+        1,
+        (4, 8),
+        1,
+        double_block(seen),
         {"x": StaticInput((2, 8), torch.long, 0), "positions": StaticInput((2, 8), torch.long, -1)},
     )
     m.capture_all()
@@ -256,11 +269,18 @@ class FakeCuda:
             return ctx("graph", pool=pool, stream=stream)
 
         patches = {
-            "device": lambda d: ctx("device", d), "graph_pool_handle": lambda: "pool0", "Stream": Stream,
-            "current_stream": lambda d=None: Stream("current"), "stream": lambda s: ctx("on_stream"),
-            "get_sync_debug_mode": lambda: fake.mode, "set_sync_debug_mode": self.set_mode,
-            "synchronize": lambda d=None: None, "empty_cache": lambda: None,
-            "memory_reserved": lambda d=None: fake.reserved, "CUDAGraph": Graph, "graph": graph_ctx,
+            "device": lambda d: ctx("device", d),
+            "graph_pool_handle": lambda: "pool0",
+            "Stream": Stream,
+            "current_stream": lambda d=None: Stream("current"),
+            "stream": lambda s: ctx("on_stream"),
+            "get_sync_debug_mode": lambda: fake.mode,
+            "set_sync_debug_mode": self.set_mode,
+            "synchronize": lambda d=None: None,
+            "empty_cache": lambda: None,
+            "memory_reserved": lambda d=None: fake.reserved,
+            "CUDAGraph": Graph,
+            "graph": graph_ctx,
         }
         for name, value in patches.items():
             monkeypatch.setattr(cuda, name, value)

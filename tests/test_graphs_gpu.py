@@ -8,6 +8,7 @@ gpu:      graph replay == eager bit for bit over 32 decode steps at several batc
 multigpu: capture on cuda:1 works like cuda:0 (nothing lands on cuda:0); a 2-stage NCCL pipeline (torchrun, two
           processes) generates the same tokens as one stage.
 """
+
 import gc
 import json
 import os
@@ -19,8 +20,8 @@ import torch
 
 from dsaflow.config.compose import compose
 from dsaflow.plan import build_plan
-from dsaflow.serve.sampling import make_generator, sample_next
 from dsaflow.serve.generate import build_engine
+from dsaflow.serve.sampling import make_generator, sample_next
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 32  # decode steps compared (max_new_tokens = STEPS + 1: the first token comes from prefill)
@@ -55,8 +56,9 @@ def assert_bitwise(log_a, log_b):
     for req in log_a:
         assert len(log_a[req]) == len(log_b[req]) == STEPS + 1
         for step, (a, b) in enumerate(zip(log_a[req], log_b[req])):
-            assert torch.equal(a.cpu(), b.cpu()), \
+            assert torch.equal(a.cpu(), b.cpu()), (
                 f"request {req}: logits differ at step {step}: max |d| {(a.cpu() - b.cpu()).abs().max()}"
+            )
 
 
 @pytest.mark.gpu
@@ -102,8 +104,17 @@ def dsaflow_generate(tmp_path, *overrides, prompts_list):
     pf = tmp_path / "prompts.jsonl"
     pf.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts_list))
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-c", "from dsaflow.cli import main; main()", "generate", *BASE, *overrides,
-           f"serve.prompts_file={pf}", f"serve.output_file={out}", f"run_dir={tmp_path / 'run'}"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from dsaflow.cli import main; main()",
+        "generate",
+        *BASE,
+        *overrides,
+        f"serve.prompts_file={pf}",
+        f"serve.output_file={out}",
+        f"run_dir={tmp_path / 'run'}",
+    ]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     return [json.loads(line) for line in out.read_text().splitlines()], res.stdout

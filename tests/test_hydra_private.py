@@ -1,5 +1,6 @@
 """The Hydra internals dsaflow relies on (dsaflow/config/hydra_private.py), checked against the installed Hydra: a
 new Hydra that renames or changes one of them fails here, not in a user's sweep."""
+
 from __future__ import annotations
 
 import inspect

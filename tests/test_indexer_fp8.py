@@ -5,16 +5,17 @@ field to the op, a GPU without fp8 tensor cores refused with the field named. `g
 the fp32 reference on the rounded values (every selected key at or above the reference's kk-th score, up to the fp8
 MMA's accumulation error), the radix and sort paths equal on the same fp8 logits, graph replay == eager.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import planned, tokens
 
 import dsaflow.model.mla as mla
 from dsaflow.ops.indexer_topk import indexer_scores_naive, indexer_topk, indexer_topk_naive, topk_from_scores
 from dsaflow.ops.indexer_topk.fp8 import E4M3_MAX, dequantize_rows, quantize_rows
 from dsaflow.ops.indexer_topk.triton_indexer import indexer_topk_triton
-from model_helpers import planned, tokens
 
 POISON = -12345
 
@@ -116,7 +117,9 @@ def test_gpu_fp8_selection_against_the_reference_on_rounded_values(S):
     q, k, w = v32_inputs(T, S, seed=S)
     positions = torch.arange(S - T, S, device="cuda").unsqueeze(0)
     positions[0, :4] = torch.tensor([-1, 5, 1000, 2047])  # padding, short contexts, exactly topk visible
-    out = {select: indexer_topk_triton(q, k, w, positions, topk, select=select, fp8=True) for select in ("radix", "sort")}
+    out = {
+        select: indexer_topk_triton(q, k, w, positions, topk, select=select, fp8=True) for select in ("radix", "sort")
+    }
     assert torch.equal(out["radix"], out["sort"]), "both selects read the same fp8 logits"
     assert_selection_within(out["radix"], q, k, w, positions, topk)
 

@@ -1,13 +1,11 @@
 """Indexer KL loss: graph only through indexer weights, equal to a textbook float64 recomputation, PP-independent."""
+
 import pytest
 import torch
-
-from dsaflow.run.stages import build_stages
-from dsaflow.model.rope import apply_rope, apply_rope_prefix, rope_angles
 from model_helpers import planned_sharp, tokens
 
-
-
+from dsaflow.model.rope import apply_rope, apply_rope_prefix, rope_angles
+from dsaflow.run.stages import build_stages
 
 
 def textbook_head_probs(attn, x, pos, m):

@@ -1,13 +1,14 @@
 """The indexer loss computed inside the backward (`IndexerLossInBackward`, what training runs) against the forward
 timing (the reference): same logged values, same gradients everywhere, on the plain and the recomputed attention,
 and the rules for when a stage accepts it. GPU: the target the sparse-attention backward fills."""
+
 import pytest
 import torch
+from model_helpers import planned_sharp, tokens
 
 from dsaflow.model import IndexerLossInBackward
 from dsaflow.model import indexer_loss as indexer_loss_module
 from dsaflow.run.stages import build_stages
-from model_helpers import planned_sharp, tokens
 
 
 def _grads(stage):
@@ -54,8 +55,7 @@ def test_backward_mode_under_recomputation(monkeypatch, recompute, chunk):
     runs = []
     real = indexer_loss_module.indexer_kl
     monkeypatch.setattr(indexer_loss_module, "indexer_kl", lambda *a: runs.append(1) or real(*a))
-    (loss, g_fwd), (values, g_bwd) = _both_modes("FSSSFSSS", tokens(2, 12, seed=2), 1.0, chunk,
-                                                 recompute=recompute)
+    (loss, g_fwd), (values, g_bwd) = _both_modes("FSSSFSSS", tokens(2, 12, seed=2), 1.0, chunk, recompute=recompute)
     assert len(runs) == 2 + 2 and len(values) == 1  # forward timing: 2 F layers; backward timing: each KL once
     torch.testing.assert_close(values[0], loss, rtol=1e-6, atol=1e-9)
     for n in g_fwd:
@@ -98,8 +98,7 @@ def test_backward_mode_refuses_what_it_cannot_do():
 def test_gpu_backward_mode_equals_forward_mode(chunk, recompute):
     """On CUDA the two modes take their targets from different kernels (the target kernel in the forward, the
     attention backward's own probabilities); fp32, plain, recomputed attention and recomputed blocks."""
-    (loss, g_fwd), (values, g_bwd) = _both_modes("FSSSFSSS", tokens(2, 48, seed=6), 0.5, chunk, "cuda",
-                                                 recompute)
+    (loss, g_fwd), (values, g_bwd) = _both_modes("FSSSFSSS", tokens(2, 48, seed=6), 0.5, chunk, "cuda", recompute)
     torch.testing.assert_close(values[0], loss, rtol=1e-4, atol=1e-7)
     assert g_fwd.keys() == g_bwd.keys()
     for n in g_fwd:

@@ -8,6 +8,7 @@ use small integer q, k, w so every score is exact in fp32 and the op must equal 
 `gpu` tests: DeepSeek-V3.2 shapes (64 heads x 128, topk 2048, bf16), 256K rows, more than 65,535 batch rows, and
 CUDA-graph replay == eager.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -55,9 +56,11 @@ def tie_scores(B: int, T: int, S: int, g: torch.Generator) -> torch.Tensor:
 # sampled: "sort": small sample, one compaction program per row (index order, no atomics); "whole": no floor, every
 # visible key is a candidate (the path a missed sample takes); "split": many compaction programs per row (atomic,
 # unordered slots).
-SELECT_CFGS = {"sort": dict(BLOCK=64, BLOCK_FINISH=64, SAMPLE=16, programs=4),
-               "whole": dict(BLOCK=64, BLOCK_FINISH=32, SAMPLE=16, whole_row=True, programs=4),
-               "split": dict(BLOCK=32, SAMPLE=32, programs=64)}
+SELECT_CFGS = {
+    "sort": dict(BLOCK=64, BLOCK_FINISH=64, SAMPLE=16, programs=4),
+    "whole": dict(BLOCK=64, BLOCK_FINISH=32, SAMPLE=16, whole_row=True, programs=4),
+    "split": dict(BLOCK=32, SAMPLE=32, programs=64),
+}
 
 
 # the whole-op tests below pass this on CPU: the interpreter's sort of a 4096 sample / cap takes minutes
@@ -145,13 +148,29 @@ def test_indexer_topk_op_equals_naive_exactly(seed, chunk):
     q, k, w = int_inputs(B, T, H, D, S, g)
     positions = torch.tensor([[-1, 0, 5, 11, 30, 44], [44, 44, 3, -7, 20, 12]])
     ref = indexer_topk_naive(q, k, w, positions, topk)
-    got = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk,
-                              select="radix", select_overrides=CPU_SELECT)
+    got = indexer_topk_triton(
+        q.to(DEV),
+        k.to(DEV),
+        w.to(DEV),
+        positions.to(DEV),
+        topk,
+        chunk=chunk,
+        select="radix",
+        select_overrides=CPU_SELECT,
+    )
     assert torch.equal(got.cpu(), ref)
     old = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk, select="sort")
     assert torch.equal(old.cpu(), ref)
-    radix = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk,
-                                select="radix", select_overrides=SELECT_CFGS["whole"])
+    radix = indexer_topk_triton(
+        q.to(DEV),
+        k.to(DEV),
+        w.to(DEV),
+        positions.to(DEV),
+        topk,
+        chunk=chunk,
+        select="radix",
+        select_overrides=SELECT_CFGS["whole"],
+    )
     assert torch.equal(radix.cpu(), ref)
 
 
@@ -162,8 +181,9 @@ def test_indexer_topk_op_wider_than_context():
     positions = torch.tensor([[0, 2, 4]])
     ref = indexer_topk_naive(q, k, w, positions, 8)
     for select in ("radix", "sort"):
-        got = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), 8, select=select,
-                                  select_overrides=CPU_SELECT)
+        got = indexer_topk_triton(
+            q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), 8, select=select, select_overrides=CPU_SELECT
+        )
         assert torch.equal(got.cpu(), ref), select
 
 
@@ -227,8 +247,10 @@ def test_gpu_radix_equals_sort_path_v32(S):
     for cfg in ({}, dict(whole_row=True), dict(programs=4096)):  # default; no floor; more splits
         got = radix_topk_triton(scores, positions, topk, out=out.fill_(POISON), overrides=cfg)
         assert torch.equal(got, ref), cfg
-    assert torch.equal(indexer_topk_triton(q, k, w, positions, topk, select="radix"),
-                       indexer_topk_triton(q, k, w, positions, topk, select="sort"))
+    assert torch.equal(
+        indexer_topk_triton(q, k, w, positions, topk, select="radix"),
+        indexer_topk_triton(q, k, w, positions, topk, select="sort"),
+    )
 
 
 @pytest.mark.gpu

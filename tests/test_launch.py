@@ -1,5 +1,6 @@
 """`dsaflow train`: bad launch configs stop with exit 2 before any process starts and leave nothing on disk; a good
 one writes the run dir and trains through torchrun (2 gloo ranks), with the offline tracker writing its run."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,17 @@ import torch
 from dsaflow import cli
 from dsaflow.launch.launch import GPU_ENV_DEFAULTS, launch_env, torchrun_command
 
-TINY = ["model.num_layers=4", "model.dim=32", "model.inter_dim=64", "model.index_topk=8", "train.seq_len=32",
-        "train.batch_size=4", "train.warmup_steps=1", "train.eval_batches=1", "train.progress=lines"]
+TINY = [
+    "model.num_layers=4",
+    "model.dim=32",
+    "model.inter_dim=64",
+    "model.index_topk=8",
+    "train.seq_len=32",
+    "train.batch_size=4",
+    "train.warmup_steps=1",
+    "train.eval_batches=1",
+    "train.progress=lines",
+]
 
 BAD = [
     (["train.seq_len=4096"], "train.seq_len=4096"),
@@ -68,8 +78,17 @@ def test_resume_without_checkpoint_stops(no_launch, capsys):
 
 def test_torchrun_command_and_env():
     cmd = torchrun_command("runs/x", 4, "generate")
-    assert cmd[1:] == ["-m", "dsaflow.launch.agent", "--standalone", "--nproc-per-node=4", "-m", "dsaflow.worker",
-                       "runs/x", "--job", "generate"]
+    assert cmd[1:] == [
+        "-m",
+        "dsaflow.launch.agent",
+        "--standalone",
+        "--nproc-per-node=4",
+        "-m",
+        "dsaflow.worker",
+        "runs/x",
+        "--job",
+        "generate",
+    ]
     env = launch_env({"NCCL_NVLS_ENABLE": "1"})
     assert env["NCCL_NVLS_ENABLE"] == "1", "a user's own value wins"
     assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == GPU_ENV_DEFAULTS["TORCH_SYMM_MEM_DISABLE_MULTICAST"]
@@ -87,8 +106,11 @@ def test_launch_line_and_end_of_run_summary(tmp_path):
     assert shlex.split(shell_command(cmd)) == [str(c) for c in cmd]  # a shell reads back exactly the command
     assert plural(1, "stage") == "1 stage" and plural(2, "rank") == "2 ranks"
     (tmp_path / "metrics.jsonl").write_text(
-        json.dumps({"step": 1, "loss": 2.0, "tokens_per_s": 10.0}) + "\n"
-        + json.dumps({"step": 2, "loss": 1.5, "indexer_loss": 0.1, "eval_acc": 0.75, "tokens_per_s": 12.0}) + "\n")
+        json.dumps({"step": 1, "loss": 2.0, "tokens_per_s": 10.0})
+        + "\n"
+        + json.dumps({"step": 2, "loss": 1.5, "indexer_loss": 0.1, "eval_acc": 0.75, "tokens_per_s": 12.0})
+        + "\n"
+    )
     from dsaflow.plan import build_plan
     from dsaflow.run.ckpt_store import checkpoint_dir
     from dsaflow.run.stages import build_stages
@@ -110,8 +132,9 @@ def test_dsaflow_train_end_to_end(tmp_path, monkeypatch, capfd):
     with train.resume picks up nothing left to do is not needed: checked by test_resume."""
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
-    code = cli.main(["train", *TINY, "pipeline=pp2", "train.steps=3", "train.eval_every=2", "train.log_every=1",
-                     f"run_dir={run}"])
+    code = cli.main(
+        ["train", *TINY, "pipeline=pp2", "train.steps=3", "train.eval_every=2", "train.log_every=1", f"run_dir={run}"]
+    )
     out = capfd.readouterr()
     assert code == 0, out.err[-3000:]
     for name in ("config.yaml", "plan.json", "plan.txt", "metrics.jsonl", "train.log"):
@@ -120,8 +143,19 @@ def test_dsaflow_train_end_to_end(tmp_path, monkeypatch, capfd):
     assert plan["pipeline"]["ranks"] == 2
     records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
-    for key in ("loss", "lr", "tokens_per_s", "mfu", "indexer_loss", "stage0_time_s", "stage1_time_s",
-                "stage0_indexer_loss", "stage1_indexer_loss", "pipeline_efficiency", "acc"):
+    for key in (
+        "loss",
+        "lr",
+        "tokens_per_s",
+        "mfu",
+        "indexer_loss",
+        "stage0_time_s",
+        "stage1_time_s",
+        "stage0_indexer_loss",
+        "stage1_indexer_loss",
+        "pipeline_efficiency",
+        "acc",
+    ):
         assert key in records[0], key
     assert "eval_acc" in records[1] and "eval_acc" in records[2] and "eval_acc" not in records[0]
     assert (run / "checkpoints" / "step-000003" / ".metadata").is_file()

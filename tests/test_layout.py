@@ -1,4 +1,5 @@
 """The layout language: parser, tiling, the freq rule, and error messages that point at the mistake."""
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -114,7 +115,11 @@ def test_format_then_parse_round_trips(layout, data):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.sampled_from("FS"), min_size=1, max_size=6), st.integers(1, 5), st.lists(st.sampled_from("FS"), max_size=4))
+@given(
+    st.lists(st.sampled_from("FS"), min_size=1, max_size=6),
+    st.integers(1, 5),
+    st.lists(st.sampled_from("FS"), max_size=4),
+)
 def test_repeat_equals_written_out(unit, count, tail):
     u, t = "".join(unit), "".join(tail)
     assert parse_layout(f"({u})*{count}{t}").roles == tuple(u * count + t)

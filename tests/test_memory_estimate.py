@@ -1,5 +1,6 @@
 """The training memory estimate (dsaflow.plan.memory): a hand count for tiny shapes, the plan table and the
 pre-launch check that refuses on it; on a GPU, the estimate against the measured peak of real steps."""
+
 import pytest
 import torch
 from script_helpers import load_script
@@ -14,8 +15,14 @@ from dsaflow.plan.render import render_table
 
 # model=tiny: dim 64, inter 128, 4 heads, q_lora 32, kv_lora 32, nope 16, rope 8, v 16, indexer 4 x 16 (rope 8),
 # topk 16, vocab 256. Layers "FS", one stage, 4 sequences of 128 tokens in one microbatch: 512 tokens.
-TINY = ["model=tiny", "model.num_layers=2", "index=every2", "train.seq_len=128", "train.batch_size=4",
-        "pipeline.microbatches=1"]
+TINY = [
+    "model=tiny",
+    "model.num_layers=2",
+    "index=every2",
+    "train.seq_len=128",
+    "train.batch_size=4",
+    "pipeline.microbatches=1",
+]
 TOKENS = 512
 # Bytes per token of one layer under bf16 autocast, counted by hand from what autograd saves:
 # S, none: fp32 block input + MLP-norm input 2*64*4 = 512; the four bf16 casts of the normed inputs 4*64*2 = 512;
@@ -73,8 +80,15 @@ def test_the_plan_table_prints_the_memory_terms():
     assert "training memory per stage" in text and f"{peak:.1f}" in text
 
 
-LONG = ["model=dsv32", "model.vocab_size=256", "model.inter_dim=2048", "model.num_layers=8", "index=every4",
-        "train.batch_size=1", "pipeline.microbatches=1"]
+LONG = [
+    "model=dsv32",
+    "model.vocab_size=256",
+    "model.inter_dim=2048",
+    "model.num_layers=8",
+    "index=every4",
+    "train.batch_size=1",
+    "pipeline.microbatches=1",
+]
 
 
 def _h200(monkeypatch):
@@ -129,9 +143,20 @@ def test_gpu_estimate_within_15_percent_of_the_measured_peak(bench_stage, seq, m
 def test_the_bench_table_records_out_of_memory_rows():
     """CPU: the bench's markdown from rows as `measure` returns them, one of them out of memory."""
     bench = load_script("bench_train_stage")
-    rows = [{"seq": 16384, "layers": 8, "recompute": "block", "step_s": 1.5, "tokens_per_s": 10923.0, "tflops": 300.0,
-             "peak_gib": 40.0, "estimate_gib": 42.0, "estimate_error": 0.05},
-            {"seq": 131072, "layers": 8, "recompute": "none", "estimate_gib": 574.4, "error": "out of memory: ..."}]
+    rows = [
+        {
+            "seq": 16384,
+            "layers": 8,
+            "recompute": "block",
+            "step_s": 1.5,
+            "tokens_per_s": 10923.0,
+            "tflops": 300.0,
+            "peak_gib": 40.0,
+            "estimate_gib": 42.0,
+            "estimate_error": 0.05,
+        },
+        {"seq": 131072, "layers": 8, "recompute": "none", "estimate_gib": 574.4, "error": "out of memory: ..."},
+    ]
     text = bench.markdown(rows, "an H200")
     assert "| 16K | block | 1.50 s | 10,923 | 300 | 40.0 GiB | 42.0 GiB | +5.0 % |" in text
     assert "| 128K | none | out of memory | | | | 574.4 GiB | |" in text

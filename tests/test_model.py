@@ -1,8 +1,10 @@
 """The DSA model on CPU: architecture, state-dict contract, F/S roles, sparse vs dense, partition-independent init."""
+
 import dataclasses
 
 import pytest
 import torch
+from model_helpers import planned, tokens
 
 from dsaflow.config.schema import ModelConfig
 from dsaflow.model import DSABlock, IndexSlot, LayerSpec, StageModule, build_model, full_state_dict
@@ -10,10 +12,6 @@ from dsaflow.model.context import ForwardContext, causal_indices
 from dsaflow.model.rope import apply_rope, rope_angles
 from dsaflow.plan.estimates import layer_params
 from dsaflow.run.stages import build_stages, stage_module
-from model_helpers import planned, tokens
-
-
-
 
 
 def run_stages(stages, x, **kw):
@@ -37,11 +35,27 @@ def test_param_count_equals_planner_estimate_and_s_layers_have_no_indexer(layout
     assert f_layers == [l.index for l in plan.layers if l.role == "F"] == ([0, 4] if layout == "FSSS|FSSS" else [0, 6])
 
 
-MLA_KEYS = ["attn_norm.weight", "attn.wq_a.weight", "attn.q_norm.weight", "attn.wq_b.weight", "attn.wkv_a.weight",
-            "attn.kv_norm.weight", "attn.wkv_b.weight", "attn.wo.weight", "ffn_norm.weight", "mlp.w1.weight",
-            "mlp.w3.weight", "mlp.w2.weight"]
-INDEXER_KEYS = ["attn.indexer.wq_b.weight", "attn.indexer.wk.weight", "attn.indexer.k_norm.weight",
-                "attn.indexer.k_norm.bias", "attn.indexer.weights_proj.weight"]
+MLA_KEYS = [
+    "attn_norm.weight",
+    "attn.wq_a.weight",
+    "attn.q_norm.weight",
+    "attn.wq_b.weight",
+    "attn.wkv_a.weight",
+    "attn.kv_norm.weight",
+    "attn.wkv_b.weight",
+    "attn.wo.weight",
+    "ffn_norm.weight",
+    "mlp.w1.weight",
+    "mlp.w3.weight",
+    "mlp.w2.weight",
+]
+INDEXER_KEYS = [
+    "attn.indexer.wq_b.weight",
+    "attn.indexer.wk.weight",
+    "attn.indexer.k_norm.weight",
+    "attn.indexer.k_norm.bias",
+    "attn.indexer.weights_proj.weight",
+]
 
 
 def test_state_dict_keys_are_the_documented_contract():
@@ -78,11 +92,20 @@ def test_absorbed_mla_equals_textbook_mla_attention():
     torch.manual_seed(0)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    B, T, H, N, R, C, V = 2, 7, model.n_heads, model.qk_nope_head_dim, model.qk_rope_head_dim, model.kv_lora_rank, model.v_head_dim
+    B, T, H, N, R, C, V = (
+        2,
+        7,
+        model.n_heads,
+        model.qk_nope_head_dim,
+        model.qk_rope_head_dim,
+        model.kv_lora_rank,
+        model.v_head_dim,
+    )
     x = torch.randn(B, T, model.dim)
     pos = torch.arange(T).expand(B, T)
-    ctx = ForwardContext(pos, rope_angles(pos, R, model.rope_theta), rope_angles(pos, 8, model.rope_theta), "dense",
-                         None, IndexSlot())
+    ctx = ForwardContext(
+        pos, rope_angles(pos, R, model.rope_theta), rope_angles(pos, 8, model.rope_theta), "dense", None, IndexSlot()
+    )
     got = block.attn(x, ctx)
 
     a = block.attn.double()
@@ -124,8 +147,9 @@ def test_s_layer_given_source_indices_equals_f_layer_recomputing_them():
     pos = torch.arange(11).expand(2, 11)
 
     def ctx(slot):
-        return ForwardContext(pos, rope_angles(pos, 8, model.rope_theta), rope_angles(pos, 8, model.rope_theta),
-                              "sparse", None, slot)
+        return ForwardContext(
+            pos, rope_angles(pos, 8, model.rope_theta), rope_angles(pos, 8, model.rope_theta), "sparse", None, slot
+        )
 
     slot = IndexSlot()
     out_f = f_block(x, ctx(slot))

@@ -4,17 +4,18 @@ replaced): loss, indexer loss and every parameter gradient of a stage's forward 
 On CPU the RoPE and RMSNorm dispatch to the references anyway, so the CPU test checks the strided-bmm projections
 against einsum / cat in fp32. The `gpu` tests run the Triton kernels in fp32 (tight) and under bf16 autocast.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import planned_sharp, tokens
 
 from dsaflow.model import mla, norms, rope
 from dsaflow.ops.head_proj import absorb_query_naive, head_output_naive
 from dsaflow.ops.rmsnorm import rms_norm_naive
 from dsaflow.ops.rope import rope_naive
 from dsaflow.run.stages import stage_module
-from model_helpers import planned_sharp, tokens
 
 
 def use_references(monkeypatch):

@@ -2,6 +2,7 @@
 process per node, a pipeline of two ranks). Both nodes finish; a node left alone gives up with one clear line
 within launch.timeout_s; starting a finished run dir again is refused (nothing retrained, nothing rewritten), and
 preparing it again with train.resume=true continues it."""
+
 from __future__ import annotations
 
 import os
@@ -11,20 +12,35 @@ import time
 from pathlib import Path
 
 import pytest
+from train_harness import free_port
 
 from dsaflow.run.ckpt_store import list_checkpoints, verify_checkpoint
 from dsaflow.run.rundir import read_metrics
-from train_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "multi_node.sh"
 TIMEOUT_S = 20
-TINY = ["track=none", "pipeline=pp2", "model.num_layers=2", "model.dim=32", "model.inter_dim=64",
-        "model.index_topk=8", "train.seq_len=32", "train.batch_size=4", "train.warmup_steps=1", "train.eval_every=0",
-        "train.eval_batches=1", "train.log_every=1", "train.progress=lines", f"launch.timeout_s={TIMEOUT_S}"]
+TINY = [
+    "track=none",
+    "pipeline=pp2",
+    "model.num_layers=2",
+    "model.dim=32",
+    "model.inter_dim=64",
+    "model.index_topk=8",
+    "train.seq_len=32",
+    "train.batch_size=4",
+    "train.warmup_steps=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.progress=lines",
+    f"launch.timeout_s={TIMEOUT_S}",
+]
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bash launcher, Linux process rules")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bash launcher, Linux process rules"),
+]
 
 
 def _env(**extra) -> dict:
@@ -34,17 +50,32 @@ def _env(**extra) -> dict:
 
 
 def prepare(run_dir: Path, *overrides: str) -> Path:
-    r = subprocess.run([sys.executable, "-m", "dsaflow.launch.launch", "prepare", *TINY, *overrides,
-                        f"run_dir={run_dir}"], env=_env(), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsaflow.launch.launch", "prepare", *TINY, *overrides, f"run_dir={run_dir}"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     return Path(r.stdout.strip())
 
 
 def start_nodes(run_dir: Path, ranks=(0, 1)):
-    env = _env(RUN_DIR=str(run_dir), NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
-    return [subprocess.Popen(["bash", str(SCRIPT)], env={**env, "NODE_RANK": str(r)}, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, cwd=run_dir.parent) for r in ranks]
+    env = _env(
+        RUN_DIR=str(run_dir), NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
+    return [
+        subprocess.Popen(
+            ["bash", str(SCRIPT)],
+            env={**env, "NODE_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=run_dir.parent,
+        )
+        for r in ranks
+    ]
 
 
 def finish(nodes, timeout: float):
@@ -61,13 +92,16 @@ def finish(nodes, timeout: float):
 
 
 def _snapshot(run: Path) -> dict:
-    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) 
-            if p.is_file() and p.name != ".lock" and not p.name.startswith("error-rank")}
+    return {
+        str(p.relative_to(run)): p.read_bytes()
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and p.name != ".lock" and not p.name.startswith("error-rank")
+    }
 
 
 def test_two_nodes_finish_and_a_rerun_is_refused_then_resumes(tmp_path):
     run = prepare(tmp_path / "run", "train.steps=3")
-    for rc, out, err in finish(start_nodes(run), 240):
+    for rc, _out, err in finish(start_nodes(run), 240):
         assert rc == 0, err[-3000:]
         assert "Traceback" not in err and "waiting for 2 nodes at the rendezvous" in err, err[-3000:]
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
@@ -75,13 +109,13 @@ def test_two_nodes_finish_and_a_rerun_is_refused_then_resumes(tmp_path):
     verify_checkpoint(list_checkpoints(run)[0][1])
 
     before = _snapshot(run)
-    for rc, out, err in finish(start_nodes(run), 120):  # the same script, the same run dir, again
+    for rc, _out, err in finish(start_nodes(run), 120):  # the same script, the same run dir, again
         assert rc == 2, err[-3000:]
         assert "already holds a trained run (checkpoints up to step 3)" in err and "train.resume=true" in err, err
     assert _snapshot(run) == before, "a refused rerun must not retrain or rewrite anything"
 
     assert prepare(run, "train.steps=4", "train.resume=true") == run
-    for rc, out, err in finish(start_nodes(run), 240):
+    for rc, _out, err in finish(start_nodes(run), 240):
         assert rc == 0, err[-3000:]
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
     assert [s for s, _ in list_checkpoints(run)][0] == 4

@@ -4,18 +4,23 @@ Without CUDA the kernels run in the Triton interpreter at tiny shapes (fp32, fp1
 checked against a float64 textbook computation. `gpu` tests run V3.2 shapes in bf16 and check that a dense-mode
 training step at 16K context never holds a [T, S] tensor (peak memory).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import planned, tokens
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsaflow.run.stages import build_stages
 from dsaflow.ops.dense_indexer_kl import dense_indexer_kl, dense_indexer_kl_chunked, dense_indexer_kl_naive
 from dsaflow.ops.dense_indexer_kl.triton_launch import (
-    _config, attn_lse_triton, dense_indexer_kl_triton, kl_backward_triton, kl_forward_triton,
+    _config,
+    attn_lse_triton,
+    dense_indexer_kl_triton,
+    kl_backward_triton,
+    kl_forward_triton,
 )
-from model_helpers import planned, tokens
+from dsaflow.run.stages import build_stages
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -159,20 +164,26 @@ def test_triton_kernels_write_every_output_and_skip_padding():
     pad = pos < 0
     assert pad.any() and (kl[pad] == 0).all() and (kl[pos > 0] > 1e-6).all()  # position 0: one key, KL 0
     coef = torch.rand(B, T, generator=torch.Generator().manual_seed(8)).to(DEV) * (~pad)
-    dq_i, dk_i, dw = kl_backward_triton(q, k, lse, q_i.detach(), k_i.detach(), w.detach(), pos, lse_i, coef, 0.25,
-                                        cfg)
+    dq_i, dk_i, dw = kl_backward_triton(q, k, lse, q_i.detach(), k_i.detach(), w.detach(), pos, lse_i, coef, 0.25, cfg)
     assert torch.isfinite(dw).all() and (dq_i[pad] == 0).all() and (dw[pad] == 0).all()
     ref_lse = torch.logsumexp(
         (torch.einsum("lbthd,lbshd->lbhts", q.float(), k.float()) * 0.25).masked_fill(
-            ~(torch.arange(T, device=DEV).view(1, 1, T) <= pos.unsqueeze(-1))[None, :, None], float("-inf")), -1)
+            ~(torch.arange(T, device=DEV).view(1, 1, T) <= pos.unsqueeze(-1))[None, :, None], float("-inf")
+        ),
+        -1,
+    )
     ok = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse[ok], ref_lse[ok] * 1.4426950408889634, rtol=1e-5, atol=1e-5)
 
 
 def test_public_entry_uses_the_chunked_reference_on_cpu():
     q, k, q_i, k_i, w, pos = make_inputs(1, 1, 12, 2, 8, 2, 8, device="cpu", seed=9)
-    torch.testing.assert_close(dense_indexer_kl(q, k, 0.5, q_i, k_i, w, pos),
-                               dense_indexer_kl_naive(q, k, 0.5, q_i, k_i, w, pos), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        dense_indexer_kl(q, k, 0.5, q_i, k_i, w, pos),
+        dense_indexer_kl_naive(q, k, 0.5, q_i, k_i, w, pos),
+        rtol=1e-6,
+        atol=1e-7,
+    )
 
 
 def test_dispatch_table_names_its_choice_and_refusals():

@@ -4,6 +4,7 @@ Values and every gradient, in fp32 and bf16, B = 1 and 2, odd T; output buffers 
 checked from the profiler: on CPU no aten copy / cat / clone of anything larger than the rope slice, on the GPU only
 matmul and rope kernels. The model-level test runs a whole block with the new ops and with the references.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -133,6 +134,11 @@ def test_gpu_deepseek_shapes_match_and_launch_no_copy_kernels(B, T, monkeypatch)
         torch.cuda.synchronize()
     kernels = {ev.key for ev in prof.key_averages() if getattr(ev, "device_time_total", 0)}
     # cuBLAS may clear a workspace with a memset (seen on an H200 with torch 2.11); a memcpy would be a copy.
-    others = [k for k in kernels if "_rope_kernel" not in k and not k.startswith("Memset") and not any(
-        f in k.lower() for f in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma"))]
+    others = [
+        k
+        for k in kernels
+        if "_rope_kernel" not in k
+        and not k.startswith("Memset")
+        and not any(f in k.lower() for f in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma"))
+    ]
     assert kernels and not others, others

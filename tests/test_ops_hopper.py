@@ -5,6 +5,7 @@ The Gluon kernel does not run in the CPU interpreter: the CPU tests check only w
 `gpu` tests skip unless a CUDA device of compute capability 9.x is present. Inputs come from seeded generators;
 outputs are NaN-poisoned before the kernel writes them.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -50,6 +51,7 @@ def check_against_naive(out, lse, q, kv, idx, scale, sample):
 
 
 # ---- CPU: the capability rule ----
+
 
 def _t(*shape, dtype=torch.bfloat16):
     return torch.zeros(*shape, dtype=dtype)
@@ -174,6 +176,7 @@ def check_layout_against_naive(layout, B, T, seed, cfg):
 
 # ---- decode options (triton_decode.decode_overrides) ----
 
+
 def test_decode_overrides_rule():
     from dsaflow.ops.sparse_mla.triton_decode import decode_overrides
 
@@ -197,6 +200,7 @@ def _decode_fn(kernel: str):
         out = torch.full((*q.shape[:3], 512), float("nan"), device=q.device, dtype=q.dtype)
         lse = torch.full(q.shape[:3], float("nan"), device=q.device)
         return sparse_mla_decode_hopper(q, kv, idx, 0.04, 512, out=out, lse=lse)
+
     return run
 
 
@@ -252,12 +256,14 @@ def test_decode_rule_takes_16_head_shards_only():
 @pytest.fixture
 def forced_kernel(monkeypatch):
     """Set DSAFLOW_SPARSE_MLA_KERNEL for one test (the dispatch reads it once per process: clear its cache)."""
+
     def force(value: str | None):
         if value is None:
             monkeypatch.delenv(dispatch.ENV_KERNEL, raising=False)
         else:
             monkeypatch.setenv(dispatch.ENV_KERNEL, value)
         dispatch.forced_kernels.cache_clear()
+
     yield force
     force(None)
 
@@ -307,8 +313,8 @@ def test_forcing_a_kernel_that_refuses_raises_with_its_reason(forced_kernel):
 def test_no_grad_16_head_calls_run_the_gluon_decode(forced_kernel):
     """On sm_90 a no-grad `sparse_mla` call with 16 heads is the Gluon decode (bit for bit); 32 heads and
     DSAFLOW_SPARSE_MLA_KERNEL=triton keep the split-K kernel."""
-    from dsaflow.ops.sparse_mla.hopper_decode import sparse_mla_decode_hopper
     from dsaflow.ops.sparse_mla.dispatch import explain_sparse_mla, sparse_mla_kernels
+    from dsaflow.ops.sparse_mla.hopper_decode import sparse_mla_decode_hopper
 
     q, kv, idx = make_inputs(4, 2, 16, 3000, 512, torch.bfloat16, "cuda", seed=24)
     assert explain_sparse_mla(q, kv, idx, 512, grad=False).kernel == "hopper_decode"

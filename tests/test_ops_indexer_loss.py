@@ -5,13 +5,18 @@ interpreter's bf16 dot is wrong). Every input comes from a seeded generator; ker
 Indices are duplicate-free per query and include invalid ones (< 0 and >= S) and one query with no valid key.
 `gpu` tests repeat the checks at DeepSeek-V3.2 shapes with bf16 inputs (fp32 math).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from dsaflow.ops.indexer_loss import (
-    attention_distribution, attention_target, attention_target_naive, indexer_kl, indexer_kl_naive,
+    attention_distribution,
+    attention_target,
+    attention_target_naive,
+    indexer_kl,
+    indexer_kl_naive,
 )
 from dsaflow.ops.indexer_loss.triton_kl import IndexerKLTriton, launch_indexer_kl_bwd, launch_indexer_kl_fwd
 from dsaflow.ops.indexer_loss.triton_target import attention_target_triton, launch_attention_target, split_dims
@@ -67,8 +72,7 @@ def test_attention_target_matches_reference(dtype, H, d_qk, K):
     q, kv, idx, lse, scale = make_attention(B, T, H, d_qk, S, K, dtype, seed=H + K)
     ref = attention_distribution(q.float(), kv.float(), idx, lse, scale)
     out = torch.full((B, T, K), float("nan"), device=DEV)
-    launch_attention_target(q, kv, idx, lse, scale, split_dims(d_qk), out, 1.0, False,
-                            dict(BLOCK_H=16, BLOCK_K=16))
+    launch_attention_target(q, kv, idx, lse, scale, split_dims(d_qk), out, 1.0, False, dict(BLOCK_H=16, BLOCK_K=16))
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
     assert (out[0, 1] == 0).all(), "a query with no valid key gets an all-zero row"
     assert (out[idx.long().lt(0) | idx.long().ge(S)] == 0).all(), "invalid keys get probability 0"
@@ -153,8 +157,19 @@ def test_indexer_kl_forward_backward_tiny(dtype):
 
 def test_indexer_kl_ragged_blocks_fp32():
     """K not a multiple of BLOCK_K (several key blocks plus a ragged one), padded heads and dims."""
-    check_kl(B=1, T=4, H_I=3, D_I=24, S=40, K=37, dtype=torch.float32, seed=9, loss_tol=1e-5, grad_tol=3e-4,
-             overrides={"fwd": dict(BLOCK_K=16), "bwd": dict(BLOCK_K=16)})
+    check_kl(
+        B=1,
+        T=4,
+        H_I=3,
+        D_I=24,
+        S=40,
+        K=37,
+        dtype=torch.float32,
+        seed=9,
+        loss_tol=1e-5,
+        grad_tol=3e-4,
+        overrides={"fwd": dict(BLOCK_K=16), "bwd": dict(BLOCK_K=16)},
+    )
 
 
 def test_indexer_kl_public_op_and_mass():
@@ -192,7 +207,7 @@ def test_attention_target_v32_bf16():
     idx = torch.stack([torch.randperm(int(p) + 1, generator=g)[:K] for p in pos]).view(B, T, K).to(torch.int32)
     idx = idx.cuda()
     out, refs = None, []
-    for layer in range(3):
+    for _layer in range(3):
         q = (torch.randn(B, T, V32["H"], V32["d_qk"], generator=g) * 0.1).cuda().bfloat16()
         kv = torch.randn(B, S, V32["d_qk"], generator=g).cuda().bfloat16()
         scale = 192**-0.5
@@ -240,9 +255,10 @@ def stage_loss_and_grads(stage, x):
 def test_model_indexer_loss_with_fused_ops_matches_reference(monkeypatch, layout):
     """The stage's indexer loss and every indexer gradient with the Triton ops (interpreter, forced on CPU tensors)
     equal those with the reference: F layers with 2 and 3 served layers, several F layers per stage, topk < T."""
-    from dsaflow.run.stages import build_stages
-    from dsaflow.model import indexer_loss as recorder_mod
     from model_helpers import planned_sharp, tokens
+
+    from dsaflow.model import indexer_loss as recorder_mod
+    from dsaflow.run.stages import build_stages
 
     model, plan = planned_sharp(layout, "model.num_layers=" + str(len(layout.replace("|", ""))), "model.index_topk=4")
     stage = build_stages(model, plan, seed=2)[0]
@@ -292,6 +308,7 @@ def test_model_indexer_loss_cuda_fused_matches_reference(monkeypatch, autocast):
     assert grads.keys() == ref_grads.keys() and grads
     for n in ref_grads:
         assert rel_err(grads[n], ref_grads[n]) < (2e-2 if autocast else 1e-3), n
+
 
 def test_kernel_support_reasons():
     """Shapes the kernels refuse are named (a CUDA call they refuse raises with the reason)."""

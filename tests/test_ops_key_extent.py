@@ -8,15 +8,16 @@ poisoned (NaN, or a negative int) first, so a read of a slot no kernel wrote, or
 CPU runs go through the Triton interpreter at tiny shapes in fp32 / fp16; `gpu` tests run DeepSeek-V3.2 shapes in bf16
 with the causal top-k layout of a 4096-token sequence. Inputs come from seeded generators.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from dsaflow.ops.sparse_mla import deterministic, sparse_mla_naive
+from dsaflow.ops.sparse_mla.dispatch import sparse_mla_kernels
 from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
 from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
-from dsaflow.ops.sparse_mla.dispatch import sparse_mla_kernels
 from dsaflow.ops.sparse_mla.triton_prefill import key_extent, launch_sparse_mla_fwd
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,11 +63,11 @@ def layout_indices(layout: str, B: int, T: int, S: int, K: int, g: torch.Generat
         return idx
     rows = idx.view(B * T, K)
     kinds = torch.arange(B * T) % 5
-    rows[kinds == 0, 1:] = -1                   # only slot 0
-    rows[kinds == 1, :-1] = -1                  # only the last slot
-    rows[kinds == 2] = -1                       # no key
+    rows[kinds == 0, 1:] = -1  # only slot 0
+    rows[kinds == 1, :-1] = -1  # only the last slot
+    rows[kinds == 2] = -1  # no key
     rows[kinds == 3] = S + torch.arange(K, dtype=torch.int32)  # no key: every index out of range
-    return idx                                  # kinds == 4: all K slots valid
+    return idx  # kinds == 4: all K slots valid
 
 
 def expected_extent(idx: torch.Tensor, S: int) -> torch.Tensor:
@@ -158,8 +159,17 @@ def test_public_op_layouts(layout, dtype, poisoned):
 
 # Folded tiles (3 head blocks of 16, 2 column blocks, 16-row dkv blocks over K = 40: three row blocks, the last
 # ragged) and 2-3 query chunks, atomic and deterministic.
-FOLD = dict(ds_BLOCK_H=16, dqg_BLOCK_H=16, gemm_BLOCK_K=16, gemm_BLOCK_N=16, gemm_BLOCK_J=16, red_BLOCK_E=2,
-            red_BLOCK_D=16, g_max_bytes=5 * 2 * 40 * 40 * 4, det_max_bytes=4 * (2 * 40 * 40 * 4 + 40 * 40 * 4))
+FOLD = dict(
+    ds_BLOCK_H=16,
+    dqg_BLOCK_H=16,
+    gemm_BLOCK_K=16,
+    gemm_BLOCK_N=16,
+    gemm_BLOCK_J=16,
+    red_BLOCK_E=2,
+    red_BLOCK_D=16,
+    g_max_bytes=5 * 2 * 40 * 40 * 4,
+    det_max_bytes=4 * (2 * 40 * 40 * 4 + 40 * 40 * 4),
+)
 # dq and dkv blocks wider than pass 1's: they must not read G past what pass 1 wrote (n_keys rounded up to 16)
 WIDE = dict(FOLD, ds_BLOCK_K=16, dqg_BLOCK_K=64, gemm_BLOCK_K=32)
 
@@ -174,13 +184,13 @@ def test_backward_layouts(layout, det, blocks, poisoned):
     out, lse = sparse_mla_naive(q, kv, idx, 0.2, 32)
     g_out, g_lse = torch.randn_like(out), torch.randn_like(lse)
     for d_lse in (g_lse, None):
-        dq, dkv = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, d_lse, 0.2, 32, overrides=over,
-                                        deterministic=det)
+        dq, dkv = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, d_lse, 0.2, 32, overrides=over, deterministic=det)
         _, _, ref_dq, ref_dkv = reference(q, kv, idx, 0.2, 32, g_out, g_lse if d_lse is not None else 0 * g_lse)
         assert rel_err(dq, ref_dq) < 2 * FP32_TOL and rel_err(dkv, ref_dkv) < 2 * FP32_TOL
         if det:
-            dq2, dkv2 = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, d_lse, 0.2, 32, overrides=over,
-                                              deterministic=True)
+            dq2, dkv2 = sparse_mla_bwd_triton(
+                q, kv, idx, out, lse, g_out, d_lse, 0.2, 32, overrides=over, deterministic=True
+            )
             assert torch.equal(dq, dq2) and torch.equal(dkv, dkv2)
 
 
@@ -216,8 +226,10 @@ def test_gpu_causal_topk_layout_deepseek_shapes(det, poisoned):
     forward on sm_90) and both backward modes against the fp32 reference; deterministic mode bit-identical."""
     g = torch.Generator().manual_seed(6)
     S, K, H = 4096, 2048, 128
-    pos = torch.tensor([0, 1, 5, 63, 64, 65, 700, 2046, 2047, 2048, 2049, 3000, 4095]
-                       + torch.randint(0, S, (19,), generator=g).tolist())
+    pos = torch.tensor(
+        [0, 1, 5, 63, 64, 65, 700, 2046, 2047, 2048, 2049, 3000, 4095]
+        + torch.randint(0, S, (19,), generator=g).tolist()
+    )
     idx = causal_topk_indices(pos, K, g)
     holes = (torch.rand(idx.shape, generator=g) < 0.1) & (torch.arange(len(pos)) % 4 == 0).view(1, -1, 1)
     idx[holes] = -1

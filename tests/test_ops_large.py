@@ -7,6 +7,7 @@ ones) against the naive fp32 op run on those rows alone, checks that every outpu
 NaN-poisoned, or gradients exactly 0 where nothing flows), and, for dkv, sends gradient only through the sampled
 rows so the whole dkv equals the reference over those rows. Inputs come from seeded CUDA generators.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -57,11 +58,14 @@ def check_lse(lse, ref, atol):
     assert ((lse[fin] - ref[fin]).abs() / (1 + ref[fin].abs())).max().item() < atol
 
 
-@pytest.mark.parametrize("B,T,H,S,K,gib", [
-    (1, 65536, 128, 32768, 2048, 22),      # exactly 2^16 queries, DeepSeek-V3.2 heads
-    (2, 65536, 128, 262144, 2048, 42),     # 131,072 queries over two 256K contexts
-    (1, 2**20, 16, 262144, 512, 42),       # 2^20 queries (one TP-8 head shard), 256K context
-])
+@pytest.mark.parametrize(
+    "B,T,H,S,K,gib",
+    [
+        (1, 65536, 128, 32768, 2048, 22),  # exactly 2^16 queries, DeepSeek-V3.2 heads
+        (2, 65536, 128, 262144, 2048, 42),  # 131,072 queries over two 256K contexts
+        (1, 2**20, 16, 262144, 512, 42),  # 2^20 queries (one TP-8 head shard), 256K context
+    ],
+)
 def test_forward_large(B, T, H, S, K, gib):
     need_gib(gib)
     q, kv, idx = make_large(B, T, H, S, K, seed=T + H)
@@ -94,10 +98,13 @@ def test_decode_combine_past_int32_offsets():
     assert rel_err(two[:, ts], ref_out) < 1e-2
 
 
-@pytest.mark.parametrize("B,T,H,S,K,gib", [
-    (1, 65536, 128, 32768, 2048, 50),      # 2^16 queries at DeepSeek-V3.2 heads: 64 query chunks of G
-    (1, 131072, 16, 262144, 2048, 16),     # 131,072 queries, 16 heads, 256K context
-])
+@pytest.mark.parametrize(
+    "B,T,H,S,K,gib",
+    [
+        (1, 65536, 128, 32768, 2048, 50),  # 2^16 queries at DeepSeek-V3.2 heads: 64 query chunks of G
+        (1, 131072, 16, 262144, 2048, 16),  # 131,072 queries, 16 heads, 256K context
+    ],
+)
 def test_backward_large(B, T, H, S, K, gib):
     """dq on sampled rows, dq exactly 0 elsewhere (no gradient flows there: every program wrote its rows), and dkv
     of the whole context equal to the reference over the sampled rows (the only ones with a gradient)."""

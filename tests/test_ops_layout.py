@@ -1,6 +1,7 @@
 """Checks on the shape of the package and of dsaflow/ops, made statically with `ast`: no import circle anywhere in
 dsaflow, every module under dsaflow/ops reachable from the public op entry points (so no module there serves only
 tests or scripts), every op folder laid out the same way, and one dispatch table per op that has a choice."""
+
 from __future__ import annotations
 
 import ast
@@ -58,7 +59,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -114,8 +115,11 @@ def test_every_op_folder_has_a_reference_and_a_public_function():
     for folder in OP_FOLDERS:
         assert (folder / "naive.py").exists(), f"{folder.name}: no naive.py reference"
         tree = ast.parse((folder / "__init__.py").read_text())
-        names = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)]
+        names = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
+        ]
         assert names, f"{folder.name}/__init__.py has no __all__"
 
 

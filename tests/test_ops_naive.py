@@ -1,4 +1,5 @@
 """The naive fp32 op references against independent dense float64 computations: forward and every gradient."""
+
 import pytest
 import torch
 
@@ -158,8 +159,11 @@ def test_sparse_equals_dense_causal_when_topk_covers_the_context():
     kv = torch.randn(B, T, D, generator=g)
     positions = torch.arange(T).expand(B, T)
     idx = indexer_topk(
-        torch.randn(B, T, HI, DI, generator=g), torch.randn(B, T, DI, generator=g), torch.randn(B, T, HI, generator=g),
-        positions, topk=T + 3,
+        torch.randn(B, T, HI, DI, generator=g),
+        torch.randn(B, T, DI, generator=g),
+        torch.randn(B, T, HI, generator=g),
+        positions,
+        topk=T + 3,
     )
     out, lse = sparse_mla(q, kv, idx, 0.25, 6)
     causal = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)

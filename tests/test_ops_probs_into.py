@@ -3,13 +3,14 @@ each query's slots) added by the attention's backward, against the fp32 referenc
 
 CPU runs the backward kernels through the Triton interpreter at tiny shapes (fp32); `gpu` tests run V3.2 shapes in
 bf16 through the public op, in query chunks, and check that the result is bit-identical across runs."""
+
 import pytest
 import torch
+from test_ops_triton import FOLD, make_mla, rel_err
 
 from dsaflow.ops.indexer_loss import attention_target_naive
 from dsaflow.ops.sparse_mla import sparse_mla, sparse_mla_naive
 from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
-from test_ops_triton import FOLD, make_mla, rel_err
 
 
 def _prefilled(B, T, K, seed, device="cpu"):
@@ -31,14 +32,14 @@ def test_backward_adds_the_attention_target(over, det):
     base = _prefilled(2, 9, 24, seed=3)
     target = base[:, 2:7]  # rows 2..6 of a 9-row buffer
     before = target.clone()
-    dq, dkv = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, g_lse, 0.2, 32, overrides=over,
-                                    deterministic=det, probs_into=(target, 0.25))
+    dq, dkv = sparse_mla_bwd_triton(
+        q, kv, idx, out, lse, g_out, g_lse, 0.2, 32, overrides=over, deterministic=det, probs_into=(target, 0.25)
+    )
     ref = attention_target_naive(q, kv, idx, lse, 0.2, before.clone(), 0.25)
     assert rel_err(target, ref) < 1e-5
     torch.testing.assert_close(target[0, 1], before[0, 1])  # no key: nothing added
     assert torch.equal(base[:, :2], _prefilled(2, 9, 24, seed=3)[:, :2])  # rows outside the slice untouched
-    dq0, dkv0 = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, g_lse, 0.2, 32, overrides=over,
-                                      deterministic=det)
+    dq0, dkv0 = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, g_lse, 0.2, 32, overrides=over, deterministic=det)
     assert torch.equal(dq, dq0) and (not det or torch.equal(dkv, dkv0))  # the gradients do not change
 
 
@@ -66,8 +67,9 @@ def test_gpu_public_op_v32_shapes(with_grad, monkeypatch):
 
     q, kv, idx = make_mla(1, 40, 128, 576, 4096, 2048, torch.bfloat16, device="cuda", seed=8)
     real = triton_backward.bwd_config
-    monkeypatch.setattr(triton_backward, "bwd_config",
-                        lambda *a, **k: dict(real(*a, **k), g_max_bytes=16 * 2 * 128 * 2048 * 2))  # 3 chunks
+    monkeypatch.setattr(
+        triton_backward, "bwd_config", lambda *a, **k: dict(real(*a, **k), g_max_bytes=16 * 2 * 128 * 2048 * 2)
+    )  # 3 chunks
     results = []
     for _ in range(2 if with_grad else 1):
         target = _prefilled(1, 40, 2048, seed=1, device="cuda")

@@ -5,28 +5,31 @@ have no dots, so fp32, fp16 and bf16 are all exercised there. `gpu`-marked tests
 shapes (dim 7168, 128 heads x rope 64, indexer 64 x 128) and check the dispatch of the model's modules. Every output
 buffer is NaN-poisoned before a kernel writes it; inputs come from seeded generators.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dsaflow.ops.rmsnorm import rms_norm, rms_norm_naive
-from dsaflow.ops.rmsnorm import triton_rmsnorm
+from dsaflow.ops.rmsnorm import rms_norm, rms_norm_naive, triton_rmsnorm
 from dsaflow.ops.rmsnorm.triton_rmsnorm import rms_norm_bwd, rms_norm_fwd, rms_norm_triton
-from dsaflow.ops.rope import rope, rope_naive
-from dsaflow.ops.rope import triton_rope
+from dsaflow.ops.rope import rope, rope_naive, triton_rope
 from dsaflow.ops.rope.triton_rope import rope_into, rope_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Both sides compute in fp32; a low-precision output may round the other way by one ulp of its dtype.
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3),
-       torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=1e-3, atol=1e-3),
+    torch.bfloat16: dict(rtol=8e-3, atol=8e-3),
+}
 
 
 @pytest.fixture(autouse=True)
 def _poisoned(monkeypatch):
     """Every buffer a launcher allocates starts as NaN, so an element the kernel misses fails the comparison."""
+
     def empty(*a, **k):
         t = torch.empty(*a, **k)
         return t.fill_(float("nan")) if t.is_floating_point() else t
@@ -55,9 +58,9 @@ def close(x, ref, dtype):
 
 # ---------------------------------------------------------------- RoPE
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape,rope_dim", [((2, 7, 5, 12), 12), ((1, 9, 24), 24), ((2, 5, 3, 20), 8),
-                                            ((2, 3, 16), 6)])
+@pytest.mark.parametrize("shape,rope_dim", [((2, 7, 5, 12), 12), ((1, 9, 24), 24), ((2, 5, 3, 20), 8), ((2, 3, 16), 6)])
 def test_rope_forward_backward_match_reference(dtype, shape, rope_dim):
     g = torch.Generator().manual_seed(7)
     x = torch.randn(*shape, generator=g).to(DEV, dtype).requires_grad_(True)
@@ -110,6 +113,7 @@ def test_rope_public_op_dispatches_by_device_and_refuses_with_a_reason():
 
 # ---------------------------------------------------------------- RMSNorm
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(2, 7, 48), (1, 3, 130), (33, 16)])
 def test_rms_norm_forward_backward_match_reference(dtype, shape):
@@ -161,6 +165,7 @@ def test_rms_norm_public_op_dispatches_by_device_and_refuses_with_a_reason():
 
 
 # ---------------------------------------------------------------- GPU: model shapes, dispatch
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,rope_dim", [((1, 1024, 128, 64), 64), ((2, 333, 64, 128), 64), ((1, 1024, 64), 64)])

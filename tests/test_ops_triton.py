@@ -6,6 +6,7 @@ checks at DeepSeek-V3.2 shapes in bf16 and check CUDA-graph capture. Outputs are
 Every input comes from a seeded generator (make_mla's seed; the autouse fixture seeds torch's global generator for
 the gradients drawn with randn_like), so a failure replays. Large query counts (past 65,535): tests/test_ops_large.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,9 +16,9 @@ from dsaflow.ops.indexer_topk import indexer_scores_naive, indexer_topk
 from dsaflow.ops.indexer_topk.triton_indexer import indexer_logits_triton, indexer_topk_triton
 from dsaflow.ops.sparse_mla import deterministic, sparse_mla, sparse_mla_naive
 from dsaflow.ops.sparse_mla import function as sparse_mla_function
+from dsaflow.ops.sparse_mla.dispatch import kernel_supports, sparse_mla_kernels
 from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
 from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
-from dsaflow.ops.sparse_mla.dispatch import kernel_supports, sparse_mla_kernels
 from dsaflow.ops.sparse_mla.triton_prefill import launch_sparse_mla_fwd
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -141,8 +142,9 @@ def test_backward_dlse_only():
 
 # Tiny blocks so that every 1-D grid folds several tiles: 40 heads = 3 head blocks of 16, d_v 32 = 2 column blocks,
 # K 24 = 2 row blocks; G budgets of 4 (atomic) and 2 (deterministic) queries = 2 and 3 query chunks (last partial).
-FOLD = dict(ds_BLOCK_H=16, dqg_BLOCK_H=16, gemm_BLOCK_K=16, gemm_BLOCK_N=16, gemm_BLOCK_J=16, red_BLOCK_E=2,
-            red_BLOCK_D=16)
+FOLD = dict(
+    ds_BLOCK_H=16, dqg_BLOCK_H=16, gemm_BLOCK_K=16, gemm_BLOCK_N=16, gemm_BLOCK_J=16, red_BLOCK_E=2, red_BLOCK_D=16
+)
 BWD_VARIANTS = {
     "default": ({}, False),
     "folded_chunked": (dict(FOLD, g_max_bytes=4 * 2 * 40 * 24 * 4), False),
@@ -167,8 +169,9 @@ def test_backward_variants_match_reference(variant):
     assert rel_err(dkv, ref_dkv) < 2 * FP32_TOL
     assert rel_err(dq, ref_dq) < 2 * FP32_TOL
     if det:  # a second run is bit-identical
-        dq2, dkv2 = sparse_mla_bwd_triton(q, kv, idx, out, lse, g_out, g_lse, 0.2, 32, overrides=over,
-                                          deterministic=True)
+        dq2, dkv2 = sparse_mla_bwd_triton(
+            q, kv, idx, out, lse, g_out, g_lse, 0.2, 32, overrides=over, deterministic=True
+        )
         assert torch.equal(dq, dq2) and torch.equal(dkv, dkv2)
 
 
@@ -356,8 +359,7 @@ def test_gpu_tiny_config(dtype):
 def test_gpu_fp32_is_ieee_at_small_config():
     """fp32 at the small model's attention shapes (8 heads, d_qk 160 = 128 + 32, topk 64): IEEE dots in every
     kernel, so fp32 lands within FP32_TOL of the fp32 reference (TF32 would be ~1e-3)."""
-    check_forward_backward(B=2, T=64, H=8, d_qk=160, d_v=128, S=300, K=64, dtype=torch.float32, tol=FP32_TOL,
-                           seed=8)
+    check_forward_backward(B=2, T=64, H=8, d_qk=160, d_v=128, S=300, K=64, dtype=torch.float32, tol=FP32_TOL, seed=8)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
 """Planner rules, one test (or a few) per rule of DESIGN.md, on configs built without Hydra."""
+
 import itertools
 import json
 
@@ -15,6 +16,7 @@ def roles(plan):
 
 
 # --- rule 1 + 2: roles, stages, sources, promotions --------------------------------------------------------------
+
 
 def test_issue_example_promotes_layer_4():
     plan = build_plan(make_cfg(layout="FSSS|SSFS"))
@@ -106,6 +108,7 @@ def test_boundaries_with_or_without_leading_zero():
 
 # --- balancing ----------------------------------------------------------------------------------------------------
 
+
 def brute_force_best(costs, k, extra):
     n, best = len(costs), None
     for cuts in itertools.combinations(range(1, n), k - 1):
@@ -137,24 +140,41 @@ def test_cost_balance_puts_fewer_layers_on_the_head_stage():
     cfg = make_cfg(**{"pipeline.stages": 2, "pipeline.microbatches": 2, "model.vocab_size": 4096})
     plan = build_plan(cfg)
     assert len(plan.stages[1].layers) < len(plan.stages[0].layers)
-    even = build_plan(make_cfg(**{"pipeline.stages": 3, "pipeline.microbatches": 3, "pipeline.balance": "layers",
-                                  "train.batch_size": 12}))
+    even = build_plan(
+        make_cfg(
+            **{"pipeline.stages": 3, "pipeline.microbatches": 3, "pipeline.balance": "layers", "train.batch_size": 12}
+        )
+    )
     assert [len(s.layers) for s in even.stages] == [3, 3, 2]
 
 
 def test_cost_balance_prefers_cuts_before_f_layers():
     # every4 on 16 layers in 4 stages: cutting at 4, 8, 12 costs no promotion and is as balanced as anything else.
-    cfg = make_cfg(**{"model.num_layers": 16, "model.vocab_size": 16, "index.freq": 4, "pipeline.stages": 4,
-                      "pipeline.microbatches": 4})
+    cfg = make_cfg(
+        **{
+            "model.num_layers": 16,
+            "model.vocab_size": 16,
+            "index.freq": 4,
+            "pipeline.stages": 4,
+            "pipeline.microbatches": 4,
+        }
+    )
     plan = build_plan(cfg)
     assert not any(l.promoted for l in plan.layers)
 
 
 # --- schedules and ranks ------------------------------------------------------------------------------------------
 
+
 def test_looped_placement_for_interleaved():
-    cfg = make_cfg(**{"pipeline.stages": 8, "pipeline.ranks": 4, "pipeline.schedule": "Interleaved1F1B",
-                      "pipeline.microbatches": 8})
+    cfg = make_cfg(
+        **{
+            "pipeline.stages": 8,
+            "pipeline.ranks": 4,
+            "pipeline.schedule": "Interleaved1F1B",
+            "pipeline.microbatches": 8,
+        }
+    )
     plan = build_plan(cfg)
     assert [s.rank for s in plan.stages] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert [s.index for s in plan.stages_of_rank(1)] == [1, 5]
@@ -162,8 +182,9 @@ def test_looped_placement_for_interleaved():
 
 
 def test_v_placement_for_zbv():
-    cfg = make_cfg(**{"pipeline.stages": 8, "pipeline.ranks": 4, "pipeline.schedule": "ZBVZeroBubble",
-                      "pipeline.microbatches": 8})
+    cfg = make_cfg(
+        **{"pipeline.stages": 8, "pipeline.ranks": 4, "pipeline.schedule": "ZBVZeroBubble", "pipeline.microbatches": 8}
+    )
     plan = build_plan(cfg)
     assert [s.rank for s in plan.stages] == [0, 1, 2, 3, 3, 2, 1, 0]
 
@@ -171,15 +192,34 @@ def test_v_placement_for_zbv():
 @pytest.mark.parametrize(
     "knobs, needle",
     [
-        ({"pipeline.stages": 6, "pipeline.ranks": 4, "pipeline.schedule": "Interleaved1F1B"}, "does not divide the 6 stages"),
-        ({"pipeline.stages": 8, "pipeline.ranks": 4, "pipeline.schedule": "Interleaved1F1B", "pipeline.microbatches": 6},
-         "not a multiple of pipeline.ranks=4"),
-        ({"pipeline.stages": 4, "pipeline.ranks": 4, "pipeline.schedule": "Interleaved1F1B"}, "at least 2 stages per rank"),
+        (
+            {"pipeline.stages": 6, "pipeline.ranks": 4, "pipeline.schedule": "Interleaved1F1B"},
+            "does not divide the 6 stages",
+        ),
+        (
+            {
+                "pipeline.stages": 8,
+                "pipeline.ranks": 4,
+                "pipeline.schedule": "Interleaved1F1B",
+                "pipeline.microbatches": 6,
+            },
+            "not a multiple of pipeline.ranks=4",
+        ),
+        (
+            {"pipeline.stages": 4, "pipeline.ranks": 4, "pipeline.schedule": "Interleaved1F1B"},
+            "at least 2 stages per rank",
+        ),
         ({"pipeline.stages": 4, "pipeline.ranks": 2, "pipeline.schedule": "1F1B"}, "runs one stage per rank"),
-        ({"pipeline.stages": 6, "pipeline.ranks": 2, "pipeline.schedule": "ZBVZeroBubble"}, "exactly 2 stages per rank"),
+        (
+            {"pipeline.stages": 6, "pipeline.ranks": 2, "pipeline.schedule": "ZBVZeroBubble"},
+            "exactly 2 stages per rank",
+        ),
         ({"pipeline.stages": 2, "pipeline.schedule": "Zigzag"}, "pipeline.schedule='Zigzag' is not a valid choice"),
         ({"pipeline.stages": 4, "pipeline.microbatches": 2}, "below the 4 stages"),
-        ({"pipeline.stages": 2, "pipeline.microbatches": 3, "train.batch_size": 8}, "train.batch_size=8 does not split"),
+        (
+            {"pipeline.stages": 2, "pipeline.microbatches": 3, "train.batch_size": 8},
+            "train.batch_size=8 does not split",
+        ),
         ({"pipeline.stages": 2, "pipeline.microbatches": 0}, "pipeline.microbatches=0"),
     ],
 )
@@ -200,8 +240,11 @@ def test_serving_skips_training_microbatch_rules_but_keeps_placement():
     plan = build_plan(make_cfg(layout="F|S|F|S|F|S|F|S", mode="serve", **{"pipeline.microbatches": 3}))
     assert plan.num_stages == 8 and [s.rank for s in plan.stages] == list(range(8))
     with pytest.raises(PlanError, match="does not divide"):
-        build_plan(make_cfg(mode="serve", **{"pipeline.stages": 6, "pipeline.ranks": 4,
-                                             "pipeline.schedule": "Interleaved1F1B"}))
+        build_plan(
+            make_cfg(
+                mode="serve", **{"pipeline.stages": 6, "pipeline.ranks": 4, "pipeline.schedule": "Interleaved1F1B"}
+            )
+        )
 
 
 def test_gpipe_accepts_fewer_microbatches_than_stages():
@@ -211,13 +254,17 @@ def test_gpipe_accepts_fewer_microbatches_than_stages():
 
 # --- graph blocks -------------------------------------------------------------------------------------------------
 
+
 def gcfg(blocks, enabled=True, mode="train", **kw):
     return make_cfg(**{"graphs.enabled": enabled, "graphs.blocks": blocks, "mode": mode, **kw})
 
 
 def test_graph_blocks_resolve_to_their_stages():
-    cfg = gcfg([block("dec", "decode"), block("pre", "prefill", shape_classes=(16, 32))], mode="serve",
-               **{"pipeline.boundaries": [0, 4]})
+    cfg = gcfg(
+        [block("dec", "decode"), block("pre", "prefill", shape_classes=(16, 32))],
+        mode="serve",
+        **{"pipeline.boundaries": [0, 4]},
+    )
     plan = build_plan(cfg)
     by = {b.name: b for b in plan.graph_blocks}
     assert by["dec"].stages == (0, 1) and by["dec"].layers == ()
@@ -265,14 +312,22 @@ def test_graph_blocks_while_disabled_is_an_error():
 
 # --- serialisation ------------------------------------------------------------------------------------------------
 
+
 def test_plan_json_contract_and_round_trip():
     cfg = gcfg([block("dec", "decode")], mode="serve", layout="FSSS|SSFS")
     plan = build_plan(cfg)
     d = json.loads(plan.to_json())
     assert d["num_layers"] == 8
     assert d["stages"][1] == {"index": 1, "rank": 1, "layers": [4, 5, 6, 7]}
-    assert d["layers"][4] == {"index": 4, "stage": 1, "declared": "S", "role": "F", "promoted": True, "source": 4,
-                              "reason": plan.layers[4].reason}
+    assert d["layers"][4] == {
+        "index": 4,
+        "stage": 1,
+        "declared": "S",
+        "role": "F",
+        "promoted": True,
+        "source": 4,
+        "reason": plan.layers[4].reason,
+    }
     assert d["graph_blocks"][0]["stages"] == [0, 1]
     assert set(d["estimates"]) >= {"stages", "boundaries", "total", "balance"}
     assert Plan.from_json(plan.to_json()) == plan

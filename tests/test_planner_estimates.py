@@ -1,4 +1,5 @@
 """Estimates against independent counts: a torch module built from the spec, FLOP sums done the long way."""
+
 import pytest
 import torch.nn as nn
 
@@ -39,8 +40,19 @@ def count(module):
 def test_layer_params_match_an_independent_module(name, role):
     m = ModelConfig()
     if name == "dsv32_shapes":  # same ratios as DeepSeek-V3.2, scaled down 16x so the module stays small
-        m = ModelConfig(dim=448, n_heads=8, q_lora_rank=96, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                        v_head_dim=8, index_n_heads=4, index_head_dim=8, inter_dim=1152, vocab_size=300)
+        m = ModelConfig(
+            dim=448,
+            n_heads=8,
+            q_lora_rank=96,
+            kv_lora_rank=32,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            index_n_heads=4,
+            index_head_dim=8,
+            inter_dim=1152,
+            vocab_size=300,
+        )
     assert E.layer_params(m, role) == count(SpecBlock(m, role))
     assert E.layer_params(m, "F") - E.layer_params(m, "S") == E.indexer_params(m)
     assert E.embed_params(m) == count(nn.Embedding(m.vocab_size, m.dim))
@@ -59,8 +71,18 @@ def test_indexer_prefill_flops_equal_the_sum_over_queries():
 
 
 def test_dsv32_numbers_at_128k():
-    m = ModelConfig(dim=7168, n_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                    qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64, index_head_dim=128, index_topk=2048)
+    m = ModelConfig(
+        dim=7168,
+        n_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=2048,
+    )
     L = 128 * 1024
     scores = 2 * L * 64 * 128
     proj = 2 * (1536 * 64 * 128 + 7168 * 128 + 7168 * 64)
@@ -72,8 +94,12 @@ def test_dsv32_numbers_at_128k():
 
 
 def test_stage_estimates_follow_roles_and_stages():
-    plan = build_plan(make_cfg(layout="FSSS|SSFS", **{"estimate_context": 1024, "train.batch_size": 8,
-                                                         "pipeline.microbatches": 4, "train.seq_len": 64}))
+    plan = build_plan(
+        make_cfg(
+            layout="FSSS|SSFS",
+            **{"estimate_context": 1024, "train.batch_size": 8, "pipeline.microbatches": 4, "train.seq_len": 64},
+        )
+    )
     m, est = make_cfg().model, plan.estimates
     s0, s1 = est["stages"]
     assert (s0["f_layers"], s0["s_layers"], s0["promoted"]) == (1, 3, 0)

@@ -1,10 +1,11 @@
 """Property tests over random layouts and boundaries: the planner's invariants hold for every input."""
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsaflow.plan.layout import format_layout
 from dsaflow.plan import Plan, build_plan
 from dsaflow.plan import estimates as E
+from dsaflow.plan.layout import format_layout
 from tests.planner_helpers import make_cfg
 
 
@@ -64,8 +65,17 @@ def test_balanced_splits_keep_invariants_and_estimates_add_up(case, k, balance):
     roles, _ = case
     n = len(roles)
     k = min(k, n)
-    cfg = make_cfg(**{"model.num_layers": n, "index.pattern": roles, "pipeline.stages": k, "pipeline.balance": balance,
-                      "pipeline.schedule": "GPipe", "pipeline.microbatches": 1, "train.batch_size": 1})
+    cfg = make_cfg(
+        **{
+            "model.num_layers": n,
+            "index.pattern": roles,
+            "pipeline.stages": k,
+            "pipeline.balance": balance,
+            "pipeline.schedule": "GPipe",
+            "pipeline.microbatches": 1,
+            "train.batch_size": 1,
+        }
+    )
     plan = build_plan(cfg)
     assert plan.num_stages == k
     check_invariants(plan, roles, [s.layers[0] for s in plan.stages])
@@ -80,6 +90,7 @@ def test_balanced_splits_keep_invariants_and_estimates_add_up(case, k, balance):
 
 # --- index.promote=false and pipeline.cross_stage_indices -------------------------------------------------------
 
+
 def plan_or_error(**knobs):
     from dsaflow.errors import PlanError
 
@@ -90,8 +101,13 @@ def plan_or_error(**knobs):
 
 
 def knobs_for(roles, starts, via, **extra):
-    knobs = {"model.num_layers": len(roles), "pipeline.schedule": "GPipe", "pipeline.microbatches": 1,
-             "train.batch_size": 1, **extra}
+    knobs = {
+        "model.num_layers": len(roles),
+        "pipeline.schedule": "GPipe",
+        "pipeline.microbatches": 1,
+        "train.batch_size": 1,
+        **extra,
+    }
     if via == "layout":
         knobs["layout"] = format_layout(tuple(roles), tuple(starts))
     elif via == "pattern+boundaries":
@@ -104,8 +120,10 @@ def knobs_for(roles, starts, via, **extra):
 
 
 def split_cases():
-    return st.one_of(st.sampled_from(["layout", "pattern+boundaries"]),
-                     st.tuples(st.just("stages"), st.integers(2, 8), st.sampled_from(["cost", "layers"])))
+    return st.one_of(
+        st.sampled_from(["layout", "pattern+boundaries"]),
+        st.tuples(st.just("stages"), st.integers(2, 8), st.sampled_from(["cost", "layers"])),
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -151,8 +169,9 @@ def test_cross_stage_sources_are_the_nearest_f_of_the_model(case, via, promote):
     roles, starts = case
     if not isinstance(via, str):
         via = (via[0], min(via[1], len(roles)), via[2])
-    plan, err = plan_or_error(**knobs_for(roles, starts, via, **{"index.promote": promote,
-                                                                 "pipeline.cross_stage_indices": True}))
+    plan, err = plan_or_error(
+        **knobs_for(roles, starts, via, **{"index.promote": promote, "pipeline.cross_stage_indices": True})
+    )
     if roles[0] == "S" and not promote:
         assert err is not None and "layer 0" in err
         return
@@ -169,11 +188,13 @@ def test_cross_stage_sources_are_the_nearest_f_of_the_model(case, via, promote):
             assert l.source == nearest
     # a boundary carries indices exactly when some layer after it reads a source before it
     for stage, nxt in zip(plan.stages, plan.stages[1:]):
-        crosses = any(plan.layers[plan.layers[i].source].stage <= stage.index
-                      for s in plan.stages[nxt.index:] for i in s.layers)
+        crosses = any(
+            plan.layers[plan.layers[i].source].stage <= stage.index for s in plan.stages[nxt.index :] for i in s.layers
+        )
         assert (stage.index in plan.index_boundaries) == crosses
         b = plan.estimates["boundaries"][stage.index]
         assert b["carries_indices"] == crosses
         assert b["index_payload_bytes_per_microbatch"] == E.index_payload_bytes(
-            make_cfg().model, plan.estimates["microbatch_tokens"], plan.estimates["microbatch_seq_len"])
+            make_cfg().model, plan.estimates["microbatch_tokens"], plan.estimates["microbatch_seq_len"]
+        )
     assert Plan.from_json(plan.to_json()) == plan

@@ -1,7 +1,9 @@
 """train.recompute=attention|block: the same gradients and indexer loss as none, fewer saved activations, each
 attention recorded once, and no side effect of a layer repeated by its recomputation."""
+
 import pytest
 import torch
+from model_helpers import SHARP_INIT, planned, tokens
 
 import dsaflow.model.mla as mla_module
 from dsaflow.config.compose import compose
@@ -9,7 +11,6 @@ from dsaflow.launch.resources import rank_memory
 from dsaflow.plan import build_plan
 from dsaflow.plan.estimates import attention_recompute_elems_per_token
 from dsaflow.run.stages import stage_module
-from model_helpers import SHARP_INIT, planned, tokens
 
 B, T = 2, 24
 
@@ -116,8 +117,17 @@ def test_recompute_is_off_in_eval_and_with_a_cache(mode):
 
 
 def test_the_memory_estimate_drops_the_recomputed_activations():
-    base = ["model=dsv32", "model.vocab_size=256", "model.inter_dim=2048", "model.num_layers=2", "index=all_full",
-            "train.seq_len=131072", "train.batch_size=1", "pipeline.microbatches=1", "model.max_seq_len=131072"]
+    base = [
+        "model=dsv32",
+        "model.vocab_size=256",
+        "model.inter_dim=2048",
+        "model.num_layers=2",
+        "index=all_full",
+        "train.seq_len=131072",
+        "train.batch_size=1",
+        "pipeline.microbatches=1",
+        "model.max_seq_len=131072",
+    ]
     plain, rec = (compose(base + [f"train.recompute={r}"]) for r in ("none", "attention"))
     mem = {r: rank_memory(c, build_plan(c), 0, "cuda", "train") for r, c in (("none", plain), ("attention", rec))}
     per_layer = (attention_recompute_elems_per_token(plain.model) * 2 + plain.model.n_heads * 4) * 131072  # + lse

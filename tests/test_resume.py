@@ -1,11 +1,12 @@
 """Kill-and-resume equality: a run stopped after step 3 (checkpoint at step 2) and resumed from its run dir logs the
 same per-step losses as an uninterrupted run (2 ranks x 2 stages each, gloo, DCP checkpoints)."""
+
 from __future__ import annotations
 
 import pytest
+from train_harness import run_configs, stop_and_resume_cfgs
 
 from dsaflow.run.rundir import latest_checkpoint, read_metrics
-from train_harness import run_configs, stop_and_resume_cfgs
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
 """Device sampling: greedy, temperature, top-p nucleus, seeded determinism, and the sampled distribution itself."""
+
 import pytest
 import torch
 

@@ -77,8 +77,9 @@ def test_prefix_cached_scores_equal_full_forwards():
     assert ev.layer_calls - before == 2 * (8 - first)
     assert moved.loss == pytest.approx(fresh.loss, rel=1e-6)
     back = ev.score(tuple("FFFFFFFF"))
-    assert back.loss == pytest.approx(PatternEvaluator(stages, _batches(), torch.device("cpu")).rebase(
-        tuple("FFFFFFFF")).loss, rel=1e-6)
+    assert back.loss == pytest.approx(
+        PatternEvaluator(stages, _batches(), torch.device("cpu")).rebase(tuple("FFFFFFFF")).loss, rel=1e-6
+    )
 
 
 def _unlike_model(unlike: int, layout="FFFFFFFF"):
@@ -121,8 +122,13 @@ def test_a_layer_with_an_unlike_indexer_stays_F(tmp_path, unlike, layout):
 
 def test_search_resumes_after_an_interruption(tmp_path):
     stages, batches = _unlike_model(7)
-    full = greedy_search(PatternEvaluator(stages, batches, torch.device("cpu")), [0], 2,
-                         SearchLog(tmp_path / "a.jsonl", {}), report=lambda m: None)
+    full = greedy_search(
+        PatternEvaluator(stages, batches, torch.device("cpu")),
+        [0],
+        2,
+        SearchLog(tmp_path / "a.jsonl", {}),
+        report=lambda m: None,
+    )
     seen = []
 
     def interrupt(msg):
@@ -166,11 +172,24 @@ def _fake_run(tmp_path, overrides):
 def test_dsaflow_search_end_to_end_and_resume(tmp_path, capsys):
     from dsaflow import cli
 
-    small = ["model.num_layers=4", "model.dim=32", "model.inter_dim=64", "model.index_topk=4", "train.seq_len=32",
-             "train.batch_size=4", "data=retrieval_hard"]
+    small = [
+        "model.num_layers=4",
+        "model.dim=32",
+        "model.inter_dim=64",
+        "model.index_topk=4",
+        "train.seq_len=32",
+        "train.batch_size=4",
+        "data=retrieval_hard",
+    ]
     rd = _fake_run(tmp_path, small)
-    args = ["search", f"search.checkpoint={rd}", "search.calib_batches=1", "search.eval_batches=1", "search.ratio=0.5",
-            "pipeline.boundaries=[0,2]"]
+    args = [
+        "search",
+        f"search.checkpoint={rd}",
+        "search.calib_batches=1",
+        "search.eval_batches=1",
+        "search.ratio=0.5",
+        "pipeline.boundaries=[0,2]",
+    ]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     s = rd / "search"
@@ -246,12 +265,27 @@ def test_cross_stage_scores_equal_one_stage_and_prefix_cache():
 def test_dsaflow_search_with_cross_stage_indices_keeps_only_layer_0(tmp_path, capsys):
     from dsaflow import cli
 
-    small = ["model.num_layers=4", "model.dim=32", "model.inter_dim=64", "model.index_topk=4", "train.seq_len=32",
-             "train.batch_size=4", "data=retrieval_hard"]
+    small = [
+        "model.num_layers=4",
+        "model.dim=32",
+        "model.inter_dim=64",
+        "model.index_topk=4",
+        "train.seq_len=32",
+        "train.batch_size=4",
+        "data=retrieval_hard",
+    ]
     rd = _fake_run(tmp_path, small)
-    args = ["search", f"search.checkpoint={rd}", "search.calib_batches=1", "search.eval_batches=1",
-            "search.target_f=1", "search.eval_ratios=[0.25]", "pipeline.boundaries=[0,2]",
-            "pipeline.cross_stage_indices=true", f"search.out_dir={tmp_path / 'cross'}"]
+    args = [
+        "search",
+        f"search.checkpoint={rd}",
+        "search.calib_batches=1",
+        "search.eval_batches=1",
+        "search.target_f=1",
+        "search.eval_ratios=[0.25]",
+        "pipeline.boundaries=[0,2]",
+        "pipeline.cross_stage_indices=true",
+        f"search.out_dir={tmp_path / 'cross'}",
+    ]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert (tmp_path / "cross" / "layout.txt").read_text().strip() == "FS|SS"

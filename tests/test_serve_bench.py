@@ -1,26 +1,53 @@
 """scripts/bench_serve.py end to end on CPU at tiny size: one process for `single`, torchrun + gloo for `pp2`; the
 JSON rows carry the fields the docs promise, the comparisons are computed from them, the table and the PNG exist."""
+
 import json
 
 import pytest
-
 from script_helpers import load_script
 
 
 @pytest.mark.slow
 def test_bench_serve_cpu_single_and_pp2(tmp_path):
     bench = load_script("bench_serve")
-    argv = ["--device", "cpu", "--pipelines", "single,pp2", "--requests", "6", "--max-batch", "4",
-            "--prefill-chunk", "8", "--mixed-prompt", "4,24", "--mixed-new", "2,6", "--uniform-prompt", "8",
-            "--uniform-new", "4", "--overrides", "none", "--out", str(tmp_path)]
+    argv = [
+        "--device",
+        "cpu",
+        "--pipelines",
+        "single,pp2",
+        "--requests",
+        "6",
+        "--max-batch",
+        "4",
+        "--prefill-chunk",
+        "8",
+        "--mixed-prompt",
+        "4,24",
+        "--mixed-new",
+        "2,6",
+        "--uniform-prompt",
+        "8",
+        "--uniform-new",
+        "4",
+        "--overrides",
+        "none",
+        "--out",
+        str(tmp_path),
+    ]
     assert bench.main(argv) == 0
     data = json.loads((tmp_path / "bench_serve.json").read_text())
     rows = data["rows"]
     got = {(r["pipeline"], r["microbatches"], r["workload"], r["batching"]) for r in rows}
-    assert got == {("single", 1, "mixed", "continuous"), ("single", 1, "uniform", "continuous"),
-                   ("single", 1, "mixed", "fixed"), ("pp2", 1, "mixed", "continuous"),
-                   ("pp2", 2, "mixed", "continuous"), ("pp2", 1, "uniform", "continuous"),
-                   ("pp2", 2, "uniform", "continuous"), ("pp2", 2, "mixed", "fixed")}
+    assert got == {
+        ("single", 1, "mixed", "continuous"),
+        ("single", 1, "uniform", "continuous"),
+        ("single", 1, "mixed", "fixed"),
+        ("pp2", 1, "mixed", "continuous"),
+        ("pp2", 2, "mixed", "continuous"),
+        ("pp2", 1, "uniform", "continuous"),
+        ("pp2", 2, "uniform", "continuous"),
+        ("pp2", 2, "mixed", "fixed"),
+    }
     for r in rows:
         assert len(r["busy_fraction"]) == len(r["decode_busy_fraction"]) == r["ranks"]
         assert all(0 < b <= 1.0 + 1e-9 for b in r["busy_fraction"])
@@ -32,8 +59,12 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
     mixed = {r["output_tokens"] for r in rows if r["workload"] == "mixed"}
     assert len(mixed) == 1  # every configuration served the same requests to their own limits
     checks = {c["check"] for c in data["checks"]}
-    assert {"pp2 mixed: default groups vs serve.microbatches=1", "pp2 uniform: default groups vs serve.microbatches=1",
-            "pp2 mixed: continuous vs fixed batches", "single mixed: continuous vs fixed batches"} == checks
+    assert {
+        "pp2 mixed: default groups vs serve.microbatches=1",
+        "pp2 uniform: default groups vs serve.microbatches=1",
+        "pp2 mixed: continuous vs fixed batches",
+        "single mixed: continuous vs fixed batches",
+    } == checks
     md = (tmp_path / "bench_serve.md").read_text()
     assert md.count("\n| pp2 |") == 5 and "default groups vs serve.microbatches=1" in md
     assert (tmp_path / "bench_serve.png").stat().st_size > 1000

@@ -1,6 +1,7 @@
 """Pipelined serving on CPU with a trained checkpoint: greedy tokens are identical across pipeline=single / pp2 /
 pp4 and across serve.microbatches=1 / the default (one group per rank), in one process and through torchrun + gloo;
 S layers read only their own group's indices; continuous batching refills finished rows."""
+
 import json
 import math
 import os
@@ -32,9 +33,20 @@ def trained(tmp_path_factory):
     """A tiny model trained briefly on a doc of the repo (bytes, loss about 2.5): its greedy continuations differ from
     prompt to prompt and its next-token distributions are peaked, unlike the random init's near-ties."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    res = cli("train", *MODEL, "data=text", f"data.path={REPO}/docs/serving.md", "train.steps=150",
-              "train.seq_len=64", "train.batch_size=16", "train.eval_every=0", "train.warmup_steps=10",
-              "train.lr=5e-3", "pipeline.microbatches=1", f"run_dir={run}")
+    res = cli(
+        "train",
+        *MODEL,
+        "data=text",
+        f"data.path={REPO}/docs/serving.md",
+        "train.steps=150",
+        "train.seq_len=64",
+        "train.batch_size=16",
+        "train.eval_every=0",
+        "train.warmup_steps=10",
+        "train.lr=5e-3",
+        "pipeline.microbatches=1",
+        f"run_dir={run}",
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return run
 
@@ -82,12 +94,24 @@ def test_torchrun_pp2_and_pp4_serve_the_same_tokens(trained, tmp_path):
     prompts, limits = workload(24, seed=1)
     ref = engine(trained, "single", 1).generate(prompts, limits)
     pf = tmp_path / "prompts.jsonl"
-    pf.write_text("".join(json.dumps({"prompt": bytes(p).decode("ascii"), "max_new_tokens": m}) + "\n"
-                          for p, m in zip(prompts, limits)))
+    pf.write_text(
+        "".join(
+            json.dumps({"prompt": bytes(p).decode("ascii"), "max_new_tokens": m}) + "\n"
+            for p, m in zip(prompts, limits)
+        )
+    )
     for pipeline in ("pp2", "pp4"):
         out = tmp_path / f"{pipeline}.jsonl"
-        res = cli("generate", f"pipeline={pipeline}", *MODEL, *SERVE, f"serve.checkpoint={trained}",
-                  f"serve.prompts_file={pf}", f"serve.output_file={out}", f"run_dir={tmp_path / pipeline}")
+        res = cli(
+            "generate",
+            f"pipeline={pipeline}",
+            *MODEL,
+            *SERVE,
+            f"serve.checkpoint={trained}",
+            f"serve.prompts_file={pf}",
+            f"serve.output_file={out}",
+            f"run_dir={tmp_path / pipeline}",
+        )
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         rows = [json.loads(line) for line in out.read_text().splitlines()]
         assert [r["num_tokens"] for r in rows] == limits
@@ -111,8 +135,11 @@ def test_s_layers_read_only_their_groups_indices(monkeypatch):
 
     def checked_read(self, layer, source):
         got = real_read(self, layer, source)
-        s = next(s for s, c in eng.caches.items()
-                 if c.index.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr())
+        s = next(
+            s
+            for s, c in eng.caches.items()
+            if c.index.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
+        )
         slot_row = first_row(self.buffer, s)
         a, b = next((a, b) for a, b in eng.ranges if a <= slot_row < b)  # the group this slot belongs to
         row = first_row(got, s)
@@ -142,11 +169,11 @@ def test_continuous_batching_refills_rows():
     limits = [12, 1, 3, 12, 2, 5]
     eng = engine(None, "single", 1, ["serve.max_batch=2", "serve.batching=continuous"])
     got = eng.generate(prompts, limits)
-    alone = [engine(None, "single", 1, ["serve.max_batch=1"]).generate([p], [m])[0]
-             for p, m in zip(prompts, limits)]
+    alone = [engine(None, "single", 1, ["serve.max_batch=1"]).generate([p], [m])[0] for p, m in zip(prompts, limits)]
     assert got == alone
-    fixed_passes = sum(max(math.ceil(len(p) / 16) for p in prompts[i : i + 2]) + max(limits[i : i + 2]) - 1
-                       for i in range(0, 6, 2))
+    fixed_passes = sum(
+        max(math.ceil(len(p) / 16) for p in prompts[i : i + 2]) + max(limits[i : i + 2]) - 1 for i in range(0, 6, 2)
+    )
     assert eng.stats["ticks"] < fixed_passes
 
 
@@ -161,8 +188,10 @@ def test_refills_spanning_decoding_rows_keep_their_tokens():
     inner = eng._item
 
     def spy(p):
-        if not p.decode_only and any(rows is not None and rows.offset >= len(rows.request.prompt)
-                                     for rows in eng.scheduler.rows[p.group][p.row0 : p.row0 + p.rows]):
+        if not p.decode_only and any(
+            rows is not None and rows.offset >= len(rows.request.prompt)
+            for rows in eng.scheduler.rows[p.group][p.row0 : p.row0 + p.rows]
+        ):
             seen.append(p)
         return inner(p)
 

@@ -2,6 +2,7 @@
 a failing job is recorded and the sweep goes on; the summary lands in the sweep dir. Also the Hydra flags
 (--cfg, --info, --help) and the single-run handling of sweep syntax and hydra.* overrides. Processes are never
 started here: `launch` is replaced by a fake that writes a metrics.jsonl (the real path is test_launch.py's)."""
+
 import csv
 import json
 from pathlib import Path
@@ -24,9 +25,17 @@ def fake_launch(monkeypatch, tmp_path):
         calls.append((cfg, plan, job))
         rd = Path(cfg.run_dir or "runs/single")
         rd.mkdir(parents=True, exist_ok=True)
-        recs = [{"step": 1, "loss": 3.0, "indexer_loss": 0.5, "tokens_per_s": 100.0},
-                {"step": 2, "loss": 2.5 - cfg.train.lr, "indexer_loss": 0.25, "tokens_per_s": 120.0,
-                 "eval_loss": 2.4, "eval_acc": 0.5}]
+        recs = [
+            {"step": 1, "loss": 3.0, "indexer_loss": 0.5, "tokens_per_s": 100.0},
+            {
+                "step": 2,
+                "loss": 2.5 - cfg.train.lr,
+                "indexer_loss": 0.25,
+                "tokens_per_s": 120.0,
+                "eval_loss": 2.4,
+                "eval_acc": 0.5,
+            },
+        ]
         (rd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         return 3 if cfg.index.name == "every4" else 0
 
@@ -35,8 +44,9 @@ def fake_launch(monkeypatch, tmp_path):
 
 
 def test_multirun_runs_every_job_and_writes_the_summary(fake_launch, tmp_path, capsys):
-    code = cli.main(["train", "-m", "index=all_full,every4", "train.lr=1e-3,3e-3", "train.steps=2",
-                     "hydra.sweep.dir=sw"])
+    code = cli.main(
+        ["train", "-m", "index=all_full,every4", "train.lr=1e-3,3e-3", "train.steps=2", "hydra.sweep.dir=sw"]
+    )
     out = capsys.readouterr().out
     assert code == 1  # a job failed: reported, not fatal
     assert len(fake_launch) == 4
@@ -77,9 +87,11 @@ def test_a_mistake_in_any_job_stops_the_sweep_before_it_starts(fake_launch, tmp_
     err = capsys.readouterr().err
     assert "no option 'huge'" in err and "Fix:" in err
     assert fake_launch == [] and not (tmp_path / "sw").exists()
-    for bad, needle in ((["run_dir=x"], "every job of the sweep into one run dir"),
-                        (["hydra.run.dir=x"], "hydra.sweep.dir"),
-                        (["hydra.job.chdir=true"], "relative")):
+    for bad, needle in (
+        (["run_dir=x"], "every job of the sweep into one run dir"),
+        (["hydra.run.dir=x"], "hydra.sweep.dir"),
+        (["hydra.job.chdir=true"], "relative"),
+    ):
         assert cli.main(["train", "-m", "index=all_full,every4", *bad]) == 2
         assert needle in capsys.readouterr().err
 
@@ -121,8 +133,16 @@ def test_layout_values_are_quoted_part_by_part():
 def test_optuna_sweeper_through_the_same_path(fake_launch, tmp_path):
     """A sweeper plugin from the registry (pip install hydra-optuna-sweeper): jobs return their final eval loss."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    code = cli.main(["train", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
-                     "train.lr=interval(0.001,0.01)", "hydra.sweep.dir=opt"])
+    code = cli.main(
+        [
+            "train",
+            "-m",
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.n_trials=2",
+            "train.lr=interval(0.001,0.01)",
+            "hydra.sweep.dir=opt",
+        ]
+    )
     assert code == 0 and len(fake_launch) == 2
     assert "best_value: 2.4" in (tmp_path / "opt" / "optimization_results.yaml").read_text()
     assert len(list(csv.DictReader((tmp_path / "opt" / "summary.csv").open()))) == 2

@@ -1,5 +1,6 @@
 """Tracking: the null object for `track=none` and non-logging ranks, wandb offline writing into the run dir,
 and the progress display (lines when not a terminal)."""
+
 from __future__ import annotations
 
 import io
@@ -69,8 +70,14 @@ def test_rich_progress_keeps_eval_history_and_fits_120_columns(monkeypatch):
     buf = io.StringIO()
     p = Progress(300, mode="rich", stream=buf)
     for step in range(1, 301):
-        m = {"loss": 2.0 - step / 300, "acc": step / 300, "tokens_per_s": 5512.3, "indexer_loss": 0.01, "lr": 3e-3,
-             "mfu": 0.1}
+        m = {
+            "loss": 2.0 - step / 300,
+            "acc": step / 300,
+            "tokens_per_s": 5512.3,
+            "indexer_loss": 0.01,
+            "lr": 3e-3,
+            "mfu": 0.1,
+        }
         if step % 100 == 0:
             m.update(eval_loss=1.5, eval_acc=step / 400)
         p.update(step, m, print_line=True)

@@ -7,6 +7,7 @@ that reads the indices of the previous stage, under all six schedules.
   of the S layers on its stage. Its indexer loss and gradients therefore equal those of the same split run in one
   process (all stages on one rank), and a single-stage run's where no S layer of its group sits on a later stage.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,14 @@ from train_harness import GRAD_STEPS, run_configs, tiny_cfg
 from dsaflow.plan import build_plan
 
 ROLES = "FSSFSFSS"  # 2 stages: [0-3 | 4-7]; 4 stages: [0 1 | 2 3 | 4 5 | 6 7]: every stage after the first opens on S
-LAYOUTS_2 = [(2, 2, "GPipe"), (2, 2, "1F1B"), (4, 2, "Interleaved1F1B"), (4, 2, "LoopedBFS"),
-             (4, 2, "InterleavedZeroBubble"), (4, 2, "ZBVZeroBubble")]
+LAYOUTS_2 = [
+    (2, 2, "GPipe"),
+    (2, 2, "1F1B"),
+    (4, 2, "Interleaved1F1B"),
+    (4, 2, "LoopedBFS"),
+    (4, 2, "InterleavedZeroBubble"),
+    (4, 2, "ZBVZeroBubble"),
+]
 LAYOUTS_4 = [(4, 4, "1F1B"), (4, 4, "GPipe")]
 STEPS = 3
 COMMON = {"steps": STEPS, "dense_warmup_steps": 1, "indexer_lr": 0.0}
@@ -75,7 +82,8 @@ def test_one_rank_splits_differ_from_one_stage_only_in_crossing_groups(reference
     assert one["losses"] == pytest.approx(two["losses"], rel=1e-5)
     g1, g2 = one["grads"][1], two["grads"][1]
     assert (g1["layers.3.attn.indexer.wk.weight"] - g2["layers.3.attn.indexer.wk.weight"]).norm() > 1e-3 * g1[
-        "layers.3.attn.indexer.wk.weight"].norm()
+        "layers.3.attn.indexer.wk.weight"
+    ].norm()
     _close(g2["layers.0.attn.indexer.wk.weight"], g1["layers.0.attn.indexer.wk.weight"], "layer 0")
 
 

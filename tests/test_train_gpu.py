@@ -1,5 +1,6 @@
 """GPU training through the real launch path (NCCL, one process per GPU). Skipped without CUDA devices:
 `python -m pytest -q tests/test_train_gpu.py` on a machine with one (gpu) or two (multigpu) GPUs."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,18 @@ import pytest
 
 from dsaflow import cli
 
-SMALL = ["model.num_layers=4", "model.dim=64", "train.seq_len=128", "train.batch_size=8", "train.warmup_steps=1",
-         "train.eval_batches=1", "train.progress=lines", "track=none", "train.device=cuda", "train.final_ckpt=false"]
+SMALL = [
+    "model.num_layers=4",
+    "model.dim=64",
+    "train.seq_len=128",
+    "train.batch_size=8",
+    "train.warmup_steps=1",
+    "train.eval_batches=1",
+    "train.progress=lines",
+    "track=none",
+    "train.device=cuda",
+    "train.final_ckpt=false",
+]
 
 
 def _records(run):
@@ -31,8 +42,16 @@ def test_cpu_and_cuda_log_the_same_metrics_in_fp32(tmp_path, monkeypatch):
     is what it names and agrees across devices. Step 1 runs before any update, so only summation order differs
     (fp32 dots are IEEE on the GPU); later steps may drift by Adam's amplification of those differences."""
     monkeypatch.chdir(tmp_path)
-    common = ["train.steps=3", "train.dtype=fp32", "train.eval_every=0", "train.eval_batches=1", "track=none",
-              "train.final_ckpt=false", "train.progress=lines", "train.warmup_steps=1"]
+    common = [
+        "train.steps=3",
+        "train.dtype=fp32",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "track=none",
+        "train.final_ckpt=false",
+        "train.progress=lines",
+        "train.warmup_steps=1",
+    ]
     assert cli.main(["train", *common, "train.device=cpu", f"run_dir={tmp_path / 'cpu'}"]) == 0
     assert cli.main(["train", *common, "train.device=cuda", f"run_dir={tmp_path / 'cuda'}"]) == 0
     cpu, gpu = _records(tmp_path / "cpu"), _records(tmp_path / "cuda")
@@ -47,7 +66,10 @@ def test_cpu_and_cuda_log_the_same_metrics_in_fp32(tmp_path, monkeypatch):
         k = 16  # model=tiny's index_topk
         kl_atol = 4 * math.sqrt(k) * math.log(k) * 2.0**-24
         assert abs(c["indexer_loss"] - g["indexer_loss"]) <= kl_atol + 10 * tol * abs(c["indexer_loss"]), (
-            step, c["indexer_loss"], g["indexer_loss"])
+            step,
+            c["indexer_loss"],
+            g["indexer_loss"],
+        )
         assert c["indexer_loss"] < 1.0 and g["indexer_loss"] < 1.0, "the indexer loss must not carry memory GiB"
 
 
@@ -66,12 +88,20 @@ def test_two_gpus_match_one_gpu_in_fp32(tmp_path, monkeypatch, pipeline):
     NCCL gives the PP=1 losses up to the one order that the split changes: the global gradient norm is a sum over
     ranks (an fp32 reordering, ~1e-7 relative, seen through gradient clipping)."""
     monkeypatch.chdir(tmp_path)
-    common = [*SMALL, "train.dtype=fp32", "train.deterministic=true", "train.steps=3", "pipeline.microbatches=4",
-              "train.eval_every=0"]
+    common = [
+        *SMALL,
+        "train.dtype=fp32",
+        "train.deterministic=true",
+        "train.steps=3",
+        "pipeline.microbatches=4",
+        "train.eval_every=0",
+    ]
     for name in ("pp1_a", "pp1_b"):
         assert cli.main(["train", *common, f"run_dir={tmp_path / name}"]) == 0
-    assert cli.main(["train", *common, f"pipeline={pipeline}", "pipeline.microbatches=4",
-                     f"run_dir={tmp_path / 'pp2'}"]) == 0
+    assert (
+        cli.main(["train", *common, f"pipeline={pipeline}", "pipeline.microbatches=4", f"run_dir={tmp_path / 'pp2'}"])
+        == 0
+    )
     a, b, pp2 = (_losses(tmp_path / n) for n in ("pp1_a", "pp1_b", "pp2"))
     assert a == b, f"deterministic PP=1 runs differ: {a} vs {b}"
     for x, y in zip(a, pp2):

@@ -1,15 +1,22 @@
 """PP=1 vs PP=2 / PP=4 under every schedule (gloo, CPU): same per-step losses and the same gradients, indexer
 gradients included (the stage-local indexer loss is backpropagated inside the stage, never by the schedule)."""
+
 from __future__ import annotations
 
 import pytest
-
-from dsaflow.plan import build_plan
 from train_harness import GRAD_STEPS, run_configs, tiny_cfg
 
+from dsaflow.plan import build_plan
+
 # (stages, ranks, schedule): every schedule the planner offers, on 2 ranks; 1F1B and GPipe also on 4.
-LAYOUTS_2 = [(2, 2, "GPipe"), (2, 2, "1F1B"), (4, 2, "Interleaved1F1B"), (4, 2, "LoopedBFS"),
-             (4, 2, "InterleavedZeroBubble"), (4, 2, "ZBVZeroBubble")]
+LAYOUTS_2 = [
+    (2, 2, "GPipe"),
+    (2, 2, "1F1B"),
+    (4, 2, "Interleaved1F1B"),
+    (4, 2, "LoopedBFS"),
+    (4, 2, "InterleavedZeroBubble"),
+    (4, 2, "ZBVZeroBubble"),
+]
 LAYOUTS_4 = [(4, 4, "1F1B"), (4, 4, "GPipe")]
 STEPS = 3
 COMMON = dict(steps=STEPS, dense_warmup_steps=1)  # step 0 dense_warmup (indexers only), then sparse

@@ -1,5 +1,6 @@
 """The DSA recipe on one rank: dense_warmup trains only the indexers (main weights bit-identical), sparse trains
 everything; lr schedule; a non-finite gradient skips the update instead of poisoning the weights."""
+
 from __future__ import annotations
 
 import math
@@ -8,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from train_harness import tiny_cfg
 
 from dsaflow.plan import build_plan
 from dsaflow.run.context import RunContext
 from dsaflow.train.optim import advance, build_optimizers, build_schedulers, lr_factor
 from dsaflow.train.trainer import Trainer
-from train_harness import tiny_cfg
 
 
 @pytest.fixture
@@ -36,7 +37,9 @@ def test_dense_warmup_trains_only_indexers_then_sparse_trains_all(trainer):
     after = _snapshot(trainer)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     indexer = {k for k in before if ".attn.indexer." in k}
-    assert changed == indexer, f"dense_warmup changed {sorted(changed - indexer)[:3]}, missed {sorted(indexer - changed)[:3]}"
+    assert changed == indexer, (
+        f"dense_warmup changed {sorted(changed - indexer)[:3]}, missed {sorted(indexer - changed)[:3]}"
+    )
     # no LM backward ran: the frozen main weights got no gradient at all, every indexer weight did
     assert all(p.grad is None for p in trainer.opt.main_params) and m["grad_norm"] == 0.0
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.opt.indexer_params)
@@ -84,12 +87,21 @@ def test_lambdalr_schedulers_follow_lr_factor_and_resume_in_place():
     positioned at a resumed step give the lrs the uninterrupted run had."""
     cfg = tiny_cfg(1, None, "1F1B", steps=12, warmup_steps=3, lr=2e-3, indexer_lr=5e-4)
     t = cfg.train
-    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": torch.nn.ModuleDict(
-        {"attn": torch.nn.ModuleDict({"indexer": torch.nn.Linear(2, 2)}), "w": torch.nn.Linear(2, 2)})})})
+    model = torch.nn.ModuleDict(
+        {
+            "layers": torch.nn.ModuleDict(
+                {
+                    "0": torch.nn.ModuleDict(
+                        {"attn": torch.nn.ModuleDict({"indexer": torch.nn.Linear(2, 2)}), "w": torch.nn.Linear(2, 2)}
+                    )
+                }
+            )
+        }
+    )
     opt = build_optimizers([model], t)
     scheds = build_schedulers(opt, t)
     seen = []
-    for step in range(t.steps):
+    for _ in range(t.steps):
         seen.append((opt.main.param_groups[0]["lr"], opt.indexer.param_groups[0]["lr"]))
         advance(scheds)
     for step, (main_lr, idx_lr) in enumerate(seen):

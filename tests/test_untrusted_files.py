@@ -1,6 +1,7 @@
 """Run dirs and checkpoints hold files dsaflow did not write: links planted into them, FIFOs, stray weight files,
 another run's checkpoints, corrupted records, hostile headers. Nothing is written or read outside the run dir or
 checkpoint, nothing hangs, nothing is lost, and each case is one paragraph (a PlanError: exit status 2)."""
+
 from __future__ import annotations
 
 import errno
@@ -13,12 +14,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_harness import tiny_cfg
 
 from dsaflow.errors import CheckpointError, PlanError
 from dsaflow.files import UnsafeFile, atomic_write, read_text
-from dsaflow.run.ckpt_store import (MANIFEST, checkpoint_dir, list_checkpoints, newest_good_checkpoint, pinned, prune,
-                                    read_run_id, verify_checkpoint)
-from train_harness import tiny_cfg
+from dsaflow.run.ckpt_store import (
+    MANIFEST,
+    checkpoint_dir,
+    list_checkpoints,
+    newest_good_checkpoint,
+    pinned,
+    prune,
+    read_run_id,
+    verify_checkpoint,
+)
 
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 
@@ -39,11 +48,14 @@ def _save(run: Path, step: int, modules, keep=None) -> bool:
 
 
 def _snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() and not p.is_symlink() else None)
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+        for p in sorted(root.rglob("*"))
+    }
 
 
 # --- data loss ----------------------------------------------------------------------------------------------------
+
 
 def test_pruning_deletes_only_good_checkpoints_of_this_run(tmp_path, model):
     """A foreign checkpoint (another run's id) and a bad one at higher steps survive; the run keeps its newest good
@@ -116,6 +128,7 @@ def test_run_dir_inside_a_checkpoint_or_run_is_refused(tmp_path, model):
 
 # --- writing where it should not ----------------------------------------------------------------------------------
 
+
 def test_writes_never_follow_links_planted_in_a_run_dir(tmp_path):
     from dsaflow.train.metrics import RunRecords
 
@@ -141,6 +154,7 @@ def test_writes_never_follow_links_planted_in_a_run_dir(tmp_path):
 
 
 # --- reading what it should not -----------------------------------------------------------------------------------
+
 
 def test_serving_reads_only_the_weight_files_the_manifest_lists(tmp_path, model):
     from dsaflow.run.safetensors_io import save_file
@@ -208,17 +222,25 @@ def test_hostile_manifests_and_safetensors_headers_are_refused(tmp_path, model):
     assert _save(run, 1, modules)
     ck = checkpoint_dir(run, 1)
     good = (ck / MANIFEST).read_text()
-    for text in ("[" * 100000 + "]" * 100000, '{"files": {".metadata": {"size": ' + "9" * 5000 + "}}}",
-                 '{"files": {"../x": {"size": 1, "sha256": "00"}, ".metadata": {}}}', "null", "\0\0"):
+    for text in (
+        "[" * 100000 + "]" * 100000,
+        '{"files": {".metadata": {"size": ' + "9" * 5000 + "}}}",
+        '{"files": {"../x": {"size": 1, "sha256": "00"}, ".metadata": {}}}',
+        "null",
+        "\0\0",
+    ):
         (ck / MANIFEST).write_text(text)
         with pytest.raises(CheckpointError):
             verify_checkpoint(ck)
     (ck / MANIFEST).write_text(good)
     bad = tmp_path / "h.safetensors"
-    for header in (b"[" * 50000 + b"]" * 50000, b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], '
-                   b'"data_offsets": [0, 4]}}', b'{"a": {"dtype": "F32", "shape": [4611686018427387904, 4], '
-                   b'"data_offsets": [0, 4]}}', b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
-                   b'"b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'):
+    for header in (
+        b"[" * 50000 + b"]" * 50000,
+        b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 4]}}',
+        b'{"a": {"dtype": "F32", "shape": [4611686018427387904, 4], "data_offsets": [0, 4]}}',
+        b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+        b'"b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
+    ):
         bad.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
         with pytest.raises(SafetensorsError):
             read_header(bad)
@@ -241,6 +263,7 @@ def test_safe_reads_name_fifos_folders_and_links(tmp_path):
 
 
 # --- two processes, one run dir -----------------------------------------------------------------------------------
+
 
 def test_a_second_holder_of_a_run_dir_is_refused_naming_the_first(tmp_path):
     from dsaflow.run.lock import RunDirBusy, run_dir_lock
@@ -277,6 +300,7 @@ def test_pruning_skips_a_checkpoint_a_reader_has_pinned(tmp_path, model):
 
 # --- corrupted records --------------------------------------------------------------------------------------------
 
+
 def test_corrupted_run_dir_files_are_named(tmp_path):
     from dsaflow.config.compose import compose, load_config
     from dsaflow.plan import build_plan, render_table
@@ -299,10 +323,17 @@ def test_corrupted_run_dir_files_are_named(tmp_path):
     (run / "plan.json").write_text("{" * 10000)
     with pytest.raises(PlanError, match="plan.json"):
         read_run_dir(run)
-    bomb = "a: &a [1,1,1,1,1,1,1,1,1]\n" + "".join(f"{b}: &{b} [{','.join(['*' + a] * 9)}]\n"
-                                                 for a, b in zip("abcd", "bcde")) + "extra: [*e,*e,*e,*e]\n"
-    for text, needle in (("", "is empty"), ("model: [", "not valid YAML"), ("12", "not a YAML mapping"),
-                         (bomb, "sane size")):
+    bomb = (
+        "a: &a [1,1,1,1,1,1,1,1,1]\n"
+        + "".join(f"{b}: &{b} [{','.join(['*' + a] * 9)}]\n" for a, b in zip("abcd", "bcde"))
+        + "extra: [*e,*e,*e,*e]\n"
+    )
+    for text, needle in (
+        ("", "is empty"),
+        ("model: [", "not valid YAML"),
+        ("12", "not a YAML mapping"),
+        (bomb, "sane size"),
+    ):
         (run / "config.yaml").write_text(text)
         with pytest.raises(PlanError, match=needle):
             load_config(run / "config.yaml")

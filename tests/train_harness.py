@@ -1,5 +1,6 @@
 """Multi-process gloo harness for the training tests: run several training configs in one spawn of `world` CPU
 processes (sequentially, sharing the process group), and collect per-step losses and final gradients."""
+
 from __future__ import annotations
 
 import os
@@ -84,8 +85,10 @@ def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir
             ctx = RunContext(cfg, plan, rank, world, rank, torch.device("cpu"), run_dir)
             grads: dict = {}
             history = run_train(ctx, on_trainer=lambda tr: _capture_grads(tr, grads, GRAD_STEPS))
-            torch.save({"history": history, "grads": grads, "logging": ctx.is_logging_rank},
-                       Path(out_dir) / f"cfg{i}_rank{rank}.pt")
+            torch.save(
+                {"history": history, "grads": grads, "logging": ctx.is_logging_rank},
+                Path(out_dir) / f"cfg{i}_rank{rank}.pt",
+            )
             dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -94,8 +97,9 @@ def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir
 def run_configs(world: int, cfgs: List[DSAFlowConfig], out_dir: Path, prepare=None) -> List[dict]:
     """`prepare(i, cfg)` (picklable) runs on rank 0 before config i. -> per config: {"losses": [..], "history": [...], "grads": {step: {name: tensor}} (union over ranks)}."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_worker, args=(world, free_port(), cfgs, str(out_dir), prepare), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(
+        _worker, args=(world, free_port(), cfgs, str(out_dir), prepare), nprocs=world, start_method="spawn"
+    )
     results = []
     for i in range(len(cfgs)):
         merged = {"grads": {}}

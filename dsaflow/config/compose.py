@@ -5,6 +5,7 @@
 become a `ConfigError` naming the key, the value and the fix. Workers never import Hydra: they read the run dir's
 resolved `config.yaml` with `load_config`.
 """
+
 from __future__ import annotations
 
 import os
@@ -212,16 +213,21 @@ def load_config(path) -> DSAFlowConfig:
     try:
         text = read_text(path)
     except UnsafeFile as exc:
-        raise ConfigError(f"{exc}. Fix: point at a run dir written by `dsaflow train`, or start a new run_dir.") \
-            from None
+        raise ConfigError(
+            f"{exc}. Fix: point at a run dir written by `dsaflow train`, or start a new run_dir."
+        ) from None
     if not text.strip():
-        raise ConfigError(f"{path} is empty (truncated or overwritten), so the run's settings are unknown. Fix: "
-                          "restore it from a copy, or start a new run_dir.")
+        raise ConfigError(
+            f"{path} is empty (truncated or overwritten), so the run's settings are unknown. Fix: "
+            "restore it from a copy, or start a new run_dir."
+        )
     try:
         data = yaml.safe_load(text)
         if not isinstance(data, dict) or not _small_tree(data):
-            raise ConfigError(f"{path} is not a YAML mapping of config groups of a sane size (corrupted). Fix: "
-                              "restore it from a copy, or start a new run_dir.")
+            raise ConfigError(
+                f"{path} is not a YAML mapping of config groups of a sane size (corrupted). Fix: "
+                "restore it from a copy, or start a new run_dir."
+            )
         loaded = OmegaConf.create(data)
         for key in COMMAND_KEYS:  # run dirs written before these moved to the command line still load
             loaded.pop(key, None)
@@ -233,11 +239,14 @@ def load_config(path) -> DSAFlowConfig:
         raise ConfigError(f"{path}: " + explain_omegaconf_error(exc)) from None
     except yaml.YAMLError as exc:
         first = " ".join(str(exc).split())[:200]
-        raise ConfigError(f"{path} is not valid YAML ({first}); the file is corrupted. Fix: restore it from a copy, "
-                          "or start a new run_dir.") from None
+        raise ConfigError(
+            f"{path} is not valid YAML ({first}); the file is corrupted. Fix: restore it from a copy, "
+            "or start a new run_dir."
+        ) from None
     except RecursionError:
-        raise ConfigError(f"{path} nests too deeply to be a dsaflow config (corrupted). Fix: start a new "
-                          "run_dir.") from None
+        raise ConfigError(
+            f"{path} nests too deeply to be a dsaflow config (corrupted). Fix: start a new run_dir."
+        ) from None
     except ConfigError as exc:
         if str(exc).startswith(str(path)):
             raise

@@ -1,5 +1,6 @@
 """The translation of OmegaConf's exceptions into one paragraph that names the key, the value and the fix (raised
 as `dsaflow.errors.ConfigError` by dsaflow.config.compose)."""
+
 from __future__ import annotations
 
 import dataclasses

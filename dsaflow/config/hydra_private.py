@@ -13,6 +13,7 @@ things it does not offer, so they come from `hydra._internal` here and nowhere e
 pyproject.toml pins hydra-core to the range these were checked against, and tests/test_hydra_private.py fails when
 one of them changes its signature or behaviour.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,13 @@ def hydra_args_parser() -> argparse.ArgumentParser:
     return get_args_parser()
 
 
-def hydra_run_app(args: argparse.Namespace, parser: argparse.ArgumentParser, task: Callable[[Any], Any],
-                  config_dir: str, config_name: str = "config") -> None:
+def hydra_run_app(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    task: Callable[[Any], Any],
+    config_dir: str,
+    config_name: str = "config",
+) -> None:
     """Run Hydra's app runner with `task` as the task function. Errors end in SystemExit (Hydra prints them)."""
     from hydra._internal.utils import _run_hydra
 

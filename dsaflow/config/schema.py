@@ -10,6 +10,7 @@ Ownership: each group's dataclass is the single place its fields are declared; t
 only cross-field rules. Upper bounds are sizes no machine can hold (they stop a typo such as an extra zero before it
 allocates hundreds of GB); what fits a given machine is the launcher's pre-launch resource check.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,9 @@ def _choice(name: str, values) -> type:
     return Choice(name, {v: v for v in values}, module=__name__, qualname=name)
 
 
-Schedule = _choice("Schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                                "ZBVZeroBubble"])
+Schedule = _choice(
+    "Schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"]
+)
 Balance = _choice("Balance", ["cost", "layers"])
 BlockKind = _choice("BlockKind", ["decode", "prefill", "head", "layers"])
 OnFailure = _choice("OnFailure", ["error", "eager"])
@@ -58,8 +60,7 @@ Batching = _choice("Batching", ["fixed", "continuous"])
 BIG = 1 << 31  # int32 sizes: beyond this an index tensor or an embedding row id overflows
 
 
-def num(default, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False, even: bool = False,
-        why: str = ""):
+def num(default, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False, even: bool = False, why: str = ""):
     """A numeric field with its allowed range [lo, hi] (open ends with lo_open/hi_open; None = unbounded)."""
     return field(default=default, metadata={"range": (lo, hi, lo_open, hi_open, even, why)})
 
@@ -301,13 +302,19 @@ def _check_range(path: str, v, spec) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return  # a wrong type is OmegaConf's message (compose) or the caller's bug (configs built in code)
     bad = isinstance(v, float) and not math.isfinite(v)
-    bad = bad or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and (v >= hi if hi_open else v > hi))
+    bad = (
+        bad
+        or (lo is not None and (v <= lo if lo_open else v < lo))
+        or (hi is not None and (v >= hi if hi_open else v > hi))
+    )
     if bad:
         left = "(" if lo_open else "["
         right = ")" if hi_open else "]"
         allowed = f"{left}{'-inf' if lo is None else _fmt(lo)}, {'inf' if hi is None else _fmt(hi)}{right}"
         hint = f" ({why})" if why else ""
-        raise ConfigError(f"{path}={_fmt(v)} is out of range: allowed {allowed}{hint}. Fix: set {path} within {allowed}.")
+        raise ConfigError(
+            f"{path}={_fmt(v)} is out of range: allowed {allowed}{hint}. Fix: set {path} within {allowed}."
+        )
     if even and int(v) % 2:
         raise ConfigError(f"{path}={v} must be even ({why}). Fix: use an even size, e.g. {path}={int(v) + 1}.")
 
@@ -340,10 +347,13 @@ def validate(cfg, prefix: str = "") -> None:
                 _check_choice(path, v, enum_type)
     if isinstance(cfg, SearchConfig):
         ratios = list(cfg.eval_ratios)
-        if len(ratios) > 64 or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)
-                                       and 0 < r <= 1 for r in ratios):
-            raise ConfigError(f"search.eval_ratios={ratios}: each must lie in (0, 1] (the fraction of F layers of a "
-                              "uniform layout), at most 64 of them. Fix: e.g. search.eval_ratios=[0.5,0.25].")
+        if len(ratios) > 64 or not all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and 0 < r <= 1 for r in ratios
+        ):
+            raise ConfigError(
+                f"search.eval_ratios={ratios}: each must lie in (0, 1] (the fraction of F layers of a "
+                "uniform layout), at most 64 of them. Fix: e.g. search.eval_ratios=[0.5,0.25]."
+            )
     if isinstance(cfg, TrainConfig):
         betas = list(cfg.betas)
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
@@ -356,8 +366,20 @@ def _enum_fields() -> dict:
     import typing
 
     out = {}
-    for cls in (ModelConfig, IndexConfig, PipelineConfig, GraphBlockConfig, GraphsConfig, TrainConfig, DataConfig,
-                TrackConfig, ServeConfig, SearchConfig, LaunchConfig, DSAFlowConfig):
+    for cls in (
+        ModelConfig,
+        IndexConfig,
+        PipelineConfig,
+        GraphBlockConfig,
+        GraphsConfig,
+        TrainConfig,
+        DataConfig,
+        TrackConfig,
+        ServeConfig,
+        SearchConfig,
+        LaunchConfig,
+        DSAFlowConfig,
+    ):
         for name, hint in typing.get_type_hints(cls).items():
             if isinstance(hint, type) and issubclass(hint, Choice):
                 out[(cls.__name__, name)] = hint

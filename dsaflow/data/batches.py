@@ -8,6 +8,7 @@ A batch is `(inputs, targets)`:
 Both are split along dim 0 into microbatches by the pipeline schedule. Because batch `step` never depends on what
 came before, resuming at step k continues exactly, on any pipeline layout.
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -30,14 +31,20 @@ class BatchSource:
         self.kind = data_cfg.kind
         self.has_answers = self.kind == "retrieval"
         if self.kind == "retrieval":
-            self.spec = RetrievalSpec(seq_len, data_cfg.num_pairs, data_cfg.key_len, data_cfg.value_len, data_cfg.num_queries)
+            self.spec = RetrievalSpec(
+                seq_len, data_cfg.num_pairs, data_cfg.key_len, data_cfg.value_len, data_cfg.num_queries
+            )
             self.spec.check()
             self.corpus = None
         else:  # text | bin (the schema's DataKind)
             if not data_cfg.path:
-                raise CorpusError(f"data.kind={self.kind} needs data.path. Fix: set data.path to a "
-                                 f"{'text file or folder' if self.kind == 'text' else 'nanoGPT .bin token file'}.")
-            self.corpus = TokenCorpus(load_tokens(self.kind, data_cfg.path), seq_len, data_cfg.val_fraction, data_cfg.path)
+                raise CorpusError(
+                    f"data.kind={self.kind} needs data.path. Fix: set data.path to a "
+                    f"{'text file or folder' if self.kind == 'text' else 'nanoGPT .bin token file'}."
+                )
+            self.corpus = TokenCorpus(
+                load_tokens(self.kind, data_cfg.path), seq_len, data_cfg.val_fraction, data_cfg.path
+            )
         self.vocab_size = vocab_size
 
     def _raw(self, split: int, step: int):

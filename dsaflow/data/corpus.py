@@ -4,6 +4,7 @@
 is read as every `*.txt`/`*.md` file below it in sorted order, joined with a newline. The last `val_fraction` of the
 tokens is held out for evaluation.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,9 @@ def text_files(path: Path) -> List[Path]:
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     if not files:
-        raise CorpusError(f"data.path={path} holds no {'/'.join(TEXT_SUFFIXES)} files. Fix: point it at a text file or a folder of them.")
+        raise CorpusError(
+            f"data.path={path} holds no {'/'.join(TEXT_SUFFIXES)} files. Fix: point it at a text file or a folder of them."
+        )
     return files
 
 
@@ -39,22 +42,26 @@ def _stat(p: Path, kind: str) -> os.stat_result:
     except FileNotFoundError:
         raise CorpusError(f"data.path={p} does not exist. Fix: set data.path to an existing {want}.") from None
     except OSError as exc:
-        raise CorpusError(f"data.path={str(p)[:200]} {explain_os_error(exc)}. Fix: set data.path to a readable "
-                          f"{want}.") from None
+        raise CorpusError(
+            f"data.path={str(p)[:200]} {explain_os_error(exc)}. Fix: set data.path to a readable {want}."
+        ) from None
 
 
 def _memmap(p: Path, dtype, st: os.stat_result) -> np.ndarray:
     """A read-only map of a regular file (nothing is loaded: a corpus of any size costs no memory up front)."""
     if not stat.S_ISREG(st.st_mode):
-        raise CorpusError(f"data.path={p} is {kind_of(st.st_mode)}, not a regular file. Fix: point data.path at a "
-                          "file (a FIFO or a device cannot be sampled at random).")
+        raise CorpusError(
+            f"data.path={p} is {kind_of(st.st_mode)}, not a regular file. Fix: point data.path at a "
+            "file (a FIFO or a device cannot be sampled at random)."
+        )
     if st.st_size == 0:
         raise CorpusError(f"data.path={p} is empty (0 bytes). Fix: point data.path at a file that holds tokens.")
     try:
         return np.memmap(p, dtype=dtype, mode="r")
     except OSError as exc:
-        raise CorpusError(f"data.path={p} {explain_os_error(exc)}. Fix: make it readable, or use another "
-                          "file.") from None
+        raise CorpusError(
+            f"data.path={p} {explain_os_error(exc)}. Fix: make it readable, or use another file."
+        ) from None
 
 
 def resident_bytes(kind: str, path) -> int:
@@ -75,9 +82,13 @@ def load_tokens(kind: str, path: str | os.PathLike) -> np.ndarray:
     st = _stat(p, kind)
     if kind == "bin":
         if stat.S_ISDIR(st.st_mode):
-            raise CorpusError(f"data.kind=bin needs a file, but data.path={p} is a folder. Fix: point data.path at the .bin file.")
+            raise CorpusError(
+                f"data.kind=bin needs a file, but data.path={p} is a folder. Fix: point data.path at the .bin file."
+            )
         if stat.S_ISREG(st.st_mode) and st.st_size % 2:
-            raise CorpusError(f"data.path={p} has an odd size, so it is not a flat uint16 array. Fix: use a nanoGPT-style .bin (np.uint16 tokens).")
+            raise CorpusError(
+                f"data.path={p} has an odd size, so it is not a flat uint16 array. Fix: use a nanoGPT-style .bin (np.uint16 tokens)."
+            )
         return _memmap(p, np.uint16, st)
     if not stat.S_ISDIR(st.st_mode):
         return _memmap(p, np.uint8, st)
@@ -86,8 +97,9 @@ def load_tokens(kind: str, path: str | os.PathLike) -> np.ndarray:
         try:
             chunks.append(np.fromfile(f, dtype=np.uint8))
         except OSError as exc:
-            raise CorpusError(f"data.path={p}: {f} {explain_os_error(exc)}. Fix: make it readable, or move it out "
-                              "of the folder.") from None
+            raise CorpusError(
+                f"data.path={p}: {f} {explain_os_error(exc)}. Fix: make it readable, or move it out of the folder."
+            ) from None
     sep = np.frombuffer(b"\n", dtype=np.uint8)
     joined: List[np.ndarray] = []
     for i, c in enumerate(chunks):

@@ -12,6 +12,7 @@ terse (no `k:`/`=v:` markers): the value directly follows its key, the classic o
 small model picks up in minutes, where every extra marker byte adds a hop. Samples are a pure function of
 (seed, split, step, row), which makes batches reproducible across ranks, restarts and pipeline layouts.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ class RetrievalSpec:
             )
         if 26**self.key_len < self.num_pairs:
             raise PlanError(
-                f"data.key_len={self.key_len} gives only {26 ** self.key_len} distinct keys for "
+                f"data.key_len={self.key_len} gives only {26**self.key_len} distinct keys for "
                 f"data.num_pairs={self.num_pairs}. Fix: raise data.key_len."
             )
         if self.seq_len < self.min_seq_len():

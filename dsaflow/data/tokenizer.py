@@ -2,6 +2,7 @@
 
 Why bytes: no download, no training, every text round-trips, and the retrieval task reads naturally in logs.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, List

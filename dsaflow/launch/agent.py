@@ -7,6 +7,7 @@ one line instead of torchrun's traceback: status 2 means a worker found a user e
 rendezvous it waits for and for how long (`--rdzv-conf join_timeout=...`, from launch.timeout_s), and a rendezvous
 that times out or cannot be reached ends it with one line naming the endpoint, the nodes it expected and the fix.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,10 +40,13 @@ def main(argv=None) -> int:
     except RendezvousError as exc:
         first = " ".join(str(exc).split())[:200]
         what = type(exc).__name__ + (f": {first}" if first else "")
-        print(f"dsaflow: the rendezvous failed ({what}) while {where or 'waiting'}. Fix: start every node with the "
-              "same RUN_DIR, NNODES, MASTER_ADDR and MASTER_PORT (node 0 first), check that MASTER_ADDR:MASTER_PORT "
-              "is reachable from every node, or raise launch.timeout_s.",
-              file=sys.stderr, flush=True)
+        print(
+            f"dsaflow: the rendezvous failed ({what}) while {where or 'waiting'}. Fix: start every node with the "
+            "same RUN_DIR, NNODES, MASTER_ADDR and MASTER_PORT (node 0 first), check that MASTER_ADDR:MASTER_PORT "
+            "is reachable from every node, or raise launch.timeout_s.",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     except ChildFailedError as exc:
         if any(f.exitcode == EXIT_USER_ERROR for f in exc.failures.values()):
@@ -50,8 +54,11 @@ def main(argv=None) -> int:
         rank, first = exc.get_first_failure()
         code = first.exitcode
         how = f"signal {-code}" if code < 0 else f"status {code}"
-        print(f"dsaflow: worker rank {rank} ended with {how}; torchrun stopped the other ranks", file=sys.stderr,
-              flush=True)
+        print(
+            f"dsaflow: worker rank {rank} ended with {how}; torchrun stopped the other ranks",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1 if code < 0 else code
     except SignalException as exc:
         return 128 + int(exc.sigval)
@@ -65,8 +72,10 @@ def _rendezvous_line(args) -> str:
     if getattr(args, "standalone", False) or str(args.nnodes) in ("1", "1:1"):
         return ""
     conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
-    return (f"waiting for {args.nnodes} nodes at the rendezvous {args.rdzv_endpoint} (this is node "
-            f"{args.node_rank}; giving up after {conf.get('join_timeout', '600')} s)")
+    return (
+        f"waiting for {args.nnodes} nodes at the rendezvous {args.rdzv_endpoint} (this is node "
+        f"{args.node_rank}; giving up after {conf.get('join_timeout', '600')} s)"
+    )
 
 
 if __name__ == "__main__":

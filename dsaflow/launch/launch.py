@@ -14,6 +14,7 @@ One process tree: the agent runs in its own session, so a Ctrl-C at the terminal
 then stops the agent and every worker (SIGKILL to the tree; each child also dies with its parent) and prints one
 line; the exit status is 128 + the signal. NCCL on GPUs (one process per GPU), gloo on CPU.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,7 +31,6 @@ from typing import Dict, List, Optional
 from dsaflow.errors import EXIT_USER_ERROR, PlanError
 from dsaflow.files import UnsafeFile, explain_os_error, kind_of, read_text
 from dsaflow.plan.plan import Plan
-
 from dsaflow.run.ckpt_store import report_stderr
 from dsaflow.run.context import resolve_device_type
 from dsaflow.run.lock import LOCK_ENV, run_dir_lock
@@ -75,8 +75,10 @@ def check_output_file(path: Optional[str]) -> None:
     except OSError as exc:
         raise PlanError(f"{field} {explain_os_error(exc)}. Fix: choose another output file.") from None
     if st is not None and not stat.S_ISREG(st.st_mode):
-        raise PlanError(f"{field} is {kind_of(st.st_mode)}, not a file the completions can be written to. Fix: name "
-                        "a file, e.g. serve.output_file=completions.jsonl.")
+        raise PlanError(
+            f"{field} is {kind_of(st.st_mode)}, not a file the completions can be written to. Fix: name "
+            "a file, e.g. serve.output_file=completions.jsonl."
+        )
     folder = p.parent if str(p.parent) else Path(".")
     if not folder.is_dir():
         raise PlanError(f"{field}: its folder {folder} does not exist. Fix: create it, or choose another output file.")
@@ -117,8 +119,9 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
                 "train.seq_len or raise model.max_seq_len."
             )
         if t.stop_at_step is not None and t.stop_at_step > t.steps:
-            raise PlanError(f"train.stop_at_step={t.stop_at_step}: must lie in 1..train.steps={t.steps}. Fix: adjust it "
-                            "or drop it.")
+            raise PlanError(
+                f"train.stop_at_step={t.stop_at_step}: must lie in 1..train.steps={t.steps}. Fix: adjust it or drop it."
+            )
         from dsaflow.data import BatchSource
 
         data = BatchSource(cfg.data, t.seq_len, min(t.batch_size, 2), t.seed, cfg.model.vocab_size)
@@ -130,8 +133,16 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
 
 def torchrun_command(run_dir: str | Path, nproc: int, job: str = "train") -> List[str]:
     return [
-        sys.executable, "-m", "dsaflow.launch.agent", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "dsaflow.worker", str(run_dir), "--job", job,
+        sys.executable,
+        "-m",
+        "dsaflow.launch.agent",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "dsaflow.worker",
+        str(run_dir),
+        "--job",
+        job,
     ]
 
 
@@ -167,8 +178,10 @@ def interrupt_hint(run_dir: Path, job: str) -> str:
     saved = list_checkpoints(run_dir)
     if saved:
         return f" (step {saved[0][0]} was saved; continue with train.resume=true run_dir={run_dir})"
-    return (" (no checkpoint was saved, so it cannot resume: train.ckpt_every=0 saves only at the end. Start "
-            "again with train.ckpt_every=N to make an interrupted run resumable from its last N-step save)")
+    return (
+        " (no checkpoint was saved, so it cannot resume: train.ckpt_every=0 saves only at the end. Start "
+        "again with train.ckpt_every=N to make an interrupted run resumable from its last N-step save)"
+    )
 
 
 def _proc_state(pid: int) -> str:
@@ -209,12 +222,16 @@ class Watchdog:
         for p in stopped:
             if p not in self.stopped_since:
                 self.stopped_since[p] = now
-                self.say(f"dsaflow {self.job}: {_rank_of(p)} (pid {p}) is stopped (SIGSTOP or a debugger); the other "
-                         f"ranks wait for it in their next send, receive or collective. Giving up in "
-                         f"launch.timeout_s={self.timeout_s:g} s unless it continues (kill -CONT {p}).")
+                self.say(
+                    f"dsaflow {self.job}: {_rank_of(p)} (pid {p}) is stopped (SIGSTOP or a debugger); the other "
+                    f"ranks wait for it in their next send, receive or collective. Giving up in "
+                    f"launch.timeout_s={self.timeout_s:g} s unless it continues (kill -CONT {p})."
+                )
             elif now - self.stopped_since[p] > self.timeout_s:
-                return (f"{_rank_of(p)} (pid {p}) stayed stopped for more than launch.timeout_s={self.timeout_s:g} s; "
-                        "stopped every process of the run")
+                return (
+                    f"{_rank_of(p)} (pid {p}) stayed stopped for more than launch.timeout_s={self.timeout_s:g} s; "
+                    "stopped every process of the run"
+                )
         return None
 
 
@@ -252,8 +269,12 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str, time
             except subprocess.TimeoutExpired:
                 pass
         name = signal.Signals(exc.signum).name
-        print(f"dsaflow {job}: interrupted ({name}); stopped torchrun and its workers ({n} processes). Run dir: "
-              f"{run_dir}{interrupt_hint(run_dir, job)}", file=sys.stderr, flush=True)
+        print(
+            f"dsaflow {job}: interrupted ({name}); stopped torchrun and its workers ({n} processes). Run dir: "
+            f"{run_dir}{interrupt_hint(run_dir, job)}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + exc.signum
     finally:
         for s, h in old.items():
@@ -270,8 +291,11 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str, time
                 text = f"a worker reported a user error, but {exc}"
             print(f"dsaflow {job}: error: {text}", file=sys.stderr, flush=True)
     elif rc != 0:
-        print(f"dsaflow {job}: workers exited with status {rc}; see the output above and {run_dir}/train.log",
-              file=sys.stderr, flush=True)
+        print(
+            f"dsaflow {job}: workers exited with status {rc}; see the output above and {run_dir}/train.log",
+            file=sys.stderr,
+            flush=True,
+        )
     return rc
 
 
@@ -281,8 +305,11 @@ def launch(cfg, plan: Plan, job: str = "train") -> int:
     try:
         check_launch(cfg, plan, job)  # may scan a large corpus: Ctrl-C here is one line, not a traceback
     except KeyboardInterrupt:
-        print(f"dsaflow {job}: interrupted during the pre-launch checks; nothing was started or written.",
-              file=sys.stderr, flush=True)
+        print(
+            f"dsaflow {job}: interrupted during the pre-launch checks; nothing was started or written.",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + signal.SIGINT
     from dsaflow.plan import render_table
 

@@ -6,6 +6,7 @@ Each child asks the kernel for SIGKILL when its parent dies (Linux `prctl(PR_SET
 thread polls the parent pid), so a kill of any single process never leaves an orphan training to the end: killing
 the parent takes the agent, killing the agent takes the workers, and a dead worker makes torchrun stop its peers.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,6 +31,7 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         except (OSError, AttributeError):
             done = False
     if not done:
+
         def watch() -> None:
             while os.getppid() == parent:
                 time.sleep(1.0)
@@ -55,7 +57,7 @@ def children(pid: int) -> List[int]:
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) > 1 and int(fields[1]) == pid:
             out.append(int(name))
     return out

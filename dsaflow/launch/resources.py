@@ -13,6 +13,7 @@ Available: the memory of this rank's GPU, or the host's available memory shared 
 The check refuses a plan above 90% of it, naming the largest term and what shrinks it. On a GPU the training terms
 are held within 15 % of the measured peak by a GPU test (tests/test_memory_estimate.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,15 @@ def rank_memory(cfg, plan, rank: int, device_type: str, job: str) -> Dict[str, f
     for st in owned:
         se = est["stages"][st.index]
         roles = [plan.layers[i].role for i in st.layers]
-        terms = train_memory_terms(cfg, roles, plan.is_first(st.index), plan.is_last(st.index), tokens,
-                                   se["microbatches_in_flight"], device_type)
+        terms = train_memory_terms(
+            cfg,
+            roles,
+            plan.is_first(st.index),
+            plan.is_last(st.index),
+            tokens,
+            se["microbatches_in_flight"],
+            device_type,
+        )
         for name, b in terms.items():
             out[name] = out.get(name, 0) + b if name != TRANSIENT else max(out.get(name, 0), b)
     seq = t.seq_len
@@ -69,8 +77,9 @@ def rank_memory(cfg, plan, rank: int, device_type: str, job: str) -> Dict[str, f
     out[BATCH] = t.batch_size * (seq + 1) * 8 * 5
     from dsaflow.data.corpus import resident_bytes
 
-    out["training corpus held in memory (a folder of text files; one file is memory-mapped)"] = \
-        2 * resident_bytes(str(cfg.data.kind), cfg.data.path)  # the files, then their joined copy
+    out["training corpus held in memory (a folder of text files; one file is memory-mapped)"] = 2 * resident_bytes(
+        str(cfg.data.kind), cfg.data.path
+    )  # the files, then their joined copy
     return out
 
 
@@ -113,8 +122,9 @@ def check_resources(cfg, plan, device_type: str, job: str = "train", local: bool
     total, r, need = worst
     if total > HEADROOM * avail:
         name, biggest = max(need.items(), key=lambda kv: kv[1])
-        fix = (SERVE_FIX if job == "generate"
-               else f"{largest_term_fix(name)} (now train.recompute={cfg.train.recompute})")
+        fix = (
+            SERVE_FIX if job == "generate" else f"{largest_term_fix(name)} (now train.recompute={cfg.train.recompute})"
+        )
         raise ResourceError(
             f"the plan needs about {_fmt(total)} on rank {r}, more than the {_fmt(avail)} it has ({source}); the "
             f"largest consumer is {name}: {_fmt(biggest)}. Fix: {fix}; or "

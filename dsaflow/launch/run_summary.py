@@ -1,4 +1,5 @@
 """What the parent prints when a run ends: where everything is, the final metrics, and how to sync an offline run."""
+
 from __future__ import annotations
 
 import shlex
@@ -27,8 +28,13 @@ def train_summary(cfg, run_dir, rc: int) -> str:
     lines = [f"{head}: {run_dir}"]
     if m:
         shown = [f"step {m['step']}"] if "step" in m else []
-        for k, fmt in (("loss", ".4f"), ("indexer_loss", ".4g"), ("eval_loss", ".4f"), ("eval_acc", ".3f"),
-                       ("tokens_per_s", ",.0f")):
+        for k, fmt in (
+            ("loss", ".4f"),
+            ("indexer_loss", ".4g"),
+            ("eval_loss", ".4f"),
+            ("eval_acc", ".3f"),
+            ("tokens_per_s", ",.0f"),
+        ):
             if k in m:
                 shown.append(f"{k} {m[k]:{fmt}}")
         lines.append("  final:      " + ", ".join(shown))
@@ -40,8 +46,12 @@ def train_summary(cfg, run_dir, rc: int) -> str:
         lines.append(f"  wandb:      offline run; upload with: wandb sync {target}")
     if ck and rc == 0:
         # A prompt of the run's own data: a retrieval query answered by one token, or the start of a text.
-        ask = ("serve.max_new_tokens=1 serve.prompts='[\"qmzj xwv K7; pllr ?K\"]'" if str(cfg.data.kind) == "retrieval"
-               else "serve.prompts='[\"The \"]'")
-        lines.append(f"  next:       dsaflow generate serve.checkpoint={shlex.quote(str(run_dir))} {ask}   "
-                     "(docs/serving.md)")
+        ask = (
+            "serve.max_new_tokens=1 serve.prompts='[\"qmzj xwv K7; pllr ?K\"]'"
+            if str(cfg.data.kind) == "retrieval"
+            else "serve.prompts='[\"The \"]'"
+        )
+        lines.append(
+            f"  next:       dsaflow generate serve.checkpoint={shlex.quote(str(run_dir))} {ask}   (docs/serving.md)"
+        )
     return "\n".join(lines)

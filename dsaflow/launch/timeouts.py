@@ -1,5 +1,6 @@
 """`python -m dsaflow.launch.timeouts RUN_DIR`: print the run's launch.timeout_s (for launch/multi_node.sh), or one
 line naming what is wrong with the run dir and exit 2."""
+
 from __future__ import annotations
 
 import sys

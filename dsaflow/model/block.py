@@ -8,6 +8,7 @@ Under `train.recompute=block` a training forward keeps only the block's input: t
 non-reentrant `torch.utils.checkpoint`, and its backward runs the block again (`LayerReplay` makes that second run
 side-effect free) before backpropagating through it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,7 +42,7 @@ class SwiGLU(nn.Module):
 class DSABlock(nn.Module):
     """`DSABlock(cfg)` is layer 0 as an F layer; pass a LayerSpec (or any object with index/role/source) otherwise."""
 
-    def __init__(self, cfg: ModelConfig, layer: LayerSpec = LayerSpec()):
+    def __init__(self, cfg: ModelConfig, layer: LayerSpec = LayerSpec()):  # noqa: B008 - frozen, never mutated
         super().__init__()
         if layer.role not in ("F", "S"):
             raise ValueError(f"layer {layer.index}: role={layer.role!r} must be 'F' or 'S'.")
@@ -67,8 +68,9 @@ class DSABlock(nn.Module):
         """A training forward whose backward runs through this block (its input or its weights need gradient).
         The dense warm-up freezes the main weights and feeds inputs without gradient: autograd then saves nothing
         of the block but the indexer's small graph, so there is nothing to recompute."""
-        return (ctx.cache is None and torch.is_grad_enabled()
-                and (h.requires_grad or self.attn_norm.weight.requires_grad))
+        return (
+            ctx.cache is None and torch.is_grad_enabled() and (h.requires_grad or self.attn_norm.weight.requires_grad)
+        )
 
     def _forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), ctx)

@@ -15,6 +15,7 @@ decode (T = 1) with different lengths per sequence share one code path.
 Host-side bookkeeping (plain Python, no GPU sync): the `IndexSlot` records which layer wrote the indices in the
 current forward, and an S layer whose planned source did not write them raises `IndexCacheError`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -112,7 +113,7 @@ class StageCache:
         max_tokens: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-    ) -> "StageCache":
+    ) -> StageCache:
         """Allocate every buffer of a span of `layers` (LayerSpec-like: index, role), kv/index_k in `dtype`, index int32
         = -1."""
         for name, value in (("max_batch", max_batch), ("max_context", max_context), ("max_tokens", max_tokens)):
@@ -139,13 +140,15 @@ class StageCache:
         """Global index of the layer that wrote the index cache in the current forward (None before any F layer)."""
         return self.index_slot.writer
 
-    def rows(self, start: int, stop: int) -> "StageCache":
+    def rows(self, start: int, stop: int) -> StageCache:
         """The cache of rows [start, stop) only: views of the same storage, and an index slot of its own over
         index[start:stop], so the rows of one serving group never read indices written for another group."""
         if not 0 <= start < stop <= self.max_batch:
             raise ValueError(f"StageCache.rows({start}, {stop}) outside the {self.max_batch} allocated rows.")
         return StageCache(
-            stop - start, self.max_context, self.max_tokens,
+            stop - start,
+            self.max_context,
+            self.max_tokens,
             {i: t[start:stop] for i, t in self.kv.items()},
             {i: t[start:stop] for i, t in self.index_k.items()},
             IndexSlot(self.index_slot.buffer[start:stop]),

@@ -1,4 +1,5 @@
 """What one stage forward hands to every layer: positions, RoPE tables, attention mode, caches, loss recorder."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,12 +42,12 @@ class ForwardContext:
     attn: str
     cache: Optional[StageCache]
     index_slot: IndexSlot
-    recorder: Optional["IndexerLossRecorder"] = None
+    recorder: Optional[IndexerLossRecorder] = None
     causal_rows: bool = False
     no_padding: bool = False
     recompute: str = "none"
     recompute_chunk_tokens: int = 16384
-    replay: Optional["LayerReplay"] = None
+    replay: Optional[LayerReplay] = None
 
 
 RECOMPUTE_MODES = ("none", "attention", "block")

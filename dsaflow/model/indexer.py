@@ -9,6 +9,7 @@ I[t, s] = sum_j w[t, j] * relu(q_I[t, j] . k_I[s]); the op `indexer_topk` keeps 
 The indexer's inputs are detached from the main path (V3.2 recipe): its weights learn only from the indexer KL loss
 (dsaflow.model.indexer_loss), and the LM loss never reaches them (top-k indices carry no gradient anyway).
 """
+
 from __future__ import annotations
 
 import torch

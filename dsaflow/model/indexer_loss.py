@@ -37,6 +37,7 @@ Two timings for the sparse loss:
   recomputation in backward applies a copy of the node (`kl_after_attention_replay`) so that it saves the same
   tensors, and records nothing: autograd runs the first run's node, and the KL still runs once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,11 +47,23 @@ import torch
 
 from dsaflow.ops.dense_indexer_kl import dense_indexer_kl
 from dsaflow.ops.indexer_loss import (
-    attention_distribution, attention_target, gather_rows, index_scores_on_keys, indexer_kl, indexer_kl_loss,
+    attention_distribution,
+    attention_target,
+    gather_rows,
+    index_scores_on_keys,
+    indexer_kl,
+    indexer_kl_loss,
 )
 
-__all__ = ["IndexerLossInBackward", "IndexerLossRecorder", "attention_distribution", "gather_rows",
-           "index_scores_on_keys", "indexer_kl_loss", "kl_after_attention_replay"]
+__all__ = [
+    "IndexerLossInBackward",
+    "IndexerLossRecorder",
+    "attention_distribution",
+    "gather_rows",
+    "index_scores_on_keys",
+    "indexer_kl_loss",
+    "kl_after_attention_replay",
+]
 
 
 @dataclass
@@ -82,8 +95,9 @@ class _KLAfterAttention(torch.autograd.Function):
 
 
 def _not_run(*_):
-    raise RuntimeError("a recomputed block's copy of the indexer-KL node ran its backward: autograd should use the "
-                       "first run's node")
+    raise RuntimeError(
+        "a recomputed block's copy of the indexer-KL node ran its backward: autograd should use the first run's node"
+    )
 
 
 def kl_after_attention_replay(q, q_i, k_i, w) -> torch.Tensor:

@@ -5,6 +5,7 @@ seeded by (seed, layer index, "indexer"), so a layer gets the same weights which
 and its non-indexer weights do not depend on its role. Embedding and head have their own generators.
 Linear / Embedding: normal(0, init_std); RMSNorm and LayerNorm weights: 1; LayerNorm bias: 0.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,7 +32,7 @@ def init_module(module: nn.Module, g: torch.Generator, std: float, skip: tuple[s
         elif isinstance(m, nn.LayerNorm):
             m.weight.fill_(1.0)
             m.bias.zero_()
-        elif hasattr(m, "weight") and isinstance(getattr(m, "weight"), nn.Parameter) and m.weight.dim() == 1:
+        elif hasattr(m, "weight") and isinstance(m.weight, nn.Parameter) and m.weight.dim() == 1:
             m.weight.fill_(1.0)  # RMSNorm
 
 

@@ -1,4 +1,5 @@
 """A layer's place in the IndexCache layout, as the model needs it (the planner's LayerPlan has the same fields)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -21,6 +21,7 @@ Its indexer loss uses the same per-head q and k (dsaflow.ops.dense_indexer_kl, s
 `_forward_dense` (training's dense warm-up). Under `train.recompute=attention|block` the training paths run the
 absorbed attention in checkpointed query chunks, so no [T, H, C + R] or [T, H, C] tensor is kept at full length.
 """
+
 from __future__ import annotations
 
 import torch
@@ -125,8 +126,11 @@ class MLA(nn.Module):
                 recorder.record_index_scores(self.layer_index, q_i, k_i, w_i, indices)
             in_backward = ctx.recorder is not None and ctx.recorder.in_backward is not None
             if in_backward:  # the KL's backward follows its group's attention backward (dsaflow.model.indexer_loss)
-                q = (kl_after_attention_replay(q, q_i, k_i, w_i) if replaying
-                     else recorder.kl_after_attention(self.layer_index, q))
+                q = (
+                    kl_after_attention_replay(q, q_i, k_i, w_i)
+                    if replaying
+                    else recorder.kl_after_attention(self.layer_index, q)
+                )
         else:
             indices = ctx.replay.indices if replaying else ctx.index_slot.read(self.layer_index, self.source)
         if ctx.replay is not None and not replaying:
@@ -186,8 +190,9 @@ class MLA(nn.Module):
         B, T = q.shape[:2]
         step = max(1, chunk_tokens // B)
         outs = []
-        for t0, qc, ic, cc, sc in zip(range(0, T, step), q.split(step, 1), indices.split(step, 1),
-                                       cos.split(step, 1), sin.split(step, 1)):
+        for t0, qc, ic, cc, sc in zip(
+            range(0, T, step), q.split(step, 1), indices.split(step, 1), cos.split(step, 1), sin.split(step, 1)
+        ):
             first_run = _FirstRunOnly(recorder)
             outs.append(checkpoint(self._attend_chunk, qc, kv, ic, cc, sc, first_run, (t0, T), use_reentrant=False))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -210,8 +215,9 @@ class MLA(nn.Module):
         if recorder is None:
             o_lat, _ = sparse_mla(q_abs, kv, indices, self.sm_scale, C)
         elif recorder.in_backward is not None:  # the attention backward fills the target
-            o_lat, _ = sparse_mla(q_abs, kv, indices, self.sm_scale, C,
-                                  probs_into=recorder.target_rows(self.layer_index, indices, rows))
+            o_lat, _ = sparse_mla(
+                q_abs, kv, indices, self.sm_scale, C, probs_into=recorder.target_rows(self.layer_index, indices, rows)
+            )
         else:
             o_lat, lse = sparse_mla(q_abs, kv, indices, self.sm_scale, C)
             recorder.record_attention(self.layer_index, q_abs, kv, indices, lse, self.sm_scale, rows)

@@ -1,4 +1,5 @@
 """RMSNorm (pre-norm blocks, q/kv latent norms, final norm). The indexer's key norm is a plain nn.LayerNorm."""
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ an S layer keeps its indexer weights (untouched, so the layer can be made F agai
 the indices of the nearest preceding F layer of the same stage, exactly as a stage built from a plan with those
 roles would. Only `role` and `source` of the block and of its attention change: no weights move.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Mapping, Optional

@@ -4,6 +4,7 @@ A rotary vector of `d` dims is split into halves x = [x1 | x2] and rotated pairw
 pos * theta^(-2i/d): out = [x1 cos - x2 sin | x2 cos + x1 sin]. MLA applies it to the whole `qk_rope_head_dim`
 part of q and k; the indexer to the first `index_rope_head_dim` dims of its q and k.
 """
+
 from __future__ import annotations
 
 import torch

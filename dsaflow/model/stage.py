@@ -8,6 +8,7 @@
 the runtime cuts stages by passing each stage's layers (dsaflow.run.stages). State-dict keys are global and stable,
 e.g. `layers.5.attn.wkv_b.weight`, `layers.4.attn.indexer.wk.weight` (docs/model.md lists them all).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
@@ -30,8 +31,14 @@ from .rope import rope_angles
 
 class StageModule(nn.Module):
     def __init__(
-        self, model_cfg: ModelConfig, layers: Sequence[LayerSpec], is_first: bool = True, is_last: bool = True,
-        seed: int = 0, name: str = "stage", receives_indices: bool = False,
+        self,
+        model_cfg: ModelConfig,
+        layers: Sequence[LayerSpec],
+        is_first: bool = True,
+        is_last: bool = True,
+        seed: int = 0,
+        name: str = "stage",
+        receives_indices: bool = False,
     ):
         """layers: LayerSpec-like objects (index, role, source) of a contiguous span, in order. `name` only labels
         error messages (e.g. "stage 1"). receives_indices: the S layers that open the span read the top-k indices
@@ -105,11 +112,15 @@ class StageModule(nn.Module):
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={self.recompute!r} is not a recompute mode: use one of {RECOMPUTE_MODES}.")
         if indices_in is not None and self.incoming_source is None:
-            raise ValueError("indices_in was given, but no S layer of this stage reads an earlier stage's indices "
-                             "(build it with receives_indices=True from a plan with cross-stage indices).")
+            raise ValueError(
+                "indices_in was given, but no S layer of this stage reads an earlier stage's indices "
+                "(build it with receives_indices=True from a plan with cross-stage indices)."
+            )
         if indices_in is None and self.incoming_source is not None and attn == "sparse":
-            raise ValueError(f"S layers of this stage read the indices of layer {self.incoming_source} on an earlier "
-                             f"stage: pass them as indices_in [B, T, topk] int32.")
+            raise ValueError(
+                f"S layers of this stage read the indices of layer {self.incoming_source} on an earlier "
+                f"stage: pass them as indices_in [B, T, topk] int32."
+            )
         h = self.embed(x) if self.embed is not None else x
         B, T = h.shape[:2]
         causal_rows = False  # see ForwardContext.causal_rows (only dense attention reads it)
@@ -128,12 +139,16 @@ class StageModule(nn.Module):
                 raise ValueError(
                     f"indexer_loss_in_backward needs a training forward (train mode, grad enabled, no cache) with "
                     f"sparse attention, got attn={attn!r}, cache={cache is not None}, training={self.training}, "
-                    f"grad={torch.is_grad_enabled()}: leave it None and read `indexer_loss` after the forward.")
+                    f"grad={torch.is_grad_enabled()}: leave it None and read `indexer_loss` after the forward."
+                )
             want_loss = True
         # Distillation is stage-local: S layers reading an earlier stage's indices add nothing to any target here.
         own = [(layer, src) for layer, src in self.sources() if src != self.incoming_source]
-        recorder = (IndexerLossRecorder(own, indexer_loss_in_backward)
-                    if (want_loss and self.training and cache is None) else None)
+        recorder = (
+            IndexerLossRecorder(own, indexer_loss_in_backward)
+            if (want_loss and self.training and cache is None)
+            else None
+        )
         slot = cache.index_slot if cache is not None else IndexSlot()
         slot.begin()
         c = self.cfg

@@ -1,4 +1,5 @@
 """Ops with a stable public API. Each op folder: naive.py (fp32 reference) + Triton kernel files + dispatch."""
+
 from .dense_indexer_kl import dense_indexer_kl
 from .indexer_topk import indexer_topk
 from .sparse_mla import sparse_mla

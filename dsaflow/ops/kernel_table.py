@@ -6,6 +6,7 @@ refused before it, so `explain_<op>(...)` can say which kernel a call runs and w
 Rules depend on shapes, dtypes, the device and process-wide switches only (never on tensor values), so a captured
 CUDA graph always replays the kernel it was captured with.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -29,8 +30,9 @@ class Choice:
         return head + (f" (refused: {self.reasons()})" if self.refused else "")
 
 
-def walk(table: Sequence[tuple[str, Rule]], *args, allowed: frozenset[str] | None = None,
-         excluded_by: str = "") -> Choice:
+def walk(
+    table: Sequence[tuple[str, Rule]], *args, allowed: frozenset[str] | None = None, excluded_by: str = ""
+) -> Choice:
     """The first entry of `table` whose rule accepts `args`. `allowed` (a forced subset) refuses every other name
     with `excluded_by` as its reason, without asking its rule."""
     refused = []

@@ -4,6 +4,7 @@ The parameter counts are exact for the model in `dsaflow.model` (all Linear laye
 built model against `layer_params`). FLOPs count a multiply-add as 2 and cover matmuls only (no norms, softmax,
 RoPE or top-k selection). Bytes assume bf16 (2 bytes) for activations and caches and int32 for indices.
 """
+
 from __future__ import annotations
 
 BF16 = 2
@@ -154,7 +155,8 @@ def activation_bytes_per_token(m, role: str, recompute: str = "none", width: int
     h = m.n_heads
     elems = (
         (4 if autocast else 2) * m.dim
-        + 2 * m.q_lora_rank + h * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        + 2 * m.q_lora_rank
+        + h * (m.qk_nope_head_dim + m.qk_rope_head_dim)
         + 2 * (m.kv_lora_rank + m.qk_rope_head_dim)
         + h * m.v_head_dim
         + 4 * m.inter_dim
@@ -178,14 +180,16 @@ def attention_backward_bytes_per_token(m, width: int = BF16) -> int:
     return width * h * (m.v_head_dim + m.kv_lora_rank + d_qk) + d_qk * (FP32 + width)
 
 
-def layer_backward_transient_bytes(m, role: str, tokens: int, recompute: str, chunk_tokens: int,
-                                   width: int = BF16, autocast: bool = True) -> int:
+def layer_backward_transient_bytes(
+    m, role: str, tokens: int, recompute: str, chunk_tokens: int, width: int = BF16, autocast: bool = True
+) -> int:
     """The most one layer's backward allocates on top of the kept activations, for `tokens` queries:
     none       the attention gradients over every query, and the attention backward's G buffer;
     attention  one query chunk rebuilt (absorbed query, attention output, lse) and its gradients, and G;
     block      the whole layer rebuilt (its `none` activations, or its `attention` ones when the queries exceed a
                chunk: the attention is then recomputed in chunks inside the block), then, with its MLP part freed,
                the attention's backward as above."""
+
     def g_buffer(n):
         return min(SPARSE_MLA_BWD_BUFFER, n * 2 * m.n_heads * m.index_topk * width)
 
@@ -258,7 +262,7 @@ def indexer_train_flops_per_token(m, seq_len: int, served_layers: int) -> float:
     return hi_di * (seq_len + 1) + target + 3 * 2 * hi_di * k
 
 
-def train_flops_per_token(m, roles_and_served: "list[tuple[str, int]]", seq_len: int, params_no_embed: int) -> float:
+def train_flops_per_token(m, roles_and_served: list[tuple[str, int]], seq_len: int, params_no_embed: int) -> float:
     """Training FLOPs per token of a DSA model: 6 per non-embedding parameter (forward + backward matmuls) plus
     the sparse attention of every layer and the indexer (scores and its loss) of every F layer.
     roles_and_served: (role, number of layers an F layer serves incl. itself; ignored for S) per layer."""

@@ -9,6 +9,7 @@ Every kind the planner accepts for a mode is captured in that mode. Serving capt
 graphs, which already contain the head and every layer of the stage, and training captures none; so a `head` or
 `layers` block is checked for existence (a typo is reported as such) and then refused before anything launches.
 """
+
 from __future__ import annotations
 
 from typing import List, Sequence, Tuple
@@ -96,8 +97,11 @@ def plan_graph_blocks(cfg, stage_of: Sequence[int], num_stages: int) -> Tuple[Gr
 
 
 def _refuse_uncaptured(field: str, kind: str, mode: str) -> None:
-    what = ("serving captures whole-stage decode / prefill graphs, which already contain the head and every layer"
-            if mode == "serve" else "training captures no CUDA graphs")
+    what = (
+        "serving captures whole-stage decode / prefill graphs, which already contain the head and every layer"
+        if mode == "serve"
+        else "training captures no CUDA graphs"
+    )
     raise PlanError(
         f"{field}: kind={kind} exists in the plan but is never captured ({what}), so it would be ignored. "
         "Fix: drop the block; to serve with graphs use graphs=decode or graphs=decode_prefill with mode=serve."

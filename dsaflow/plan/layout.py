@@ -15,6 +15,7 @@ Three ways to state roles, exactly one may be used (the planner rejects mixtures
   * `index.pattern`               a layout without `|`, tiled over the layers and cut at `model.num_layers`;
   * `index.freq` + `index.offset` layer i is F iff i < offset or (i - offset) % freq == 0.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ class ParsedLayout:
 
 def _error(field: str, text: str, pos: int, what: str, fix: str) -> PlanError:
     lo = max(0, pos - 40)  # a window around the position: a long layout stays one short paragraph
-    shown = ("..." if lo else "") + text[lo:pos + 40] + ("..." if pos + 40 < len(text) else "")
+    shown = ("..." if lo else "") + text[lo : pos + 40] + ("..." if pos + 40 < len(text) else "")
     caret = " " * (pos - lo + (3 if lo else 0)) + "^"
     head = text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
     return PlanError(f"{field}={head!r}: {what} at position {pos}:\n    {shown}\n    {caret}\n{fix}")
@@ -73,8 +74,10 @@ class _Parser:
 
     def parse(self) -> List[str]:
         if len(self.text) > MAX_CHARS:
-            raise PlanError(f"{self.field} is {len(self.text)} characters long, more than the {MAX_CHARS} a layout may "
-                            f"have. Fix: use repeats, e.g. {self.field}='(FSSS)*16'.")
+            raise PlanError(
+                f"{self.field} is {len(self.text)} characters long, more than the {MAX_CHARS} a layout may "
+                f"have. Fix: use repeats, e.g. {self.field}='(FSSS)*16'."
+            )
         tokens = self._sequence(depth=0)
         if self._peek() is not None:  # only a stray ")" stops a top-level sequence early
             raise self.fail("unbalanced ')' with no matching '('", "Fix: remove the ')' or add the '(' it closes.")
@@ -92,8 +95,10 @@ class _Parser:
                 continue
             out.extend(self._repeat(self._atom(depth)))
             if len(out) > MAX_TOKENS:
-                raise self.fail(f"the layout expands to more than {MAX_TOKENS} layers and boundaries",
-                                "Fix: match the repeats to model.num_layers.")
+                raise self.fail(
+                    f"the layout expands to more than {MAX_TOKENS} layers and boundaries",
+                    "Fix: match the repeats to model.num_layers.",
+                )
 
     def _atom(self, depth: int) -> List[str]:
         ch, start = self._peek(), self.pos
@@ -102,8 +107,10 @@ class _Parser:
             return [ch]
         if ch == "(":
             if depth >= MAX_DEPTH:
-                raise self.fail(f"groups nest deeper than {MAX_DEPTH} levels",
-                                "Fix: flatten the layout; a few levels of (..)*n describe any model.")
+                raise self.fail(
+                    f"groups nest deeper than {MAX_DEPTH} levels",
+                    "Fix: flatten the layout; a few levels of (..)*n describe any model.",
+                )
             self.pos += 1
             inner = self._sequence(depth + 1)
             if self._peek() != ")":
@@ -128,18 +135,25 @@ class _Parser:
         start = self.pos
         while self.pos < len(self.text) and self.text[self.pos].isdigit():
             self.pos += 1
-        digits = self.text[start:self.pos]
+        digits = self.text[start : self.pos]
         if not digits:
             raise self.fail("'*' must be followed by a repeat count", "Fix: write e.g. (FSSS)*4.", pos=start)
         if len(digits.lstrip("0")) > MAX_COUNT_DIGITS:
-            raise self.fail(f"repeat count {digits[:12]}{'...' if len(digits) > 12 else ''} is too large",
-                            f"Fix: a layout has at most {MAX_TOKENS} layers; use a count below that.", pos=start)
+            raise self.fail(
+                f"repeat count {digits[:12]}{'...' if len(digits) > 12 else ''} is too large",
+                f"Fix: a layout has at most {MAX_TOKENS} layers; use a count below that.",
+                pos=start,
+            )
         count = int(digits)
         if count < 1:
             raise self.fail("repeat count must be at least 1", "Fix: use a positive count, e.g. *2.", pos=start)
         if len(tokens) * count > MAX_TOKENS:
-            raise self.fail(f"this repeat expands to {len(tokens) * count} layers and boundaries, more than the "
-                            f"{MAX_TOKENS} a layout may have", "Fix: match the count to model.num_layers.", pos=start)
+            raise self.fail(
+                f"this repeat expands to {len(tokens) * count} layers and boundaries, more than the "
+                f"{MAX_TOKENS} a layout may have",
+                "Fix: match the count to model.num_layers.",
+                pos=start,
+            )
         return tokens * count
 
 

@@ -14,6 +14,7 @@
 Device: on a GPU with `train.dtype` auto or bf16 the compute dtype is bf16 under autocast; otherwise fp32 (CPU
 training, `train.dtype=fp32`), where activations are 4 bytes and there are no autocast copies.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -33,8 +34,9 @@ def compute_dtype(cfg, device_type: str) -> tuple[int, bool]:
     return (E.BF16 if autocast else E.FP32), autocast
 
 
-def train_memory_terms(cfg, roles: Sequence[str], first: bool, last: bool, tokens: int, in_flight: int,
-                       device_type: str = "cuda") -> dict[str, int]:
+def train_memory_terms(
+    cfg, roles: Sequence[str], first: bool, last: bool, tokens: int, in_flight: int, device_type: str = "cuda"
+) -> dict[str, int]:
     """{term: bytes} for one training stage holding layers of `roles`, microbatches of `tokens` tokens,
     `in_flight` of them at once (see the module docstring)."""
     m, t = cfg.model, cfg.train
@@ -49,8 +51,13 @@ def train_memory_terms(cfg, roles: Sequence[str], first: bool, last: bool, token
     per_token = sum(E.activation_bytes_per_token(m, r, recompute, width, autocast) for r in roles)
     per_token += E.rope_table_bytes_per_token(m)
     per_token += E.head_activation_bytes_per_token(m, width) if last else E.stage_output_bytes_per_token(m)
-    transient = max((E.layer_backward_transient_bytes(m, r, tokens, recompute, t.recompute_chunk_tokens, width,
-                                                      autocast) for r in set(roles)), default=0)
+    transient = max(
+        (
+            E.layer_backward_transient_bytes(m, r, tokens, recompute, t.recompute_chunk_tokens, width, autocast)
+            for r in set(roles)
+        ),
+        default=0,
+    )
     return {
         WEIGHTS: 12 * params + copies,
         GRADS: grads,
@@ -62,8 +69,10 @@ def train_memory_terms(cfg, roles: Sequence[str], first: bool, last: bool, token
 def largest_term_fix(name: str) -> str:
     """What shrinks each term, for the pre-launch check's message."""
     if name in (ACTIVATIONS, TRANSIENT):
-        return ("recompute more (train.recompute=attention keeps each layer's attention inputs, "
-                "train.recompute=block only each layer's input), fewer tokens per microbatch (train.batch_size / "
-                "pipeline.microbatches sequences of train.seq_len), or more pipeline stages (pipeline.stages) so "
-                "each holds fewer layers")
+        return (
+            "recompute more (train.recompute=attention keeps each layer's attention inputs, "
+            "train.recompute=block only each layer's input), fewer tokens per microbatch (train.batch_size / "
+            "pipeline.microbatches sequences of train.seq_len), or more pipeline stages (pipeline.stages) so "
+            "each holds fewer layers"
+        )
     return "more pipeline stages (pipeline.stages), so each rank holds fewer layers"

@@ -5,6 +5,7 @@ Stage starts come from exactly one of: `|` in `layout`, `pipeline.boundaries`, o
 `pipeline.balance` (cost: minimise the most expensive stage under the per-layer cost estimate; layers: equal counts).
 Under index.promote=false without cross-stage indices every stage starts on F (`f_aligned`).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
@@ -16,7 +17,11 @@ from dsaflow.plan.layout import format_layout, freq_roles, parse_layout, tile_pa
 def declared_roles(cfg) -> Tuple[Tuple[str, ...], Optional[Tuple[int, ...]]]:
     """(roles, stage starts written in the layout or None)."""
     n, idx = cfg.model.num_layers, cfg.index
-    knobs = [k for k, v in (("layout", cfg.layout), ("index.pattern", idx.pattern), ("index.freq", idx.freq)) if v is not None]
+    knobs = [
+        k
+        for k, v in (("layout", cfg.layout), ("index.pattern", idx.pattern), ("index.freq", idx.freq))
+        if v is not None
+    ]
     if len(knobs) > 1:
         raise PlanError(
             f"conflicting role knobs: {' and '.join(knobs)} are both set (layout={cfg.layout!r}, "
@@ -147,8 +152,12 @@ def refuse_s_starts(roles: Sequence[str], starts: Sequence[int], costs: Sequence
     k = min(len(starts), 1 + sum(1 for i in range(1, n) if roles[i] == "F"))
     best = f_aligned_starts(roles, costs, k, "cost") if k > 1 else (0,)
     fewer = "" if k == len(starts) else f" ({k} stages: only {k - 1} layers after layer 0 are F)"
-    suggestion = (f"{field}={_render_starts(field, roles, best)}{fewer}, the most even F-aligned split (balance "
-                  f"{cost_balance(costs, best):.2f})" if k > 1 else "a single stage (no layer after layer 0 is F)")
+    suggestion = (
+        f"{field}={_render_starts(field, roles, best)}{fewer}, the most even F-aligned split (balance "
+        f"{cost_balance(costs, best):.2f})"
+        if k > 1
+        else "a single stage (no layer after layer 0 is F)"
+    )
     where = ", ".join(f"stage {j} at layer {starts[j]}" for j in bad)
     raise PlanError(
         f"{field}={value}: {where} start{'s' if len(bad) == 1 else ''} on an S layer, and index.promote=false says "
@@ -176,7 +185,10 @@ def _even_starts(n: int, k: int) -> Tuple[int, ...]:
 
 
 def stage_starts(
-    cfg, layout_starts: Optional[Tuple[int, ...]], layer_costs: Sequence[float], opening_extra: Sequence[float],
+    cfg,
+    layout_starts: Optional[Tuple[int, ...]],
+    layer_costs: Sequence[float],
+    opening_extra: Sequence[float],
     roles: Sequence[str] = (),
 ) -> Tuple[int, ...]:
     """First layer of every stage. `layer_costs[i]` is the cost of layer i (head folded into the last layer);
@@ -202,7 +214,9 @@ def stage_starts(
     if pipe.boundaries is not None:
         given = list(pipe.boundaries)
         if not given:
-            raise PlanError("pipeline.boundaries=[] is empty. Fix: list the first layer of each stage, or set it to null.")
+            raise PlanError(
+                "pipeline.boundaries=[] is empty. Fix: list the first layer of each stage, or set it to null."
+            )
         starts = given if given[0] == 0 else [0] + given
         _check_starts(starts, n, "pipeline.boundaries", given)
         if pipe.stages not in (1, len(starts)):

@@ -14,6 +14,7 @@ Frozen dataclasses that round-trip through `plan.json` (the JSON contract is doc
 `source` is the layer whose indices layer i uses (itself for an F layer); with cross-stage indices it may lie on
 an earlier stage. Workers read the plan, never the planner.
 """
+
 from __future__ import annotations
 
 import json
@@ -101,14 +102,18 @@ class Plan:
         for s in d["stages"]:
             s["layers"] = list(s["layers"])
         for b in d["graph_blocks"]:
-            b["stages"], b["layers"], b["shape_classes"] = list(b["stages"]), list(b["layers"]), list(b["shape_classes"])
+            b["stages"], b["layers"], b["shape_classes"] = (
+                list(b["stages"]),
+                list(b["layers"]),
+                list(b["shape_classes"]),
+            )
         return d
 
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "Plan":
+    def from_dict(cls, d: Dict[str, Any]) -> Plan:
         return cls(
             num_layers=int(d["num_layers"]),
             stages=tuple(StagePlan(s["index"], s["rank"], tuple(s["layers"])) for s in d["stages"]),
@@ -123,7 +128,7 @@ class Plan:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
 
 

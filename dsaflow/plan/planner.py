@@ -12,6 +12,7 @@ Rules (DESIGN.md), in the order they are applied:
   5. per-stage estimates (see stage_estimates.py);
   6. every mistake is a PlanError naming the field, the value and the fix.
 """
+
 from __future__ import annotations
 
 from typing import List, Tuple
@@ -19,7 +20,12 @@ from typing import List, Tuple
 from dsaflow.errors import PlanError
 from dsaflow.plan.graph_blocks import plan_graph_blocks
 from dsaflow.plan.partition import (
-    cost_balance, declared_roles, f_aligned, stage_of_layers, stage_starts, unconstrained_starts,
+    cost_balance,
+    declared_roles,
+    f_aligned,
+    stage_of_layers,
+    stage_starts,
+    unconstrained_starts,
 )
 from dsaflow.plan.plan import LayerPlan, Plan, StagePlan
 from dsaflow.plan.schedule import resolve_pipeline, stage_ranks
@@ -63,7 +69,8 @@ def resolve_layers(
                 raise _unsourced_s(i)
             where = (
                 f"its nearest F (layer {last_f_any}) is on stage {stage_of[last_f_any]}"
-                if last_f_any is not None else "no F layer precedes it"
+                if last_f_any is not None
+                else "no F layer precedes it"
             )
             crossing = "" if last_f_any is None else " and indices do not cross stages"
             why = f"declared S but first layer of stage {stage}; {where}{crossing}, so it runs its own indexer"
@@ -104,9 +111,7 @@ def build_plan(cfg, nproc=None) -> Plan:
     opening = [0.0] * n if cross else promotion_costs(cfg, roles)
     starts = stage_starts(cfg, layout_starts, costs, opening, roles)
     stage_of = stage_of_layers(starts, n)
-    pipeline = resolve_pipeline(
-        cfg.pipeline, len(starts), mode=cfg.mode, batch_size=cfg.train.batch_size, nproc=nproc
-    )
+    pipeline = resolve_pipeline(cfg.pipeline, len(starts), mode=cfg.mode, batch_size=cfg.train.batch_size, nproc=nproc)
     ranks = stage_ranks(len(starts), pipeline)
     bounds = list(starts[1:]) + [n]
     stages = tuple(StagePlan(s, ranks[s], tuple(range(starts[s], bounds[s]))) for s in range(len(starts)))
@@ -120,8 +125,16 @@ def build_plan(cfg, nproc=None) -> Plan:
         # how much the F-only boundaries cost against a split free to cut anywhere (cross-stage indices)
         free = unconstrained_starts(costs, len(starts))
         estimates["f_aligned_split"] = {
-            "balance": cost_balance(costs, starts), "balance_anywhere": cost_balance(costs, free),
+            "balance": cost_balance(costs, starts),
+            "balance_anywhere": cost_balance(costs, free),
             "starts_anywhere": list(free),
         }
-    return Plan(num_layers=n, stages=stages, layers=layers, graph_blocks=blocks, pipeline=pipeline,
-                estimates=estimates, index_boundaries=carrying)
+    return Plan(
+        num_layers=n,
+        stages=stages,
+        layers=layers,
+        graph_blocks=blocks,
+        pipeline=pipeline,
+        estimates=estimates,
+        index_boundaries=carrying,
+    )

@@ -4,6 +4,7 @@ Layer notation in the stage table: `5:S<4` = layer 5 is S and reads layer 4's in
 layer 4 may sit on an earlier stage); `4:F!` = declared S,
 promoted to F (its reason is listed under the table); `6:F` = declared F.
 """
+
 from __future__ import annotations
 
 import io
@@ -71,8 +72,13 @@ def _stage_table(plan: Plan, est, part: str = "all") -> Table:
         t.add_column("layers\n(F, S<source, F! promoted)", overflow="fold", min_width=16, max_width=60)
         t.add_column("F/S/!", no_wrap=True, justify="right")
     if part != "layers":
-        for col in ("params", f"indexer saved\n/token @{ntokens(ctx)}", "KV cache\n/seq", "activations\n/microbatch",
-                    "fwd\ncost"):
+        for col in (
+            "params",
+            f"indexer saved\n/token @{ntokens(ctx)}",
+            "KV cache\n/seq",
+            "activations\n/microbatch",
+            "fwd\ncost",
+        ):
             t.add_column(col, no_wrap=True, justify="right")
     total_cost = sum(s["forward_flops_per_token"] for s in est["stages"]) or 1
     for st, se in zip(plan.stages, est["stages"]):
@@ -109,20 +115,24 @@ def _memory_table(plan: Plan, est) -> Optional[Table]:
 def _boundary_table(est, part: str = "all") -> Table:
     """part: all | microbatch (training/prefill trade) | decode (per decode token): narrow terminals get two tables."""
     sent = any(b.get("carries_indices") for b in est["boundaries"])
-    title = ("stage boundaries: sending the top-k indices across vs recomputing them on the next stage "
-             + ("(cross-stage indices on: 'sent' boundaries carry them)" if sent else
-                "(transfer is off: this is the trade)"))
+    title = "stage boundaries: sending the top-k indices across vs recomputing them on the next stage " + (
+        "(cross-stage indices on: 'sent' boundaries carry them)" if sent else "(transfer is off: this is the trade)"
+    )
     t = Table(title=title if part != "decode" else "the same trade per decode token", box=box.SIMPLE_HEAD)
     t.add_column("after\nstage", no_wrap=True)
     t.add_column("next stage\nstarts with", no_wrap=True)
     t.add_column("indices", no_wrap=True)
     cols = []
     if part != "decode":
-        cols += [("payload\n/microbatch", "index_payload_bytes_per_microbatch", nbytes),
-                 ("recompute\n/microbatch", "recompute_indexer_flops_per_microbatch", flops)]
+        cols += [
+            ("payload\n/microbatch", "index_payload_bytes_per_microbatch", nbytes),
+            ("recompute\n/microbatch", "recompute_indexer_flops_per_microbatch", flops),
+        ]
     if part != "microbatch":
-        cols += [("payload\n/decode token", "index_payload_bytes_per_decode_token", nbytes),
-                 ("recompute\n/decode token", "recompute_indexer_flops_per_decode_token", flops)]
+        cols += [
+            ("payload\n/decode token", "index_payload_bytes_per_decode_token", nbytes),
+            ("recompute\n/decode token", "recompute_indexer_flops_per_decode_token", flops),
+        ]
     if part != "decode":
         cols += [("indexer\nparams", "recompute_indexer_params", human)]
     for head, _, _ in cols:

@@ -5,6 +5,7 @@ Placement follows torch.distributed.pipelining:
   * V (ZBVZeroBubble, exactly 2 stages per rank): rank r owns stages r and 2R-1-r, so the first and last stage
     share rank 0 and the turn-around at the middle needs no send.
 """
+
 from __future__ import annotations
 
 from typing import List

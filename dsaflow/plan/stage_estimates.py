@@ -5,6 +5,7 @@ Contexts: savings at `estimate_context` (default 128K: the long-context case DSA
 (train.batch_size / pipeline.microbatches sequences; in serve mode one prefill chunk of serve.prefill_chunk tokens)
 under train.recompute; in train mode each stage's peak training memory by term (dsaflow.plan.memory).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
@@ -43,7 +44,9 @@ def microbatch_tokens(cfg, pipeline: PipelinePlan) -> int:
     return cfg.train.seq_len * max(1, cfg.train.batch_size // pipeline.microbatches)
 
 
-def build_estimates(cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan], pipeline: PipelinePlan) -> Dict[str, Any]:
+def build_estimates(
+    cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan], pipeline: PipelinePlan
+) -> Dict[str, Any]:
     m = cfg.model
     L_save, L_kv = cfg.estimate_context, m.max_seq_len
     seq = cfg.train.seq_len if cfg.mode == "train" else cfg.serve.prefill_chunk
@@ -68,48 +71,56 @@ def build_estimates(cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan
             params += E.head_params(m)
             cost += E.head_forward_flops_per_token(m)
         in_flight = microbatches_in_flight(st.index, st.rank, pipeline)
-        memory = (train_memory_terms(cfg, [l.role for l in ls], st.index == 0, st.index == last, tokens, in_flight)
-                  if cfg.mode == "train" else {})
-        per_stage.append({
-            "index": st.index,
-            "rank": st.rank,
-            "num_layers": len(ls),
-            "f_layers": n_f,
-            "s_layers": n_s,
-            "promoted": sum(l.promoted for l in ls),
-            "params": params,
-            "indexer_params_saved": n_s * E.indexer_params(m),
-            "indexer_flops_saved_per_token": n_s * E.indexer_flops_per_query(m, L_save),
-            "indexer_flops_saved_prefill": n_s * E.indexer_flops_prefill(m, L_save),
-            "indexer_flops_per_token": n_f * E.indexer_flops_per_query(m, L_save),
-            "kv_cache_bytes_per_token": sum(E.kv_bytes_per_token(m, l.role) for l in ls),
-            "kv_cache_bytes_per_seq": sum(E.kv_bytes_per_token(m, l.role) for l in ls) * L_kv,
-            # what a serving engine allocates: serve.max_batch sequences of serve.max_context tokens
-            "kv_cache_bytes_serve": sum(E.kv_bytes_per_token(m, l.role) for l in ls)
-            * cfg.serve.max_batch * cfg.serve.max_context,
-            "activation_bytes_per_microbatch": act,
-            "microbatches_in_flight": in_flight,
-            "activation_bytes_peak": act * in_flight,
-            # training on a GPU under bf16 autocast, by term (dsaflow.plan.memory); {} when serving
-            "train_memory_bytes": memory,
-            "train_peak_bytes": sum(memory.values()),
-            "forward_flops_per_token": cost,
-        })
+        memory = (
+            train_memory_terms(cfg, [l.role for l in ls], st.index == 0, st.index == last, tokens, in_flight)
+            if cfg.mode == "train"
+            else {}
+        )
+        per_stage.append(
+            {
+                "index": st.index,
+                "rank": st.rank,
+                "num_layers": len(ls),
+                "f_layers": n_f,
+                "s_layers": n_s,
+                "promoted": sum(l.promoted for l in ls),
+                "params": params,
+                "indexer_params_saved": n_s * E.indexer_params(m),
+                "indexer_flops_saved_per_token": n_s * E.indexer_flops_per_query(m, L_save),
+                "indexer_flops_saved_prefill": n_s * E.indexer_flops_prefill(m, L_save),
+                "indexer_flops_per_token": n_f * E.indexer_flops_per_query(m, L_save),
+                "kv_cache_bytes_per_token": sum(E.kv_bytes_per_token(m, l.role) for l in ls),
+                "kv_cache_bytes_per_seq": sum(E.kv_bytes_per_token(m, l.role) for l in ls) * L_kv,
+                # what a serving engine allocates: serve.max_batch sequences of serve.max_context tokens
+                "kv_cache_bytes_serve": sum(E.kv_bytes_per_token(m, l.role) for l in ls)
+                * cfg.serve.max_batch
+                * cfg.serve.max_context,
+                "activation_bytes_per_microbatch": act,
+                "microbatches_in_flight": in_flight,
+                "activation_bytes_peak": act * in_flight,
+                # training on a GPU under bf16 autocast, by term (dsaflow.plan.memory); {} when serving
+                "train_memory_bytes": memory,
+                "train_peak_bytes": sum(memory.values()),
+                "forward_flops_per_token": cost,
+            }
+        )
     boundaries = []
     for st, nxt in zip(stages, stages[1:]):
         first = layers[nxt.layers[0]]
-        boundaries.append({
-            "after_stage": st.index,
-            "first_layer": first.index,
-            "declared": first.declared,
-            "promoted": first.promoted,
-            # Sending the previous stage's indices would let a promoted layer stay S; these are the two sides.
-            "index_payload_bytes_per_microbatch": E.index_payload_bytes(m, tokens, seq),
-            "recompute_indexer_flops_per_microbatch": seqs_per_mb * E.indexer_flops_prefill(m, seq),
-            "index_payload_bytes_per_decode_token": E.index_payload_bytes(m, 1, L_save),
-            "recompute_indexer_flops_per_decode_token": E.indexer_flops_per_query(m, L_save),
-            "recompute_indexer_params": E.indexer_params(m),
-        })
+        boundaries.append(
+            {
+                "after_stage": st.index,
+                "first_layer": first.index,
+                "declared": first.declared,
+                "promoted": first.promoted,
+                # Sending the previous stage's indices would let a promoted layer stay S; these are the two sides.
+                "index_payload_bytes_per_microbatch": E.index_payload_bytes(m, tokens, seq),
+                "recompute_indexer_flops_per_microbatch": seqs_per_mb * E.indexer_flops_prefill(m, seq),
+                "index_payload_bytes_per_decode_token": E.index_payload_bytes(m, 1, L_save),
+                "recompute_indexer_flops_per_decode_token": E.indexer_flops_per_query(m, L_save),
+                "recompute_indexer_params": E.indexer_params(m),
+            }
+        )
     costs = [s["forward_flops_per_token"] for s in per_stage]
     n_f_all = sum(l.role == "F" for l in layers)
     n_s_all = len(layers) - n_f_all

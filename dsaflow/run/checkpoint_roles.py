@@ -10,6 +10,7 @@ exist. `plan_for_checkpoint` reads the checkpoint's weight headers (no tensor da
 The checkpoint is `serve.checkpoint` (generate, or `plan` with mode=serve), or the run dir's newest checkpoint when
 `train.resume=true`.
 """
+
 from __future__ import annotations
 
 import re

@@ -16,6 +16,7 @@ Pruning deletes only good checkpoints whose manifest carries this run's id, alwa
 never one that a reader has pinned (a shared `flock` on its manifest, held by serving while it loads weights).
 No torch.distributed here: the parent uses it before anything starts.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -88,7 +89,9 @@ def ensure_run_id(run_dir: str | Path) -> str:
         found = read_run_id(run_dir)
         if found:
             return found
-        raise CheckpointError(f"{path} exists but holds no run id (refused). Fix: remove it; it is recreated.")
+        raise CheckpointError(
+            f"{path} exists but holds no run id (refused). Fix: remove it; it is recreated."
+        ) from None
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(16) + "\n")
     return read_run_id(run_dir)
@@ -109,8 +112,7 @@ def write_manifest(folder: Path, step: int, run_id: Optional[str] = None) -> Non
     for e in sorted(os.scandir(folder), key=lambda e: e.name):
         if e.name != MANIFEST and not e.name.startswith(f".{MANIFEST}") and e.is_file(follow_symlinks=False):
             files[e.name] = {"size": e.stat(follow_symlinks=False).st_size, "sha256": _sha256(Path(e.path), folder)}
-    atomic_write(folder / MANIFEST, json.dumps({"format": 1, "step": step, "run_id": run_id, "files": files},
-                                               indent=1))
+    atomic_write(folder / MANIFEST, json.dumps({"format": 1, "step": step, "run_id": run_id, "files": files}, indent=1))
 
 
 def read_manifest(folder: Path) -> dict:
@@ -119,16 +121,25 @@ def read_manifest(folder: Path) -> dict:
         manifest = read_json(folder / MANIFEST, inside=folder, max_bytes=MAX_MANIFEST_BYTES, max_depth=4)
     except UnsafeFile as exc:
         if not (folder / MANIFEST).exists() and not (folder / MANIFEST).is_symlink():
-            raise CheckpointError(f"checkpoint {folder} has no {MANIFEST}: its save did not finish (or it predates "
-                                  "manifests)") from None
+            raise CheckpointError(
+                f"checkpoint {folder} has no {MANIFEST}: its save did not finish (or it predates manifests)"
+            ) from None
         raise CheckpointError(f"checkpoint {folder}: {exc}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or METADATA not in files or len(files) > MAX_FILES:
         raise CheckpointError(f"checkpoint {folder}: {MANIFEST} is unreadable or lists no {METADATA}")
     for name, want in files.items():
-        ok = (isinstance(want, dict) and "/" not in name and "\\" not in name and name not in ("", ".", "..")
-              and len(name) <= 255 and type(want.get("size")) is int and 0 <= want["size"] < 1 << 50
-              and isinstance(want.get("sha256"), str) and _SHA.match(want["sha256"]))
+        ok = (
+            isinstance(want, dict)
+            and "/" not in name
+            and "\\" not in name
+            and name not in ("", ".", "..")
+            and len(name) <= 255
+            and type(want.get("size")) is int
+            and 0 <= want["size"] < 1 << 50
+            and isinstance(want.get("sha256"), str)
+            and _SHA.match(want["sha256"])
+        )
         if not ok:
             raise CheckpointError(f"checkpoint {folder}: {MANIFEST} has a malformed entry for {name[:80]!r}")
     rid = manifest.get("run_id")
@@ -153,8 +164,9 @@ def verify_checkpoint(folder: str | Path, hashes: bool = True) -> dict:
             raise CheckpointError(f"checkpoint {folder}: file {name} listed in its manifest {what}") from None
         size = p.stat().st_size
         if size != want["size"]:
-            raise CheckpointError(f"checkpoint {folder}: {name} is {size} bytes, the manifest says "
-                                  f"{want['size']} (truncated or replaced)")
+            raise CheckpointError(
+                f"checkpoint {folder}: {name} is {size} bytes, the manifest says {want['size']} (truncated or replaced)"
+            )
         if hashes and _sha256(p, folder) != want["sha256"]:
             raise CheckpointError(f"checkpoint {folder}: {name} does not match its sha256 in the manifest (corrupted)")
     safe_load_metadata(folder / METADATA)
@@ -197,14 +209,17 @@ def good_checkpoints(run_dir: str | Path, report: Optional[Callable[[str], None]
             continue
         if rid is not None and manifest.get("run_id") not in (None, rid):
             if report is not None:
-                report(f"skipping checkpoint {folder}: it belongs to another run (run id {manifest['run_id']}, this "
-                       f"run is {rid}); trying an older checkpoint")
+                report(
+                    f"skipping checkpoint {folder}: it belongs to another run (run id {manifest['run_id']}, this "
+                    f"run is {rid}); trying an older checkpoint"
+                )
             continue
         yield step, folder, manifest
 
 
-def newest_good_checkpoint(run_dir: str | Path,
-                           report: Optional[Callable[[str], None]] = None) -> Optional[Tuple[int, Path]]:
+def newest_good_checkpoint(
+    run_dir: str | Path, report: Optional[Callable[[str], None]] = None
+) -> Optional[Tuple[int, Path]]:
     """(step, folder) of the newest good checkpoint of this run, or None; every one skipped is reported by name."""
     for step, folder, _ in good_checkpoints(run_dir, report):
         return step, folder
@@ -270,8 +285,11 @@ def prune(run_dir: str | Path, keep: int, report: Optional[Callable[[str], None]
     deleted = [s for s, f in ours[keep:] if remove_checkpoint(f)]
     root = Path(run_dir) / CKPT
     for e in os.scandir(root):
-        if e.name.startswith(".") and (e.name.endswith(PARTIAL) or DELETING in e.name) and \
-                e.is_dir(follow_symlinks=False):
+        if (
+            e.name.startswith(".")
+            and (e.name.endswith(PARTIAL) or DELETING in e.name)
+            and e.is_dir(follow_symlinks=False)
+        ):
             shutil.rmtree(e.path, ignore_errors=True)
     return deleted
 
@@ -280,8 +298,15 @@ def prune(run_dir: str | Path, keep: int, report: Optional[Callable[[str], None]
 
 _DCP_CLASSES = {
     ("torch.distributed.checkpoint.metadata", n)
-    for n in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
-              "StorageMeta", "_MEM_FORMAT_ENCODING")
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
@@ -325,12 +350,16 @@ def safe_load_metadata(path: str | Path):
         ) from None
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-    if not isinstance(md, Metadata) or not all(isinstance(v, TensorStorageMetadata) for v in md.state_dict_metadata.values()):
+    if not isinstance(md, Metadata) or not all(
+        isinstance(v, TensorStorageMetadata) for v in md.state_dict_metadata.values()
+    ):
         raise CheckpointError(f"checkpoint {path.parent}: {path.name} does not describe tensors only; refused")
     for info in (md.storage_data or {}).values():
         rel = str(getattr(info, "relative_path", ""))
         if not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
-            raise CheckpointError(f"checkpoint {path.parent}: {path.name} points at {rel!r} outside the folder; refused")
+            raise CheckpointError(
+                f"checkpoint {path.parent}: {path.name} points at {rel!r} outside the folder; refused"
+            )
     return md
 
 

@@ -3,6 +3,7 @@
 Built from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). Training and serving
 (`dsaflow.serve.generate.run_serve(ctx)`) both receive this object.
 """
+
 from __future__ import annotations
 
 import os

@@ -20,6 +20,7 @@ The schedule is a pure function of what `pick` returns, and `pick` runs on every
 (host-known facts plus the feedback every rank receives), so every rank posts matching ops without talking.
 A `Timeline` records, per rank, the time its segments computed (CUDA events on GPU, perf_counter on CPU).
 """
+
 from __future__ import annotations
 
 import time
@@ -90,14 +91,26 @@ class Timeline:
         if self.cuda:
             torch.cuda.synchronize()
         if self.start is None or self.end is None:
-            return {"wall_s": 0.0, "busy_s": 0.0, "busy_fraction": 0.0, "decode_wall_s": 0.0, "decode_busy_s": 0.0,
-                    "decode_busy": 0.0}
+            return {
+                "wall_s": 0.0,
+                "busy_s": 0.0,
+                "busy_fraction": 0.0,
+                "decode_wall_s": 0.0,
+                "decode_busy_s": 0.0,
+                "decode_busy": 0.0,
+            }
         wall = self.seconds(self.start, self.end)
         busy = sum(self.seconds(a, b) for a, b, _ in self.spans)
         dwall = sum(self.seconds(a, b) for a, b, d in self.ticks if d)
         dbusy = sum(self.seconds(a, b) for a, b, d in self.spans if d)
-        return {"wall_s": wall, "busy_s": busy, "busy_fraction": busy / wall if wall > 0 else 0.0,
-                "decode_wall_s": dwall, "decode_busy_s": dbusy, "decode_busy": dbusy / dwall if dwall > 0 else 0.0}
+        return {
+            "wall_s": wall,
+            "busy_s": busy,
+            "busy_fraction": busy / wall if wall > 0 else 0.0,
+            "decode_wall_s": dwall,
+            "decode_busy_s": dbusy,
+            "decode_busy": dbusy / dwall if dwall > 0 else 0.0,
+        }
 
 
 @dataclass
@@ -111,8 +124,15 @@ class PipelineExecutor:
     local); peer: pipeline rank -> global rank for the link (identity by default); carries_extra(stage): whether
     the boundary after `stage` carries each item's `extra` tensors (default: none does)."""
 
-    def __init__(self, owner: Dict[int, int], rank: int, link=None, device="cpu",
-                 peer: Optional[Callable[[int], int]] = None, carries_extra: Optional[Callable[[int], bool]] = None):
+    def __init__(
+        self,
+        owner: Dict[int, int],
+        rank: int,
+        link=None,
+        device="cpu",
+        peer: Optional[Callable[[int], int]] = None,
+        carries_extra: Optional[Callable[[int], bool]] = None,
+    ):
         self.segments = segments_of(owner)
         self.carries_extra = carries_extra or (lambda stage: False)
         self.rank, self.link, self.device = rank, link, torch.device(device)
@@ -187,8 +207,10 @@ class PipelineExecutor:
                 elif part == 0:
                     inbox[(tick, j)] = buf
                 else:  # extra tensors follow their activation (sorted by part)
-                    inbox[(tick, j)] = (*(inbox[(tick, j)] if isinstance(inbox[(tick, j)], tuple)
-                                          else (inbox[(tick, j)],)), buf)
+                    inbox[(tick, j)] = (
+                        *(inbox[(tick, j)] if isinstance(inbox[(tick, j)], tuple) else (inbox[(tick, j)],)),
+                        buf,
+                    )
             tl.ticks.append((tick0, tl.mark(), tick_decode))
             done = started.pop(t - (K - 1), None)
             if done is not None:
@@ -227,6 +249,7 @@ class PipelineExecutor:
             return {}
         ops = [(key, "send", tensor, peer) for key, tensor, peer in sends]
         ops += [(key, "recv", (shape, dtype), peer) for key, shape, dtype, peer in recvs]
+
         def order(op):  # sends key feedback as (start, 1, 0), receives as (start, -1, 0); activations come first,
             (start, j, part), kind = op[0], op[1]  # each followed by its extra tensors in part order
             return start, (j == 1) if kind == "send" else (j == -1), part

@@ -9,6 +9,7 @@ Who takes it: the `dsaflow train|generate` parent (for its whole launch, workers
 started without that parent (`launch/multi_node.sh`, torchrun by hand). Readers of checkpoints (serving) do not take
 it: they pin the checkpoint they read (dsaflow.run.ckpt_store.pinned).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -53,8 +54,9 @@ def _describe(rec: Optional[dict]) -> str:
     if not rec:
         return "another process"
     t = rec.get("since")
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) and 0 < t < 1e11 \
-        else "?"
+    since = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) and 0 < t < 1e11 else "?"
+    )
     return f"`dsaflow {rec.get('job', '?')}` (pid {rec.get('pid')} on host {rec.get('host')}, since {since})"
 
 
@@ -74,8 +76,10 @@ def run_dir_lock(run_dir: str | Path, job: str, report=None):
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
-        raise PlanError(f"run_dir={run_dir}: cannot open its lock file {path} ({exc.strerror}); a link or another "
-                        "kind of file there is refused. Fix: remove it, or use another run_dir.") from None
+        raise PlanError(
+            f"run_dir={run_dir}: cannot open its lock file {path} ({exc.strerror}); a link or another "
+            "kind of file there is refused. Fix: remove it, or use another run_dir."
+        ) from None
     try:
         if not os.path.isfile(path) or os.path.islink(path):
             raise PlanError(f"run_dir={run_dir}: {path} is not a regular file. Fix: remove it.")
@@ -85,10 +89,13 @@ def run_dir_lock(run_dir: str | Path, job: str, report=None):
             raise _busy(run_dir, _holder(path)) from None
         rec = _holder(path)
         if rec and not rec.get("released") and report is not None:
-            alive = rec.get("host") == socket.gethostname() and isinstance(rec.get("pid"), int) and \
-                _pid_alive(rec["pid"])
-            report(f"run_dir={run_dir}: taking over a stale lock of {_describe(rec)}, which ended without releasing "
-                   f"it{' (that pid now belongs to another process)' if alive else ''}")
+            alive = (
+                rec.get("host") == socket.gethostname() and isinstance(rec.get("pid"), int) and _pid_alive(rec["pid"])
+            )
+            report(
+                f"run_dir={run_dir}: taking over a stale lock of {_describe(rec)}, which ended without releasing "
+                f"it{' (that pid now belongs to another process)' if alive else ''}"
+            )
         mine = {"pid": os.getpid(), "host": socket.gethostname(), "job": job, "since": time.time()}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(mine).encode(), 0)

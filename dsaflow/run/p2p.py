@@ -8,6 +8,7 @@ before the next receive; NCCL orders the next receive after those consumers on t
 NCCL note: a communicator's first P2P call must not be a batch of P2P ops posted by only some ranks, so `warm_up`
 runs one collective over the whole group first.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Sequence, Tuple

@@ -15,6 +15,7 @@ that is renamed into place, and a name that another launch took meanwhile gets a
 launches never share one. An explicit `run_dir` that already holds a run is refused unless `train.resume=true`,
 and resuming is checked against the run (model, layout, roles, stages, ranks, data) before anything is written.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,17 @@ from dsaflow.plan.plan import Plan
 
 from .ckpt_store import CKPT, MANIFEST, checkpoint_dir, list_checkpoints, newest_good_checkpoint
 
-__all__ = ["CKPT", "checkpoint_dir", "list_checkpoints", "latest_checkpoint", "read_run_dir", "read_metrics",
-           "write_run_dir", "check_run_dir", "check_resume"]
+__all__ = [
+    "CKPT",
+    "checkpoint_dir",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "read_run_dir",
+    "read_metrics",
+    "write_run_dir",
+    "check_run_dir",
+    "check_resume",
+]
 
 CONFIG, PLAN, PLAN_TXT, METRICS, LOG, TMP = "config.yaml", "plan.json", "plan.txt", "metrics.jsonl", "train.log", "tmp"
 
@@ -76,8 +86,10 @@ def read_plan(run_dir: Path) -> Plan:
     except UnsafeFile as exc:
         raise PlanError(f"{exc}. Fix: point at a run dir written by `dsaflow train`, or start a new run_dir.") from None
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-        raise PlanError(f"{path} is unreadable ({type(exc).__name__}: {str(exc)[:120]}): corrupted or edited. Fix: "
-                        "start a new run_dir (or restore the file).") from None
+        raise PlanError(
+            f"{path} is unreadable ({type(exc).__name__}: {str(exc)[:120]}): corrupted or edited. Fix: "
+            "start a new run_dir (or restore the file)."
+        ) from None
 
 
 def _asdict(x) -> dict:
@@ -96,8 +108,10 @@ def check_resume(cfg, plan: Plan, report=None) -> Tuple[int, Path]:
 
     run_dir = Path(cfg.run_dir)
     if not os.path.lexists(run_dir / CONFIG) or not os.path.lexists(run_dir / PLAN):
-        raise PlanError(f"train.resume=true but run_dir={run_dir} is not a dsaflow run dir (no {CONFIG} and {PLAN}). "
-                        "Fix: point run_dir at runs/<name> of the run to continue.")
+        raise PlanError(
+            f"train.resume=true but run_dir={run_dir} is not a dsaflow run dir (no {CONFIG} and {PLAN}). "
+            "Fix: point run_dir at runs/<name> of the run to continue."
+        )
     old_cfg = load_config(run_dir / CONFIG)
     old_plan = read_plan(run_dir)
     read_metrics(run_dir, strict=True)
@@ -106,10 +120,14 @@ def check_resume(cfg, plan: Plan, report=None) -> Tuple[int, Path]:
         if getattr(old_cfg.train, k) != getattr(cfg.train, k):
             diffs.append(f"train.{k}: {getattr(old_cfg.train, k)!r} in the run vs {getattr(cfg.train, k)!r} now")
     if [s.layers for s in old_plan.stages] != [s.layers for s in plan.stages]:
-        diffs.append(f"stages {[list(s.layers) for s in old_plan.stages]} in the run vs "
-                     f"{[list(s.layers) for s in plan.stages]} now")
+        diffs.append(
+            f"stages {[list(s.layers) for s in old_plan.stages]} in the run vs "
+            f"{[list(s.layers) for s in plan.stages]} now"
+        )
     if [s.rank for s in old_plan.stages] != [s.rank for s in plan.stages]:
-        diffs.append(f"stage ranks {[s.rank for s in old_plan.stages]} in the run vs {[s.rank for s in plan.stages]} now")
+        diffs.append(
+            f"stage ranks {[s.rank for s in old_plan.stages]} in the run vs {[s.rank for s in plan.stages]} now"
+        )
     old_roles = "".join(l.role for l in old_plan.layers)
     new_roles = "".join(l.role for l in plan.layers)
     if old_roles != new_roles:
@@ -146,15 +164,19 @@ def check_run_dir(cfg, plan: Plan, job: str = "train", report=None) -> None:
         os.lstat(p)
     except OSError as exc:
         if exc.errno == errno.ENAMETOOLONG:
-            raise PlanError(f"run_dir={str(p)[:120]}... ({len(str(p))} characters) {explain_os_error(exc)}. Fix: "
-                            "choose a shorter run_dir (each folder name at most 255 bytes).") from None
+            raise PlanError(
+                f"run_dir={str(p)[:120]}... ({len(str(p))} characters) {explain_os_error(exc)}. Fix: "
+                "choose a shorter run_dir (each folder name at most 255 bytes)."
+            ) from None
     if p.exists() and not p.is_dir():
         raise PlanError(f"run_dir={p} exists and is not a folder. Fix: choose another run_dir.")
     outer = _enclosing_run(p)
     if outer is not None:
-        raise PlanError(f"run_dir={p} lies inside {outer}, which is a run dir or a checkpoint folder; a run there "
-                        "would mix its files with that run's (and its checkpoints could be pruned as that run's). "
-                        "Fix: choose a run_dir outside every run dir, e.g. runs/<new name>.")
+        raise PlanError(
+            f"run_dir={p} lies inside {outer}, which is a run dir or a checkpoint folder; a run there "
+            "would mix its files with that run's (and its checkpoints could be pruned as that run's). "
+            "Fix: choose a run_dir outside every run dir, e.g. runs/<new name>."
+        )
     if resume:
         check_resume(cfg, plan, report)
         return
@@ -185,14 +207,18 @@ def write_run_dir(cfg, plan: Plan, table: str, job: str = "train") -> Path:
             for name, text in files.items():
                 atomic_write(run_dir / name, text)
         except OSError as exc:
-            raise PlanError(f"run_dir={run_dir}: cannot rewrite its files ({explain_os_error(exc)}). Fix: free space "
-                            "or fix the folder's permissions.") from None
+            raise PlanError(
+                f"run_dir={run_dir}: cannot rewrite its files ({explain_os_error(exc)}). Fix: free space "
+                "or fix the folder's permissions."
+            ) from None
         return run_dir
     base = Path(cfg.run_dir or default_run_dir(cfg, job))
     try:
         base.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise PlanError(f"run_dir={base}: cannot create {base.parent} ({exc.strerror}). Fix: choose another run_dir.") from None
+        raise PlanError(
+            f"run_dir={base}: cannot create {base.parent} ({exc.strerror}). Fix: choose another run_dir."
+        ) from None
     tmp = base.parent / f".{base.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
     try:
         tmp.mkdir()
@@ -209,12 +235,14 @@ def write_run_dir(cfg, plan: Plan, table: str, job: str = "train") -> Path:
                 if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
                     raise
                 if cfg.run_dir:
-                    raise PlanError(f"run_dir={base} was created by another launch meanwhile. Fix: choose another "
-                                    "run_dir.") from None
+                    raise PlanError(
+                        f"run_dir={base} was created by another launch meanwhile. Fix: choose another run_dir."
+                    ) from None
         raise PlanError(f"could not find a free run dir name next to {base}. Fix: set run_dir explicitly.")
     except OSError as exc:
-        raise PlanError(f"run_dir={base}: cannot write it ({exc.strerror or exc}). Fix: choose a run_dir in a "
-                        "folder you can write.") from None
+        raise PlanError(
+            f"run_dir={base}: cannot write it ({exc.strerror or exc}). Fix: choose a run_dir in a folder you can write."
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -236,9 +264,11 @@ def read_run_dir(run_dir: str | Path):
     except PlanError as exc:
         raise PlanError(f"{run_dir / CONFIG} does not plan: {exc}") from None
     if expected.to_json() != plan.to_json():
-        raise PlanError(f"{run_dir / PLAN} is not the plan of {run_dir / CONFIG} (edited by hand, or written by "
-                        "another dsaflow version), so its stages and ranks cannot be trusted. Fix: write the run dir "
-                        "again with `python -m dsaflow.launch.launch prepare ...` (or `dsaflow train`).")
+        raise PlanError(
+            f"{run_dir / PLAN} is not the plan of {run_dir / CONFIG} (edited by hand, or written by "
+            "another dsaflow version), so its stages and ranks cannot be trusted. Fix: write the run dir "
+            "again with `python -m dsaflow.launch.launch prepare ...` (or `dsaflow train`)."
+        )
     return cfg, plan
 
 
@@ -267,7 +297,9 @@ def read_metrics(run_dir: str | Path, strict: bool = False) -> list:
         except UnsafeFile as exc:
             if n == len(lines) or not strict:  # the last line has no newline: a torn write
                 continue
-            raise PlanError(f"{exc}: metrics.jsonl is corrupted. Fix: delete that line (or the file) to resume; "
-                            "the checkpoints are unaffected.") from None
+            raise PlanError(
+                f"{exc}: metrics.jsonl is corrupted. Fix: delete that line (or the file) to resume; "
+                "the checkpoints are unaffected."
+            ) from None
         out.append(rec)
     return out

@@ -8,6 +8,7 @@ file (no link, no FIFO) inside its folder, a header of bounded length and nestin
 `MAX_DIMS` non-negative dimensions, and offsets that tile the data exactly as the shapes say. A file that fails is
 a `SafetensorsError` naming the file and what is wrong.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,16 +17,23 @@ from pathlib import Path
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch
-from safetensors import SafetensorError
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file as _package_save_file
 
 from dsaflow.errors import CheckpointError
 from dsaflow.files import UnsafeFile, atomic_write_with, open_regular, parse_json
 
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 MAX_HEADER = 100 << 20
 MAX_DIMS = 8
@@ -36,7 +44,9 @@ class SafetensorsError(CheckpointError):
     """A file that is not a well-formed safetensors file (message names the file and what is wrong)."""
 
 
-def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Optional[Dict[str, str]] = None) -> None:
+def save_file(
+    tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Optional[Dict[str, str]] = None
+) -> None:
     """Write `tensors` (CPU or GPU; copied to host) to `path` atomically (exclusive temporary file, rename)."""
     host: Dict[str, torch.Tensor] = {}
     seen = set()
@@ -80,20 +90,30 @@ def read_header(path: str | os.PathLike) -> Tuple[Dict[str, dict], int]:
     data_len = size - 8 - n
     spans = []
     for name, e in header.items():
-        ok = isinstance(e, dict) and e.get("dtype") in DTYPES and isinstance(e.get("shape"), list) \
-            and len(e["shape"]) <= MAX_DIMS and all(type(s) is int and 0 <= s < 1 << 48 for s in e["shape"]) \
-            and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 \
+        ok = (
+            isinstance(e, dict)
+            and e.get("dtype") in DTYPES
+            and isinstance(e.get("shape"), list)
+            and len(e["shape"]) <= MAX_DIMS
+            and all(type(s) is int and 0 <= s < 1 << 48 for s in e["shape"])
+            and isinstance(e.get("data_offsets"), list)
+            and len(e["data_offsets"]) == 2
             and all(type(x) is int for x in e["data_offsets"])
+        )
         if not ok:
-            raise SafetensorsError(f"{path}: entry {name[:80]!r} is malformed (dtype one of {sorted(DTYPES)}, at most "
-                                   f"{MAX_DIMS} non-negative dimensions, two integer offsets)")
+            raise SafetensorsError(
+                f"{path}: entry {name[:80]!r} is malformed (dtype one of {sorted(DTYPES)}, at most "
+                f"{MAX_DIMS} non-negative dimensions, two integer offsets)"
+            )
         numel = 1
         for s in e["shape"]:
             numel *= s
         begin, end = e["data_offsets"]
         if not (0 <= begin <= end <= data_len) or end - begin != numel * DTYPES[e["dtype"]].itemsize:
-            raise SafetensorsError(f"{path}: entry {name[:80]!r} has offsets [{begin}, {end}] that do not match its "
-                                   f"shape {e['shape']} or the file size")
+            raise SafetensorsError(
+                f"{path}: entry {name[:80]!r} has offsets [{begin}, {end}] that do not match its "
+                f"shape {e['shape']} or the file size"
+            )
         spans.append((begin, end))
     pos = 0
     for begin, end in sorted(spans):  # the format's own rule: the tensors tile the data, no gaps, no overlaps

@@ -4,6 +4,7 @@ A stage is a StageModule over the plan's layers of that stage (LayerPlan has the
 needs), with the embedding on stage 0 and the head on the last stage. Every layer draws its weights from its own
 seeded generator, so stages built separately hold exactly the weights of the whole model (PP=1 == PP=N).
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -21,8 +22,15 @@ def stage_layers(plan: Plan, stage: int) -> list:
 
 def stage_module(model_cfg, plan: Plan, stage: int, seed: int = 0) -> StageModule:
     """Stage `stage` of `plan` as a module (weights from `seed`, on CPU)."""
-    return StageModule(model_cfg, stage_layers(plan, stage), plan.is_first(stage), plan.is_last(stage), seed,
-                       name=f"stage {stage}", receives_indices=plan.receives_indices(stage))
+    return StageModule(
+        model_cfg,
+        stage_layers(plan, stage),
+        plan.is_first(stage),
+        plan.is_last(stage),
+        seed,
+        name=f"stage {stage}",
+        receives_indices=plan.receives_indices(stage),
+    )
 
 
 def build_stages(model_cfg, plan: Plan, seed: int = 0) -> List[StageModule]:
@@ -30,8 +38,15 @@ def build_stages(model_cfg, plan: Plan, seed: int = 0) -> List[StageModule]:
     return [stage_module(model_cfg, plan, s, seed) for s in range(plan.num_stages)]
 
 
-def stage_cache(model_cfg, plan: Plan, stage: int, max_batch: int, max_context: int, max_tokens: int,
-                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> StageCache:
+def stage_cache(
+    model_cfg,
+    plan: Plan,
+    stage: int,
+    max_batch: int,
+    max_context: int,
+    max_tokens: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> StageCache:
     """Preallocated serving caches of stage `stage` (see dsaflow.model.cache)."""
-    return StageCache.allocate(model_cfg, stage_layers(plan, stage), max_batch, max_context, max_tokens, device,
-                               dtype)
+    return StageCache.allocate(model_cfg, stage_layers(plan, stage), max_batch, max_context, max_tokens, device, dtype)

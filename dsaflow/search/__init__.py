@@ -1,4 +1,5 @@
 """The IndexCache layer search: which layers keep their indexer (training-free, greedy, pipeline-aware)."""
+
 from .evaluate import PatternEvaluator, Score
 from .greedy import SearchLog, Step, greedy_search
 

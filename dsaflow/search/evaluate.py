@@ -6,6 +6,7 @@ that differs from the current base pattern first at layer c computes exactly wha
 layer c, so `PatternEvaluator` keeps, per batch, the hidden state entering every layer and the stage's index slot
 (which F layer wrote which indices) under the base pattern, and evaluates a candidate from layer c onwards only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,14 @@ class PatternEvaluator:
     """stages: every StageModule of the model (built all-F), in order; batches: [(inputs [B, T], targets [B, 3, T])]
     (dsaflow.data.BatchSource layout). `score(roles)` -> Score; `rebase(roles)` moves the prefix cache."""
 
-    def __init__(self, stages: Sequence[StageModule], batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                 device: torch.device, num_queries: int = 0, cross_stage: bool = False):
+    def __init__(
+        self,
+        stages: Sequence[StageModule],
+        batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device,
+        num_queries: int = 0,
+        cross_stage: bool = False,
+    ):
         """cross_stage: S layers opening a stage read the previous stages' last F (pipeline.cross_stage_indices)."""
         self.stages, self.device, self.num_queries = list(stages), device, num_queries
         self.cross_stage = cross_stage
@@ -72,8 +79,15 @@ class PatternEvaluator:
             if 0 < start and ids[0] <= start and (start > ids[0] or self.cross_stage):  # resume where `start` lies:
                 # the slot holds what the base prefix wrote (with crossing, also what earlier stages wrote)
                 slot.indices, slot.writer = state[1], state[2]
-            ctx = ForwardContext(positions=positions, rope_mla=rope_mla, rope_index=rope_index, attn="sparse",
-                                 cache=None, index_slot=slot, recorder=None)
+            ctx = ForwardContext(
+                positions=positions,
+                rope_mla=rope_mla,
+                rope_index=rope_index,
+                attn="sparse",
+                cache=None,
+                index_slot=slot,
+                recorder=None,
+            )
             for i in ids:
                 if i < start:
                     continue
@@ -89,8 +103,11 @@ class PatternEvaluator:
         loss_sum, count, correct, total = 0.0, 0, 0, 0
         for logits, y in logits_and_targets:
             lm, ans, qid = y[:, 0], y[:, 1], y[:, 2]
-            loss_sum += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lm.reshape(-1),
-                                              ignore_index=IGNORE, reduction="sum"))
+            loss_sum += float(
+                F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), lm.reshape(-1), ignore_index=IGNORE, reduction="sum"
+                )
+            )
             count += int((lm != IGNORE).sum())
             if self.num_queries:
                 hit = logits.argmax(-1) == ans

@@ -8,6 +8,7 @@ Ties go to the lower layer index.
 Every candidate evaluation and every chosen step is appended to a JSONL log as soon as it is known; a rerun with the
 same settings replays the log and continues where the interrupted run stopped (mid-step included).
 """
+
 from __future__ import annotations
 
 import json
@@ -50,7 +51,9 @@ class SearchLog:
                 if rec["kind"] == "candidate":
                     self.candidates[(rec["step"], rec["layer"])] = Score(rec["loss"], _num(rec["acc"]))
                 elif rec["kind"] == "step":
-                    self.steps.append(Step(**{k: (_num(v) if k == "acc" else v) for k, v in rec.items() if k != "kind"}))
+                    self.steps.append(
+                        Step(**{k: (_num(v) if k == "acc" else v) for k, v in rec.items() if k != "kind"})
+                    )
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps({"kind": "header", **header}) + "\n")
@@ -92,8 +95,10 @@ def greedy_search(
     L = evaluator.num_layers
     fixed = set(fixed_f)
     if not len(fixed) <= target_f <= L:
-        raise ValueError(f"target of {target_f} F layers is outside {len(fixed)}..{L} (the stages' first layers "
-                         f"{sorted(fixed)} always stay F).")
+        raise ValueError(
+            f"target of {target_f} F layers is outside {len(fixed)}..{L} (the stages' first layers "
+            f"{sorted(fixed)} always stay F)."
+        )
     roles = ["F"] * L
     steps: List[Step] = []
     for s in log.steps:  # replay what an earlier run already decided (a shared prefix when the target moved up)
@@ -111,8 +116,10 @@ def greedy_search(
         report(f"search: all {L} layers F: calibration loss {base.loss:.4f}")
     else:
         evaluator.rebase(tuple(roles))
-        report(f"search: resumed after step {steps[-1].step}/{total_steps} ({''.join(roles)}, calibration loss "
-               f"{steps[-1].loss:.4f})")
+        report(
+            f"search: resumed after step {steps[-1].step}/{total_steps} ({''.join(roles)}, calibration loss "
+            f"{steps[-1].loss:.4f})"
+        )
     while roles.count("F") > target_f:
         k = len(steps)
         cands = [i for i in range(L) if roles[i] == "F" and i not in fixed]
@@ -125,14 +132,18 @@ def greedy_search(
             trial[c] = "S"
             scores[c] = evaluator.score(tuple(trial))
             log.add_candidate(k, c, scores[c])
-            report(f"search: step {k}/{total_steps} candidate {n}/{len(cands)}: layer {c} -> S gives calibration "
-                   f"loss {scores[c].loss:.4f}")
+            report(
+                f"search: step {k}/{total_steps} candidate {n}/{len(cands)}: layer {c} -> S gives calibration "
+                f"loss {scores[c].loss:.4f}"
+            )
         best = min(cands, key=lambda c: (scores[c].loss, c))
         roles[best] = "S"
         evaluator.rebase(tuple(roles))
         st = Step(k, best, roles.count("F"), scores[best].loss, scores[best].acc, "".join(roles))
         log.add_step(st)
         steps.append(st)
-        report(f"search: step {k}/{total_steps}: layer {best} -> S ({st.roles}, {st.num_f} F), calibration loss "
-               f"{st.loss:.4f}")
+        report(
+            f"search: step {k}/{total_steps}: layer {best} -> S ({st.roles}, {st.num_f} F), calibration loss "
+            f"{st.loss:.4f}"
+        )
     return steps

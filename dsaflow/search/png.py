@@ -4,14 +4,17 @@ matplotlib is an optional extra (`pip install 'dsaflow[plots]'`): without it the
 (search.csv holds the same numbers) and says that the figure was not drawn and how to get it. The figure is built
 with matplotlib's object API (Figure + the Agg canvas), so a caller's pyplot backend and state are left alone.
 """
+
 from __future__ import annotations
 
 import math
 from pathlib import Path
 from typing import Optional, Sequence
 
-MISSING = ("matplotlib is not installed, so search.png was not drawn (search.csv has the same numbers). "
-           "Fix: pip install 'dsaflow[plots]' (or pip install matplotlib).")
+MISSING = (
+    "matplotlib is not installed, so search.png was not drawn (search.csv has the same numbers). "
+    "Fix: pip install 'dsaflow[plots]' (or pip install matplotlib)."
+)
 
 
 def search_figure(num_f: Sequence[int], losses: Sequence[float], removed: Sequence[Optional[int]], title: str):
@@ -38,8 +41,9 @@ def search_figure(num_f: Sequence[int], losses: Sequence[float], removed: Sequen
     return fig
 
 
-def write_search_png(path: str | Path, num_f: Sequence[int], losses: Sequence[float],
-                     removed: Sequence[Optional[int]], title: str) -> Optional[str]:
+def write_search_png(
+    path: str | Path, num_f: Sequence[int], losses: Sequence[float], removed: Sequence[Optional[int]], title: str
+) -> Optional[str]:
     """Draw `search_figure` into `path`. -> None when written, else the reason it was not (matplotlib missing)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

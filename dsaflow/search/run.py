@@ -15,6 +15,7 @@ The model, data and sequence length come from the checkpoint's run dir; the stag
 with index.promote=false). With `pipeline.cross_stage_indices=true` only layer 0 stays F: a stage may open on S
 layers that read the previous stage's indices, and the layout is then run with cross-stage indices on.
 """
+
 from __future__ import annotations
 
 import csv
@@ -67,8 +68,10 @@ def load_search_model(cfg, device: torch.device):
 
     s = cfg.search
     if not s.checkpoint:
-        raise PlanError("dsaflow search needs search.checkpoint=<a run dir trained with index=all_full>. Fix: e.g. "
-                        "search.checkpoint=runs/20260101-120000-tiny-retrieval.")
+        raise PlanError(
+            "dsaflow search needs search.checkpoint=<a run dir trained with index=all_full>. Fix: e.g. "
+            "search.checkpoint=runs/20260101-120000-tiny-retrieval."
+        )
 
     try:
         ckpt = resolve_checkpoint(s.checkpoint)
@@ -76,8 +79,10 @@ def load_search_model(cfg, device: torch.device):
         raise PlanError(str(exc).replace("serve.checkpoint", "search.checkpoint")) from None
     run_dir = ckpt.parent.parent
     if not (run_dir / CONFIG).is_file():
-        raise PlanError(f"search.checkpoint={s.checkpoint}: {run_dir / CONFIG} is missing, so the model it was trained "
-                        "with is unknown. Fix: point search.checkpoint at a run dir written by `dsaflow train`.")
+        raise PlanError(
+            f"search.checkpoint={s.checkpoint}: {run_dir / CONFIG} is missing, so the model it was trained "
+            "with is unknown. Fix: point search.checkpoint at a run dir written by `dsaflow train`."
+        )
     trained = load_config(run_dir / CONFIG)
     if (run_dir / PLAN).is_file():
         from dsaflow.plan.plan import Plan
@@ -130,12 +135,28 @@ def eval_table(evaluator: PatternEvaluator, steps: List[Step], starts, ratios, f
         uni = uniform_roles(freq, L, starts if fixed is None else fixed)
         nf = uni.count("F")
         sc = evaluator.score(uni)
-        rows.append({"pattern": f"uniform 1/{freq}", "ratio": r, "num_f": nf, "roles": "".join(uni),
-                     "loss": sc.loss, "acc": sc.acc})
+        rows.append(
+            {
+                "pattern": f"uniform 1/{freq}",
+                "ratio": r,
+                "num_f": nf,
+                "roles": "".join(uni),
+                "loss": sc.loss,
+                "acc": sc.acc,
+            }
+        )
         if nf in by_f:
             sc = evaluator.score(tuple(by_f[nf]))
-            rows.append({"pattern": f"searched 1/{freq}", "ratio": r, "num_f": nf, "roles": by_f[nf],
-                         "loss": sc.loss, "acc": sc.acc})
+            rows.append(
+                {
+                    "pattern": f"searched 1/{freq}",
+                    "ratio": r,
+                    "num_f": nf,
+                    "roles": by_f[nf],
+                    "loss": sc.loss,
+                    "acc": sc.acc,
+                }
+            )
     return rows
 
 
@@ -143,8 +164,10 @@ def _md_table(rows: List[dict], starts) -> str:
     out = ["| pattern | F layers | layout | eval loss | eval acc |", "|---|---|---|---|---|"]
     for r in rows:
         acc = "n/a" if r["acc"] != r["acc"] else f"{r['acc']:.3f}"
-        out.append(f"| {r['pattern']} | {r['num_f']} | `{format_layout(tuple(r['roles']), starts)}` | "
-                   f"{r['loss']:.4f} | {acc} |")
+        out.append(
+            f"| {r['pattern']} | {r['num_f']} | `{format_layout(tuple(r['roles']), starts)}` | "
+            f"{r['loss']:.4f} | {acc} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -154,8 +177,10 @@ def run_search(cfg) -> int:
 
     s = cfg.search
     if s.calib_batches < 1 or s.eval_batches < 0:
-        raise PlanError(f"search.calib_batches={s.calib_batches} / search.eval_batches={s.eval_batches}: need >= 1 "
-                        "calibration batch and >= 0 eval batches. Fix: e.g. search.calib_batches=8.")
+        raise PlanError(
+            f"search.calib_batches={s.calib_batches} / search.eval_batches={s.eval_batches}: need >= 1 "
+            "calibration batch and >= 0 eval batches. Fix: e.g. search.calib_batches=8."
+        )
     dev = torch.device(resolve_device_type(s.device))
     torch.set_num_threads(max(1, cfg.train.cpu_threads)) if dev.type == "cpu" else None
     run_cfg, plan, stages, ckpt = load_search_model(cfg, dev)
@@ -170,7 +195,7 @@ def run_search(cfg) -> int:
             raise PlanError(f"search.ratio={s.ratio}: must lie in (0, 1]. Fix: e.g. search.ratio=0.25.")
         target = max(len(fixed), round(s.ratio * L))
     if not len(fixed) <= target <= L:
-        kept = ("layer 0 stays F" if cross else f"each of the {len(starts)} stages keeps its first layer F")
+        kept = "layer 0 stays F" if cross else f"each of the {len(starts)} stages keeps its first layer F"
         raise PlanError(
             f"search.target_f={target}: must lie in {len(fixed)}..{L} ({kept}). Fix: choose a target in that range"
             + ("." if cross else ", or pipeline.cross_stage_indices=true to let stages open on S.")
@@ -179,17 +204,26 @@ def run_search(cfg) -> int:
     floor = min([target] + eval_targets)  # search far enough for every ratio of the eval table
     out = Path(s.out_dir) if s.out_dir else ckpt.parent.parent / "search"
     out.mkdir(parents=True, exist_ok=True)
-    header = {"checkpoint": str(ckpt.resolve()), "stage_starts": list(starts), "num_layers": L,
-              "calib_batches": s.calib_batches, "seq_len": run_cfg.train.seq_len,
-              "batch_size": run_cfg.train.batch_size,
-              "seed": run_cfg.train.seed, "data": run_cfg.data.name}
+    header = {
+        "checkpoint": str(ckpt.resolve()),
+        "stage_starts": list(starts),
+        "num_layers": L,
+        "calib_batches": s.calib_batches,
+        "seq_len": run_cfg.train.seq_len,
+        "batch_size": run_cfg.train.batch_size,
+        "seed": run_cfg.train.seed,
+        "data": run_cfg.data.name,
+    }
     if cross:  # only then: logs of searches without crossing keep their header
         header["cross_stage_indices"] = True
     log = SearchLog(out / "search.jsonl", header, restart=s.restart)
     kept = "only layer 0 kept F: cross-stage indices" if cross else "kept F"
-    print(f"search: {L} layers, stages start at {list(starts)} ({kept}), target {target} F "
-          f"({target / L:.2f}), {s.calib_batches} calibration batches of {run_cfg.train.batch_size}x"
-          f"{run_cfg.train.seq_len} on {dev.type}; log {out / 'search.jsonl'}", flush=True)
+    print(
+        f"search: {L} layers, stages start at {list(starts)} ({kept}), target {target} F "
+        f"({target / L:.2f}), {s.calib_batches} calibration batches of {run_cfg.train.batch_size}x"
+        f"{run_cfg.train.seq_len} on {dev.type}; log {out / 'search.jsonl'}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     batches, nq = _batches(run_cfg, s.calib_batches, calib=True)
     ev = PatternEvaluator(stages, batches, dev, nq, cross_stage=cross)
@@ -200,23 +234,35 @@ def run_search(cfg) -> int:
         w = csv.writer(f)
         w.writerow(["step", "removed_layer", "num_f", "f_ratio", "calib_loss", "calib_acc", "layout"])
         for st in steps:
-            w.writerow([st.step, "" if st.removed is None else st.removed, st.num_f, f"{st.num_f / L:.4f}",
-                        f"{st.loss:.6f}", "" if math.isnan(st.acc) else f"{st.acc:.4f}",
-                        format_layout(tuple(st.roles), starts)])
-    png_note = write_search_png(out / "search.png", [st.num_f for st in steps], [st.loss for st in steps],
-                                [st.removed for st in steps],
-                                f"IndexCache greedy search: {ckpt.parent.parent.name}\n{L} layers, "
-                                f"{s.calib_batches} calibration batches of {run_cfg.train.batch_size}x"
-                                f"{run_cfg.train.seq_len}")
+            w.writerow(
+                [
+                    st.step,
+                    "" if st.removed is None else st.removed,
+                    st.num_f,
+                    f"{st.num_f / L:.4f}",
+                    f"{st.loss:.6f}",
+                    "" if math.isnan(st.acc) else f"{st.acc:.4f}",
+                    format_layout(tuple(st.roles), starts),
+                ]
+            )
+    png_note = write_search_png(
+        out / "search.png",
+        [st.num_f for st in steps],
+        [st.loss for st in steps],
+        [st.removed for st in steps],
+        f"IndexCache greedy search: {ckpt.parent.parent.name}\n{L} layers, "
+        f"{s.calib_batches} calibration batches of {run_cfg.train.batch_size}x"
+        f"{run_cfg.train.seq_len}",
+    )
     if png_note:
         print(f"search: note: {png_note}", file=sys.stderr, flush=True)
     rows: List[dict] = []
     if s.eval_batches:
         vb, _ = _batches(run_cfg, s.eval_batches, calib=False)
-        rows = eval_table(PatternEvaluator(stages, vb, dev, nq, cross_stage=cross), steps, starts, s.eval_ratios,
-                          fixed)
-        (out / "eval.json").write_text(json.dumps({"checkpoint": str(ckpt), "eval_batches": s.eval_batches,
-                                                   "rows": rows}, indent=2) + "\n")
+        rows = eval_table(PatternEvaluator(stages, vb, dev, nq, cross_stage=cross), steps, starts, s.eval_ratios, fixed)
+        (out / "eval.json").write_text(
+            json.dumps({"checkpoint": str(ckpt), "eval_batches": s.eval_batches, "rows": rows}, indent=2) + "\n"
+        )
         (out / "eval.md").write_text(_md_table(rows, starts))
     layout = format_layout(tuple(chosen.roles), starts)
     (out / "layout.txt").write_text(layout + "\n")

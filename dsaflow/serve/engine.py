@@ -21,6 +21,7 @@ With pipeline.cross_stage_indices, a stage that opens on S reads the top-k indic
 layer: they travel with the hidden state (int32 [rows, T, topk], the executor's `extra`) and are copied into the
 group's static index buffer outside any graph, where the stage's S layers (eager or replayed) read them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,9 +64,11 @@ def check_groups(serve_cfg, plan: Plan) -> int:
 def fit_problem(index: int, prompt: List[int], max_new: int, max_context: int, where: str) -> Optional[str]:
     """Why a request cannot be served with these limits (None when it fits). `where` names it (a line, a prompt)."""
     if len(prompt) + max_new > max_context:
-        return (f"{where} is {len(prompt)} tokens; with max_new_tokens={max_new} it exceeds serve.max_context="
-                f"{max_context}. Fix: serve.max_context={len(prompt) + max_new} or more, or shorten the prompt / "
-                f"lower its max_new_tokens.")
+        return (
+            f"{where} is {len(prompt)} tokens; with max_new_tokens={max_new} it exceeds serve.max_context="
+            f"{max_context}. Fix: serve.max_context={len(prompt) + max_new} or more, or shorten the prompt / "
+            f"lower its max_new_tokens."
+        )
     return None
 
 
@@ -76,8 +79,10 @@ def check_prompts(prompts: List[List[int]], vocab_size: int) -> None:
             raise ServeError(f"prompt {i} is empty. Fix: every prompt needs at least one token.")
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
-            raise ServeError(f"prompt {i} has token id {bad[0]} outside model.vocab_size={vocab_size}. Fix: "
-                             f"token ids in [0, {vocab_size}).")
+            raise ServeError(
+                f"prompt {i} has token id {bad[0]} outside model.vocab_size={vocab_size}. Fix: "
+                f"token ids in [0, {vocab_size})."
+            )
 
 
 def check_graph_blocks(plan: Plan, serve_cfg) -> None:
@@ -88,8 +93,12 @@ def check_graph_blocks(plan: Plan, serve_cfg) -> None:
     rows = min(b - a for a, b in group_ranges(serve_cfg.max_batch, groups))
     for b in plan.graph_blocks:
         if b.kind == "decode" and max(b.shape_classes) > rows:
-            per = (f"the {rows} rows of one microbatch group (serve.max_batch={serve_cfg.max_batch} over "
-                   f"serve.microbatches={groups})" if groups > 1 else f"serve.max_batch={serve_cfg.max_batch}")
+            per = (
+                f"the {rows} rows of one microbatch group (serve.max_batch={serve_cfg.max_batch} over "
+                f"serve.microbatches={groups})"
+                if groups > 1
+                else f"serve.max_batch={serve_cfg.max_batch}"
+            )
             raise ServeError(
                 f"graphs.blocks[{b.name}].shape_classes={list(b.shape_classes)} go beyond {per}; the caches hold that "
                 f"many rows per group. Fix: drop the classes above {rows}, or set serve.max_batch="
@@ -116,9 +125,20 @@ class PipelineEngine:
     link: a `StageLink` when stages live on other ranks, else None (all stages local).
     """
 
-    def __init__(self, model_cfg, plan: Plan, stages: Dict[int, nn.Module], serve_cfg, graphs_cfg,
-                 device: torch.device, dtype: torch.dtype, rank: int = 0, link=None, force_eager: bool = False,
-                 capturer=None):
+    def __init__(
+        self,
+        model_cfg,
+        plan: Plan,
+        stages: Dict[int, nn.Module],
+        serve_cfg,
+        graphs_cfg,
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int = 0,
+        link=None,
+        force_eager: bool = False,
+        capturer=None,
+    ):
         self.model_cfg, self.plan, self.stages, self.serve = model_cfg, plan, stages, serve_cfg
         self.device, self.dtype, self.rank, self.link = torch.device(device), dtype, rank, link
         check_graph_blocks(plan, serve_cfg)
@@ -131,13 +151,27 @@ class PipelineEngine:
         self.ranges = group_ranges(serve_cfg.max_batch, self.groups)
         self.batch_cap = serve_cfg.max_batch
         self.caches = {
-            s: stage_cache(model_cfg, plan, s, serve_cfg.max_batch, serve_cfg.max_context, serve_cfg.prefill_chunk,
-                           self.device, dtype)
+            s: stage_cache(
+                model_cfg,
+                plan,
+                s,
+                serve_cfg.max_batch,
+                serve_cfg.max_context,
+                serve_cfg.prefill_chunk,
+                self.device,
+                dtype,
+            )
             for s in stages
         }
         self.group_caches = {s: [c.rows(a, b) for a, b in self.ranges] for s, c in self.caches.items()}
-        self.graphs = GraphManager(self.device, cache=graphs_cfg.cache, on_failure=graphs_cfg.on_failure,
-                                   force_eager=force_eager, rank=rank, capturer=capturer)
+        self.graphs = GraphManager(
+            self.device,
+            cache=graphs_cfg.cache,
+            on_failure=graphs_cfg.on_failure,
+            force_eager=force_eager,
+            rank=rank,
+            capturer=capturer,
+        )
         # prefill graphs have a static row count: prefill passes then run every row of the group (on every rank)
         self.prefill_graphs = any(b.kind == "prefill" for b in plan.graph_blocks)
         self.blocks = {s: plan.blocks_of_stage(s) for s in stages}
@@ -169,14 +203,22 @@ class PipelineEngine:
         top, name = max(block.shape_classes), self._graph_name(block.name, group)
         if block.kind == "decode":  # class = batch rows, one token each
             inputs = {"x": self._stage_input(stage, top, 1), "positions": StaticInput((top, 1), torch.long, -1)}
-            fn = lambda v: module(v["x"], v["positions"], cache,  # noqa: E731
-                                  indices_in=self._received(stage, cache, v["positions"]))
+            fn = lambda v: module(
+                v["x"],
+                v["positions"],
+                cache,  # noqa: E731
+                indices_in=self._received(stage, cache, v["positions"]),
+            )
             self.graphs.register(name, "decode", stage, block.shape_classes, 0, fn, inputs)
         else:  # prefill: class = tokens per chunk, rows fixed at the group's rows
             rows = cache.max_batch
             inputs = {"x": self._stage_input(stage, rows, top), "positions": StaticInput((rows, top), torch.long, -1)}
-            fn = lambda v: module(v["x"].contiguous(), v["positions"].contiguous(), cache,  # noqa: E731
-                                  indices_in=self._received(stage, cache, v["positions"]))
+            fn = lambda v: module(
+                v["x"].contiguous(),
+                v["positions"].contiguous(),
+                cache,  # noqa: E731
+                indices_in=self._received(stage, cache, v["positions"]),
+            )
             self.graphs.register(name, "prefill", stage, block.shape_classes, 1, fn, inputs)
 
     def _received(self, stage: int, cache, positions: torch.Tensor) -> Optional[torch.Tensor]:
@@ -324,11 +366,13 @@ class PipelineEngine:
             c.reset()
         with self._on_device():
             is_last = self.owner[self.last] == self.rank
-            self.out_tokens = (torch.zeros(len(prompts), max(max_new), dtype=torch.long, device=self.device)
-                               if is_last else None)
+            self.out_tokens = (
+                torch.zeros(len(prompts), max(max_new), dtype=torch.long, device=self.device) if is_last else None
+            )
             self.last_tokens = [torch.zeros(b - a, dtype=torch.long, device=self.device) for a, b in self.ranges]
-            self.executor = PipelineExecutor(self.owner, self.rank, self.link, self.device,
-                                             carries_extra=self.plan.sends_indices)
+            self.executor = PipelineExecutor(
+                self.owner, self.rank, self.link, self.device, carries_extra=self.plan.sends_indices
+            )
             rr = [0]
 
             def pick(free):
@@ -378,9 +422,15 @@ class PipelineEngine:
             ttft[r.index] = tlx.seconds(tlx.start, first)
             n = self.scheduler.generated[r.index]
             tpot[r.index] = tlx.seconds(first, last) / (n - 1) if n > 1 else None
-        self.stats = {"wall_s": tl["wall_s"], "ticks": ticks, "busy_fraction": tl["busy_fraction"],
-                      "decode_busy": tl["decode_busy"], "ttft_s": ttft, "tpot_s": tpot,
-                      "tokens": int(self.timings["tokens"])}
+        self.stats = {
+            "wall_s": tl["wall_s"],
+            "ticks": ticks,
+            "busy_fraction": tl["busy_fraction"],
+            "decode_busy": tl["decode_busy"],
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "tokens": int(self.timings["tokens"]),
+        }
 
 
 class _Work:

@@ -12,13 +12,14 @@ blocks and raises `ServeError` (a PlanError: one paragraph, exit status 2). Work
         completions, or writes serve.output_file (JSONL in input order: tokens, num_tokens, ttft_s, tpot_s, or
         error for a rejected request)
 """
+
 from __future__ import annotations
 
 import json
 import os
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -96,11 +97,13 @@ def load_requests(serve_cfg) -> List[Tuple[str, int, str]]:
                 'Fix: one {"prompt": "..."} per line.'
             ) from None
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise ServeError(f"serve.prompts_file={path} line {n}: max_new_tokens={limit!r} is not a positive "
-                             f"integer. Fix: a whole number >= 1, or drop the key (serve.max_new_tokens applies).")
+            raise ServeError(
+                f"serve.prompts_file={path} line {n}: max_new_tokens={limit!r} is not a positive "
+                f"integer. Fix: a whole number >= 1, or drop the key (serve.max_new_tokens applies)."
+            )
         out.append((prompt, limit, f"serve.prompts_file={path} line {n}"))
     if not out:
-        raise ServeError(f"serve.prompts_file={path} holds no prompts. Fix: add {{\"prompt\": \"...\"}} lines.")
+        raise ServeError(f'serve.prompts_file={path} holds no prompts. Fix: add {{"prompt": "..."}} lines.')
     return out
 
 
@@ -109,7 +112,9 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Requests:
     fit serve.max_context is rejected (named, the others are served); the job fails only when none fits."""
     s = cfg.serve  # ranges and choices: dsaflow.config.schema (checked at compose); cross-field rules here
     if s.eos_id is not None and not 0 <= s.eos_id < cfg.model.vocab_size:
-        raise ServeError(f"serve.eos_id={s.eos_id} is outside model.vocab_size={cfg.model.vocab_size}. Fix: a valid id.")
+        raise ServeError(
+            f"serve.eos_id={s.eos_id} is outside model.vocab_size={cfg.model.vocab_size}. Fix: a valid id."
+        )
     if s.checkpoint:
         if not os.path.exists(s.checkpoint):
             raise ServeError(f"serve.checkpoint={s.checkpoint} does not exist. Fix: a run dir or a checkpoint folder.")
@@ -168,8 +173,16 @@ def output_rows(reqs: Requests, outputs: Dict[int, List[int]], stats: Optional[d
             rows.append({"prompt": p, "error": reqs.rejected[i]})
             continue
         o = outputs[i]
-        rows.append({"prompt": p, "completion": tok.decode(o), "tokens": o, "num_tokens": len(o),
-                     "ttft_s": stats.get("ttft_s", {}).get(i), "tpot_s": stats.get("tpot_s", {}).get(i)})
+        rows.append(
+            {
+                "prompt": p,
+                "completion": tok.decode(o),
+                "tokens": o,
+                "num_tokens": len(o),
+                "ttft_s": stats.get("ttft_s", {}).get(i),
+                "tpot_s": stats.get("tpot_s", {}).get(i),
+            }
+        )
     return rows
 
 
@@ -183,8 +196,9 @@ def serve_requests(engine: PipelineEngine, reqs: Requests) -> Optional[List[dict
     return output_rows(reqs, dict(zip(served, outputs)), stats)
 
 
-def write_outputs(prompts: List[str], outputs: List[List[int]], output_file: Optional[str],
-                  rows: Optional[List[dict]] = None) -> None:
+def write_outputs(
+    prompts: List[str], outputs: List[List[int]], output_file: Optional[str], rows: Optional[List[dict]] = None
+) -> None:
     """Completions as JSONL in serve.output_file, or printed. rows: prebuilt rows (`output_rows`)."""
     tok = ByteTokenizer()
     if rows is None:
@@ -226,7 +240,7 @@ def run_serve(ctx) -> None:
     served = reqs.served
     is_last = engine.owner[engine.last] == ctx.rank
     if is_last:
-        for i, why in enumerate(reqs.rejected):
+        for _i, why in enumerate(reqs.rejected):
             if why is not None:
                 print(f"rejected: {why}", flush=True)
     from dsaflow.track.progress import Progress

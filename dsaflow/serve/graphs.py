@@ -17,6 +17,7 @@ block eagerly (same padding, same buffers) and records it as eager in the report
 
 Everything but the capture itself is pure Python over tensors, so it is tested on CPU with a fake capturer.
 """
+
 from __future__ import annotations
 
 import time
@@ -94,7 +95,7 @@ class CudaGraphCapturer:
             self.pool = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream(device=self.device)
 
-    def __call__(self, fn: Callable[[], torch.Tensor]) -> "CapturedGraph":
+    def __call__(self, fn: Callable[[], torch.Tensor]) -> CapturedGraph:
         with torch.cuda.device(self.device):
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
@@ -120,7 +121,7 @@ class CudaGraphCapturer:
 
 @dataclass
 class CapturedGraph:
-    graph: "torch.cuda.CUDAGraph"
+    graph: torch.cuda.CUDAGraph
     output: torch.Tensor  # static output, lives in the graph pool
     device: torch.device
     pool_bytes: int
@@ -230,7 +231,9 @@ class GraphManager:
                 f"capturing graph block {name!r} (shape class {c}, stage {stage}) on {self.device} failed: {cause}. "
                 f"Fix the cause, or set graphs.on_failure=eager to run it eagerly (reported), or graphs=off."
             )
-        print(f"[rank {self.rank}] graph block {name}[{c}] stage {stage} runs EAGERLY (graphs.on_failure=eager): {cause}")
+        print(
+            f"[rank {self.rank}] graph block {name}[{c}] stage {stage} runs EAGERLY (graphs.on_failure=eager): {cause}"
+        )
         self._mark_eager(key, cause)
 
     def evict(self, key: Tuple[str, int, int]) -> None:

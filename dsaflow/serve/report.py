@@ -4,6 +4,7 @@ Every rank builds one after capture, prints it, logs it and writes `graphs_rank<
 (block, shape class) that ended neither captured nor explicitly eager (`graphs.on_failure=eager`) is an error:
 `check_complete` raises `MissingGraphError` naming what is missing and what was captured.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,7 +58,9 @@ class CaptureReport:
 
     def render(self) -> str:
         """A plain-text table, one line per (block, shape class)."""
-        head = f"{'block':<12} {'kind':<8} {'class':>6} {'stage':>5} {'device':<8} {'status':<9} {'pool MiB':>9} {'ms':>8}"
+        head = (
+            f"{'block':<12} {'kind':<8} {'class':>6} {'stage':>5} {'device':<8} {'status':<9} {'pool MiB':>9} {'ms':>8}"
+        )
         lines = [f"CUDA graph capture report, rank {self.rank} (graphs.cache={str(self.cache).lower()})", head]
         for r in self.records:
             lines.append(

@@ -5,6 +5,7 @@ the same code could sit inside a CUDA graph. Randomness comes from a seeded `tor
 sampling from `p` is done by the exponential race `argmax(p / E)` with `E ~ Exp(1)` i.i.d., which picks token i with
 probability p_i (the Gumbel-max trick in another form) and needs no `torch.multinomial` (whose CUDA kernel may sync).
 """
+
 from __future__ import annotations
 
 import torch
@@ -71,8 +72,7 @@ def keyed_uniform(seed: int, keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return (((x >> 8) & 0xFFFFFF).float() + 0.5) / float(1 << 24)
 
 
-def sample_keyed(logits: torch.Tensor, temperature: float, top_p: float, seed: int,
-                 keys: torch.Tensor) -> torch.Tensor:
+def sample_keyed(logits: torch.Tensor, temperature: float, top_p: float, seed: int, keys: torch.Tensor) -> torch.Tensor:
     """Like `sample_next`, with the exponential race drawn from `keyed_uniform(seed, keys)`: logits [B, V],
     keys [B] int64 (serving uses request index x 2^24 + token index) -> token ids [B]. Sampling a request then
     gives the same tokens whatever the batch, the microbatch groups or the pipeline split."""

@@ -17,6 +17,7 @@ request), waiting requests take them at the group's next pass (longest first, in
 together. Every rank runs this same
 scheduler with the same inputs, so every rank builds the same passes without talking.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -84,8 +85,7 @@ class Scheduler:
     REFILL_FRACTION = 0.125  # refill a group once this share of its rows is free
     SPAN_DENSITY = 0.5  # a prefill pass spans all prefilling rows when they fill at least this share of the span
 
-    def __init__(self, requests: Sequence[Request], ranges: Sequence[Tuple[int, int]], chunk: int,
-                 refill: bool = True):
+    def __init__(self, requests: Sequence[Request], ranges: Sequence[Tuple[int, int]], chunk: int, refill: bool = True):
         self.queue: Deque[Request] = deque(requests)
         self.refill = refill  # False: fixed batches (a group takes requests only once all its rows finished)
         self.ranges, self.chunk = list(ranges), chunk

@@ -13,6 +13,7 @@ training run pruning its checkpoints meanwhile skips it.
 model) or one checkpoint folder (`<run_dir>/checkpoints/step-000300`). `export_weights` writes one merged
 safetensors file for sharing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,6 @@ from typing import Dict
 import torch
 
 from dsaflow.errors import CheckpointError, ServeError
-
 from dsaflow.run.ckpt_store import MANIFEST, newest_good_checkpoint, pinned, report_stderr, verify_checkpoint
 from dsaflow.run.rundir import CONFIG
 from dsaflow.run.safetensors_io import SafetensorsError, load_tensors, read_header, save_file
@@ -39,8 +39,10 @@ def resolve_checkpoint(path: str | Path, report=report_stderr) -> Path:
         try:
             verify_checkpoint(p)
         except CheckpointError as exc:
-            raise ServeError(f"serve.checkpoint={path}: {exc}. Fix: use another checkpoint folder, or the run dir "
-                             "(its newest good checkpoint is picked).") from None
+            raise ServeError(
+                f"serve.checkpoint={path}: {exc}. Fix: use another checkpoint folder, or the run dir "
+                "(its newest good checkpoint is picked)."
+            ) from None
         return p
     found = newest_good_checkpoint(p, report)
     if found is None:
@@ -58,7 +60,10 @@ def check_same_model(model_cfg, checkpoint: Path) -> None:
         return
     from dsaflow.config.compose import load_config
 
-    trained = {k: str(v) if isinstance(v, str) else v for k, v in dataclasses.asdict(load_config(run_dir / CONFIG).model).items()}
+    trained = {
+        k: str(v) if isinstance(v, str) else v
+        for k, v in dataclasses.asdict(load_config(run_dir / CONFIG).model).items()
+    }
     serving = dataclasses.asdict(model_cfg)
     diff = [k for k in serving if k != "name" and trained.get(k) != serving[k]]
     if diff:
@@ -76,8 +81,10 @@ def weight_files(ckpt: Path) -> Dict[str, Path]:
     except CheckpointError as exc:
         raise ServeError(f"serve.checkpoint={ckpt}: {exc}. Fix: use another checkpoint.") from None
     if not listed:
-        raise ServeError(f"serve.checkpoint={ckpt} lists no model-rank*.safetensors weights in its manifest. Fix: use "
-                         "a checkpoint written by this version of `dsaflow train`.")
+        raise ServeError(
+            f"serve.checkpoint={ckpt} lists no model-rank*.safetensors weights in its manifest. Fix: use "
+            "a checkpoint written by this version of `dsaflow train`."
+        )
     where: Dict[str, Path] = {}
     for name in listed:
         f = ckpt / name
@@ -87,8 +94,10 @@ def weight_files(ckpt: Path) -> Dict[str, Path]:
             raise ServeError(f"serve.checkpoint={ckpt}: {exc}. Fix: use another checkpoint.") from None
         for k in header:
             if k in where:
-                raise ServeError(f"serve.checkpoint={ckpt}: {k} is in both {where[k].name} and {name}; refused. "
-                                 "Fix: use a checkpoint written by `dsaflow train`.")
+                raise ServeError(
+                    f"serve.checkpoint={ckpt}: {k} is in both {where[k].name} and {name}; refused. "
+                    "Fix: use a checkpoint written by `dsaflow train`."
+                )
             where[k] = f
     return where
 
@@ -126,8 +135,10 @@ def _load_into(stages, path, ckpt: Path) -> None:
         for f, keys in by_file.items():
             for k, t in load_tensors(f, keys).items():
                 if t.shape != wanted[k].shape:
-                    raise ServeError(f"serve.checkpoint={path}: {k} is {list(t.shape)} in {f.name} but the model "
-                                     f"has {list(wanted[k].shape)}. Fix: serve with the training run's model.")
+                    raise ServeError(
+                        f"serve.checkpoint={path}: {k} is {list(t.shape)} in {f.name} but the model "
+                        f"has {list(wanted[k].shape)}. Fix: serve with the training run's model."
+                    )
                 wanted[k].copy_(t)
 
 

@@ -1,4 +1,5 @@
 """Experiment tracking kept out of core: `make_tracker` returns a Tracker (wandb) or a NullTracker."""
+
 from __future__ import annotations
 
 import os

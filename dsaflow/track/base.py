@@ -1,5 +1,6 @@
 """The tracker interface and its null object. Core code calls these methods unconditionally; there are no
 `if wandb:` branches anywhere: a rank that does not log, or a run with `track=none`, holds a NullTracker."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -30,4 +31,3 @@ class NullTracker(Tracker):
 
     def finish(self) -> None:
         pass
-

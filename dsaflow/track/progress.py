@@ -1,5 +1,6 @@
 """Progress display on the logging rank: a rich bar on a terminal, plain lines every `log_every` steps otherwise
 (CI logs, files), nothing on other ranks."""
+
 from __future__ import annotations
 
 import sys
@@ -23,8 +24,16 @@ EVAL = ("eval_loss", "eval_acc")
 class Progress:
     """`update(step, metrics)` after every step; `close()` at the end. mode: auto | rich | lines | off."""
 
-    def __init__(self, total: int, start: int = 0, enabled: bool = True, mode: str = "auto", stream=None,
-                 label: str = "train", unit: str = "step"):
+    def __init__(
+        self,
+        total: int,
+        start: int = 0,
+        enabled: bool = True,
+        mode: str = "auto",
+        stream=None,
+        label: str = "train",
+        unit: str = "step",
+    ):
         self.stream, self.label, self.unit = stream or sys.stdout, label, unit
         self.total, self._bar, self._task = total, None, None
         if not enabled or mode == "off":
@@ -39,8 +48,13 @@ class Progress:
             from rich.progress import Progress as RichProgress
 
             self._bar = RichProgress(
-                TextColumn(f"[bold]{label}"), BarColumn(bar_width=24), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"), transient=False, console=Console(file=self.stream),
+                TextColumn(f"[bold]{label}"),
+                BarColumn(bar_width=24),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                transient=False,
+                console=Console(file=self.stream),
             )
             self._bar.start()
             self._task = self._bar.add_task(label, total=total, completed=start, info="")

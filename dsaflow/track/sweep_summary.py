@@ -1,5 +1,6 @@
 """The end of a multirun: one row per job (the overrides that vary, final metrics, exit status), written into the
 sweep dir as summary.csv and summary.md and returned as text for the terminal."""
+
 from __future__ import annotations
 
 import csv
@@ -35,7 +36,8 @@ def final_metrics(run_dir) -> Dict[str, float]:
             if k in r:
                 out[k] = r[k]
     tps = sorted(r["tokens_per_s"] for r in recs[1:] if "tokens_per_s" in r) or [
-        r["tokens_per_s"] for r in recs if "tokens_per_s" in r]
+        r["tokens_per_s"] for r in recs if "tokens_per_s" in r
+    ]
     if tps:
         out["tokens_per_s"] = tps[len(tps) // 2]
     return out

@@ -1,5 +1,6 @@
 """wandb behind the Tracker interface. Offline by default (writes `<run_dir>/wandb/offline-run-*`, sync later with
 `wandb sync`); `track.mode=online` streams to the server and needs `WANDB_API_KEY` or `wandb login`."""
+
 from __future__ import annotations
 
 import os

@@ -15,6 +15,7 @@ never rewritten; a bad folder of the same step is replaced once the new save ver
 manifest and reads DCP metadata through the allow-listing unpickler of `ckpt_store` (no code from a checkpoint file
 ever runs).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,10 +29,18 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from dsaflow.errors import CheckpointError
-
 from dsaflow.files import explain_os_error
-from dsaflow.run.ckpt_store import (DELETING, ensure_run_id, mark_hashed, partial_dir, prune, read_run_id,
-                                    safe_reader, verify_checkpoint, write_manifest)
+from dsaflow.run.ckpt_store import (
+    DELETING,
+    ensure_run_id,
+    mark_hashed,
+    partial_dir,
+    prune,
+    read_run_id,
+    safe_reader,
+    verify_checkpoint,
+    write_manifest,
+)
 from dsaflow.run.safetensors_io import save_file
 
 from .optim import RankOptim
@@ -49,15 +58,20 @@ def _optim_state(opt: torch.optim.Optimizer, params: Sequence[nn.Parameter], nam
                 continue
             # fused AdamW (CUDA) keeps its step counter on the parameter's device, the default one on the host
             step_device = p.device if opt.defaults.get("fused") else "cpu"
-            st = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
-                  "step": torch.zeros((), dtype=torch.float32, device=step_device)}
+            st = {
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+                "step": torch.zeros((), dtype=torch.float32, device=step_device),
+            }
             opt.state[p] = st
         for k in ADAM_KEYS:
             out[f"{prefix}.{names[p]}.{k}"] = st[k]
     return out
 
 
-def rank_state(modules: Sequence[nn.Module], opt: Optional[RankOptim], rank: int, step: int, for_load: bool) -> Dict[str, object]:
+def rank_state(
+    modules: Sequence[nn.Module], opt: Optional[RankOptim], rank: int, step: int, for_load: bool
+) -> Dict[str, object]:
     sd: Dict[str, object] = {"step": torch.tensor(step, dtype=torch.int64)}
     for m in modules:
         for k, v in m.state_dict().items():
@@ -105,8 +119,9 @@ def _save_failed(tmp: Path, step: int, exc: BaseException) -> CheckpointError:
     )
 
 
-def save_checkpoint(path: Path, modules, opt: Optional[RankOptim], rank: int, step: int, group=None,
-                    keep: Optional[int] = None) -> bool:
+def save_checkpoint(
+    path: Path, modules, opt: Optional[RankOptim], rank: int, step: int, group=None, keep: Optional[int] = None
+) -> bool:
     """Collective: every rank of the pipeline calls it with its own stages. Returns False (and writes nothing)
     when a good checkpoint of this run already exists at `path`: a good checkpoint is never rewritten. A folder
     of this step that is not good (corrupted, another run's) is replaced, and only once the new save verifies."""
@@ -169,8 +184,10 @@ def load_checkpoint(path: Path, modules, opt: RankOptim, rank: int, group=None) 
     try:
         dcp.load(sd, storage_reader=safe_reader(path), process_group=group)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps every failure of any rank
-        raise CheckpointError(f"could not load {path}: {_first_failure(exc)}. Fix: resume with the run's own "
-                              "config.yaml, or start a new run_dir") from None
+        raise CheckpointError(
+            f"could not load {path}: {_first_failure(exc)}. Fix: resume with the run's own "
+            "config.yaml, or start a new run_dir"
+        ) from None
     # model.* entries are the modules' own tensors: loaded in place. Optimiser state tensors were installed in
     # opt.state by the template, also loaded in place. RNG needs an explicit set.
     torch.set_rng_state(sd[f"rng.rank{rank}.cpu"])

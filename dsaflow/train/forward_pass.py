@@ -13,6 +13,7 @@ The microbatches move through the stages with the pipelined forward executor (ds
 serving uses: stage s runs microbatch m while stage s+1 runs m-1, each stage sees the microbatches in order, and the
 moves of one tick are posted together. Hidden states travel in fp32 (the residual stream's dtype under autocast).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,17 +45,30 @@ def frozen(params: Sequence[torch.nn.Parameter]):
 class ForwardPipeline:
     """modules: this rank's StageModules, for `stage_indices` of ctx.plan; timers: one ChunkTimer per module."""
 
-    def __init__(self, ctx: RunContext, modules: Sequence[StageModule], stage_indices: Sequence[int],
-                 timers: Sequence[ChunkTimer]):
+    def __init__(
+        self,
+        ctx: RunContext,
+        modules: Sequence[StageModule],
+        stage_indices: Sequence[int],
+        timers: Sequence[ChunkTimer],
+    ):
         self.ctx, self.plan = ctx, ctx.plan
         self.local: Dict[int, tuple] = {s: (m, t) for s, m, t in zip(stage_indices, modules, timers)}
         self.main_params = [p for m in modules for n, p in m.named_parameters() if ".attn.indexer." not in n]
         self.link = StageLink(ctx.device) if self.plan.pipeline.ranks > 1 else None
         self.owner = {sp.index: sp.rank for sp in self.plan.stages}
 
-    def run(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], losses: list, loss_fn: Callable,
-            autocast: Callable, attn: str, indexer_weight: Optional[float] = None,
-            indexer_losses: Optional[Dict[int, List[torch.Tensor]]] = None) -> None:
+    def run(
+        self,
+        x: Optional[torch.Tensor],
+        y: Optional[torch.Tensor],
+        losses: list,
+        loss_fn: Callable,
+        autocast: Callable,
+        attn: str,
+        indexer_weight: Optional[float] = None,
+        indexer_losses: Optional[Dict[int, List[torch.Tensor]]] = None,
+    ) -> None:
         """One batch in plan.pipeline.microbatches microbatches. x [B, T] token ids (ranks with stage 0) and
         y [B, 3, T] targets (ranks with the last stage; the per-microbatch LM losses are appended to `losses`).
         indexer_weight None: no grad anywhere (evaluation). A float: every stage's indexer loss is backpropagated
@@ -73,9 +87,17 @@ class ForwardPipeline:
             indices = None
             if isinstance(inp, tuple):
                 inp, indices = inp
-            out, sent = timer.run(self._stage_forward, module, xs[m] if s == 0 else inp, autocast, attn, learn,
-                                  indexer_weight, None if indexer_losses is None else indexer_losses.setdefault(s, []),
-                                  indices if self.plan.receives_indices(s) else None)
+            out, sent = timer.run(
+                self._stage_forward,
+                module,
+                xs[m] if s == 0 else inp,
+                autocast,
+                attn,
+                learn,
+                indexer_weight,
+                None if indexer_losses is None else indexer_losses.setdefault(s, []),
+                indices if self.plan.receives_indices(s) else None,
+            )
             if s == S - 1:
                 with torch.no_grad():
                     losses.append(loss_fn(out, ys[m]).detach())
@@ -84,8 +106,14 @@ class ForwardPipeline:
             return out
 
         extra = ((self._index_shape(), torch.int32),) if self.plan.index_boundaries else ()
-        executor = PipelineExecutor(self.owner, self.ctx.rank, self.link, self.ctx.device, self.ctx.global_rank,
-                                    carries_extra=self.plan.sends_indices)
+        executor = PipelineExecutor(
+            self.owner,
+            self.ctx.rank,
+            self.link,
+            self.ctx.device,
+            self.ctx.global_rank,
+            carries_extra=self.plan.sends_indices,
+        )
         items = [Item(m, self._hidden_shape(), torch.float32, extra=extra) for m in range(n_mb)]
         run_items(executor, items, stage_fn)
         if learn:
@@ -107,8 +135,17 @@ class ForwardPipeline:
         topk = min(self.ctx.cfg.model.index_topk, t.seq_len)
         return (t.batch_size // self.plan.pipeline.microbatches, t.seq_len, topk)
 
-    def _stage_forward(self, module: StageModule, inp: torch.Tensor, autocast: Callable, attn: str, learn: bool,
-                       weight: Optional[float], sink: Optional[list], indices: Optional[torch.Tensor]):
+    def _stage_forward(
+        self,
+        module: StageModule,
+        inp: torch.Tensor,
+        autocast: Callable,
+        attn: str,
+        learn: bool,
+        weight: Optional[float],
+        sink: Optional[list],
+        indices: Optional[torch.Tensor],
+    ):
         """-> (output detached, the indices the next stage reads)."""
         with torch.set_grad_enabled(learn), frozen(self.main_params if learn else []), autocast():
             out, sent = module.forward_with_indices(inp, indices, attn=attn, compute_indexer_loss=learn)

@@ -1,12 +1,13 @@
 """`run_train(ctx)`: the training loop of one pipeline rank (resume, steps, eval, checkpoints, tracking)."""
+
 from __future__ import annotations
 
 import dataclasses
 import time
 
-from dsaflow.run.context import RunContext
 from dsaflow.errors import CheckpointError
 from dsaflow.run.ckpt_store import checkpoint_dir, newest_good_checkpoint
+from dsaflow.run.context import RunContext
 from dsaflow.track import Progress, make_tracker
 
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -36,8 +37,10 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
         # the parent checked the run (dsaflow.run.rundir.check_resume); every rank picks the same checkpoint
         latest = newest_good_checkpoint(ctx.run_dir, records.log if ctx.is_logging_rank else None)
         if latest is None:
-            raise CheckpointError(f"train.resume=true but {ctx.run_dir}/checkpoints holds no good checkpoint. Fix: "
-                                  "start a new run_dir, or resume a run that saved one.")
+            raise CheckpointError(
+                f"train.resume=true but {ctx.run_dir}/checkpoints holds no good checkpoint. Fix: "
+                "start a new run_dir, or resume a run that saved one."
+            )
         start = load_checkpoint(latest[1], tr.modules, tr.opt, ctx.rank, ctx.group)
         tr.start_at(start)
         records.truncate_after(start)
@@ -48,9 +51,11 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
     if start == 0:
         p = ctx.plan
         ranks, stages = p.pipeline.ranks, p.num_stages
-        msg = (f"training {tr.params:,} parameters on {ranks} rank{'s' * (ranks != 1)} x {ctx.device.type}, "
-               f"{stages} stage{'s' * (stages != 1)}, schedule {ctx.plan.pipeline.schedule}, "
-               f"{ctx.plan.pipeline.microbatches} microbatches")
+        msg = (
+            f"training {tr.params:,} parameters on {ranks} rank{'s' * (ranks != 1)} x {ctx.device.type}, "
+            f"{stages} stage{'s' * (stages != 1)}, schedule {ctx.plan.pipeline.schedule}, "
+            f"{ctx.plan.pipeline.microbatches} microbatches"
+        )
         progress.message(msg)
         records.log(msg)
     history = []
@@ -70,18 +75,31 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
             show = done % t.log_every == 0 or done == t.steps or eval_due
             progress.update(done, m, print_line=show)
             if show:
-                records.log(" ".join(f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
-                                     if k in ("step", "loss", "indexer_loss", "lr", "tokens_per_s", "acc", "eval_loss", "eval_acc")))
+                records.log(
+                    " ".join(
+                        f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in record.items()
+                        if k in ("step", "loss", "indexer_loss", "lr", "tokens_per_s", "acc", "eval_loss", "eval_acc")
+                    )
+                )
             if t.ckpt_every and done % t.ckpt_every == 0 and done != t.steps:
-                save_checkpoint(checkpoint_dir(ctx.run_dir, done), tr.modules, tr.opt, ctx.rank, done, ctx.group,
-                                t.keep_checkpoints)
+                save_checkpoint(
+                    checkpoint_dir(ctx.run_dir, done), tr.modules, tr.opt, ctx.rank, done, ctx.group, t.keep_checkpoints
+                )
             if t.stop_at_step is not None and done == t.stop_at_step and done != t.steps:
                 stopped = True
                 progress.message(f"stopping after step {done} (train.stop_at_step); resume with train.resume=true")
                 break
         if not stopped and t.final_ckpt:
-            save_checkpoint(checkpoint_dir(ctx.run_dir, t.steps), tr.modules, tr.opt, ctx.rank, t.steps, ctx.group,
-                            t.keep_checkpoints)
+            save_checkpoint(
+                checkpoint_dir(ctx.run_dir, t.steps),
+                tr.modules,
+                tr.opt,
+                ctx.rank,
+                t.steps,
+                ctx.group,
+                t.keep_checkpoints,
+            )
     finally:
         progress.close()
         tracker.finish()

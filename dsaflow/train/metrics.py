@@ -7,6 +7,7 @@ are a large part of the work, so leaving them out would understate MFU at long c
 `train.peak_tflops` if set, else dense bf16 tensor-core peaks for known GPUs (H100/H200 SXM: 989 TFLOP/s,
 A100: 312), else a nominal 0.1 TFLOP/s for a CPU process (a laptop-class figure; CPU MFU is indicative only).
 """
+
 from __future__ import annotations
 
 import json

@@ -6,6 +6,7 @@ indexer weights; lr = train.indexer_lr, no weight decay). dense_warmup steps onl
 frozen, DSA recipe); sparse steps both. Clipping uses the global norm over every rank of the pipeline (one
 all-reduce of two numbers), so PP=N clips exactly like PP=1.
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,21 +64,30 @@ def build_optimizers(stage_modules: Sequence[nn.Module], train_cfg) -> RankOptim
             else:
                 main_no_decay.append(p)
     betas = tuple(train_cfg.betas)
-    groups = [g for g in ({"params": main_decay, "weight_decay": train_cfg.weight_decay},
-                          {"params": main_no_decay, "weight_decay": 0.0}) if g["params"]]
+    groups = [
+        g
+        for g in (
+            {"params": main_decay, "weight_decay": train_cfg.weight_decay},
+            {"params": main_no_decay, "weight_decay": 0.0},
+        )
+        if g["params"]
+    ]
     dummy = [nn.Parameter(torch.zeros(1))]  # AdamW refuses an empty parameter list (a stage may have no indexer)
-    main = torch.optim.AdamW(groups or [{"params": dummy}], lr=train_cfg.lr, betas=betas,
-                             fused=_fusable(main_decay + main_no_decay))
-    indexer = torch.optim.AdamW(idx or dummy, lr=train_cfg.indexer_lr, betas=betas, weight_decay=0.0,
-                                fused=_fusable(idx))
+    main = torch.optim.AdamW(
+        groups or [{"params": dummy}], lr=train_cfg.lr, betas=betas, fused=_fusable(main_decay + main_no_decay)
+    )
+    indexer = torch.optim.AdamW(
+        idx or dummy, lr=train_cfg.indexer_lr, betas=betas, weight_decay=0.0, fused=_fusable(idx)
+    )
     return RankOptim(main, indexer, main_decay + main_no_decay, idx, names)
 
 
 def build_schedulers(opt: RankOptim, train_cfg, start_step: int = 0) -> List[torch.optim.lr_scheduler.LambdaLR]:
     """One LambdaLR per optimiser, lr = its configured lr * lr_factor(step), positioned so that the next update is
     step `start_step` (0, or the completed steps of a resumed run: the schedule is a function of the step alone)."""
-    factor = functools.partial(lr_factor, steps=train_cfg.steps, warmup=train_cfg.warmup_steps,
-                               min_ratio=train_cfg.min_lr_ratio)
+    factor = functools.partial(
+        lr_factor, steps=train_cfg.steps, warmup=train_cfg.warmup_steps, min_ratio=train_cfg.min_lr_ratio
+    )
     scheds = []
     for o, base in ((opt.main, train_cfg.lr), (opt.indexer, train_cfg.indexer_lr)):
         for g in o.param_groups:

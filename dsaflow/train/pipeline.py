@@ -18,6 +18,7 @@ schedule, and sends no gradient back for them (distillation stays stage-local, d
 TimedPipelineStage records the compute time of every forward / backward / weight-backward chunk (CUDA events on a
 GPU, so pipeline waits are excluded), which gives per-stage busy time and the measured pipeline efficiency.
 """
+
 from __future__ import annotations
 
 import time
@@ -88,7 +89,8 @@ class TrainStage(nn.Module):
             indices = torch.zeros_like(indices)
         if learn and self.attn == "sparse":
             out, sent = self.stage.forward_with_indices(
-                x, indices, attn="sparse", indexer_loss_in_backward=self.in_backward)
+                x, indices, attn="sparse", indexer_loss_in_backward=self.in_backward
+            )
             return (out, trim_indices(sent)) if self.sends_indices else out
         out, sent = self.stage.forward_with_indices(x, indices, attn=self.attn, compute_indexer_loss=learn)
         loss = self.stage.indexer_loss
@@ -189,9 +191,7 @@ def build_pipeline_stages(
     modules: Sequence[nn.Module], stage_indices: Sequence[int], num_stages: int, device: torch.device, group=None
 ) -> List[TimedPipelineStage]:
     """One PipelineStage per local module. Shapes are inferred at the first step (no example inputs needed)."""
-    return [
-        TimedPipelineStage(m, s, num_stages, device, group=group) for m, s in zip(modules, stage_indices)
-    ]
+    return [TimedPipelineStage(m, s, num_stages, device, group=group) for m, s in zip(modules, stage_indices)]
 
 
 def build_schedule(name: str, stages: List[PipelineStage], microbatches: int, loss_fn: Callable):

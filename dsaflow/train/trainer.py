@@ -4,6 +4,7 @@ Every rank runs the same sequence of calls; only the rank holding stage 0 feeds 
 the last stage feeds targets and sees losses. Per-step metrics that live on other ranks (stage compute time,
 indexer loss) reach the logging rank through one small all-reduce.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,20 +44,23 @@ class Trainer:
         if t.deterministic:
             enable_determinism()
         self.local = ctx.stages
-        self.modules: List[StageModule] = [stage_module(cfg.model, plan, s.index, t.seed).to(ctx.device)
-                                           for s in self.local]
+        self.modules: List[StageModule] = [
+            stage_module(cfg.model, plan, s.index, t.seed).to(ctx.device) for s in self.local
+        ]
         for m in self.modules:
             m.recompute, m.recompute_chunk_tokens = str(t.recompute), t.recompute_chunk_tokens
-        self.wrappers = [TrainStage(m, t.indexer_loss_weight, plan.sends_indices(s.index))
-                         for m, s in zip(self.modules, self.local)]
+        self.wrappers = [
+            TrainStage(m, t.indexer_loss_weight, plan.sends_indices(s.index)) for m, s in zip(self.modules, self.local)
+        ]
         self.pstages = build_pipeline_stages(
             self.wrappers, [s.index for s in self.local], plan.num_stages, ctx.device, ctx.group
         )
         self.data = BatchSource(cfg.data, t.seq_len, t.batch_size, t.seed, cfg.model.vocab_size)
         self.loss_fn = LMLoss(cfg.data.num_queries if self.data.has_answers else 0)
         self.schedule = build_schedule(plan.pipeline.schedule, self.pstages, plan.pipeline.microbatches, self.loss_fn)
-        self.forward_only = ForwardPipeline(ctx, self.modules, [s.index for s in self.local],
-                                            [ps.timer for ps in self.pstages])
+        self.forward_only = ForwardPipeline(
+            ctx, self.modules, [s.index for s in self.local], [ps.timer for ps in self.pstages]
+        )
         self.opt = build_optimizers(self.modules, t)
         self.scheds = build_schedulers(self.opt, t)
         self.has_first = any(plan.is_first(s.index) for s in self.local)
@@ -79,7 +83,8 @@ class Trainer:
         peak = peak_tflops_per_rank(self.t, self.ctx.device)
         self.peak_flops = None if peak is None else peak * 1e12 * self.ctx.plan.pipeline.ranks
         self.flops_per_token = model_flops_per_token(
-            self.ctx.cfg.model, self.ctx.plan, self.t.seq_len, self.params, self.embedding_params)
+            self.ctx.cfg.model, self.ctx.plan, self.t.seq_len, self.params, self.embedding_params
+        )
 
     def start_at(self, step: int) -> None:
         """Resume: the next update is step `step` (call after the checkpoint restored the optimiser state)."""
@@ -97,8 +102,16 @@ class Trainer:
 
     def _run_forward(self, x, y, losses: list, attn: str, learn: bool) -> None:
         sinks = {sp.index: w.indexer_losses for sp, w in zip(self.local, self.wrappers)}
-        self.forward_only.run(x if self.has_first else None, y if self.has_last else None, losses, self.loss_fn,
-                              self.autocast, attn, self.t.indexer_loss_weight if learn else None, sinks)
+        self.forward_only.run(
+            x if self.has_first else None,
+            y if self.has_last else None,
+            losses,
+            self.loss_fn,
+            self.autocast,
+            attn,
+            self.t.indexer_loss_weight if learn else None,
+            sinks,
+        )
 
     def step(self, step: int) -> Dict[str, float]:
         """One optimiser step on batch `step`. Returns metrics (complete on the logging rank)."""
@@ -143,9 +156,14 @@ class Trainer:
         wall = time.perf_counter() - t0
         busy = vec[:S].tolist()
         m: Dict[str, float] = {
-            "lr": lr, "grad_norm": grad_norm, "indexer_grad_norm": idx_norm, "dense": float(dense),
-            "skipped_main": float(skip_main), "skipped_indexer": float(skip_idx),
-            "step_time_s": wall, "tokens_per_s": self.tokens_per_step / wall,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "indexer_grad_norm": idx_norm,
+            "dense": float(dense),
+            "skipped_main": float(skip_main),
+            "skipped_indexer": float(skip_idx),
+            "step_time_s": wall,
+            "tokens_per_s": self.tokens_per_step / wall,
             "indexer_loss": float(vec[S : 2 * S].sum()),  # vec = [busy | indexer loss | memory]
             "pipeline_efficiency": sum(busy) / (self.ctx.plan.pipeline.ranks * wall),
         }

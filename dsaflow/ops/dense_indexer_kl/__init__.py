@@ -5,6 +5,7 @@ Layout: `naive.py` (the fp32 reference and the chunked one, same loss in O(chunk
 runs the kernels, CPU and deterministic mode the chunked reference; CUDA shapes the kernels refuse raise
 ValueError), and the public function below.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,12 @@ from .naive import dense_indexer_kl_chunked, dense_indexer_kl_naive, dense_targe
 
 
 def dense_indexer_kl(
-    q: torch.Tensor, k: torch.Tensor, sm_scale: float, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    sm_scale: float,
+    q_i: torch.Tensor,
+    k_i: torch.Tensor,
+    w: torch.Tensor,
     positions: torch.Tensor,
 ) -> torch.Tensor:
     """KL(attention target || softmax(index scores)) over every causal key, averaged over valid queries.
@@ -33,10 +39,17 @@ def dense_indexer_kl(
 
         return dense_indexer_kl_triton(q, k, sm_scale, q_i, k_i, w, positions)
     if choice.kernel is None:
-        raise ValueError(f"dense_indexer_kl: no kernel takes q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, q_i "
-                         f"{tuple(q_i.shape)} {q_i.dtype}, k_i {tuple(k_i.shape)}: {choice.reasons()}")
+        raise ValueError(
+            f"dense_indexer_kl: no kernel takes q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, q_i "
+            f"{tuple(q_i.shape)} {q_i.dtype}, k_i {tuple(k_i.shape)}: {choice.reasons()}"
+        )
     return dense_indexer_kl_chunked(q, k, sm_scale, q_i, k_i, w, positions)
 
 
-__all__ = ["dense_indexer_kl", "dense_indexer_kl_chunked", "dense_indexer_kl_naive", "dense_target_naive",
-           "explain_dense_indexer_kl"]
+__all__ = [
+    "dense_indexer_kl",
+    "dense_indexer_kl_chunked",
+    "dense_indexer_kl_naive",
+    "dense_target_naive",
+    "explain_dense_indexer_kl",
+]

@@ -9,6 +9,7 @@
 A CUDA call no kernel takes raises ValueError with the shapes and the reasons. `explain_dense_indexer_kl(...)`
 returns the `Choice`.
 """
+
 from __future__ import annotations
 
 import torch

@@ -9,6 +9,7 @@ the layers. Index scores I[b,t,s] = sum_j w[b,t,j] * relu(q_I[b,t,j] . k_I[b,s])
 `dense_indexer_kl_naive` builds [B, T, S] tensors (the test reference). `dense_indexer_kl_chunked` computes the same
 loss query chunk by query chunk with a recomputing backward, so its memory is O(chunk * S): the CPU path of the model.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,7 +42,12 @@ def _kl_rows(target: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 
 
 def dense_indexer_kl_naive(
-    q: torch.Tensor, k: torch.Tensor, sm_scale: float, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    sm_scale: float,
+    q_i: torch.Tensor,
+    k_i: torch.Tensor,
+    w: torch.Tensor,
     positions: torch.Tensor,
 ) -> torch.Tensor:
     """Scalar KL(pbar || softmax(I)) averaged over queries with position >= 0; differentiable in q_i, k_i, w.
@@ -97,8 +103,14 @@ class DenseIndexerKLChunked(torch.autograd.Function):
 
 
 def dense_indexer_kl_chunked(
-    q: torch.Tensor, k: torch.Tensor, sm_scale: float, q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor,
-    positions: torch.Tensor, chunk: int | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    sm_scale: float,
+    q_i: torch.Tensor,
+    k_i: torch.Tensor,
+    w: torch.Tensor,
+    positions: torch.Tensor,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """`dense_indexer_kl_naive`'s contract at O(chunk * S) memory (chunk default: `query_chunk`)."""
     L, B, _, H, _ = q.shape

@@ -8,13 +8,14 @@ hands the attention backward a contiguous [B, T, H, C] gradient. Weight gradient
 
 Weights come in already in the compute dtype (cast outside, so autograd casts their gradients back under autocast).
 """
+
 from __future__ import annotations
 
 import torch
 
-_empty = torch.empty  # every output buffer comes from here (the tests poison it with NaN)
-
 from dsaflow.ops.rope import rope_into
+
+_empty = torch.empty  # every output buffer comes from here (the tests poison it with NaN)
 
 
 def _heads(a: torch.Tensor) -> torch.Tensor:
@@ -25,8 +26,10 @@ def _heads(a: torch.Tensor) -> torch.Tensor:
 
 def _check(q: torch.Tensor, w: torch.Tensor, name: str) -> None:
     if q.dtype != w.dtype:
-        raise ValueError(f"{name}: activation dtype {q.dtype} != weight dtype {w.dtype} (cast the weight to the "
-                         f"compute dtype before the call)")
+        raise ValueError(
+            f"{name}: activation dtype {q.dtype} != weight dtype {w.dtype} (cast the weight to the "
+            f"compute dtype before the call)"
+        )
 
 
 class AbsorbQuery(torch.autograd.Function):
@@ -85,8 +88,10 @@ def absorb_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: to
     rope(q_pe)] [B, T, H, C + R] in q's dtype. Differentiable in q and w_uk."""
     _check(q, w_uk, "absorb_query")
     if q.shape[2] != w_uk.shape[0] or q.shape[3] <= w_uk.shape[1]:
-        raise ValueError(f"absorb_query: q {tuple(q.shape)} with w_uk {tuple(w_uk.shape)} (expected [B, T, H, N + R]"
-                         f" with R > 0 and [H, N, C])")
+        raise ValueError(
+            f"absorb_query: q {tuple(q.shape)} with w_uk {tuple(w_uk.shape)} (expected [B, T, H, N + R]"
+            f" with R > 0 and [H, N, C])"
+        )
     return AbsorbQuery.apply(q, w_uk, cos, sin)
 
 
@@ -95,6 +100,8 @@ def head_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     Differentiable in both; the gradient of o_lat comes back contiguous [B, T, H, C]."""
     _check(o_lat, w_uv, "head_output")
     if o_lat.shape[2] != w_uv.shape[0] or o_lat.shape[3] != w_uv.shape[2]:
-        raise ValueError(f"head_output: o_lat {tuple(o_lat.shape)} with w_uv {tuple(w_uv.shape)} (expected "
-                         f"[B, T, H, C] and [H, V, C])")
+        raise ValueError(
+            f"head_output: o_lat {tuple(o_lat.shape)} with w_uv {tuple(w_uv.shape)} (expected "
+            f"[B, T, H, C] and [H, V, C])"
+        )
     return HeadOutput.apply(o_lat, w_uv)

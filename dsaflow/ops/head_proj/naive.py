@@ -4,6 +4,7 @@ H heads, N = qk_nope_head_dim, R = qk_rope_head_dim, C = kv_lora_rank, V = v_hea
   absorb:  q [B, T, H, N + R], W_UK [H, N, C]  ->  q_abs = [q_nope @ W_UK | rope(q_pe)]   [B, T, H, C + R]
   output:  o_lat [B, T, H, C], W_UV [H, V, C]  ->  o_lat @ W_UV^T flattened over heads     [B, T, H * V]
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,23 +4,38 @@ Layout: `naive.py` (fp32 references), the kernels (`triton_target`, `triton_kl` 
 dispatch tables (`dispatch.py`: which kernel runs, and why; CUDA shapes no kernel takes raise ValueError), and the
 public functions below.
 """
+
 from __future__ import annotations
 
 import torch
 
 from .dispatch import (
-    chosen, explain_attention_target, explain_indexer_kl, kl_supports, reference_requested, target_supports,
+    chosen,
+    explain_attention_target,
+    explain_indexer_kl,
+    kl_supports,
+    reference_requested,
+    target_supports,
 )
 from .naive import (
-    attention_distribution, attention_target_naive, gather_rows, index_scores_on_keys, indexer_kl_loss,
+    attention_distribution,
+    attention_target_naive,
+    gather_rows,
+    index_scores_on_keys,
+    indexer_kl_loss,
     indexer_kl_naive,
 )
 
 
 @torch.no_grad()
 def attention_target(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float,
-    out: torch.Tensor | None = None, weight: float = 1.0,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+    weight: float = 1.0,
 ) -> torch.Tensor:
     """Head-summed, L1-normalised attention probs of each query over its K selected keys, times `weight`.
 
@@ -53,7 +68,17 @@ def indexer_kl(
 
 
 __all__ = [
-    "attention_distribution", "attention_target", "attention_target_naive", "explain_attention_target",
-    "explain_indexer_kl", "gather_rows", "index_scores_on_keys", "indexer_kl", "indexer_kl_loss", "indexer_kl_naive",
-    "kl_supports", "reference_requested", "target_supports",
+    "attention_distribution",
+    "attention_target",
+    "attention_target_naive",
+    "explain_attention_target",
+    "explain_indexer_kl",
+    "gather_rows",
+    "index_scores_on_keys",
+    "indexer_kl",
+    "indexer_kl_loss",
+    "indexer_kl_naive",
+    "kl_supports",
+    "reference_requested",
+    "target_supports",
 ]

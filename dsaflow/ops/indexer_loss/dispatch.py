@@ -17,6 +17,7 @@
 A CUDA call no kernel takes raises ValueError with the shapes and the reasons. `DSAFLOW_INDEXER_LOSS` (auto |
 reference) is read on each call: `scripts/bench_train_layer.py` compares both in one process.
 """
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ Loss: KL(target || softmax(index scores on the same K keys)), averaged over quer
 Index scores: scores[t, k] = sum_j w[t, j] * relu(q_I[t, j] . k_I[indices[t, k]]); gradient to q_I, k_I, w only.
 An index of -1 or >= S selects nothing: probability 0, score -inf.
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,8 +47,13 @@ def attention_distribution(
 
 @torch.no_grad()
 def attention_target_naive(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float,
-    out: torch.Tensor | None = None, weight: float = 1.0,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+    weight: float = 1.0,
 ) -> torch.Tensor:
     """`attention_distribution` * weight, added into `out` [B, T, K] fp32 when given (returned either way)."""
     p = attention_distribution(q, kv, indices, lse, sm_scale) * weight

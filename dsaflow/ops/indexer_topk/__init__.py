@@ -4,6 +4,7 @@ Layout: `naive.py` (fp32 reference), the kernels (`triton_indexer`: logits + the
 `radix_bits`: the radix select, `fp8.py`: the fp8 rows), the dispatch table (`dispatch.py`), and the public
 `indexer_topk` below. No gradient flows through the indices, so there is no autograd.Function.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,5 +37,12 @@ def indexer_topk(
     return indexer_topk_triton(q, k, w, positions, topk, fp8=fp8, select=SELECTS[choice.kernel])
 
 
-__all__ = ["ascending_keys", "explain_indexer_topk", "indexer_topk", "indexer_topk_naive", "indexer_scores_naive",
-           "topk_from_scores", "visible_mask"]
+__all__ = [
+    "ascending_keys",
+    "explain_indexer_topk",
+    "indexer_topk",
+    "indexer_topk_naive",
+    "indexer_scores_naive",
+    "topk_from_scores",
+    "visible_mask",
+]

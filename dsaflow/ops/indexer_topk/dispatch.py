@@ -12,6 +12,7 @@ survivors (`triton_indexer.topk_from_keys`); the select wins from 8K keys with e
 (docs/kernels.md). fp8=True (model.index_fp8) is a precision the caller asks for, not a kernel choice: where the GPU
 has no fp8 tensor cores every CUDA path refuses and the call raises. `explain_indexer_topk(...)` returns the `Choice`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,10 @@ def fp8_reason(q: torch.Tensor) -> str | None:
     if torch.cuda.get_device_capability(q.device) >= (8, 9):
         return None
     major, minor = torch.cuda.get_device_capability(q.device)
-    return (f"model.index_fp8=true needs fp8 tensor cores (compute capability 8.9+: Ada, Hopper and later); "
-            f"{torch.cuda.get_device_name(q.device)} is sm_{major}{minor}. Set model.index_fp8=false")
+    return (
+        f"model.index_fp8=true needs fp8 tensor cores (compute capability 8.9+: Ada, Hopper and later); "
+        f"{torch.cuda.get_device_name(q.device)} is sm_{major}{minor}. Set model.index_fp8=false"
+    )
 
 
 def radix_reason(rows: int, S: int) -> str | None:
@@ -42,7 +45,7 @@ def radix_reason(rows: int, S: int) -> str | None:
 
 
 def choose_select(rows: int, S: int) -> str:
-    """"radix" or "sort": the Triton path for `rows` score rows of S keys (shape-only)."""
+    """ "radix" or "sort": the Triton path for `rows` score rows of S keys (shape-only)."""
     return "radix" if radix_reason(rows, S) is None else "sort"
 
 
@@ -75,7 +78,8 @@ def refusal(choice: Choice) -> str:
     return "indexer_topk: " + "; ".join(dict.fromkeys(reason for _, reason in choice.refused))
 
 
-def explain_indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int,
-                         fp8: bool = False) -> Choice:
+def explain_indexer_topk(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int, fp8: bool = False
+) -> Choice:
     """Which path `indexer_topk(q, k, w, positions, topk, fp8)` runs and why each earlier one was refused."""
     return choose_kernel(q, k, fp8)

@@ -5,6 +5,7 @@ Each row of D values (one query head, or one key) gets its own scale amax / 448,
 relu(s_q s_k x) = s_q s_k relu(x), and I[t, s] = s_k[s] * sum_h (w[t, h] s_q[t, h]) relu(q8[t, h] . k8[s]). The
 kernel folds s_q into w and multiplies s_k once per key after the head sum.
 """
+
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,7 @@
 I[b,t,s] = sum_j w[b,t,j] * relu(q[b,t,j,:] . k[b,s,:]), visible iff 0 <= s <= positions[b,t] and s < S.
 Queries are processed in chunks so a 128K context never materialises the whole T x S score matrix.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,7 +55,12 @@ def topk_from_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 @torch.no_grad()
 def indexer_topk_naive(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int, chunk: int | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    positions: torch.Tensor,
+    topk: int,
+    chunk: int | None = None,
     fp8: bool = False,
 ) -> torch.Tensor:
     """Causal top-k key selection, chunked over queries.

@@ -1,5 +1,6 @@
 """Order-preserving bits of fp32 scores and the radix-digit step of the select kernels (`triton_select`): a score's
 ordered int32 sorts like the float, so an exact top-k can be found a byte at a time."""
+
 from __future__ import annotations
 
 import triton

@@ -1,5 +1,6 @@
 """RMSNorm. CUDA tensors use the Triton kernels, CPU tensors the fp32 torch reference; both compute in fp32 and
 return x's dtype. A CUDA input the kernels refuse raises."""
+
 from __future__ import annotations
 
 import torch

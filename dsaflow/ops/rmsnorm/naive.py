@@ -1,4 +1,5 @@
 """fp32 reference for RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 and cast back to x.dtype."""
+
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,6 @@
 """Rotary position embedding (half-split convention). CUDA tensors use the Triton kernel, CPU tensors the fp32 torch
 reference; both compute the rotation in fp32 and return x's dtype. A CUDA input the kernel refuses raises."""
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int | 
     return rope_naive(x, cos, sin, rope_dim)
 
 
-def rope_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
-              inverse: bool = False) -> torch.Tensor:
+def rope_into(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
     """No autograd: write the rotation of x (all of its last dim; by -angle if inverse) into out (same shape, any
     strides, e.g. a view into a larger buffer) and return out."""
     if x.is_cuda:

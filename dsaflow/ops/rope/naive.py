@@ -4,6 +4,7 @@ A rotary vector of `2 * half` dims is split into halves x = [x1 | x2] and rotate
 whose cosine and sine are cos[..., i], sin[..., i]: out = [x1 cos - x2 sin | x2 cos + x1 sin]. Only the first
 `rope_dim` dims of a row are rotated; the rest pass through unchanged. The inverse (the backward) rotates by -angle.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,9 @@ def rope_naive(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: 
     return torch.cat([rotated, x[..., rope_dim:]], dim=-1)
 
 
-def rope_into_naive(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
-                    inverse: bool = False) -> torch.Tensor:
+def rope_into_naive(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
     """Write the rotation of x (all of its last dim) into `out` (same shape, any strides); inverse=True rotates by
     -angle (the gradient of the rotation). No autograd: the building block of autograd Functions on CPU."""
     out.copy_(rope_naive(x, cos, -sin if inverse else sin))

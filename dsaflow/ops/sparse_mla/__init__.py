@@ -4,6 +4,7 @@ Layout: `naive.py` (fp32 reference), the kernels (`triton_prefill`, `triton_deco
 Hopper Gluon kernels `hopper_seesaw` + `hopper_seesaw_gather`, `hopper_decode`, sharing `hopper_common`), the
 `autograd.Function` (`function.py`), the dispatch table (`dispatch.py`), and the public `sparse_mla` below.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,11 @@ from .naive import sparse_mla_naive
 
 
 def sparse_mla(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int,
     probs_into: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of every head of query t over the rows kv[b, indices[b, t, :]].
@@ -46,5 +51,11 @@ def sparse_mla(
     return out, lse
 
 
-__all__ = ["deterministic", "explain_sparse_mla", "is_deterministic", "set_deterministic", "sparse_mla",
-           "sparse_mla_naive"]
+__all__ = [
+    "deterministic",
+    "explain_sparse_mla",
+    "is_deterministic",
+    "set_deterministic",
+    "sparse_mla",
+    "sparse_mla_naive",
+]

@@ -13,6 +13,7 @@ an fp32 buffer of K * d_qk * 4 bytes per query in a chunk (up to 2 GiB by defaul
 
 `torch.use_deterministic_algorithms(True)` turns it on as well.
 """
+
 from __future__ import annotations
 
 import contextlib

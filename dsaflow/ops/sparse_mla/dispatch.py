@@ -18,6 +18,7 @@ kernel takes raises ValueError with the shape and every candidate's reason: ther
 "hopper" (the Gluon kernels), or one kernel name; "auto" or unset is the table above. A forced choice that no
 allowed kernel takes raises with the reasons.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,8 +35,10 @@ from .triton_decode import choose_num_splits, sparse_mla_decode_triton
 from .triton_prefill import fwd_config
 
 ENV_KERNEL = "DSAFLOW_SPARSE_MLA_KERNEL"
-FAMILIES = {"triton": frozenset({"triton_prefill", "triton_decode"}),
-            "hopper": frozenset({"hopper_seesaw", "hopper_decode"})}
+FAMILIES = {
+    "triton": frozenset({"triton_prefill", "triton_decode"}),
+    "hopper": frozenset({"hopper_seesaw", "hopper_decode"}),
+}
 ALWAYS_ALLOWED = frozenset({"reference", "empty"})  # not kernels a user can force away
 
 MAX_D_V = 512  # the fp32 accumulator [64, 512] is the most two warpgroups' registers hold
@@ -69,6 +72,7 @@ def _is_empty(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> bool:
 
 # ---- the capability rules: (q, kv, indices, d_v, grad) -> None or the reason ----
 
+
 def _reference_rule(q, kv, indices, d_v, grad):
     return f"device {q.device.type} runs the kernels" if q.is_cuda else None
 
@@ -80,8 +84,10 @@ def _empty_rule(q, kv, indices, d_v, grad):
 def _seesaw_rule(q, kv, indices, d_v, grad):
     reason = hopper_fwd_supports(q, kv, indices, d_v)
     if reason is None and not grad and not no_grad_takes_hopper_forward(q, indices, d_v):
-        return (f"no grad and {q.shape[0] * q.shape[1]} queries x {q.shape[2] // 64} head blocks cover under half "
-                f"the SMs (the split-K decode is faster there)")
+        return (
+            f"no grad and {q.shape[0] * q.shape[1]} queries x {q.shape[2] // 64} head blocks cover under half "
+            f"the SMs (the split-K decode is faster there)"
+        )
     return reason
 
 
@@ -89,8 +95,10 @@ def _hopper_decode_rule(q, kv, indices, d_v, grad):
     if grad:
         return "no backward (serves calls without grad)"
     if q.shape[2] != DECODE_BLOCK_H:
-        return (f"H={q.shape[2]} (serves exactly {DECODE_BLOCK_H} heads; with more, each 16-head program would "
-                f"gather every row again)")
+        return (
+            f"H={q.shape[2]} (serves exactly {DECODE_BLOCK_H} heads; with more, each 16-head program would "
+            f"gather every row again)"
+        )
     return hopper_decode_supports(q, kv, indices, d_v)
 
 
@@ -142,8 +150,9 @@ def _choose(q, kv, indices, d_v: int, grad: bool, table=KERNELS) -> Choice:
     return walk(table, q, kv, indices, d_v, grad, allowed=allowed, excluded_by=f"{ENV_KERNEL}={setting}")
 
 
-def explain_sparse_mla(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int,
-                       grad: bool | None = None) -> Choice:
+def explain_sparse_mla(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, grad: bool | None = None
+) -> Choice:
     """Which kernel `sparse_mla(q, kv, indices, ..., d_v)` runs and why each earlier candidate was refused; grad
     defaults to whether this call would need a backward. Runs nothing.
 
@@ -167,8 +176,10 @@ def run_sparse_mla(q, kv, indices, sm_scale: float, d_v: int, probs_into=None, t
         forced = forced_kernels()[0]
         raise ValueError(
             f"sparse_mla: no kernel takes q {tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)} {kv.dtype}, indices "
-            f"{tuple(indices.shape)}, d_v={d_v}, grad={grad}" + (f", {ENV_KERNEL}={forced}" if forced != "auto" else "")
-            + f": {choice.reasons()}")
+            f"{tuple(indices.shape)}, d_v={d_v}, grad={grad}"
+            + (f", {ENV_KERNEL}={forced}" if forced != "auto" else "")
+            + f": {choice.reasons()}"
+        )
     sm_scale, d_v = float(sm_scale), int(d_v)
     if choice.kernel == "reference":
         return sparse_mla_naive(*given, sm_scale, d_v)

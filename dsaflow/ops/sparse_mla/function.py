@@ -1,4 +1,5 @@
 """`SparseMLAFunction`: the differentiable sparse MLA on CUDA (a prefill forward kernel + the Triton backward)."""
+
 from __future__ import annotations
 
 import torch
@@ -32,6 +33,18 @@ class SparseMLAFunction(torch.autograd.Function):
         q, kv, indices, out, lse, n_keys = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
-        dq, dkv = sparse_mla_bwd_triton(q, kv, indices, out, lse, d_out, d_lse, ctx.sm_scale, ctx.d_v,
-                                        deterministic=is_deterministic(), n_keys=n_keys, probs_into=ctx.probs_into)
+        dq, dkv = sparse_mla_bwd_triton(
+            q,
+            kv,
+            indices,
+            out,
+            lse,
+            d_out,
+            d_lse,
+            ctx.sm_scale,
+            ctx.d_v,
+            deterministic=is_deterministic(),
+            n_keys=n_keys,
+            probs_into=ctx.probs_into,
+        )
         return dq, dkv, None, None, None, None, None

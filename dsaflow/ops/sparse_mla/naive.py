@@ -3,6 +3,7 @@
 Every head of query t attends to the same selected latent rows kv[b, indices[b, t, :]]. The first `d_v` columns of a
 row are its value. An index of -1 or >= S selects nothing. A query with no valid key gets out = 0 and lse = -inf.
 """
+
 from __future__ import annotations
 
 import torch
