@@ -235,9 +235,7 @@ class ServeConfig:
     # microbatch groups of rows in flight (stage s runs group g while stage s+1 runs g-1); None = one per pipeline
     # rank; at most max_batch (checked before launch)
     microbatches: Optional[int] = num(None, 1, 4096)
-    # fixed: a group takes new requests once all its rows finished; continuous: finished rows take the next
-    # request at once (docs/serving.md compares them; fixed is faster on one H200 today, see there)
-    batching: Batching = Batching.fixed
+    batching: Batching = Batching.fixed  # fixed | continuous (refill finished rows at once); docs/serving.md
     max_context: int = num(512, 1, 1 << 22)
     prefill_chunk: int = num(128, 1, 65536)
     temperature: float = num(0.0, 0, 100)  # 0 = greedy

@@ -30,90 +30,18 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from dsaflow.errors import ServeError  # noqa: F401 - re-exported
+from dsaflow.errors import ServeError
 from dsaflow.plan.plan import Plan
 from dsaflow.run.executor import Item, PipelineExecutor
 from dsaflow.run.stages import stage_cache
 
+from .checks import check_graph_blocks, check_prompts, fit_problem, serve_groups
 from .graphs import GraphManager, StaticInput
 from .report import CaptureReport
 from .sampling import sample_keyed
 from .scheduler import Pass, Request, Scheduler, group_ranges
 
-SERVED_KINDS = ("decode", "prefill")
 TOKEN_KEY = 1 << 24  # sampling key = request index * TOKEN_KEY + token index
-
-
-def serve_groups(serve_cfg, plan: Plan) -> int:
-    """serve.microbatches, or by default the number of pipeline ranks (at most serve.max_batch)."""
-    g = getattr(serve_cfg, "microbatches", None)
-    return int(g) if g is not None else min(plan.pipeline.ranks, serve_cfg.max_batch)
-
-
-def check_groups(serve_cfg, plan: Plan) -> int:
-    g = serve_groups(serve_cfg, plan)
-    if not 1 <= g <= serve_cfg.max_batch:
-        raise ServeError(
-            f"serve.microbatches={g} must be between 1 and serve.max_batch={serve_cfg.max_batch} (each group of rows "
-            f"in flight needs at least one cache row). Fix: serve.microbatches={min(max(g, 1), serve_cfg.max_batch)} "
-            f"or leave it unset (one group per pipeline rank), or raise serve.max_batch."
-        )
-    return g
-
-
-def fit_problem(index: int, prompt: List[int], max_new: int, max_context: int, where: str) -> Optional[str]:
-    """Why a request cannot be served with these limits (None when it fits). `where` names it (a line, a prompt)."""
-    if len(prompt) + max_new > max_context:
-        return (
-            f"{where} is {len(prompt)} tokens; with max_new_tokens={max_new} it exceeds serve.max_context="
-            f"{max_context}. Fix: serve.max_context={len(prompt) + max_new} or more, or shorten the prompt / "
-            f"lower its max_new_tokens."
-        )
-    return None
-
-
-def check_prompts(prompts: List[List[int]], vocab_size: int) -> None:
-    """Token-id prompts must be non-empty and stay in the vocab (whole-job errors; fit is per request)."""
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ServeError(f"prompt {i} is empty. Fix: every prompt needs at least one token.")
-        bad = [t for t in p if not 0 <= t < vocab_size]
-        if bad:
-            raise ServeError(
-                f"prompt {i} has token id {bad[0]} outside model.vocab_size={vocab_size}. Fix: "
-                f"token ids in [0, {vocab_size})."
-            )
-
-
-def check_graph_blocks(plan: Plan, serve_cfg) -> None:
-    """The plan's graph blocks must fit the serve config: one decode and one prefill block at most; decode classes <=
-    the rows of one group (serve.max_batch / serve.microbatches); the largest prefill class == serve.prefill_chunk
-    (the index cache holds one chunk). The planner already refused every kind serving does not capture."""
-    groups = check_groups(serve_cfg, plan)
-    rows = min(b - a for a, b in group_ranges(serve_cfg.max_batch, groups))
-    for b in plan.graph_blocks:
-        if b.kind == "decode" and max(b.shape_classes) > rows:
-            per = (
-                f"the {rows} rows of one microbatch group (serve.max_batch={serve_cfg.max_batch} over "
-                f"serve.microbatches={groups})"
-                if groups > 1
-                else f"serve.max_batch={serve_cfg.max_batch}"
-            )
-            raise ServeError(
-                f"graphs.blocks[{b.name}].shape_classes={list(b.shape_classes)} go beyond {per}; the caches hold that "
-                f"many rows per group. Fix: drop the classes above {rows}, or set serve.max_batch="
-                f"{max(b.shape_classes) * groups}" + (", or serve.microbatches=1." if groups > 1 else ".")
-            )
-        if b.kind == "prefill" and max(b.shape_classes) != serve_cfg.prefill_chunk:
-            raise ServeError(
-                f"graphs.blocks[{b.name}].shape_classes={list(b.shape_classes)}: the largest prefill class must equal "
-                f"serve.prefill_chunk={serve_cfg.prefill_chunk} (every chunk must fit a class, and the index cache "
-                f"holds one chunk). Fix: serve.prefill_chunk={max(b.shape_classes)}, or change the classes."
-            )
-    kinds = [b.kind for b in plan.graph_blocks]
-    for k in SERVED_KINDS:
-        if kinds.count(k) > 1:
-            raise ServeError(f"graphs.blocks has {kinds.count(k)} blocks of kind={k}. Fix: keep one per kind.")
 
 
 class PipelineEngine:

@@ -30,7 +30,8 @@ from dsaflow.files import UnsafeFile, read_text
 from dsaflow.plan.plan import Plan
 from dsaflow.run.stages import stage_module
 
-from .engine import PipelineEngine, check_graph_blocks, check_prompts, fit_problem
+from .checks import check_graph_blocks, check_prompts, fit_problem
+from .engine import PipelineEngine
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

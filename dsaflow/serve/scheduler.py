@@ -12,7 +12,7 @@ pass is one forward of one group through every stage, of one of two kinds:
 
 When a group has rows of both kinds its passes alternate, so the decoding rows keep going while a joining request
 prefills. A row is freed when it reaches its own max_new_tokens (host-known) or emits EOS (known from the feedback
-flags that every rank receives); once an eighth of the group's rows are free (or enough for every waiting
+flags that every rank receives); once half of the group's rows are free (or enough for every waiting
 request), waiting requests take them at the group's next pass (longest first, in the lowest rows) and prefill
 together. Every rank runs this same
 scheduler with the same inputs, so every rank builds the same passes without talking.
@@ -82,7 +82,7 @@ class Scheduler:
     """requests in input order; `next_pass(group)` admits waiting requests into free rows and builds the pass;
     `finish(pass, eos)` advances the rows (eos: per pass row, did it emit EOS; None when serve.eos_id is unset)."""
 
-    REFILL_FRACTION = 0.125  # refill a group once this share of its rows is free
+    REFILL_FRACTION = 0.5  # refill a group once this share of its rows is free (wider, fewer prefill passes)
     SPAN_DENSITY = 0.5  # a prefill pass spans all prefilling rows when they fill at least this share of the span
 
     def __init__(self, requests: Sequence[Request], ranges: Sequence[Tuple[int, int]], chunk: int, refill: bool = True):

@@ -12,7 +12,6 @@ Three kernels, each program owning BLOCK_T queries of one sequence and looping o
    (registers), dk += G^T @ q_j summed over heads in registers, then one fp32 atomic add per key block.
 Dots take the inputs' dtype (bf16 on the model's path) and accumulate in fp32; fp32 inputs use IEEE dots.
 """
-
 from __future__ import annotations
 
 import triton
@@ -33,119 +32,41 @@ def _pos_block(pos_ptr, b, s_pb, s_pt, T, S, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _attn_scores(
-    q_base,
-    k_base,
-    offs_t,
-    t_ok,
-    offs_s,
-    s_ok,
-    D,
-    s_qt,
-    s_ks,
-    BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PREC: tl.constexpr,
-):
+def _attn_scores(q_base, k_base, offs_t, t_ok, offs_s, s_ok, D, s_qt, s_ks,
+                 BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
     """Raw scores q[t] . k[s] of one head: [BLOCK_T, BLOCK_S] fp32 (D in chunks of BLOCK_D: 192 = 3 x 64)."""
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         d_ok = d0 + offs_d < D
         # int64 row offsets: T * H * D passes 2^31 elements at 128K context
-        qa = tl.load(
-            q_base + offs_t.to(tl.int64)[:, None] * s_qt + (d0 + offs_d)[None, :],
-            mask=t_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        ka = tl.load(
-            k_base + offs_s.to(tl.int64)[None, :] * s_ks + (d0 + offs_d)[:, None],
-            mask=s_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )
+        qa = tl.load(q_base + offs_t.to(tl.int64)[:, None] * s_qt + (d0 + offs_d)[None, :],
+                     mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        ka = tl.load(k_base + offs_s.to(tl.int64)[None, :] * s_ks + (d0 + offs_d)[:, None],
+                     mask=s_ok[None, :] & d_ok[:, None], other=0.0)
         acc = tl.dot(qa, ka, acc, input_precision=PREC)
     return acc
 
 
 @triton.jit
-def _target_tile(
-    q_ptr,
-    k_ptr,
-    lse_ptr,
-    b,
-    offs_t,
-    t_ok,
-    offs_s,
-    s_ok,
-    visible,
-    L,
-    H,
-    D,
-    s_ql,
-    s_qb,
-    s_qt,
-    s_qh,
-    s_kl,
-    s_kb,
-    s_ks,
-    s_kh,
-    s_ll,
-    s_lb,
-    s_lh,
-    scale2,
-    inv_lh,
-    BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PREC: tl.constexpr,
-):
+def _target_tile(q_ptr, k_ptr, lse_ptr, b, offs_t, t_ok, offs_s, s_ok, visible, L, H, D,
+                 s_ql, s_qb, s_qt, s_qh, s_kl, s_kb, s_ks, s_kh, s_ll, s_lb, s_lh, scale2, inv_lh,
+                 BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
     """pbar tile [BLOCK_T, BLOCK_S] fp32: mean over (layer, head) of the attention probs, 0 where invisible."""
     p = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
     for lh in range(L * H):
         l = (lh // H).to(tl.int64)
         h = lh % H
-        s = _attn_scores(
-            q_ptr + l * s_ql + b * s_qb + h * s_qh,
-            k_ptr + l * s_kl + b * s_kb + h * s_kh,
-            offs_t,
-            t_ok,
-            offs_s,
-            s_ok,
-            D,
-            s_qt,
-            s_ks,
-            BLOCK_T,
-            BLOCK_S,
-            BLOCK_D,
-            PREC,
-        )
+        s = _attn_scores(q_ptr + l * s_ql + b * s_qb + h * s_qh, k_ptr + l * s_kl + b * s_kb + h * s_kh,
+                         offs_t, t_ok, offs_s, s_ok, D, s_qt, s_ks, BLOCK_T, BLOCK_S, BLOCK_D, PREC)
         lse2 = tl.load(lse_ptr + l * s_ll + b * s_lb + h * s_lh + offs_t, mask=t_ok, other=0.0)
         p += tl.exp2(s * scale2 - lse2[:, None])
     return tl.where(visible, p * inv_lh, 0.0)
 
 
 @triton.jit
-def _index_tile(
-    qi_ptr,
-    w_ptr,
-    kiT,
-    b,
-    offs_t,
-    t_ok,
-    HI,
-    DI,
-    s_qib,
-    s_qit,
-    s_qih,
-    s_wb,
-    s_wt,
-    s_wh,
-    BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_DI: tl.constexpr,
-    PREC_I: tl.constexpr,
-):
+def _index_tile(qi_ptr, w_ptr, kiT, b, offs_t, t_ok, HI, DI, s_qib, s_qit, s_qih, s_wb, s_wt, s_wh,
+                BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DI: tl.constexpr, PREC_I: tl.constexpr):
     """I tile [BLOCK_T, BLOCK_S] fp32 = sum_j w_j * relu(q_j . k), kiT [BLOCK_DI, BLOCK_S] already loaded."""
     offs_di = tl.arange(0, BLOCK_DI)
     q_rows = qi_ptr + b * s_qib + offs_t[:, None] * s_qit + offs_di[None, :]
@@ -159,32 +80,11 @@ def _index_tile(
 
 @triton.jit
 def _attn_lse_kernel(
-    q_ptr,
-    k_ptr,
-    pos_ptr,
-    lse_ptr,
-    T,
-    S,
-    H,
-    D,
-    s_ql,
-    s_qb,
-    s_qt,
-    s_qh,
-    s_kl,
-    s_kb,
-    s_ks,
-    s_kh,
-    s_pb,
-    s_pt,
-    s_ll,
-    s_lb,
-    s_lh,
+    q_ptr, k_ptr, pos_ptr, lse_ptr,
+    T, S, H, D,
+    s_ql, s_qb, s_qt, s_qh, s_kl, s_kb, s_ks, s_kh, s_pb, s_pt, s_ll, s_lb, s_lh,
     scale2,
-    BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PREC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
 ):
     lh = tl.program_id(1)
     l = (lh // H).to(tl.int64)
@@ -197,21 +97,8 @@ def _attn_lse_kernel(
         offs_s = s0 + tl.arange(0, BLOCK_S)
         s_ok = offs_s < S
         visible = (offs_s[None, :] <= pos[:, None]) & s_ok[None, :]
-        s = _attn_scores(
-            q_ptr + l * s_ql + b * s_qb + h * s_qh,
-            k_ptr + l * s_kl + b * s_kb + h * s_kh,
-            offs_t,
-            t_ok,
-            offs_s,
-            s_ok,
-            D,
-            s_qt,
-            s_ks,
-            BLOCK_T,
-            BLOCK_S,
-            BLOCK_D,
-            PREC,
-        )
+        s = _attn_scores(q_ptr + l * s_ql + b * s_qb + h * s_qh, k_ptr + l * s_kl + b * s_kb + h * s_kh,
+                         offs_t, t_ok, offs_s, s_ok, D, s_qt, s_ks, BLOCK_T, BLOCK_S, BLOCK_D, PREC)
         s = tl.where(visible, s * scale2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0 / -inf
@@ -223,51 +110,13 @@ def _attn_lse_kernel(
 
 @triton.jit
 def _kl_fwd_kernel(
-    q_ptr,
-    k_ptr,
-    lse_ptr,
-    qi_ptr,
-    ki_ptr,
-    w_ptr,
-    pos_ptr,
-    kl_ptr,
-    lsei_ptr,
-    T,
-    S,
-    L,
-    H,
-    D,
-    HI,
-    DI,
-    s_ql,
-    s_qb,
-    s_qt,
-    s_qh,
-    s_kl,
-    s_kb,
-    s_ks,
-    s_kh,
-    s_ll,
-    s_lb,
-    s_lh,
-    s_qib,
-    s_qit,
-    s_qih,
-    s_kib,
-    s_kis,
-    s_wb,
-    s_wt,
-    s_wh,
-    s_pb,
-    s_pt,
-    scale2,
-    inv_lh,
-    BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DI: tl.constexpr,
-    PREC: tl.constexpr,
-    PREC_I: tl.constexpr,
+    q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, w_ptr, pos_ptr, kl_ptr, lsei_ptr,
+    T, S, L, H, D, HI, DI,
+    s_ql, s_qb, s_qt, s_qh, s_kl, s_kb, s_ks, s_kh, s_ll, s_lb, s_lh,
+    s_qib, s_qit, s_qih, s_kib, s_kis, s_wb, s_wt, s_wh, s_pb, s_pt,
+    scale2, inv_lh,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
+    PREC: tl.constexpr, PREC_I: tl.constexpr,
 ):
     b = tl.program_id(1).to(tl.int64)
     offs_t, t_ok, pos, hi = _pos_block(pos_ptr, b, s_pb, s_pt, T, S, BLOCK_T)
@@ -280,62 +129,13 @@ def _kl_fwd_kernel(
         offs_s = s0 + tl.arange(0, BLOCK_S)
         s_ok = offs_s < S
         visible = (offs_s[None, :] <= pos[:, None]) & s_ok[None, :]
-        p = _target_tile(
-            q_ptr,
-            k_ptr,
-            lse_ptr,
-            b,
-            offs_t,
-            t_ok,
-            offs_s,
-            s_ok,
-            visible,
-            L,
-            H,
-            D,
-            s_ql,
-            s_qb,
-            s_qt,
-            s_qh,
-            s_kl,
-            s_kb,
-            s_ks,
-            s_kh,
-            s_ll,
-            s_lb,
-            s_lh,
-            scale2,
-            inv_lh,
-            BLOCK_T,
-            BLOCK_S,
-            BLOCK_D,
-            PREC,
-        )
-        kiT = tl.load(
-            ki_ptr + b * s_kib + offs_s[None, :] * s_kis + offs_di[:, None],
-            mask=s_ok[None, :] & (offs_di < DI)[:, None],
-            other=0.0,
-        )
-        idx = _index_tile(
-            qi_ptr,
-            w_ptr,
-            kiT,
-            b,
-            offs_t,
-            t_ok,
-            HI,
-            DI,
-            s_qib,
-            s_qit,
-            s_qih,
-            s_wb,
-            s_wt,
-            s_wh,
-            BLOCK_T,
-            BLOCK_S,
-            BLOCK_DI,
-            PREC_I,
-        )
+        p = _target_tile(q_ptr, k_ptr, lse_ptr, b, offs_t, t_ok, offs_s, s_ok, visible, L, H, D,
+                         s_ql, s_qb, s_qt, s_qh, s_kl, s_kb, s_ks, s_kh, s_ll, s_lb, s_lh, scale2, inv_lh,
+                         BLOCK_T, BLOCK_S, BLOCK_D, PREC)
+        kiT = tl.load(ki_ptr + b * s_kib + offs_s[None, :] * s_kis + offs_di[:, None],
+                      mask=s_ok[None, :] & (offs_di < DI)[:, None], other=0.0)
+        idx = _index_tile(qi_ptr, w_ptr, kiT, b, offs_t, t_ok, HI, DI, s_qib, s_qit, s_qih, s_wb, s_wt, s_wh,
+                          BLOCK_T, BLOCK_S, BLOCK_DI, PREC_I)
         plogp += tl.sum(tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0), 1)
         p_i += tl.sum(tl.where(visible, p * idx, 0.0), 1)
         idx = tl.where(visible, idx, float("-inf"))
@@ -351,55 +151,13 @@ def _kl_fwd_kernel(
 
 @triton.jit
 def _kl_bwd_kernel(
-    q_ptr,
-    k_ptr,
-    lse_ptr,
-    qi_ptr,
-    ki_ptr,
-    w_ptr,
-    pos_ptr,
-    lsei_ptr,
-    coef_ptr,
-    dqi_ptr,
-    dki_ptr,
-    dw_ptr,
-    T,
-    S,
-    L,
-    H,
-    D,
-    HI,
-    DI,
-    s_ql,
-    s_qb,
-    s_qt,
-    s_qh,
-    s_kl,
-    s_kb,
-    s_ks,
-    s_kh,
-    s_ll,
-    s_lb,
-    s_lh,
-    s_qib,
-    s_qit,
-    s_qih,
-    s_kib,
-    s_kis,
-    s_wb,
-    s_wt,
-    s_wh,
-    s_pb,
-    s_pt,
-    scale2,
-    inv_lh,
-    BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DI: tl.constexpr,
-    BLOCK_HI: tl.constexpr,
-    PREC: tl.constexpr,
-    PREC_I: tl.constexpr,
+    q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, w_ptr, pos_ptr, lsei_ptr, coef_ptr, dqi_ptr, dki_ptr, dw_ptr,
+    T, S, L, H, D, HI, DI,
+    s_ql, s_qb, s_qt, s_qh, s_kl, s_kb, s_ks, s_kh, s_ll, s_lb, s_lh,
+    s_qib, s_qit, s_qih, s_kib, s_kis, s_wb, s_wt, s_wh, s_pb, s_pt,
+    scale2, inv_lh,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
+    BLOCK_HI: tl.constexpr, PREC: tl.constexpr, PREC_I: tl.constexpr,
 ):
     b = tl.program_id(1).to(tl.int64)
     offs_t, t_ok, pos, hi = _pos_block(pos_ptr, b, s_pb, s_pt, T, S, BLOCK_T)
@@ -416,62 +174,13 @@ def _kl_bwd_kernel(
         offs_s = s0 + tl.arange(0, BLOCK_S)
         s_ok = offs_s < S
         visible = (offs_s[None, :] <= pos[:, None]) & s_ok[None, :]
-        p = _target_tile(
-            q_ptr,
-            k_ptr,
-            lse_ptr,
-            b,
-            offs_t,
-            t_ok,
-            offs_s,
-            s_ok,
-            visible,
-            L,
-            H,
-            D,
-            s_ql,
-            s_qb,
-            s_qt,
-            s_qh,
-            s_kl,
-            s_kb,
-            s_ks,
-            s_kh,
-            s_ll,
-            s_lb,
-            s_lh,
-            scale2,
-            inv_lh,
-            BLOCK_T,
-            BLOCK_S,
-            BLOCK_D,
-            PREC,
-        )
-        kiT = tl.load(
-            ki_ptr + b * s_kib + offs_s[None, :] * s_kis + offs_di[:, None],
-            mask=s_ok[None, :] & di_ok[:, None],
-            other=0.0,
-        )
-        idx = _index_tile(
-            qi_ptr,
-            w_ptr,
-            kiT,
-            b,
-            offs_t,
-            t_ok,
-            HI,
-            DI,
-            s_qib,
-            s_qit,
-            s_qih,
-            s_wb,
-            s_wt,
-            s_wh,
-            BLOCK_T,
-            BLOCK_S,
-            BLOCK_DI,
-            PREC_I,
-        )
+        p = _target_tile(q_ptr, k_ptr, lse_ptr, b, offs_t, t_ok, offs_s, s_ok, visible, L, H, D,
+                         s_ql, s_qb, s_qt, s_qh, s_kl, s_kb, s_ks, s_kh, s_ll, s_lb, s_lh, scale2, inv_lh,
+                         BLOCK_T, BLOCK_S, BLOCK_D, PREC)
+        kiT = tl.load(ki_ptr + b * s_kib + offs_s[None, :] * s_kis + offs_di[:, None],
+                      mask=s_ok[None, :] & di_ok[:, None], other=0.0)
+        idx = _index_tile(qi_ptr, w_ptr, kiT, b, offs_t, t_ok, HI, DI, s_qib, s_qit, s_qih, s_wb, s_wt, s_wh,
+                          BLOCK_T, BLOCK_S, BLOCK_DI, PREC_I)
         d_idx = tl.where(visible, tl.exp(idx - lse_i[:, None]) - p, 0.0) * coef[:, None]
         dk = tl.zeros([BLOCK_S, BLOCK_DI], tl.float32)
         for j in range(HI):
@@ -487,9 +196,7 @@ def _kl_bwd_kernel(
             tl.store(dq_ptrs, tl.load(dq_ptrs, mask=dq_mask, other=0.0) + dqj, mask=dq_mask)
             dk = tl.dot(tl.trans(g), qj, dk, input_precision=PREC_I)
         tl.debug_barrier()  # this block's dq stores are visible to every thread before the next block reads them
-        tl.atomic_add(
-            dki_ptr + (b * S + offs_s[:, None]) * DI + offs_di[None, :], dk, mask=s_ok[:, None] & di_ok[None, :]
-        )
-    tl.store(
-        dw_ptr + (b * T + offs_t[:, None]) * HI + offs_hi[None, :], dw, mask=t_ok[:, None] & (offs_hi < HI)[None, :]
-    )
+        tl.atomic_add(dki_ptr + (b * S + offs_s[:, None]) * DI + offs_di[None, :], dk,
+                      mask=s_ok[:, None] & di_ok[None, :])
+    tl.store(dw_ptr + (b * T + offs_t[:, None]) * HI + offs_hi[None, :], dw,
+             mask=t_ok[:, None] & (offs_hi < HI)[None, :])

@@ -3,7 +3,6 @@
 Memory: the op keeps lse [L, B, H, T], KL and LSE_I [B, T] (fp32) and, in the backward, fp32 gradient buffers the
 size of q_I, k_I and w. Nothing is [T, S]. Grids depend on shapes only.
 """
-
 from __future__ import annotations
 
 import torch
@@ -22,35 +21,17 @@ def _config(T: int, S: int, D: int, DI: int, overrides: dict | None) -> dict:
     backward faster than 64, and 128-query blocks slower; the lse pass keeps 64 x 64."""
     small = T <= 64 or S <= 64  # the interpreter's tiny test shapes: keep several blocks per axis
     cfg = dict(
-        BLOCK_T=16 if small else 64,
-        BLOCK_S=16 if small else 128,
-        LSE_BLOCK_S=16 if small else 64,
-        BLOCK_D=max(16, min(64, triton.next_power_of_2(D))),
-        BLOCK_DI=max(16, triton.next_power_of_2(DI)),
-        lse_warps=4,
-        lse_stages=2,
-        fwd_warps=8,
-        fwd_stages=2,
-        bwd_warps=8,
+        BLOCK_T=16 if small else 64, BLOCK_S=16 if small else 128, LSE_BLOCK_S=16 if small else 64,
+        BLOCK_D=max(16, min(64, triton.next_power_of_2(D))), BLOCK_DI=max(16, triton.next_power_of_2(DI)),
+        lse_warps=4, lse_stages=2, fwd_warps=8, fwd_stages=2, bwd_warps=8,
     )
     cfg.update(overrides or {})
     return cfg
 
 
 def _attn_strides(q, k, lse):
-    return (
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        q.stride(3),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        k.stride(3),
-        lse.stride(0),
-        lse.stride(1),
-        lse.stride(2),
-    )
+    return (q.stride(0), q.stride(1), q.stride(2), q.stride(3), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+            lse.stride(0), lse.stride(1), lse.stride(2))
 
 
 def attn_lse_triton(q, k, positions, sm_scale: float, cfg: dict) -> torch.Tensor:
@@ -62,25 +43,10 @@ def attn_lse_triton(q, k, positions, sm_scale: float, cfg: dict) -> torch.Tensor
     grid = (triton.cdiv(T, cfg["BLOCK_T"]), L * H, B)
     s = _attn_strides(q, k, lse)
     _attn_lse_kernel[grid](
-        q,
-        k,
-        positions,
-        lse,
-        T,
-        S,
-        H,
-        D,
-        *s[:8],
-        positions.stride(0),
-        positions.stride(1),
-        *s[8:],
+        q, k, positions, lse, T, S, H, D, *s[:8], positions.stride(0), positions.stride(1), *s[8:],
         float(sm_scale) * LOG2E,
-        BLOCK_T=cfg["BLOCK_T"],
-        BLOCK_S=cfg["LSE_BLOCK_S"],
-        BLOCK_D=cfg["BLOCK_D"],
-        PREC=_prec(q.dtype),
-        num_warps=cfg["lse_warps"],
-        num_stages=cfg["lse_stages"],
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_S=cfg["LSE_BLOCK_S"], BLOCK_D=cfg["BLOCK_D"], PREC=_prec(q.dtype),
+        num_warps=cfg["lse_warps"], num_stages=cfg["lse_stages"],
     )
     return lse
 
@@ -89,26 +55,10 @@ def _common_args(q, k, lse, q_i, k_i, w, positions, sm_scale):
     L, B, T, H, D = q.shape
     S, HI, DI = k.shape[2], q_i.shape[2], q_i.shape[3]
     return (
-        T,
-        S,
-        L,
-        H,
-        D,
-        HI,
-        DI,
-        *_attn_strides(q, k, lse),
-        q_i.stride(0),
-        q_i.stride(1),
-        q_i.stride(2),
-        k_i.stride(0),
-        k_i.stride(1),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
-        positions.stride(0),
-        positions.stride(1),
-        float(sm_scale) * LOG2E,
-        1.0 / (L * H),
+        T, S, L, H, D, HI, DI, *_attn_strides(q, k, lse),
+        q_i.stride(0), q_i.stride(1), q_i.stride(2), k_i.stride(0), k_i.stride(1),
+        w.stride(0), w.stride(1), w.stride(2), positions.stride(0), positions.stride(1),
+        float(sm_scale) * LOG2E, 1.0 / (L * H),
     )
 
 
@@ -119,24 +69,9 @@ def kl_forward_triton(q, k, lse, q_i, k_i, w, positions, sm_scale: float, cfg: d
     lse_i = torch.full((B, T), float("nan"), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, cfg["BLOCK_T"]), B)
     _kl_fwd_kernel[grid](
-        q,
-        k,
-        lse,
-        q_i,
-        k_i,
-        w,
-        positions,
-        kl,
-        lse_i,
-        *_common_args(q, k, lse, q_i, k_i, w, positions, sm_scale),
-        BLOCK_T=cfg["BLOCK_T"],
-        BLOCK_S=cfg["BLOCK_S"],
-        BLOCK_D=cfg["BLOCK_D"],
-        BLOCK_DI=cfg["BLOCK_DI"],
-        PREC=_prec(q.dtype),
-        PREC_I=_prec(q_i.dtype),
-        num_warps=cfg["fwd_warps"],
-        num_stages=cfg["fwd_stages"],
+        q, k, lse, q_i, k_i, w, positions, kl, lse_i, *_common_args(q, k, lse, q_i, k_i, w, positions, sm_scale),
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DI=cfg["BLOCK_DI"],
+        PREC=_prec(q.dtype), PREC_I=_prec(q_i.dtype), num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"],
     )
     return kl, lse_i
 
@@ -151,28 +86,11 @@ def kl_backward_triton(q, k, lse, q_i, k_i, w, positions, lse_i, coef, sm_scale:
     grid = (triton.cdiv(T, cfg["BLOCK_T"]), B)
     # num_stages=1: no software pipelining, so a dq row's load is never hoisted above the previous block's store.
     _kl_bwd_kernel[grid](
-        q,
-        k,
-        lse,
-        q_i,
-        k_i,
-        w,
-        positions,
-        lse_i,
-        coef,
-        dq_i,
-        dk_i,
-        dw,
+        q, k, lse, q_i, k_i, w, positions, lse_i, coef, dq_i, dk_i, dw,
         *_common_args(q, k, lse, q_i, k_i, w, positions, sm_scale),
-        BLOCK_T=cfg["BLOCK_T"],
-        BLOCK_S=cfg["BLOCK_S"],
-        BLOCK_D=cfg["BLOCK_D"],
-        BLOCK_DI=cfg["BLOCK_DI"],
-        BLOCK_HI=max(16, triton.next_power_of_2(HI)),
-        PREC=_prec(q.dtype),
-        PREC_I=_prec(q_i.dtype),
-        num_warps=cfg["bwd_warps"],
-        num_stages=1,
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DI=cfg["BLOCK_DI"],
+        BLOCK_HI=max(16, triton.next_power_of_2(HI)), PREC=_prec(q.dtype), PREC_I=_prec(q_i.dtype),
+        num_warps=cfg["bwd_warps"], num_stages=1,
     )
     return dq_i, dk_i, dw
 

@@ -14,7 +14,6 @@ No score row is stored. Backward recomputes the logits per block and, with g = d
 FLOPs per query: forward 2 * H_I * K * D_I, backward 3x that. Invalid indices (-1 or >= S) are masked: rows not
 read, score -inf, no gradient. A query with no valid key has KL 0 and is left out of the mean.
 """
-
 from __future__ import annotations
 
 import torch
@@ -25,27 +24,22 @@ from .triton_target import dot_precision, row_block, valid_extent
 
 
 @triton.jit
-def _query_tile(
-    q_ptr, w_ptr, b, t, H, D, s_qb, s_qt, s_qh, s_wb, s_wt, s_wh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr
-):
+def _query_tile(q_ptr, w_ptr, b, t, H, D, s_qb, s_qt, s_qh, s_wb, s_wt, s_wh,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """q_I [BH, BD] of query (b, t) in its input dtype and w [BH] fp32 (0 on padded heads / dims)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_ok = offs_h < H
     d_ok = offs_d < D
-    q = tl.load(
-        q_ptr + b * s_qb + t * s_qt + offs_h[:, None] * s_qh + offs_d[None, :],
-        mask=h_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    q = tl.load(q_ptr + b * s_qb + t * s_qt + offs_h[:, None] * s_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     w = tl.load(w_ptr + b * s_wb + t * s_wt + offs_h * s_wh, mask=h_ok, other=0.0).to(tl.float32)
     return q, w, offs_h, h_ok, offs_d, d_ok
 
 
 @triton.jit
-def _key_block(
-    k_base, idx_base, tgt_row, q, w, k0, K, S, s_ks, offs_d, d_ok, BLOCK_K: tl.constexpr, PREC: tl.constexpr
-):
+def _key_block(k_base, idx_base, tgt_row, q, w, k0, K, S, s_ks, offs_d, d_ok, BLOCK_K: tl.constexpr,
+               PREC: tl.constexpr):
     """The k_I rows of keys k0 .. k0 + BLOCK_K: their indices, validity, rows [BK, BD], logits [BH, BK] fp32,
     scores [BK] (valid keys only matter) and target [BK] (0 on invalid keys)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -62,42 +56,18 @@ def _key_block(
 
 @triton.jit
 def _indexer_kl_fwd_kernel(
-    q_ptr,
-    k_ptr,
-    w_ptr,
-    idx_ptr,
-    tgt_ptr,
-    stats_ptr,
-    T,
-    S,
-    K,
-    H,
-    D,
-    s_qb,
-    s_qt,
-    s_qh,
-    s_kb,
-    s_ks,
-    s_wb,
-    s_wt,
-    s_wh,
-    s_ib,
-    s_it,
-    s_tb,
-    s_tt,
-    BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PREC: tl.constexpr,
+    q_ptr, k_ptr, w_ptr, idx_ptr, tgt_ptr, stats_ptr,
+    T, S, K, H, D,
+    s_qb, s_qt, s_qh, s_kb, s_ks, s_wb, s_wt, s_wh, s_ib, s_it, s_tb, s_tt,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
     """stats [4, B * T] fp32: KL_t (0 without a valid key), LSE_t (0 then), target mass on valid keys, valid flag."""
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
     t = pid % T
-    q, w, offs_h, h_ok, offs_d, d_ok = _query_tile(
-        q_ptr, w_ptr, b, t, H, D, s_qb, s_qt, s_qh, s_wb, s_wt, s_wh, BLOCK_H, BLOCK_D
-    )
+    q, w, offs_h, h_ok, offs_d, d_ok = _query_tile(q_ptr, w_ptr, b, t, H, D, s_qb, s_qt, s_qh, s_wb, s_wt, s_wh,
+                                                   BLOCK_H, BLOCK_D)
     k_base = k_ptr + b * s_kb
     idx_base = idx_ptr + b * s_ib + t * s_it
     tgt_row = tgt_ptr + b * s_tb + t * s_tt
@@ -109,9 +79,8 @@ def _indexer_kl_fwd_kernel(
     mass = tl.zeros([BLOCK_K], tl.float32)
     k_end = valid_extent(idx_base, K, S, BLOCK_F)
     for k0 in range(0, k_end, BLOCK_K):
-        safe, valid, rows, logits, scores, tgt = _key_block(
-            k_base, idx_base, tgt_row, q, w, k0, k_end, S, s_ks, offs_d, d_ok, BLOCK_K, PREC
-        )
+        safe, valid, rows, logits, scores, tgt = _key_block(k_base, idx_base, tgt_row, q, w, k0, k_end, S, s_ks,
+                                                            offs_d, d_ok, BLOCK_K, PREC)
         s = tl.where(valid, scores, float("-inf"))
         m_new = tl.maximum(m, s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -136,44 +105,11 @@ def _indexer_kl_fwd_kernel(
 
 @triton.jit
 def _indexer_kl_bwd_kernel(
-    q_ptr,
-    k_ptr,
-    w_ptr,
-    idx_ptr,
-    tgt_ptr,
-    stats_ptr,
-    g_ptr,
-    dq_ptr,
-    dk_ptr,
-    dw_ptr,
-    T,
-    S,
-    K,
-    H,
-    D,
-    s_qb,
-    s_qt,
-    s_qh,
-    s_kb,
-    s_ks,
-    s_wb,
-    s_wt,
-    s_wh,
-    s_ib,
-    s_it,
-    s_tb,
-    s_tt,
-    s_dqb,
-    s_dqt,
-    s_dqh,
-    s_dkb,
-    s_dks,
-    s_dwb,
-    s_dwt,
-    BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PREC: tl.constexpr,
+    q_ptr, k_ptr, w_ptr, idx_ptr, tgt_ptr, stats_ptr, g_ptr, dq_ptr, dk_ptr, dw_ptr,
+    T, S, K, H, D,
+    s_qb, s_qt, s_qh, s_kb, s_ks, s_wb, s_wt, s_wh, s_ib, s_it, s_tb, s_tt,
+    s_dqb, s_dqt, s_dqh, s_dkb, s_dks, s_dwb, s_dwt,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
     """dq [B, T, H, D] and dw [B, T, H] (their dtypes) written per query; dk [B, S, D] fp32 (zeroed) accumulated."""
@@ -181,9 +117,8 @@ def _indexer_kl_bwd_kernel(
     b = pid // T
     t = pid % T
     n = tl.num_programs(0)
-    q, w, offs_h, h_ok, offs_d, d_ok = _query_tile(
-        q_ptr, w_ptr, b, t, H, D, s_qb, s_qt, s_qh, s_wb, s_wt, s_wh, BLOCK_H, BLOCK_D
-    )
+    q, w, offs_h, h_ok, offs_d, d_ok = _query_tile(q_ptr, w_ptr, b, t, H, D, s_qb, s_qt, s_qh, s_wb, s_wt, s_wh,
+                                                   BLOCK_H, BLOCK_D)
     lse = tl.load(stats_ptr + n + pid)
     mass = tl.load(stats_ptr + 2 * n + pid)
     g = tl.load(g_ptr)  # dLoss / n_valid, on the device (no host sync)
@@ -195,23 +130,18 @@ def _indexer_kl_bwd_kernel(
     dw = tl.zeros([BLOCK_H], tl.float32)
     k_end = valid_extent(idx_base, K, S, BLOCK_F)
     for k0 in range(0, k_end, BLOCK_K):
-        safe, valid, rows, logits, scores, tgt = _key_block(
-            k_base, idx_base, tgt_row, q, w, k0, k_end, S, s_ks, offs_d, d_ok, BLOCK_K, PREC
-        )
+        safe, valid, rows, logits, scores, tgt = _key_block(k_base, idx_base, tgt_row, q, w, k0, k_end, S, s_ks,
+                                                            offs_d, d_ok, BLOCK_K, PREC)
         p = tl.exp(tl.where(valid, scores - lse, float("-inf")))
         ds = tl.where(valid, (mass * p - tgt) * g, 0.0)  # [BK]
         dw += tl.sum(tl.maximum(logits, 0.0) * ds[None, :], 1)
         dlog = tl.where(logits > 0.0, w[:, None] * ds[None, :], 0.0).to(q.dtype)  # [BH, BK]
         dq = tl.dot(dlog, rows, dq, input_precision=PREC)
         dk = tl.dot(tl.trans(dlog), q, input_precision=PREC)  # [BK, BD] fp32
-        tl.atomic_add(
-            dk_base + safe[:, None] * s_dks + offs_d[None, :], dk, mask=valid[:, None] & d_ok[None, :], sem="relaxed"
-        )
-    tl.store(
-        dq_ptr + b * s_dqb + t * s_dqt + offs_h[:, None] * s_dqh + offs_d[None, :],
-        dq.to(dq_ptr.dtype.element_ty),
-        mask=h_ok[:, None] & d_ok[None, :],
-    )
+        tl.atomic_add(dk_base + safe[:, None] * s_dks + offs_d[None, :], dk, mask=valid[:, None] & d_ok[None, :],
+                      sem="relaxed")
+    tl.store(dq_ptr + b * s_dqb + t * s_dqt + offs_h[:, None] * s_dqh + offs_d[None, :],
+             dq.to(dq_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
     tl.store(dw_ptr + b * s_dwb + t * s_dwt + offs_h, dw.to(dw_ptr.dtype.element_ty), mask=h_ok)
 
 
@@ -234,20 +164,8 @@ def kl_config(q: torch.Tensor, K: int, overrides: dict | None = None, backward: 
 
 
 def _strides(q, k, w, indices, target):
-    return (
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
-        indices.stride(0),
-        indices.stride(1),
-        target.stride(0),
-        target.stride(1),
-    )
+    return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), w.stride(0), w.stride(1), w.stride(2),
+            indices.stride(0), indices.stride(1), target.stride(0), target.stride(1))
 
 
 def launch_indexer_kl_fwd(q, k, w, indices, target, overrides=None, stats=None) -> torch.Tensor:
@@ -259,25 +177,10 @@ def launch_indexer_kl_fwd(q, k, w, indices, target, overrides=None, stats=None) 
     if stats is None:
         stats = torch.empty(4, B * T, device=q.device, dtype=torch.float32)
     _indexer_kl_fwd_kernel[(B * T,)](
-        q,
-        k,
-        w,
-        indices,
-        target,
-        stats,
-        T,
-        S,
-        K,
-        H,
-        D,
-        *_strides(q, k, w, indices, target),
-        BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_K=cfg["BLOCK_K"],
-        BLOCK_D=cfg["BLOCK_D"],
-        PREC=dot_precision(q),
+        q, k, w, indices, target, stats, T, S, K, H, D, *_strides(q, k, w, indices, target),
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], PREC=dot_precision(q),
         BLOCK_F=cfg["BLOCK_F"],
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return stats
 
@@ -292,36 +195,11 @@ def launch_indexer_kl_bwd(q, k, w, indices, target, stats, g, overrides=None, dq
     dw = torch.empty(B, T, H, device=w.device, dtype=w.dtype) if dw is None else dw
     dk = torch.zeros(B, S, D, device=k.device, dtype=torch.float32)
     _indexer_kl_bwd_kernel[(B * T,)](
-        q,
-        k,
-        w,
-        indices,
-        target,
-        stats,
-        g,
-        dq,
-        dk,
-        dw,
-        T,
-        S,
-        K,
-        H,
-        D,
-        *_strides(q, k, w, indices, target),
-        dq.stride(0),
-        dq.stride(1),
-        dq.stride(2),
-        dk.stride(0),
-        dk.stride(1),
-        dw.stride(0),
-        dw.stride(1),
-        BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_K=cfg["BLOCK_K"],
-        BLOCK_D=cfg["BLOCK_D"],
-        PREC=dot_precision(q),
+        q, k, w, indices, target, stats, g, dq, dk, dw, T, S, K, H, D, *_strides(q, k, w, indices, target),
+        dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dw.stride(0), dw.stride(1),
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], BLOCK_D=cfg["BLOCK_D"], PREC=dot_precision(q),
         BLOCK_F=cfg["BLOCK_F"],
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return dq, dk.to(k.dtype), dw
 
@@ -346,11 +224,7 @@ class IndexerKLTriton(torch.autograd.Function):
 
 
 def indexer_kl_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    w: torch.Tensor,
-    indices: torch.Tensor,
-    target: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor, target: torch.Tensor,
     overrides: dict | None = None,
 ) -> torch.Tensor:
     """Same contract as `dsaflow.ops.indexer_loss.indexer_kl` (CUDA or the Triton interpreter)."""
@@ -358,9 +232,8 @@ def indexer_kl_triton(
         raise ValueError(f"indexer_kl: q_I.dtype={q.dtype} != k_I.dtype={k.dtype} (the kernels dot them)")
     B, T, H, D = q.shape
     if H > 128 or D > 256:
-        raise ValueError(
-            f"indexer_kl: H_I={H}, D_I={D}: the kernels hold all heads of a query in one tile (H_I <= 128, D_I <= 256)"
-        )
+        raise ValueError(f"indexer_kl: H_I={H}, D_I={D}: the kernels hold all heads of a query in one tile "
+                         f"(H_I <= 128, D_I <= 256)")
     if B * T == 0:  # no query: the mean over valid queries is 0 (kept differentiable)
         return (q.sum() + k.sum() + w.sum()).float() * 0.0
     q, k, w = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, w))

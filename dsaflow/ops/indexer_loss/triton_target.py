@@ -12,7 +12,6 @@ Cost per query: 2 * H * K * D_qk FLOPs (the S = Q.K^T half of a sparse-MLA forwa
 Invalid indices (-1 or >= S) are masked branchlessly: their rows are not read and their probs are 0; a query with no
 valid key gets an all-zero row (its lse is -inf).
 """
-
 from __future__ import annotations
 
 import torch
@@ -38,41 +37,16 @@ def valid_extent(idx_base, K, S, BLOCK_F: tl.constexpr):
 
 @triton.jit
 def _attention_target_kernel(
-    q_ptr,
-    kv_ptr,
-    idx_ptr,
-    lse_ptr,
-    p_ptr,
-    out_ptr,
-    T,
-    S,
-    K,
-    H,
-    D_V,
-    D_T,
-    scale_log2,
-    weight,
-    s_qb,
-    s_qt,
-    s_qh,
-    s_kvb,
-    s_kvs,
-    s_ib,
-    s_it,
-    s_lb,
-    s_lt,
-    s_pb,
-    s_pt,
-    s_ob,
-    s_ot,
-    BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_DT: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    PREC: tl.constexpr,
-    BLOCK_F: tl.constexpr,
+    q_ptr, kv_ptr, idx_ptr, lse_ptr, p_ptr, out_ptr,
+    T, S, K, H, D_V, D_T, scale_log2, weight,
+    s_qb, s_qt, s_qh,
+    s_kvb, s_kvs,
+    s_ib, s_it,
+    s_lb, s_lt,
+    s_pb, s_pt,
+    s_ob, s_ot,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
+    HAS_TAIL: tl.constexpr, ACCUMULATE: tl.constexpr, PREC: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     b = pid // T
@@ -150,16 +124,8 @@ def target_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dic
 
 
 def launch_attention_target(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    out: torch.Tensor,
-    weight: float,
-    accumulate: bool,
-    overrides: dict | None = None,
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float, d_v: int,
+    out: torch.Tensor, weight: float, accumulate: bool, overrides: dict | None = None,
 ):
     """out [B, T, K] fp32 (contiguous last dim) = (out if accumulate else 0) + weight * distribution.
 
@@ -171,43 +137,17 @@ def launch_attention_target(
     cfg = target_config(q, d_v, d_tail, K, overrides)
     scratch = torch.empty(B, T, K, device=q.device, dtype=torch.float32) if accumulate else out
     return _attention_target_kernel[(B * T,)](
-        q,
-        kv,
-        indices,
-        lse,
-        scratch,
-        out,
-        T,
-        S,
-        K,
-        H,
-        d_v,
-        d_tail,
-        sm_scale * LOG2E,
-        weight,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        kv.stride(0),
-        kv.stride(1),
-        indices.stride(0),
-        indices.stride(1),
-        lse.stride(0),
-        lse.stride(1),
-        scratch.stride(0),
-        scratch.stride(1),
-        out.stride(0),
-        out.stride(1),
-        BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_K=cfg["BLOCK_K"],
-        BLOCK_DV=cfg["BLOCK_DV"],
-        BLOCK_DT=cfg["BLOCK_DT"],
-        HAS_TAIL=d_tail > 0,
-        ACCUMULATE=accumulate,
-        PREC=dot_precision(q),
-        BLOCK_F=cfg["BLOCK_F"],
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        q, kv, indices, lse, scratch, out,
+        T, S, K, H, d_v, d_tail, sm_scale * LOG2E, weight,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        indices.stride(0), indices.stride(1),
+        lse.stride(0), lse.stride(1),
+        scratch.stride(0), scratch.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_K=cfg["BLOCK_K"], BLOCK_DV=cfg["BLOCK_DV"], BLOCK_DT=cfg["BLOCK_DT"],
+        HAS_TAIL=d_tail > 0, ACCUMULATE=accumulate, PREC=dot_precision(q), BLOCK_F=cfg["BLOCK_F"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
@@ -229,14 +169,8 @@ def split_dims(d_qk: int) -> int:
 
 @torch.no_grad()
 def attention_target_triton(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    lse: torch.Tensor,
-    sm_scale: float,
-    out: torch.Tensor | None = None,
-    weight: float = 1.0,
-    overrides: dict | None = None,
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, sm_scale: float,
+    out: torch.Tensor | None = None, weight: float = 1.0, overrides: dict | None = None,
 ) -> torch.Tensor:
     """Same contract as `dsaflow.ops.indexer_loss.attention_target` (CUDA or the Triton interpreter)."""
     if kv.dtype != q.dtype:
@@ -252,13 +186,12 @@ def attention_target_triton(
     if out is None:
         out = torch.empty(B, T, K, device=q.device, dtype=torch.float32)
     elif out.shape != (B, T, K) or out.dtype != torch.float32 or out.stride(-1) != 1:
-        raise ValueError(
-            f"attention_target: out must be fp32 [B, T, K] = {(B, T, K)} with a contiguous last dim, "
-            f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
-        )
+        raise ValueError(f"attention_target: out must be fp32 [B, T, K] = {(B, T, K)} with a contiguous last dim, "
+                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     if B * T == 0 or K == 0:
         return out if accumulate else out.zero_()
     if kv.shape[1] == 0:  # no key at all: the distribution is all zeros
         return out if accumulate else out.zero_()
-    launch_attention_target(q, kv, indices, lse, sm_scale, split_dims(D_qk), out, float(weight), accumulate, overrides)
+    launch_attention_target(q, kv, indices, lse, sm_scale, split_dims(D_qk), out, float(weight), accumulate,
+                            overrides)
     return out

@@ -14,7 +14,6 @@ The other path (int64 sort keys from the kernel + torch.topk + a sort of the sur
 serves short rows and few rows (`dispatch.py` decides).
 Chunk size, grids and buffers depend on shapes only, so the whole op is CUDA-graph safe.
 """
-
 from __future__ import annotations
 
 import torch
@@ -29,36 +28,15 @@ from .triton_select import radix_topk_triton, select_scratch
 
 @triton.jit
 def _indexer_logits_kernel(
-    q_ptr,
-    k_ptr,
-    w_ptr,
-    pos_ptr,
-    out_ptr,
-    kscale_ptr,
-    T,
-    S,
-    H,
-    D,
-    s_qb,
-    s_qt,
-    s_qh,
-    s_kb,
-    s_ks,
-    s_ksb,
-    s_wb,
-    s_wt,
-    s_wh,
-    s_pb,
-    s_pt,
-    s_ob,
-    s_ot,
-    BLOCK_T: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    AS_KEYS: tl.constexpr,
-    WRITE_INVISIBLE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    K_SCALED: tl.constexpr,
+    q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, kscale_ptr,
+    T, S, H, D,
+    s_qb, s_qt, s_qh,
+    s_kb, s_ks, s_ksb,
+    s_wb, s_wt, s_wh,
+    s_pb, s_pt,
+    s_ob, s_ot,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, AS_KEYS: tl.constexpr,
+    WRITE_INVISIBLE: tl.constexpr, DOT_PREC: tl.constexpr, K_SCALED: tl.constexpr,
 ):
     # one grid axis (axes 1-2 stop at 65,535): key tile fastest, so neighbouring programs share the query tile
     pid = tl.program_id(0).to(tl.int64)
@@ -77,9 +55,8 @@ def _indexer_logits_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
     any_visible = pid_s * BLOCK_S <= tl.max(pos, 0)
     if any_visible:  # some key of this tile is visible to some query of the tile
-        k = tl.load(
-            k_ptr + b * s_kb + offs_s[:, None] * s_ks + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
-        )
+        k = tl.load(k_ptr + b * s_kb + offs_s[:, None] * s_ks + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
         k_t = tl.trans(k)
         q_rows = q_ptr + b * s_qb + offs_t[:, None] * s_qt + offs_d[None, :]
         w_rows = w_ptr + b * s_wb + offs_t * s_wt
@@ -99,24 +76,16 @@ def _indexer_logits_kernel(
         bits = acc.to(tl.int32, bitcast=True)
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
         key = (ordered.to(tl.int64) << 32) | (2147483647 - offs_s).to(tl.int64)[None, :]
-        tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + offs_s[None, :], key, mask=t_ok[:, None] & s_ok[None, :])
+        tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + offs_s[None, :], key,
+                 mask=t_ok[:, None] & s_ok[None, :])
     else:
-        tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + offs_s[None, :], acc, mask=t_ok[:, None] & s_ok[None, :])
+        tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + offs_s[None, :], acc,
+                 mask=t_ok[:, None] & s_ok[None, :])
 
 
 @triton.jit
-def _quantize_rows_kernel(
-    x_ptr,
-    x8_ptr,
-    scale_ptr,
-    w_ptr,
-    w_out_ptr,
-    n_rows,
-    D,
-    BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_W: tl.constexpr,
-):
+def _quantize_rows_kernel(x_ptr, x8_ptr, scale_ptr, w_ptr, w_out_ptr, n_rows, D,
+                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_W: tl.constexpr):
     """Rows of D values -> e4m3 rows and fp32 scales amax * (1 / 448) (the values divided by the scale with IEEE
     division, rounded to nearest even: `fp8.quantize_rows`); with HAS_W also w * scale, one weight per row (the
     queries' scales folded into w)."""
@@ -153,9 +122,8 @@ def quantize_rows_triton(x: torch.Tensor, w: torch.Tensor | None = None):
     block_d = max(16, triton.next_power_of_2(D))
     block_r = max(1, min(64, 8192 // block_d))
     if n:
-        _quantize_rows_kernel[(triton.cdiv(n, block_r),)](
-            xr, x8, scale, w_flat, w_out, n, D, BLOCK_R=block_r, BLOCK_D=block_d, HAS_W=w is not None, num_warps=4
-        )
+        _quantize_rows_kernel[(triton.cdiv(n, block_r),)](xr, x8, scale, w_flat, w_out, n, D, BLOCK_R=block_r,
+                                                          BLOCK_D=block_d, HAS_W=w is not None, num_warps=4)
     return (x8, scale, w_out) if w is not None else (x8, scale)
 
 
@@ -172,14 +140,8 @@ def logits_config(T: int, S: int, D: int, overrides: dict | None = None) -> dict
 
 
 def indexer_logits_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    w: torch.Tensor,
-    positions: torch.Tensor,
-    out: torch.Tensor | None = None,
-    overrides: dict | None = None,
-    write_invisible: bool = True,
-    k_scale: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None,
+    overrides: dict | None = None, write_invisible: bool = True, k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, T, H, D], k [B, S, D], w [B, T, H], positions [B, T] -> logits [B, T, S] fp32, -inf where invisible.
 
@@ -201,45 +163,22 @@ def indexer_logits_triton(
         raise ValueError(f"indexer logits: {grid[0]} programs for B={B} T={T} S={S} exceed the grid limit")
     fp8 = torch.float8_e4m3fn
     if (q.dtype == fp8) != (k_scale is not None) or (k.dtype == fp8) != (k_scale is not None):
-        raise ValueError(
-            f"indexer logits: q {q.dtype} / k {k.dtype} with k_scale "
-            f"{'given' if k_scale is not None else 'missing'}: fp8 needs both fp8 and k_scale [B, S]"
-        )
+        raise ValueError(f"indexer logits: q {q.dtype} / k {k.dtype} with k_scale "
+                         f"{'given' if k_scale is not None else 'missing'}: fp8 needs both fp8 and k_scale [B, S]")
     ks = k_scale if k_scale is not None else w  # any tensor: K_SCALED=False never reads it
     _indexer_logits_kernel[grid](
-        q,
-        k,
-        w,
-        positions,
-        out,
-        ks,
-        T,
-        S,
-        H,
-        D,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        ks.stride(0),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
-        positions.stride(0),
-        positions.stride(1),
-        out.stride(0),
-        out.stride(1),
-        BLOCK_T=cfg["BLOCK_T"],
-        BLOCK_S=cfg["BLOCK_S"],
-        BLOCK_D=cfg["BLOCK_D"],
-        AS_KEYS=out.dtype == torch.int64,
+        q, k, w, positions, out, ks,
+        T, S, H, D,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), ks.stride(0),
+        w.stride(0), w.stride(1), w.stride(2),
+        positions.stride(0), positions.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"], AS_KEYS=out.dtype == torch.int64,
         WRITE_INVISIBLE=write_invisible,
         # fp32 inputs mean fp32 scores (IEEE, not TF32): rounded scores can reorder near-ties and change the top-k
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        K_SCALED=k_scale is not None,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", K_SCALED=k_scale is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
@@ -264,16 +203,9 @@ def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
 
 @torch.no_grad()
 def indexer_topk_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    w: torch.Tensor,
-    positions: torch.Tensor,
-    topk: int,
-    chunk: int | None = None,
-    overrides: dict | None = None,
-    select: str = "auto",
-    select_overrides: dict | None = None,
-    fp8: bool = False,
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int,
+    chunk: int | None = None, overrides: dict | None = None, select: str = "auto",
+    select_overrides: dict | None = None, fp8: bool = False,
 ) -> torch.Tensor:
     """Same contract as `dsaflow.ops.indexer_topk.indexer_topk`: q [B, T, H_I, D_I], k [B, S, D_I], w [B, T, H_I],
     positions [B, T] int -> int32 [B, T, topk]: the best keys in ascending key order, -1 after them where fewer

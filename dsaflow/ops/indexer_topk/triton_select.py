@@ -20,7 +20,6 @@ Three kernels:
 
 Grids and buffers depend on shapes only and nothing syncs with the host: the op is CUDA-graph safe.
 """
-
 from __future__ import annotations
 
 import torch
@@ -77,7 +76,8 @@ def _key_threshold(c_row, n_c, kk, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _write_best(c_row, v_row, o_row, n_c, kk, TOPK, BLOCK: tl.constexpr, K_POW2: tl.constexpr, IN_ORDER: tl.constexpr):
+def _write_best(c_row, v_row, o_row, n_c, kk, TOPK, BLOCK: tl.constexpr, K_POW2: tl.constexpr,
+                IN_ORDER: tl.constexpr):
     """The kk best of the n_c candidate keys in c_row -> their indices in o_row [TOPK], ascending, -inf ones dropped,
     -1 after. IN_ORDER: the candidates are in ascending index order (one compaction program per row), so the
     survivors are written straight out in order; otherwise (slots reserved by atomics: decode) they go to v_row
@@ -114,9 +114,8 @@ def _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt):
 
 
 @triton.jit
-def _floor_kernel(
-    x_ptr, pos_ptr, floor_ptr, count_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt, SAMPLE: tl.constexpr
-):
+def _floor_kernel(x_ptr, pos_ptr, floor_ptr, count_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt,
+                  SAMPLE: tl.constexpr):
     pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
     n1 = tl.maximum(n, 1)
     m_eff = tl.minimum(n1, SAMPLE)
@@ -152,24 +151,8 @@ def _floor_kernel(
 
 
 @triton.jit
-def _compact_kernel(
-    x_ptr,
-    pos_ptr,
-    floor_ptr,
-    count_ptr,
-    cand_ptr,
-    S,
-    TOPK,
-    ROWS_PER_B,
-    s_xb,
-    s_xt,
-    s_pb,
-    s_pt,
-    s_cr,
-    SEG,
-    BLOCK: tl.constexpr,
-    ONE_SPLIT: tl.constexpr,
-):
+def _compact_kernel(x_ptr, pos_ptr, floor_ptr, count_ptr, cand_ptr, S, TOPK, ROWS_PER_B,
+                    s_xb, s_xt, s_pb, s_pt, s_cr, SEG, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr):
     pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
     floor = tl.load(floor_ptr + pid)
     if ONE_SPLIT:  # one program per row: a running count in registers, no atomics, candidates in index order
@@ -191,9 +174,8 @@ def _compact_kernel(
 
 
 @triton.jit
-def _refill_kernel(
-    x_ptr, pos_ptr, count_ptr, cand_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt, s_cr, BLOCK: tl.constexpr
-):
+def _refill_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt, s_cr,
+                   BLOCK: tl.constexpr):
     """A row whose sample's floor was too high (fewer than kk candidates: rare) takes every visible key instead.
     Its own kernel, so the finish kernel carries no whole-row compaction code (registers, shared memory)."""
     pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
@@ -202,40 +184,12 @@ def _refill_kernel(
 
 
 @triton.jit
-def _finish_kernel(
-    x_ptr,
-    pos_ptr,
-    count_ptr,
-    cand_ptr,
-    surv_ptr,
-    out_ptr,
-    S,
-    TOPK,
-    ROWS_PER_B,
-    s_xb,
-    s_xt,
-    s_pb,
-    s_pt,
-    s_cr,
-    s_sr,
-    s_ob,
-    s_ot,
-    BLOCK: tl.constexpr,
-    K_POW2: tl.constexpr,
-    IN_ORDER: tl.constexpr,
-):
+def _finish_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, surv_ptr, out_ptr, S, TOPK, ROWS_PER_B,
+                   s_xb, s_xt, s_pb, s_pt, s_cr, s_sr, s_ob, s_ot, BLOCK: tl.constexpr, K_POW2: tl.constexpr,
+                   IN_ORDER: tl.constexpr):
     pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
-    _write_best(
-        cand_ptr + pid * s_cr,
-        surv_ptr + pid * s_sr,
-        out_ptr + b * s_ob + t * s_ot,
-        tl.load(count_ptr + pid),
-        kk,
-        TOPK,
-        BLOCK,
-        K_POW2,
-        IN_ORDER,
-    )
+    _write_best(cand_ptr + pid * s_cr, surv_ptr + pid * s_sr, out_ptr + b * s_ob + t * s_ot, tl.load(count_ptr + pid),
+                kk, TOPK, BLOCK, K_POW2, IN_ORDER)
 
 
 def select_config(S: int, overrides: dict | None = None) -> dict:
@@ -245,16 +199,8 @@ def select_config(S: int, overrides: dict | None = None) -> dict:
     A one-warp compaction (its prefix sum needs no barrier across warps) of 512-key blocks, SAMPLE 1024 and a
     4-warp finish of 512-key blocks were the fastest on an H200 at 8K-128K keys (docs/kernels.md)."""
     p2 = max(16, triton.next_power_of_2(S))
-    cfg = dict(
-        BLOCK=min(512, p2),
-        BLOCK_FINISH=min(512, p2),
-        SAMPLE=min(1024, p2),
-        whole_row=False,
-        warps_floor=4,
-        warps_compact=1,
-        warps_finish=4,
-        programs=None,
-    )
+    cfg = dict(BLOCK=min(512, p2), BLOCK_FINISH=min(512, p2), SAMPLE=min(1024, p2), whole_row=False, warps_floor=4,
+               warps_compact=1, warps_finish=4, programs=None)
     unknown = set(overrides or {}) - set(cfg)
     if unknown:
         raise ValueError(f"radix_topk_triton: unknown config keys {sorted(unknown)} (known: {sorted(cfg)})")
@@ -266,12 +212,10 @@ def select_scratch(rows: int, S: int, topk: int, device) -> dict:
     """Scratch for `radix_topk_triton` over up to `rows` rows, reusable across calls: int64 candidate keys
     [rows, S], int32 survivor indices [rows, topk] (sorted by index where the candidates arrive
     out of order), int32 floors and counts [rows]."""
-    return dict(
-        cand=torch.empty(rows, max(S, 1), device=device, dtype=torch.int64),
-        surv=torch.empty(rows, max(topk, 1), device=device, dtype=torch.int32),
-        floor=torch.empty(rows, device=device, dtype=torch.int32),
-        count=torch.empty(rows, device=device, dtype=torch.int32),
-    )
+    return dict(cand=torch.empty(rows, max(S, 1), device=device, dtype=torch.int64),
+                surv=torch.empty(rows, max(topk, 1), device=device, dtype=torch.int32),
+                floor=torch.empty(rows, device=device, dtype=torch.int32),
+                count=torch.empty(rows, device=device, dtype=torch.int32))
 
 
 def _splits(rows: int, S: int, block: int, programs: int | None, device) -> int:
@@ -283,12 +227,8 @@ def _splits(rows: int, S: int, block: int, programs: int | None, device) -> int:
 
 
 def radix_topk_triton(
-    scores: torch.Tensor,
-    positions: torch.Tensor,
-    topk: int,
-    out: torch.Tensor | None = None,
-    scratch: dict | None = None,
-    overrides: dict | None = None,
+    scores: torch.Tensor, positions: torch.Tensor, topk: int, out: torch.Tensor | None = None,
+    scratch: dict | None = None, overrides: dict | None = None,
 ) -> torch.Tensor:
     """scores [B, T, S] fp32 (last dim contiguous; only [0, positions + 1) of each row is read), positions [B, T]
     int (< 0 = padding) -> int32 [B, T, topk]: the best keys in ascending key order, ties to the lower key index,
@@ -297,10 +237,8 @@ def radix_topk_triton(
     BLOCK_FINISH, SAMPLE, whole_row, warps, programs)."""
     B, T, S = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
-        raise ValueError(
-            f"radix_topk_triton needs fp32 scores with a contiguous last dim, got {scores.dtype} "
-            f"strides {scores.stride()}"
-        )
+        raise ValueError(f"radix_topk_triton needs fp32 scores with a contiguous last dim, got {scores.dtype} "
+                         f"strides {scores.stride()}")
     if S >= 2**31 - 1 or topk < 1:
         raise ValueError(f"radix_topk_triton: S={S} must fit the int32 key index and topk={topk} be >= 1")
     cfg = select_config(S, overrides)
@@ -309,61 +247,27 @@ def radix_topk_triton(
     rows = B * T
     sc = scratch if scratch is not None else select_scratch(rows, S, topk, scores.device)
     if sc["cand"].shape[0] < rows or sc["cand"].shape[1] < S or sc["surv"].shape[1] < topk:
-        raise ValueError(
-            f"radix_topk_triton: scratch {tuple(sc['cand'].shape)} / {tuple(sc['surv'].shape)} too "
-            f"small for {rows} rows x {S} keys, topk {topk}"
-        )
+        raise ValueError(f"radix_topk_triton: scratch {tuple(sc['cand'].shape)} / {tuple(sc['surv'].shape)} too "
+                         f"small for {rows} rows x {S} keys, topk {topk}")
     if rows == 0:
         return out
     k_pow2 = max(16, triton.next_power_of_2(topk))
     row_args = (S, topk, T, scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1))
     if cfg["whole_row"]:
-        sc["floor"][:rows].fill_(-(2**31))
+        sc["floor"][:rows].fill_(-2**31)
         sc["count"][:rows].zero_()
     else:
-        _floor_kernel[(rows,)](
-            scores, positions, sc["floor"], sc["count"], *row_args, SAMPLE=cfg["SAMPLE"], num_warps=cfg["warps_floor"]
-        )
+        _floor_kernel[(rows,)](scores, positions, sc["floor"], sc["count"], *row_args, SAMPLE=cfg["SAMPLE"],
+                               num_warps=cfg["warps_floor"])
     splits = _splits(rows, S, cfg["BLOCK"], cfg["programs"], scores.device)
     seg = triton.cdiv(triton.cdiv(S, splits), cfg["BLOCK"]) * cfg["BLOCK"]
-    _compact_kernel[(rows, splits)](
-        scores,
-        positions,
-        sc["floor"],
-        sc["count"],
-        sc["cand"],
-        *row_args,
-        sc["cand"].stride(0),
-        seg,
-        BLOCK=cfg["BLOCK"],
-        ONE_SPLIT=splits == 1,
-        num_warps=cfg["warps_compact"],
-    )
-    _refill_kernel[(rows,)](
-        scores,
-        positions,
-        sc["count"],
-        sc["cand"],
-        *row_args,
-        sc["cand"].stride(0),
-        BLOCK=cfg["BLOCK"],
-        num_warps=cfg["warps_compact"],
-    )
-    _finish_kernel[(rows,)](
-        scores,
-        positions,
-        sc["count"],
-        sc["cand"],
-        sc["surv"],
-        out,
-        *row_args,
-        sc["cand"].stride(0),
-        sc["surv"].stride(0),
-        out.stride(0),
-        out.stride(1),
-        BLOCK=cfg["BLOCK_FINISH"],
-        K_POW2=k_pow2,
-        IN_ORDER=splits == 1,
-        num_warps=cfg["warps_finish"],
-    )
+    _compact_kernel[(rows, splits)](scores, positions, sc["floor"], sc["count"], sc["cand"], *row_args,
+                                    sc["cand"].stride(0), seg, BLOCK=cfg["BLOCK"], ONE_SPLIT=splits == 1,
+                                    num_warps=cfg["warps_compact"])
+    _refill_kernel[(rows,)](scores, positions, sc["count"], sc["cand"], *row_args, sc["cand"].stride(0),
+                            BLOCK=cfg["BLOCK"], num_warps=cfg["warps_compact"])
+    _finish_kernel[(rows,)](scores, positions, sc["count"], sc["cand"], sc["surv"], out, *row_args,
+                            sc["cand"].stride(0), sc["surv"].stride(0), out.stride(0), out.stride(1),
+                            BLOCK=cfg["BLOCK_FINISH"], K_POW2=k_pow2, IN_ORDER=splits == 1,
+                            num_warps=cfg["warps_finish"])
     return out

@@ -5,7 +5,6 @@ program walks a fixed block of rows, writes dx and keeps its own fp32 partial su
 torch.sum over programs finishes dweight, so the result does not depend on scheduling (deterministic). The program
 count depends on the shape only. Rows are read through their stride (the kv latent is a strided slice).
 """
-
 from __future__ import annotations
 
 import torch
@@ -20,7 +19,8 @@ MAX_PROGRAMS = 512  # backward: ~4 waves on a 132-SM GPU; the weight-gradient pa
 
 
 @triton.jit
-def _rms_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, R, D, s_x, s_y, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, R, D, s_x, s_y, eps,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     rm, dm = r < R, d < D
@@ -35,22 +35,8 @@ def _rms_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, R, D, s_x, s_y, eps, BLOCK_R:
 
 
 @triton.jit
-def _rms_bwd_kernel(
-    x_ptr,
-    w_ptr,
-    dy_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dw_part_ptr,
-    R,
-    D,
-    rows_per_prog,
-    s_x,
-    s_dy,
-    s_dx,
-    BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+def _rms_bwd_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr, R, D, rows_per_prog,
+                    s_x, s_dy, s_dx, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     # dx = rstd * (w dy - x_hat * mean(x_hat * w dy)),  dw = sum over rows of dy * x_hat   (x_hat = x * rstd)
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
@@ -109,26 +95,13 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
     rstd = _empty(R, device=x.device, dtype=torch.float32)
     if R:
         block_r, block_d, warps = _config(D)
-        _rms_fwd_kernel[(triton.cdiv(R, block_r),)](
-            x2,
-            weight,
-            y,
-            rstd,
-            R,
-            D,
-            x2.stride(0),
-            y.stride(0),
-            float(eps),
-            BLOCK_R=block_r,
-            BLOCK_D=block_d,
-            num_warps=warps,
-        )
+        _rms_fwd_kernel[(triton.cdiv(R, block_r),)](x2, weight, y, rstd, R, D, x2.stride(0), y.stride(0), float(eps),
+                                                    BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
     return y.view(x.shape), rstd
 
 
-def rms_norm_bwd(
-    x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, max_programs: int = MAX_PROGRAMS
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_bwd(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor,
+                 max_programs: int = MAX_PROGRAMS) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (dx [..., D] in x.dtype, dweight [D] in weight.dtype). Deterministic."""
     x2, dy2 = _rows(x), _rows(dy)
     R, D = x2.shape
@@ -139,23 +112,8 @@ def rms_norm_bwd(
     n_prog = max(1, triton.cdiv(R, rows_per_prog))
     part = _empty((n_prog, D), device=x.device, dtype=torch.float32)
     if R:
-        _rms_bwd_kernel[(n_prog,)](
-            x2,
-            weight,
-            dy2,
-            rstd,
-            dx,
-            part,
-            R,
-            D,
-            rows_per_prog,
-            x2.stride(0),
-            dy2.stride(0),
-            dx.stride(0),
-            BLOCK_R=block_r,
-            BLOCK_D=block_d,
-            num_warps=warps,
-        )
+        _rms_bwd_kernel[(n_prog,)](x2, weight, dy2, rstd, dx, part, R, D, rows_per_prog, x2.stride(0), dy2.stride(0),
+                                   dx.stride(0), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
     else:
         part.zero_()
     return dx.view(x.shape), part.sum(0).to(weight.dtype)

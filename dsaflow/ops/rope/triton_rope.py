@@ -4,7 +4,6 @@ Reading and writing through strides lets MLA rotate q_pe straight into the tail 
 gradient into the tail of dq) with no copy; the indexer's prefix rope rotates the first dims and copies the rest in
 the same pass. The backward is the same kernel with the angle negated.
 """
-
 from __future__ import annotations
 
 import torch
@@ -19,28 +18,9 @@ MAX_DIM = 1024  # one program holds BLOCK_H rows of the head dim
 
 @triton.jit
 def _rope_kernel(
-    x_ptr,
-    out_ptr,
-    cos_ptr,
-    sin_ptr,
-    T,
-    H,
-    HALF,
-    PASS,
-    s_xb,
-    s_xt,
-    s_xh,
-    s_ob,
-    s_ot,
-    s_oh,
-    s_cb,
-    s_ct,
-    s_sb,
-    s_st,
-    SIGN: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_PASS: tl.constexpr,
+    x_ptr, out_ptr, cos_ptr, sin_ptr, T, H, HALF, PASS,
+    s_xb, s_xt, s_xh, s_ob, s_ot, s_oh, s_cb, s_ct, s_sb, s_st,
+    SIGN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
     # One program: one (b, t) row, BLOCK_H heads. The angle is shared by all heads of the row.
     row = tl.program_id(0)
@@ -87,23 +67,16 @@ def _as4(a: torch.Tensor) -> torch.Tensor:
     return a.unsqueeze(2) if a.dim() == 3 else a
 
 
-def rope_into(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    out: torch.Tensor,
-    rope_dim: int | None = None,
-    inverse: bool = False,
-) -> torch.Tensor:
+def rope_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, rope_dim: int | None = None,
+              inverse: bool = False) -> torch.Tensor:
     """Launcher. x, out [B, T, d] or [B, T, H, d] (same shape, any strides with the last dim contiguous; out may be a
     view into a larger buffer); cos/sin [B, T, rope_dim // 2]. Writes the rotated x (first rope_dim dims, the rest
     copied) into out and returns out. inverse=True rotates by -angle (the backward)."""
     d = x.shape[-1]
     rope_dim = d if rope_dim is None else rope_dim
     reason = rope_supports(x, cos, sin, rope_dim)
-    if reason is None and (
-        out.shape != x.shape or x.stride(-1) != 1 or out.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1
-    ):
+    if reason is None and (out.shape != x.shape or x.stride(-1) != 1 or out.stride(-1) != 1
+                           or cos.stride(-1) != 1 or sin.stride(-1) != 1):
         reason = f"out {tuple(out.shape)} for x {tuple(x.shape)}, or a last dim that is not contiguous"
     if reason is not None:
         raise ValueError(f"rope (Triton): {reason}")
@@ -116,29 +89,11 @@ def rope_into(
     block_h = min(triton.next_power_of_2(H), max(1, 2048 // block_half))
     grid = (B * T, triton.cdiv(H, block_h))
     _rope_kernel[grid](
-        x4,
-        o4,
-        cos,
-        sin,
-        T,
-        H,
-        half,
-        n_pass,
-        x4.stride(0),
-        x4.stride(1),
-        x4.stride(2),
-        o4.stride(0),
-        o4.stride(1),
-        o4.stride(2),
-        cos.stride(0),
-        cos.stride(1),
-        sin.stride(0),
-        sin.stride(1),
-        SIGN=-1.0 if inverse else 1.0,
-        BLOCK_H=block_h,
-        BLOCK_HALF=block_half,
-        BLOCK_PASS=triton.next_power_of_2(n_pass) if n_pass else 0,
-        num_warps=4 if block_h * block_half >= 512 else 1,
+        x4, o4, cos, sin, T, H, half, n_pass,
+        x4.stride(0), x4.stride(1), x4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        SIGN=-1.0 if inverse else 1.0, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        BLOCK_PASS=triton.next_power_of_2(n_pass) if n_pass else 0, num_warps=4 if block_h * block_half >= 512 else 1,
     )
     return out
 
@@ -156,7 +111,8 @@ class RopeTriton(torch.autograd.Function):
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
         g = g if g.stride(-1) == 1 else g.contiguous()
-        dx = rope_into(g, cos, sin, _empty_like(g, memory_format=torch.contiguous_format), ctx.rope_dim, inverse=True)
+        dx = rope_into(g, cos, sin, _empty_like(g, memory_format=torch.contiguous_format), ctx.rope_dim,
+                       inverse=True)
         return dx, None, None, None
 
 

@@ -6,7 +6,6 @@ Gluon does not run in the CPU interpreter and its API moves between triton relea
 its kernels only when `GLUON_ERROR` is None, and the capability rules below say, without a GPU, why a call cannot
 run them.
 """
-
 from __future__ import annotations
 
 import functools
@@ -29,7 +28,6 @@ try:  # Gluon exists from triton 3.4; the kernels are written against 3.6 (every
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-
     GLUON_ERROR = None
 except Exception as e:  # pragma: no cover - depends on the installed triton
     GLUON_ERROR = f"triton {triton.__version__} has no usable Gluon ({type(e).__name__}: {e})"
@@ -41,7 +39,6 @@ def gluon_reason() -> str | None:
     if GLUON_ERROR is not None:
         return GLUON_ERROR
     import inspect
-
     params = list(inspect.signature(gl.warp_specialize).parameters)
     if params[0] != "functions_and_args":  # 3.4/3.5 took (default_args, default_fn, worker_args, worker_fns, ...)
         return f"triton {triton.__version__}: Gluon warp_specialize has the pre-3.6 signature {params[:4]}"
@@ -58,14 +55,8 @@ def device_reason(q: torch.Tensor) -> str | None:
     return None
 
 
-def shape_reason(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    d_v: int,
-    block_h: int = BLOCK_H,
-    why_h: str = "one wgmma M tile per head block",
-) -> str | None:
+def shape_reason(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, block_h: int = BLOCK_H,
+                  why_h: str = "one wgmma M tile per head block") -> str | None:
     """The device-independent part of the capability rule (tested on CPU); heads in blocks of `block_h`."""
     if q.dim() != 4 or kv.dim() != 3 or indices.dim() != 3:
         return f"ranks q={q.dim()} kv={kv.dim()} indices={indices.dim()} (want 4, 3, 3)"
@@ -95,3 +86,4 @@ if GLUON_ERROR is None:
         rows = kv_base + gl.where(ok, idx, 0).to(gl.int64) * s_kvs + col0
         ptrs = gl.max_contiguous(gl.multiple_of(rows[:, None] + offs_d[None, :], [1, 16]), [1, 8])
         async_copy.async_copy_global_to_shared(smem, ptrs, mask=ok[:, None] & mask_cols[None, :])
+

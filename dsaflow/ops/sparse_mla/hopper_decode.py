@@ -12,7 +12,6 @@ block of 16) runs:
   softmax in base 2 with per-thread partial row sums (reduced once at the end); P through shared memory.
 One split per query: no partial outputs and no combine kernel. Same contract as `sparse_mla` for no-grad calls.
 """
-
 from __future__ import annotations
 
 import torch
@@ -35,28 +34,9 @@ if GLUON_ERROR is None:
     _DBH = gl.constexpr(DECODE_BLOCK_H)
 
     @gluon.jit
-    def _producer(
-        kv_ptr,
-        idx_ptr,
-        kn_smem,
-        kr_smem,
-        ready,
-        empty,
-        b,
-        t,
-        S,
-        K,
-        n_k,
-        s_kvb,
-        s_kvs,
-        s_ib,
-        s_it,
-        BLOCK_K: gl.constexpr,
-        D_V: gl.constexpr,
-        D_T: gl.constexpr,
-        NUM_STAGES: gl.constexpr,
-        PRODUCER_WARPS: gl.constexpr,
-    ):
+    def _producer(kv_ptr, idx_ptr, kn_smem, kr_smem, ready, empty, b, t, S, K, n_k, s_kvb, s_kvs, s_ib, s_it,
+                  BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_T: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  PRODUCER_WARPS: gl.constexpr):
         """Gather rows of kv into the stage ring with cp.async; every thread arrives (noinc) on `ready`.
         The next block's indices are loaded before waiting for a free stage, so their global-load latency is off
         the critical path (the copies cannot start before the indices are known)."""
@@ -96,20 +76,9 @@ if GLUON_ERROR is None:
         return qi, qi // T, qi % T, (pid % n_hblk) * BH
 
     @gluon.jit
-    def _alloc_tiles(
-        dtype: gl.constexpr,
-        BH: gl.constexpr,
-        BLOCK_K: gl.constexpr,
-        D_V: gl.constexpr,
-        D_T: gl.constexpr,
-        NUM_STAGES: gl.constexpr,
-        PRODUCER_WARPS: gl.constexpr,
-        qn_l: gl.constexpr,
-        qr_l: gl.constexpr,
-        kn_l: gl.constexpr,
-        kr_l: gl.constexpr,
-        p_l: gl.constexpr,
-    ):
+    def _alloc_tiles(dtype: gl.constexpr, BH: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr,
+                     D_T: gl.constexpr, NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, qn_l: gl.constexpr,
+                     qr_l: gl.constexpr, kn_l: gl.constexpr, kr_l: gl.constexpr, p_l: gl.constexpr):
         """Shared memory of the decode kernel: Q (value part, rope tail), the ring of gathered rows, P, and the
         ring's mbarriers: `ready[s]` completes when every producer thread's copies into stage s have landed (noinc
         arrivals), `empty[s]` when the consumer partition is done with it."""
@@ -126,21 +95,8 @@ if GLUON_ERROR is None:
         return qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty
 
     @gluon.jit
-    def _load_q(
-        q_ptr,
-        qn_smem,
-        qr_smem,
-        b,
-        t,
-        h0,
-        s_qb,
-        s_qt,
-        s_qh,
-        BH: gl.constexpr,
-        D_V: gl.constexpr,
-        D_T: gl.constexpr,
-        WARPS: gl.constexpr,
-    ):
+    def _load_q(q_ptr, qn_smem, qr_smem, b, t, h0, s_qb, s_qt, s_qh, BH: gl.constexpr, D_V: gl.constexpr,
+                D_T: gl.constexpr, WARPS: gl.constexpr):
         """Q [BH, D_V + D_T] of this program's head block into shared memory (plain loads, every warp), visible to
         the tensor cores and to every partition once this returns."""
         s_qb = gl.multiple_of(s_qb, 8)  # shape_reason checks: every row starts on 16 bytes
@@ -159,34 +115,9 @@ if GLUON_ERROR is None:
         gl.thread_barrier()
 
     @gluon.jit
-    def _decode_consumer(
-        qn_smem,
-        qr_smem,
-        kn_smem,
-        kr_smem,
-        p_smem,
-        ready,
-        empty,
-        idx_ptr,
-        out_ptr,
-        lse_ptr,
-        b,
-        t,
-        h0,
-        S,
-        K,
-        s_ib,
-        s_it,
-        s_ob,
-        s_ot,
-        s_oh,
-        s_lb,
-        s_lt,
-        scale_log2,
-        BLOCK_K: gl.constexpr,
-        D_V: gl.constexpr,
-        NUM_STAGES: gl.constexpr,
-    ):
+    def _decode_consumer(qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty, idx_ptr, out_ptr, lse_ptr,
+                         b, t, h0, S, K, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2,
+                         BLOCK_K: gl.constexpr, D_V: gl.constexpr, NUM_STAGES: gl.constexpr):
         mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_l, k_width=2)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_l, k_width=2)
@@ -201,11 +132,8 @@ if GLUON_ERROR is None:
             kn = kn_smem.index(st)
             sc = gl.zeros([_DBH, BLOCK_K], gl.float32, mma_l)
             for c in gl.static_range(D_V // 64):  # the value part in 64-column chunks (registers), then the tail
-                sc = mma_v2(
-                    qn_smem.slice(64 * c, 64, dim=1).load(a_l),
-                    kn.slice(64 * c, 64, dim=1).permute((1, 0)).load(b_l),
-                    sc,
-                )
+                sc = mma_v2(qn_smem.slice(64 * c, 64, dim=1).load(a_l),
+                            kn.slice(64 * c, 64, dim=1).permute((1, 0)).load(b_l), sc)
             sc = mma_v2(qr_smem.load(a_l), kr_smem.index(st).permute((1, 0)).load(b_l), sc)
             offs_k = it * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, mma_l))
             idx = gl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
@@ -236,100 +164,25 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _hopper_decode_kernel(
-        q_ptr,
-        kv_ptr,
-        idx_ptr,
-        out_ptr,
-        lse_ptr,
-        T,
-        S,
-        K,
-        n_hblk,
-        scale_log2,
-        s_qb,
-        s_qt,
-        s_qh,
-        s_kvb,
-        s_kvs,
-        s_ib,
-        s_it,
-        s_ob,
-        s_ot,
-        s_oh,
-        s_lb,
-        s_lt,
-        BLOCK_K: gl.constexpr,
-        D_V: gl.constexpr,
-        D_T: gl.constexpr,
-        NUM_STAGES: gl.constexpr,
-        PRODUCER_WARPS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr,
+        q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+        T, S, K, n_hblk, scale_log2,
+        s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt,
+        BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_T: gl.constexpr, NUM_STAGES: gl.constexpr,
+        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         qi, b, t, h0 = _program_query(n_hblk, T, _DBH)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         tile_l: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])  # ldmatrix-friendly, 64-column period
         qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty = _alloc_tiles(
-            dtype, _DBH, BLOCK_K, D_V, D_T, NUM_STAGES, PRODUCER_WARPS, tile_l, tile_l, tile_l, tile_l, tile_l
-        )
+            dtype, _DBH, BLOCK_K, D_V, D_T, NUM_STAGES, PRODUCER_WARPS, tile_l, tile_l, tile_l, tile_l, tile_l)
         _load_q(q_ptr, qn_smem, qr_smem, b, t, h0, s_qb, s_qt, s_qh, _DBH, D_V, D_T, 4)
         gl.warp_specialize(
             [
-                (
-                    _decode_consumer,
-                    (
-                        qn_smem,
-                        qr_smem,
-                        kn_smem,
-                        kr_smem,
-                        p_smem,
-                        ready,
-                        empty,
-                        idx_ptr,
-                        out_ptr,
-                        lse_ptr,
-                        b,
-                        t,
-                        h0,
-                        S,
-                        K,
-                        s_ib,
-                        s_it,
-                        s_ob,
-                        s_ot,
-                        s_oh,
-                        s_lb,
-                        s_lt,
-                        scale_log2,
-                        BLOCK_K,
-                        D_V,
-                        NUM_STAGES,
-                    ),
-                ),
-                (
-                    _producer,
-                    (
-                        kv_ptr,
-                        idx_ptr,
-                        kn_smem,
-                        kr_smem,
-                        ready,
-                        empty,
-                        b,
-                        t,
-                        S,
-                        K,
-                        K,
-                        s_kvb,
-                        s_kvs,
-                        s_ib,
-                        s_it,
-                        BLOCK_K,
-                        D_V,
-                        D_T,
-                        NUM_STAGES,
-                        PRODUCER_WARPS,
-                    ),
-                ),
+                (_decode_consumer, (qn_smem, qr_smem, kn_smem, kr_smem, p_smem, ready, empty, idx_ptr, out_ptr,
+                                    lse_ptr, b, t, h0, S, K, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2,
+                                    BLOCK_K, D_V, NUM_STAGES)),
+                (_producer, (kv_ptr, idx_ptr, kn_smem, kr_smem, ready, empty, b, t, S, K, K, s_kvb, s_kvs, s_ib, s_it,
+                             BLOCK_K, D_V, D_T, NUM_STAGES, PRODUCER_WARPS)),
             ],
             [PRODUCER_WARPS],
             [PRODUCER_REGS],
@@ -339,22 +192,13 @@ if GLUON_ERROR is None:
 def hopper_decode_supports(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> str | None:
     """None if `sparse_mla_decode_hopper` takes these inputs, else the reason it does not: the Gluon forward's rule
     (`hopper_common.shape_reason`) with heads in blocks of 16."""
-    return (
-        device_reason(q)
-        or shape_reason(q, kv, indices, d_v, DECODE_BLOCK_H, "one MMA tile of heads per program")
-        or gluon_reason()
-    )
+    return (device_reason(q) or shape_reason(q, kv, indices, d_v, DECODE_BLOCK_H, "one MMA tile of heads per program")
+            or gluon_reason())
 
 
 def sparse_mla_decode_hopper(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    cfg: dict | None = None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, cfg: dict | None = None,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode forward on sm_90: q [B, T, H, 576] (H a multiple of 16), kv [B, S, 576] (a cache), indices [B, T, K]
     int32 (-1 / >= S: no key) -> out [B, T, H, 512] q.dtype, lse [B, T, H] fp32 (written into `out` / `lse` when
@@ -365,48 +209,21 @@ def sparse_mla_decode_hopper(
     c = dict(DECODE_CFG, **(cfg or {}))
     unknown = set(c) - set(DECODE_CFG)
     if unknown:
-        raise ValueError(
-            f"sparse_mla_decode_hopper: unknown config keys {sorted(unknown)} (known: {sorted(DECODE_CFG)})"
-        )
+        raise ValueError(f"sparse_mla_decode_hopper: unknown config keys {sorted(unknown)} "
+                         f"(known: {sorted(DECODE_CFG)})")
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
     out = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype) if out is None else out
     lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if lse is None else lse
     if out.shape != (B, T, H, d_v) or lse.shape != (B, T, H) or out.stride(-1) != 1 or lse.stride(-1) != 1:
-        raise ValueError(
-            f"sparse_mla_decode_hopper: out {tuple(out.shape)} / lse {tuple(lse.shape)} must be "
-            f"{(B, T, H, d_v)} / {(B, T, H)} with unit last strides"
-        )
+        raise ValueError(f"sparse_mla_decode_hopper: out {tuple(out.shape)} / lse {tuple(lse.shape)} must be "
+                         f"{(B, T, H, d_v)} / {(B, T, H)} with unit last strides")
     n_hblk = H // DECODE_BLOCK_H
     _hopper_decode_kernel[(n_hblk * B * T,)](
-        q,
-        kv,
-        indices,
-        out,
-        lse,
-        T,
-        S,
-        K,
-        n_hblk,
-        sm_scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        kv.stride(0),
-        kv.stride(1),
-        indices.stride(0),
-        indices.stride(1),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        lse.stride(0),
-        lse.stride(1),
-        BLOCK_K=c["BLOCK_K"],
-        D_V=d_v,
-        D_T=D_qk - d_v,
-        NUM_STAGES=c["NUM_STAGES"],
-        PRODUCER_WARPS=c["PRODUCER_WARPS"],
-        PRODUCER_REGS=c["PRODUCER_REGS"],
-        num_warps=4,
+        q, kv, indices, out, lse, T, S, K, n_hblk, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        BLOCK_K=c["BLOCK_K"], D_V=d_v, D_T=D_qk - d_v, NUM_STAGES=c["NUM_STAGES"],
+        PRODUCER_WARPS=c["PRODUCER_WARPS"], PRODUCER_REGS=c["PRODUCER_REGS"], num_warps=4,
     )
     return out, lse

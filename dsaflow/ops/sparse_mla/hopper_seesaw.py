@@ -31,7 +31,6 @@ Every partition runs the pairs below the query's key extent (`triton_prefill.key
 indices are not read (cp.async zero-fills) and score -inf; a query with no valid key writes out = 0 and lse = -inf.
 Grids and buffers depend on shapes only (CUDA-graph safe). Measurements: docs/kernels.md.
 """
-
 from __future__ import annotations
 
 import torch
@@ -112,29 +111,8 @@ if GLUON_ERROR is None:
         mbarrier.arrive(bar, count=1)
 
     @gluon.jit
-    def _finish(
-        acc,
-        m_i,
-        l_i,
-        l_mine,
-        l_theirs,
-        done_mine,
-        done_theirs,
-        phase,
-        o_smem,
-        out_ptr,
-        lse_ptr,
-        b,
-        t,
-        h0,
-        col0,
-        s_ob,
-        s_ot,
-        s_oh,
-        s_lb,
-        s_lt,
-        WRITE_LSE: gl.constexpr,
-    ):
+    def _finish(acc, m_i, l_i, l_mine, l_theirs, done_mine, done_theirs, phase, o_smem, out_ptr, lse_ptr, b, t, h0,
+                col0, s_ob, s_ot, s_oh, s_lb, s_lt, WRITE_LSE: gl.constexpr):
         """Add the other warpgroup's row sums, normalise this half of O, store it (and lse, from warpgroup A).
         o_smem: a [64, 256] ring tile this warpgroup still holds (it releases it after)."""
         l_mine.store(l_i)
@@ -152,9 +130,8 @@ if GLUON_ERROR is None:
         o_ptrs = out_ptr + b * s_ob + t * s_ot + (h0 + rows).to(gl.int64)[:, None] * s_oh + col0 + cols[None, :]
         gl.store(o_ptrs, o_smem.load(st_l))
         if WRITE_LSE:
-            lse = gl.where(
-                l_tot == 0.0, float("-inf"), (m_i + gl.log2(gl.where(l_tot == 0.0, 1.0, l_tot))) * 0.6931471805599453
-            )
+            lse = gl.where(l_tot == 0.0, float("-inf"),
+                           (m_i + gl.log2(gl.where(l_tot == 0.0, 1.0, l_tot))) * 0.6931471805599453)
             lrows = gl.arange(0, _BH, layout=gl.SliceLayout(1, _S_L))
             gl.store(lse_ptr + b * s_lb + t * s_lt + h0 + lrows, lse)
 
@@ -169,40 +146,9 @@ if GLUON_ERROR is None:
         return m_i, l_i, acc, sc
 
     @gluon.jit
-    def _consumer_a(
-        ql,
-        qh,
-        qr,
-        kl,
-        kh,
-        kr,
-        idx_smem,
-        pb_smem,
-        m0_smem,
-        m1_smem,
-        la_smem,
-        lb_smem,
-        ready_lo,
-        ready_hi,
-        empty_lo,
-        xbar,
-        q_ready,
-        q_free,
-        nk_ptr,
-        out_ptr,
-        lse_ptr,
-        T,
-        S,
-        K,
-        n_hblk,
-        n_work,
-        s_ob,
-        s_ot,
-        s_oh,
-        s_lb,
-        s_lt,
-        scale_log2,
-    ):
+    def _consumer_a(ql, qh, qr, kl, kh, kr, idx_smem, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo, ready_hi,
+                    empty_lo, xbar, q_ready, q_free, nk_ptr, out_ptr, lse_ptr, T, S, K, n_hblk, n_work,
+                    s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2):
         """Even blocks' softmax; output columns [0, 256). xbar: m0, m1, pa, pb, pb_free, done_a, done_b."""
         dtype: gl.constexpr = ql.dtype
         g = 0  # pairs of earlier items (phases)
@@ -220,7 +166,7 @@ if GLUON_ERROR is None:
                 if j == 0:
                     tok = _s_lo(q_l, k0_l, ready_lo.index(0), ph, sc, False)
                     tok = _s_hi(q_h, q_r, k0_h, k0_r, ready_hi.index(0), ph, tok, True)
-                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
+                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
                 if j + 1 == n_pairs:
                     _signal(q_free)  # this item's last S is done: the producer may copy the next item's Q
                 sc = _masked(sc, 2 * j, idx_smem.index(0), S, K, scale_log2)
@@ -237,7 +183,7 @@ if GLUON_ERROR is None:
                 k0_r.store((p.to(gl.float32) * beta[:, None]).to(dtype))  # P_a for B, in the rope tile only A's S read
                 fence_async_shared()
                 _signal(xbar.index(2))
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
                 _signal(empty_lo.index(0))
                 acc = _rescale(acc, beta)
                 l_i = l_i * beta
@@ -247,77 +193,25 @@ if GLUON_ERROR is None:
                 tok = warpgroup_mma(pb_smem.index(z), k1_l, acc, is_async=True)
                 if j + 1 < n_pairs:  # the next even block's S, its lo half issued behind P_b V_b,lo
                     stok = _s_lo(q_l, k0_l, ready_lo.index(0), ph ^ 1, sc, False)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok,))
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok, ))
                     _signal(empty_lo.index(1))
                     mbarrier.arrive(xbar.index(4), count=1)
                     stok = _s_hi(q_h, q_r, k0_h, k0_r, ready_hi.index(0), ph ^ 1, stok, True)
-                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(stok,))
+                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(stok, ))
                 else:  # the last pair: stage 1's lo tile stays held for the epilogue
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
                     mbarrier.arrive(xbar.index(4), count=1)
                 m_i = m1
             g += n_pairs
-            _finish(
-                acc,
-                m_i,
-                l_i,
-                la_smem,
-                lb_smem,
-                xbar.index(5),
-                xbar.index(6),
-                it & 1,
-                kl.index(1),
-                out_ptr,
-                lse_ptr,
-                b,
-                t,
-                h0,
-                0,
-                s_ob,
-                s_ot,
-                s_oh,
-                s_lb,
-                s_lt,
-                True,
-            )
+            _finish(acc, m_i, l_i, la_smem, lb_smem, xbar.index(5), xbar.index(6), it & 1, kl.index(1), out_ptr,
+                    lse_ptr, b, t, h0, 0, s_ob, s_ot, s_oh, s_lb, s_lt, True)
             _signal(empty_lo.index(1))
             it += 1
 
     @gluon.jit
-    def _consumer_b(
-        ql,
-        qh,
-        qr,
-        kl,
-        kh,
-        kr,
-        idx_smem,
-        pb_smem,
-        m0_smem,
-        m1_smem,
-        la_smem,
-        lb_smem,
-        ready_lo,
-        ready_hi,
-        empty_hi,
-        xbar,
-        q_ready,
-        q_free,
-        nk_ptr,
-        out_ptr,
-        lse_ptr,
-        T,
-        S,
-        K,
-        n_hblk,
-        n_work,
-        s_ob,
-        s_ot,
-        s_oh,
-        s_lb,
-        s_lt,
-        scale_log2,
-    ):
+    def _consumer_b(ql, qh, qr, kl, kh, kr, idx_smem, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo, ready_hi,
+                    empty_hi, xbar, q_ready, q_free, nk_ptr, out_ptr, lse_ptr, T, S, K, n_hblk, n_work,
+                    s_ob, s_ot, s_oh, s_lb, s_lt, scale_log2):
         """Odd blocks' softmax; output columns [256, 512)."""
         dtype: gl.constexpr = ql.dtype
         g = 0
@@ -335,7 +229,7 @@ if GLUON_ERROR is None:
                 if j == 0:
                     tok = _s_hi(q_h, q_r, k1_h, k1_r, ready_hi.index(1), ph, sc, False)
                     tok = _s_lo(q_l, k1_l, ready_lo.index(1), ph, tok, True)
-                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
+                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
                 if j + 1 == n_pairs:
                     _signal(q_free)
                 sc = _masked(sc, 2 * j + 1, idx_smem.index(1), S, K, scale_log2)
@@ -355,73 +249,28 @@ if GLUON_ERROR is None:
                 mbarrier.wait(ready_hi.index(0), ph)  # stage 0's hi columns landed (A saw it; these threads too)
                 fence_async_shared()
                 tok2 = warpgroup_mma(p_a, k0_h, tok, is_async=True)
-                warpgroup_mma_wait(num_outstanding=1, deps=(m1,))  # not tok: its registers are tok2's, in flight
+                warpgroup_mma_wait(num_outstanding=1, deps=(m1, ))  # not tok: its registers are tok2's, in flight
                 if j + 1 < n_pairs:  # the last pair's stage 1 hi tile stays held for the epilogue
                     _signal(empty_hi.index(1))
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok2,))
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok2, ))
                 _signal(empty_hi.index(0))
                 if j + 1 < n_pairs:
                     stok = _s_hi(q_h, q_r, k1_h, k1_r, ready_hi.index(1), ph ^ 1, sc, False)
                     stok = _s_lo(q_l, k1_l, ready_lo.index(1), ph ^ 1, stok, True)
-                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(stok,))
+                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(stok, ))
                 m_i = m1
             g += n_pairs
-            _finish(
-                acc,
-                m_i,
-                l_i,
-                lb_smem,
-                la_smem,
-                xbar.index(6),
-                xbar.index(5),
-                it & 1,
-                kh.index(1),
-                out_ptr,
-                lse_ptr,
-                b,
-                t,
-                h0,
-                _HALF,
-                s_ob,
-                s_ot,
-                s_oh,
-                s_lb,
-                s_lt,
-                False,
-            )
+            _finish(acc, m_i, l_i, lb_smem, la_smem, xbar.index(6), xbar.index(5), it & 1, kh.index(1), out_ptr,
+                    lse_ptr, b, t, h0, _HALF, s_ob, s_ot, s_oh, s_lb, s_lt, False)
             _signal(empty_hi.index(1))
             it += 1
 
     @gluon.jit
     def _seesaw_fwd_kernel(
-        q_ptr,
-        kv_ptr,
-        idx_ptr,
-        nk_ptr,
-        out_ptr,
-        lse_ptr,
-        T,
-        S,
-        K,
-        n_hblk,
-        n_work,
-        scale_log2,
-        s_qb,
-        s_qt,
-        s_qh,
-        s_kvb,
-        s_kvs,
-        s_ib,
-        s_it,
-        s_ob,
-        s_ot,
-        s_oh,
-        s_lb,
-        s_lt,
-        D_T: gl.constexpr,
-        PRODUCER_WARPS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr,
+        q_ptr, kv_ptr, idx_ptr, nk_ptr, out_ptr, lse_ptr,
+        T, S, K, n_hblk, n_work, scale_log2,
+        s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_ob, s_ot, s_oh, s_lb, s_lt,
+        D_T: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     ):
         """Persistent: program p takes work items p, p + P, ... (P programs, one per SM at most)."""
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -461,116 +310,17 @@ if GLUON_ERROR is None:
         # (argument tuples written out: a tuple bound to a name first turns its constexprs into tensors)
         gl.warp_specialize(
             [
-                (
-                    _consumer_a,
-                    (
-                        ql,
-                        qh,
-                        qr,
-                        kl,
-                        kh,
-                        kr,
-                        idx_smem,
-                        pb_smem,
-                        m0_smem,
-                        m1_smem,
-                        la_smem,
-                        lb_smem,
-                        ready_lo,
-                        ready_hi,
-                        empty_lo,
-                        xbar,
-                        qbar.index(0),
-                        qbar.index(1),
-                        nk_ptr,
-                        out_ptr,
-                        lse_ptr,
-                        T,
-                        S,
-                        K,
-                        n_hblk,
-                        n_work,
-                        s_ob,
-                        s_ot,
-                        s_oh,
-                        s_lb,
-                        s_lt,
-                        scale_log2,
-                    ),
-                ),
-                (
-                    _consumer_b,
-                    (
-                        ql,
-                        qh,
-                        qr,
-                        kl,
-                        kh,
-                        kr,
-                        idx_smem,
-                        pb_smem,
-                        m0_smem,
-                        m1_smem,
-                        la_smem,
-                        lb_smem,
-                        ready_lo,
-                        ready_hi,
-                        empty_hi,
-                        xbar,
-                        qbar.index(0),
-                        qbar.index(1),
-                        nk_ptr,
-                        out_ptr,
-                        lse_ptr,
-                        T,
-                        S,
-                        K,
-                        n_hblk,
-                        n_work,
-                        s_ob,
-                        s_ot,
-                        s_oh,
-                        s_lb,
-                        s_lt,
-                        scale_log2,
-                    ),
-                ),
-                (
-                    _pair_producer,
-                    (
-                        q_ptr,
-                        kv_ptr,
-                        idx_ptr,
-                        nk_ptr,
-                        ql,
-                        qh,
-                        qr,
-                        kl,
-                        kh,
-                        kr,
-                        idx_smem,
-                        qbar.index(0),
-                        qbar.index(1),
-                        ready_lo,
-                        ready_hi,
-                        empty_lo,
-                        empty_hi,
-                        T,
-                        S,
-                        K,
-                        n_hblk,
-                        n_work,
-                        s_qb,
-                        s_qt,
-                        s_qh,
-                        s_kvb,
-                        s_kvs,
-                        s_ib,
-                        s_it,
-                        D_T,
-                        PRODUCER_WARPS,
-                    ),
-                ),
+                (_consumer_a, (ql, qh, qr, kl, kh, kr, idx_smem, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo,
+                               ready_hi, empty_lo, xbar, qbar.index(0), qbar.index(1), nk_ptr, out_ptr,
+                               lse_ptr, T, S, K, n_hblk, n_work, s_ob, s_ot, s_oh, s_lb, s_lt,
+                               scale_log2)),
+                (_consumer_b, (ql, qh, qr, kl, kh, kr, idx_smem, pb_smem, m0_smem, m1_smem, la_smem, lb_smem, ready_lo,
+                               ready_hi, empty_hi, xbar, qbar.index(0), qbar.index(1), nk_ptr, out_ptr,
+                               lse_ptr, T, S, K, n_hblk, n_work, s_ob, s_ot, s_oh, s_lb, s_lt,
+                               scale_log2)),
+                (_pair_producer, (q_ptr, kv_ptr, idx_ptr, nk_ptr, ql, qh, qr, kl, kh, kr, idx_smem, qbar.index(0),
+                                  qbar.index(1), ready_lo, ready_hi, empty_lo, empty_hi, T, S, K, n_hblk, n_work,
+                                  s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, D_T, PRODUCER_WARPS)),
             ],
             [4, PRODUCER_WARPS],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -590,9 +340,8 @@ def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None 
     c = dict(SEESAW_CFG, **(cfg or {}))
     unknown = set(c) - set(SEESAW_CFG)
     if unknown:
-        raise ValueError(
-            f"sparse MLA seesaw forward: unknown config keys {sorted(unknown)} (known: {sorted(SEESAW_CFG)})"
-        )
+        raise ValueError(f"sparse MLA seesaw forward: unknown config keys {sorted(unknown)} "
+                         f"(known: {sorted(SEESAW_CFG)})")
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
     if n_keys is None:
@@ -601,45 +350,17 @@ def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None 
     n_work = n_hblk * B * T
     programs = min(n_work, c["PROGRAMS"] or _num_sms(q.device.index))
     return _seesaw_fwd_kernel[(programs,)](
-        q,
-        kv,
-        indices,
-        n_keys,
-        out,
-        lse,
-        T,
-        S,
-        K,
-        n_hblk,
-        n_work,
-        sm_scale * LOG2E,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        kv.stride(0),
-        kv.stride(1),
-        indices.stride(0),
-        indices.stride(1),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        lse.stride(0),
-        lse.stride(1),
-        D_T=D_qk - 2 * HALF,
-        PRODUCER_WARPS=c["PRODUCER_WARPS"],
-        PRODUCER_REGS=c["PRODUCER_REGS"],
-        CONSUMER_REGS=c["CONSUMER_REGS"],
-        num_warps=4,
+        q, kv, indices, n_keys, out, lse,
+        T, S, K, n_hblk, n_work, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        D_T=D_qk - 2 * HALF, PRODUCER_WARPS=c["PRODUCER_WARPS"], PRODUCER_REGS=c["PRODUCER_REGS"],
+        CONSUMER_REGS=c["CONSUMER_REGS"], num_warps=4,
     )
 
 
 def sparse_mla_fwd_hopper(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    cfg: dict | None = None,
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, cfg: dict | None = None,
     n_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill forward on sm_90: q [B, T, H, 576], kv [B, S, 576], indices [B, T, K] int32 (-1 / >= S: no key)

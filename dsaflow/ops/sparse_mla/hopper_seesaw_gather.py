@@ -1,6 +1,5 @@
 """The producer partition of the seesaw sparse MLA forward (`hopper_seesaw`): per work item it copies Q, then
 gathers each pair's KV rows and block indices into the consumers' ring with cp.async. Gluon, triton 3.6."""
-
 from __future__ import annotations
 
 from .hopper_common import BLOCK_H, GLUON_ERROR
@@ -47,39 +46,9 @@ if GLUON_ERROR is None:
         return qi // T, qi % T, (w % n_hblk) * _BH, gl.maximum(gl.cdiv(n_k, 2 * _BK), 1)
 
     @gluon.jit
-    def _pair_producer(
-        q_ptr,
-        kv_ptr,
-        idx_ptr,
-        nk_ptr,
-        ql,
-        qh,
-        qr,
-        kl,
-        kh,
-        kr,
-        idx_smem,
-        q_ready,
-        q_free,
-        ready_lo,
-        ready_hi,
-        empty_lo,
-        empty_hi,
-        T,
-        S,
-        K,
-        n_hblk,
-        n_work,
-        s_qb,
-        s_qt,
-        s_qh,
-        s_kvb,
-        s_kvs,
-        s_ib,
-        s_it,
-        D_T: gl.constexpr,
-        PRODUCER_WARPS: gl.constexpr,
-    ):
+    def _pair_producer(q_ptr, kv_ptr, idx_ptr, nk_ptr, ql, qh, qr, kl, kh, kr, idx_smem, q_ready, q_free,
+                       ready_lo, ready_hi, empty_lo, empty_hi, T, S, K, n_hblk, n_work, s_qb, s_qt, s_qh, s_kvb,
+                       s_kvs, s_ib, s_it, D_T: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
         """Per work item: copy Q once the previous item's last S is done, then gather each pair's rows into stage
         0 (even block) and stage 1 (odd block), half by half in the order the consumers release them: stage 0 lo
         (with the block's indices), stage 1 hi + rope, stage 0 hi + rope, stage 1 lo + indices."""
@@ -116,98 +85,20 @@ if GLUON_ERROR is None:
                 na = gl.load(idx_base + k2 + offs_n, mask=k2 + offs_n < K, other=-1)
                 nb = gl.load(idx_base + _BK + k2 + offs_n, mask=_BK + k2 + offs_n < K, other=-1)
                 k0 = 2 * j * _BK
-                _fill_lo(
-                    kl.index(0),
-                    idx_smem.index(0),
-                    ready_lo.index(0),
-                    empty_lo.index(0),
-                    ph,
-                    kv_base,
-                    ia,
-                    idx_base + k0 + offs_c,
-                    k0 + offs_c < K,
-                    S,
-                    s_kvs,
-                    offs_h,
-                    all_h,
-                )
+                _fill_lo(kl.index(0), idx_smem.index(0), ready_lo.index(0), empty_lo.index(0), ph, kv_base, ia,
+                         idx_base + k0 + offs_c, k0 + offs_c < K, S, s_kvs, offs_h, all_h)
                 if j == 0:  # stage 0's hi half first: the previous item's epilogue still holds stage 1's hi tile
-                    _fill_hi(
-                        kh.index(0),
-                        kr.index(0),
-                        ready_hi.index(0),
-                        empty_hi.index(0),
-                        ph,
-                        kv_base,
-                        ia,
-                        S,
-                        s_kvs,
-                        offs_h,
-                        all_h,
-                        offs_t,
-                        all_t,
-                    )
-                    _fill_hi(
-                        kh.index(1),
-                        kr.index(1),
-                        ready_hi.index(1),
-                        empty_hi.index(1),
-                        ph,
-                        kv_base,
-                        ib,
-                        S,
-                        s_kvs,
-                        offs_h,
-                        all_h,
-                        offs_t,
-                        all_t,
-                    )
+                    _fill_hi(kh.index(0), kr.index(0), ready_hi.index(0), empty_hi.index(0), ph, kv_base, ia, S,
+                             s_kvs, offs_h, all_h, offs_t, all_t)
+                    _fill_hi(kh.index(1), kr.index(1), ready_hi.index(1), empty_hi.index(1), ph, kv_base, ib, S,
+                             s_kvs, offs_h, all_h, offs_t, all_t)
                 else:  # stage 1's hi half is released first
-                    _fill_hi(
-                        kh.index(1),
-                        kr.index(1),
-                        ready_hi.index(1),
-                        empty_hi.index(1),
-                        ph,
-                        kv_base,
-                        ib,
-                        S,
-                        s_kvs,
-                        offs_h,
-                        all_h,
-                        offs_t,
-                        all_t,
-                    )
-                    _fill_hi(
-                        kh.index(0),
-                        kr.index(0),
-                        ready_hi.index(0),
-                        empty_hi.index(0),
-                        ph,
-                        kv_base,
-                        ia,
-                        S,
-                        s_kvs,
-                        offs_h,
-                        all_h,
-                        offs_t,
-                        all_t,
-                    )
-                _fill_lo(
-                    kl.index(1),
-                    idx_smem.index(1),
-                    ready_lo.index(1),
-                    empty_lo.index(1),
-                    ph,
-                    kv_base,
-                    ib,
-                    idx_base + _BK + k0 + offs_c,
-                    _BK + k0 + offs_c < K,
-                    S,
-                    s_kvs,
-                    offs_h,
-                    all_h,
-                )
+                    _fill_hi(kh.index(1), kr.index(1), ready_hi.index(1), empty_hi.index(1), ph, kv_base, ib, S,
+                             s_kvs, offs_h, all_h, offs_t, all_t)
+                    _fill_hi(kh.index(0), kr.index(0), ready_hi.index(0), empty_hi.index(0), ph, kv_base, ia, S,
+                             s_kvs, offs_h, all_h, offs_t, all_t)
+                _fill_lo(kl.index(1), idx_smem.index(1), ready_lo.index(1), empty_lo.index(1), ph, kv_base, ib,
+                         idx_base + _BK + k0 + offs_c, _BK + k0 + offs_c < K, S, s_kvs, offs_h, all_h)
                 ia = na
                 ib = nb
             g += n_pairs

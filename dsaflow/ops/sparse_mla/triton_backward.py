@@ -18,7 +18,6 @@ tiles that share data adjacent in launch order; ids and offsets derived from the
 buffers depend on shapes only. fp32 inputs use IEEE fp32 dots. Alternatives that measured slower (a one-pass
 fused dkv, an S-first dkv, a fused dq) are listed in docs/kernels.md.
 """
-
 from __future__ import annotations
 
 import torch
@@ -44,55 +43,12 @@ def _head_tile(q0, T, H, D_V, D_T, n_hb, BLOCK_H: tl.constexpr, BLOCK_DV: tl.con
 
 @triton.jit
 def _sparse_mla_bwd_ds_kernel(
-    q_ptr,
-    kv_ptr,
-    idx_ptr,
-    nk_ptr,
-    do_ptr,
-    o_ptr,
-    lse_ptr,
-    dlse_ptr,
-    g_ptr,
-    ps_ptr,
-    T,
-    S,
-    K,
-    H,
-    D_V,
-    D_T,
-    sm_scale,
-    scale_log2,
-    q0,
-    n_hb,
-    s_qb,
-    s_qt,
-    s_qh,
-    s_kvb,
-    s_kvs,
-    s_ib,
-    s_it,
-    s_dob,
-    s_dot,
-    s_doh,
-    s_ob,
-    s_ot,
-    s_oh,
-    s_lb,
-    s_lt,
-    s_dlb,
-    s_dlt,
-    s_gq,
-    s_gh,
-    s_psh,
-    s_psq,
-    BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_DT: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    SUM_P: tl.constexpr,
+    q_ptr, kv_ptr, idx_ptr, nk_ptr, do_ptr, o_ptr, lse_ptr, dlse_ptr, g_ptr, ps_ptr,
+    T, S, K, H, D_V, D_T, sm_scale, scale_log2, q0, n_hb,
+    s_qb, s_qt, s_qh, s_kvb, s_kvs, s_ib, s_it, s_dob, s_dot, s_doh, s_ob, s_ot, s_oh, s_lb, s_lt, s_dlb, s_dlt,
+    s_gq, s_gh, s_psh, s_psq,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
+    HAS_TAIL: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_PREC: tl.constexpr, SUM_P: tl.constexpr,
 ):
     """Pass 1, one program per (head block, query): delta = rowsum(dO * O) - dlse for its heads (fp32, from the
     dO tile it needs anyway and one read of O), then S and dP per row block up to the query's key extent, dS and P
@@ -100,22 +56,15 @@ def _sparse_mla_bwd_ds_kernel(
     SUM_P: also the fp32 sum of P over its heads per slot, to ps [n_hb, chunk, K + 1] (column K: the sum over the
     slots too), for `_probs_into_kernel` (the indexer-loss target, from P this pass computes anyway)."""
     pid_l, b, t, offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok = _head_tile(
-        q0, T, H, D_V, D_T, n_hb, BLOCK_H, BLOCK_DV, BLOCK_DT
-    )
+        q0, T, H, D_V, D_T, n_hb, BLOCK_H, BLOCK_DV, BLOCK_DT)
     q_rows = q_ptr + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
     q_nope = tl.load(q_rows + offs_dv[None, :], mask=h_ok[:, None] & dv_ok[None, :], other=0.0)
     if HAS_TAIL:
         q_tail = tl.load(q_rows + D_V + offs_dt[None, :], mask=h_ok[:, None] & dt_ok[None, :], other=0.0)
-    do = tl.load(
-        do_ptr + b * s_dob + t * s_dot + offs_h[:, None] * s_doh + offs_dv[None, :],
-        mask=h_ok[:, None] & dv_ok[None, :],
-        other=0.0,
-    )
-    o = tl.load(
-        o_ptr + b * s_ob + t * s_ot + offs_h[:, None] * s_oh + offs_dv[None, :],
-        mask=h_ok[:, None] & dv_ok[None, :],
-        other=0.0,
-    )
+    do = tl.load(do_ptr + b * s_dob + t * s_dot + offs_h[:, None] * s_doh + offs_dv[None, :],
+                 mask=h_ok[:, None] & dv_ok[None, :], other=0.0)
+    o = tl.load(o_ptr + b * s_ob + t * s_ot + offs_h[:, None] * s_oh + offs_dv[None, :],
+                mask=h_ok[:, None] & dv_ok[None, :], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     if HAS_DLSE:
         delta -= tl.load(dlse_ptr + b * s_dlb + t * s_dlt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
@@ -156,41 +105,16 @@ def _sparse_mla_bwd_ds_kernel(
 
 @triton.jit
 def _sparse_mla_bwd_dq_gemm_kernel(
-    g_ptr,
-    kv_ptr,
-    idx_ptr,
-    nk_ptr,
-    dq_ptr,
-    T,
-    S,
-    K,
-    H,
-    D_V,
-    D_T,
-    q0,
-    n_hb,
-    s_gq,
-    s_gh,
-    s_kvb,
-    s_kvs,
-    s_ib,
-    s_it,
-    s_qb,
-    s_qt,
-    s_qh,
-    BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_DT: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    DS_BLOCK_K: tl.constexpr,
+    g_ptr, kv_ptr, idx_ptr, nk_ptr, dq_ptr,
+    T, S, K, H, D_V, D_T, q0, n_hb,
+    s_gq, s_gh, s_kvb, s_kvs, s_ib, s_it, s_qb, s_qt, s_qh,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
+    HAS_TAIL: tl.constexpr, DOT_PREC: tl.constexpr, DS_BLOCK_K: tl.constexpr,
 ):
     """One program per (head block, query): dq = dS [BH, K] . K_rows [K, d_qk] with dS read from G (a gathered
     GEMM, no softmax recompute, no atomics: deterministic), over the slots below the query's key extent."""
     pid_l, b, t, offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok = _head_tile(
-        q0, T, H, D_V, D_T, n_hb, BLOCK_H, BLOCK_DV, BLOCK_DT
-    )
+        q0, T, H, D_V, D_T, n_hb, BLOCK_H, BLOCK_DV, BLOCK_DT)
     dq_nope = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     dq_tail = tl.zeros([BLOCK_H, BLOCK_DT], tl.float32)
     kv_base = kv_ptr + b * s_kvb
@@ -214,49 +138,17 @@ def _sparse_mla_bwd_dq_gemm_kernel(
     dq_rows = dq_ptr + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
     tl.store(dq_rows + offs_dv[None, :], dq_nope.to(dq_ptr.dtype.element_ty), mask=h_ok[:, None] & dv_ok[None, :])
     if HAS_TAIL:
-        tl.store(
-            dq_rows + D_V + offs_dt[None, :], dq_tail.to(dq_ptr.dtype.element_ty), mask=h_ok[:, None] & dt_ok[None, :]
-        )
+        tl.store(dq_rows + D_V + offs_dt[None, :], dq_tail.to(dq_ptr.dtype.element_ty),
+                 mask=h_ok[:, None] & dt_ok[None, :])
 
 
 @triton.jit
 def _sparse_mla_bwd_dkv_gemm_kernel(
-    g_ptr,
-    q_ptr,
-    do_ptr,
-    idx_ptr,
-    nk_ptr,
-    out_ptr,
-    T,
-    S,
-    K,
-    H,
-    q0,
-    col0,
-    n_cols,
-    n_j,
-    n_nb,
-    n_kb,
-    s_gq,
-    s_gh,
-    s_qb,
-    s_qt,
-    s_qh,
-    s_dob,
-    s_dot,
-    s_doh,
-    s_ib,
-    s_it,
-    s_ob,
-    s_os,
-    s_cq,
-    s_ck,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_J: tl.constexpr,
-    DETERMINISTIC: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    DS_BLOCK_K: tl.constexpr,
+    g_ptr, q_ptr, do_ptr, idx_ptr, nk_ptr, out_ptr,
+    T, S, K, H, q0, col0, n_cols, n_j, n_nb, n_kb,
+    s_gq, s_gh, s_qb, s_qt, s_qh, s_dob, s_dot, s_doh, s_ib, s_it, s_ob, s_os, s_cq, s_ck,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    DOT_PREC: tl.constexpr, DS_BLOCK_K: tl.constexpr,
 ):
     """One program per (column block, row block, query), column block fastest (the column blocks of one row block
     share its G tile in L2): acc [BK, BN] = G^T [BK, 2H] . B [2H, BN] with G = [dS; P] and B = [Q; dO] (rows j < H
@@ -288,9 +180,8 @@ def _sparse_mla_bwd_dkv_gemm_kernel(
         offs_j = j0 + tl.arange(0, BLOCK_J)
         j_ok = offs_j < n_j
         is_q = offs_j < H
-        g = tl.load(
-            g_base + offs_j[:, None] * s_gh + offs_k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0
-        )  # [BJ, BK]
+        g = tl.load(g_base + offs_j[:, None] * s_gh + offs_k[None, :], mask=j_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [BJ, BK]
         b_rows = tl.where(is_q, q_base + offs_j * s_qh, do_base + (offs_j - H) * s_doh)
         bt = tl.load(b_rows[:, None] + offs_n[None, :], mask=j_ok[:, None] & n_ok[None, :], other=0.0)  # [BJ, BN]
         acc = tl.dot(tl.trans(g), bt, acc, input_precision=DOT_PREC)
@@ -306,15 +197,8 @@ def _sparse_mla_bwd_dkv_gemm_kernel(
 
 @triton.jit
 def _sparse_mla_bwd_dkv_reduce_kernel(
-    c_ptr,
-    order_ptr,
-    row_ptr,
-    dkv_ptr,
-    D,
-    s_ce,
-    s_dkvr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    c_ptr, order_ptr, row_ptr, dkv_ptr, D, s_ce, s_dkvr,
+    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Deterministic dkv, one program per key row r of dkv viewed as [B*S, D]: dkv[r] += the sum of C entries
     order[row_ptr[r] : row_ptr[r+1]] (C viewed as [chunk*K, D], entries sorted by query then slot), in blocks of
@@ -332,9 +216,8 @@ def _sparse_mla_bwd_dkv_reduce_kernel(
                 offs_e = e0 + tl.arange(0, BLOCK_E)
                 e_ok = offs_e < hi
                 ent = tl.load(order_ptr + offs_e, mask=e_ok, other=0).to(tl.int64)
-                tile = tl.load(
-                    c_ptr + ent[:, None] * s_ce + offs_d[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0
-                )
+                tile = tl.load(c_ptr + ent[:, None] * s_ce + offs_d[None, :], mask=e_ok[:, None] & d_ok[None, :],
+                               other=0.0)
                 acc += tl.sum(tile, 0)
             dst = dkv_ptr + r * s_dkvr + offs_d
             tl.store(dst, tl.load(dst, mask=d_ok, other=0.0) + acc, mask=d_ok)
@@ -342,18 +225,7 @@ def _sparse_mla_bwd_dkv_reduce_kernel(
 
 @triton.jit
 def _probs_into_kernel(
-    ps_ptr,
-    nk_ptr,
-    out_ptr,
-    T,
-    K,
-    q0,
-    n_hb,
-    weight,
-    s_psh,
-    s_psq,
-    s_ob,
-    s_ot,
+    ps_ptr, nk_ptr, out_ptr, T, K, q0, n_hb, weight, s_psh, s_psq, s_ob, s_ot,
     BLOCK_K: tl.constexpr,
 ):
     """One program per query q0 + pid of the chunk: out[b, t, k] += weight * P_sum[k] / total for the slots below
@@ -389,40 +261,22 @@ def bwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict |
     cfg = dict(
         BLOCK_DV=max(16, triton.next_power_of_2(d_v)),
         BLOCK_DT=max(16, triton.next_power_of_2(max(d_tail, 1))),
-        ds_BLOCK_H=bh,
-        ds_BLOCK_K=min(32, max(16, triton.next_power_of_2(K))),
-        ds_num_warps=4,
-        ds_num_stages=1,
-        dqg_BLOCK_H=bh,
-        dqg_BLOCK_K=min(64, max(16, triton.next_power_of_2(K))),
-        dqg_num_warps=4,
-        dqg_num_stages=2,
+        ds_BLOCK_H=bh, ds_BLOCK_K=min(32, max(16, triton.next_power_of_2(K))), ds_num_warps=4, ds_num_stages=1,
+        dqg_BLOCK_H=bh, dqg_BLOCK_K=min(64, max(16, triton.next_power_of_2(K))), dqg_num_warps=4, dqg_num_stages=2,
         gemm_BLOCK_K=min(128, max(16, triton.next_power_of_2(K))),
         gemm_BLOCK_N=min(128, max(16, triton.next_power_of_2(d_v))),
-        gemm_BLOCK_J=min(64, max(16, triton.next_power_of_2(H))),
-        gemm_num_warps=8,
-        gemm_num_stages=3,
-        tail_BLOCK_N=max(16, triton.next_power_of_2(max(d_tail, 1))),
-        tail_num_warps=4,
-        red_BLOCK_E=16,
-        red_BLOCK_D=128,
-        red_num_warps=4,
-        probs_BLOCK_K=min(1024, max(16, triton.next_power_of_2(K))),
-        g_max_bytes=2**30,
-        det_max_bytes=2**31,
+        gemm_BLOCK_J=min(64, max(16, triton.next_power_of_2(H))), gemm_num_warps=8, gemm_num_stages=3,
+        tail_BLOCK_N=max(16, triton.next_power_of_2(max(d_tail, 1))), tail_num_warps=4,
+        red_BLOCK_E=16, red_BLOCK_D=128, red_num_warps=4, probs_BLOCK_K=min(1024, max(16, triton.next_power_of_2(K))),
+        g_max_bytes=2**30, det_max_bytes=2**31,
     )
     if cfg["BLOCK_DV"] >= 256:  # [64, 512] fp32 accumulators need two warpgroups' registers
         cfg.update(ds_num_warps=8, ds_BLOCK_K=min(64, max(16, triton.next_power_of_2(K))), dqg_num_warps=8)
     if q.element_size() > 2:
-        cfg.update(
-            ds_BLOCK_K=16,
-            dqg_BLOCK_K=16,
-            dqg_num_stages=1,
-            gemm_BLOCK_K=min(cfg["gemm_BLOCK_K"], 64),
-            gemm_BLOCK_N=min(cfg["gemm_BLOCK_N"], 64),
-            gemm_BLOCK_J=min(cfg["gemm_BLOCK_J"], 32),
-            gemm_num_stages=2,
-        )
+        cfg.update(ds_BLOCK_K=16, dqg_BLOCK_K=16, dqg_num_stages=1,
+                   gemm_BLOCK_K=min(cfg["gemm_BLOCK_K"], 64),
+                   gemm_BLOCK_N=min(cfg["gemm_BLOCK_N"], 64), gemm_BLOCK_J=min(cfg["gemm_BLOCK_J"], 32),
+                   gemm_num_stages=2)
     if cfg["gemm_BLOCK_K"] * cfg["gemm_BLOCK_N"] < 128 * 128:
         cfg.update(gemm_num_warps=4)
     cfg.update(overrides or {})
@@ -442,18 +296,9 @@ def _csr_by_key_row(indices_flat: torch.Tensor, q0: int, n: int, T: int, S: int,
 
 
 def sparse_mla_bwd_triton(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    d_out: torch.Tensor,
-    d_lse: torch.Tensor | None,
-    sm_scale: float,
-    d_v: int,
-    overrides: dict | None = None,
-    deterministic: bool = False,
-    n_keys: torch.Tensor | None = None,
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    d_out: torch.Tensor, d_lse: torch.Tensor | None, sm_scale: float, d_v: int, overrides: dict | None = None,
+    deterministic: bool = False, n_keys: torch.Tensor | None = None,
     probs_into: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32, out/d_out [B, T, H, d_v], lse/d_lse [B, T, H]
@@ -496,10 +341,8 @@ def sparse_mla_bwd_triton(
     if probs_into is not None:
         target, weight = probs_into
         if target.shape != (B, T, K) or target.dtype != torch.float32 or target.stride(-1) != 1:
-            raise ValueError(
-                f"probs_into: target must be fp32 [B, T, K] = {(B, T, K)} with a unit last stride, got "
-                f"{target.dtype} {tuple(target.shape)} strides {target.stride()}"
-            )
+            raise ValueError(f"probs_into: target must be fp32 [B, T, K] = {(B, T, K)} with a unit last stride, got "
+                             f"{target.dtype} {tuple(target.shape)} strides {target.stride()}")
         p_sums = torch.empty(n_hb, chunk, K + 1, device=q.device, dtype=torch.float32)
     else:
         p_sums = g  # an unread placeholder
@@ -508,169 +351,48 @@ def sparse_mla_bwd_triton(
     n_hbg = triton.cdiv(H, cfg["dqg_BLOCK_H"])
     bk, bn, bt = cfg["gemm_BLOCK_K"], cfg["gemm_BLOCK_N"], cfg["tail_BLOCK_N"]
     n_kb = triton.cdiv(K, bk)
-    gs = (
-        g.stride(0),
-        g.stride(1),
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        d_out.stride(0),
-        d_out.stride(1),
-        d_out.stride(2),
-        indices.stride(0),
-        indices.stride(1),
-        dkv.stride(0),
-        dkv.stride(1),
-        c_buf.stride(0),
-        c_buf.stride(1),
-    )
+    gs = (g.stride(0), g.stride(1), q.stride(0), q.stride(1), q.stride(2), d_out.stride(0), d_out.stride(1),
+          d_out.stride(2), indices.stride(0), indices.stride(1), dkv.stride(0), dkv.stride(1),
+          c_buf.stride(0), c_buf.stride(1))
     dkv_out = c_buf if deterministic else dkv
     dlse_arg = lse if d_lse is None else d_lse  # an unread placeholder without dlse
     for q0 in range(0, n_q, chunk):
         n = min(chunk, n_q - q0)
         _sparse_mla_bwd_ds_kernel[(n_hb * n,)](
-            q,
-            kv,
-            indices,
-            n_keys,
-            d_out,
-            out,
-            lse,
-            dlse_arg,
-            g,
-            p_sums,
-            T,
-            S,
-            K,
-            H,
-            d_v,
-            d_tail,
-            sm_scale,
-            sm_scale * LOG2E,
-            q0,
-            n_hb,
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            kv.stride(0),
-            kv.stride(1),
-            indices.stride(0),
-            indices.stride(1),
-            d_out.stride(0),
-            d_out.stride(1),
-            d_out.stride(2),
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            lse.stride(0),
-            lse.stride(1),
-            dlse_arg.stride(0),
-            dlse_arg.stride(1),
-            g.stride(0),
-            g.stride(1),
-            p_sums.stride(0),
-            p_sums.stride(1),
-            BLOCK_H=cfg["ds_BLOCK_H"],
-            BLOCK_K=cfg["ds_BLOCK_K"],
-            HAS_DLSE=d_lse is not None,
-            **dims,
-            SUM_P=probs_into is not None,
-            num_warps=cfg["ds_num_warps"],
-            num_stages=cfg["ds_num_stages"],
+            q, kv, indices, n_keys, d_out, out, lse, dlse_arg, g, p_sums, T, S, K, H, d_v, d_tail, sm_scale,
+            sm_scale * LOG2E, q0, n_hb,
+            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
+            d_out.stride(0), d_out.stride(1), d_out.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), dlse_arg.stride(0), dlse_arg.stride(1), g.stride(0), g.stride(1),
+            p_sums.stride(0), p_sums.stride(1),
+            BLOCK_H=cfg["ds_BLOCK_H"], BLOCK_K=cfg["ds_BLOCK_K"], HAS_DLSE=d_lse is not None, **dims,
+            SUM_P=probs_into is not None, num_warps=cfg["ds_num_warps"], num_stages=cfg["ds_num_stages"],
         )
         if probs_into is not None:
             _probs_into_kernel[(n,)](
-                p_sums,
-                n_keys,
-                target,
-                T,
-                K,
-                q0,
-                n_hb,
-                float(weight),
-                p_sums.stride(0),
-                p_sums.stride(1),
-                target.stride(0),
-                target.stride(1),
-                BLOCK_K=cfg["probs_BLOCK_K"],
-                num_warps=4,
+                p_sums, n_keys, target, T, K, q0, n_hb, float(weight), p_sums.stride(0), p_sums.stride(1),
+                target.stride(0), target.stride(1), BLOCK_K=cfg["probs_BLOCK_K"], num_warps=4,
             )
         _sparse_mla_bwd_dq_gemm_kernel[(n_hbg * n,)](
-            g,
-            kv,
-            indices,
-            n_keys,
-            dq,
-            T,
-            S,
-            K,
-            H,
-            d_v,
-            d_tail,
-            q0,
-            n_hbg,
-            g.stride(0),
-            g.stride(1),
-            kv.stride(0),
-            kv.stride(1),
-            indices.stride(0),
-            indices.stride(1),
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),
-            BLOCK_H=cfg["dqg_BLOCK_H"],
-            BLOCK_K=cfg["dqg_BLOCK_K"],
-            DS_BLOCK_K=cfg["ds_BLOCK_K"],
-            **dims,
-            num_warps=cfg["dqg_num_warps"],
-            num_stages=cfg["dqg_num_stages"],
+            g, kv, indices, n_keys, dq, T, S, K, H, d_v, d_tail, q0, n_hbg, g.stride(0), g.stride(1), kv.stride(0),
+            kv.stride(1), indices.stride(0), indices.stride(1), q.stride(0), q.stride(1), q.stride(2),
+            BLOCK_H=cfg["dqg_BLOCK_H"], BLOCK_K=cfg["dqg_BLOCK_K"], DS_BLOCK_K=cfg["ds_BLOCK_K"], **dims,
+            num_warps=cfg["dqg_num_warps"], num_stages=cfg["dqg_num_stages"],
         )
-        for col0, n_cols, block_n, n_j, warps in (
-            (0, d_v, bn, 2 * H, cfg["gemm_num_warps"]),
-            (d_v, d_tail, bt, H, cfg["tail_num_warps"]),
-        ):
+        for col0, n_cols, block_n, n_j, warps in ((0, d_v, bn, 2 * H, cfg["gemm_num_warps"]),
+                                                  (d_v, d_tail, bt, H, cfg["tail_num_warps"])):
             if n_cols == 0:
                 continue
             n_nb = triton.cdiv(n_cols, block_n)
             _sparse_mla_bwd_dkv_gemm_kernel[(n_nb * n_kb * n,)](
-                g,
-                q,
-                d_out,
-                indices,
-                n_keys,
-                dkv_out,
-                T,
-                S,
-                K,
-                H,
-                q0,
-                col0,
-                n_cols,
-                n_j,
-                n_nb,
-                n_kb,
-                *gs,
-                BLOCK_K=bk,
-                BLOCK_N=block_n,
-                BLOCK_J=cfg["gemm_BLOCK_J"],
-                DETERMINISTIC=deterministic,
-                DOT_PREC=prec,
-                DS_BLOCK_K=cfg["ds_BLOCK_K"],
-                num_warps=warps,
-                num_stages=cfg["gemm_num_stages"],
+                g, q, d_out, indices, n_keys, dkv_out, T, S, K, H, q0, col0, n_cols, n_j, n_nb, n_kb, *gs,
+                BLOCK_K=bk, BLOCK_N=block_n, BLOCK_J=cfg["gemm_BLOCK_J"], DETERMINISTIC=deterministic,
+                DOT_PREC=prec, DS_BLOCK_K=cfg["ds_BLOCK_K"], num_warps=warps, num_stages=cfg["gemm_num_stages"],
             )
         if deterministic:
             order, row_ptr = _csr_by_key_row(indices_flat, q0, n, T, S, B * S)
             _sparse_mla_bwd_dkv_reduce_kernel[(B * S,)](
-                c_buf,
-                order,
-                row_ptr,
-                dkv,
-                D_qk,
-                c_buf.stride(1),
-                dkv.stride(1),
-                BLOCK_E=cfg["red_BLOCK_E"],
-                BLOCK_D=cfg["red_BLOCK_D"],
-                num_warps=cfg["red_num_warps"],
+                c_buf, order, row_ptr, dkv, D_qk, c_buf.stride(1), dkv.stride(1),
+                BLOCK_E=cfg["red_BLOCK_E"], BLOCK_D=cfg["red_BLOCK_D"], num_warps=cfg["red_num_warps"],
             )
     return dq, dkv.to(kv.dtype)

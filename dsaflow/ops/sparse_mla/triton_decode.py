@@ -7,7 +7,6 @@ them with weights exp(lse_s - lse). num_splits is a function of the shapes only,
 captured CUDA graph; the kv argument can be a preallocated cache [B, S_max, D_qk] (rows past a sequence's length are
 never read as long as its indices are -1 there).
 """
-
 from __future__ import annotations
 
 import functools
@@ -21,17 +20,9 @@ from .triton_prefill import fwd_config, launch_sparse_mla_fwd
 
 @triton.jit
 def _combine_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    lse_ptr,
-    n_rows,
-    D_V,
-    num_splits,
-    s_po_split,
-    s_pl_split,
-    BLOCK_R: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, n_rows, D_V, num_splits,
+    s_po_split, s_pl_split,
+    BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """part_out [NS, n_rows, D_V] fp32, part_lse [NS, n_rows] fp32 -> out [n_rows, D_V], lse [n_rows] fp32.
 
@@ -58,9 +49,8 @@ def _combine_kernel(
         pl += s_pl_split
         po += s_po_split
     d_safe = tl.where(denom == 0.0, 1.0, denom)
-    tl.store(
-        out_ptr + offs_r[:, None] * D_V + offs_d[None, :], (acc / d_safe[:, None]).to(out_ptr.dtype.element_ty), mask=ok
-    )
+    tl.store(out_ptr + offs_r[:, None] * D_V + offs_d[None, :], (acc / d_safe[:, None]).to(out_ptr.dtype.element_ty),
+             mask=ok)
     tl.store(lse_ptr + offs_r, tl.where(denom == 0.0, float("-inf"), m_safe + tl.log(d_safe)), mask=r_ok)
 
 
@@ -93,13 +83,8 @@ def decode_overrides(q: torch.Tensor, d_v: int) -> dict:
 
 
 def sparse_mla_decode_triton(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    num_splits: int | None = None,
-    overrides: dict | None = None,
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+    num_splits: int | None = None, overrides: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode forward, no autograd: q [B, T, H, D_qk] (T small), kv [B, S, D_qk] (a cache), indices [B, T, K] int32
     -> out [B, T, H, d_v] q.dtype, lse [B, T, H] fp32. Same contract as `sparse_mla`."""
@@ -120,17 +105,7 @@ def sparse_mla_decode_triton(
     block_dv = max(16, triton.next_power_of_2(d_v))
     block_r = max(1, 4096 // block_dv)
     _combine_kernel[(triton.cdiv(n_rows, block_r),)](
-        part_out,
-        part_lse,
-        out,
-        lse,
-        n_rows,
-        d_v,
-        ns,
-        part_out.stride(0),
-        part_lse.stride(0),
-        BLOCK_R=block_r,
-        BLOCK_DV=block_dv,
-        num_warps=4,
+        part_out, part_lse, out, lse, n_rows, d_v, ns, part_out.stride(0), part_lse.stride(0),
+        BLOCK_R=block_r, BLOCK_DV=block_dv, num_warps=4,
     )
     return out, lse

@@ -20,7 +20,6 @@ prefill): program id -> (head block, query, split) with the head block fastest, 
 back to back and share its gathered rows in L2. Program ids and every offset derived from them are int64.
 fp32 inputs use IEEE fp32 dots (Triton's default for fp32 would be TF32); bf16/fp16 inputs use the tensor cores.
 """
-
 from __future__ import annotations
 
 import torch
@@ -53,51 +52,22 @@ def key_extent(indices: torch.Tensor, S: int) -> torch.Tensor:
     n_keys = torch.empty(B, T, device=indices.device, dtype=torch.int32)
     if B * T > 0:
         block = min(1024, max(16, triton.next_power_of_2(K)))
-        _sparse_mla_key_extent_kernel[(B * T,)](
-            indices, n_keys, T, S, K, indices.stride(0), indices.stride(1), BLOCK=block, num_warps=4
-        )
+        _sparse_mla_key_extent_kernel[(B * T,)](indices, n_keys, T, S, K, indices.stride(0), indices.stride(1),
+                                                BLOCK=block, num_warps=4)
     return n_keys
 
 
 @triton.jit
 def _sparse_mla_fwd_kernel(
-    q_ptr,
-    kv_ptr,
-    idx_ptr,
-    nk_ptr,
-    out_ptr,
-    lse_ptr,
-    T,
-    S,
-    K,
-    H,
-    D_V,
-    D_T,
-    k_per_split,
-    scale_log2,
-    n_q,
-    n_hb,
-    s_qb,
-    s_qt,
-    s_qh,
-    s_kvb,
-    s_kvs,
-    s_ib,
-    s_it,
-    s_osplit,
-    s_ob,
-    s_ot,
-    s_oh,
-    s_lsplit,
-    s_lb,
-    s_lt,
-    BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_DT: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    USE_EXTENT: tl.constexpr,
+    q_ptr, kv_ptr, idx_ptr, nk_ptr, out_ptr, lse_ptr,
+    T, S, K, H, D_V, D_T, k_per_split, scale_log2, n_q, n_hb,
+    s_qb, s_qt, s_qh,
+    s_kvb, s_kvs,
+    s_ib, s_it,
+    s_osplit, s_ob, s_ot, s_oh,
+    s_lsplit, s_lb, s_lt,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
+    HAS_TAIL: tl.constexpr, DOT_PREC: tl.constexpr, USE_EXTENT: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     pid_h = (pid % n_hb).to(tl.int32)  # fastest: head blocks of one query run together and share rows in L2
@@ -193,17 +163,9 @@ def fwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict |
 
 
 def launch_sparse_mla_fwd(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    num_splits: int = 1,
-    overrides: dict | None = None,
-    n_keys: torch.Tensor | None = None,
-    use_extent: bool = True,
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+    out: torch.Tensor, lse: torch.Tensor, num_splits: int = 1, overrides: dict | None = None,
+    n_keys: torch.Tensor | None = None, use_extent: bool = True,
 ):
     """Fill out/lse for q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32 (last dims contiguous).
     n_keys [B, T] int32 contiguous: `key_extent(indices, S)`, computed here when not given. use_extent=False loops
@@ -231,50 +193,20 @@ def launch_sparse_mla_fwd(
     n_hb = triton.cdiv(H, cfg["BLOCK_H"])
     grid = (n_hb * B * T * num_splits,)  # 1-D: axis 0 takes 2^31 - 1 programs
     return _sparse_mla_fwd_kernel[grid](
-        q,
-        kv,
-        indices,
-        n_keys,
-        out,
-        lse,
-        T,
-        S,
-        K,
-        H,
-        d_v,
-        d_tail,
-        k_per_split,
-        sm_scale * LOG2E,
-        B * T,
-        n_hb,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        kv.stride(0),
-        kv.stride(1),
-        indices.stride(0),
-        indices.stride(1),
-        *s_o,
-        *s_l,
-        BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_K=bk,
-        BLOCK_DV=cfg["BLOCK_DV"],
-        BLOCK_DT=cfg["BLOCK_DT"],
-        HAS_TAIL=d_tail > 0,
-        DOT_PREC=dot_precision(q.dtype),
-        USE_EXTENT=use_extent,
-        num_warps=cfg["num_warps"],
+        q, kv, indices, n_keys, out, lse,
+        T, S, K, H, d_v, d_tail, k_per_split, sm_scale * LOG2E, B * T, n_hb,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        indices.stride(0), indices.stride(1),
+        *s_o, *s_l,
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_K=bk, BLOCK_DV=cfg["BLOCK_DV"], BLOCK_DT=cfg["BLOCK_DT"],
+        HAS_TAIL=d_tail > 0, DOT_PREC=dot_precision(q.dtype), USE_EXTENT=use_extent, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
 
 
 def sparse_mla_fwd_triton(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int,
-    overrides: dict | None = None,
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int, overrides: dict | None = None,
     n_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill forward: q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32 -> out [B, T, H, d_v] q.dtype,
