@@ -28,11 +28,8 @@ def cli(*args, timeout=600):
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny model trained briefly on a doc of the repo (bytes, loss about 2.5): its greedy continuations differ from
-    prompt to prompt and its next-token distributions are peaked, unlike the random init's near-ties."""
-    run = tmp_path_factory.mktemp("trained") / "run"
+def train_checkpoint(run):
+    """Train the tiny model briefly into `run` (a run dir) -> run."""
     res = cli(
         "train",
         *MODEL,
@@ -49,6 +46,13 @@ def trained(tmp_path_factory):
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return run
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny model trained briefly on a doc of the repo (bytes, loss about 2.5): its greedy continuations differ from
+    prompt to prompt and its next-token distributions are peaked, unlike the random init's near-ties."""
+    return train_checkpoint(tmp_path_factory.mktemp("trained") / "run")
 
 
 def workload(n=64, seed=0):

@@ -8,7 +8,7 @@ fp32 serving: the groups change the row count of every GEMM, and bf16 rounding w
 """
 
 import pytest
-from test_serve_pipelined import MODEL, PIPELINES, REPO, cli, workload
+from test_serve_pipelined import MODEL, PIPELINES, train_checkpoint, workload
 
 from dsaflow.config.compose import compose
 from dsaflow.plan import build_plan
@@ -25,23 +25,7 @@ SERVE = [
 
 @pytest.fixture(scope="module")
 def trained_gpu(tmp_path_factory):
-    run = tmp_path_factory.mktemp("trained_gpu") / "run"
-    res = cli(
-        "train",
-        *MODEL,
-        "data=text",
-        f"data.path={REPO}/docs/serving.md",
-        "train.steps=150",
-        "train.seq_len=64",
-        "train.batch_size=16",
-        "train.eval_every=0",
-        "train.warmup_steps=10",
-        "train.lr=5e-3",
-        "pipeline.microbatches=1",
-        f"run_dir={run}",
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return run
+    return train_checkpoint(tmp_path_factory.mktemp("trained_gpu") / "run")
 
 
 def gpu_engine(run, pipeline, microbatches):

@@ -33,15 +33,22 @@ def sample_next(
     restricted to the top-p nucleus when top_p < 1, sampled by the exponential race with `generator`. `temperature`
     and `top_p` are host floats (from the config), so choosing the branch never reads the device.
     """
+    race = lambda probs: torch.empty_like(probs).exponential_(generator=generator)  # noqa: E731
+    return _race_sample(logits, temperature, top_p, race, "sample_next")
+
+
+def _race_sample(logits: torch.Tensor, temperature: float, top_p: float, draw_race, name: str) -> torch.Tensor:
+    """The shared body: greedy at temperature 0, else argmax(p / E) over the (top-p cut) softmax, with E ~ Exp(1)
+    from `draw_race(probs)`."""
     if temperature < 0 or not (0.0 < top_p <= 1.0):
-        raise ValueError(f"sample_next: temperature must be >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        raise ValueError(f"{name}: temperature must be >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         probs = torch.where(top_p_mask(probs, top_p), probs, torch.zeros_like(probs))
-    race = torch.empty_like(probs).exponential_(generator=generator)
+    race = draw_race(probs)
     # An Exp(1) draw can round to exactly 0; 0/0 = NaN would win argmax for a masked token.
     return (probs / race.clamp_min(torch.finfo(race.dtype).tiny)).argmax(dim=-1)
 
@@ -76,13 +83,5 @@ def sample_keyed(logits: torch.Tensor, temperature: float, top_p: float, seed: i
     """Like `sample_next`, with the exponential race drawn from `keyed_uniform(seed, keys)`: logits [B, V],
     keys [B] int64 (serving uses request index x 2^24 + token index) -> token ids [B]. Sampling a request then
     gives the same tokens whatever the batch, the microbatch groups or the pipeline split."""
-    if temperature < 0 or not (0.0 < top_p <= 1.0):
-        raise ValueError(f"sample_keyed: temperature must be >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    logits = logits.float()
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        probs = torch.where(top_p_mask(probs, top_p), probs, torch.zeros_like(probs))
-    race = -torch.log(keyed_uniform(seed, keys, logits.shape[-1]))
-    return (probs / race).argmax(dim=-1)
+    race = lambda probs: -torch.log(keyed_uniform(seed, keys, probs.shape[-1]))  # noqa: E731
+    return _race_sample(logits, temperature, top_p, race, "sample_keyed")
