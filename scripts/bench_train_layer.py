@@ -65,33 +65,15 @@ def matmul_ceiling_tflops() -> float:
 
 
 def build(layers: int, index: str, seq: int, recompute: str = "none"):
-    from dsaflow.config.compose import compose
-    from dsaflow.plan import build_plan
-    from dsaflow.run.stages import stage_module
+    from bench_train_stage import plan_for, stage_and_optimisers
+
     from dsaflow.train.metrics import model_flops_per_token
 
-    cfg = compose(
-        [
-            "model=dsv32",
-            "model.vocab_size=256",
-            "model.inter_dim=2048",
-            f"model.num_layers={layers}",
-            f"model.max_seq_len={max(seq, 4096)}",
-            f"index={index}",
-            f"train.seq_len={seq}",
-            f"train.recompute={recompute}",
-            "train.batch_size=1",
-            "pipeline.microbatches=1",
-        ]
-    )
-    plan = build_plan(cfg)
-    stage = stage_module(cfg.model, plan, 0, seed=0).cuda().train()
+    cfg, plan = plan_for(layers, index, seq, recompute)
+    stage, opts = stage_and_optimisers(cfg, plan)
     stage.recompute = recompute
     n = sum(p.numel() for p in stage.parameters())
     flops = model_flops_per_token(cfg.model, plan, seq, n, stage.embed.weight.numel()) * seq
-    idx = stage.indexer_parameters()
-    main = [p for p in stage.parameters() if all(p is not q for q in idx)]
-    opts = [torch.optim.AdamW(main, lr=1e-5, fused=True), torch.optim.AdamW(idx, lr=1e-5, fused=True)]  # as the trainer
     return cfg, plan, stage, opts, flops
 
 

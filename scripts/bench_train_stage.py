@@ -60,9 +60,13 @@ def plan_for(layers: int, index: str, seq: int, recompute: str, chunk_tokens: in
 def build(layers: int, index: str):
     """(stage on cuda in train mode, its two fused AdamW optimisers, as the trainer builds them). The weights do
     not depend on the sequence length or the recompute mode, so one stage serves every row."""
+    return stage_and_optimisers(*plan_for(layers, index, 4096, "none"))
+
+
+def stage_and_optimisers(cfg, plan):
+    """Stage 0 of `plan` on cuda in train mode and its two fused AdamW optimisers (main, indexer), as the trainer."""
     from dsaflow.run.stages import stage_module
 
-    cfg, plan = plan_for(layers, index, 4096, "none")
     stage = stage_module(cfg.model, plan, 0, seed=0).cuda().train()
     idx = stage.indexer_parameters()
     main = [p for p in stage.parameters() if all(p is not q for q in idx)]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_harness import run_configs, stop_and_resume_cfgs, tiny_cfg
+from train_harness import TINY_PP2_RUN, run_configs, stop_and_resume_cfgs, tiny_cfg
 
 from dsaflow.launch.lifecycle import children
 from dsaflow.run.ckpt_store import list_checkpoints, newest_good_checkpoint, verify_checkpoint
@@ -24,19 +24,7 @@ from dsaflow.run.rundir import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG_RUN = [
-    "track=none",
-    "pipeline=pp2",
-    "model.num_layers=2",
-    "model.dim=32",
-    "model.inter_dim=64",
-    "model.index_topk=8",
-    "train.seq_len=32",
-    "train.batch_size=4",
-    "train.warmup_steps=1",
-    "train.eval_every=0",
-    "train.eval_batches=1",
-    "train.log_every=1",
-    "train.progress=lines",
+    *TINY_PP2_RUN,
     "train.steps=100000",
     "train.ckpt_every=1",
     "train.keep_checkpoints=2",

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_harness import free_port
+from train_harness import TINY_PP2_RUN, free_port
 
 from dsaflow.run.ckpt_store import list_checkpoints, verify_checkpoint
 from dsaflow.run.rundir import read_metrics
@@ -21,19 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "multi_node.sh"
 TIMEOUT_S = 20
 TINY = [
-    "track=none",
-    "pipeline=pp2",
-    "model.num_layers=2",
-    "model.dim=32",
-    "model.inter_dim=64",
-    "model.index_topk=8",
-    "train.seq_len=32",
-    "train.batch_size=4",
-    "train.warmup_steps=1",
-    "train.eval_every=0",
-    "train.eval_batches=1",
-    "train.log_every=1",
-    "train.progress=lines",
+    *TINY_PP2_RUN,
     f"launch.timeout_s={TIMEOUT_S}",
 ]
 

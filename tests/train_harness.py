@@ -15,6 +15,23 @@ import torch.multiprocessing as mp
 from dsaflow.config.schema import DSAFlowConfig
 from dsaflow.plan import build_plan
 
+# A two-rank CPU run small enough to start in seconds (the launch, fault and multi-node tests)
+TINY_PP2_RUN = [
+    "track=none",
+    "pipeline=pp2",
+    "model.num_layers=2",
+    "model.dim=32",
+    "model.inter_dim=64",
+    "model.index_topk=8",
+    "train.seq_len=32",
+    "train.batch_size=4",
+    "train.warmup_steps=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.progress=lines",
+]
+
 
 def tiny_cfg(stages: int = 1, ranks=None, schedule: str = "1F1B", steps: int = 3, **train) -> DSAFlowConfig:
     """8 layers "FS" x 4 of width 32: every stage split used by the tests keeps the PP=1 roles (no promotion)."""
