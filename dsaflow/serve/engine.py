@@ -287,7 +287,9 @@ class PipelineEngine:
             if problem:
                 raise ServeError(problem)
         requests = [Request(i, list(p), int(m)) for i, (p, m) in enumerate(zip(prompts, max_new))]
-        self.scheduler = Scheduler(requests, self.ranges, s.prefill_chunk, refill=self.continuous)
+        self.scheduler = Scheduler(
+            requests, self.ranges, s.prefill_chunk, refill=self.continuous, mixed=self.prefill_graphs
+        )
         self.logits_log, self.first_mark, self.last_mark = {}, {}, {}
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
         for c in self.caches.values():
@@ -323,13 +325,13 @@ class PipelineEngine:
 
     def _item(self, p: Pass) -> Item:
         """The executor's item of a pass. Decode passes start at the group's row 0 and replay the decode graphs.
-        A prefill pass replays the group's prefill graph (padded to the group's rows) when it starts at row 0 and
-        covers more than half the group; a pass of a few joining rows runs eagerly on a view of just those rows
-        (padding it to the whole group would cost more than the launches a graph saves)."""
-        group_rows = self.ranges[p.group][1] - self.ranges[p.group][0]
-        graph = p.decode_only or (p.row0 == 0 and 2 * p.rows > group_rows)
+        With prefill graphs every other pass is a mixed pass from row 0 (the scheduler's `mixed`) and replays the
+        group's prefill graph, padded to the group's rows: an eager pass of a few joining rows costs its launches,
+        about 30 ms for model=small on an H200, more than the whole padded graph. Without them a prefill pass runs
+        eagerly on a view of just its rows."""
+        graph = p.decode_only or self.scheduler.mixed
         if self.prefill_graphs and not p.decode_only and graph:
-            p.pad_rows(group_rows)
+            p.pad_rows(self.ranges[p.group][1] - self.ranges[p.group][0])
         rows = p.rows
         cols, keys = [0] * rows, [0] * rows
         for r, c, req, k in p.emit:

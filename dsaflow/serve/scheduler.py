@@ -10,8 +10,10 @@ pass is one forward of one group through every stage, of one of two kinds:
   serve.prefill_chunk; shorter chunks pad with position -1), over the span of rows they occupy; a row whose chunk
   holds its last prompt token samples its first token.
 
-When a group has rows of both kinds its passes alternate, so the decoding rows keep going while a joining request
-prefills. A row is freed when it reaches its own max_new_tokens (host-known) or emits EOS (known from the feedback
+When a group has rows of both kinds, its passes either alternate (eager prefill: a pass costs what its rows x tokens
+cost, so a narrow prefill pass and a decode step are cheaper than one wide pass), or, with `mixed` (prefill through
+the group's graph, whose static [rows, T] shape costs the same whatever its rows do), every pass is both: the
+decoding rows put their one token in column 0 of the prefill pass and sample from it, so they never wait. A row is freed when it reaches its own max_new_tokens (host-known) or emits EOS (known from the feedback
 flags that every rank receives); once half of the group's rows are free (or enough for every waiting
 request), waiting requests take them at the group's next pass (longest first, in the lowest rows) and prefill
 together. Every rank runs this same
@@ -85,9 +87,17 @@ class Scheduler:
     REFILL_FRACTION = 0.5  # refill a group once this share of its rows is free (wider, fewer prefill passes)
     SPAN_DENSITY = 0.5  # a prefill pass spans all prefilling rows when they fill at least this share of the span
 
-    def __init__(self, requests: Sequence[Request], ranges: Sequence[Tuple[int, int]], chunk: int, refill: bool = True):
+    def __init__(
+        self,
+        requests: Sequence[Request],
+        ranges: Sequence[Tuple[int, int]],
+        chunk: int,
+        refill: bool = True,
+        mixed: bool = False,
+    ):
         self.queue: Deque[Request] = deque(requests)
         self.refill = refill  # False: fixed batches (a group takes requests only once all its rows finished)
+        self.mixed = mixed  # prefill passes carry the decoding rows too (see the module docstring)
         self.ranges, self.chunk = list(ranges), chunk
         self.rows: List[List[Optional[Row]]] = [[None] * (b - a) for a, b in self.ranges]
         self.generated = {r.index: 0 for r in requests}  # final token count per request
@@ -115,6 +125,8 @@ class Scheduler:
             return None
         prefilling = [i for i in active if rows[i].offset < len(rows[i].request.prompt)]
         decoding = [i for i in active if i not in set(prefilling)]
+        if prefilling and self.mixed:
+            return self._prefill_pass(group, prefilling, decoding)
         # both kinds waiting: alternate, so decoding rows keep going while a joining request prefills
         if prefilling and (not decoding or self.turn[group] == "prefill"):
             self.turn[group] = "decode"
@@ -133,12 +145,15 @@ class Scheduler:
             p.emit.append((i, 0, req.index, rows[i].generated))
         return p
 
-    def _prefill_pass(self, group: int, prefilling: List[int]) -> Pass:
+    def _prefill_pass(self, group: int, prefilling: List[int], decoding: Sequence[int] = ()) -> Pass:
         """The next chunk of the prefilling rows: their span when at least half of it prefills, else their first
-        contiguous run (so decoding rows between them cost little padding)."""
+        contiguous run (so decoding rows between them cost little padding). Given `decoding` rows (mixed passes),
+        the pass starts at row 0 and covers them too: each puts its previous token in column 0."""
         rows = self.rows[group]
         a, b = prefilling[0], prefilling[-1] + 1
-        if len(prefilling) < self.SPAN_DENSITY * (b - a):
+        if self.mixed:  # the group's graph covers rows [0, group rows) anyway
+            a, b = 0, max([b, *(i + 1 for i in decoding)])
+        elif len(prefilling) < self.SPAN_DENSITY * (b - a):
             b = a
             while b in prefilling:
                 b += 1
@@ -155,6 +170,11 @@ class Scheduler:
             p.advance[r] = row.offset + len(seg)
             if row.offset + len(seg) == len(req.prompt):
                 p.emit.append((r, len(seg) - 1, req.index, 0))
+        for i in decoding:
+            req = rows[i].request
+            p.decode[i] = True
+            p.positions[i][0] = len(req.prompt) + rows[i].generated - 1
+            p.emit.append((i, 0, req.index, rows[i].generated))
         return p
 
     def finish(self, p: Pass, eos: Optional[Sequence[bool]] = None) -> List[int]:

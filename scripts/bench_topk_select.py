@@ -1,0 +1,102 @@
+"""The indexer top-k's two Triton selects side by side: the radix select (the dispatcher's path on CUDA) against
+int64 sort keys + torch.topk (`select="sort"`), over key counts, decode, causal prefill and serving-pass shapes.
+
+    python3 scripts/bench_topk_select.py --out bench_out/topk_select        # one GPU, about a minute
+
+Cases (B rows x T queries over S keys, positions ending at the last key ("full") or at S/2 ("half": a serving cache
+filled halfway)): decode64 / decode64_half / decode8 (T = 1), prefill1x2048 (one causal 2048-query chunk at the end),
+serve64x256 / serve64x32 (a serving pass of 64 rows). Two indexers: 8 heads x 64 with top-256 (`model=small`) and
+64 heads x 128 with top-2048 (DeepSeek-V3.2). Both selects must return identical indices (checked per case).
+Writes topk_select.json and topk_select.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dsaflow.ops.indexer_topk.triton_indexer import indexer_topk_triton  # noqa: E402
+
+CASES = (
+    ("decode64", 64, 1, "full"),
+    ("decode64_half", 64, 1, "half"),
+    ("decode8", 8, 1, "full"),
+    ("prefill1x2048", 1, 2048, "full"),
+    ("serve64x256", 64, 256, "half"),
+    ("serve64x32", 64, 32, "half"),
+)
+INDEXERS = ((8, 64, 256), (64, 128, 2048))  # heads, head dim, top-k
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--keys", default="1025,2049,4097,4353,8193,16385")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default="bench_out/topk_select")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_topk_select.py times CUDA kernels: no CUDA device here.", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    rows = []
+    for H, D, K in INDEXERS:
+        for S in (int(x) for x in a.keys.split(",")):
+            for name, B, T, visible in CASES:
+                if K >= S or T > S:
+                    continue
+                q = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
+                k = torch.randn(B, S, D, device=dev, dtype=torch.bfloat16)
+                w = torch.randn(B, T, H, device=dev)
+                end = S - 1 if visible == "full" else S // 2
+                pos = (end - T + 1 + torch.arange(T, device=dev)).expand(B, T).contiguous()
+                r = {"heads": H, "topk": K, "keys": S, "case": name}
+                for select in ("radix", "sort"):
+                    r[f"{select}_ms"] = median_ms(lambda: indexer_topk_triton(q, k, w, pos, K, select=select), a.reps)
+                radix = indexer_topk_triton(q, k, w, pos, K, select="radix")
+                r["identical"] = bool(torch.equal(radix, indexer_topk_triton(q, k, w, pos, K, select="sort")))
+                r["sort_over_radix"] = r["sort_ms"] / r["radix_ms"]
+                rows.append(r)
+                print(r, flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    (out / "topk_select.json").write_text(json.dumps({"device": env, "rows": rows}, indent=2) + "\n")
+    md = [f"# Indexer top-k: radix select vs torch.topk\n\n{env}. `python3 scripts/bench_topk_select.py`.\n"]
+    md += [
+        "| heads x top-k | keys | case | radix ms | sort ms | sort / radix | identical |",
+        "|---|---:|---|---:|---:|---:|---|",
+    ]
+    md += [
+        f"| {r['heads']} x {r['topk']} | {r['keys']} | {r['case']} | {r['radix_ms']:.3f} | {r['sort_ms']:.3f} | "
+        f"{r['sort_over_radix']:.2f} | {r['identical']} |"
+        for r in rows
+    ]
+    wins = sum(r["radix_ms"] <= r["sort_ms"] for r in rows)
+    md.append(f"\nradix faster or equal in {wins} of {len(rows)} cases.")
+    (out / "topk_select.md").write_text("\n".join(md) + "\n")
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
