@@ -118,10 +118,10 @@ def test_key_extent_kernel(layout, poisoned):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("num_splits,use_extent", [(1, True), (1, False), (3, False)])
+@pytest.mark.parametrize("num_splits,use_extent", [(1, True), (1, False), (3, False), (3, True)])
 def test_forward_layouts(layout, num_splits, use_extent, poisoned):
     """The forward kernel (16-row key blocks, K = 40: a ragged last block) on each layout, bounded by the key extent
-    or over every slot, and through the decode launcher (every slot, three key splits merged)."""
+    or over every slot, and through the no-grad launcher (three key splits merged, bounded or not)."""
     B, T, H, S, K = 2, 5, 6, 29, 40
     q, kv, idx = make(layout, B, T, H, 40, S, K, torch.float32, seed=2)
     over = dict(BLOCK_H=16, BLOCK_K=16)
@@ -132,7 +132,9 @@ def test_forward_layouts(layout, num_splits, use_extent, poisoned):
         launch_sparse_mla_fwd(q, kv, idx, 0.2, 32, out, lse, 1, over, use_extent=use_extent)
     else:
         with torch.no_grad():
-            out, lse = sparse_mla_decode_triton(q, kv, idx, 0.2, 32, num_splits=num_splits, overrides=over)
+            out, lse = sparse_mla_decode_triton(
+                q, kv, idx, 0.2, 32, num_splits=num_splits, overrides=over, use_extent=use_extent
+            )
     assert rel_err(out, ref_out) < FP32_TOL
     check_lse(lse, ref_lse, FP32_TOL)
     none = ~((idx >= 0) & (idx < S)).any(-1)

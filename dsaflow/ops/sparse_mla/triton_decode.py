@@ -68,7 +68,7 @@ def choose_num_splits(q: torch.Tensor, K: int, block_h: int, block_k: int) -> in
     n_sm = _num_sms(q.device.index or 0) if q.is_cuda else 132
     programs = B * T * triton.cdiv(H, block_h)
     want = triton.next_power_of_2(max(1, n_sm // programs))
-    if H <= 32:
+    if H <= 32 and programs < n_sm:  # a grid that already covers the SMs gains nothing from a second split
         want *= 2
     return max(1, min(want, triton.cdiv(K, block_k), 64))
 
@@ -84,23 +84,27 @@ def decode_overrides(q: torch.Tensor, d_v: int) -> dict:
 
 def sparse_mla_decode_triton(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
-    num_splits: int | None = None, overrides: dict | None = None,
+    num_splits: int | None = None, overrides: dict | None = None, use_extent: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode forward, no autograd: q [B, T, H, D_qk] (T small), kv [B, S, D_qk] (a cache), indices [B, T, K] int32
-    -> out [B, T, H, d_v] q.dtype, lse [B, T, H] fp32. Same contract as `sparse_mla`."""
+    """Forward without autograd: q [B, T, H, D_qk], kv [B, S, D_qk] (a cache), indices [B, T, K] int32
+    -> out [B, T, H, d_v] q.dtype, lse [B, T, H] fp32. Same contract as `sparse_mla`.
+    use_extent (default: T > 1): bound each query's loop by its key extent. A serving prefill pass (T > 1) holds
+    padding queries (no index) and short prompts, whose loops then stop at once; a decode step (T = 1) has full rows,
+    where the extent kernel's extra launch would cost a large share of a ~0.1 ms call."""
     B, T, H, D_qk = q.shape
     K = indices.shape[2]
     overrides = {**decode_overrides(q, d_v), **(overrides or {})}
     cfg = fwd_config(q, d_v, D_qk - d_v, K, overrides)
     ns = num_splits or choose_num_splits(q, K, cfg["BLOCK_H"], cfg["BLOCK_K"])
+    extent = T > 1 if use_extent is None else use_extent
     out = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     if ns == 1:
-        launch_sparse_mla_fwd(q, kv, indices, sm_scale, d_v, out, lse, 1, overrides, use_extent=False)
+        launch_sparse_mla_fwd(q, kv, indices, sm_scale, d_v, out, lse, 1, overrides, use_extent=extent)
         return out, lse
     part_out = torch.empty(ns, B, T, H, d_v, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(ns, B, T, H, device=q.device, dtype=torch.float32)
-    launch_sparse_mla_fwd(q, kv, indices, sm_scale, d_v, part_out, part_lse, ns, overrides, use_extent=False)
+    launch_sparse_mla_fwd(q, kv, indices, sm_scale, d_v, part_out, part_lse, ns, overrides, use_extent=extent)
     n_rows = B * T * H
     block_dv = max(16, triton.next_power_of_2(d_v))
     block_r = max(1, 4096 // block_dv)
