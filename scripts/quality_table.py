@@ -1,115 +1,407 @@
-"""IndexCache quality table on the harder retrieval task: train, search, evaluate, collect (JSON + markdown).
+"""IndexCache quality table: which layers can share their indexer, and what it costs (docs/quality.md).
 
-    python scripts/quality_table.py train   [--seeds 0 1 2] [--kinds all_full every4] [--steps 600]
-    python scripts/quality_table.py search  [--seeds 0 1 2]      # greedy search + eval table on each all-F run
-    python scripts/quality_table.py collect [--seeds 0 1 2]      # -> runs/quality/quality.json + quality.md
+    python scripts/quality_table.py probe   --device cuda [--task retrieval_long] [--steps N]   # all-F, acc over time
+    python scripts/quality_table.py run     --device cuda --task retrieval_long --seeds 0 1 2 [--budget-s 500]
+    python scripts/quality_table.py collect runs/quality-cuda [more result dirs]  # -> docs/quality.json, quality.md
 
-Rows (eval loss and exact-match accuracy, mean and spread over seeds, on held-out batches):
-  all-F, uniform 1/2 and 1/4, searched 1/2 and 1/4   training-free, from each all-F checkpoint (`dsaflow search`)
-  distilled uniform 1/4                               trained with index=every4 (IndexCache distillation)
-Every step skips what is already done (a finished run dir, a finished search), so rerunning resumes. Outputs live
-under runs/quality/ (not in git); docs/search.md holds the table of one measured run.
+`run` does, for each seed of one task, two independent steps with the normal `dsaflow train` / `dsaflow search`
+commands (subprocesses):
+  base    train all-F, then `dsaflow search` on it (greedy to 1/4 of the layers): rows all-F, uniform 1/2 and 1/4
+          (training-free), searched 1/2 and 1/4, every one scored on the same held-out batches;
+  every4  train `index=every4` from scratch: the indexer only on every 4th layer (S layers have none, as in
+          GLM-5.2's IndexShare), each F layer distilled on the mean attention of itself and the 3 S layers it serves
+          (IndexCache's multi-layer target): row "every4 trained", scored on the same batches.
+Each step writes one small JSON per row (<out>/results/<task>-s<seed>-<row>.json), then deletes its checkpoints;
+a step whose JSONs all exist is skipped, so running the same command again resumes. `--budget-s` stops before a
+step that would not finish in the time left (estimated from the slowest measured run of that step, kept in
+<out>/timings.json, else the preset's guess) and kills a step still running at the limit (it reruns next time); exit status 75 says work is left.
+`--parallel N` runs N steps at once, one GPU each (CUDA_VISIBLE_DEVICES).
+
+Presets (`--preset`, default: gpu with --device cuda, cpu with --device cpu) fix the recipe; flags override it.
+Text: the Python standard library's *.py files of this interpreter (site-packages excluded), whole files held out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's dsaflow, whatever else is installed
-ROOT = REPO / "runs" / "quality"
-TASK = [
-    "data=retrieval_hard",
-    "train.seq_len=128",
-    "model.index_topk=16",
-    "train.eval_every=100",
-    "train.eval_batches=8",
-    "train.log_every=50",
-    "train.cpu_threads=1",
-    "track=none",
-    "train.progress=lines",
-]
+EXIT_WORK_LEFT = 75
+ROWS_BASE = ("all-F", "uniform 1/2", "searched 1/2", "uniform 1/4", "searched 1/4")
+ROW_EVERY4 = "every4 trained"
+ORDER = ROWS_BASE + (ROW_EVERY4,)
+
+# Recipes. gpu: one H200 per step, a few minutes each; cpu: seconds, for tests and CI (numbers mean nothing).
+PRESETS = {
+    "gpu": {
+        "model": ["model=small"],
+        "seq_len": 1024,
+        "topk": 64,
+        "batch_size": 16,
+        "steps": 600,
+        "lr": 1e-3,
+        "warmup": 50,
+        "eval_every": 50,
+        "train_eval_batches": 8,
+        "calib_batches": 8,
+        "eval_batches": 32,
+        "guess_s": {"base": 420, "every4": 330},  # until a measured time of the step exists (timings.json)
+    },
+    "cpu": {
+        "model": ["model=tiny", "model.dim=32", "model.inter_dim=64"],
+        "seq_len": 64,
+        "topk": 8,
+        "batch_size": 4,
+        "steps": 4,
+        "lr": 3e-3,
+        "warmup": 1,
+        "eval_every": 2,
+        "train_eval_batches": 1,
+        "calib_batches": 1,
+        "eval_batches": 2,
+        "guess_s": {"base": 60, "every4": 30},
+    },
+}
 
 
-def dsaflow(*args: str, log: Path) -> int:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+def stdlib_dir() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def task_overrides(task: str, r: dict, text_path: str | None) -> list:
+    if task == "retrieval_long":
+        return ["data=retrieval_long"]
+    return [
+        "data=text",
+        f"data.path={text_path or stdlib_dir()}",
+        "data.suffixes=[.py]",
+        "data.exclude=[site-packages/*,dist-packages/*]",
+        "data.split=files",
+        "data.val_fraction=0.1",
+    ]
+
+
+def recipe(a) -> dict:
+    r = dict(PRESETS[a.preset or ("gpu" if a.device == "cuda" else "cpu")])
+    for k in ("steps", "seq_len", "topk", "batch_size", "lr", "warmup", "eval_batches", "calib_batches"):
+        if getattr(a, k, None) is not None:
+            r[k] = getattr(a, k)
+    return r
+
+
+def train_overrides(a, r: dict, task: str, seed: int, index: str, run_dir: Path, steps: int) -> list:
+    return [
+        *r["model"],
+        *task_overrides(task, r, a.text_path),
+        f"index={index}",
+        f"train.seq_len={r['seq_len']}",
+        f"model.index_topk={r['topk']}",
+        f"train.batch_size={r['batch_size']}",
+        f"train.lr={r['lr']}",
+        f"train.warmup_steps={r['warmup']}",
+        f"train.steps={steps}",
+        f"train.seed={seed}",
+        f"train.eval_every={r['eval_every']}",
+        f"train.eval_batches={r['train_eval_batches']}",
+        f"train.log_every={r['eval_every']}",
+        f"train.device={a.device}",
+        "train.cpu_threads=1",
+        "train.progress=lines",
+        f"track={a.track or ('offline' if a.device == 'cuda' else 'none')}",
+        f"run_dir={run_dir}",
+        *a.set,
+    ]
+
+
+class Budget:
+    def __init__(self, seconds: float | None):
+        self.end = None if seconds is None else time.monotonic() + seconds
+        self.hit = threading.Event()
+
+    def left(self) -> float:
+        return math.inf if self.end is None else self.end - time.monotonic()
+
+
+T0 = time.monotonic()
+_print_lock = threading.Lock()
+
+
+def say(msg: str) -> None:
+    with _print_lock:
+        print(f"[{time.monotonic() - T0:7.1f} s] {msg}", flush=True)
+
+
+def shown(line: str) -> bool:
+    """The progress worth a line on screen: evaluations, each search step's choice, failures."""
+    search_step = line.startswith("search: step") and "candidate" not in line
+    return search_step or any(k in line for k in (" eval_acc=", " eval_loss=", "eval-run:", "Error", "error:"))
+
+
+def call(args: list, log: Path, budget: Budget, env_extra: dict, tag: str) -> int:
+    """Run `args` (a new session, so a budget kill reaches torchrun's workers), append its output to `log`, echo
+    the lines that show progress. Returns its exit status, or None when the budget ran out and it was stopped."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env_extra}
+    if "track=offline" in args:
+        env["WANDB_MODE"] = "offline"
+    log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as f:
-        return subprocess.call(
-            [sys.executable, "-m", "dsaflow.cli", *args], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT
+        f.write(f"$ {' '.join(args)}\n")
+        f.flush()
+        p = subprocess.Popen(
+            args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
+        timer = threading.Timer(max(budget.left(), 0.0), lambda: _stop(p, budget)) if budget.end else None
+        if timer:
+            timer.daemon = True
+            timer.start()
+        for line in p.stdout:
+            f.write(line)
+            if shown(line):
+                say(f"{tag}: {line.rstrip()}")
+        rc = p.wait()
+        if timer:
+            timer.cancel()
+    return None if budget.hit.is_set() and rc != 0 else rc
 
 
-def run_dir(kind: str, seed: int) -> Path:
-    return ROOT / f"{kind}-s{seed}"
+def _stop(p: subprocess.Popen, budget: Budget) -> None:
+    budget.hit.set()
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(p.pid, sig)  # the group this script started for this step, nothing else
+            p.wait(wait)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+
+
+def dsaflow_cmd(*args: str) -> list:
+    return [sys.executable, "-m", "dsaflow.cli", *args]
 
 
 def finished(rd: Path) -> bool:
-    return any((rd / "checkpoints").glob("step-*/.metadata")) if (rd / "checkpoints").is_dir() else False
+    return (rd / "checkpoints").is_dir() and any((rd / "checkpoints").glob("step-*/manifest.json"))
 
 
-def cmd_train(a) -> None:
-    """Train every (seed, kind) not finished yet. Several drivers may run at once: each run is claimed with a lock
-    file (runs/quality/<name>.lock), so drivers share the work instead of repeating it."""
-    ROOT.mkdir(parents=True, exist_ok=True)
-    for seed in a.seeds:
-        for kind in a.kinds:
-            rd = run_dir(kind, seed)
-            if finished(rd):
-                print(f"{rd.name}: done already", flush=True)
-                continue
-            lock = ROOT / f"{rd.name}.lock"
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-                os.write(fd, str(os.getpid()).encode())
-                os.close(fd)
-            except FileExistsError:
-                print(f"{rd.name}: claimed by another driver ({lock})", flush=True)
-                continue
-            if rd.exists():
-                import shutil
-
-                shutil.rmtree(rd)
-            print(f"{rd.name}: training", flush=True)
-            rc = dsaflow(
-                "train",
-                *TASK,
-                f"index={kind}",
-                f"train.seed={seed}",
-                f"train.steps={a.steps}",
-                f"run_dir={rd}",
-                log=ROOT / f"{rd.name}.log",
-            )
-            print(f"{rd.name}: exit {rc}", flush=True)
-            if rc != 0:
-                lock.unlink()
+def slug(pattern: str) -> str:
+    return pattern.replace(" ", "-").replace("/", "_")
 
 
-def cmd_search(a) -> None:
-    for seed in a.seeds:
-        rd = run_dir("all_full", seed)
-        if not finished(rd):
-            print(f"{rd.name}: not trained yet", flush=True)
-            continue
-        rc = dsaflow(
+def result_path(out: Path, task: str, seed: int, pattern: str) -> Path:
+    return out / "results" / f"{task}-s{seed}-{slug(pattern)}.json"
+
+
+def final_eval(rd: Path) -> dict:
+    """The trainer's own last evaluation and the median tokens/s (bf16 on GPU, train.eval_batches batches)."""
+    from dsaflow.track.sweep_summary import final_metrics
+
+    m = final_metrics(rd)
+    return {k: m[k] for k in ("step", "eval_loss", "eval_acc", "eval_bpb", "tokens_per_s") if k in m}
+
+
+def _row(out, task, seed, pattern, roles, loss, acc, extra) -> None:
+    row = {"task": task, "seed": seed, "pattern": pattern, "roles": roles, "num_f": roles.count("F"), "loss": loss}
+    row["acc"] = None if acc is None or acc != acc else acc
+    if task == "text":
+        row["bpb"] = loss / math.log(2)
+    p = result_path(out, task, seed, pattern)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**row, **extra}, indent=1) + "\n")
+    tmp.replace(p)  # a row file exists only complete
+
+
+def train(a, r, out, task, seed, index, budget, env, tag) -> tuple:
+    """-> (run dir, wall seconds) or (None, None) when stopped or failed."""
+    rd = out / "runs" / f"{task}-s{seed}-{index}"
+    if finished(rd):
+        say(f"{tag}: training done already ({rd})")
+        return rd, None
+    if rd.exists():
+        shutil.rmtree(rd)  # an interrupted run: its checkpoints (if any) did not survive the call, start again
+    steps = a.every4_steps if (index == "every4" and a.every4_steps) else r["steps"]
+    say(f"{tag}: training index={index}, {steps} steps -> {rd}")
+    t = time.monotonic()
+    rc = call(
+        dsaflow_cmd("train", *train_overrides(a, r, task, seed, index, rd, steps)),
+        rd.parent / f"{rd.name}.log",
+        budget,
+        env,
+        tag,
+    )
+    if rc != 0:
+        say(
+            f"{tag}: training {'stopped at the time budget' if rc is None else f'failed (exit {rc})'}; "
+            f"log {rd.parent / f'{rd.name}.log'}"
+        )
+        return None, None
+    return rd, time.monotonic() - t
+
+
+def step_base(a, r, out, task, seed, budget, env) -> bool:
+    tag = f"{task} s{seed} base"
+    rd, train_s = train(a, r, out, task, seed, "all_full", budget, env, tag)
+    if rd is None:
+        return False
+    sd = rd / "search"
+    if not (sd / "eval.json").is_file():
+        say(
+            f"{tag}: dsaflow search (greedy to 1/4, {r['calib_batches']} calibration, {r['eval_batches']} eval batches)"
+        )
+        args = [
             "search",
             f"search.checkpoint={rd}",
             "search.ratio=0.25",
-            "search.calib_batches=8",
-            "search.eval_batches=32",
+            "search.eval_ratios=[0.5,0.25]",
+            f"search.calib_batches={r['calib_batches']}",
+            f"search.eval_batches={r['eval_batches']}",
+            f"search.device={a.device}",
             "train.cpu_threads=1",
-            log=ROOT / f"{rd.name}-search.log",
-        )
-        print(f"{rd.name}: search exit {rc}", flush=True)
+        ]
+        rc = call(dsaflow_cmd(*args), rd.parent / f"{rd.name}-search.log", budget, env, tag)
+        if rc != 0:
+            say(f"{tag}: search {'stopped at the time budget' if rc is None else f'failed (exit {rc})'}")
+            return False
+    table = json.loads((sd / "eval.json").read_text())
+    extra = {"train": {**final_eval(rd), "wall_s": train_s}, "eval_batches": r["eval_batches"], "recipe": r}
+    extra["overrides"] = train_overrides(a, r, task, seed, "all_full", rd, r["steps"])
+    for row in table["rows"]:
+        _row(out, task, seed, row["pattern"], row["roles"], row["loss"], row["acc"], extra)
+    shutil.rmtree(rd / "checkpoints", ignore_errors=True)
+    return True
 
 
-def _distilled_eval(rd: Path, batches: int) -> dict:
-    """Eval loss/acc of a run trained with its own (S-layer) layout, on the same held-out batches as the table."""
+def step_every4(a, r, out, task, seed, budget, env) -> bool:
+    tag = f"{task} s{seed} every4"
+    rd, train_s = train(a, r, out, task, seed, "every4", budget, env, tag)
+    if rd is None:
+        return False
+    ev = rd / "eval_own.json"
+    if not ev.is_file():
+        args = [
+            sys.executable,
+            __file__,
+            "eval-run",
+            str(rd),
+            "--batches",
+            str(r["eval_batches"]),
+            "--device",
+            a.device,
+            "--out",
+            str(ev),
+        ]
+        rc = call(args, rd.parent / f"{rd.name}-eval.log", budget, env, tag)
+        if rc != 0:
+            say(f"{tag}: eval {'stopped at the time budget' if rc is None else f'failed (exit {rc})'}")
+            return False
+    e = json.loads(ev.read_text())
+    extra = {"train": {**final_eval(rd), "wall_s": train_s}, "eval_batches": r["eval_batches"], "recipe": r}
+    extra["overrides"] = train_overrides(a, r, task, seed, "every4", rd, a.every4_steps or r["steps"])
+    _row(out, task, seed, ROW_EVERY4, e["roles"], e["loss"], e["acc"], extra)
+    shutil.rmtree(rd / "checkpoints", ignore_errors=True)
+    return True
+
+
+STEPS = {"base": (step_base, ROWS_BASE), "every4": (step_every4, (ROW_EVERY4,))}
+
+
+def cmd_run(a) -> int:
+    r = recipe(a)
+    out = Path(a.out or REPO / "runs" / f"quality-{a.device}").resolve()
+    budget = Budget(a.budget_s)
+    timings_file = out / "timings.json"
+    timings = json.loads(timings_file.read_text()) if timings_file.is_file() else {}
+    todo = []
+    for seed in a.seeds:
+        for kind in a.steps_to_run:
+            rows = STEPS[kind][1]
+            if all(result_path(out, a.task, seed, p).is_file() for p in rows):
+                say(f"{a.task} s{seed} {kind}: done already")
+            else:
+                todo.append((seed, kind))
+    say(f"{a.task}: {len(todo)} step(s) to run on {a.device} (recipe {json.dumps(r)}); results in {out}/results")
+    slots = list(range(max(1, a.parallel)))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in slots]  # slot i -> the i-th GPU this process may use
+    if a.device == "cuda" and a.parallel > len(gpus):
+        print(f"--parallel {a.parallel} needs {a.parallel} GPUs, CUDA_VISIBLE_DEVICES={visible}", file=sys.stderr)
+        return 2
+    lock = threading.Lock()
+    left = []
+
+    def work(item):
+        seed, kind = item
+        key = f"{a.task}/{kind}"
+        need = timings.get(key, r["guess_s"][kind])
+        if budget.left() < need:
+            say(f"{a.task} s{seed} {kind}: not started, {budget.left():.0f} s left < {need:.0f} s it needs")
+            left.append(item)
+            return
+        with lock:
+            slot = slots.pop(0)
+        env = {"CUDA_VISIBLE_DEVICES": gpus[slot]} if (a.device == "cuda" and a.parallel > 1) else {}
+        t = time.monotonic()
+        try:
+            ok = STEPS[kind][0](a, r, out, a.task, seed, budget, env)
+        finally:
+            with lock:
+                slots.append(slot)
+        dt = time.monotonic() - t
+        if ok:
+            with lock:
+                timings[key] = max(dt, timings.get(key, 0.0))  # the slowest seen: a safe estimate
+                out.mkdir(parents=True, exist_ok=True)
+                timings_file.write_text(json.dumps(timings, indent=1) + "\n")
+            say(f"{a.task} s{seed} {kind}: done in {dt:.0f} s")
+        else:
+            left.append(item)
+
+    with ThreadPoolExecutor(max(1, a.parallel)) as pool:
+        list(pool.map(work, todo))
+    for ck in (out / "runs").glob("*/checkpoints"):  # a stopped step's: it starts over next time, keep `out` small
+        shutil.rmtree(ck, ignore_errors=True)
+    if left:
+        say(f"{len(left)} step(s) left ({', '.join(f's{s} {k}' for s, k in sorted(left))}): run the same command again")
+        return EXIT_WORK_LEFT
+    say(f"{a.task}: every step done; merge with: python scripts/quality_table.py collect {out}")
+    return 0
+
+
+def cmd_probe(a) -> int:
+    """Train all-F with the run recipe and print eval accuracy (or bits per byte) over time."""
+    r = recipe(a)
+    out = Path(a.out or REPO / "runs" / f"quality-probe-{a.device}").resolve()
+    rd = out / f"{a.task}-s{a.seeds[0]}-all_full-{time.strftime('%H%M%S')}"
+    say(f"probe: {a.task}, recipe {json.dumps(r)} -> {rd}")
+    rc = call(
+        dsaflow_cmd("train", *train_overrides(a, r, a.task, a.seeds[0], "all_full", rd, r["steps"])),
+        out / f"{rd.name}.log",
+        Budget(a.budget_s),
+        {},
+        "probe",
+    )
+    shutil.rmtree(rd / "checkpoints", ignore_errors=True)
+    say(f"probe: exit {rc}; {final_eval(rd)}")
+    return 0 if rc == 0 else 1
+
+
+def cmd_eval_run(a) -> int:
+    """Loss/acc of a trained run with its own layout on the held-out batches `dsaflow search` scores (same data
+    config, seed, batch size), fp32 like the search."""
     import torch
 
     from dsaflow.config.compose import load_config
@@ -119,116 +411,170 @@ def _distilled_eval(rd: Path, batches: int) -> dict:
     from dsaflow.search.evaluate import PatternEvaluator
     from dsaflow.serve.weights import load_model_weights
 
+    torch.set_num_threads(1)
+    rd = Path(a.run_dir)
     cfg = load_config(rd / "config.yaml")
     plan = Plan.from_json((rd / "plan.json").read_text())
     stages = build_stages(cfg.model, plan)
     load_model_weights({i: m for i, m in enumerate(stages)}, rd, cfg.model)
+    dev = torch.device(a.device)
     for m in stages:
-        m.eval()
+        m.to(dev).eval()
     t = cfg.train
     data = BatchSource(cfg.data, t.seq_len, t.batch_size, t.seed, cfg.model.vocab_size)
-    ev = PatternEvaluator(
-        stages, [data.val_batch(i) for i in range(batches)], torch.device("cpu"), cfg.data.num_queries
-    )
-    roles = tuple(l.role for l in plan.layers)
-    sc = ev.rebase(roles)
-    return {
-        "pattern": "distilled uniform 1/4",
-        "roles": "".join(roles),
-        "num_f": roles.count("F"),
-        "loss": sc.loss,
-        "acc": sc.acc,
-    }
+    nq = cfg.data.num_queries if data.has_answers else 0
+    ev = PatternEvaluator(stages, [data.val_batch(i) for i in range(a.batches)], dev, nq)
+    roles = "".join(l.role for l in plan.layers)
+    sc = ev.rebase(tuple(roles))
+    res = {"roles": roles, "loss": sc.loss, "acc": None if sc.acc != sc.acc else sc.acc, "batches": a.batches}
+    Path(a.out).write_text(json.dumps(res) + "\n")
+    print(f"eval-run: {rd.name} {roles} loss {sc.loss:.4f} acc {sc.acc:.4f}", flush=True)
+    return 0
 
 
 def _mean_sd(xs):
-    xs = [x for x in xs if x == x]
+    xs = [x for x in xs if x is not None and x == x]
     if not xs:
-        return float("nan"), float("nan")
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)  # no spread from one seed
 
 
-def cmd_collect(a) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    per_pattern: dict = {}
-    seeds_used = []
-    for seed in a.seeds:
-        ev = run_dir("all_full", seed) / "search" / "eval.json"
-        if not ev.is_file():
-            print(f"seed {seed}: no search eval yet ({ev})", flush=True)
-            continue
-        seeds_used.append(seed)
-        for r in json.loads(ev.read_text())["rows"]:
-            per_pattern.setdefault(r["pattern"], []).append({"seed": seed, **r})
-        rd = run_dir("every4", seed)
-        if finished(rd):
-            per_pattern.setdefault("distilled uniform 1/4", []).append({"seed": seed, **_distilled_eval(rd, 32)})
-    base = {r["seed"]: r for r in per_pattern.get("all-F", [])}
-    for runs in per_pattern.values():  # paired with the all-F model of the same seed (same held-out batches)
-        for r in runs:
-            b = base.get(r["seed"])
-            r["d_loss"] = r["loss"] - b["loss"] if b else float("nan")
-            r["d_acc_points"] = 100 * (r["acc"] - b["acc"]) if b else float("nan")
-    order = ["all-F", "uniform 1/2", "searched 1/2", "uniform 1/4", "searched 1/4", "distilled uniform 1/4"]
+def collect_rows(dirs) -> list:
+    """One row per (task, pattern) over every results JSON under the given dirs, with paired deltas against all-F of
+    the same task and seed."""
+    per = {}
+    for d in dirs:
+        for p in sorted((Path(d) / "results").glob("*.json")):
+            r = json.loads(p.read_text())
+            key = (r["task"], r["pattern"], r["seed"])
+            if key in per:
+                print(f"collect: {p} repeats {key}; keeping the first", file=sys.stderr)
+                continue
+            per[key] = r
+    base = {(t, s): r for (t, pat, s), r in per.items() if pat == "all-F"}
     rows = []
-    for name in order + sorted(set(per_pattern) - set(order)):
-        runs = per_pattern.get(name, [])
-        if not runs:
-            continue
-        lm, ls = _mean_sd([r["loss"] for r in runs])
-        am, asd = _mean_sd([r["acc"] for r in runs])
-        dlm, dls = _mean_sd([r["d_loss"] for r in runs])
-        dam, das = _mean_sd([r["d_acc_points"] for r in runs])
-        rows.append(
-            {
-                "pattern": name,
-                "seeds": [r["seed"] for r in runs],
-                "loss_mean": lm,
-                "loss_sd": ls,
-                "acc_mean": am,
-                "acc_sd": asd,
-                "d_loss_mean": dlm,
-                "d_loss_sd": dls,
-                "d_acc_points_mean": dam,
-                "d_acc_points_sd": das,
-                "per_seed": runs,
-            }
-        )
-    ROOT.mkdir(parents=True, exist_ok=True)
-    (ROOT / "quality.json").write_text(json.dumps({"task": TASK, "rows": rows}, indent=2) + "\n")
-    md = [
-        "| pattern | seeds | eval loss (mean ± sd) | eval acc (mean ± sd) | Δ loss vs all-F | Δ acc vs all-F "
-        "(points) | per-seed acc | per-seed layouts |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        accs = " / ".join(f"{x['acc']:.3f}" for x in r["per_seed"])
-        lays = (
-            " / ".join(x["roles"] for x in r["per_seed"])
-            if len({x["roles"] for x in r["per_seed"]}) > 1
-            else r["per_seed"][0]["roles"]
-        )
-        md.append(
-            f"| {r['pattern']} | {len(r['seeds'])} | {r['loss_mean']:.3f} ± {r['loss_sd']:.3f} | "
-            f"{r['acc_mean']:.3f} ± {r['acc_sd']:.3f} | {r['d_loss_mean']:+.3f} ± {r['d_loss_sd']:.3f} | "
-            f"{r['d_acc_points_mean']:+.1f} ± {r['d_acc_points_sd']:.1f} | {accs} | {lays} |"
-        )
-    text = "\n".join(md) + "\n"
-    (ROOT / "quality.md").write_text(text)
-    print(text)
+    tasks = sorted({t for t, _, _ in per}, key=lambda t: (t != "retrieval_long", t))
+    for task in tasks:
+        pats = {p for t, p, _ in per if t == task}
+        for pat in [p for p in ORDER if p in pats] + sorted(pats - set(ORDER)):
+            runs = sorted((r for (t, p, _), r in per.items() if t == task and p == pat), key=lambda r: r["seed"])
+            row = {"pattern": pat, "task": task, "seeds": [r["seed"] for r in runs]}
+            for m in ("acc", "loss") + (("bpb",) if task == "text" else ()):
+                row[f"{m}_mean"], row[f"{m}_sd"] = _mean_sd([r.get(m) for r in runs])
+            for m, scale, name in (("loss", 1, "d_loss"), ("acc", 100, "d_acc_points"), ("bpb", 1, "d_bpb")):
+                if m == "bpb" and task != "text":
+                    continue
+                ds = []
+                for r in runs:
+                    b = base.get((task, r["seed"]))
+                    ok = b is not None and r.get(m) is not None and b.get(m) is not None
+                    ds.append(scale * (r[m] - b[m]) if ok else None)
+                row[f"{name}_mean"], row[f"{name}_sd"] = _mean_sd(ds)
+            row["layouts"] = [r["roles"] for r in runs]
+            row["per_seed"] = [
+                {k: r.get(k) for k in ("seed", "roles", "loss", "acc", "bpb", "train", "overrides") if k in r}
+                for r in runs
+            ]
+            rows.append(row)
+    return rows
 
 
-def main() -> None:
+def _f(x, fmt, signed=False):
+    return "n/a" if x is None else format(x, ("+" if signed else "") + fmt)
+
+
+def markdown(rows) -> str:
+    md = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        text = task == "text"
+        m, dm, fm = ("bpb", "d_bpb", ".4f") if text else ("acc", "d_acc_points", ".3f")
+        head = "bits per byte" if text else "accuracy"
+        dhead = "Δ bits per byte" if text else "Δ accuracy (points)"
+        md += [
+            f"**{task}**",
+            "",
+            f"| pattern | seeds | eval loss | {head} | Δ loss vs all-F | {dhead} vs all-F | layouts |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in (r for r in rows if r["task"] == task):
+            lays = sorted(set(r["layouts"]))
+            md.append(
+                f"| {r['pattern']} | {len(r['seeds'])} | {_f(r['loss_mean'], '.4f')} ± {_f(r['loss_sd'], '.4f')} | "
+                f"{_f(r[m + '_mean'], fm)} ± {_f(r[m + '_sd'], fm)} | "
+                f"{_f(r['d_loss_mean'], '.4f', True)} ± {_f(r['d_loss_sd'], '.4f')} | "
+                f"{_f(r[dm + '_mean'], '.1f' if not text else '.4f', True)} ± "
+                f"{_f(r[dm + '_sd'], '.1f' if not text else '.4f')} | {' / '.join(f'`{x}`' for x in lays)} |"
+            )
+        md.append("")
+    return "\n".join(md)
+
+
+BEGIN, END = "<!-- quality-table:begin -->", "<!-- quality-table:end -->"
+
+
+def cmd_collect(a) -> int:
+    rows = collect_rows(a.dirs)
+    if not rows:
+        print(f"collect: no results JSON under {[str(Path(d) / 'results') for d in a.dirs]}", file=sys.stderr)
+        return 1
+    few = sorted({(r["task"], r["pattern"]) for r in rows if len(r["seeds"]) < 3})
+    if few:
+        print(f"collect: fewer than 3 seeds for {few}", file=sys.stderr)
+    recipes = {r["task"]: r["per_seed"][0].get("overrides") for r in rows if r["pattern"] == "all-F"}
+    Path(a.json).write_text(json.dumps({"rows": rows, "all_f_overrides": recipes}, indent=1) + "\n")
+    table = markdown(rows)
+    md = Path(a.md)
+    doc = md.read_text() if md.is_file() else ""
+    if BEGIN in doc and END in doc:
+        md.write_text(doc[: doc.index(BEGIN) + len(BEGIN)] + "\n" + table + doc[doc.index(END) :])
+        print(f"collect: wrote {a.json} and the table of {md}")
+    else:
+        print(f"collect: wrote {a.json}; {md} has no {BEGIN} ... {END} section, so the table is only printed")
+    print(table)
+    return 0
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("phase", choices=("train", "search", "collect"))
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--kinds", nargs="+", default=["all_full", "every4"])
-    ap.add_argument("--steps", type=int, default=600)
-    a = ap.parse_args()
-    {"train": cmd_train, "search": cmd_search, "collect": cmd_collect}[a.phase](a)
+    sub = ap.add_subparsers(dest="phase", required=True)
+    for name in ("run", "probe"):
+        p = sub.add_parser(name)
+        p.add_argument("--device", choices=("cuda", "cpu"), required=True)
+        p.add_argument("--task", choices=("retrieval_long", "text"), default="retrieval_long")
+        p.add_argument("--preset", choices=tuple(PRESETS), default=None, help="default: gpu on cuda, cpu on cpu")
+        p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2] if name == "run" else [0])
+        p.add_argument("--out", default=None, help="default runs/quality-<device> (probe: runs/quality-probe-<device>)")
+        p.add_argument("--budget-s", type=float, default=None, help="stop cleanly before this many seconds pass")
+        p.add_argument("--steps", type=int, default=None, help="training steps (all-F and every4)")
+        p.add_argument("--every4-steps", type=int, default=None, help="training steps of every4 (default --steps)")
+        for k, t in (
+            ("seq-len", int),
+            ("topk", int),
+            ("batch-size", int),
+            ("lr", float),
+            ("warmup", int),
+            ("eval-batches", int),
+            ("calib-batches", int),
+        ):
+            p.add_argument(f"--{k}", type=t, default=None)
+        p.add_argument("--text-path", default=None, help="text task corpus (default: this Python's stdlib)")
+        p.add_argument("--track", choices=("offline", "none"), default=None, help="default offline on cuda")
+        p.add_argument("--set", nargs="*", default=[], help="extra overrides for every `dsaflow train`")
+        if name == "run":
+            p.add_argument("--parallel", type=int, default=1, help="steps at once, one GPU each")
+            p.add_argument("--only", dest="steps_to_run", nargs="+", choices=tuple(STEPS), default=list(STEPS))
+    c = sub.add_parser("collect")
+    c.add_argument("dirs", nargs="+")
+    c.add_argument("--json", default=str(REPO / "docs" / "quality.json"))
+    c.add_argument("--md", default=str(REPO / "docs" / "quality.md"))
+    e = sub.add_parser("eval-run", help="(internal) score a trained run with its own layout")
+    e.add_argument("run_dir")
+    e.add_argument("--batches", type=int, required=True)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    return {"run": cmd_run, "probe": cmd_probe, "collect": cmd_collect, "eval-run": cmd_eval_run}[a.phase](a)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -133,3 +133,67 @@ def test_corpus_errors(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"abc")
     with pytest.raises(CorpusError, match="odd size"):
         _source(kind="bin", path=str(tmp_path / "odd.bin"))
+
+
+def test_distinct_queries_ask_every_pair_once():
+    spec = RetrievalSpec(64, 4, 1, 2, 4, distinct_queries=True)
+    spec.check()
+    tokens, _ = retrieval_batch(spec, 0, 0, 3, 32)
+    for row in tokens:
+        tail = bytes(row[-4 * spec.query_len :]).decode()
+        keys = [q[0] for q in tail.split("?")[1:]]
+        assert len(keys) == 4 and len(set(keys)) == 4, tail
+    # without the flag, 32 rows of 4 draws with replacement repeat a key somewhere (the stream is unchanged)
+    plain, _ = retrieval_batch(RetrievalSpec(64, 4, 1, 2, 4), 0, 0, 3, 32)
+    assert any(len({q[0] for q in bytes(r[-16:]).decode().split("?")[1:]}) < 4 for r in plain)
+    with pytest.raises(ValueError, match="data.distinct_queries=true needs data.num_queries <= data.num_pairs"):
+        RetrievalSpec(64, 2, 1, 2, 3, distinct_queries=True).check()
+
+
+def _files(root, names):
+    """One file per name, filled with its own letter, so a window tells which files it read."""
+    for name, letter in names.items():
+        p = root / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(letter * 300)
+
+
+def test_split_files_holds_out_whole_files(tmp_path):
+    names = {f"m{i}.py": "abcdefghij"[i] for i in range(10)}
+    _files(tmp_path, {**names, "notes.txt": "z", "site-packages/x.py": "y", "pkg/sub.py": "k"})
+    cfg = DataConfig(
+        kind="text", path=str(tmp_path), suffixes=[".py"], exclude=["site-packages/*"], split="files", val_fraction=0.2
+    )
+    src = BatchSource(cfg, 32, 16, 0, 256)
+    seen = {0: set(), 1: set()}
+    for i in range(20):
+        seen[0] |= set(bytes(src.batch(i)[0].flatten().tolist()).decode()) - {"\n"}
+        seen[1] |= set(bytes(src.val_batch(i)[0].flatten().tolist()).decode()) - {"\n"}
+    # 11 files read in sorted order (m0..m9, pkg/sub.py): the held-out ones are the 5th and the 10th (m4, m9)
+    assert seen[1] == {"e", "j"}
+    assert seen[0] == set("abcdfghi") | {"k"}  # never .txt, never site-packages, never a held-out file
+    # tail split of the same files: the held-out part is the end of the joined bytes (pkg/sub.py, m9, m8's end)
+    cfg.split = "tail"
+    tail = BatchSource(cfg, 32, 16, 0, 256)
+    assert set(bytes(tail.val_batch(0)[0].flatten().tolist()).decode()) <= {"i", "j", "k", "\n"}
+
+
+def test_text_options_are_refused_where_they_do_nothing(tmp_path):
+    _files(tmp_path, {"a.py": "a", "b.py": "b"})
+    one = str(tmp_path / "a.py")
+    with pytest.raises(CorpusError, match="data.split=files holds out whole files, but data.path=.* is one file"):
+        _source(kind="text", path=one, split="files")
+    with pytest.raises(
+        CorpusError, match="holds out no file of the 2 read. Fix: raise data.val_fraction to at least 0.5"
+    ):
+        _source(kind="text", path=str(tmp_path), suffixes=[".py"], split="files", val_fraction=0.3)
+    with pytest.raises(CorpusError, match=r"data.suffixes=\['py'\]: each must be a file suffix with its dot"):
+        _source(kind="text", path=str(tmp_path), suffixes=["py"])
+    with pytest.raises(CorpusError, match=r"holds no .py files outside data.exclude=\['\*'\]"):
+        _source(kind="text", path=str(tmp_path), suffixes=[".py"], exclude=["*"])
+    with pytest.raises(
+        CorpusError, match=r"data.split=files, data.suffixes=\['.py'\] do nothing with data.kind=retrieval"
+    ):
+        _source(split="files", suffixes=[".py"])
+    with pytest.raises(CorpusError, match="data.distinct_queries=true does nothing with data.kind=text"):
+        _source(kind="text", path=one, distinct_queries=True)

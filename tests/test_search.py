@@ -1,6 +1,9 @@
 """The IndexCache layer search: role switching, the prefix-cached evaluator, the greedy choice, resume,
 `dsaflow search`, search.png."""
 
+import json
+import math
+
 import pytest
 import torch
 from model_helpers import planned_sharp, tokens
@@ -290,3 +293,19 @@ def test_dsaflow_search_with_cross_stage_indices_keeps_only_layer_0(tmp_path, ca
     out = capsys.readouterr().out
     assert (tmp_path / "cross" / "layout.txt").read_text().strip() == "FS|SS"
     assert 'layout="FS|SS" pipeline.cross_stage_indices=true' in out and "uniform 1/4 | 1 |" in out
+
+
+def test_search_table_on_text_reports_bits_per_byte(tmp_path):
+    from dsaflow import cli
+
+    (tmp_path / "corpus").mkdir()
+    for i in range(4):
+        (tmp_path / "corpus" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 20)
+    text = ["data=text", f"data.path={tmp_path / 'corpus'}", "data.suffixes=[.py]", "data.split=files"]
+    text += ["data.val_fraction=0.25", "model.num_layers=4", "model.dim=32", "model.inter_dim=64"]
+    rd = _fake_run(tmp_path, text + ["train.seq_len=32", "train.batch_size=4"])
+    assert cli.main(["search", f"search.checkpoint={rd}", "search.calib_batches=1", "search.eval_batches=1"]) == 0
+    rows = json.loads((rd / "search" / "eval.json").read_text())["rows"]
+    assert [r["pattern"] for r in rows][:2] == ["all-F", "uniform 1/2"]
+    assert all(r["bpb"] == pytest.approx(r["loss"] / math.log(2), rel=1e-12) for r in rows)
+    assert "| bits per byte |" in (rd / "search" / "eval.md").read_text().splitlines()[0]

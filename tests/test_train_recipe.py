@@ -111,3 +111,18 @@ def test_lambdalr_schedulers_follow_lr_factor_and_resume_in_place():
     build_schedulers(opt2, t, start_step=7)
     assert opt2.main.param_groups[0]["lr"] == pytest.approx(seen[7][0])
     assert opt2.indexer.param_groups[0]["lr"] == pytest.approx(seen[7][1])
+
+
+def test_text_evaluation_reports_bits_per_byte(tmp_path, trainer):
+    """Byte tokens: eval_bpb = eval_loss / ln 2 (nats per byte -> bits per byte); retrieval has accuracy instead."""
+    assert "eval_bpb" not in trainer.evaluate(0)
+    (tmp_path / "corpus").mkdir()
+    for i in range(4):
+        (tmp_path / "corpus" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20)
+    cfg = tiny_cfg(1, None, "1F1B", steps=1)
+    cfg.data.kind, cfg.data.path, cfg.data.suffixes = "text", str(tmp_path / "corpus"), [".py"]
+    cfg.data.split, cfg.data.val_fraction = "files", 0.25
+    ctx = RunContext(cfg, build_plan(cfg), 0, 1, 0, torch.device("cpu"), Path(tmp_path))
+    out = Trainer(ctx).evaluate(0)
+    assert "eval_acc" not in out and out["eval_bpb"] == pytest.approx(out["eval_loss"] / math.log(2), rel=1e-12)
+    assert 4 < out["eval_bpb"] < 12  # an untrained model over 256 byte values: about 8 bits

@@ -52,6 +52,7 @@ Device = _choice("Device", ["auto", "cpu", "cuda"])
 ProgressMode = _choice("ProgressMode", ["auto", "rich", "lines", "off"])
 DataKind = _choice("DataKind", ["retrieval", "text", "bin"])
 LossOn = _choice("LossOn", ["answer", "all"])
+DataSplit = _choice("DataSplit", ["tail", "files"])
 TrackBackend = _choice("TrackBackend", ["wandb", "none"])
 TrackMode = _choice("TrackMode", ["offline", "online", "disabled"])
 Mode = _choice("Mode", ["train", "serve"])
@@ -206,10 +207,16 @@ class DataConfig:
     path: Optional[str] = None  # text file/folder or nanoGPT-style .bin token file (uint16)
     num_pairs: int = num(1, 1, 1 << 20)  # retrieval: key-value pairs hidden in the filler (1 = needle in a haystack)
     num_queries: int = num(1, 1, 1 << 20)  # retrieval: queries at the end (keys drawn with replacement)
+    distinct_queries: bool = False  # retrieval: each query asks a different pair (needs num_queries <= num_pairs)
     key_len: int = num(1, 1, 64)
     value_len: int = num(1, 1, 4096)
     loss_on: LossOn = LossOn.answer  # retrieval: LM loss on the answer bytes only (answer) or on every byte (all)
     val_fraction: float = num(0.05, 0, 1, hi_open=True)
+    # text folders: tail = hold out the last val_fraction of the joined bytes; files = hold out whole files (about
+    # val_fraction of them, evenly spaced in sorted order), so evaluation reads files training never saw
+    split: DataSplit = DataSplit.tail
+    suffixes: Optional[List[str]] = None  # text folders: file suffixes to read, e.g. [.py]; None = .txt .md .text
+    exclude: List[str] = field(default_factory=list)  # text folders: globs of relative paths to skip, e.g. [test/*]
 
 
 @dataclass
@@ -364,20 +371,7 @@ def _enum_fields() -> dict:
     import typing
 
     out = {}
-    for cls in (
-        ModelConfig,
-        IndexConfig,
-        PipelineConfig,
-        GraphBlockConfig,
-        GraphsConfig,
-        TrainConfig,
-        DataConfig,
-        TrackConfig,
-        ServeConfig,
-        SearchConfig,
-        LaunchConfig,
-        DSAFlowConfig,
-    ):
+    for cls in [c for c in list(globals().values()) if isinstance(c, type) and dataclasses.is_dataclass(c)]:
         for name, hint in typing.get_type_hints(cls).items():
             if isinstance(hint, type) and issubclass(hint, Choice):
                 out[(cls.__name__, name)] = hint

@@ -16,7 +16,7 @@ from typing import Tuple
 import numpy as np
 import torch
 
-from .corpus import CorpusError, TokenCorpus, load_tokens
+from .corpus import CorpusError, TokenCorpus, load_split_tokens
 from .retrieval import RetrievalSpec, retrieval_batch
 
 IGNORE = -100
@@ -30,9 +30,15 @@ class BatchSource:
         self.cfg, self.seq_len, self.batch_size, self.seed = data_cfg, seq_len, batch_size, seed
         self.kind = data_cfg.kind
         self.has_answers = self.kind == "retrieval"
+        _refuse_unused(data_cfg)
         if self.kind == "retrieval":
             self.spec = RetrievalSpec(
-                seq_len, data_cfg.num_pairs, data_cfg.key_len, data_cfg.value_len, data_cfg.num_queries
+                seq_len,
+                data_cfg.num_pairs,
+                data_cfg.key_len,
+                data_cfg.value_len,
+                data_cfg.num_queries,
+                data_cfg.distinct_queries,
             )
             self.spec.check()
             self.corpus = None
@@ -42,10 +48,17 @@ class BatchSource:
                     f"data.kind={self.kind} needs data.path. Fix: set data.path to a "
                     f"{'text file or folder' if self.kind == 'text' else 'nanoGPT .bin token file'}."
                 )
-            self.corpus = TokenCorpus(
-                load_tokens(self.kind, data_cfg.path), seq_len, data_cfg.val_fraction, data_cfg.path
+            by_files = data_cfg.split == "files"
+            tokens, split_at = load_split_tokens(
+                self.kind,
+                data_cfg.path,
+                data_cfg.suffixes,
+                data_cfg.exclude,
+                data_cfg.val_fraction if by_files else None,
             )
+            self.corpus = TokenCorpus(tokens, seq_len, data_cfg.val_fraction, data_cfg.path, split_at)
         self.vocab_size = vocab_size
+        self.bytes = self.kind == "text"  # byte tokens: eval reports bits per byte (loss / ln 2)
 
     def _raw(self, split: int, step: int):
         """-> tokens int64 [B, T + 1], query ids int64 [B, T + 1] (-1 where no answer)."""
@@ -85,3 +98,26 @@ class BatchSource:
 
     def val_batch(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return self._make(VAL, i)
+
+
+def _refuse_unused(d) -> None:
+    """Options of one data kind set for another would be accepted and ignored: name them instead."""
+    unused = []
+    if d.kind != "text":
+        unused += [f"data.split={d.split}"] if d.split != "tail" else []
+        unused += [f"data.suffixes={list(d.suffixes)}"] if d.suffixes is not None else []
+        unused += [f"data.exclude={list(d.exclude)}"] if d.exclude else []
+    if d.kind != "retrieval" and d.distinct_queries:
+        unused.append("data.distinct_queries=true")
+    if unused:
+        raise CorpusError(
+            f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} nothing with data.kind={d.kind}. Fix: drop "
+            f"{'it' if len(unused) == 1 else 'them'}, or use the data kind {'it belongs' if len(unused) == 1 else 'they belong'} to."
+        )
+    if d.kind == "text" and d.suffixes is not None:
+        bad = [s for s in d.suffixes if not (isinstance(s, str) and s.startswith(".") and len(s) > 1)]
+        if bad or not d.suffixes:
+            raise CorpusError(
+                f"data.suffixes={list(d.suffixes)}: each must be a file suffix with its dot, e.g. .py, and at least "
+                "one is needed. Fix: e.g. data.suffixes=[.py], or leave it unset for .txt/.md/.text."
+            )

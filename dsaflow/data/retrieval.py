@@ -7,7 +7,9 @@ One sample (bytes, `T + 1` long so that inputs are `[:-1]` and targets `[1:]`):
 
 Keys are uppercase letters, values digits, filler lowercase letters and spaces (never `;` or `?`), so the only way
 to predict the answer is to find the queried key earlier in the context and copy the digits that follow it: the
-associative-recall (induction) skill a sparse attention's indexer must keep reachable. The format is deliberately
+associative-recall (induction) skill a sparse attention's indexer must keep reachable. With `distinct_queries`
+every query asks a different pair, so no answer can be copied from an earlier query near the end: each needs its
+pair, wherever the filler put it. The format is deliberately
 terse (no `k:`/`=v:` markers): the value directly follows its key, the classic one-hop induction pattern that a
 small model picks up in minutes, where every extra marker byte adds a hop. Samples are a pure function of
 (seed, split, step, row), which makes batches reproducible across ranks, restarts and pipeline layouts.
@@ -33,6 +35,7 @@ class RetrievalSpec:
     key_len: int = 2
     value_len: int = 2
     num_queries: int = 1  # queries at the end, keys drawn with replacement from the pairs (multi-query recall)
+    distinct_queries: bool = False  # draw the queried pairs without replacement: no answer repeats an earlier one
 
     @property
     def pair_len(self) -> int:  # " " key value ";"
@@ -55,6 +58,11 @@ class RetrievalSpec:
             raise PlanError(
                 f"data.key_len={self.key_len} gives only {26**self.key_len} distinct keys for "
                 f"data.num_pairs={self.num_pairs}. Fix: raise data.key_len."
+            )
+        if self.distinct_queries and self.num_queries > self.num_pairs:
+            raise PlanError(
+                f"data.distinct_queries=true needs data.num_queries <= data.num_pairs (got {self.num_queries} > "
+                f"{self.num_pairs}). Fix: lower data.num_queries, raise data.num_pairs, or set data.distinct_queries=false."
             )
         if self.seq_len < self.min_seq_len():
             raise PlanError(
@@ -88,7 +96,11 @@ def retrieval_sample(spec: RetrievalSpec, rng: np.random.Generator) -> tuple[np.
         out[pos : pos + spec.pair_len] = np.frombuffer(text, dtype=np.uint8)
         pos += spec.pair_len
     pos = body
-    for q, pick in enumerate(rng.integers(0, spec.num_pairs, size=spec.num_queries)):
+    if spec.distinct_queries:
+        picks = rng.permutation(spec.num_pairs)[: spec.num_queries]
+    else:
+        picks = rng.integers(0, spec.num_pairs, size=spec.num_queries)
+    for q, pick in enumerate(picks):
         query = b"?" + keys[pick] + values[pick]
         out[pos : pos + spec.query_len] = np.frombuffer(query, dtype=np.uint8)
         qid[pos + spec.query_len - spec.value_len : pos + spec.query_len] = q

@@ -78,7 +78,7 @@ def rank_memory(cfg, plan, rank: int, device_type: str, job: str) -> Dict[str, f
     from dsaflow.data.corpus import resident_bytes
 
     out["training corpus held in memory (a folder of text files; one file is memory-mapped)"] = 2 * resident_bytes(
-        str(cfg.data.kind), cfg.data.path
+        str(cfg.data.kind), cfg.data.path, cfg.data.suffixes, cfg.data.exclude
     )  # the files, then their joined copy
     return out
 

@@ -33,6 +33,7 @@ def train_summary(cfg, run_dir, rc: int) -> str:
             ("indexer_loss", ".4g"),
             ("eval_loss", ".4f"),
             ("eval_acc", ".3f"),
+            ("eval_bpb", ".4f"),
             ("tokens_per_s", ",.0f"),
         ):
             if k in m:

@@ -161,12 +161,15 @@ def eval_table(evaluator: PatternEvaluator, steps: List[Step], starts, ratios, f
 
 
 def _md_table(rows: List[dict], starts) -> str:
-    out = ["| pattern | F layers | layout | eval loss | eval acc |", "|---|---|---|---|---|"]
+    bpb = bool(rows) and "bpb" in rows[0]
+    out = [
+        "| pattern | F layers | layout | eval loss | " + ("bits per byte" if bpb else "eval acc") + " |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        acc = "n/a" if r["acc"] != r["acc"] else f"{r['acc']:.3f}"
+        last = f"{r['bpb']:.4f}" if bpb else ("n/a" if r["acc"] != r["acc"] else f"{r['acc']:.3f}")
         out.append(
-            f"| {r['pattern']} | {r['num_f']} | `{format_layout(tuple(r['roles']), starts)}` | "
-            f"{r['loss']:.4f} | {acc} |"
+            f"| {r['pattern']} | {r['num_f']} | `{format_layout(tuple(r['roles']), starts)}` | {r['loss']:.4f} | {last} |"
         )
     return "\n".join(out) + "\n"
 
@@ -260,6 +263,9 @@ def run_search(cfg) -> int:
     if s.eval_batches:
         vb, _ = _batches(run_cfg, s.eval_batches, calib=False)
         rows = eval_table(PatternEvaluator(stages, vb, dev, nq, cross_stage=cross), steps, starts, s.eval_ratios, fixed)
+        if run_cfg.data.kind == "text":  # byte tokens: bits per byte = nats per byte / ln 2
+            for r in rows:
+                r["bpb"] = r["loss"] / math.log(2)
         (out / "eval.json").write_text(
             json.dumps({"checkpoint": str(ckpt), "eval_batches": s.eval_batches, "rows": rows}, indent=2) + "\n"
         )

@@ -16,9 +16,9 @@ def _fmt(metrics: Mapping[str, float], keys) -> str:
     return " ".join(parts)
 
 
-SHOWN = ("loss", "indexer_loss", "lr", "tokens_per_s", "mfu", "acc", "eval_acc", "eval_loss")
+SHOWN = ("loss", "indexer_loss", "lr", "tokens_per_s", "mfu", "acc", "eval_acc", "eval_loss", "eval_bpb")
 BAR = ("loss", "acc", "tokens_per_s")  # the live bar: short enough for a 100-column terminal
-EVAL = ("eval_loss", "eval_acc")
+EVAL = ("eval_loss", "eval_acc", "eval_bpb")
 
 
 class Progress:

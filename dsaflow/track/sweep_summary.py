@@ -32,7 +32,7 @@ def final_metrics(run_dir) -> Dict[str, float]:
             recs.append(rec)
     out: Dict[str, float] = {}
     for r in recs:
-        for k in ("loss", "indexer_loss", "eval_loss", "eval_acc", "step"):
+        for k in ("loss", "indexer_loss", "eval_loss", "eval_acc", "eval_bpb", "step"):
             if k in r:
                 out[k] = r[k]
     tps = sorted(r["tokens_per_s"] for r in recs[1:] if "tokens_per_s" in r) or [

@@ -79,7 +79,18 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
                     " ".join(
                         f"{k}={v:.5g}" if isinstance(v, float) else f"{k}={v}"
                         for k, v in record.items()
-                        if k in ("step", "loss", "indexer_loss", "lr", "tokens_per_s", "acc", "eval_loss", "eval_acc")
+                        if k
+                        in (
+                            "step",
+                            "loss",
+                            "indexer_loss",
+                            "lr",
+                            "tokens_per_s",
+                            "acc",
+                            "eval_loss",
+                            "eval_acc",
+                            "eval_bpb",
+                        )
                     )
                 )
             if t.ckpt_every and done % t.ckpt_every == 0 and done != t.steps:

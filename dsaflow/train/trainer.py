@@ -194,6 +194,8 @@ class Trainer:
         if not self.has_last:
             return {}
         out = {"eval_loss": float(torch.stack([l.detach().float() for l in all_losses]).mean())}
+        if self.data.bytes:  # byte tokens: nats per byte / ln 2 = bits per byte
+            out["eval_bpb"] = out["eval_loss"] / math.log(2)
         if self.data.has_answers:
             out["eval_acc"] = self.loss_fn.accuracy()
         return out

@@ -1,0 +1,121 @@
+"""scripts/quality_table.py: its CPU preset end to end (train, search, every4, results JSON, resume, collect), the
+time budget, the paired statistics of collect, and the GPU recipes composing into runnable configs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+from script_helpers import load_script
+
+from dsaflow.config.compose import compose
+from dsaflow.data import BatchSource
+from dsaflow.plan import build_plan
+
+qt = load_script("quality_table")
+ROW_FIELDS = {"task", "seed", "pattern", "roles", "num_f", "loss", "acc", "train", "eval_batches", "recipe"}
+
+
+def test_cpu_preset_end_to_end_then_resume_and_collect(tmp_path, capsys):
+    out = tmp_path / "q"
+    assert qt.main(["run", "--device", "cpu", "--seeds", "0", "--out", str(out)]) == 0
+    files = sorted((out / "results").glob("*.json"))
+    assert [f.name for f in files] == sorted(f"retrieval_long-s0-{qt.slug(p)}.json" for p in qt.ORDER)
+    rows = {r["pattern"]: r for r in (json.loads(f.read_text()) for f in files)}
+    for r in rows.values():
+        assert ROW_FIELDS <= set(r) and r["task"] == "retrieval_long" and r["seed"] == 0
+        assert math.isfinite(r["loss"]) and 0.0 <= r["acc"] <= 1.0 and r["num_f"] == r["roles"].count("F")
+        assert r["train"]["step"] == 4  # the trainer's own final evaluation came along
+    assert rows["all-F"]["roles"] == "F" * 8 and rows["uniform 1/4"]["roles"] == "FSSSFSSS"
+    assert rows["every4 trained"]["roles"] == "FSSSFSSS" and rows["searched 1/4"]["num_f"] == 2
+    assert not list(out.glob("runs/*/checkpoints")), "checkpoints are deleted once a step's rows are written"
+    assert set(json.loads((out / "timings.json").read_text())) == {"retrieval_long/base", "retrieval_long/every4"}
+    stamps = {f.name: f.stat().st_mtime_ns for f in files}
+    capsys.readouterr()
+
+    assert qt.main(["run", "--device", "cpu", "--seeds", "0", "--out", str(out)]) == 0  # resume: nothing to do
+    log = capsys.readouterr().out
+    assert "retrieval_long s0 base: done already" in log and "retrieval_long s0 every4: done already" in log
+    assert "training" not in log and {f.name: f.stat().st_mtime_ns for f in files} == stamps
+
+    md = tmp_path / "quality.md"
+    md.write_text(f"# title\n\n{qt.BEGIN}\nold table\n{qt.END}\n\nafter\n")
+    assert qt.main(["collect", str(out), "--json", str(tmp_path / "q.json"), "--md", str(md)]) == 0
+    got = json.loads((tmp_path / "q.json").read_text())["rows"]
+    assert [r["pattern"] for r in got] == list(qt.ORDER)
+    for r in got:
+        assert {"pattern", "task", "seeds", "acc_mean", "acc_sd", "loss_mean", "loss_sd"} <= set(r)
+        assert r["seeds"] == [0] and r["acc_sd"] is None  # one seed: no spread to report
+    doc = md.read_text()
+    assert "old table" not in doc and doc.startswith("# title") and doc.rstrip().endswith("after")
+    assert "| every4 trained | 1 |" in doc
+
+
+def test_budget_stops_before_a_step_that_cannot_finish(tmp_path, capsys):
+    rc = qt.main(["run", "--device", "cpu", "--seeds", "0", "--out", str(tmp_path), "--budget-s", "5"])
+    assert rc == qt.EXIT_WORK_LEFT
+    log = capsys.readouterr().out
+    assert "s0 base: not started, " in log and "2 step(s) left" in log and not (tmp_path / "runs").exists()
+
+
+def _row(task, seed, pattern, loss, acc=None):
+    r = {"task": task, "seed": seed, "pattern": pattern, "roles": "FS", "num_f": 1, "loss": loss, "acc": acc}
+    if task == "text":
+        r["bpb"] = loss / math.log(2)
+    return r
+
+
+def test_collect_pairs_each_pattern_with_all_f_of_the_same_seed(tmp_path):
+    for d, rows in {
+        "a": [_row("retrieval_long", 0, "all-F", 1.0, 0.90), _row("retrieval_long", 0, "uniform 1/4", 1.5, 0.80)],
+        "b": [_row("retrieval_long", 1, "all-F", 2.0, 0.70), _row("retrieval_long", 1, "uniform 1/4", 2.1, 0.66)],
+        "c": [_row("text", 0, "all-F", 1.0), _row("text", 0, "searched 1/4", 1.2)],
+    }.items():
+        (tmp_path / d / "results").mkdir(parents=True)
+        for r in rows:
+            (tmp_path / d / "results" / f"{r['task']}-s{r['seed']}-{qt.slug(r['pattern'])}.json").write_text(
+                json.dumps(r)
+            )
+    got = {(r["task"], r["pattern"]): r for r in qt.collect_rows([tmp_path / d for d in "abc"])}
+    u = got[("retrieval_long", "uniform 1/4")]
+    assert u["seeds"] == [0, 1] and u["acc_mean"] == pytest.approx(0.73)
+    assert u["acc_sd"] == pytest.approx(math.sqrt(2 * 0.07**2))
+    assert u["d_acc_points_mean"] == pytest.approx(-7.0) and u["d_acc_points_sd"] == pytest.approx(math.sqrt(18))
+    assert u["d_loss_mean"] == pytest.approx(0.3) and "bpb_mean" not in u
+    t = got[("text", "searched 1/4")]
+    assert t["bpb_mean"] == pytest.approx(1.2 / math.log(2)) and t["d_bpb_mean"] == pytest.approx(0.2 / math.log(2))
+    assert t["acc_mean"] is None
+
+
+@pytest.mark.parametrize("task", ["retrieval_long", "text"])
+def test_gpu_recipes_compose_plan_and_make_batches(task, tmp_path):
+    """The commands `run --device cuda` issues are valid configs whose data holds the task (no GPU needed)."""
+    a = argparse.Namespace(device="cuda", preset=None, text_path=None, track="none", set=[], every4_steps=None)
+    for k in ("steps", "seq_len", "topk", "batch_size", "lr", "warmup", "eval_batches", "calib_batches"):
+        setattr(a, k, None)
+    r = qt.recipe(a)
+    for index in ("all_full", "every4"):
+        cfg = compose(qt.train_overrides(a, r, task, 0, index, tmp_path / "run", r["steps"]))
+        plan = build_plan(cfg)
+        assert plan.num_layers == 12 and cfg.model.index_topk * 16 == cfg.train.seq_len  # 1/16 of the keys
+        data = BatchSource(cfg.data, cfg.train.seq_len, 2, 0, cfg.model.vocab_size)
+        x, y = data.val_batch(0)
+        assert x.shape == (2, cfg.train.seq_len)
+    if task == "text":
+        assert data.corpus.ranges[1][1] - data.corpus.ranges[1][0] > 100_000  # held-out stdlib files
+    else:
+        assert int((y[:, 1] != -100).sum()) == 2 * 4 * 2  # 4 queries x 2 answer digits per sequence
+
+
+@pytest.mark.gpu
+def test_cpu_sized_preset_end_to_end_on_cuda(tmp_path):
+    """The GPU path of the script (bf16 training, search and eval on cuda, wandb offline) at the CPU preset's size."""
+    out = tmp_path / "q"
+    args = ["run", "--device", "cuda", "--preset", "cpu", "--seeds", "0", "--out", str(out), "--track", "offline"]
+    assert qt.main(args) == 0
+    rows = [json.loads(f.read_text()) for f in sorted((out / "results").glob("*.json"))]
+    assert sorted(r["pattern"] for r in rows) == sorted(qt.ORDER)
+    assert all(math.isfinite(r["loss"]) and 0.0 <= r["acc"] <= 1.0 for r in rows)
+    assert list(out.glob("runs/*/wandb/offline-run-*")), "the trainings logged to wandb offline"
