@@ -4,9 +4,13 @@ Measures (CUDA only): the bf16 matmul and copy ceilings; sparse MLA prefill forw
 deterministic (h128, d_qk 576, d_v 512, topk 2048, 4096 / 2048 queries at the end of 8K, 32K, 128K contexts); split-K decode; the indexer logits
 kernel and its torch.topk (64 heads x 128); the same shapes through torch references; and dense causal SDPA as the
 no-sparsity baseline. A small config sweep runs first at 32K and the best config is used for the table.
+With cuDNN-Frontend installed (`pip install 'dsaflow[peers]'`), section `peers` times its sparse-attention backward
+beside dsaflow's on the same inputs (the backward shapes above, and batch 2 at the first context), checks that dq
+and dkv agree, and reports the time ratio and which backward the dispatcher picks (`backward_dispatch.py`).
 Writes <out>/bench_ops.json and <out>/bench_ops.md.
 
     PYTHONPATH=. python scripts/bench_ops.py --out bench_out [--contexts 8192,32768,131072] [--no-sweep]
+    PYTHONPATH=. python scripts/bench_ops.py --out bench_out --only peers --no-sweep   # the side-by-side only
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dsaflow.ops.sparse_mla.triton_prefill import sparse_mla_fwd_triton
 H, D_QK, D_V, TOPK = 128, 576, 512, 2048
 H_I, D_I = 64, 128
 ROWS: list[dict] = []
+PEERS: list[dict] = []  # side-by-side backward rows: one per shape, both libraries
 CEIL = {}
 
 
@@ -181,6 +186,60 @@ def bench_sparse_mla(contexts, do_sweep):
         )
         record("sparse_mla_bwd (deterministic)", "triton", ctx, ms, flops=bwd_flops, queries=n_bwd, config=bwd_cfg)
         del q, kv, idx, qb, idxb, out, lse, do
+
+
+def rel_err(x, ref) -> float:
+    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_backward_peers(contexts, do_sweep):
+    """dsaflow's sparse MLA backward and cuDNN-Frontend's, on the same inputs and each query's key extent (as the
+    autograd Function calls them): time, TFLOP/s, time ratio, agreement of dq and dkv, the dispatcher's choice."""
+    from dsaflow.ops.sparse_mla import cudnn_backward as cb
+    from dsaflow.ops.sparse_mla.backward_dispatch import ENV_BACKWARD, explain_sparse_mla_backward
+    from dsaflow.ops.sparse_mla.triton_prefill import key_extent
+
+    missing = cb.cudnn_import_error()
+    if missing is not None:
+        print(f"peers: skipped, {missing}", flush=True)
+        return
+    peer = f"cudnn-frontend {cb.cudnn_version()}"
+    scale, n_bwd = D_QK**-0.5, 2048
+    for ctx, batch in [(c, 1) for c in contexts] + [(contexts[0], 2)]:
+        q, kv, idx = mla_inputs(ctx, n_bwd, batch=batch)
+        n_keys = key_extent(idx, ctx)
+        out, lse = sparse_mla_fwd_triton(q, kv, idx, scale, D_V, n_keys=n_keys)
+        do = torch.randn_like(out)
+        ours = lambda: sparse_mla_bwd_triton(q, kv, idx, out, lse, do, None, scale, D_V, n_keys=n_keys)
+        theirs = lambda: cb.sparse_mla_bwd_cudnn(q, kv, idx, out, lse, do, scale, D_V, n_keys)
+        (dq_o, dkv_o), (dq_p, dkv_p) = ours(), theirs()  # the first cuDNN call compiles its kernels
+        err_dq, err_dkv = rel_err(dq_p, dq_o), rel_err(dkv_p, dkv_o)
+        del dq_o, dkv_o, dq_p, dkv_p
+        ms_o, ms_p = bench(ours, rep_ms=300), bench(theirs, rep_ms=300)
+        choice = explain_sparse_mla_backward(q, kv, idx, D_V, deterministic=False)
+        flops = 2 * H * TOPK * (3 * D_QK + 2 * D_V) * n_bwd * batch
+        shape = dict(queries=n_bwd, batch=batch, heads=H)
+        a = record("sparse_mla_bwd side by side", "dsaflow triton", ctx, ms_o, flops=flops, **shape)
+        b = record("sparse_mla_bwd side by side", peer, ctx, ms_p, flops=flops, **shape)
+        row = dict(
+            context=ctx,
+            batch=batch,
+            dsaflow_ms=a["time_ms"],
+            dsaflow_tflops=a["tflops"],
+            peer=peer,
+            peer_ms=b["time_ms"],
+            peer_tflops=b["tflops"],
+            dsaflow_over_peer_time=round(ms_o / ms_p, 3),
+            rel_err_dq=float(f"{err_dq:.2e}"),
+            rel_err_dkv=float(f"{err_dkv:.2e}"),
+            dispatcher_picks=choice.kernel,
+            dispatcher_why=str(choice),
+            env=os.environ.get(ENV_BACKWARD, "auto"),
+        )
+        PEERS.append(row)
+        print("peers", json.dumps(row), flush=True)
+        assert max(err_dq, err_dkv) < 1e-2, f"dsaflow and {peer} disagree at {ctx} x {batch}: {row}"
+        del q, kv, idx, n_keys, out, lse, do
 
 
 def bench_decode(contexts, do_sweep):
@@ -373,6 +432,22 @@ def write_markdown(path, meta):
             f"{r.get('tflops', '')} | {'' if 'frac_matmul' not in r else round(100 * r['frac_matmul'], 1)} | "
             f"{r.get('tbps', '')} | {'' if 'frac_copy' not in r else round(100 * r['frac_copy'], 1)} |"
         )
+    if PEERS:
+        lines += [
+            "",
+            f"Backward side by side ({PEERS[0]['peer']}; h{H}, d_qk {D_QK}, d_v {D_V}, top-k {TOPK}, the last 2048 "
+            "queries of each context; FLOPs 2*H*K*(3*d_qk + 2*d_v) per query; rel err: cuDNN vs dsaflow):",
+            "",
+            "| context | batch | dsaflow ms | TFLOP/s | cuDNN ms | TFLOP/s | dsaflow / cuDNN time | rel err dq | "
+            "rel err dkv | dispatcher picks |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['context']} | {r['batch']} | {r['dsaflow_ms']:.3f} | {r['dsaflow_tflops']} | {r['peer_ms']:.3f} | "
+            f"{r['peer_tflops']} | {r['dsaflow_over_peer_time']:.2f}x | {r['rel_err_dq']:.1e} | "
+            f"{r['rel_err_dkv']:.1e} | {r['dispatcher_picks']} |"
+            for r in PEERS
+        ]
     lines += ["", "Sweeps (ms at 32K):", ""]
     lines += [f"- {r['kernel']} {r['config']}: {r['time_ms']}" for r in ROWS if r["impl"] == "sweep"]
     open(path, "w").write("\n".join(lines) + "\n")
@@ -383,7 +458,7 @@ def main():
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--only", default="mla,decode,indexer,dense")
+    ap.add_argument("--only", default="mla,peers,decode,indexer,dense")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     os.makedirs(args.out, exist_ok=True)
@@ -391,7 +466,13 @@ def main():
     t0 = time.time()
     only = args.only.split(",")
     measure_ceilings()
-    sections = (("mla", bench_sparse_mla), ("decode", bench_decode), ("indexer", bench_indexer), ("dense", bench_dense))
+    sections = (
+        ("mla", bench_sparse_mla),
+        ("peers", bench_backward_peers),
+        ("decode", bench_decode),
+        ("indexer", bench_indexer),
+        ("dense", bench_dense),
+    )
     for name, fn in sections:
         if name not in only:
             continue
@@ -404,7 +485,7 @@ def main():
     meta["seconds"] = round(time.time() - t0, 1)
     stats = kernel_stats()
     with open(os.path.join(args.out, "bench_ops.json"), "w") as f:
-        json.dump(dict(meta=meta, ceilings=CEIL, rows=ROWS, kernel_stats=stats), f, indent=1)
+        json.dump(dict(meta=meta, ceilings=CEIL, rows=ROWS, peers=PEERS, kernel_stats=stats), f, indent=1)
     write_markdown(os.path.join(args.out, "bench_ops.md"), meta)
     print(open(os.path.join(args.out, "bench_ops.md")).read())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .backward_dispatch import explain_sparse_mla_backward
 from .determinism import deterministic, is_deterministic, set_deterministic
 from .dispatch import explain_sparse_mla, run_sparse_mla
 from .naive import sparse_mla_naive
@@ -29,7 +30,8 @@ def sparse_mla(
     -inf and out = 0 for a query with no valid key). Differentiable in q and kv. Batched: pad sequences to a common
     length and mark missing keys with -1. Small T (decode) and large T (prefill) share this entry point; B * T up to
     2^20 queries and more in one call. The kernel is chosen by the table in `dispatch.py`
-    (`explain_sparse_mla(...)` says which and why); CUDA shapes no kernel takes raise ValueError.
+    (`explain_sparse_mla(...)` says which and why); CUDA shapes no kernel takes raise ValueError. The backward is
+    chosen by `backward_dispatch.py` (`explain_sparse_mla_backward(...)`).
     `set_deterministic(True)` makes the backward bit-reproducible.
 
     probs_into = (target fp32 [B, T, K], weight), for the indexer loss: adds weight * each query's attention
@@ -54,6 +56,7 @@ def sparse_mla(
 __all__ = [
     "deterministic",
     "explain_sparse_mla",
+    "explain_sparse_mla_backward",
     "is_deterministic",
     "set_deterministic",
     "sparse_mla",

@@ -10,7 +10,8 @@
 | `triton_prefill` | grad; bf16/fp16/fp32, 0 < d_v <= 512, 0 <= d_qk - d_v <= 128 (fp32: d_qk <= 256)        |
 | `triton_decode`  | no grad; the same shapes (split-K over the selected rows; one split = the prefill kernel)|
 
-With grad the chosen forward runs inside `SparseMLAFunction`, whose backward is always the Triton one. A CUDA call no
+With grad the chosen forward runs inside `SparseMLAFunction`, whose backward has its own table
+(`backward_dispatch.py`: dsaflow's Triton backward, or cuDNN-Frontend's where installed). A CUDA call no
 kernel takes raises ValueError with the shape and every candidate's reason: there is no silent slow path.
 `explain_sparse_mla(q, kv, indices, d_v, grad)` returns the `Choice` for given inputs without running anything.
 
