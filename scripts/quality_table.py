@@ -154,7 +154,9 @@ def shown(line: str) -> bool:
 def call(args: list, log: Path, budget: Budget, env_extra: dict, tag: str) -> int:
     """Run `args` (a new session, so a budget kill reaches torchrun's workers), append its output to `log`, echo
     the lines that show progress. Returns its exit status, or None when the budget ran out and it was stopped."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env_extra}
+    # this checkout first, then whatever the caller's PYTHONPATH adds (packages installed outside site-packages)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **env_extra}
     if "track=offline" in args:
         env["WANDB_MODE"] = "offline"
     log.parent.mkdir(parents=True, exist_ok=True)
