@@ -261,8 +261,9 @@ def markdown(res: dict) -> str:
         "",
         f"`model={e['model']}` attention, `{e['extra']}`, {e['dtype']}, batch 1, top-k {e['topk']}; a "
         f"{e['layers']}-layer stage prefills L tokens in {e['prefill_chunk']}-token chunks through its serving cache "
-        f"(ms per layer); the dense layer is plain torch (MLA non-absorbed heads, causal SDPA, SwiGLU), one forward. short = the dense path "
-        f"(L <= top-k) or the masked one; bar = dense + F share x (indexer, or the key projection on the dense path). "
+        f"(ms per layer); the dense layer is plain torch (MLA non-absorbed heads, causal SDPA, SwiGLU), one forward. "
+        f"short = the dense path (L <= top-k) or the masked one; bar = dense + F share x (indexer, or the key "
+        f"projection on the dense path). "
         f"auto: what the rule picks with MASKED_PREFILL_MAX_KEYS = {e['masked_prefill_max_keys']}.",
         "",
         "| layout | context | short path | auto | sparse ms | short ms | dense ms | indexer ms | key proj ms | bar ms "
