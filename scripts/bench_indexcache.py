@@ -3,6 +3,7 @@
     python3 scripts/bench_indexcache.py --out bench_out/indexcache              # V3.2 attention, 8 layers, 8K..128K
     python3 scripts/bench_indexcache.py --device cpu --model tiny --layers 4 --contexts 48,96 --prefill-chunk 32 \
         --decode-steps 2 --extra "" --out /tmp/ic                                # CPU smoke test (no graphs)
+    python3 scripts/bench_indexcache.py --part short --out bench_out/indexcache_short   # short-context rows only
 
 Model: `model=dsv32` attention (128 heads, MLA 512 + 64, indexer 64 x 128, topk 2048) with --layers layers, a
 2048-wide MLP and a 256-token vocab (--extra), bf16, one sequence, one process, one stage. Weights are random
@@ -20,6 +21,22 @@ minutes at this size). For every index config (index=all_full / every2 / every4)
   with dense attention (one forward of all L tokens, no cache: every projection and MLP as in the DSA prefill,
   causal SDPA over the non-absorbed heads, no indexer), the like-for-like baseline; and causal SDPA alone (H heads,
   qk nope + rope, v head dim: 128 / 192 / 128 for V3.2) at L queries over L keys, times the number of layers.
+
+--part short (or all) adds the short-context rows (--short contexts, default 2K..32K), one layer at a time:
+
+* DSA layer prefill = a --short-layers stage (all-F: FFFF, 1/4-F: FSSS) prefilling L tokens in --prefill-chunk
+  chunks through its serving cache, per layer (stage time / layers), on the old sparse path (top-k indices through
+  sparse_mla) and on the short path (dsaflow.model.dense_prefill, forced: dense where L <= top-k, else masked, whatever
+  the crossover); `auto` names what the rule picks with the current MASKED_PREFILL_MAX_KEYS;
+* dense layer = an independent layer in plain torch (`DenseLayer` below, nothing from dsaflow): the same
+  projections (MLA, non-absorbed heads 192 / 128, causal SDPA) and SwiGLU MLP, one forward of L tokens;
+* indexer = its projections plus the scores / top-k op over the same chunks; key projection = the indexer's key
+  (wk, LayerNorm, RoPE) alone, all that a dense-path F layer adds;
+* bar = dense layer + (F layers / layers) x (indexer, or the key projection on the dense path): the short path
+  should stay under it; crossover = the largest context up to which the masked path beats the sparse one, the
+  value for MASKED_PREFILL_MAX_KEYS (docs/serving.md); the chunk sweep (all-F, --short-chunks at
+  --short-chunk-contexts) gives the smallest chunk from which the short path wins, the value for MIN_PREFILL_TOKENS.
+It writes indexcache_short.json and indexcache_short.md (the --part long outputs are unchanged).
 
 Writes indexcache.json, indexcache.md and (matplotlib permitting) indexcache.png with the IndexCache paper's 1/4-F
 ratios beside ours. The paper (H100, a 30B DSA model): prefill 1.27 / 1.31 / 1.51 / 1.82x and decode 1.24 / 1.33 /
@@ -39,6 +56,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import indexcache_short as short_prefill  # noqa: E402
 
 import dsaflow.model.stage as stage_mod  # noqa: E402
 from dsaflow.config.compose import compose  # noqa: E402
@@ -71,6 +91,12 @@ def parse_args(argv=None):
     ap.add_argument("--sdpa-repeats", type=int, default=3)
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     ap.add_argument("--out", default="bench_out/indexcache")
+    ap.add_argument("--part", default="long", choices=("long", "short", "all"), help="long: the table above")
+    ap.add_argument("--short", default="2048,4096,8192,16384,32768", help="contexts of the short-context rows")
+    ap.add_argument("--short-layers", type=int, default=4, help="layers of the short rows' stage (FFFF / FSSS)")
+    ap.add_argument("--short-repeats", type=int, default=5)
+    ap.add_argument("--short-chunks", default="128,256,512,1024", help="chunk sizes of the all-F chunk sweep")
+    ap.add_argument("--short-chunk-contexts", default="2048,8192", help="contexts of the chunk sweep ('' = none)")
     a = ap.parse_args(argv)
     if a.device == "auto":
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -346,7 +372,10 @@ def plot(res: dict, path: Path) -> bool:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    save(run(a), Path(a.out))
+    if a.part in ("long", "all"):
+        save(run(a), Path(a.out))
+    if a.part in ("short", "all"):
+        short_prefill.save(short_prefill.run(a, make_cfg, build_stage, indexer_op_seconds, timed), Path(a.out))
     return 0
 
 

@@ -239,8 +239,7 @@ class ServeConfig:
     output_file: Optional[str] = None
     max_new_tokens: int = num(32, 1, 1 << 22)
     max_batch: int = num(8, 1, 4096)
-    # microbatch groups of rows in flight (stage s runs group g while stage s+1 runs g-1); None = one per pipeline
-    # rank; at most max_batch (checked before launch)
+    # groups of rows in flight (stage s runs group g, s+1 runs g-1); None = one per rank; <= max_batch (checked)
     microbatches: Optional[int] = num(None, 1, 4096)
     batching: Batching = Batching.fixed  # fixed | continuous (refill finished rows at once); docs/serving.md
     max_context: int = num(512, 1, 1 << 22)
@@ -250,6 +249,7 @@ class ServeConfig:
     seed: int = num(0, 0, 2**63 - 1)
     eos_id: Optional[int] = num(None, 0, 1 << 21)  # stop a row at this token id (one small host sync per step)
     dtype: TrainDtype = TrainDtype.auto  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16: weights, caches, activations
+    short_prefill: bool = True  # dense / masked attention for short prefill passes (docs/serving.md); false: sparse
 
 
 @dataclass

@@ -10,6 +10,7 @@ import torch
 from .cache import IndexSlot, StageCache
 
 if TYPE_CHECKING:
+    from .dense_prefill import PrefillHint
     from .indexer_loss import IndexerLossRecorder
 
 ATTN_MODES = ("sparse", "dense")
@@ -34,6 +35,8 @@ class ForwardContext:
     recomputes the whole layer in backward (the attention in query chunks beyond one chunk budget).
     recompute_chunk_tokens: queries per checkpointed attention chunk when recomputing (`train.recompute_chunk_tokens`).
     replay: set by a recomputed block for its layer (see `LayerReplay`), else None.
+    prefill: serving only: the host-decided attention path of a prefill chunk short enough for attention over the
+    non-absorbed heads (`dsaflow.model.dense_prefill.PrefillHint`), else None (the sparse path).
     """
 
     positions: torch.Tensor
@@ -48,6 +51,7 @@ class ForwardContext:
     recompute: str = "none"
     recompute_chunk_tokens: int = 16384
     replay: Optional[LayerReplay] = None
+    prefill: Optional[PrefillHint] = None
 
 
 RECOMPUTE_MODES = ("none", "attention", "block")

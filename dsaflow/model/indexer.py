@@ -41,6 +41,12 @@ class Indexer(nn.Module):
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)
         q = apply_rope_prefix(q, cos, sin, self.rope_dim)
         # LayerNorm runs in fp32 under autocast; keep q and k in one dtype for the kernels.
-        k = apply_rope_prefix(self.k_norm(self.wk(x)), cos, sin, self.rope_dim).to(q.dtype)
+        k = self.keys(x, rope).to(q.dtype)
         w = self.weights_proj(x) * self.weight_scale
         return q, k, w
+
+    def keys(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, T, dim] -> k_I [B, T, d_I] alone: what a serving cache keeps for decode when a short prefill
+        chunk needs no top-k (dsaflow.model.dense_prefill)."""
+        cos, sin = rope
+        return apply_rope_prefix(self.k_norm(self.wk(x.detach())), cos, sin, self.rope_dim)

@@ -17,6 +17,9 @@ Dense attention without a cache (training, the dense warm-up) runs the non-absor
 through causal `scaled_dot_product_attention` (FlashAttention on GPU): no [B, T, S] index tensor, O(T) memory.
 Its indexer loss uses the same per-head q and k (dsaflow.ops.dense_indexer_kl, streamed over key blocks).
 
+Serving prefill chunks short enough that the indexer would keep (nearly) every key run the non-absorbed form too, over
+the cached rows (dsaflow.model.dense_prefill, chosen on the host per pass).
+
 `forward` picks one of three paths: `_forward_cached` (serving), `_forward_sparse` (training, top-k keys) and
 `_forward_dense` (training's dense warm-up). Under `train.recompute=attention|block` the training paths run the
 absorbed attention in checkpointed query chunks, so no [T, H, C + R] or [T, H, C] tensor is kept at full length.
@@ -35,6 +38,7 @@ from dsaflow.ops.head_proj import absorb_query, head_output
 
 from .cache import write_rows
 from .context import ForwardContext, causal_indices
+from .dense_prefill import prefill_attention
 from .indexer import Indexer
 from .indexer_loss import kl_after_attention_replay
 from .norms import RMSNorm
@@ -84,11 +88,17 @@ class MLA(nn.Module):
     # ---- serving: a cache, no gradient, no indexer loss ----
     def _forward_cached(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Write this chunk's latent rows (and, on F layers, indexer keys) at their positions, then attend over the
-        cached rows: the top-k keys (sparse) or every causal key (dense). CUDA-graph safe."""
+        cached rows: the top-k keys (sparse) or every causal key (dense). A short prefill chunk (`ctx.prefill`, see
+        dsaflow.model.dense_prefill) attends over the non-absorbed heads instead. CUDA-graph safe."""
         cos, sin = ctx.rope_mla
         q_latent, q, c_kv, k_pe = self._project(x)
         kv = write_rows(ctx.cache.kv[self.layer_index], ctx.positions, self._latent_rows(c_kv, k_pe, ctx))
         num_keys = kv.shape[1]  # max_context + 1
+        hint = ctx.prefill
+        if hint is not None and hint.path == "dense":  # the top-k would select every visible key: none is computed
+            if self.role == "F":  # decode reads these keys
+                write_rows(ctx.cache.index_k[self.layer_index], ctx.positions, self.indexer.keys(x, ctx.rope_index))
+            return self.wo(prefill_attention(self, q, kv, ctx.positions, cos, sin, hint))
         if self.role == "F":  # F layers keep their indexer keys current, whatever the attention mode
             q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
             k_i = write_rows(ctx.cache.index_k[self.layer_index], ctx.positions, k_i)
@@ -99,6 +109,8 @@ class MLA(nn.Module):
             indices = ctx.index_slot.write(self.layer_index, selected)
         else:
             indices = ctx.index_slot.read(self.layer_index, self.source)
+        if hint is not None:  # masked: the same keys as the sparse path, over the non-absorbed heads
+            return self.wo(prefill_attention(self, q, kv, ctx.positions, cos, sin, hint, indices))
         return self.wo(self._attend(q, kv, indices, cos, sin))
 
     # ---- training / full-sequence forward, sparse attention ----

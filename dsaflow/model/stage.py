@@ -22,6 +22,7 @@ from dsaflow.config.schema import ModelConfig, TrainConfig
 from .block import DSABlock
 from .cache import IndexSlot, StageCache
 from .context import ATTN_MODES, RECOMPUTE_MODES, ForwardContext
+from .dense_prefill import PrefillHint
 from .indexer_loss import IndexerLossInBackward, IndexerLossRecorder
 from .init import init_stage_weights
 from .layer_spec import LayerSpec
@@ -89,6 +90,7 @@ class StageModule(nn.Module):
         compute_indexer_loss: Optional[bool] = None,
         indexer_loss_in_backward: Optional[IndexerLossInBackward] = None,
         indices_in: Optional[torch.Tensor] = None,
+        prefill: Optional[PrefillHint] = None,
     ) -> torch.Tensor:
         """x: token ids [B, T] int64 on the first stage, hidden [B, T, dim] otherwise.
 
@@ -106,6 +108,9 @@ class StageModule(nn.Module):
         earlier stage, for a stage built with receives_indices (required with sparse attention; dense attention
         reads none). With a cache they are copied into the stage's static index buffer. After the forward,
         `self.indices_out` holds what the next stage reads (see `forward_with_indices`).
+        prefill (with a cache, sparse attention, T > 1): a `PrefillHint` from `dense_prefill.plan_prefill` over the
+        host-known positions: this chunk attends over the non-absorbed heads (dense, or masked by the top-k). It must
+        bound every position (the caller knows them; nothing is checked on the device, which would sync).
         """
         if attn not in ATTN_MODES:
             raise ValueError(f"attn={attn!r} is not an attention mode: use one of {ATTN_MODES}.")
@@ -123,6 +128,11 @@ class StageModule(nn.Module):
             )
         h = self.embed(x) if self.embed is not None else x
         B, T = h.shape[:2]
+        if prefill is not None and (cache is None or attn != "sparse" or T < 2):
+            raise ValueError(
+                f"prefill={prefill} is a hint for serving prefill chunks (a cache, attn='sparse', T > 1), got "
+                f"cache={cache is not None}, attn={attn!r}, T={T}: leave it None."
+            )
         causal_rows = False  # see ForwardContext.causal_rows (only dense attention reads it)
         no_padding = positions is None
         if positions is None:
@@ -168,6 +178,7 @@ class StageModule(nn.Module):
             no_padding=no_padding,
             recompute=self.recompute,
             recompute_chunk_tokens=self.recompute_chunk_tokens,
+            prefill=prefill,
         )
         for layer in self.layers.values():
             h = layer(h, ctx)

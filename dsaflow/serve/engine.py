@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from dsaflow.errors import ServeError
+from dsaflow.model import dense_prefill
 from dsaflow.plan.plan import Plan
 from dsaflow.run.executor import Item, PipelineExecutor
 from dsaflow.run.stages import stage_cache
@@ -40,6 +41,8 @@ from .graphs import GraphManager, StaticInput
 from .report import CaptureReport
 from .sampling import sample_keyed
 from .scheduler import Pass, Request, Scheduler, group_ranges
+
+plan_prefill = dense_prefill.plan_prefill  # the engine's one call into the short-prefill rule (tests spy on it)
 
 TOKEN_KEY = 1 << 24  # sampling key = request index * TOKEN_KEY + token index
 
@@ -102,6 +105,11 @@ class PipelineEngine:
         )
         # prefill graphs have a static row count: prefill passes then run every row of the group (on every rank)
         self.prefill_graphs = any(b.kind == "prefill" for b in plan.graph_blocks)
+        # serve.short_prefill: the attention path of each prefill pass, from its host positions (no device read)
+        self.prefill_paths = dense_prefill.PATHS if serve_cfg.short_prefill else ("sparse",)
+        self.prefill_rule = dict(
+            max_keys=dense_prefill.MASKED_PREFILL_MAX_KEYS, min_tokens=dense_prefill.MIN_PREFILL_TOKENS
+        )
         self.blocks = {s: plan.blocks_of_stage(s) for s in stages}
         for s, blocks in self.blocks.items():
             for b in blocks:
@@ -129,6 +137,7 @@ class PipelineEngine:
     def _register(self, stage: int, block, group: int) -> None:
         module, cache = self.stages[stage], self.group_caches[stage][group]
         top, name = max(block.shape_classes), self._graph_name(block.name, group)
+        top_k = self.model_cfg.index_topk
         if block.kind == "decode":  # class = batch rows, one token each
             inputs = {"x": self._stage_input(stage, top, 1), "positions": StaticInput((top, 1), torch.long, -1)}
             fn = lambda v: module(
@@ -138,16 +147,31 @@ class PipelineEngine:
                 indices_in=self._received(stage, cache, v["positions"]),
             )
             self.graphs.register(name, "decode", stage, block.shape_classes, 0, fn, inputs)
-        else:  # prefill: class = tokens per chunk, rows fixed at the group's rows
-            rows = cache.max_batch
-            inputs = {"x": self._stage_input(stage, rows, top), "positions": StaticInput((rows, top), torch.long, -1)}
-            fn = lambda v: module(
-                v["x"].contiguous(),
-                v["positions"].contiguous(),
-                cache,  # noqa: E731
-                indices_in=self._received(stage, cache, v["positions"]),
-            )
-            self.graphs.register(name, "prefill", stage, block.shape_classes, 1, fn, inputs)
+        else:  # prefill: class = tokens per chunk, rows fixed at the group's rows; one block per attention path
+            for path in self.prefill_paths:
+                classes = dense_prefill.graph_classes(path, block.shape_classes, top_k, **self.prefill_rule)
+                if classes:
+                    self._register_prefill(stage, module, cache, self._path_name(name, path), path, classes)
+
+    def _register_prefill(self, stage: int, module, cache, name: str, path: str, classes) -> None:
+        """A prefill graph block of one attention path: each class replays the path's static hint
+        (`dense_prefill.graph_hint`), so a captured graph never depends on the positions of the pass."""
+        rows, top = cache.max_batch, max(classes)
+        topk, cache_rows = self.model_cfg.index_topk, cache.max_context + 1
+        inputs = {"x": self._stage_input(stage, rows, top), "positions": StaticInput((rows, top), torch.long, -1)}
+        fn = lambda v: module(  # noqa: E731
+            v["x"].contiguous(),
+            v["positions"].contiguous(),
+            cache,
+            indices_in=self._received(stage, cache, v["positions"]),
+            prefill=dense_prefill.graph_hint(path, v["x"].shape[1], topk, cache_rows, self.prefill_rule["max_keys"]),
+        )
+        self.graphs.register(name, "prefill", stage, classes, 1, fn, inputs)
+
+    @staticmethod
+    def _path_name(name: str, path: str) -> str:
+        """The graph block of a prefill path: the configured name for sparse, `<name>+dense` / `<name>+masked`."""
+        return name if path == "sparse" else f"{name}+{path}"
 
     def _received(self, stage: int, cache, positions: torch.Tensor) -> Optional[torch.Tensor]:
         """Cross-stage indices for a stage that opens on S: the [R, T] view of the cache's static index buffer, into
@@ -194,10 +218,10 @@ class PipelineEngine:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     # --- one stage of one pass -----------------------------------------------------------------------------------
-    def _block_name(self, stage: int, kind: str, group: int) -> Optional[str]:
+    def _block_name(self, stage: int, kind: str, group: int, path: str = "sparse") -> Optional[str]:
         for b in self.blocks.get(stage, ()):
             if b.kind == kind:
-                return self._graph_name(b.name, group)
+                return self._path_name(self._graph_name(b.name, group), path)
         return None
 
     def _stage(self, item: Item, stage: int, x):
@@ -218,7 +242,8 @@ class PipelineEngine:
                 last = self.last_tokens[p.group][p.row0 : p.row0 + w.rows]
                 x[:, 0] = torch.where(mask, last, x[:, 0])  # decode rows feed their previous token
             kind = "decode" if p.decode_only else "prefill"
-            name = self._block_name(stage, kind, p.group) if w.graph else None
+            path = w.hint.path if w.hint is not None else "sparse"
+            name = self._block_name(stage, kind, p.group, path) if w.graph else None
             cache = self.group_caches[stage][p.group]
             if name is None and p.row0 > 0:  # a pass over some rows of the group: a view of just those rows
                 cache = cache.rows(p.row0, p.row0 + w.rows)
@@ -226,7 +251,8 @@ class PipelineEngine:
             if self.plan.receives_indices(stage):
                 cache.index[:R, :T].copy_(indices)  # outside any graph: the stage's S layers read this buffer
             if name is None:
-                out = self.stages[stage](x, w.positions, cache, indices_in=self._received(stage, cache, w.positions))
+                received = self._received(stage, cache, w.positions)
+                out = self.stages[stage](x, w.positions, cache, indices_in=received, prefill=w.hint)
             else:
                 n = x.shape[0] if kind == "decode" else x.shape[1]
                 out = self.graphs.run(name, stage, n, {"x": x, "positions": w.positions})
@@ -337,6 +363,9 @@ class PipelineEngine:
         for r, c, req, k in p.emit:
             cols[r], keys[r] = c, req * TOKEN_KEY + k
         work = _Work(p, rows, cols, keys, graph)
+        if not p.decode_only and "dense" in self.prefill_paths:
+            topk, cache_rows = self.model_cfg.index_topk, self.serve.max_context + 1
+            work.hint = plan_prefill(p.positions, topk, cache_rows, **self.prefill_rule)
         extra = (((rows, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
         return Item(p.group, (rows, p.T, self.model_cfg.dim), self.dtype, work, (2, rows), p.decode_only, extra)
 
@@ -370,3 +399,4 @@ class _Work:
         self.p, self.rows, self.sample_cols, self.keys, self.graph = p, rows, sample_cols, keys, graph
         self.positions: Optional[torch.Tensor] = None  # on the device, built by the first stage of this rank
         self.mark = None  # last stage: when the pass was sampled
+        self.hint = None  # a short prefill pass's attention path (dsaflow.model.dense_prefill), None = sparse

@@ -1,0 +1,306 @@
+"""The short-context rows of scripts/bench_indexcache.py (`--part short`): the DSA layer's prefill on the sparse path
+and on the short path (dsaflow.model.dense_prefill) against an independent plain-torch dense layer, the indexer's
+time and its key projection's, and the measured crossover for MASKED_PREFILL_MAX_KEYS. See bench_indexcache.py's
+docstring for what each column means."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsaflow.model import dense_prefill
+from dsaflow.model.dense_prefill import plan_prefill
+from dsaflow.model.rope import rope_angles
+from dsaflow.run.stages import stage_cache
+
+LAYOUTS = ("all_full", "every4")  # index configs: FFFF and FSSS at 4 layers
+UNBOUNDED = 1 << 62  # max_keys that forces the masked path above top-k (and min_tokens=2: any chunk)
+
+
+# ---- the baseline: one dense MLA + SwiGLU layer in plain torch (nothing from dsaflow) ----
+def _rms(x, w, eps):
+    if hasattr(F, "rms_norm"):
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def _rope(x, cos, sin):
+    """Half-split RoPE: x [..., T, d] with cos / sin [T, d // 2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class DenseLayer(nn.Module):
+    """A pre-norm DeepSeek MLA layer with dense causal attention over the non-absorbed heads, and a SwiGLU MLP:
+    x [1, L, dim] -> [1, L, dim]. q = [q_nope | rope q_pe] (N + R), k = [W_UK c | rope k_pe], v = W_UV c (V)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m, H = m, m.n_heads
+        self.N, self.R, self.V, self.C = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        lin = lambda i, o: nn.Linear(i, o, bias=False)  # noqa: E731
+        self.wq_a, self.wq_b = lin(m.dim, m.q_lora_rank), lin(m.q_lora_rank, H * (self.N + self.R))
+        self.wkv_a, self.wkv_b = lin(m.dim, self.C + self.R), lin(self.C, H * (self.N + self.V))
+        self.wo = lin(H * self.V, m.dim)
+        self.w1, self.w3, self.w2 = lin(m.dim, m.inter_dim), lin(m.dim, m.inter_dim), lin(m.inter_dim, m.dim)
+        self.norms = nn.ParameterList([nn.Parameter(torch.ones(d)) for d in (m.dim, m.q_lora_rank, self.C, m.dim)])
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        H, N, R, V, C, eps = self.m.n_heads, self.N, self.R, self.V, self.C, self.m.norm_eps
+        ang = torch.arange(L, device=x.device).float().unsqueeze(-1) * self.m.rope_theta ** (
+            -torch.arange(0, R, 2, device=x.device).float() / R
+        )
+        cos, sin = ang.cos(), ang.sin()
+        h = _rms(x, self.norms[0], eps)
+        q = self.wq_b(_rms(self.wq_a(h), self.norms[1], eps)).view(B, L, H, N + R).transpose(1, 2)
+        c, k_pe = self.wkv_a(h).split([C, R], dim=-1)
+        kv = self.wkv_b(_rms(c, self.norms[2], eps)).view(B, L, H, N + V).transpose(1, 2)
+        k_nope, v = kv.split([N, V], dim=-1)
+        q = torch.cat([q[..., :N], _rope(q[..., N:], cos, sin)], dim=-1)
+        k_pe = _rope(k_pe, cos, sin).unsqueeze(1).expand(B, H, L, R)
+        k = torch.cat([k_nope, k_pe], dim=-1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=(N + R) ** -0.5)
+        x = x + self.wo(o.transpose(1, 2).reshape(B, L, H * V))
+        h = _rms(x, self.norms[3], eps)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+# ---- the DSA layers ----
+@torch.no_grad()
+def stage_prefill_seconds(stage, cache, L: int, chunk: int, path: str, timed, device, repeats: int) -> float:
+    """Prefill L tokens through `stage` with its serving cache in `chunk`-token chunks, on `path`: "sparse" (no hint)
+    or "short" (dense where every key fits top-k, else masked, whatever the crossover)."""
+    m = stage.cfg
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randint(0, m.vocab_size, (1, L), device=device, generator=g)
+    chunks = []
+    for c0 in range(0, L, chunk):
+        pos = list(range(c0, min(L, c0 + chunk)))
+        hint = None
+        if path == "short":
+            hint = plan_prefill([pos], m.index_topk, cache.max_context + 1, UNBOUNDED, min_tokens=2)
+        chunks.append((x[:, c0 : c0 + len(pos)], torch.tensor([pos], device=device), hint))
+
+    def prefill():
+        for xc, pc, hint in chunks:
+            stage(xc, pc, cache, prefill=hint)
+
+    return timed(prefill, device, repeats)
+
+
+@torch.no_grad()
+def indexer_seconds(layer, m, L: int, chunk: int, device, dtype, timed, op_seconds, repeats):
+    """(indexer projections + its scores / top-k op, key projection alone) for L tokens, seconds."""
+    idx = layer.attn.indexer
+    x = torch.randn(1, L, m.dim, device=device, dtype=dtype)
+    q_latent = torch.randn(1, L, m.q_lora_rank, device=device, dtype=dtype)
+    rope = rope_angles(torch.arange(L, device=device).unsqueeze(0), m.index_rope_head_dim, m.rope_theta)
+    proj = timed(lambda: idx(x, q_latent, rope), device, repeats)
+    keys = timed(lambda: idx.keys(x, rope), device, repeats)
+    return proj + op_seconds(m, L, chunk, device, dtype), keys
+
+
+def run(a, make_cfg, build_stage, op_seconds, timed) -> dict:
+    """The short rows: for every layout and context, the per-layer times and the bar; then the crossover."""
+    from dsaflow.serve.generate import serve_dtype
+
+    device = torch.device(a.device)
+    dtype = serve_dtype("auto", device)
+    contexts = [int(c) for c in a.short.split(",")]
+    rows, base, sweep = [], {}, []
+    short_args = argparse.Namespace(**{**vars(a), "layers": a.short_layers})
+    for index in LAYOUTS:
+        cfg, plan = make_cfg(short_args, index, max(contexts), graphs=False)
+        m = cfg.model
+        stage = build_stage(cfg, plan, device, dtype)
+        n_f = sum(1 for layer in stage.layers.values() if layer.attn.indexer is not None)
+        for L in contexts:
+            chunk = min(a.prefill_chunk, L)
+            cache = stage_cache(m, plan, 0, 1, L + 127, chunk, device, dtype)
+            times = {
+                p: stage_prefill_seconds(stage, cache, L, chunk, p, timed, device, a.short_repeats)
+                for p in ("sparse", "short")
+            }
+            del cache
+            if L not in base:
+                dense = DenseLayer(m).to(device=device, dtype=dtype)
+                for p in dense.parameters():
+                    if p.dim() >= 2:
+                        nn.init.normal_(p, std=m.init_std)
+                x = torch.randn(1, L, m.dim, device=device, dtype=dtype)
+                with torch.no_grad():
+                    dense_s = timed(lambda: dense(x), device, a.short_repeats)
+                del dense, x
+                first_f = next(layer for layer in stage.layers.values() if layer.attn.indexer is not None)
+                idx_s, keys_s = indexer_seconds(first_f, m, L, chunk, device, dtype, timed, op_seconds, a.short_repeats)
+                base[L] = dict(dense_s=dense_s, indexer_s=idx_s, key_proj_s=keys_s)
+            b = base[L]
+            short_path = "dense" if L <= m.index_topk else "masked"
+            share = (b["key_proj_s"] if short_path == "dense" else b["indexer_s"]) * n_f / a.short_layers
+            bar = b["dense_s"] + share
+            new = times["short"] / a.short_layers
+            row = dict(
+                index=index,
+                layout="".join(layer.role for layer in stage.layers.values()),
+                f_layers=n_f,
+                layers=a.short_layers,
+                context=L,
+                chunk=chunk,
+                short_path=short_path,
+                auto_path=dense_prefill.prefill_path(chunk, L, m.index_topk),  # the last chunk's, current rule
+                sparse_ms_per_layer=times["sparse"] / a.short_layers * 1e3,
+                short_ms_per_layer=new * 1e3,
+                dense_layer_ms=b["dense_s"] * 1e3,
+                indexer_ms=b["indexer_s"] * 1e3,
+                key_proj_ms=b["key_proj_s"] * 1e3,
+                bar_ms=bar * 1e3,
+                short_within_bar=new <= bar,
+                short_speedup_vs_sparse=times["sparse"] / times["short"],
+                dense_over_sparse=b["dense_s"] / (times["sparse"] / a.short_layers),
+                dense_over_short=b["dense_s"] / new,
+            )
+            rows.append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        if index == LAYOUTS[0]:
+            sweep += chunk_sweep(a, stage, plan, device, dtype, timed)
+        del stage
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result(a, rows, sweep, device, dtype, m.index_topk)
+
+
+def chunk_sweep(a, stage, plan, device, dtype, timed) -> list:
+    """The same prefill in smaller chunks (--short-chunks at --short-chunk-contexts): from how many queries per
+    chunk the short path beats the sparse one (MIN_PREFILL_TOKENS)."""
+    out = []
+    for L in (int(c) for c in a.short_chunk_contexts.split(",") if c):
+        for chunk in (int(c) for c in a.short_chunks.split(",") if c):
+            cache = stage_cache(stage.cfg, plan, 0, 1, L + 127, chunk, device, dtype)
+            t = {p: stage_prefill_seconds(stage, cache, L, chunk, p, timed, device, 1) for p in ("sparse", "short")}
+            del cache
+            row = dict(
+                context=L,
+                chunk=chunk,
+                sparse_ms_per_layer=t["sparse"] / a.short_layers * 1e3,
+                short_ms_per_layer=t["short"] / a.short_layers * 1e3,
+                short_speedup_vs_sparse=t["sparse"] / t["short"],
+            )
+            out.append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    return out
+
+
+def min_tokens(sweep: list) -> dict:
+    """Per context: the smallest chunk from which the short path beats the sparse one at every larger measured
+    chunk (None: not even at the largest); `suggested` = the largest over contexts (MIN_PREFILL_TOKENS)."""
+    out = {}
+    for L in dict.fromkeys(r["context"] for r in sweep):
+        best = None
+        for r in sorted((r for r in sweep if r["context"] == L), key=lambda r: -r["chunk"]):
+            if r["short_speedup_vs_sparse"] <= 1.0:
+                break
+            best = r["chunk"]
+        out[L] = best
+    found = [v for v in out.values() if v is not None]
+    out["suggested"] = max(found) if found and len(found) == len(out) else None
+    return out
+
+
+def crossover(rows: list, topk: int) -> dict:
+    """Per layout: the largest context above top-k up to which the masked path beats the sparse one at every
+    measured context (0: it never does); `suggested` = the smallest over layouts (MASKED_PREFILL_MAX_KEYS)."""
+    out = {}
+    for index in dict.fromkeys(r["index"] for r in rows):
+        best = 0
+        for r in sorted((r for r in rows if r["index"] == index and r["context"] > topk), key=lambda r: r["context"]):
+            if r["short_speedup_vs_sparse"] <= 1.0:
+                break
+            best = r["context"]
+        out[index] = best
+    out["suggested"] = min(out.values()) if out else 0
+    return out
+
+
+def result(a, rows, sweep, device, dtype, topk: int) -> dict:
+    env = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        model=a.model,
+        extra=a.extra,
+        layers=a.short_layers,
+        prefill_chunk=a.prefill_chunk,
+        repeats=a.short_repeats,
+        dtype=str(dtype),
+        topk=topk,
+        masked_prefill_max_keys=dense_prefill.MASKED_PREFILL_MAX_KEYS,
+        query_block=dense_prefill.QUERY_BLOCK,
+        min_prefill_tokens=dense_prefill.MIN_PREFILL_TOKENS,
+    )
+    return dict(env=env, rows=rows, crossover=crossover(rows, topk), chunk_sweep=sweep, min_tokens=min_tokens(sweep))
+
+
+def save(res: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "indexcache_short.json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    (out / "indexcache_short.md").write_text(md)
+    print(md)
+
+
+def markdown(res: dict) -> str:
+    e, c = res["env"], res["crossover"]
+    lines = [
+        f"# Short-context prefill: the DSA layer vs a plain-torch dense layer ({e['device']})",
+        "",
+        f"`model={e['model']}` attention, `{e['extra']}`, {e['dtype']}, batch 1, top-k {e['topk']}; a "
+        f"{e['layers']}-layer stage prefills L tokens in {e['prefill_chunk']}-token chunks through its serving cache "
+        f"(ms per layer); the dense layer is plain torch (MLA non-absorbed heads, causal SDPA, SwiGLU), one forward. "
+        f"short = the dense path (L <= top-k) or the masked one; bar = dense + F share x (indexer, or the key "
+        f"projection on the dense path). "
+        f"auto: what the rule picks with MASKED_PREFILL_MAX_KEYS = {e['masked_prefill_max_keys']}.",
+        "",
+        "| layout | context | short path | auto | sparse ms | short ms | dense ms | indexer ms | key proj ms | bar ms "
+        "| short <= bar | short / sparse speedup | dense / sparse | dense / short |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['layout']} | {r['context']} | {r['short_path']} | {r['auto_path']} | {r['sparse_ms_per_layer']:.3f} "
+            f"| {r['short_ms_per_layer']:.3f} | {r['dense_layer_ms']:.3f} | {r['indexer_ms']:.3f} "
+            f"| {r['key_proj_ms']:.3f} | {r['bar_ms']:.3f} | {'yes' if r['short_within_bar'] else 'NO'} "
+            f"| {r['short_speedup_vs_sparse']:.2f}x | {r['dense_over_sparse']:.2f}x | {r['dense_over_short']:.2f}x |"
+        )
+    per = ", ".join(f"{k} {v}" for k, v in c.items() if k != "suggested")
+    lines += [
+        "",
+        f"Crossover (largest context above top-k where masked beats sparse at every measured context): {per}; "
+        f"suggested MASKED_PREFILL_MAX_KEYS = {c['suggested'] or 'top-k (masked never wins)'}.",
+        "",
+    ]
+    if res["chunk_sweep"]:
+        lines += [
+            f"Chunk size (all-F, ms per layer; MIN_PREFILL_TOKENS = {e['min_prefill_tokens']} now):",
+            "",
+            "| context | chunk | sparse ms | short ms | short / sparse speedup |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for r in res["chunk_sweep"]:
+            lines.append(
+                f"| {r['context']} | {r['chunk']} | {r['sparse_ms_per_layer']:.3f} | {r['short_ms_per_layer']:.3f} "
+                f"| {r['short_speedup_vs_sparse']:.2f}x |"
+            )
+        mt = res["min_tokens"]
+        per = ", ".join(f"{k}: {v}" for k, v in mt.items() if k != "suggested")
+        lines += [
+            "",
+            f"Smallest winning chunk per context: {per}; suggested MIN_PREFILL_TOKENS = {mt['suggested']}.",
+            "",
+        ]
+    return "\n".join(lines)
