@@ -350,13 +350,11 @@ class PipelineEngine:
         return [tokens[r.index][: self.scheduler.generated[r.index]] for r in requests]
 
     def _item(self, p: Pass) -> Item:
-        """The executor's item of a pass. Decode passes start at the group's row 0 and replay the decode graphs.
-        With prefill graphs every other pass is a mixed pass from row 0 (the scheduler's `mixed`) and replays the
-        group's prefill graph, padded to the group's rows: an eager pass of a few joining rows costs its launches,
-        about 30 ms for model=small on an H200, more than the whole padded graph. Without them a prefill pass runs
-        eagerly on a view of just its rows."""
+        """The executor's item of a pass. Decode passes replay the decode graphs; with prefill graphs every other pass
+        is mixed (the scheduler's `mixed`) and replays the group's prefill graph padded to its rows (an eager pass of
+        a few rows costs ~30 ms of launches for model=small on an H200); else it runs eagerly on its rows."""
         graph = p.decode_only or self.scheduler.mixed
-        if self.prefill_graphs and not p.decode_only and graph:
+        if not p.decode_only and graph:
             p.pad_rows(self.ranges[p.group][1] - self.ranges[p.group][0])
         rows = p.rows
         cols, keys = [0] * rows, [0] * rows
