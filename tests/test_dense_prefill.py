@@ -311,18 +311,30 @@ def _widen(row, T):
 @pytest.mark.parametrize("topk,max_keys", [(256, 0), (64, 4096)])
 @torch.no_grad()
 def test_gpu_stage_prefill_paths_match_the_sparse_path_bf16(topk, max_keys):
-    """V3.2 head dims, 16 heads, FSSS, bf16, NaN-poisoned caches: prompts of 200 and 130 tokens in chunks of 96."""
+    """V3.2 head dims, 16 heads, FSSS, bf16 on the GPU, NaN-poisoned caches: prompts of 200 and 130 tokens in chunks of
+    96. Both bf16 paths are measured against the fp32 sparse path on the CPU: the new paths must be as accurate as
+    the sparse one, pass by pass (random weights make bf16 logits drift 13-30 % in relative norm from fp32 through
+    four layers on either path, so the two bf16 paths are not compared with each other)."""
     over = ["model.n_heads=16", "model.kv_lora_rank=512", "model.qk_nope_head_dim=128", "model.qk_rope_head_dim=64"]
     model, plan = planned_sharp("FSSS", "model.num_layers=4", f"model.index_topk={topk}", "model.dim=256", *over)
-    stages = [s.to("cuda", torch.bfloat16) for s in build_stages(model, plan, seed=1)]
     g = torch.Generator().manual_seed(0)
     prompts, chunk = [200, 130], 96
-    seqs = [torch.randint(0, V, (P + 3,), generator=g).cuda() for P in prompts]
+    seqs = [torch.randint(0, V, (P + 3,), generator=g) for P in prompts]
+    cpu = build_stages(model, plan, seed=1)
+    ref = _prefill_then_decode(
+        cpu, _caches(model, plan, "cpu", torch.float32, 3, 256, chunk), seqs, prompts, chunk, False, topk, max_keys
+    )
+    stages = [s.to("cuda", torch.bfloat16) for s in build_stages(model, plan, seed=1)]
+    seqs = [x.cuda() for x in seqs]
     caches = lambda: _caches(model, plan, "cuda", torch.bfloat16, 3, 256, chunk)  # noqa: E731
-    ref = _prefill_then_decode(stages, caches(), seqs, prompts, chunk, False, topk, max_keys)
+    sparse = _prefill_then_decode(stages, caches(), seqs, prompts, chunk, False, topk, max_keys)
     got = _prefill_then_decode(stages, caches(), seqs, prompts, chunk, True, topk, max_keys)
     assert {p for p, *_ in got} - {"decode", "sparse"}
-    _compare(got, ref, None, rel=2e-2)
+    for (path, a, pos), (_, b, _), (_, r, _) in zip(got, sparse, ref):
+        real = (pos >= 0).cpu()
+        assert torch.isfinite(a[pos >= 0]).all(), path
+        err_new, err_sparse = _rel_err(a.cpu()[real], r[real]), _rel_err(b.cpu()[real], r[real])
+        assert err_new <= 1.1 * err_sparse + 0.01, (path, err_new, err_sparse)
 
 
 @pytest.mark.gpu
