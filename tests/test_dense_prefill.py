@@ -261,6 +261,7 @@ def test_engine_prefill_graph_blocks_per_path_replay_like_eager(monkeypatch):
     from test_graphs_cpu import FakeCapturer
 
     monkeypatch.setattr(dp, "MIN_PREFILL_TOKENS", 2)
+    monkeypatch.setattr(dp, "MASKED_PREFILL_MAX_KEYS", 8192)  # off by default (measured slower); on for the test
     cfg, plan = _graph_cfg()
     ps = [*PROMPTS[:2], "abcdefghijklmnopqrstuvwxyz"]  # the last one above top-k 16: masked chunks
     out_g, eg = run_engine(cfg, plan, ps, record=True, capturer=FakeCapturer())
@@ -346,6 +347,7 @@ def test_gpu_prefill_graphs_of_each_path_replay_bitwise_equal_to_eager(topk, mon
     from test_graphs_gpu import run as run_gpu
 
     monkeypatch.setattr(dp, "MIN_PREFILL_TOKENS", 2)
+    monkeypatch.setattr(dp, "MASKED_PREFILL_MAX_KEYS", 8192)  # off by default (measured slower); on for the test
     cfg, plan = make([f"model.index_topk={topk}"])
     ps = prompts(5, seed=3)
     out_g, eg, report = run_gpu(cfg, plan, ps, strict=True)

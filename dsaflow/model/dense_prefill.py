@@ -41,13 +41,13 @@ import torch.nn.functional as F
 
 from .rope import apply_rope
 
-# Largest key extent (last position + 1) for which the masked path runs. Set from `scripts/bench_indexcache.py
-# --part short` on one H200 (docs/serving.md, "Short-context prefill"): the largest measured context at which the masked
-# layer prefill beat the sparse one. Until measured it is the extent other DSA engines use for masked MHA (8192).
-MASKED_PREFILL_MAX_KEYS = 8192
-# Fewest query columns per pass for either short path (see the module docstring: about 141 break even in FLOPs at
-# V3.2's dims; twice that for margin, since the masked path's break-even grows with its key extent).
-MIN_PREFILL_TOKENS = 256
+# Largest key extent (last position + 1) for which the masked path runs; 0 = off. Set from `scripts/bench_indexcache.py
+# --part short` on one H200 (docs/serving.md, "Short-context prefill"): masked SDPA lost to the sparse path at every
+# measured context above top-k (0.94-0.95x at 4K, 0.80-0.83x at 8K), so it is off until a masked kernel beats it.
+MASKED_PREFILL_MAX_KEYS = 0
+# Fewest query columns per pass for the short paths: the dense path beat the sparse one at a 2K context from the
+# smallest measured chunk, 128 tokens (1.20x), on the same run (the FLOP break-even is about 141 at V3.2's dims).
+MIN_PREFILL_TOKENS = 128
 QUERY_BLOCK = 1024  # queries per SDPA call on the masked paths: each block stops at its own last visible key
 KEY_ALIGN = 16  # key extents round up to this (aligned attention-bias rows for the memory-efficient kernel)
 PATHS = ("sparse", "dense", "masked")
