@@ -60,6 +60,25 @@ def test_budget_stops_before_a_step_that_cannot_finish(tmp_path, capsys):
     assert "s0 base: not started, " in log and "2 step(s) left" in log and not (tmp_path / "runs").exists()
 
 
+def test_parallel_steps_map_to_gpus_per_gpu_at_a_time(tmp_path, capsys, monkeypatch):
+    """--parallel N over the visible GPUs, --per-gpu steps sharing each: too few GPUs exits 2 before any run and
+    says both fixes; enough slots run each step with the GPU of its slot."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    args = ["run", "--device", "cuda", "--seeds", "0", "--out", str(tmp_path), "--parallel", "2"]
+    assert qt.main(args) == 2
+    err = capsys.readouterr().err
+    assert "needs 2 GPUs at --per-gpu 1" in err and "raise --per-gpu" in err and not (tmp_path / "runs").exists()
+    seen = []
+    monkeypatch.setitem(
+        qt.STEPS, "base", (lambda a, r, out, task, seed, budget, env: seen.append(env) or True, ("all-F",))
+    )
+    monkeypatch.setitem(
+        qt.STEPS, "every4", (lambda a, r, out, task, seed, budget, env: seen.append(env) or True, ("all-F",))
+    )
+    assert qt.main([*args, "--per-gpu", "2"]) == 0
+    assert seen == [{"CUDA_VISIBLE_DEVICES": "3"}] * 2
+
+
 def _row(task, seed, pattern, loss, acc=None):
     r = {"task": task, "seed": seed, "pattern": pattern, "roles": "FS", "num_f": 1, "loss": loss, "acc": acc}
     if task == "text":
