@@ -417,7 +417,7 @@ def cmd_eval_run(a) -> int:
     from dsaflow.plan.plan import Plan
     from dsaflow.run.stages import build_stages
     from dsaflow.search.evaluate import PatternEvaluator
-    from dsaflow.serve.weights import load_model_weights
+    from dsaflow.run.weights import load_model_weights
 
     torch.set_num_threads(1)
     rd = Path(a.run_dir)

@@ -438,7 +438,7 @@ def test_weights_export_is_one_safetensors_file(tmp_path):
     from dsaflow.run.ckpt_store import checkpoint_dir
     from dsaflow.run.safetensors_io import load_tensors
     from dsaflow.run.stages import stage_module
-    from dsaflow.serve.weights import main as export_main
+    from dsaflow.run.weights import main as export_main
     from dsaflow.train.checkpoint import save_checkpoint
 
     cfg = compose(["pipeline=pp2", *SMALL])

@@ -180,7 +180,7 @@ def test_checkpoint_weights_are_served(tmp_path):
     (tmp_path / "config.yaml").write_text(to_yaml(cfg1))
     check_serve(*setup(["layout=FS|FF", "serve.prompts=[a]", f"serve.checkpoint={tmp_path}"]), "cpu")
     cfg_bad, plan_bad = setup(["layout=FS|FF", "model.inter_dim=96", f"serve.checkpoint={tmp_path}"])
-    with pytest.raises(ServeError, match="model.inter_dim: trained 128 vs serving 96"):
+    with pytest.raises(ServeError, match="model.inter_dim: trained 128 vs now 96"):
         check_serve(cfg_bad, plan_bad, "cpu")
     with pytest.raises(ServeError, match="neither a checkpoint folder nor a run dir holding a good"):
         check_serve(*setup([f"serve.checkpoint={tmp_path / 'checkpoints'}"]), "cpu")

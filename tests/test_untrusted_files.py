@@ -158,7 +158,7 @@ def test_writes_never_follow_links_planted_in_a_run_dir(tmp_path):
 
 def test_serving_reads_only_the_weight_files_the_manifest_lists(tmp_path, model):
     from dsaflow.run.safetensors_io import save_file
-    from dsaflow.serve.weights import load_model_weights
+    from dsaflow.run.weights import load_model_weights
 
     _, modules = model
     run = tmp_path / "run"
@@ -182,7 +182,7 @@ def _fresh(model):
 
 def test_a_listed_file_replaced_by_a_link_is_refused(tmp_path, model):
     from dsaflow.errors import ServeError
-    from dsaflow.serve.weights import load_model_weights
+    from dsaflow.run.weights import load_model_weights
 
     _, modules = model
     run = tmp_path / "run"

@@ -192,6 +192,9 @@ class TrainConfig:
     keep_checkpoints: int = num(3, 1, 10**6)  # the newest N complete checkpoints are kept, older ones removed
     final_ckpt: bool = True  # save a checkpoint after the last step (benchmarks turn it off)
     resume: bool = False  # continue from the newest good checkpoint in run_dir
+    # a new run from another run's model weights (its run dir or a checkpoint folder): fresh optimiser and schedule;
+    # the same model but model.index_topk / index_fp8, and S layers may drop their indexers (docs/training.md)
+    init_from: Optional[str] = None
     stop_at_step: Optional[int] = num(None, 1, 10**9)  # pre-emption drill: exit after this step, no final ckpt
     device: Device = Device.auto
     # torch threads per CPU rank: tiny models gain nothing from more, oversubscription costs 100x

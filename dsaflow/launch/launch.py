@@ -118,6 +118,8 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
                 f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}. Fix: lower "
                 "train.seq_len or raise model.max_seq_len."
             )
+        if t.init_from:
+            check_init_from(cfg)
         if t.stop_at_step is not None and t.stop_at_step > t.steps:
             raise PlanError(
                 f"train.stop_at_step={t.stop_at_step}: must lie in 1..train.steps={t.steps}. Fix: adjust it or drop it."
@@ -129,6 +131,22 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
         data.check_vocab()
         check_track(cfg)
     check_run_dir(cfg, plan, job, report_stderr)
+
+
+def check_init_from(cfg) -> None:
+    """train.init_from: not with resume, an existing good checkpoint of the same model (weights are read later)."""
+    t = cfg.train
+    if t.resume:
+        raise PlanError(
+            f"train.init_from={t.init_from} with train.resume=true: resume continues run_dir from its own checkpoint, "
+            "init_from starts a new run from another run's weights. Fix: drop one of the two."
+        )
+    if not os.path.exists(t.init_from):
+        raise PlanError(f"train.init_from={t.init_from} does not exist. Fix: a run dir or a checkpoint folder.")
+    from dsaflow.run.weights import WEIGHTLESS_MODEL_FIELDS, check_same_model, resolve_checkpoint
+
+    field = "train.init_from"
+    check_same_model(cfg.model, resolve_checkpoint(t.init_from, field=field), field, WEIGHTLESS_MODEL_FIELDS)
 
 
 def torchrun_command(run_dir: str | Path, nproc: int, job: str = "train") -> List[str]:

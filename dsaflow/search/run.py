@@ -64,7 +64,7 @@ def load_search_model(cfg, device: torch.device):
     from dsaflow.plan import build_plan
     from dsaflow.run.rundir import CONFIG, PLAN
     from dsaflow.run.stages import build_stages
-    from dsaflow.serve.weights import load_model_weights, resolve_checkpoint
+    from dsaflow.run.weights import load_model_weights, resolve_checkpoint
 
     s = cfg.search
     if not s.checkpoint:

@@ -8,6 +8,7 @@ import time
 from dsaflow.errors import CheckpointError
 from dsaflow.run.ckpt_store import checkpoint_dir, newest_good_checkpoint
 from dsaflow.run.context import RunContext
+from dsaflow.run.weights import WEIGHTLESS_MODEL_FIELDS, load_model_weights
 from dsaflow.track import Progress, make_tracker
 
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -45,6 +46,11 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
         tr.start_at(start)
         records.truncate_after(start)
         records.log(f"resumed from {latest[1]} at step {start}")
+    elif t.init_from:  # a new run from another run's model weights (checked in the parent: check_init_from)
+        field = "train.init_from"
+        modules = {s.index: m for s, m in zip(ctx.stages, tr.modules)}
+        ckpt = load_model_weights(modules, t.init_from, ctx.cfg.model, field, WEIGHTLESS_MODEL_FIELDS)
+        records.log(f"model weights from {ckpt}; optimiser and schedule start afresh")
     tracker = make_tracker(ctx.cfg, str(ctx.run_dir), ctx.is_logging_rank, resume=t.resume)
     tracker.log_config(config_dict(ctx.cfg), ctx.plan.to_dict())
     progress = Progress(t.steps, start, enabled=ctx.is_logging_rank, mode=t.progress)

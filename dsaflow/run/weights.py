@@ -1,4 +1,6 @@
-"""Load model weights (only) for serving from a checkpoint written by `dsaflow train`, without unpickling anything.
+"""Load model weights (only) from a checkpoint written by `dsaflow train`, without unpickling anything: for serving
+(`serve.checkpoint`), search (`search.checkpoint`) and a training run that starts from another's weights
+(`train.init_from`).
 
 Every checkpoint folder holds, next to its DCP shards, one weights-only `model-rank<r>.safetensors` per training rank
 with global state-dict keys (`layers.5.attn.wkv_b.weight`; dsaflow.train.checkpoint). Serving reads those files
@@ -30,31 +32,34 @@ from dsaflow.run.rundir import CONFIG
 from dsaflow.run.safetensors_io import SafetensorsError, load_tensors, read_header, save_file
 
 WEIGHTS = re.compile(r"^model-rank\d{1,6}\.safetensors$")
+WEIGHTLESS_MODEL_FIELDS = ("index_topk", "index_fp8")  # no weight depends on them: train.init_from may change them
 
 
-def resolve_checkpoint(path: str | Path, report=report_stderr) -> Path:
-    """A run dir -> its newest good checkpoint folder; a checkpoint folder -> itself once verified."""
+def resolve_checkpoint(path: str | Path, report=report_stderr, field: str = "serve.checkpoint") -> Path:
+    """A run dir -> its newest good checkpoint folder; a checkpoint folder -> itself once verified. `field`: the
+    config field that named the path, for the messages."""
     p = Path(path)
     if os.path.lexists(p / MANIFEST) or os.path.lexists(p / ".metadata"):
         try:
             verify_checkpoint(p)
         except CheckpointError as exc:
             raise ServeError(
-                f"serve.checkpoint={path}: {exc}. Fix: use another checkpoint folder, or the run dir "
+                f"{field}={path}: {exc}. Fix: use another checkpoint folder, or the run dir "
                 "(its newest good checkpoint is picked)."
             ) from None
         return p
     found = newest_good_checkpoint(p, report)
     if found is None:
         raise ServeError(
-            f"serve.checkpoint={path} is neither a checkpoint folder nor a run dir holding a good checkpoint. Fix: "
+            f"{field}={path} is neither a checkpoint folder nor a run dir holding a good checkpoint. Fix: "
             f"point it at runs/<name> or runs/<name>/checkpoints/step-NNNNNN."
         )
     return found[1]
 
 
-def check_same_model(model_cfg, checkpoint: Path) -> None:
-    """If the checkpoint's run dir has a config.yaml, its model section must equal the serving model config."""
+def check_same_model(model_cfg, checkpoint: Path, field: str = "serve.checkpoint", free=()) -> None:
+    """If the checkpoint's run dir has a config.yaml, its model section must equal `model_cfg` but for the fields
+    in `free` (those no weight depends on, such as model.index_topk)."""
     run_dir = checkpoint.parent.parent
     if not os.path.lexists(run_dir / CONFIG):
         return
@@ -65,24 +70,24 @@ def check_same_model(model_cfg, checkpoint: Path) -> None:
         for k, v in dataclasses.asdict(load_config(run_dir / CONFIG).model).items()
     }
     serving = dataclasses.asdict(model_cfg)
-    diff = [k for k in serving if k != "name" and trained.get(k) != serving[k]]
+    diff = [k for k in serving if k != "name" and k not in free and trained.get(k) != serving[k]]
     if diff:
-        pairs = ", ".join(f"model.{k}: trained {trained.get(k)!r} vs serving {serving[k]!r}" for k in diff[:4])
+        pairs = ", ".join(f"model.{k}: trained {trained.get(k)!r} vs now {serving[k]!r}" for k in diff[:4])
         raise ServeError(
-            f"serve.checkpoint={checkpoint} was trained with a different model ({pairs}). Fix: serve with the "
-            f"training run's model overrides (model={trained.get('name')} ...)."
+            f"{field}={checkpoint} was trained with a different model ({pairs}). Fix: use the training run's model "
+            f"overrides (model={trained.get('name')} ...)."
         )
 
 
-def weight_files(ckpt: Path) -> Dict[str, Path]:
+def weight_files(ckpt: Path, field: str = "serve.checkpoint") -> Dict[str, Path]:
     """{global key: safetensors file holding it} over the model-rank*.safetensors files the manifest lists."""
     try:
         listed = sorted(n for n in verify_checkpoint(ckpt, hashes=False)["files"] if WEIGHTS.match(n))
     except CheckpointError as exc:
-        raise ServeError(f"serve.checkpoint={ckpt}: {exc}. Fix: use another checkpoint.") from None
+        raise ServeError(f"{field}={ckpt}: {exc}. Fix: use another checkpoint.") from None
     if not listed:
         raise ServeError(
-            f"serve.checkpoint={ckpt} lists no model-rank*.safetensors weights in its manifest. Fix: use "
+            f"{field}={ckpt} lists no model-rank*.safetensors weights in its manifest. Fix: use "
             "a checkpoint written by this version of `dsaflow train`."
         )
     where: Dict[str, Path] = {}
@@ -91,42 +96,46 @@ def weight_files(ckpt: Path) -> Dict[str, Path]:
         try:
             header, _ = read_header(f)
         except (SafetensorsError, OSError) as exc:
-            raise ServeError(f"serve.checkpoint={ckpt}: {exc}. Fix: use another checkpoint.") from None
+            raise ServeError(f"{field}={ckpt}: {exc}. Fix: use another checkpoint.") from None
         for k in header:
             if k in where:
                 raise ServeError(
-                    f"serve.checkpoint={ckpt}: {k} is in both {where[k].name} and {name}; refused. "
+                    f"{field}={ckpt}: {k} is in both {where[k].name} and {name}; refused. "
                     "Fix: use a checkpoint written by `dsaflow train`."
                 )
             where[k] = f
     return where
 
 
-def load_model_weights(stages: Dict[int, torch.nn.Module], path: str | Path, model_cfg=None) -> Path:
-    """Load the weights of `stages` ({stage index: StageModule}, on CPU) in place from a checkpoint's safetensors."""
-    ckpt = resolve_checkpoint(path)
+def load_model_weights(
+    stages: Dict[int, torch.nn.Module], path: str | Path, model_cfg=None, field: str = "serve.checkpoint", free=()
+) -> Path:
+    """Load the weights of `stages` ({stage index: StageModule}, any device) in place from a checkpoint's
+    safetensors. Weights the checkpoint holds and the stages lack (the indexer of a layer that is S here) are not
+    read; a weight the stages need and the checkpoint lacks is an error. field / free: see `check_same_model`."""
+    ckpt = resolve_checkpoint(path, field=field)
     if model_cfg is not None:
-        check_same_model(model_cfg, ckpt)
+        check_same_model(model_cfg, ckpt, field, free)
     try:
         with pinned(ckpt):
             verify_checkpoint(ckpt)  # again, under the pin: what was verified is what is read
-            _load_into(stages, path, ckpt)
+            _load_into(stages, f"{field}={path}", ckpt, field)
     except CheckpointError as exc:
         if isinstance(exc, ServeError):
             raise
-        raise ServeError(f"serve.checkpoint={path}: {exc}. Fix: use another checkpoint.") from None
+        raise ServeError(f"{field}={path}: {exc}. Fix: use another checkpoint.") from None
     return ckpt
 
 
-def _load_into(stages, path, ckpt: Path) -> None:
-    where = weight_files(ckpt)
+def _load_into(stages, named: str, ckpt: Path, field: str) -> None:
+    where = weight_files(ckpt, field)
     wanted = {k: v for m in stages.values() for k, v in m.state_dict().items()}
     missing = [k for k in wanted if k not in where]
     if missing:
         raise ServeError(
-            f"serve.checkpoint={path}: {ckpt} has no weights for {missing[:3]} ({len(missing)} missing). Fix: serve "
-            f"with the same model and index layout the checkpoint was trained with (S layers carry no indexer "
-            f"weights, so changing roles changes the keys)."
+            f"{named}: {ckpt} has no weights for {missing[:3]} ({len(missing)} missing). Fix: use the model and an "
+            f"index layout whose F layers were F in training (S layers carry no indexer weights, so a layer the "
+            f"checkpoint trained as S cannot become F)."
         )
     by_file: Dict[Path, list] = {}
     for k in wanted:
@@ -136,8 +145,8 @@ def _load_into(stages, path, ckpt: Path) -> None:
             for k, t in load_tensors(f, keys).items():
                 if t.shape != wanted[k].shape:
                     raise ServeError(
-                        f"serve.checkpoint={path}: {k} is {list(t.shape)} in {f.name} but the model "
-                        f"has {list(wanted[k].shape)}. Fix: serve with the training run's model."
+                        f"{named}: {k} is {list(t.shape)} in {f.name} but the model has "
+                        f"{list(wanted[k].shape)}. Fix: use the training run's model."
                     )
                 wanted[k].copy_(t)
 
@@ -154,12 +163,12 @@ def export_weights(path: str | Path, out: str | Path) -> Path:
 
 
 def main(argv=None) -> int:
-    """`python -m dsaflow.serve.weights export CKPT_OR_RUN_DIR OUT.safetensors`."""
+    """`python -m dsaflow.run.weights export CKPT_OR_RUN_DIR OUT.safetensors`."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 3 or args[0] != "export":
-        print("usage: python -m dsaflow.serve.weights export CKPT_OR_RUN_DIR OUT.safetensors", file=sys.stderr)
+        print("usage: python -m dsaflow.run.weights export CKPT_OR_RUN_DIR OUT.safetensors", file=sys.stderr)
         return 2
     try:
         print(export_weights(args[1], args[2]))
