@@ -416,8 +416,8 @@ def cmd_eval_run(a) -> int:
     from dsaflow.data import BatchSource
     from dsaflow.plan.plan import Plan
     from dsaflow.run.stages import build_stages
-    from dsaflow.search.evaluate import PatternEvaluator
     from dsaflow.run.weights import load_model_weights
+    from dsaflow.search.evaluate import PatternEvaluator
 
     torch.set_num_threads(1)
     rd = Path(a.run_dir)
