@@ -43,7 +43,8 @@ sys.path.insert(0, str(REPO))  # this checkout's dsaflow, whatever else is insta
 EXIT_WORK_LEFT = 75
 ROWS_BASE = ("all-F", "uniform 1/2", "searched 1/2", "uniform 1/4", "searched 1/4")
 ROW_EVERY4 = "every4 trained"
-ORDER = ROWS_BASE + (ROW_EVERY4,)
+ROW_CONTINUED = "every4 continued"  # --continued-steps: all-F trained on with index=every4 (train.init_from)
+ORDER = ROWS_BASE + (ROW_EVERY4, ROW_CONTINUED)
 
 # Recipes. gpu: one H200 per step, a few minutes each; cpu: seconds, for tests and CI (numbers mean nothing).
 PRESETS = {
@@ -227,19 +228,20 @@ def _row(out, task, seed, pattern, roles, loss, acc, extra) -> None:
     tmp.replace(p)  # a row file exists only complete
 
 
-def train(a, r, out, task, seed, index, budget, env, tag) -> tuple:
-    """-> (run dir, wall seconds) or (None, None) when stopped or failed."""
-    rd = out / "runs" / f"{task}-s{seed}-{index}"
+def train(a, r, out, task, seed, index, budget, env, tag, name=None, steps=None, more=()) -> tuple:
+    """-> (run dir, wall seconds) or (None, None) when stopped or failed. name: the run dir's suffix (default the
+    index); steps: default the recipe's (every4: --every4-steps); more: extra overrides (train.init_from=...)."""
+    rd = out / "runs" / f"{task}-s{seed}-{name or index}"
     if finished(rd):
         say(f"{tag}: training done already ({rd})")
         return rd, None
     if rd.exists():
         shutil.rmtree(rd)  # an interrupted run: its checkpoints (if any) did not survive the call, start again
-    steps = a.every4_steps if (index == "every4" and a.every4_steps) else r["steps"]
+    steps = steps or (a.every4_steps if (index == "every4" and a.every4_steps) else r["steps"])
     say(f"{tag}: training index={index}, {steps} steps -> {rd}")
     t = time.monotonic()
     rc = call(
-        dsaflow_cmd("train", *train_overrides(a, r, task, seed, index, rd, steps)),
+        dsaflow_cmd("train", *train_overrides(a, r, task, seed, index, rd, steps), *more),
         rd.parent / f"{rd.name}.log",
         budget,
         env,
@@ -281,10 +283,40 @@ def step_base(a, r, out, task, seed, budget, env) -> bool:
     table = json.loads((sd / "eval.json").read_text())
     extra = {"train": {**final_eval(rd), "wall_s": train_s}, "eval_batches": r["eval_batches"], "recipe": r}
     extra["overrides"] = train_overrides(a, r, task, seed, "all_full", rd, r["steps"])
+    if a.continued_steps and not result_path(out, task, seed, ROW_CONTINUED).is_file():
+        if not continued(a, r, out, task, seed, rd, budget, env, tag):
+            return False
     for row in table["rows"]:
         _row(out, task, seed, row["pattern"], row["roles"], row["loss"], row["acc"], extra)
     shutil.rmtree(rd / "checkpoints", ignore_errors=True)
     return True
+
+
+def continued(a, r, out, task, seed, base_rd, budget, env, tag) -> bool:
+    """The IndexCache paper's training-aware setting: the all-F model trained on with index=every4 for
+    --continued-steps steps (`train.init_from`: fresh optimiser; the S layers drop their indexers)."""
+    more = (f"train.init_from={base_rd}",)
+    rd, train_s = train(a, r, out, task, seed, "every4", budget, env, tag, "every4_continued", a.continued_steps, more)
+    e = rd and eval_own(a, r, rd, budget, env, tag)
+    if not e:
+        return False
+    extra = {"train": {**final_eval(rd), "wall_s": train_s}, "eval_batches": r["eval_batches"], "recipe": r}
+    extra["overrides"] = [*train_overrides(a, r, task, seed, "every4", rd, a.continued_steps), *more]
+    _row(out, task, seed, ROW_CONTINUED, e["roles"], e["loss"], e["acc"], extra)
+    shutil.rmtree(rd / "checkpoints", ignore_errors=True)
+    return True
+
+
+def eval_own(a, r, rd: Path, budget, env, tag):
+    """A trained run scored with its own layout on the table's held-out batches -> its eval dict, None on failure."""
+    ev = rd / "eval_own.json"
+    if not ev.is_file():
+        args = [sys.executable, __file__, "eval-run", str(rd), "--batches", str(r["eval_batches"])]
+        rc = call([*args, "--device", a.device, "--out", str(ev)], rd.parent / f"{rd.name}-eval.log", budget, env, tag)
+        if rc != 0:
+            say(f"{tag}: eval {'stopped at the time budget' if rc is None else f'failed (exit {rc})'}")
+            return None
+    return json.loads(ev.read_text())
 
 
 def step_every4(a, r, out, task, seed, budget, env) -> bool:
@@ -292,25 +324,9 @@ def step_every4(a, r, out, task, seed, budget, env) -> bool:
     rd, train_s = train(a, r, out, task, seed, "every4", budget, env, tag)
     if rd is None:
         return False
-    ev = rd / "eval_own.json"
-    if not ev.is_file():
-        args = [
-            sys.executable,
-            __file__,
-            "eval-run",
-            str(rd),
-            "--batches",
-            str(r["eval_batches"]),
-            "--device",
-            a.device,
-            "--out",
-            str(ev),
-        ]
-        rc = call(args, rd.parent / f"{rd.name}-eval.log", budget, env, tag)
-        if rc != 0:
-            say(f"{tag}: eval {'stopped at the time budget' if rc is None else f'failed (exit {rc})'}")
-            return False
-    e = json.loads(ev.read_text())
+    e = eval_own(a, r, rd, budget, env, tag)
+    if e is None:
+        return False
     extra = {"train": {**final_eval(rd), "wall_s": train_s}, "eval_batches": r["eval_batches"], "recipe": r}
     extra["overrides"] = train_overrides(a, r, task, seed, "every4", rd, a.every4_steps or r["steps"])
     _row(out, task, seed, ROW_EVERY4, e["roles"], e["loss"], e["acc"], extra)
@@ -330,7 +346,7 @@ def cmd_run(a) -> int:
     todo = []
     for seed in a.seeds:
         for kind in a.steps_to_run:
-            rows = STEPS[kind][1]
+            rows = STEPS[kind][1] + ((ROW_CONTINUED,) if kind == "base" and a.continued_steps else ())
             if all(result_path(out, a.task, seed, p).is_file() for p in rows):
                 say(f"{a.task} s{seed} {kind}: done already")
             else:
@@ -555,6 +571,12 @@ def main(argv=None) -> int:
         p.add_argument("--budget-s", type=float, default=None, help="stop cleanly before this many seconds pass")
         p.add_argument("--steps", type=int, default=None, help="training steps (all-F and every4)")
         p.add_argument("--every4-steps", type=int, default=None, help="training steps of every4 (default --steps)")
+        p.add_argument(
+            "--continued-steps",
+            type=int,
+            default=0,
+            help="also train the all-F model on with index=every4 for this many steps (row 'every4 continued')",
+        )
         for k, t in (
             ("seq-len", int),
             ("topk", int),

@@ -20,22 +20,26 @@ ROW_FIELDS = {"task", "seed", "pattern", "roles", "num_f", "loss", "acc", "train
 
 def test_cpu_preset_end_to_end_then_resume_and_collect(tmp_path, capsys):
     out = tmp_path / "q"
-    assert qt.main(["run", "--device", "cpu", "--seeds", "0", "--out", str(out)]) == 0
+    run = ["run", "--device", "cpu", "--seeds", "0", "--out", str(out), "--continued-steps", "2"]
+    assert qt.main(run) == 0
     files = sorted((out / "results").glob("*.json"))
     assert [f.name for f in files] == sorted(f"retrieval_long-s0-{qt.slug(p)}.json" for p in qt.ORDER)
     rows = {r["pattern"]: r for r in (json.loads(f.read_text()) for f in files)}
     for r in rows.values():
         assert ROW_FIELDS <= set(r) and r["task"] == "retrieval_long" and r["seed"] == 0
         assert math.isfinite(r["loss"]) and 0.0 <= r["acc"] <= 1.0 and r["num_f"] == r["roles"].count("F")
-        assert r["train"]["step"] == 4  # the trainer's own final evaluation came along
+        assert r["train"]["step"] == (2 if r["pattern"] == "every4 continued" else 4)  # its final evaluation came along
     assert rows["all-F"]["roles"] == "F" * 8 and rows["uniform 1/4"]["roles"] == "FSSSFSSS"
     assert rows["every4 trained"]["roles"] == "FSSSFSSS" and rows["searched 1/4"]["num_f"] == 2
+    cont = rows["every4 continued"]  # the all-F model trained on with every4 (train.init_from), 2 more steps
+    assert cont["roles"] == "FSSSFSSS" and cont["train"]["step"] == 2
+    assert any(o.startswith("train.init_from=") and o.endswith("all_full") for o in cont["overrides"])
     assert not list(out.glob("runs/*/checkpoints")), "checkpoints are deleted once a step's rows are written"
     assert set(json.loads((out / "timings.json").read_text())) == {"retrieval_long/base", "retrieval_long/every4"}
     stamps = {f.name: f.stat().st_mtime_ns for f in files}
     capsys.readouterr()
 
-    assert qt.main(["run", "--device", "cpu", "--seeds", "0", "--out", str(out)]) == 0  # resume: nothing to do
+    assert qt.main(run) == 0  # resume: nothing to do
     log = capsys.readouterr().out
     assert "retrieval_long s0 base: done already" in log and "retrieval_long s0 every4: done already" in log
     assert "training" not in log and {f.name: f.stat().st_mtime_ns for f in files} == stamps
@@ -50,7 +54,7 @@ def test_cpu_preset_end_to_end_then_resume_and_collect(tmp_path, capsys):
         assert r["seeds"] == [0] and r["acc_sd"] is None  # one seed: no spread to report
     doc = md.read_text()
     assert "old table" not in doc and doc.startswith("# title") and doc.rstrip().endswith("after")
-    assert "| every4 trained | 1 |" in doc
+    assert "| every4 trained | 1 |" in doc and "| every4 continued | 1 |" in doc
 
 
 def test_budget_stops_before_a_step_that_cannot_finish(tmp_path, capsys):
