@@ -269,18 +269,7 @@ def result(a, rows: list, device, dtype) -> dict:
         r["decode_speedup_vs_all_f"] = r["decode_tokens_per_s"] / f["decode_tokens_per_s"] if f else None
         r["vs_dense_sdpa"] = r["dense_sdpa_ms"] / r["prefill_ms"]
         r["vs_dense_model"] = r["dense_model_ms"] / r["prefill_ms"]
-    env = dict(
-        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        torch=torch.__version__,
-        model=a.model,
-        layers=a.layers,
-        extra=a.extra,
-        prefill_chunk=a.prefill_chunk,
-        decode_steps=a.decode_steps,
-        repeats=a.repeats,
-        batch=1,
-        dtype=str(dtype),
-    )
+    env = short_prefill.bench_env(a, device, dtype, a.layers, a.repeats, decode_steps=a.decode_steps, batch=1)
     return dict(env=env, rows=rows, paper=PAPER)
 
 

@@ -228,16 +228,29 @@ def crossover(rows: list, topk: int) -> dict:
     return out
 
 
-def result(a, rows, sweep, device, dtype, topk: int) -> dict:
-    env = dict(
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+def bench_env(a, device, dtype, layers: int, repeats: int, **more) -> dict:
+    """What a bench_indexcache JSON records about its run (both parts)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return dict(
+        device=name,
         torch=torch.__version__,
         model=a.model,
         extra=a.extra,
-        layers=a.short_layers,
+        layers=layers,
         prefill_chunk=a.prefill_chunk,
-        repeats=a.short_repeats,
+        repeats=repeats,
         dtype=str(dtype),
+        **more,
+    )
+
+
+def result(a, rows, sweep, device, dtype, topk: int) -> dict:
+    env = bench_env(
+        a,
+        device,
+        dtype,
+        a.short_layers,
+        a.short_repeats,
         topk=topk,
         masked_prefill_max_keys=dense_prefill.MASKED_PREFILL_MAX_KEYS,
         query_block=dense_prefill.QUERY_BLOCK,
