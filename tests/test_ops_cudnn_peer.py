@@ -2,9 +2,11 @@
 
 CPU: the environment variable, the capability rule with cuDNN-Frontend faked present or hidden (the import is
 replaced, the device capability too), that without it the backward and its results are dsaflow's with no warning,
-and that the autograd Function hands a call to the cuDNN adapter exactly when the rule says so.
+and that the autograd Function hands a call to the cuDNN adapter exactly when the rule says so (with `probs_into`,
+followed by the target pass of `triton_probs.py`).
 GPU (`gpu`, skipped unless cuDNN-Frontend imports and the GPU is one it runs on): dq and dkv through `sparse_mla`
-with requires_grad against the naive fp32 reference, outputs NaN-poisoned; CUDA-graph replay against eager.
+with requires_grad against the naive fp32 reference, outputs NaN-poisoned; with `probs_into`, the target against
+dsaflow's backward's; CUDA-graph replay against eager.
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ def test_rule_with_cudnn_present(monkeypatch):
     assert _explain(q, kv, idx, 512, deterministic=False).kernel == "cudnn"
     assert _explain(*_mla(H=16), 512, deterministic=False).kernel == "cudnn"  # sm_90 takes any H >= 2
     assert _explain(*_mla(d_qk=512), 512, deterministic=False).kernel == "cudnn"
+    assert _explain(q, kv, idx, 512, probs_into=True, deterministic=False).kernel == "cudnn"  # + the target pass
     refused = {
         "receives a gradient": _explain(q, kv, idx, 512, lse_grad=True, deterministic=False),
-        "probs_into": _explain(q, kv, idx, 512, probs_into=True, deterministic=False),
         "deterministic": _explain(q, kv, idx, 512, deterministic=True),
         "dtypes": _explain(*_mla(dtype=torch.float32), 512, deterministic=False),
         "d_qk=192": _explain(*_mla(d_qk=192), 128, deterministic=False),
@@ -103,6 +105,8 @@ def test_rule_with_cudnn_present(monkeypatch):
     }
     for reason, choice in refused.items():
         assert choice.kernel == "triton" and reason in choice.reasons(), (reason, str(choice))
+    choice = _explain(q, kv, idx, 512, lse_grad=True, probs_into=True, deterministic=False)
+    assert choice.kernel == "triton" and "receives a gradient" in choice.reasons()  # dsaflow's adds the target
 
 
 def test_rule_per_gpu_generation(monkeypatch):
@@ -138,8 +142,9 @@ def test_forced_cudnn_on_a_call_it_cannot_take_raises(monkeypatch):
     _present(monkeypatch)
     _setting(monkeypatch, "cudnn")
     q, kv, idx = _mla()
-    with pytest.raises(PlanError, match=rf"{ENV}=cudnn.*probs_into.*{ENV}=auto"):
-        bd.choose_backward(q, kv, idx, 512, bd.BackwardNeeds(probs_into=True))
+    with pytest.raises(PlanError, match=rf"{ENV}=cudnn.*receives a gradient.*{ENV}=auto"):
+        bd.choose_backward(q, kv, idx, 512, bd.BackwardNeeds(lse_grad=True, probs_into=True))
+    assert bd.choose_backward(q, kv, idx, 512, bd.BackwardNeeds(probs_into=True)).kernel == "cudnn"
 
 
 # ---- without the extra ----
@@ -213,6 +218,36 @@ def test_function_hands_cudnn_calls_to_the_adapter_and_logs_once(monkeypatch, ca
     assert len(lines) == 2 and lines[0].startswith("sparse_mla backward: cudnn") and "triton" in lines[1]
 
 
+def test_function_adds_the_target_after_cudnn(monkeypatch, caplog):
+    """Faked present on sm_90, a loss of out alone with probs_into: the adapter gives dq and dkv, then the probs pass
+    adds the target (fp16 through the interpreter) into the prefilled buffer, bit for bit what dsaflow's backward
+    adds; the log names the target pass."""
+    from dsaflow.ops.indexer_loss import attention_target_naive
+
+    _present(monkeypatch)
+    calls = []
+    monkeypatch.setattr(
+        cb, "sparse_mla_bwd_cudnn", lambda q, kv, *a: calls.append(1) or (torch.zeros_like(q), torch.zeros_like(kv))
+    )
+    q, kv, idx = _tiny(dtype=torch.float16, H=3, d_qk=576)
+    before = torch.rand(1, 3, 8, generator=torch.Generator().manual_seed(4))
+    caplog.set_level(logging.INFO, logger="dsaflow.ops.sparse_mla")
+    targets = []
+    for setting in ("auto", "dsaflow"):
+        _setting(monkeypatch, setting)
+        target = before.clone()
+        out, lse = sparse_mla_kernels(q, kv, idx, 0.2, 512, probs_into=(target, 0.5))
+        assert torch.equal(target, before)  # filled by the backward
+        torch.autograd.grad(out.float().sum(), (q, kv))
+        targets.append(target)
+    assert calls == [1]  # auto ran the adapter, dsaflow its own backward
+    assert torch.equal(targets[0], targets[1])
+    ref = attention_target_naive(q.detach().float(), kv.detach().float(), idx, lse.detach(), 0.2, before.clone(), 0.5)
+    assert ((targets[0] - ref).norm() / ref.norm()).item() < 1e-3
+    lines = [r.getMessage() for r in caplog.records if "sparse_mla backward" in r.getMessage()]
+    assert lines[0].startswith("sparse_mla backward: cudnn + target pass (triton_probs)"), lines
+
+
 # ---- GPU: the real cuDNN-Frontend ----
 
 
@@ -271,6 +306,49 @@ def test_gpu_cudnn_backward_through_sparse_mla(monkeypatch, B, T, H, S, K):
         sel = idx[b][(idx[b] >= 0) & (idx[b] < S)].long()
         unused[b, sel] = False
     assert (dkv[unused] == 0).all(), "rows no query selects have no gradient"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,S,K", [(1, 128, 128, 4096, 2048), (2, 33, 16, 300, 64)])
+def test_gpu_cudnn_with_probs_into_through_sparse_mla(monkeypatch, B, T, H, S, K):
+    """With probs_into, cuDNN-Frontend's backward gives dq and dkv and the probs pass adds the target: the target
+    matches the one dsaflow's backward adds on the same forward outputs (and the fp32 reference), dq and dkv match
+    dsaflow's; cuDNN's outputs and the probs pass's partial sums are NaN-poisoned."""
+    if (why := _cudnn_runs_here()) is not None:
+        pytest.skip(why)
+    from dsaflow.ops.indexer_loss import attention_target_naive
+    from dsaflow.ops.sparse_mla import triton_probs
+    from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
+
+    poison = lambda *a, **k: torch.empty(*a, **k).fill_(float("nan"))  # noqa: E731
+    monkeypatch.setattr(cb, "_empty", poison)
+    monkeypatch.setattr(triton_probs, "_empty", poison)
+    ran = []
+    real_bwd, real_probs = cb.sparse_mla_bwd_cudnn, bd.sparse_mla_probs_triton
+    monkeypatch.setattr(cb, "sparse_mla_bwd_cudnn", lambda *a, **k: ran.append("cudnn") or real_bwd(*a, **k))
+    monkeypatch.setattr(bd, "sparse_mla_probs_triton", lambda *a, **k: ran.append("probs") or real_probs(*a, **k))
+    q, kv, idx = _gpu_inputs(B, T, H, S, K, seed=B * 100 + H + 1)
+    q.requires_grad_(True)
+    kv.requires_grad_(True)
+    scale = 576**-0.5
+    assert bd.explain_sparse_mla_backward(q, kv, idx, 512, probs_into=True, deterministic=False).kernel == "cudnn"
+    before = torch.rand(B, T, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    target = before.clone()
+    out, lse = sparse_mla(q, kv, idx, scale, 512, probs_into=(target, 0.5))
+    assert torch.equal(target, before), "the target is filled by the backward"
+    g_out = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    dq, dkv = torch.autograd.grad((out.float() * g_out).sum(), (q, kv))
+    assert ran == ["cudnn", "probs"], ran
+    ours = before.clone()
+    q0, kv0, out0 = q.detach(), kv.detach(), out.detach()
+    dq_o, dkv_o = sparse_mla_bwd_triton(
+        q0, kv0, idx, out0, lse.detach(), g_out.to(out.dtype), None, scale, 512, probs_into=(ours, 0.5)
+    )
+    assert _rel(target - before, ours - before) < 1e-5
+    ref = attention_target_naive(q0.float(), kv0.float(), idx, lse.detach(), scale, before.clone(), 0.5)
+    assert _rel(target - before, ref - before) < 1e-3
+    assert torch.equal(target[0, 1], before[0, 1]), "a query with no key adds nothing"
+    assert _rel(dq, dq_o) < 1e-2 and _rel(dkv, dkv_o) < 1e-2
 
 
 @pytest.mark.gpu

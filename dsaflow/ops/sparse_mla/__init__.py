@@ -1,6 +1,7 @@
 """MQA-mode sparse MLA attention over selected latent rows.
 
-Layout: `naive.py` (fp32 reference), the kernels (`triton_prefill`, `triton_decode`, `triton_backward`, and the
+Layout: `naive.py` (fp32 reference), the kernels (`triton_prefill`, `triton_decode`, `triton_backward`,
+`triton_probs` (the indexer-loss target after cuDNN-Frontend's backward, `cudnn_backward`), and the
 Hopper Gluon kernels `hopper_seesaw` + `hopper_seesaw_gather`, `hopper_decode`, sharing `hopper_common`), the
 `autograd.Function` (`function.py`), the dispatch table (`dispatch.py`), and the public `sparse_mla` below.
 """
@@ -36,9 +37,10 @@ def sparse_mla(
 
     probs_into = (target fp32 [B, T, K], weight), for the indexer loss: adds weight * each query's attention
     probabilities summed over heads and L1-normalised over its K slots (`ops.indexer_loss.attention_target`) into
-    target. On CUDA with grad the backward adds them, from the probabilities it recomputes anyway (no second Q.K^T
-    pass): target is complete only once this call's backward has run. Otherwise (CPU, or no grad) they are added
-    here, by `attention_target`. Deterministic either way.
+    target. On CUDA with grad the backward adds them: dsaflow's from the probabilities it recomputes anyway, and
+    where cuDNN-Frontend's backward runs, a Q.K^T pass of dsaflow's after it (`triton_probs.py`); target is
+    complete only once this call's backward has run. Otherwise (CPU, or no grad) they are added here, by
+    `attention_target`. Deterministic either way.
     """
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
     if probs_into is not None and q.is_cuda and needs_grad:

@@ -4,19 +4,22 @@
 |----------|-----------------------------------------------------------------------------------------------------|
 | `cudnn`  | cuDNN-Frontend's CuTe DSL backward (`cudnn_backward.py`, the optional `peers` extra) is importable;   |
 |          | sm_90 (H >= 2) or sm_100/sm_103 (H 16/32/64/96/128); bf16/fp16; d_qk 512 or 576 with d_v 512; q and kv |
-|          | under 2^31 elements; lse gets no gradient; no indexer-loss target (`probs_into`); not deterministic  |
-|          | mode (on sm_100/sm_103 its deterministic kernels run it); and, unforced, no `OURS_FASTER` row        |
-| `triton` | always (dsaflow's portable backward, `triton_backward.py`)                                           |
+|          | under 2^31 elements; lse gets no gradient; not deterministic mode (on sm_100/sm_103 its deterministic  |
+|          | kernels run it); and, unforced, no `OURS_FASTER` row. With an indexer-loss target (`probs_into`) it    |
+|          | gives dq and dkv, and a separate Q.K^T pass (`triton_probs.py`) adds the target                      |
+| `triton` | always (dsaflow's portable backward, `triton_backward.py`; its pass 1 adds the target from its own P)  |
 
-Why `probs_into` goes to dsaflow's backward: the indexer-loss target is the heads' attention probabilities, which
-dsaflow's pass 1 recomputes anyway and sums in the same pass; cuDNN's backward does not return them, so with it the
-target would need a second Q.K^T pass over every selected row (a fifth of the backward's FLOPs) that nobody has
-measured against the gain. Why an lse gradient does too: cuDNN's backward takes none.
+The indexer-loss target is the heads' attention probabilities, summed per slot and normalised. dsaflow's pass 1
+recomputes P anyway and sums it in the same pass; cuDNN-Frontend's backward does not return P, so after it
+`triton_probs.py` recomputes S = Q.K^T and P from the saved lse (2 H K d_qk FLOPs per query, about a fifth of the
+backward's) and adds the target through the same adding kernel, deterministically. Why an lse gradient goes to
+dsaflow's backward: cuDNN's backward takes none.
 
 `DSAFLOW_SPARSE_MLA_BACKWARD` (read once per process): "auto" or unset is the table above, "dsaflow" runs dsaflow's
-backward always, "cudnn" runs cuDNN-Frontend's and raises (naming the variable, the reason and the fix) where it
-cannot. The backward each process runs is logged once per backward at INFO; `explain_sparse_mla_backward(...)` says
-which runs and why without running anything. Without the extra installed the table picks `triton`, silently.
+backward always, "cudnn" runs cuDNN-Frontend's (with the target pass where a target is asked for) and raises (naming
+the variable, the reason and the fix) where it cannot. The backward each process runs is logged once per backward
+(and once more for cuDNN-Frontend's with the target pass) at INFO; `explain_sparse_mla_backward(...)` says which
+runs and why without running anything. Without the extra installed the table picks `triton`, silently.
 Rules read shapes, dtypes, the device and process-wide switches only, so a captured graph replays its backward.
 """
 
@@ -35,6 +38,7 @@ from ..kernel_table import Choice, walk
 from . import cudnn_backward as cb
 from .determinism import is_deterministic
 from .triton_backward import sparse_mla_bwd_triton
+from .triton_probs import sparse_mla_probs_triton
 
 ENV_BACKWARD = "DSAFLOW_SPARSE_MLA_BACKWARD"
 SETTINGS = ("auto", "dsaflow", "cudnn")
@@ -104,8 +108,6 @@ def _cudnn_rule(q, kv, indices, d_v, needs: BackwardNeeds) -> str | None:
         return "q or kv of 2^31 elements or more (not validated with cuDNN-Frontend; run smaller query chunks)"
     if needs.lse_grad:
         return "lse receives a gradient (cuDNN-Frontend's backward takes none)"
-    if needs.probs_into:
-        return "the indexer-loss target (probs_into) is filled by dsaflow's backward, from probabilities it recomputes"
     if needs.deterministic and not (sm100 and H in cb.SM100_HEADS):
         return "deterministic mode (cuDNN-Frontend's backward adds dkv with atomics on sm_90)"
     if forced_backward()[0] == "auto" and ours_faster_at(cap, H, d_qk, indices.shape[-1], kv.shape[1]):
@@ -119,6 +121,8 @@ def _triton_rule(q, kv, indices, d_v, needs: BackwardNeeds) -> str | None:
 
 BACKWARDS = (("cudnn", _cudnn_rule), ("triton", _triton_rule))
 BACKWARD_NAMES = tuple(name for name, _ in BACKWARDS)
+# The backwards that return no attention probabilities: with `probs_into`, `triton_probs.py` adds the target after.
+TARGET_PASS_AFTER = frozenset({"cudnn"})
 
 
 def explain_sparse_mla_backward(
@@ -131,7 +135,8 @@ def explain_sparse_mla_backward(
     deterministic: bool | None = None,
 ) -> Choice:
     """Which backward a differentiable `sparse_mla(q, kv, indices, ..., d_v)` call runs, and why each earlier
-    candidate was refused; deterministic defaults to `is_deterministic()` now. Runs nothing, logs nothing.
+    candidate was refused; deterministic defaults to `is_deterministic()` now. Runs nothing, logs nothing. With
+    probs_into, `cudnn` means cuDNN-Frontend's dq and dkv, then the target from `triton_probs.py`'s Q.K^T pass.
 
         >>> print(explain_sparse_mla_backward(q, kv, idx, 512))
         runs triton (refused: cudnn: cuDNN-Frontend is not installed (...); pip install 'dsaflow[peers]' ...)"""
@@ -150,9 +155,15 @@ def check_forced_backward() -> None:
 _LOGGED: set[str] = set()
 
 
+def backward_label(kernel: str, needs: BackwardNeeds) -> str:
+    """What runs for the target too: "cudnn + target pass (triton_probs)" where one of `TARGET_PASS_AFTER` runs
+    with `probs_into`, else the backward's name."""
+    return f"{kernel} + target pass (triton_probs)" if needs.probs_into and kernel in TARGET_PASS_AFTER else kernel
+
+
 def choose_backward(q, kv, indices, d_v: int, needs: BackwardNeeds) -> Choice:
-    """The table's choice for a backward call, logged the first time each backward runs in this process. Raises
-    PlanError when none takes it (only possible when forced)."""
+    """The table's choice for a backward call, logged the first time each backward (`backward_label`) runs in this
+    process. Raises PlanError when none takes it (only possible when forced)."""
     setting, allowed = forced_backward()
     choice = walk(BACKWARDS, q, kv, indices, d_v, needs, allowed=allowed, excluded_by=f"{ENV_BACKWARD}={setting}")
     if choice.kernel is None:
@@ -161,31 +172,25 @@ def choose_backward(q, kv, indices, d_v: int, needs: BackwardNeeds) -> Choice:
             f"{tuple(kv.shape)}, d_v={d_v}, {needs}: {choice.reasons()}. Set {ENV_BACKWARD}=auto to let the "
             "dispatch rule pick per call."
         )
-    if choice.kernel not in _LOGGED:
-        _LOGGED.add(choice.kernel)
+    label = backward_label(choice.kernel, needs)
+    if label not in _LOGGED:
+        _LOGGED.add(label)
         version = cb.cudnn_version() if choice.kernel == "cudnn" else None
         version = f" {version}" if version else ""
-        log.info("sparse_mla backward: %s%s (%s=%s; %s)", choice.kernel, version, ENV_BACKWARD, setting, choice)
+        log.info("sparse_mla backward: %s%s (%s=%s; %s)", label, version, ENV_BACKWARD, setting, choice)
     return choice
 
 
 def sparse_mla_backward(q, kv, indices, out, lse, d_out, d_lse, sm_scale: float, d_v: int, n_keys, probs_into):
     """dq, dkv of one `SparseMLAFunction` call by the backward the table picks (`sparse_mla_bwd_triton`'s shapes;
-    d_lse None when lse receives no gradient)."""
+    d_lse None when lse receives no gradient); probs_into = (target, weight) gets the indexer-loss target added."""
     needs = BackwardNeeds(d_lse is not None, probs_into is not None, is_deterministic())
-    if choose_backward(q, kv, indices, d_v, needs).kernel == "cudnn":
-        return cb.sparse_mla_bwd_cudnn(q, kv, indices, out, lse, d_out, sm_scale, d_v, n_keys, needs.deterministic)
-    return sparse_mla_bwd_triton(
-        q,
-        kv,
-        indices,
-        out,
-        lse,
-        d_out,
-        d_lse,
-        sm_scale,
-        d_v,
-        deterministic=needs.deterministic,
-        n_keys=n_keys,
-        probs_into=probs_into,
-    )
+    kernel = choose_backward(q, kv, indices, d_v, needs).kernel
+    if kernel == "cudnn":
+        dq, dkv = cb.sparse_mla_bwd_cudnn(q, kv, indices, out, lse, d_out, sm_scale, d_v, n_keys, needs.deterministic)
+    else:  # dsaflow's backward adds the target from the P of its pass 1
+        args = q, kv, indices, out, lse, d_out, d_lse, sm_scale, d_v
+        dq, dkv = sparse_mla_bwd_triton(*args, deterministic=needs.deterministic, n_keys=n_keys, probs_into=probs_into)
+    if probs_into is not None and kernel in TARGET_PASS_AFTER:
+        sparse_mla_probs_triton(q, kv, indices, lse, sm_scale, d_v, probs_into, n_keys=n_keys)
+    return dq, dkv

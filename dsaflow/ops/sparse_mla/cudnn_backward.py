@@ -71,8 +71,9 @@ def sparse_mla_bwd_cudnn(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32 (-1 or >= S: no key), out/d_out [B, T, H, d_v],
     lse [B, T, H] fp32 (natural log), n_keys [B, T] int32 (1 + each query's last valid slot, or None) -> dq
-    [B, T, H, D_qk] q.dtype, dkv [B, S, D_qk] kv.dtype. No lse gradient and no indexer-loss target: the dispatch
-    rule sends those calls to dsaflow's backward. Shapes the rule accepts only (cuDNN asserts on the others)."""
+    [B, T, H, D_qk] q.dtype, dkv [B, S, D_qk] kv.dtype. No lse gradient (the dispatch rule sends those calls to
+    dsaflow's backward) and no indexer-loss target (the dispatcher adds it after, with `triton_probs.py`). Shapes the
+    rule accepts only (cuDNN asserts on the others)."""
     from cudnn.deepseek_sparse_attention import sparse_attention_backward_wrapper
 
     B, T, H, D = q.shape
