@@ -27,8 +27,9 @@ Two timings for the sparse loss:
   `loss()` returns the differentiable stage loss at once. Evaluation, and any caller that wants the value right
   after the forward, use it.
 - backward (`IndexerLossInBackward`, what training runs): every layer hands `sparse_mla` its F layer's target
-  buffer, and on CUDA the attention's backward fills it from the probabilities it recomputes anyway. Each F layer's
-  q then passes through `_KLAfterAttention`, an identity whose backward runs after the attention backward of its
+  buffer, and on CUDA the attention's backward fills it (dsaflow's from the probabilities it recomputes anyway,
+  cuDNN-Frontend's with a Q.K^T pass after it: docs/kernels.md). Each F layer's q then passes through
+  `_KLAfterAttention`, an identity whose backward runs after the attention backward of its
   whole group (the S layers come later in the forward, so their backward runs first; the F layer's own attention
   backward produces q's gradient), computes that layer's KL from the complete target, and returns its gradient
   (times the weight) to the indexer outputs within the same backward. The values are logged once every F layer of

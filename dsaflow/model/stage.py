@@ -101,7 +101,7 @@ class StageModule(nn.Module):
         Returns hidden [B, T, dim], or fp32 logits [B, T, vocab] on the last stage. Sets `self.indexer_loss`
         (scalar, graph only through indexer weights) when training with the indexer loss on, else None.
         indexer_loss_in_backward (training, sparse attention, grad enabled; implies compute_indexer_loss): the loss
-        runs inside this forward's backward instead (dsaflow.model.indexer_loss): no second Q.K^T pass for its
+        runs inside this forward's backward instead (dsaflow.model.indexer_loss): the attention's backward fills its
         target, `self.indexer_loss` stays None, and the values go to `indexer_loss_in_backward.values`.
         With a cache: CUDA-graph safe (no host sync, static shapes given x.shape); run it under torch.no_grad().
         indices_in int32 [B, T, topk] (no gradient): the top-k indices of `self.incoming_source`, an F layer of an
