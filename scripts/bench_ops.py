@@ -6,7 +6,11 @@ kernel and its torch.topk (64 heads x 128); the same shapes through torch refere
 no-sparsity baseline. A small config sweep runs first at 32K and the best config is used for the table.
 With cuDNN-Frontend installed (`pip install 'dsaflow[peers]'`), section `peers` times its sparse-attention backward
 beside dsaflow's on the same inputs (the backward shapes above, and batch 2 at the first context), checks that dq
-and dkv agree, and reports the time ratio and which backward the dispatcher picks (`backward_dispatch.py`).
+and dkv agree, and reports the time ratio and which backward the dispatcher picks (`backward_dispatch.py`); then
+the same with the indexer-loss target (`probs_into`): dsaflow's backward (its pass 1 sums P) beside cuDNN-Frontend's
+followed by dsaflow's target pass (`triton_probs.py`), the target pass alone, and the indexer-loss op's
+`attention_target` kernel on the same target for reference. Without --no-sweep the target pass's tiles are swept at
+the first context first.
 Writes <out>/bench_ops.json and <out>/bench_ops.md.
 
     PYTHONPATH=. python scripts/bench_ops.py --out bench_out [--contexts 8192,32768,131072] [--no-sweep]
@@ -35,12 +39,22 @@ from dsaflow.ops.indexer_topk.triton_indexer import (
 from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
 from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
 from dsaflow.ops.sparse_mla.triton_prefill import sparse_mla_fwd_triton
+from dsaflow.ops.sparse_mla.triton_probs import sparse_mla_probs_triton
 
 H, D_QK, D_V, TOPK = 128, 576, 512, 2048
 H_I, D_I = 64, 128
 ROWS: list[dict] = []
 PEERS: list[dict] = []  # side-by-side backward rows: one per shape, both libraries
+PROBS_SWEEP = [  # target-pass tiles tried (overrides of `triton_probs.probs_config`; {} = pass 1's tiles)
+    {},
+    dict(num_stages=2),
+    dict(BLOCK_K=32, num_warps=4, num_stages=2),
+    dict(BLOCK_K=32, num_warps=8, num_stages=2),
+    dict(BLOCK_H=128, BLOCK_K=32, num_warps=8, num_stages=1),
+    dict(BLOCK_H=128, BLOCK_K=32, num_warps=8, num_stages=2),
+]
 CEIL = {}
+PROBS_CFG: dict | None = None  # the target pass's tiles once swept (None: not yet)
 
 
 def bench(fn, rep_ms=200, warmup_ms=50) -> float:
@@ -236,10 +250,64 @@ def bench_backward_peers(contexts, do_sweep):
             dispatcher_why=str(choice),
             env=os.environ.get(ENV_BACKWARD, "auto"),
         )
+        row.update(backward_with_target(q, kv, idx, n_keys, out, lse, do, ctx, shape, flops, peer, do_sweep))
         PEERS.append(row)
         print("peers", json.dumps(row), flush=True)
         assert max(err_dq, err_dkv) < 1e-2, f"dsaflow and {peer} disagree at {ctx} x {batch}: {row}"
+        assert row["rel_err_target"] < 1e-3, f"the target pass and dsaflow's backward disagree: {row}"
         del q, kv, idx, n_keys, out, lse, do
+
+
+def backward_with_target(q, kv, idx, n_keys, out, lse, do, ctx, shape, bwd_flops, peer, do_sweep):
+    """The backward with the indexer-loss target (`probs_into`, weight 0.5 into one fp32 [B, T, K] buffer): dsaflow's
+    (pass 1 sums P) and cuDNN-Frontend's + dsaflow's target pass, the pass alone, and `attention_target`'s kernel
+    (one program per query, all heads) on the same target. The pass's tiles: swept at the first context unless
+    --no-sweep, else its defaults. Returns the fields for the side-by-side row."""
+    from dsaflow.ops.indexer_loss.triton_target import attention_target_triton
+    from dsaflow.ops.sparse_mla import cudnn_backward as cb
+    from dsaflow.ops.sparse_mla.backward_dispatch import explain_sparse_mla_backward
+
+    scale, w = D_QK**-0.5, 0.5
+    target = torch.zeros(idx.shape, device=idx.device, dtype=torch.float32)
+    probs_flops = 2 * H * TOPK * D_QK * shape["queries"] * shape["batch"]
+    global PROBS_CFG
+    if do_sweep and PROBS_CFG is None:
+        make = lambda cfg: lambda: sparse_mla_probs_triton(q, kv, idx, lse, scale, D_V, (target, w), n_keys, cfg)
+        PROBS_CFG = sweep("sparse_mla target pass", make, PROBS_SWEEP) or {}
+    cfg = PROBS_CFG or {}
+    probs = lambda t: sparse_mla_probs_triton(q, kv, idx, lse, scale, D_V, (t, w), n_keys=n_keys, overrides=cfg)
+    ours = lambda t: sparse_mla_bwd_triton(q, kv, idx, out, lse, do, None, scale, D_V, n_keys=n_keys, probs_into=(t, w))
+    theirs = lambda t: (cb.sparse_mla_bwd_cudnn(q, kv, idx, out, lse, do, scale, D_V, n_keys), probs(t))
+    t_ours, t_pass, t_ref = (torch.zeros_like(target) for _ in range(3))
+    ours(t_ours)
+    probs(t_pass)
+    attention_target_triton(q, kv, idx, lse, scale, t_ref, w)
+    err_target, err_kernel = rel_err(t_pass, t_ours), rel_err(t_ref, t_ours)
+    del t_ours, t_pass, t_ref
+    ms_o, ms_p = bench(lambda: ours(target), rep_ms=300), bench(lambda: theirs(target), rep_ms=300)
+    ms_pass = bench(lambda: probs(target), rep_ms=300)
+    ms_kernel = bench(lambda: attention_target_triton(q, kv, idx, lse, scale, target, w), rep_ms=300)
+    choice = explain_sparse_mla_backward(q, kv, idx, D_V, probs_into=True, deterministic=False)
+    kind = "sparse_mla_bwd + indexer-loss target side by side"
+    a = record(kind, "dsaflow triton (pass 1 sums P)", ctx, ms_o, flops=bwd_flops, **shape)
+    b = record(kind, f"{peer} + dsaflow target pass", ctx, ms_p, flops=bwd_flops + probs_flops, **shape)
+    c = record("sparse_mla target pass (triton_probs)", "triton", ctx, ms_pass, flops=probs_flops, config=cfg, **shape)
+    d = record("indexer-loss attention_target", "triton_target", ctx, ms_kernel, flops=probs_flops, **shape)
+    return dict(
+        dsaflow_target_ms=a["time_ms"],
+        dsaflow_target_tflops=a["tflops"],
+        peer_target_ms=b["time_ms"],
+        peer_target_tflops=b["tflops"],
+        dsaflow_over_peer_target_time=round(ms_o / ms_p, 3),
+        target_pass_ms=c["time_ms"],
+        target_pass_tflops=c["tflops"],
+        target_pass_config=cfg,
+        attention_target_kernel_ms=d["time_ms"],
+        rel_err_target=float(f"{err_target:.2e}"),
+        rel_err_attention_target_kernel=float(f"{err_kernel:.2e}"),
+        dispatcher_picks_with_target=choice.kernel,
+        dispatcher_why_with_target=str(choice),
+    )
 
 
 def bench_decode(contexts, do_sweep):
@@ -380,7 +448,7 @@ def bench_dense(contexts):
 def kernel_stats():
     """Registers, spills and shared memory of every compiled variant of the benchmarked kernels."""
     from dsaflow.ops.indexer_topk import triton_indexer
-    from dsaflow.ops.sparse_mla import triton_backward, triton_decode, triton_prefill
+    from dsaflow.ops.sparse_mla import triton_backward, triton_decode, triton_prefill, triton_probs
 
     stats = []
     for fn in (
@@ -389,6 +457,8 @@ def kernel_stats():
         triton_backward._sparse_mla_bwd_dq_gemm_kernel,
         triton_backward._sparse_mla_bwd_dkv_gemm_kernel,
         triton_backward._sparse_mla_bwd_dkv_reduce_kernel,
+        triton_backward._probs_into_kernel,
+        triton_probs._sparse_mla_probs_kernel,
         triton_decode._combine_kernel,
         triton_indexer._indexer_logits_kernel,
     ):
@@ -448,7 +518,25 @@ def write_markdown(path, meta):
             f"{r['rel_err_dkv']:.1e} | {r['dispatcher_picks']} |"
             for r in PEERS
         ]
-    lines += ["", "Sweeps (ms at 32K):", ""]
+        lines += [
+            "",
+            "With the indexer-loss target (`probs_into`): dsaflow's backward sums P in its pass 1; cuDNN-Frontend's "
+            "is followed by dsaflow's target pass (`triton_probs.py`, 2*H*K*d_qk FLOPs per query, tiles "
+            f"{PEERS[0]['target_pass_config'] or 'default'}). TFLOP/s of executed FLOPs (cuDNN + pass: both); "
+            "rel err target: the pass vs dsaflow's backward; `attention_target`: the indexer-loss op's kernel:",
+            "",
+            "| context | batch | dsaflow ms | TFLOP/s | cuDNN + pass ms | TFLOP/s | dsaflow / (cuDNN + pass) | "
+            "pass ms | pass TFLOP/s | attention_target ms | rel err target | dispatcher picks |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['context']} | {r['batch']} | {r['dsaflow_target_ms']:.3f} | {r['dsaflow_target_tflops']} | "
+            f"{r['peer_target_ms']:.3f} | {r['peer_target_tflops']} | {r['dsaflow_over_peer_target_time']:.2f}x | "
+            f"{r['target_pass_ms']:.3f} | {r['target_pass_tflops']} | {r['attention_target_kernel_ms']:.3f} | "
+            f"{r['rel_err_target']:.1e} | {r['dispatcher_picks_with_target']} |"
+            for r in PEERS
+        ]
+    lines += ["", "Sweeps (ms at 32K; the target pass's at the first context):", ""]
     lines += [f"- {r['kernel']} {r['config']}: {r['time_ms']}" for r in ROWS if r["impl"] == "sweep"]
     open(path, "w").write("\n".join(lines) + "\n")
 

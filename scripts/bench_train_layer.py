@@ -39,7 +39,7 @@ import torch
 KINDS = ("matmul", "indexer", "attn_fwd", "attn_bwd", "indexer_loss", "other")
 # Kernel-name fragments (lower case) -> kind, first match wins. Triton kernels carry their Python names.
 PATTERNS = (
-    ("indexer_loss", ("indexer_kl", "attention_target", "attn_target", "_kl_", "probs_into")),
+    ("indexer_loss", ("indexer_kl", "attention_target", "attn_target", "_kl_", "probs_into", "sparse_mla_probs")),
     ("attn_bwd", ("sparse_mla_bwd",)),
     ("attn_fwd", ("sparse_mla_fwd", "sparse_mla_hopper", "hopper_fwd", "seesaw_fwd")),
     ("indexer", ("indexer_logits", "topk", "radix", "select", "sort")),

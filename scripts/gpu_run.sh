@@ -22,7 +22,7 @@ kernels)
   step op_tests 260 python3 -m pytest -q -m gpu tests/test_ops_triton.py tests/test_ops_large.py \
     tests/test_ops_hopper.py tests/test_indexer_topk_kernels.py tests/test_indexer_fp8.py tests/test_ops_indexer_loss.py \
     tests/test_ops_dense_indexer_kl.py tests/test_ops_key_extent.py tests/test_ops_rope_rmsnorm.py \
-    tests/test_ops_head_proj.py tests/test_ops_probs_into.py
+    tests/test_ops_head_proj.py tests/test_ops_probs_into.py tests/test_ops_sparse_mla_probs.py
   summary
   step bench_ops 150 python3 scripts/bench_ops.py --out "$OUT" --only mla,decode --no-sweep
   step bench_topk 150 python3 scripts/bench_indexer_topk.py --out "$OUT"
