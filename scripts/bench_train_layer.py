@@ -40,7 +40,9 @@ KINDS = ("matmul", "indexer", "attn_fwd", "attn_bwd", "indexer_loss", "other")
 # Kernel-name fragments (lower case) -> kind, first match wins. Triton kernels carry their Python names.
 PATTERNS = (
     ("indexer_loss", ("indexer_kl", "attention_target", "attn_target", "_kl_", "probs_into", "sparse_mla_probs")),
-    ("attn_bwd", ("sparse_mla_bwd",)),
+    # cuDNN-Frontend's CuTe DSL kernels carry their class names (FlashAttentionDSABackwardSm90 and its pre- and
+    # postprocess), next to "cutlass", which would otherwise count them as matmuls
+    ("attn_bwd", ("sparse_mla_bwd", "attentiondsabackward")),
     ("attn_fwd", ("sparse_mla_fwd", "sparse_mla_hopper", "hopper_fwd", "seesaw_fwd")),
     ("indexer", ("indexer_logits", "topk", "radix", "select", "sort")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma")),

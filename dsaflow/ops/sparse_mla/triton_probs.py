@@ -71,8 +71,8 @@ def _sparse_mla_probs_kernel(
 
 
 def probs_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict | None = None) -> dict:
-    """Tiles of the probs pass: pass 1's (`bwd_config`: BLOCK_H 64, BLOCK_K 64 and 8 warps at DeepSeek shapes in
-    bf16; what fits there fits here, with no dO tile beside it), add_BLOCK_K of the adding kernel, and max_bytes,
+    """Tiles of the probs pass: pass 1's (`bwd_config`; what fits there fits here, with no dO tile beside it), but
+    128-head blocks of 32 keys on Hopper in bf16/fp16 at d_v >= 256 (DeepSeek shapes, swept), add_BLOCK_K of the adding kernel, and max_bytes,
     the budget of the partial sums ps that sets the query chunk (4 * n_hb * (K + 1) bytes per query: 16 KiB at
     h128 and top-k 2048, so 16K queries per chunk)."""
     b = bwd_config(q, d_v, d_tail, K)
@@ -80,6 +80,11 @@ def probs_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict
         BLOCK_H=b["ds_BLOCK_H"], BLOCK_K=b["ds_BLOCK_K"], BLOCK_DV=b["BLOCK_DV"], BLOCK_DT=b["BLOCK_DT"],
         num_warps=b["ds_num_warps"], num_stages=b["ds_num_stages"], add_BLOCK_K=b["probs_BLOCK_K"], max_bytes=2**28,
     )
+    if q.is_cuda and q.element_size() == 2 and b["BLOCK_DV"] >= 256 and torch.cuda.get_device_capability(q.device)[0] >= 9:
+        # Swept on an H200 (`bench_ops.py --only peers`, h128, top-k 2048, 8K context): one 128-head block gathers
+        # each key tile once for all heads, 2.68 ms against 4.77 ms with pass 1's tiles. Its [128, 576] q tile and
+        # two [32, 576] key stages take ~220 KiB of shared memory: Hopper's 227 KiB, not Ampere's 164.
+        cfg.update(BLOCK_H=min(128, max(16, triton.next_power_of_2(q.shape[2]))), BLOCK_K=32, num_warps=8, num_stages=2)
     cfg.update(overrides or {})
     return cfg
 
