@@ -15,7 +15,8 @@ Each step writes one small JSON per row (<out>/results/<task>-s<seed>-<row>.json
 a step whose JSONs all exist is skipped, so running the same command again resumes. `--budget-s` stops before a
 step that would not finish in the time left (estimated from the slowest measured run of that step, kept in
 <out>/timings.json, else the preset's guess) and kills a step still running at the limit (it reruns next time); exit status 75 says work is left.
-`--parallel N` runs N steps at once, one GPU each (CUDA_VISIBLE_DEVICES).
+`--parallel N` runs N steps at once, one GPU each (CUDA_VISIBLE_DEVICES). `--short-steps N` trains every model
+that starts from scratch N steps at --short-seq-len tokens (dense) first, then at the task length from its weights.
 
 Presets (`--preset`, default: gpu with --device cuda, cpu with --device cpu) fix the recipe; flags override it.
 Text: the Python standard library's *.py files of this interpreter (site-packages excluded), whole files held out.
@@ -69,6 +70,8 @@ PRESETS = {
         "train_eval_batches": 8,
         "calib_batches": 8,
         "eval_batches": 32,
+        "short_steps": 0,  # > 0: a short-context stage first (`--short-steps`)
+        "short_seq_len": 256,
         "guess_s": {"base": 420, "every4": 330},  # until a measured time of the step exists (timings.json)
     },
     "cpu": {
@@ -83,6 +86,8 @@ PRESETS = {
         "train_eval_batches": 1,
         "calib_batches": 1,
         "eval_batches": 2,
+        "short_steps": 0,
+        "short_seq_len": 48,
         "guess_s": {"base": 60, "every4": 30},
     },
 }
@@ -107,7 +112,18 @@ def task_overrides(task: str, r: dict, text_path: str | None) -> list:
 
 def recipe(a) -> dict:
     r = dict(PRESETS[a.preset or ("gpu" if a.device == "cuda" else "cpu")])
-    for k in ("steps", "seq_len", "topk", "batch_size", "lr", "warmup", "eval_batches", "calib_batches"):
+    for k in (
+        "steps",
+        "seq_len",
+        "topk",
+        "batch_size",
+        "lr",
+        "warmup",
+        "eval_batches",
+        "calib_batches",
+        "short_steps",
+        "short_seq_len",
+    ):
         if getattr(a, k, None) is not None:
             r[k] = getattr(a, k)
     return r
@@ -247,8 +263,13 @@ def train(a, r, out, task, seed, index, budget, env, tag, name=None, steps=None,
     if rd.exists():
         shutil.rmtree(rd)  # an interrupted run: its checkpoints (if any) did not survive the call, start again
     steps = steps or (a.every4_steps if (index == "every4" and a.every4_steps) else r["steps"])
-    say(f"{tag}: training index={index}, {steps} steps -> {rd}")
     t = time.monotonic()
+    if r.get("short_steps") and not more:  # a model trained from scratch: the short-context stage first
+        short = short_stage(a, r, out, task, seed, index, budget, env, tag, name)
+        if short is None:
+            return None, None
+        more = (f"train.init_from={short}",)
+    say(f"{tag}: training index={index}, {steps} steps -> {rd}")
     rc = call(
         dsaflow_cmd("train", *train_overrides(a, r, task, seed, index, rd, steps), *more),
         rd.parent / f"{rd.name}.log",
@@ -263,6 +284,31 @@ def train(a, r, out, task, seed, index, budget, env, tag, name=None, steps=None,
         )
         return None, None
     return rd, time.monotonic() - t
+
+
+def short_stage(a, r, out, task, seed, index, budget, env, tag, name):
+    """The short-context stage of a from-scratch training (`--short-steps`): `short_steps` steps at
+    `short_seq_len` tokens with dense attention (top-k = that length), whose weights the task-length run starts
+    from (train.init_from). -> its run dir, None when stopped or failed. Kept until the whole step is done."""
+    rd = out / "runs" / f"{task}-s{seed}-{name or index}-short"
+    if finished(rd):
+        return rd
+    if rd.exists():
+        shutil.rmtree(rd)
+    rs = dict(r, seq_len=r["short_seq_len"], topk=r["short_seq_len"])
+    say(f"{tag}: short stage index={index}, {r['short_steps']} steps at {r['short_seq_len']} tokens -> {rd}")
+    overrides = train_overrides(a, rs, task, seed, index, rd, r["short_steps"])
+    rc = call(dsaflow_cmd("train", *overrides), rd.parent / f"{rd.name}.log", budget, env, tag)
+    if rc != 0:
+        say(f"{tag}: short stage {'stopped at the time budget' if rc is None else f'failed (exit {rc})'}")
+        return None
+    return rd
+
+
+def drop_checkpoints(rd: Path) -> None:
+    """A finished step's checkpoints, and its short stage's run dir."""
+    shutil.rmtree(rd / "checkpoints", ignore_errors=True)
+    shutil.rmtree(rd.parent / f"{rd.name}-short", ignore_errors=True)
 
 
 def step_base(a, r, out, task, seed, budget, env) -> bool:
@@ -297,7 +343,7 @@ def step_base(a, r, out, task, seed, budget, env) -> bool:
             return False
     for row in table["rows"]:
         _row(out, task, seed, row["pattern"], row["roles"], row["loss"], row["acc"], extra)
-    shutil.rmtree(rd / "checkpoints", ignore_errors=True)
+    drop_checkpoints(rd)
     return True
 
 
@@ -312,7 +358,7 @@ def continued(a, r, out, task, seed, base_rd, budget, env, tag) -> bool:
     extra = {"train": {**final_eval(rd), "wall_s": train_s}, "eval_batches": r["eval_batches"], "recipe": r}
     extra["overrides"] = [*train_overrides(a, r, task, seed, "every4", rd, a.continued_steps), *more]
     _row(out, task, seed, ROW_CONTINUED, e["roles"], e["loss"], e["acc"], extra)
-    shutil.rmtree(rd / "checkpoints", ignore_errors=True)
+    drop_checkpoints(rd)
     return True
 
 
@@ -339,7 +385,7 @@ def step_every4(a, r, out, task, seed, budget, env) -> bool:
     extra = {"train": {**final_eval(rd), "wall_s": train_s}, "eval_batches": r["eval_batches"], "recipe": r}
     extra["overrides"] = train_overrides(a, r, task, seed, "every4", rd, a.every4_steps or r["steps"])
     _row(out, task, seed, ROW_EVERY4, e["roles"], e["loss"], e["acc"], extra)
-    shutil.rmtree(rd / "checkpoints", ignore_errors=True)
+    drop_checkpoints(rd)
     return True
 
 
@@ -415,21 +461,18 @@ def cmd_run(a) -> int:
 
 
 def cmd_probe(a) -> int:
-    """Train all-F with the run recipe and print eval accuracy (or bits per byte) over time."""
+    """Train all-F with the run recipe (its short stage first with --short-steps) and print eval accuracy (or bits
+    per byte) over time."""
     r = recipe(a)
     out = Path(a.out or REPO / "runs" / f"quality-probe-{a.device}").resolve()
-    rd = out / f"{a.task}-s{a.seeds[0]}-all_full-{time.strftime('%H%M%S')}"
-    say(f"probe: {a.task}, recipe {json.dumps(r)} -> {rd}")
-    rc = call(
-        dsaflow_cmd("train", *train_overrides(a, r, a.task, a.seeds[0], "all_full", rd, r["steps"])),
-        out / f"{rd.name}.log",
-        Budget(a.budget_s),
-        {},
-        "probe",
-    )
-    shutil.rmtree(rd / "checkpoints", ignore_errors=True)
-    say(f"probe: exit {rc}; {final_eval(rd)}")
-    return 0 if rc == 0 else 1
+    name = f"all_full-{time.strftime('%H%M%S')}"
+    say(f"probe: {a.task}, recipe {json.dumps(r)}")
+    rd, _ = train(a, r, out, a.task, a.seeds[0], "all_full", Budget(a.budget_s), {}, "probe", name=name)
+    done = rd is not None
+    rd = out / "runs" / f"{a.task}-s{a.seeds[0]}-{name}"
+    drop_checkpoints(rd)
+    say(f"probe: {'done' if done else 'stopped or failed'}; {final_eval(rd)}")
+    return 0 if done else 1
 
 
 def cmd_eval_run(a) -> int:
@@ -484,7 +527,15 @@ def main(argv=None) -> int:
             default=0,
             help="also train the all-F model on with index=every4 for this many steps (row 'every4 continued')",
         )
+        p.add_argument(
+            "--short-steps",
+            type=int,
+            default=None,
+            help="train each model from scratch first for N steps at --short-seq-len tokens, dense (top-k = that "
+            "length), then at the task length from those weights (train.init_from)",
+        )
         for k, t in (
+            ("short-seq-len", int),
             ("seq-len", int),
             ("topk", int),
             ("batch-size", int),

@@ -197,3 +197,39 @@ def test_text_options_are_refused_where_they_do_nothing(tmp_path):
         _source(split="files", suffixes=[".py"])
     with pytest.raises(CorpusError, match="data.distinct_queries=true does nothing with data.kind=text"):
         _source(kind="text", path=one, distinct_queries=True)
+
+
+def _elimination_accuracy(spec: RetrievalSpec, rows: int) -> float:
+    """Expected accuracy of a model that never matches keys: each answer guessed uniformly among the context's
+    values that no earlier query has taken (with distinct queries, the last answer is the one value left)."""
+    tokens, _ = retrieval_batch(spec, 0, 0, 0, rows)
+    hits = []
+    for row in tokens:
+        text = bytes(row).decode()
+        body, tail = text[: -spec.num_queries * spec.query_len], text[-spec.num_queries * spec.query_len :]
+        k, v = spec.key_len, spec.value_len
+        values = [
+            body[i + 1 + k : i + 1 + k + v]
+            for i in range(len(body) - spec.pair_len + 1)
+            if body[i] == " " and body[i + 1 : i + 1 + k].isupper() and body[i + spec.pair_len - 1] == ";"
+        ]
+        assert len(values) == spec.num_pairs, text
+        for q in tail.split("?")[1:]:
+            answer = q[k:]
+            hits.append(values.count(answer) / len(values))
+            values.remove(answer)
+    return float(np.mean(hits))
+
+
+def test_retrieval_long_cannot_be_answered_by_elimination():
+    """`data=retrieval_long` must need key matching: asking every pair once lets a model that only knows which
+    values remain score about 0.57 with 4 pairs and 4 queries; with 8 pairs it scores about 0.24 (one-digit values
+    repeat among the pairs), far below the 0.9 a model that retrieves reaches."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load("configs/data/retrieval_long.yaml")
+    spec = RetrievalSpec(1024, cfg.num_pairs, cfg.key_len, cfg.value_len, cfg.num_queries, cfg.distinct_queries)
+    spec.check()
+    assert _elimination_accuracy(spec, 256) < 0.3
+    leaky = RetrievalSpec(1024, 4, 1, 1, 4, distinct_queries=True)
+    assert _elimination_accuracy(leaky, 256) > 0.45  # the check itself sees the shortcut where there is one

@@ -129,7 +129,7 @@ def test_gpu_recipes_compose_plan_and_make_batches(task, tmp_path):
     if task == "text":
         assert data.corpus.ranges[1][1] - data.corpus.ranges[1][0] > 100_000  # held-out stdlib files
     else:
-        assert int((y[:, 1] != -100).sum()) == 2 * 4 * 2  # 4 queries x 2 answer digits per sequence
+        assert int((y[:, 1] != -100).sum()) == 2 * 4  # 4 queries x 1 answer digit per sequence
 
 
 @pytest.mark.gpu
@@ -142,3 +142,22 @@ def test_cpu_sized_preset_end_to_end_on_cuda(tmp_path):
     assert sorted(r["pattern"] for r in rows) == sorted(qt.ORDER)
     assert all(math.isfinite(r["loss"]) and 0.0 <= r["acc"] <= 1.0 for r in rows)
     assert list(out.glob("runs/*/wandb/offline-run-*")), "the trainings logged to wandb offline"
+
+
+def test_probe_short_stage_first_then_task_length_from_its_weights(tmp_path, capsys):
+    """--short-steps: a dense short-context run first, then the task-length run starts from its weights
+    (train.init_from), and the short run dir is gone once the probe is done."""
+    from omegaconf import OmegaConf
+
+    out = tmp_path / "p"
+    args = ["probe", "--device", "cpu", "--out", str(out), "--steps", "2", "--short-steps", "2"]
+    assert qt.main(args) == 0
+    log = capsys.readouterr().out
+    assert "short stage index=all_full, 2 steps at 48 tokens" in log and "done; {'step': 2" in log
+    (main_dir,) = [d for d in (out / "runs").iterdir() if d.is_dir()]
+    cfg = OmegaConf.load(main_dir / "config.yaml")
+    assert cfg.train.init_from == f"{main_dir}-short" and cfg.train.seq_len == 64 and cfg.model.index_topk == 8
+    assert (
+        not (out / "runs" / f"{main_dir.name}-short").exists()
+        and (out / "runs" / f"{main_dir.name}-short.log").is_file()
+    )

@@ -9,8 +9,9 @@ Keys are uppercase letters, values digits, filler lowercase letters and spaces (
 to predict the answer is to find the queried key earlier in the context and copy the digits that follow it: the
 associative-recall (induction) skill a sparse attention's indexer must keep reachable. With `distinct_queries`
 every query asks a different pair, so no answer can be copied from an earlier query near the end: each needs its
-pair, wherever the filler put it. The format is deliberately
-terse (no `k:`/`=v:` markers): the value directly follows its key, the classic one-hop induction pattern that a
+pair, wherever the filler put it. Ask at most half the pairs, though: when every pair is asked, the last answers
+follow by elimination (the values no earlier query took), a shortcut that needs no key matching. The format is
+deliberately terse (no `k:`/`=v:` markers): the value directly follows its key, the classic one-hop induction pattern that a
 small model picks up in minutes, where every extra marker byte adds a hop. Samples are a pure function of
 (seed, split, step, row), which makes batches reproducible across ranks, restarts and pipeline layouts.
 """
