@@ -75,17 +75,14 @@ class DenseLayer(nn.Module):
 # ---- the DSA layers ----
 @torch.no_grad()
 def stage_prefill_seconds(stage, cache, L: int, chunk: int, path: str, timed, device, repeats: int) -> float:
-    """Prefill L tokens through `stage` with its serving cache in `chunk`-token chunks, on `path`: "sparse" (no hint)
-    or "short" (dense where every key fits top-k, else masked, whatever the crossover)."""
+    """Prefill L tokens through `stage` with its serving cache in `chunk`-token chunks, on `path`: "sparse" (no hint),
+    "short" (dense where every key fits top-k, else masked, whatever the crossover) or "auto" (what the serving
+    engine runs eagerly: `plan_prefill` with the current rule, the split first chunk included)."""
     m = stage.cfg
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randint(0, m.vocab_size, (1, L), device=device, generator=g)
     chunks = []
-    for c0 in range(0, L, chunk):
-        pos = list(range(c0, min(L, c0 + chunk)))
-        hint = None
-        if path == "short":
-            hint = plan_prefill([pos], m.index_topk, cache.max_context + 1, UNBOUNDED, min_tokens=2)
+    for c0, pos, hint in chunk_hints(m, cache, L, chunk, path):
         chunks.append((x[:, c0 : c0 + len(pos)], torch.tensor([pos], device=device), hint))
 
     def prefill():
@@ -93,6 +90,20 @@ def stage_prefill_seconds(stage, cache, L: int, chunk: int, path: str, timed, de
             stage(xc, pc, cache, prefill=hint)
 
     return timed(prefill, device, repeats)
+
+
+def chunk_hints(m, cache, L: int, chunk: int, path: str) -> list:
+    """[(first position, positions, hint)] of each chunk of an L-token prefill on `path` (stage_prefill_seconds)."""
+    out = []
+    for c0 in range(0, L, chunk):
+        pos = list(range(c0, min(L, c0 + chunk)))
+        hint = None
+        if path == "short":
+            hint = plan_prefill([pos], m.index_topk, cache.max_context + 1, UNBOUNDED, min_tokens=2)
+        elif path == "auto":
+            hint = plan_prefill([pos], m.index_topk, cache.max_context + 1)
+        out.append((c0, pos, hint))
+    return out
 
 
 @torch.no_grad()
@@ -126,8 +137,9 @@ def run(a, make_cfg, build_stage, op_seconds, timed) -> dict:
             cache = stage_cache(m, plan, 0, 1, L + 127, chunk, device, dtype)
             times = {
                 p: stage_prefill_seconds(stage, cache, L, chunk, p, timed, device, a.short_repeats)
-                for p in ("sparse", "short")
+                for p in ("sparse", "short", "auto")
             }
+            auto_paths = sorted({h.path if h else "sparse" for *_, h in chunk_hints(m, cache, L, chunk, "auto")})
             del cache
             if L not in base:
                 dense = DenseLayer(m).to(device=device, dtype=dtype)
@@ -154,7 +166,7 @@ def run(a, make_cfg, build_stage, op_seconds, timed) -> dict:
                 context=L,
                 chunk=chunk,
                 short_path=short_path,
-                auto_path=dense_prefill.prefill_path(chunk, L, m.index_topk),  # the last chunk's, current rule
+                auto_path="+".join(auto_paths),  # what the engine's rule runs over the chunks
                 sparse_ms_per_layer=times["sparse"] / a.short_layers * 1e3,
                 short_ms_per_layer=new * 1e3,
                 dense_layer_ms=b["dense_s"] * 1e3,
@@ -163,6 +175,9 @@ def run(a, make_cfg, build_stage, op_seconds, timed) -> dict:
                 bar_ms=bar * 1e3,
                 short_within_bar=new <= bar,
                 short_speedup_vs_sparse=times["sparse"] / times["short"],
+                auto_ms_per_layer=times["auto"] / a.short_layers * 1e3,
+                auto_within_bar=times["auto"] / a.short_layers <= bar,
+                auto_speedup_vs_sparse=times["sparse"] / times["auto"],
                 dense_over_sparse=b["dense_s"] / (times["sparse"] / a.short_layers),
                 dense_over_short=b["dense_s"] / new,
             )
@@ -277,18 +292,21 @@ def markdown(res: dict) -> str:
         f"(ms per layer); the dense layer is plain torch (MLA non-absorbed heads, causal SDPA, SwiGLU), one forward. "
         f"short = the dense path (L <= top-k) or the masked one; bar = dense + F share x (indexer, or the key "
         f"projection on the dense path). "
-        f"auto: what the rule picks with MASKED_PREFILL_MAX_KEYS = {e['masked_prefill_max_keys']}.",
+        f"auto: what the serving engine's rule runs eagerly (MASKED_PREFILL_MAX_KEYS = "
+        f"{e['masked_prefill_max_keys']}; split = dense first top-k columns, sparse rest).",
         "",
-        "| layout | context | short path | auto | sparse ms | short ms | dense ms | indexer ms | key proj ms | bar ms "
-        "| short <= bar | short / sparse speedup | dense / sparse | dense / short |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| layout | context | short path | auto path | sparse ms | short ms | auto ms | dense ms | indexer ms "
+        "| key proj ms | bar ms | short <= bar | auto <= bar | auto / sparse speedup | dense / sparse | dense / short |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|",
     ]
+    yes = lambda ok: "yes" if ok else "NO"  # noqa: E731
     for r in res["rows"]:
         lines.append(
             f"| {r['layout']} | {r['context']} | {r['short_path']} | {r['auto_path']} | {r['sparse_ms_per_layer']:.3f} "
-            f"| {r['short_ms_per_layer']:.3f} | {r['dense_layer_ms']:.3f} | {r['indexer_ms']:.3f} "
-            f"| {r['key_proj_ms']:.3f} | {r['bar_ms']:.3f} | {'yes' if r['short_within_bar'] else 'NO'} "
-            f"| {r['short_speedup_vs_sparse']:.2f}x | {r['dense_over_sparse']:.2f}x | {r['dense_over_short']:.2f}x |"
+            f"| {r['short_ms_per_layer']:.3f} | {r['auto_ms_per_layer']:.3f} | {r['dense_layer_ms']:.3f} "
+            f"| {r['indexer_ms']:.3f} | {r['key_proj_ms']:.3f} | {r['bar_ms']:.3f} | {yes(r['short_within_bar'])} "
+            f"| {yes(r['auto_within_bar'])} | {r['auto_speedup_vs_sparse']:.2f}x | {r['dense_over_sparse']:.2f}x "
+            f"| {r['dense_over_short']:.2f}x |"
         )
     per = ", ".join(f"{k} {v}" for k, v in c.items() if k != "suggested")
     lines += [

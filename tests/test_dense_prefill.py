@@ -55,6 +55,21 @@ def test_plan_prefill_bounds_every_query_block_and_detects_aligned_passes():
     assert plan_prefill(pos, topk=16, cache_rows=41) is None  # 6 columns < MIN_PREFILL_TOKENS
 
 
+def test_plan_prefill_splits_the_first_chunk_of_a_long_prompt():
+    """An aligned pass longer than top-k: columns [0, topk) dense (causal), the rest sparse; never for a later chunk,
+    a graph pass (split=False), a top-k below min_tokens, or where the masked path takes the pass."""
+    first = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, -1, -1], [-1] * 6]
+    h = plan_prefill(first, topk=4, cache_rows=41, min_tokens=2)
+    assert h == PrefillHint("split", 4, (4,), causal=True, dense_cols=4)
+    assert h.prefix() == PrefillHint("dense", 4, (4,), causal=True)
+    assert plan_prefill(first, topk=4, cache_rows=41, min_tokens=2, split=False) is None
+    assert plan_prefill([[4, 5, 6, 7, 8, 9]], topk=4, cache_rows=41, min_tokens=2) is None  # a later chunk
+    assert plan_prefill(first, topk=4, cache_rows=41, min_tokens=5) is None  # 4 dense columns: not worth it
+    assert plan_prefill(first, topk=4, cache_rows=41, max_keys=8, min_tokens=2).path == "masked"
+    with pytest.raises(ValueError, match="not a hint"):
+        PrefillHint("split", 4, (4,), causal=False, dense_cols=4)
+
+
 def test_graph_classes_are_the_prefix_a_pass_on_the_path_can_replay():
     assert graph_classes("sparse", [1, 8, 32, 64], 16, 40, 1) == [1, 8, 32, 64]
     assert graph_classes("dense", [1, 8, 32, 64], 16, 40, 1) == [8, 32]  # 32 takes 9..32 tokens (extent 9..16)
@@ -200,13 +215,13 @@ def _rel_err(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("topk,max_keys,paths", [(24, 0, {"dense"}), (6, 40, {"dense", "masked"})])
+@pytest.mark.parametrize("topk,max_keys,paths", [(24, 0, {"dense"}), (6, 40, {"dense", "masked"}), (3, 0, {"split"})])
 @torch.no_grad()
 def test_stage_prefill_paths_equal_the_sparse_path_then_decode(topk, max_keys, paths):
     """Prompts of 21 and 13 tokens in chunks of 5 (padding columns and a padding row), two stages FSSS|FSS (S
     layers, cross-stage indices), NaN-poisoned caches: logits of every prefill chunk and of the decode steps after
     it (which read the indexer keys the dense path wrote) equal the sparse path's. topk 6: the first chunk runs
-    dense, the later ones masked."""
+    dense, the later ones masked; topk 3: the first chunk splits (3 dense columns, 2 sparse), the rest sparse."""
     model, plan = planned_sharp(
         "FSSS|FSS", "model.num_layers=7", f"model.index_topk={topk}", "pipeline.cross_stage_indices=true"
     )
@@ -249,6 +264,27 @@ def test_engine_tokens_equal_with_short_prefill_on_and_off(monkeypatch):
     n = len(seen)
     out_off, _ = run_engine(cfg_off, plan_off, prompts)
     assert len(seen) == n  # off: the engine plans nothing
+    assert out_on == out_off and all(len(o) == 5 for o in out_on)
+
+
+def test_engine_splits_first_chunks_eagerly_and_tokens_stay_equal(monkeypatch):
+    """top-k 4 and 6-token chunks: the first chunk of every prompt longer than 4 tokens splits (4 dense columns,
+    the rest sparse); greedy tokens equal the run with serve.short_prefill=false."""
+    from test_generate import run as run_engine
+    from test_generate import setup
+
+    import dsaflow.serve.engine as engine_mod
+
+    seen = []
+    real_plan = engine_mod.plan_prefill
+    monkeypatch.setattr(engine_mod, "plan_prefill", lambda *a, **k: seen.append(real_plan(*a, **k)) or seen[-1])
+    monkeypatch.setattr(dp, "MASKED_PREFILL_MAX_KEYS", 0)
+    monkeypatch.setattr(dp, "MIN_PREFILL_TOKENS", 2)
+    prompts = ["hello", "hi there, friend, how are you", "abc" * 9, "x"]
+    base = ["model.index_topk=4", "serve.max_batch=2", "serve.prefill_chunk=6", "model.init_std=0.3"]
+    out_on, _ = run_engine(*setup(base), prompts)
+    assert "split" in {h.path for h in seen if h}
+    out_off, _ = run_engine(*setup([*base, "serve.short_prefill=false"]), prompts)
     assert out_on == out_off and all(len(o) == 5 for o in out_on)
 
 
@@ -309,13 +345,14 @@ def _widen(row, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("topk,max_keys", [(256, 0), (64, 4096)])
+@pytest.mark.parametrize("topk,max_keys", [(256, 0), (64, 4096), (64, 0)])
 @torch.no_grad()
 def test_gpu_stage_prefill_paths_match_the_sparse_path_bf16(topk, max_keys):
     """V3.2 head dims, 16 heads, FSSS, bf16 on the GPU, NaN-poisoned caches: prompts of 200 and 130 tokens in chunks of
     96. Both bf16 paths are measured against the fp32 sparse path on the CPU: the new paths must be as accurate as
     the sparse one, pass by pass (random weights make bf16 logits drift 13-30 % in relative norm from fp32 through
-    four layers on either path, so the two bf16 paths are not compared with each other)."""
+    four layers on either path, so the two bf16 paths are not compared with each other). (64, 0): the first chunk
+    splits, 64 dense columns and 32 sparse."""
     over = ["model.n_heads=16", "model.kv_lora_rank=512", "model.qk_nope_head_dim=128", "model.qk_rope_head_dim=64"]
     model, plan = planned_sharp("FSSS", "model.num_layers=4", f"model.index_topk={topk}", "model.dim=256", *over)
     g = torch.Generator().manual_seed(0)

@@ -92,6 +92,9 @@ def test_bench_indexcache_short_rows_cpu_tiny(tmp_path):
         assert abs(r["bar_ms"] - (r["dense_layer_ms"] + extra * r["f_layers"] / r["layers"])) < 1e-9
         assert r["short_within_bar"] == (r["short_ms_per_layer"] <= r["bar_ms"])
         assert abs(r["short_speedup_vs_sparse"] - r["sparse_ms_per_layer"] / r["short_ms_per_layer"]) < 1e-6
+        # the engine's own rule: top-k 16 < MIN_PREFILL_TOKENS, so no chunk is worth a dense or split pass
+        assert r["auto_path"] == "sparse" and r["auto_ms_per_layer"] > 0
+        assert r["auto_within_bar"] == (r["auto_ms_per_layer"] <= r["bar_ms"])
     cross = res["crossover"]
     for index in ("all_full", "every4"):
         wins = [r["short_speedup_vs_sparse"] > 1 for r in rows if r["index"] == index and r["context"] > 16]

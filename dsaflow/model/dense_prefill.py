@@ -13,6 +13,11 @@ largest position + 1:
           them) but compute no scores and no top-k; S layers read no indices;
   masked  topk < key_extent <= max_keys: F layers run the top-k as usual (S layers read it), and attention runs over
           keys [0, key_extent) with the selected keys as a boolean mask: the same key set as the sparse path.
+`plan_prefill` refines sparse for the first chunk of a long prompt (every row at positions 0, 1, .. or padding, T >
+topk): its columns [0, topk) see at most topk keys, all of which the top-k would select, so they attend densely
+(causal, over the non-absorbed heads) and only columns [topk, T) run sparse: the `split` hint. The indexer still
+scores every column (S layers and the next stage read one index tensor per pass). Eager passes only: a captured
+graph cannot depend on where the prompt starts.
 max_keys defaults to MASKED_PREFILL_MAX_KEYS (docs/serving.md says how it was measured; `scripts/bench_indexcache.py
 --part short` measures it); 0 turns the masked path off. min_tokens defaults to MIN_PREFILL_TOKENS: the non-absorbed
 heads need every visible key up-projected (W_UK c, W_UV c: C (N + V) multiply-adds per key and head), which a chunk
@@ -72,19 +77,29 @@ def prefill_path(
 
 @dataclass(frozen=True)
 class PrefillHint:
-    """How a prefill pass attends, decided on the host. path: "dense" | "masked". Query columns [j * block,
+    """How a prefill pass attends, decided on the host. path: "dense" | "masked" | "split". Query columns [j * block,
     (j + 1) * block) attend over cache rows [0, ends[j]), which must cover every key they can see (position + 1).
     causal: every column t of every row holds position t or padding (< 0): dense attention is then one causal SDPA
-    over rows [0, T) (ends unused)."""
+    over rows [0, T) (ends unused). split: columns [0, dense_cols) attend as the causal dense hint `prefix()` says,
+    columns [dense_cols, T) sparsely over the top-k."""
 
     path: str
     block: int
     ends: tuple
     causal: bool = False
+    dense_cols: int = 0
 
     def __post_init__(self):
-        if self.path not in ("dense", "masked") or self.block < 1 or not self.ends:
-            raise ValueError(f"PrefillHint(path={self.path!r}, block={self.block}, ends={self.ends}) is not a hint.")
+        split_ok = self.path != "split" or (self.causal and self.dense_cols >= 1)
+        if self.path not in ("dense", "masked", "split") or self.block < 1 or not self.ends or not split_ok:
+            raise ValueError(
+                f"PrefillHint(path={self.path!r}, block={self.block}, ends={self.ends}, causal={self.causal}, "
+                f"dense_cols={self.dense_cols}) is not a hint."
+            )
+
+    def prefix(self) -> PrefillHint:
+        """split: the causal dense hint of columns [0, dense_cols)."""
+        return PrefillHint("dense", self.dense_cols, (self.dense_cols,), causal=True)
 
 
 def _round_keys(end: int, rows: int) -> int:
@@ -107,13 +122,17 @@ def plan_prefill(
     max_keys: int = MASKED_PREFILL_MAX_KEYS,
     min_tokens: int = MIN_PREFILL_TOKENS,
     block: int = QUERY_BLOCK,
+    split: bool = True,
 ) -> Optional[PrefillHint]:
     """Host lists positions [rows][T] of one pass (< 0 = padding) -> its hint, or None for the sparse path.
-    cache_rows: rows of the serving cache (max_context + 1)."""
+    cache_rows: rows of the serving cache (max_context + 1). split=False: never the split hint (graph passes)."""
     T = len(positions[0]) if positions else 0
     extent = max((max(r) for r in positions), default=-1) + 1
     path = prefill_path(T, extent, topk, max_keys, min_tokens)
     if path == "sparse":
+        worth = topk >= max(2, min_tokens)  # the dense columns amortise their key up-projection, as a dense pass
+        if split and worth and T > topk and T < cache_rows and all(_aligned(r) for r in positions):
+            return PrefillHint("split", topk, (topk,), causal=True, dense_cols=topk)
         return None
     ends = tuple(
         _round_keys(max(max(r[t0 : t0 + block]) for r in positions) + 1, cache_rows) for t0 in range(0, T, block)

@@ -109,6 +109,11 @@ class MLA(nn.Module):
             indices = ctx.index_slot.write(self.layer_index, selected)
         else:
             indices = ctx.index_slot.read(self.layer_index, self.source)
+        if hint is not None and hint.path == "split":  # the first topk columns see only keys the top-k keeps
+            D, pos = hint.dense_cols, ctx.positions
+            head = prefill_attention(self, q[:, :D], kv, pos[:, :D], cos[:, :D], sin[:, :D], hint.prefix())
+            tail = self._attend(q[:, D:], kv, indices[:, D:], cos[:, D:], sin[:, D:])
+            return self.wo(torch.cat([head, tail], dim=1))
         if hint is not None:  # masked: the same keys as the sparse path, over the non-absorbed heads
             return self.wo(prefill_attention(self, q, kv, ctx.positions, cos, sin, hint, indices))
         return self.wo(self._attend(q, kv, indices, cos, sin))

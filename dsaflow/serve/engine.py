@@ -363,7 +363,7 @@ class PipelineEngine:
         work = _Work(p, rows, cols, keys, graph)
         if not p.decode_only and "dense" in self.prefill_paths:
             topk, cache_rows = self.model_cfg.index_topk, self.serve.max_context + 1
-            work.hint = plan_prefill(p.positions, topk, cache_rows, **self.prefill_rule)
+            work.hint = plan_prefill(p.positions, topk, cache_rows, split=not graph, **self.prefill_rule)
         extra = (((rows, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
         return Item(p.group, (rows, p.T, self.model_cfg.dim), self.dtype, work, (2, rows), p.decode_only, extra)
 
