@@ -94,7 +94,7 @@ def parse_args(argv=None):
     ap.add_argument("--part", default="long", choices=("long", "short", "all"), help="long: the table above")
     ap.add_argument("--short", default="2048,4096,8192,16384,32768", help="contexts of the short-context rows")
     ap.add_argument("--short-layers", type=int, default=4, help="layers of the short rows' stage (FFFF / FSSS)")
-    ap.add_argument("--short-repeats", type=int, default=5)
+    ap.add_argument("--short-repeats", type=int, default=10)
     ap.add_argument("--short-chunks", default="128,256,512,1024", help="chunk sizes of the all-F chunk sweep")
     ap.add_argument("--short-chunk-contexts", default="2048,8192", help="contexts of the chunk sweep ('' = none)")
     a = ap.parse_args(argv)
@@ -165,9 +165,9 @@ def build_stage(cfg, plan, device, dtype):
 
 
 @torch.no_grad()
-def indexer_op_seconds(m, ctx: int, chunk: int, device, dtype) -> float:
+def indexer_op_seconds(m, ctx: int, chunk: int, device, dtype, repeats: int = 1) -> float:
     """The indexer op alone over one layer's prefill, in the model's indexer precision (`model.index_fp8`): every
-    chunk's queries against the serving cache's keys."""
+    chunk's queries against the serving cache's keys (median of `repeats` per chunk)."""
     S = ctx + 128
     g = torch.Generator(device=device).manual_seed(0)
     k = torch.randn(1, S, m.index_head_dim, device=device, generator=g).to(dtype)
@@ -177,7 +177,7 @@ def indexer_op_seconds(m, ctx: int, chunk: int, device, dtype) -> float:
         q = torch.randn(1, t, m.index_n_heads, m.index_head_dim, device=device, generator=g).to(dtype)
         w = torch.randn(1, t, m.index_n_heads, device=device, generator=g).to(dtype)
         pos = torch.arange(c0, c0 + t, device=device).unsqueeze(0)
-        total += timed(lambda: indexer_topk(q, k, w, pos, m.index_topk, fp8=m.index_fp8), device)
+        total += timed(lambda: indexer_topk(q, k, w, pos, m.index_topk, fp8=m.index_fp8), device, repeats)
     return total
 
 

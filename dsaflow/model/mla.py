@@ -105,7 +105,7 @@ class MLA(nn.Module):
         if ctx.attn == "dense":
             indices = causal_indices(ctx.positions, num_keys)
         elif self.role == "F":
-            selected = indexer_topk(q_i, k_i, w_i, ctx.positions, self.topk, fp8=self.index_fp8)
+            selected = self._select(q_i, k_i, w_i, ctx.positions, hint.dense_cols if hint is not None else 0)
             indices = ctx.index_slot.write(self.layer_index, selected)
         else:
             indices = ctx.index_slot.read(self.layer_index, self.source)
@@ -113,10 +113,21 @@ class MLA(nn.Module):
             D, pos = hint.dense_cols, ctx.positions
             head = prefill_attention(self, q[:, :D], kv, pos[:, :D], cos[:, :D], sin[:, :D], hint.prefix())
             tail = self._attend(q[:, D:], kv, indices[:, D:], cos[:, D:], sin[:, D:])
-            return self.wo(torch.cat([head, tail], dim=1))
+            return torch.cat([self.wo(head), self.wo(tail)], dim=1)  # [B, T, dim]: half the bytes of [B, T, H V]
         if hint is not None:  # masked: the same keys as the sparse path, over the non-absorbed heads
             return self.wo(prefill_attention(self, q, kv, ctx.positions, cos, sin, hint, indices))
         return self.wo(self._attend(q, kv, indices, cos, sin))
+
+    def _select(self, q_i, k_i, w_i, positions, dense_cols: int) -> torch.Tensor:
+        """The top-k [B, T, K] of a serving pass; with dense_cols (a split pass) only columns [dense_cols, T) are
+        scored, and the first columns, which attend densely and whose indices nobody reads, hold -1."""
+        if not dense_cols:
+            return indexer_topk(q_i, k_i, w_i, positions, self.topk, fp8=self.index_fp8)
+        D = dense_cols
+        tail = indexer_topk(
+            q_i[:, D:].contiguous(), k_i, w_i[:, D:].contiguous(), positions[:, D:], self.topk, fp8=self.index_fp8
+        )
+        return torch.cat([tail.new_full((tail.shape[0], D, tail.shape[2]), -1), tail], dim=1)
 
     # ---- training / full-sequence forward, sparse attention ----
     def _forward_sparse(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
