@@ -45,13 +45,12 @@ H, D_QK, D_V, TOPK = 128, 576, 512, 2048
 H_I, D_I = 64, 128
 ROWS: list[dict] = []
 PEERS: list[dict] = []  # side-by-side backward rows: one per shape, both libraries
-PROBS_SWEEP = [  # target-pass tiles tried (overrides of `triton_probs.probs_config`; {} = pass 1's tiles)
+PROBS_SWEEP = [  # target-pass tiles tried (overrides of `triton_probs.probs_config`; {} = its default)
     {},
-    dict(num_stages=2),
-    dict(BLOCK_K=32, num_warps=4, num_stages=2),
-    dict(BLOCK_K=32, num_warps=8, num_stages=2),
-    dict(BLOCK_H=128, BLOCK_K=32, num_warps=8, num_stages=1),
-    dict(BLOCK_H=128, BLOCK_K=32, num_warps=8, num_stages=2),
+    dict(BLOCK_H=64, BLOCK_K=64, num_warps=4, num_stages=2),
+    dict(BLOCK_H=64, BLOCK_K=128, num_warps=8, num_stages=1),
+    dict(BLOCK_H=128, BLOCK_K=32, num_warps=4, num_stages=2),
+    dict(BLOCK_H=128, BLOCK_K=64, num_warps=8, num_stages=1),
 ]
 CEIL = {}
 PROBS_CFG: dict | None = None  # the target pass's tiles once swept (None: not yet)

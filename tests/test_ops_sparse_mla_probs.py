@@ -64,12 +64,12 @@ def test_probs_pass_adds_the_attention_target(case, poisoned):
     torch.testing.assert_close((target - before)[0, 3, 9:], torch.zeros(K - 9))  # past its key extent: nothing
     torch.testing.assert_close((target - before).sum(-1)[0, 2], torch.tensor(0.25))  # normalised, times weight
     assert torch.equal(base[:, :2], torch.rand(B, T_buf, K, generator=torch.Generator().manual_seed(3))[:, :2])
-    # dsaflow's backward with the same tiles adds the same target, bit for bit (the same arithmetic as pass 1)
+    # dsaflow's backward adds the same target to rounding (the pass sums each slot's heads in another order)
     by_backward = before.clone()
     d_out = torch.randn(out.shape, generator=g).to(dtype)
     args = q, kv, idx, out.to(dtype), lse, d_out, None, 0.2, d_v
     sparse_mla_bwd_triton(*args, overrides=bwd_over, probs_into=(by_backward, 0.25))
-    assert torch.equal(target, by_backward)
+    torch.testing.assert_close(target, by_backward, rtol=1e-5, atol=1e-6)
 
 
 def test_probs_pass_with_given_key_extent_and_no_work(poisoned):
