@@ -15,8 +15,8 @@ largest position + 1:
           keys [0, key_extent) with the selected keys as a boolean mask: the same key set as the sparse path.
 `plan_prefill` refines sparse for the first chunk of a long prompt (every row at positions 0, 1, .. or padding, T >
 topk): its columns [0, topk) see at most topk keys, all of which the top-k would select, so they attend densely
-(causal, over the non-absorbed heads) and only columns [topk, T) run sparse: the `split` hint. The indexer still
-scores every column (S layers and the next stage read one index tensor per pass). Eager passes only: a captured
+(causal, over the non-absorbed heads) and only columns [topk, T) run sparse: the `split` hint. F layers score and
+select only those columns; the first columns' indices are -1 and nobody reads them. Eager passes only: a captured
 graph cannot depend on where the prompt starts.
 max_keys defaults to MASKED_PREFILL_MAX_KEYS (docs/serving.md says how it was measured; `scripts/bench_indexcache.py
 --part short` measures it); 0 turns the masked path off. min_tokens defaults to MIN_PREFILL_TOKENS: the non-absorbed
