@@ -137,6 +137,7 @@ def test_cpu_sized_preset_end_to_end_on_cuda(tmp_path):
     """The GPU path of the script (bf16 training, search and eval on cuda, wandb offline) at the CPU preset's size."""
     out = tmp_path / "q"
     args = ["run", "--device", "cuda", "--preset", "cpu", "--seeds", "0", "--out", str(out), "--track", "offline"]
+    args += ["--continued-steps", "2"]  # every row of the table, the continued one included
     assert qt.main(args) == 0
     rows = [json.loads(f.read_text()) for f in sorted((out / "results").glob("*.json"))]
     assert sorted(r["pattern"] for r in rows) == sorted(qt.ORDER)
