@@ -8,6 +8,7 @@ import torch
 
 from dsaflow.config.schema import DataConfig
 from dsaflow.data import IGNORE, BatchSource, ByteTokenizer, CorpusError, RetrievalSpec, retrieval_batch
+from dsaflow.data.retrieval import COPY
 from dsaflow.train.pipeline import LMLoss
 
 
@@ -150,6 +151,57 @@ def test_distinct_queries_ask_every_pair_once():
         RetrievalSpec(64, 2, 1, 2, 3, distinct_queries=True).check()
 
 
+def _is_filler(a: np.ndarray) -> np.ndarray:
+    return ((a >= ord("a")) & (a <= ord("z"))) | (a == ord(" "))
+
+
+def test_copy_len_repeats_a_filler_run_and_trains_on_it():
+    plain_spec = RetrievalSpec(128, 8, 1, 1, 4, distinct_queries=True)
+    spec = RetrievalSpec(128, 8, 1, 1, 4, distinct_queries=True, copy_len=16)
+    spec.check()
+    plain, plain_qid = retrieval_batch(plain_spec, 0, 0, 3, 32)
+    tokens, qid = retrieval_batch(spec, 0, 0, 3, 32)
+    # the same pairs, queries and answers: the run only overwrites filler with filler
+    assert ((qid >= 0) == (plain_qid >= 0)).all() and (qid[qid >= 0] == plain_qid[plain_qid >= 0]).all()
+    changed = tokens != plain
+    assert changed.any(1).all() and _is_filler(plain[changed]).all() and _is_filler(tokens[changed]).all()
+    trained = (qid == COPY).sum(1)
+    assert trained.max() <= 15 and trained.mean() > 10  # up to copy_len - 1; fewer where a pair splits a run
+    for row, q in zip(tokens, qid):
+        # each stretch of trained bytes, with the byte before it, occurs earlier: predictable by induction alone
+        at = np.flatnonzero(q == COPY)
+        for run in np.split(at, np.flatnonzero(np.diff(at) != 1) + 1):
+            s, e = int(run[0]), int(run[-1])
+            assert bytes(row[s - 1 : e + 1]) in bytes(row[: s - 1]), (bytes(row), s, e)
+    assert not (plain_qid == COPY).any()
+
+
+def test_copy_len_bytes_are_trained_not_scored():
+    x, y = _source(num_pairs=2, num_queries=1, copy_len=12).batch(3)
+    lm, ans, qid = y[:, 0], y[:, 1], y[:, 2]
+    copy = qid == COPY
+    assert copy.any(1).all()
+    assert ((lm != IGNORE) == ((qid >= 0) | copy)).all(), "loss_on=answer trains on the answers and the repeat"
+    assert ((ans != IGNORE) == (qid >= 0)).all(), "the repeat is no answer"
+    logits = torch.zeros(4, 64, 256)
+    logits.scatter_(2, ans.clamp_min(0).unsqueeze(-1), 1.0)  # right on every answer, wrong on every repeated byte
+    loss_fn = LMLoss(num_queries=1)
+    loss_fn(logits, y)
+    assert loss_fn.accuracy() == 1.0 and int(loss_fn.total) == 4
+    _, y_all = _source(num_pairs=2, num_queries=1, copy_len=12, loss_on="all").batch(3)
+    assert (y_all[:, 0, :-1] == x[:, 1:]).all()
+
+
+def test_copy_len_errors_name_the_field():
+    with pytest.raises(ValueError, match="data.copy_len=1: a repeated run needs >= 2 bytes"):
+        RetrievalSpec(64, 2, 1, 1, 1, copy_len=1).check()
+    with pytest.raises(ValueError, match=r"train.seq_len=64 cannot hold 4 pairs and 2 queries and a 24-byte run"):
+        RetrievalSpec(64, 4, 1, 1, 2, copy_len=24).check()
+    RetrievalSpec(64, 4, 1, 1, 2, copy_len=20).check()  # 16 + 6 + 40 = 62 bytes fit
+    with pytest.raises(CorpusError, match="data.copy_len=8 does nothing with data.kind=text"):
+        _source(kind="text", path=__file__, copy_len=8)
+
+
 def _files(root, names):
     """One file per name, filled with its own letter, so a window tells which files it read."""
     for name, letter in names.items():
@@ -231,5 +283,7 @@ def test_retrieval_long_cannot_be_answered_by_elimination():
     spec = RetrievalSpec(1024, cfg.num_pairs, cfg.key_len, cfg.value_len, cfg.num_queries, cfg.distinct_queries)
     spec.check()
     assert _elimination_accuracy(spec, 256) < 0.3
+    with_copy = RetrievalSpec(1024, cfg.num_pairs, cfg.key_len, cfg.value_len, cfg.num_queries, True, copy_len=32)
+    assert _elimination_accuracy(with_copy, 256) < 0.3  # the repeated filler run tells nothing about the pairs
     leaky = RetrievalSpec(1024, 4, 1, 1, 4, distinct_queries=True)
     assert _elimination_accuracy(leaky, 256) > 0.45  # the check itself sees the shortcut where there is one

@@ -211,6 +211,9 @@ class DataConfig:
     num_pairs: int = num(1, 1, 1 << 20)  # retrieval: key-value pairs hidden in the filler (1 = needle in a haystack)
     num_queries: int = num(1, 1, 1 << 20)  # retrieval: queries at the end (keys drawn with replacement)
     distinct_queries: bool = False  # retrieval: each query asks a different pair (needs num_queries <= num_pairs)
+    # retrieval: > 0 repeats a filler run of this many bytes later in the filler and trains on its repeat (a dense
+    # signal for the induction circuit that answering needs; accuracy counts the queries only)
+    copy_len: int = num(0, 0, 1 << 20)
     key_len: int = num(1, 1, 64)
     value_len: int = num(1, 1, 4096)
     loss_on: LossOn = LossOn.answer  # retrieval: LM loss on the answer bytes only (answer) or on every byte (all)

@@ -4,7 +4,8 @@ A batch is `(inputs, targets)`:
     inputs  int64 [B, T]     token ids
     targets int64 [B, 3, T]  row 0: next-token targets for the LM loss (-100 = ignored)
                              row 1: answer targets for retrieval accuracy (-100 = not an answer position)
-                             row 2: which query each answer position belongs to (-1 = none)
+                             row 2: which query each answer position belongs to (-1 = none, -2 = a trained
+                                    byte of the retrieval filler's repeated run, `data.copy_len`)
 Both are split along dim 0 into microbatches by the pipeline schedule. Because batch `step` never depends on what
 came before, resuming at step k continues exactly, on any pipeline layout.
 """
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from .corpus import CorpusError, TokenCorpus, load_split_tokens
-from .retrieval import RetrievalSpec, retrieval_batch
+from .retrieval import COPY, RetrievalSpec, retrieval_batch
 
 IGNORE = -100
 TRAIN, VAL = 0, 1
@@ -39,6 +40,7 @@ class BatchSource:
                 data_cfg.value_len,
                 data_cfg.num_queries,
                 data_cfg.distinct_queries,
+                data_cfg.copy_len,
             )
             self.spec.check()
             self.corpus = None
@@ -77,7 +79,10 @@ class BatchSource:
             )
         inputs, nxt, qid = raw[:, :-1].contiguous(), raw[:, 1:], qid[:, 1:]
         answers = torch.where(qid >= 0, nxt, torch.full_like(nxt, IGNORE))
-        lm = answers.clone() if (self.has_answers and self.cfg.loss_on == "answer") else nxt.clone()
+        if self.has_answers and self.cfg.loss_on == "answer":  # the answers, and the repeated run's bytes if any
+            lm = torch.where((qid >= 0) | (qid == COPY), nxt, torch.full_like(nxt, IGNORE))
+        else:
+            lm = nxt.clone()
         return inputs, torch.stack([lm, answers, qid], dim=1).contiguous()
 
     def check_vocab(self) -> None:
@@ -109,6 +114,8 @@ def _refuse_unused(d) -> None:
         unused += [f"data.exclude={list(d.exclude)}"] if d.exclude else []
     if d.kind != "retrieval" and d.distinct_queries:
         unused.append("data.distinct_queries=true")
+    if d.kind != "retrieval" and d.copy_len:
+        unused.append(f"data.copy_len={d.copy_len}")
     if unused:
         raise CorpusError(
             f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} nothing with data.kind={d.kind}. Fix: drop "

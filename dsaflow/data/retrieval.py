@@ -14,6 +14,13 @@ follow by elimination (the values no earlier query took), a shortcut that needs 
 deliberately terse (no `k:`/`=v:` markers): the value directly follows its key, the classic one-hop induction pattern that a
 small model picks up in minutes, where every extra marker byte adds a hop. Samples are a pure function of
 (seed, split, step, row), which makes batches reproducible across ranks, restarts and pipeline layouts.
+
+Answering needs a two-layer circuit (a previous-token head marks each value with its key; an induction head matches
+the query key against those marks), and the few answer bytes give no gradient to either half until the other
+exists: from scratch a small model sits at the no-matching accuracy for thousands of steps. `copy_len > 0` adds a
+dense signal for the same circuit: a run of `copy_len` filler bytes appears a second time later in the filler, and
+its second copy (from its second byte on) is a training target (`COPY` in the query ids), predictable only by
+induction. The run is random filler, so it says nothing about any pair; accuracy still counts the queries alone.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from dsaflow.errors import PlanError
 _KEYS = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", dtype=np.uint8)
 _DIGITS = np.frombuffer(b"0123456789", dtype=np.uint8)
 _FILLER = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz    ", dtype=np.uint8)  # ~1 in 8 is a space
+COPY = -2  # query id of a repeated filler byte: a training target (loss_on=answer), never an answer
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class RetrievalSpec:
     value_len: int = 2
     num_queries: int = 1  # queries at the end, keys drawn with replacement from the pairs (multi-query recall)
     distinct_queries: bool = False  # draw the queried pairs without replacement: no answer repeats an earlier one
+    copy_len: int = 0  # > 0: a filler run of this many bytes repeated later in the filler, its repeat trained on
 
     @property
     def pair_len(self) -> int:  # " " key value ";"
@@ -47,7 +56,7 @@ class RetrievalSpec:
         return 1 + self.key_len + self.value_len
 
     def min_seq_len(self) -> int:
-        return self.num_pairs * self.pair_len + self.num_queries * self.query_len
+        return self.num_pairs * self.pair_len + self.num_queries * self.query_len + 2 * self.copy_len
 
     def check(self) -> None:
         if min(self.key_len, self.value_len, self.num_pairs, self.num_queries) < 1:
@@ -65,15 +74,23 @@ class RetrievalSpec:
                 f"data.distinct_queries=true needs data.num_queries <= data.num_pairs (got {self.num_queries} > "
                 f"{self.num_pairs}). Fix: lower data.num_queries, raise data.num_pairs, or set data.distinct_queries=false."
             )
-        if self.seq_len < self.min_seq_len():
+        if self.copy_len == 1 or self.copy_len < 0:
             raise PlanError(
-                f"train.seq_len={self.seq_len} cannot hold {self.num_pairs} pairs and {self.num_queries} queries "
-                f"(needs >= {self.min_seq_len()}). Fix: raise train.seq_len or lower data.num_pairs / data.num_queries."
+                f"data.copy_len={self.copy_len}: a repeated run needs >= 2 bytes (its first byte is not predictable). "
+                "Fix: set data.copy_len=0 (none) or 2 or more."
+            )
+        if self.seq_len < self.min_seq_len():
+            copies = f" and a {self.copy_len}-byte run twice" if self.copy_len else ""
+            raise PlanError(
+                f"train.seq_len={self.seq_len} cannot hold {self.num_pairs} pairs and {self.num_queries} queries"
+                f"{copies} (needs >= {self.min_seq_len()}). Fix: raise train.seq_len or lower data.num_pairs / "
+                "data.num_queries / data.copy_len."
             )
 
 
 def retrieval_sample(spec: RetrievalSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """One sample: bytes uint8 [T + 1] and query ids int8 [T + 1] (q at the bytes of query q's answer, else -1)."""
+    """One sample: bytes uint8 [T + 1] and query ids int8 [T + 1] (q at the bytes of query q's answer, COPY at the
+    trained bytes of the repeated run, else -1)."""
     total = spec.seq_len + 1
     out = rng.choice(_FILLER, size=total)
     qid = np.full(total, -1, dtype=np.int8)
@@ -90,11 +107,14 @@ def retrieval_sample(spec: RetrievalSpec, rng: np.random.Generator) -> tuple[np.
     cuts = np.sort(rng.integers(0, free + 1, size=spec.num_pairs))
     pos = 0
     prev_cut = 0
+    is_filler = np.zeros(total, dtype=bool)
+    is_filler[:body] = True
     for i, (k, v) in enumerate(zip(keys, values)):
         pos += int(cuts[i] - prev_cut)
         prev_cut = int(cuts[i])
         text = b" " + k + v + b";"
         out[pos : pos + spec.pair_len] = np.frombuffer(text, dtype=np.uint8)
+        is_filler[pos : pos + spec.pair_len] = False
         pos += spec.pair_len
     pos = body
     if spec.distinct_queries:
@@ -106,7 +126,21 @@ def retrieval_sample(spec: RetrievalSpec, rng: np.random.Generator) -> tuple[np.
         out[pos : pos + spec.query_len] = np.frombuffer(query, dtype=np.uint8)
         qid[pos + spec.query_len - spec.value_len : pos + spec.query_len] = q
         pos += spec.query_len
+    if spec.copy_len:  # drawn last: samples without a copy keep their bytes
+        _repeat_run(spec.copy_len, np.flatnonzero(is_filler), out, qid, rng)
     return out, qid
+
+
+def _repeat_run(n: int, filler: np.ndarray, out: np.ndarray, qid: np.ndarray, rng: np.random.Generator) -> None:
+    """Copy the bytes at filler[a : a + n] to filler[b : b + n] (b >= a + n; filler: the free positions, sorted) and
+    mark each copied byte whose previous byte is copied too (both runs contiguous there) as a COPY target: a pair
+    may sit inside either run, and a byte after it has no earlier context to be matched."""
+    a = int(rng.integers(0, len(filler) - 2 * n + 1))
+    b = int(rng.integers(a + n, len(filler) - n + 1))
+    src, dst = filler[a : a + n], filler[b : b + n]
+    out[dst] = out[src]
+    joined = (np.diff(src) == 1) & (np.diff(dst) == 1)
+    qid[dst[1:][joined]] = COPY
 
 
 def retrieval_batch(spec: RetrievalSpec, seed: int, split: int, step: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
