@@ -244,7 +244,16 @@ def test_hint_outside_a_serving_prefill_is_refused():
 
 
 # ---- the engine ----
-def test_engine_tokens_equal_with_short_prefill_on_and_off(monkeypatch):
+@pytest.mark.parametrize(
+    "topk,max_keys,paths",
+    [
+        (8, 24, {"dense", "masked", "sparse"}),  # 6-token chunks: first chunks dense, later ones masked or sparse
+        (4, 0, {"split", "sparse"}),  # first chunks longer than top-k split: 4 dense columns, up to 2 sparse
+    ],
+)
+def test_engine_tokens_equal_with_short_prefill_on_and_off(topk, max_keys, paths, monkeypatch):
+    """The eager engine plans every prefill pass's path; greedy tokens equal the run with serve.short_prefill=false,
+    which plans nothing."""
     from test_generate import run as run_engine
     from test_generate import setup
 
@@ -253,38 +262,15 @@ def test_engine_tokens_equal_with_short_prefill_on_and_off(monkeypatch):
     seen = []
     real_plan = engine_mod.plan_prefill
     monkeypatch.setattr(engine_mod, "plan_prefill", lambda *a, **k: seen.append(real_plan(*a, **k)) or seen[-1])
-    monkeypatch.setattr(dp, "MASKED_PREFILL_MAX_KEYS", 24)
+    monkeypatch.setattr(dp, "MASKED_PREFILL_MAX_KEYS", max_keys)
     monkeypatch.setattr(dp, "MIN_PREFILL_TOKENS", 2)
     prompts = ["hello", "hi there, friend, how are you", "abc" * 9, "x"]
-    base = ["model.index_topk=8", "serve.max_batch=2", "serve.prefill_chunk=6", "model.init_std=0.3"]
-    cfg_on, plan_on = setup(base)
-    cfg_off, plan_off = setup([*base, "serve.short_prefill=false"])
-    out_on, _ = run_engine(cfg_on, plan_on, prompts)
-    assert {h.path if h else "sparse" for h in seen} == {"dense", "masked", "sparse"}
-    n = len(seen)
-    out_off, _ = run_engine(cfg_off, plan_off, prompts)
-    assert len(seen) == n  # off: the engine plans nothing
-    assert out_on == out_off and all(len(o) == 5 for o in out_on)
-
-
-def test_engine_splits_first_chunks_eagerly_and_tokens_stay_equal(monkeypatch):
-    """top-k 4 and 6-token chunks: the first chunk of every prompt longer than 4 tokens splits (4 dense columns,
-    the rest sparse); greedy tokens equal the run with serve.short_prefill=false."""
-    from test_generate import run as run_engine
-    from test_generate import setup
-
-    import dsaflow.serve.engine as engine_mod
-
-    seen = []
-    real_plan = engine_mod.plan_prefill
-    monkeypatch.setattr(engine_mod, "plan_prefill", lambda *a, **k: seen.append(real_plan(*a, **k)) or seen[-1])
-    monkeypatch.setattr(dp, "MASKED_PREFILL_MAX_KEYS", 0)
-    monkeypatch.setattr(dp, "MIN_PREFILL_TOKENS", 2)
-    prompts = ["hello", "hi there, friend, how are you", "abc" * 9, "x"]
-    base = ["model.index_topk=4", "serve.max_batch=2", "serve.prefill_chunk=6", "model.init_std=0.3"]
+    base = [f"model.index_topk={topk}", "serve.max_batch=2", "serve.prefill_chunk=6", "model.init_std=0.3"]
     out_on, _ = run_engine(*setup(base), prompts)
-    assert "split" in {h.path for h in seen if h}
+    assert {h.path if h else "sparse" for h in seen} == paths
+    n = len(seen)
     out_off, _ = run_engine(*setup([*base, "serve.short_prefill=false"]), prompts)
+    assert len(seen) == n  # off: the engine plans nothing
     assert out_on == out_off and all(len(o) == 5 for o in out_on)
 
 
