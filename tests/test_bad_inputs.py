@@ -99,7 +99,7 @@ CONFIG_CASES = [
     ("train", ["train.stop_at_step=50"], "train.stop_at_step=50"),
     ("train", ["train.seq_len=16", "data.num_pairs=4", "data.num_queries=4"], "train.seq_len=16"),
     ("train", ["data.num_pairs=30", "train.seq_len=256", "model.max_seq_len=1024"], "data.key_len=1"),
-    ("train", ["train.batch_size=6"], "train.batch_size=6"),
+    ("train", ["train.batch_size=6", "pipeline.microbatches=4"], "train.batch_size=6"),
     ("train", ["train.resume=true"], "train.resume=true needs run_dir"),
     ("train", ["track=online"], "track=online"),
     # sizes no machine holds: the pre-launch memory check names the largest consumer

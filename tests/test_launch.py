@@ -36,7 +36,7 @@ BAD = [
     (["pipeline=pp2", "pipeline.schedule=Interleaved1F1B"], "pipeline.schedule=Interleaved1F1B"),
     (["pipeline=pp2", "nproc=3"], "--nproc 3 but the plan has 2"),
     (["pipeline=pp2", "--nproc", "3"], "--nproc 3 but the plan has 2"),
-    (["train.batch_size=6"], "train.batch_size=6"),
+    (["train.batch_size=6", "pipeline.microbatches=4"], "train.batch_size=6"),
 ]
 
 

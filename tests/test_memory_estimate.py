@@ -53,7 +53,7 @@ def test_the_estimate_matches_a_hand_count(mode):
     cfg = compose(TINY + [f"train.recompute={mode}"])
     m = cfg.model
     assert (m.dim, m.inter_dim, m.n_heads, m.index_topk, m.vocab_size) == (64, 128, 4, 16, 256)
-    terms = train_memory_terms(cfg, ["F", "S"], True, True, TOKENS, 1, "cuda")
+    terms = train_memory_terms(cfg, ["F", "S"], True, True, TOKENS, 1, 1, "cuda")
     params = E.layer_params(m, "F") + E.layer_params(m, "S") + E.embed_params(m) + E.head_params(m)
     assert terms[WEIGHTS] == 12 * params + 2 * (params - E.embed_params(m))  # + bf16 copies of matmul weights
     assert terms[GRADS] == 4 * (E.layer_params(m, "F") + E.head_params(m))  # one microbatch: no backward done yet
@@ -65,8 +65,8 @@ def test_the_estimate_matches_a_hand_count(mode):
 
 def test_microbatches_in_flight_multiply_the_activations_and_keep_every_gradient():
     cfg = compose(TINY[:-1] + ["pipeline.microbatches=4", "train.recompute=block"])
-    one = train_memory_terms(cfg, ["F", "S"], True, True, TOKENS // 4, 1, "cuda")
-    three = train_memory_terms(cfg, ["F", "S"], True, True, TOKENS // 4, 3, "cuda")
+    one = train_memory_terms(cfg, ["F", "S"], True, True, TOKENS // 4, 1, 4, "cuda")
+    three = train_memory_terms(cfg, ["F", "S"], True, True, TOKENS // 4, 3, 4, "cuda")
     assert three[ACTIVATIONS] == 3 * one[ACTIVATIONS]
     params = sum(E.layer_params(cfg.model, r) for r in "FS") + E.embed_params(cfg.model) + E.head_params(cfg.model)
     assert one[GRADS] == three[GRADS] == 4 * params  # 4 microbatches > in flight: a backward ran before the peak

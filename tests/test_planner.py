@@ -252,6 +252,20 @@ def test_gpipe_accepts_fewer_microbatches_than_stages():
     assert plan.pipeline.microbatches == 2
 
 
+@pytest.mark.parametrize(
+    "knobs, expected",
+    [
+        ({}, 1),  # one stage: the whole batch per step, no gradient accumulation
+        ({"pipeline.stages": 2}, 2),
+        ({"layout": "FS|SS|FS|SF"}, 4),
+        ({"pipeline.stages": 4, "pipeline.ranks": 2, "pipeline.schedule": "Interleaved1F1B"}, 4),
+        ({"pipeline.microbatches": 8}, 8),  # an explicit count stays
+    ],
+)
+def test_unset_microbatches_mean_one_per_stage(knobs, expected):
+    assert build_plan(make_cfg(**knobs)).pipeline.microbatches == expected
+
+
 # --- graph blocks -------------------------------------------------------------------------------------------------
 
 

@@ -126,7 +126,7 @@ class PipelineConfig:
     balance: Balance = Balance.cost
     ranks: Optional[int] = num(None, 1, 4096)  # pipeline ranks; None = stages (one stage per rank)
     schedule: Schedule = Schedule["1F1B"]
-    microbatches: int = num(4, 1, 65536)
+    microbatches: Optional[int] = num(None, 1, 65536)  # None = one per stage (1 on one stage: no grad accumulation)
     # send each stage's top-k indices (int32 [B, T, topk], no gradient) with the activations, so that the S layers
     # opening the next stage read the nearest preceding F of the whole model instead of being promoted to F
     cross_stage_indices: bool = False
@@ -182,8 +182,7 @@ class TrainConfig:
     # sparse attention and its output projection there (-2 * H * kv_lora bf16 per token per layer) | block: keep
     # only each layer's input and recompute the whole layer in backward (the fewest activations; docs/training.md)
     recompute: Recompute = Recompute.none
-    # queries per checkpointed attention chunk when recomputing: bounds one layer's attention transient in backward
-    # (about 4 * n_heads * (kv_lora_rank + qk_rope_head_dim) bf16 per query: 9 GiB at DeepSeek-V3.2 shapes)
+    # queries per recomputed attention chunk: bounds a layer's backward transient (docs/training.md, "Memory")
     recompute_chunk_tokens: int = num(16384, 1, 1 << 22)
     log_every: int = num(10, 1, 10**9)
     eval_every: int = num(50, 0, 10**9)  # 0 = only at the end
@@ -211,8 +210,7 @@ class DataConfig:
     num_pairs: int = num(1, 1, 1 << 20)  # retrieval: key-value pairs hidden in the filler (1 = needle in a haystack)
     num_queries: int = num(1, 1, 1 << 20)  # retrieval: queries at the end (keys drawn with replacement)
     distinct_queries: bool = False  # retrieval: each query asks a different pair (needs num_queries <= num_pairs)
-    # retrieval: > 0 repeats a filler run of this many bytes later in the filler and trains on its repeat (a dense
-    # signal for the induction circuit that answering needs; accuracy counts the queries only)
+    # retrieval: > 0 repeats a filler run of this many bytes later on and trains on the repeat (docs/training.md)
     copy_len: int = num(0, 0, 1 << 20)
     key_len: int = num(1, 1, 64)
     value_len: int = num(1, 1, 4096)

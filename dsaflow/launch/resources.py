@@ -61,6 +61,7 @@ def rank_memory(cfg, plan, rank: int, device_type: str, job: str) -> Dict[str, f
             plan.is_last(st.index),
             tokens,
             se["microbatches_in_flight"],
+            plan.pipeline.microbatches,
             device_type,
         )
         for name, b in terms.items():

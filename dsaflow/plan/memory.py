@@ -35,10 +35,17 @@ def compute_dtype(cfg, device_type: str) -> tuple[int, bool]:
 
 
 def train_memory_terms(
-    cfg, roles: Sequence[str], first: bool, last: bool, tokens: int, in_flight: int, device_type: str = "cuda"
+    cfg,
+    roles: Sequence[str],
+    first: bool,
+    last: bool,
+    tokens: int,
+    in_flight: int,
+    microbatches: int,
+    device_type: str = "cuda",
 ) -> dict[str, int]:
-    """{term: bytes} for one training stage holding layers of `roles`, microbatches of `tokens` tokens,
-    `in_flight` of them at once (see the module docstring)."""
+    """{term: bytes} for one training stage holding layers of `roles`, `microbatches` (the plan's) of `tokens`
+    tokens each, `in_flight` of them at once (see the module docstring)."""
     m, t = cfg.model, cfg.train
     width, autocast = compute_dtype(cfg, device_type)
     recompute = str(t.recompute)
@@ -46,7 +53,7 @@ def train_memory_terms(
     edge = (E.embed_params(m) if first else 0) + (E.head_params(m) if last else 0)
     params = sum(layer_params) + edge
     copies = (params - (E.embed_params(m) if first else 0)) * E.BF16 if autocast else 0
-    every_grad = cfg.pipeline.microbatches > in_flight
+    every_grad = microbatches > in_flight
     grads = 4 * (params if every_grad else max(layer_params, default=0) + (E.head_params(m) if last else 0))
     per_token = sum(E.activation_bytes_per_token(m, r, recompute, width, autocast) for r in roles)
     per_token += E.rope_table_bytes_per_token(m)

@@ -46,7 +46,7 @@ def resolve_pipeline(pipe, num_stages: int, *, mode: str, batch_size: int, nproc
             f"pipeline.schedule=ZBVZeroBubble needs exactly 2 stages per rank (V placement), got {v} "
             f"({num_stages} stages on {ranks} ranks). Fix: pipeline.stages={2 * ranks}."
         )
-    mb = pipe.microbatches
+    mb = num_stages if pipe.microbatches is None else pipe.microbatches
     if mode == "train":  # serving runs no training schedule: only placement matters there
         _check_training_microbatches(pipe, mb, ranks, num_stages, batch_size)
     if nproc is not None and nproc != ranks:

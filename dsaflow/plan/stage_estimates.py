@@ -72,7 +72,9 @@ def build_estimates(
             cost += E.head_forward_flops_per_token(m)
         in_flight = microbatches_in_flight(st.index, st.rank, pipeline)
         memory = (
-            train_memory_terms(cfg, [l.role for l in ls], st.index == 0, st.index == last, tokens, in_flight)
+            train_memory_terms(
+                cfg, [l.role for l in ls], st.index == 0, st.index == last, tokens, in_flight, pipeline.microbatches
+            )
             if cfg.mode == "train"
             else {}
         )

@@ -60,7 +60,7 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
         msg = (
             f"training {tr.params:,} parameters on {ranks} rank{'s' * (ranks != 1)} x {ctx.device.type}, "
             f"{stages} stage{'s' * (stages != 1)}, schedule {ctx.plan.pipeline.schedule}, "
-            f"{ctx.plan.pipeline.microbatches} microbatches"
+            f"{ctx.plan.pipeline.microbatches} microbatch{'es' * (ctx.plan.pipeline.microbatches != 1)}"
         )
         progress.message(msg)
         records.log(msg)
