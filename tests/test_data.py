@@ -176,6 +176,33 @@ def test_copy_len_repeats_a_filler_run_and_trains_on_it():
     assert not (plain_qid == COPY).any()
 
 
+def test_copy_chars_mixed_draws_the_run_from_key_and_value_bytes():
+    """copy_chars=mixed: the same pairs, queries and answers; the run holds letters of both cases and digits (the
+    bytes keys and values use), no space, and it still repeats earlier, so induction predicts each trained byte."""
+    base = dict(seq_len=128, num_pairs=8, key_len=1, value_len=1, num_queries=4, distinct_queries=True, copy_len=16)
+    plain, plain_qid = retrieval_batch(RetrievalSpec(**base), 0, 0, 3, 32)
+    tokens, qid = retrieval_batch(RetrievalSpec(**base, copy_mixed=True), 0, 0, 3, 32)
+    assert ((qid >= 0) == (plain_qid >= 0)).all() and (qid[qid >= 0] == plain_qid[plain_qid >= 0]).all()
+    assert ((qid == COPY) == (plain_qid == COPY)).all()  # the same positions are trained
+    run = tokens[qid == COPY]
+    assert np.isin(run, np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", dtype=np.uint8)).mean() > 0.4
+    assert not (run == ord(" ")).any()
+    for row, q in zip(tokens, qid):
+        at = np.flatnonzero(q == COPY)
+        for stretch in np.split(at, np.flatnonzero(np.diff(at) != 1) + 1):
+            s, e = int(stretch[0]), int(stretch[-1])
+            assert bytes(row[s - 1 : e + 1]) in bytes(row[: s - 1]), (bytes(row), s, e)
+        text = bytes(row)
+        # the run forms no pair: every " X" (space, uppercase) in the row is one of the 8 real pairs
+        assert sum(text[i] == 32 and 65 <= text[i + 1] <= 90 for i in range(len(text) - 1)) == 8, text
+
+
+def test_copy_chars_needs_a_retrieval_run():
+    with pytest.raises(CorpusError, match="data.copy_len=0 repeats none. Fix: set data.copy_len"):
+        _source(copy_chars="mixed")
+    _source(num_pairs=2, num_queries=1, copy_len=12, copy_chars="mixed").batch(0)
+
+
 def test_copy_len_bytes_are_trained_not_scored():
     x, y = _source(num_pairs=2, num_queries=1, copy_len=12).batch(3)
     lm, ans, qid = y[:, 0], y[:, 1], y[:, 2]
@@ -200,6 +227,8 @@ def test_copy_len_errors_name_the_field():
     RetrievalSpec(64, 4, 1, 1, 2, copy_len=20).check()  # 16 + 6 + 40 = 62 bytes fit
     with pytest.raises(CorpusError, match="data.copy_len=8 does nothing with data.kind=text"):
         _source(kind="text", path=__file__, copy_len=8)
+    with pytest.raises(CorpusError, match="data.copy_chars=mixed does nothing with data.kind=text"):
+        _source(kind="text", path=__file__, copy_chars="mixed")
 
 
 def _files(root, names):

@@ -52,6 +52,7 @@ Device = _choice("Device", ["auto", "cpu", "cuda"])
 ProgressMode = _choice("ProgressMode", ["auto", "rich", "lines", "off"])
 DataKind = _choice("DataKind", ["retrieval", "text", "bin"])
 LossOn = _choice("LossOn", ["answer", "all"])
+CopyChars = _choice("CopyChars", ["filler", "mixed"])
 DataSplit = _choice("DataSplit", ["tail", "files"])
 TrackBackend = _choice("TrackBackend", ["wandb", "none"])
 TrackMode = _choice("TrackMode", ["offline", "online", "disabled"])
@@ -182,7 +183,7 @@ class TrainConfig:
     # sparse attention and its output projection there (-2 * H * kv_lora bf16 per token per layer) | block: keep
     # only each layer's input and recompute the whole layer in backward (the fewest activations; docs/training.md)
     recompute: Recompute = Recompute.none
-    # queries per recomputed attention chunk: bounds a layer's backward transient (docs/training.md, "Memory")
+    # queries per recomputed attention chunk: bounds one layer's backward transient (docs/training.md)
     recompute_chunk_tokens: int = num(16384, 1, 1 << 22)
     log_every: int = num(10, 1, 10**9)
     eval_every: int = num(50, 0, 10**9)  # 0 = only at the end
@@ -212,6 +213,7 @@ class DataConfig:
     distinct_queries: bool = False  # retrieval: each query asks a different pair (needs num_queries <= num_pairs)
     # retrieval: > 0 repeats a filler run of this many bytes later on and trains on the repeat (docs/training.md)
     copy_len: int = num(0, 0, 1 << 20)
+    copy_chars: CopyChars = CopyChars.filler  # the run's bytes: the filler's, or mixed = [a-zA-Z0-9]
     key_len: int = num(1, 1, 64)
     value_len: int = num(1, 1, 4096)
     loss_on: LossOn = LossOn.answer  # retrieval: LM loss on the answer bytes only (answer) or on every byte (all)

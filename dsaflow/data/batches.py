@@ -41,6 +41,7 @@ class BatchSource:
                 data_cfg.num_queries,
                 data_cfg.distinct_queries,
                 data_cfg.copy_len,
+                data_cfg.copy_chars == "mixed",
             )
             self.spec.check()
             self.corpus = None
@@ -116,6 +117,13 @@ def _refuse_unused(d) -> None:
         unused.append("data.distinct_queries=true")
     if d.kind != "retrieval" and d.copy_len:
         unused.append(f"data.copy_len={d.copy_len}")
+    if d.copy_chars != "filler" and d.kind != "retrieval":
+        unused.append(f"data.copy_chars={d.copy_chars}")
+    elif d.copy_chars != "filler" and not d.copy_len:
+        raise CorpusError(
+            f"data.copy_chars={d.copy_chars} picks the bytes of the repeated run, but data.copy_len=0 repeats none. "
+            "Fix: set data.copy_len (e.g. data.copy_len=24), or drop data.copy_chars."
+        )
     if unused:
         raise CorpusError(
             f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} nothing with data.kind={d.kind}. Fix: drop "

@@ -34,6 +34,7 @@ from dsaflow.errors import PlanError
 _KEYS = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", dtype=np.uint8)
 _DIGITS = np.frombuffer(b"0123456789", dtype=np.uint8)
 _FILLER = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz    ", dtype=np.uint8)  # ~1 in 8 is a space
+_RUN_MIXED = np.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", dtype=np.uint8)
 COPY = -2  # query id of a repeated filler byte: a training target (loss_on=answer), never an answer
 
 
@@ -46,6 +47,7 @@ class RetrievalSpec:
     num_queries: int = 1  # queries at the end, keys drawn with replacement from the pairs (multi-query recall)
     distinct_queries: bool = False  # draw the queried pairs without replacement: no answer repeats an earlier one
     copy_len: int = 0  # > 0: a filler run of this many bytes repeated later in the filler, its repeat trained on
+    copy_mixed: bool = False  # the run's bytes drawn from [a-zA-Z0-9] (the bytes keys and values use), not the filler's
 
     @property
     def pair_len(self) -> int:  # " " key value ";"
@@ -127,17 +129,24 @@ def retrieval_sample(spec: RetrievalSpec, rng: np.random.Generator) -> tuple[np.
         qid[pos + spec.query_len - spec.value_len : pos + spec.query_len] = q
         pos += spec.query_len
     if spec.copy_len:  # drawn last: samples without a copy keep their bytes
-        _repeat_run(spec.copy_len, np.flatnonzero(is_filler), out, qid, rng)
+        _repeat_run(spec.copy_len, np.flatnonzero(is_filler), out, qid, rng, spec.copy_mixed)
     return out, qid
 
 
-def _repeat_run(n: int, filler: np.ndarray, out: np.ndarray, qid: np.ndarray, rng: np.random.Generator) -> None:
+def _repeat_run(
+    n: int, filler: np.ndarray, out: np.ndarray, qid: np.ndarray, rng: np.random.Generator, mixed: bool = False
+) -> None:
     """Copy the bytes at filler[a : a + n] to filler[b : b + n] (b >= a + n; filler: the free positions, sorted) and
     mark each copied byte whose previous byte is copied too (both runs contiguous there) as a COPY target: a pair
-    may sit inside either run, and a byte after it has no earlier context to be matched."""
+    may sit inside either run, and a byte after it has no earlier context to be matched. `mixed` first redraws the
+    run from letters of both cases and digits, so the circuit it trains also sees the bytes of keys and values; the
+    run has no spaces and opens lowercase, so it never forms a ` K7` pair (a filler space may precede it)."""
     a = int(rng.integers(0, len(filler) - 2 * n + 1))
     b = int(rng.integers(a + n, len(filler) - n + 1))
     src, dst = filler[a : a + n], filler[b : b + n]
+    if mixed:
+        out[src] = rng.choice(_RUN_MIXED, size=n)
+        out[src[0]] = rng.choice(_RUN_MIXED[:26])
     out[dst] = out[src]
     joined = (np.diff(src) == 1) & (np.diff(dst) == 1)
     qid[dst[1:][joined]] = COPY
