@@ -15,8 +15,10 @@ Each step writes one small JSON per row (<out>/results/<task>-s<seed>-<row>.json
 a step whose JSONs all exist is skipped, so running the same command again resumes. `--budget-s` stops before a
 step that would not finish in the time left (estimated from the slowest measured run of that step, kept in
 <out>/timings.json, else the preset's guess) and kills a step still running at the limit (it reruns next time); exit status 75 says work is left.
-`--parallel N` runs N steps at once, one GPU each (CUDA_VISIBLE_DEVICES). `--short-steps N` trains every model
-that starts from scratch N steps at --short-seq-len tokens (dense) first, then at the task length from its weights.
+`--parallel N` runs N steps at once, one GPU each (CUDA_VISIBLE_DEVICES). `--pre-stage "STEPS:SEQ_LEN[:OVERRIDES]"`
+(repeatable) trains every model that starts from scratch through a curriculum first: each pre-stage STEPS steps at
+SEQ_LEN tokens with dense attention (top-k = SEQ_LEN) and its own space-separated overrides, each from the weights
+of the one before; the task-length run then starts from the last (train.init_from).
 
 Presets (`--preset`, default: gpu with --device cuda, cpu with --device cpu) fix the recipe; flags override it.
 Text: the Python standard library's *.py files of this interpreter (site-packages excluded), whole files held out.
@@ -70,8 +72,7 @@ PRESETS = {
         "train_eval_batches": 8,
         "calib_batches": 8,
         "eval_batches": 32,
-        "short_steps": 0,  # > 0: a short-context stage first (`--short-steps`)
-        "short_seq_len": 256,
+        "pre_stages": [],  # a curriculum before the task length (`--pre-stage`)
         "guess_s": {"base": 420, "every4": 330},  # until a measured time of the step exists (timings.json)
     },
     "cpu": {
@@ -86,8 +87,7 @@ PRESETS = {
         "train_eval_batches": 1,
         "calib_batches": 1,
         "eval_batches": 2,
-        "short_steps": 0,
-        "short_seq_len": 48,
+        "pre_stages": [],
         "guess_s": {"base": 60, "every4": 30},
     },
 }
@@ -121,12 +121,25 @@ def recipe(a) -> dict:
         "warmup",
         "eval_batches",
         "calib_batches",
-        "short_steps",
-        "short_seq_len",
+        "pre_stages",
     ):
         if getattr(a, k, None) is not None:
             r[k] = getattr(a, k)
     return r
+
+
+def pre_stage(text: str) -> dict:
+    """--pre-stage "STEPS:SEQ_LEN[:OVERRIDES]" -> {steps, seq_len, overrides (list)}; argparse reports a ValueError."""
+    parts = text.split(":", 2)
+    try:
+        steps, seq_len = int(parts[0]), int(parts[1])
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(
+            f'{text!r}: give STEPS:SEQ_LEN[:OVERRIDES], e.g. "400:64:data.num_pairs=2 train.batch_size=256"'
+        ) from None
+    if steps < 1 or seq_len < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: STEPS must be >= 1 and SEQ_LEN >= 2")
+    return {"steps": steps, "seq_len": seq_len, "overrides": parts[2].split() if len(parts) > 2 else []}
 
 
 def train_overrides(a, r: dict, task: str, seed: int, index: str, run_dir: Path, steps: int) -> list:
@@ -264,11 +277,11 @@ def train(a, r, out, task, seed, index, budget, env, tag, name=None, steps=None,
         shutil.rmtree(rd)  # an interrupted run: its checkpoints (if any) did not survive the call, start again
     steps = steps or (a.every4_steps if (index == "every4" and a.every4_steps) else r["steps"])
     t = time.monotonic()
-    if r.get("short_steps") and not more:  # a model trained from scratch: the short-context stage first
-        short = short_stage(a, r, out, task, seed, index, budget, env, tag, name)
-        if short is None:
+    if r.get("pre_stages") and not more:  # a model trained from scratch: its curriculum first
+        last = pre_stages(a, r, out, task, seed, index, budget, env, tag, name)
+        if last is None:
             return None, None
-        more = (f"train.init_from={short}",)
+        more = (f"train.init_from={last}",)
     say(f"{tag}: training index={index}, {steps} steps -> {rd}")
     rc = call(
         dsaflow_cmd("train", *train_overrides(a, r, task, seed, index, rd, steps), *more),
@@ -286,29 +299,34 @@ def train(a, r, out, task, seed, index, budget, env, tag, name=None, steps=None,
     return rd, time.monotonic() - t
 
 
-def short_stage(a, r, out, task, seed, index, budget, env, tag, name):
-    """The short-context stage of a from-scratch training (`--short-steps`): `short_steps` steps at
-    `short_seq_len` tokens with dense attention (top-k = that length), whose weights the task-length run starts
-    from (train.init_from). -> its run dir, None when stopped or failed. Kept until the whole step is done."""
-    rd = out / "runs" / f"{task}-s{seed}-{name or index}-short"
-    if finished(rd):
-        return rd
-    if rd.exists():
-        shutil.rmtree(rd)
-    rs = dict(r, seq_len=r["short_seq_len"], topk=r["short_seq_len"])
-    say(f"{tag}: short stage index={index}, {r['short_steps']} steps at {r['short_seq_len']} tokens -> {rd}")
-    overrides = train_overrides(a, rs, task, seed, index, rd, r["short_steps"])
-    rc = call(dsaflow_cmd("train", *overrides), rd.parent / f"{rd.name}.log", budget, env, tag)
-    if rc != 0:
-        say(f"{tag}: short stage {'stopped at the time budget' if rc is None else f'failed (exit {rc})'}")
-        return None
-    return rd
+def pre_stages(a, r, out, task, seed, index, budget, env, tag, name):
+    """The curriculum of a from-scratch training (`--pre-stage`): each stage its steps at its length with dense
+    attention (top-k = that length) and its overrides, from the previous stage's weights; the task-length run starts
+    from the last (train.init_from). -> the last stage's run dir, None when stopped or failed. Kept until the whole
+    step is done."""
+    prev = None
+    for i, st in enumerate(r["pre_stages"]):
+        rd = out / "runs" / f"{task}-s{seed}-{name or index}-pre{i}"
+        if not finished(rd):
+            shutil.rmtree(rd, ignore_errors=True)
+            rs = dict(r, seq_len=st["seq_len"], topk=st["seq_len"])
+            say(f"{tag}: pre-stage {i} index={index}, {st['steps']} steps at {st['seq_len']} tokens -> {rd}")
+            overrides = train_overrides(a, rs, task, seed, index, rd, st["steps"]) + st["overrides"]
+            overrides += [f"train.init_from={prev}"] if prev else []
+            rc = call(dsaflow_cmd("train", *overrides), rd.parent / f"{rd.name}.log", budget, env, tag)
+            if rc != 0:
+                say(f"{tag}: pre-stage {i} {'stopped at the time budget' if rc is None else f'failed (exit {rc})'}")
+                return None
+        prev = rd
+    return prev
 
 
 def drop_checkpoints(rd: Path) -> None:
-    """A finished step's checkpoints, and its short stage's run dir."""
+    """A finished step's checkpoints, and its pre-stages' run dirs."""
     shutil.rmtree(rd / "checkpoints", ignore_errors=True)
-    shutil.rmtree(rd.parent / f"{rd.name}-short", ignore_errors=True)
+    for pre in rd.parent.glob(f"{rd.name}-pre*"):
+        if pre.is_dir():
+            shutil.rmtree(pre, ignore_errors=True)
 
 
 def step_base(a, r, out, task, seed, budget, env) -> bool:
@@ -461,8 +479,8 @@ def cmd_run(a) -> int:
 
 
 def cmd_probe(a) -> int:
-    """Train all-F with the run recipe (its short stage first with --short-steps) and print eval accuracy (or bits
-    per byte) over time."""
+    """Train all-F with the run recipe (its pre-stages first with --pre-stage) and print eval accuracy (or bits per
+    byte) over time."""
     r = recipe(a)
     out = Path(a.out or REPO / "runs" / f"quality-probe-{a.device}").resolve()
     name = f"all_full-{time.strftime('%H%M%S')}"
@@ -528,14 +546,17 @@ def main(argv=None) -> int:
             help="also train the all-F model on with index=every4 for this many steps (row 'every4 continued')",
         )
         p.add_argument(
-            "--short-steps",
-            type=int,
+            "--pre-stage",
+            dest="pre_stages",
+            type=pre_stage,
+            action="append",
             default=None,
-            help="train each model from scratch first for N steps at --short-seq-len tokens, dense (top-k = that "
-            "length), then at the task length from those weights (train.init_from)",
+            metavar="STEPS:SEQ_LEN[:OVERRIDES]",
+            help="repeatable: train each model from scratch first through these stages in order, each STEPS steps at "
+            "SEQ_LEN tokens, dense (top-k = SEQ_LEN), with its own space-separated overrides, from the previous "
+            "stage's weights; then the task length from the last (train.init_from)",
         )
         for k, t in (
-            ("short-seq-len", int),
             ("seq-len", int),
             ("topk", int),
             ("batch-size", int),

@@ -145,20 +145,34 @@ def test_cpu_sized_preset_end_to_end_on_cuda(tmp_path):
     assert list(out.glob("runs/*/wandb/offline-run-*")), "the trainings logged to wandb offline"
 
 
-def test_probe_short_stage_first_then_task_length_from_its_weights(tmp_path, capsys):
-    """--short-steps: a dense short-context run first, then the task-length run starts from its weights
-    (train.init_from), and the short run dir is gone once the probe is done."""
+def test_probe_pre_stages_chain_then_task_length_from_the_last(tmp_path, capsys):
+    """--pre-stage twice: two dense short runs, each from the previous one's weights and with its own overrides,
+    then the task-length run from the last (train.init_from); the pre-stage run dirs are gone once the probe is
+    done, their logs stay."""
     from omegaconf import OmegaConf
 
     out = tmp_path / "p"
-    args = ["probe", "--device", "cpu", "--out", str(out), "--steps", "2", "--short-steps", "2"]
-    assert qt.main(args) == 0
+    stages = ["--pre-stage", "2:32:data.num_pairs=2 data.num_queries=1 data.copy_len=8", "--pre-stage", "2:48"]
+    assert qt.main(["probe", "--device", "cpu", "--out", str(out), "--steps", "2", *stages]) == 0
     log = capsys.readouterr().out
-    assert "short stage index=all_full, 2 steps at 48 tokens" in log and "done; {'step': 2" in log
+    assert (
+        "pre-stage 0 index=all_full, 2 steps at 32 tokens" in log and "pre-stage 1 index=all_full, 2 steps at 48" in log
+    )
+    assert "done; {'step': 2" in log
     (main_dir,) = [d for d in (out / "runs").iterdir() if d.is_dir()]
     cfg = OmegaConf.load(main_dir / "config.yaml")
-    assert cfg.train.init_from == f"{main_dir}-short" and cfg.train.seq_len == 64 and cfg.model.index_topk == 8
-    assert (
-        not (out / "runs" / f"{main_dir.name}-short").exists()
-        and (out / "runs" / f"{main_dir.name}-short.log").is_file()
-    )
+    assert cfg.train.init_from == f"{main_dir}-pre1" and cfg.train.seq_len == 64 and cfg.model.index_topk == 8
+    assert cfg.data.num_pairs == 8 and cfg.data.copy_len == 0  # the task's data, not the first stage's
+    for i in (0, 1):
+        assert not (out / "runs" / f"{main_dir.name}-pre{i}").exists()
+        assert (out / "runs" / f"{main_dir.name}-pre{i}.log").is_file()
+    first = (out / "runs" / f"{main_dir.name}-pre0.log").read_text()
+    second = (out / "runs" / f"{main_dir.name}-pre1.log").read_text()
+    assert "data.copy_len=8" in first and f"train.init_from={main_dir}-pre0" in second
+
+
+@pytest.mark.parametrize("bad", ["64", "x:64", "0:64", "10:1"])
+def test_a_malformed_pre_stage_exits_2(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        qt.main(["probe", "--device", "cpu", "--pre-stage", bad])
+    assert e.value.code == 2 and "--pre-stage" in capsys.readouterr().err
