@@ -14,11 +14,13 @@ commands (subprocesses):
 Each step writes one small JSON per row (<out>/results/<task>-s<seed>-<row>.json), then deletes its checkpoints;
 a step whose JSONs all exist is skipped, so running the same command again resumes. `--budget-s` stops before a
 step that would not finish in the time left (estimated from the slowest measured run of that step, kept in
-<out>/timings.json, else the preset's guess) and kills a step still running at the limit (it reruns next time); exit status 75 says work is left.
+<out>/timings.json, else the preset's guess) and kills a step still running at the limit (it reruns next time, from
+its last finished training); exit status 75 says work is left.
 `--parallel N` runs N steps at once, one GPU each (CUDA_VISIBLE_DEVICES). `--pre-stage "STEPS:SEQ_LEN[:OVERRIDES]"`
-(repeatable) trains every model that starts from scratch through a curriculum first: each pre-stage STEPS steps at
-SEQ_LEN tokens with dense attention (top-k = SEQ_LEN) and its own space-separated overrides, each from the weights
-of the one before; the task-length run then starts from the last (train.init_from).
+(repeatable) trains a curriculum before the task length: each pre-stage STEPS steps at SEQ_LEN tokens with dense
+attention (top-k = SEQ_LEN) and its own space-separated overrides, each from the weights of the one before. One
+curriculum per task and seed serves both steps (dense attention reads no indices, so the layout does not change it):
+the all-F and every4 task-length runs both start from its last stage (train.init_from).
 
 Presets (`--preset`, default: gpu with --device cuda, cpu with --device cpu) fix the recipe; flags override it.
 Text: the Python standard library's *.py files of this interpreter (site-packages excluded), whole files held out.
@@ -278,7 +280,7 @@ def train(a, r, out, task, seed, index, budget, env, tag, name=None, steps=None,
     steps = steps or (a.every4_steps if (index == "every4" and a.every4_steps) else r["steps"])
     t = time.monotonic()
     if r.get("pre_stages") and not more:  # a model trained from scratch: its curriculum first
-        last = pre_stages(a, r, out, task, seed, index, budget, env, tag, name)
+        last = pre_stages(a, r, out, task, seed, budget, env, tag, name or CURRICULUM)
         if last is None:
             return None, None
         more = (f"train.init_from={last}",)
@@ -299,26 +301,49 @@ def train(a, r, out, task, seed, index, budget, env, tag, name=None, steps=None,
     return rd, time.monotonic() - t
 
 
-def pre_stages(a, r, out, task, seed, index, budget, env, tag, name):
-    """The curriculum of a from-scratch training (`--pre-stage`): each stage its steps at its length with dense
+CURRICULUM = "curriculum"  # run-dir prefix of a seed's pre-stages, shared by its all-F and every4 models
+_curriculum_locks: dict = {}
+_curriculum_locks_guard = threading.Lock()
+
+
+def _curriculum_lock(out: Path, task: str, seed: int, prefix: str) -> threading.Lock:
+    with _curriculum_locks_guard:
+        return _curriculum_locks.setdefault((str(out), task, seed, prefix), threading.Lock())
+
+
+def pre_stages(a, r, out, task, seed, budget, env, tag, prefix):
+    """The curriculum before a from-scratch training (`--pre-stage`): each stage its steps at its length with dense
     attention (top-k = that length) and its overrides, from the previous stage's weights; the task-length run starts
-    from the last (train.init_from). -> the last stage's run dir, None when stopped or failed. Kept until the whole
-    step is done."""
+    from the last (train.init_from). -> the last stage's run dir, None when stopped or failed.
+
+    The stages train index=all_full under the run-dir prefix (`run`: CURRICULUM, one curriculum per task and seed).
+    Dense attention reads no indices, so the main model learns the same whatever the layout; the all-F and every4
+    models of a seed therefore start their task-length runs from the same weights (every4 drops its S layers'
+    indexers there), and differ only in what the layout changes. One step runs the stages while the other waits on
+    the lock; a finished stage is kept, and reused after an interruption, until the seed's every step is done
+    (`drop_curriculum`)."""
     prev = None
-    for i, st in enumerate(r["pre_stages"]):
-        rd = out / "runs" / f"{task}-s{seed}-{name or index}-pre{i}"
-        if not finished(rd):
-            shutil.rmtree(rd, ignore_errors=True)
-            rs = dict(r, seq_len=st["seq_len"], topk=st["seq_len"])
-            say(f"{tag}: pre-stage {i} index={index}, {st['steps']} steps at {st['seq_len']} tokens -> {rd}")
-            overrides = train_overrides(a, rs, task, seed, index, rd, st["steps"]) + st["overrides"]
-            overrides += [f"train.init_from={prev}"] if prev else []
-            rc = call(dsaflow_cmd("train", *overrides), rd.parent / f"{rd.name}.log", budget, env, tag)
-            if rc != 0:
-                say(f"{tag}: pre-stage {i} {'stopped at the time budget' if rc is None else f'failed (exit {rc})'}")
-                return None
-        prev = rd
+    with _curriculum_lock(out, task, seed, prefix):
+        for i, st in enumerate(r["pre_stages"]):
+            rd = out / "runs" / f"{task}-s{seed}-{prefix}-pre{i}"
+            if not finished(rd):
+                shutil.rmtree(rd, ignore_errors=True)
+                rs = dict(r, seq_len=st["seq_len"], topk=st["seq_len"])
+                say(f"{tag}: pre-stage {i} index=all_full, {st['steps']} steps at {st['seq_len']} tokens -> {rd}")
+                overrides = train_overrides(a, rs, task, seed, "all_full", rd, st["steps"]) + st["overrides"]
+                overrides += [f"train.init_from={prev}"] if prev else []
+                rc = call(dsaflow_cmd("train", *overrides), rd.parent / f"{rd.name}.log", budget, env, tag)
+                if rc != 0:
+                    say(f"{tag}: pre-stage {i} {'stopped at the time budget' if rc is None else f'failed (exit {rc})'}")
+                    return None
+            prev = rd
     return prev
+
+
+def drop_curriculum(out: Path, task: str, seed: int) -> None:
+    """The seed's shared pre-stage run dirs (`pre_stages`), once no step of the seed needs them."""
+    for pre in (out / "runs").glob(f"{task}-s{seed}-{CURRICULUM}-pre*"):
+        shutil.rmtree(pre, ignore_errors=True)
 
 
 def drop_checkpoints(rd: Path) -> None:
@@ -416,11 +441,19 @@ def cmd_run(a) -> int:
     budget = Budget(a.budget_s)
     timings_file = out / "timings.json"
     timings = json.loads(timings_file.read_text()) if timings_file.is_file() else {}
+
+    def rows_of(kind):
+        return STEPS[kind][1] + ((ROW_CONTINUED,) if kind == "base" and a.continued_steps else ())
+
+    def seed_done(seed):
+        return all(result_path(out, a.task, seed, p).is_file() for k in a.steps_to_run for p in rows_of(k))
+
     todo = []
-    for seed in a.seeds:
-        for kind in a.steps_to_run:
-            rows = STEPS[kind][1] + ((ROW_CONTINUED,) if kind == "base" and a.continued_steps else ())
-            if all(result_path(out, a.task, seed, p).is_file() for p in rows):
+    # every seed's first step before any second one: with pre-stages the second waits for the curriculum the first
+    # trains, and a slot it holds while waiting should not keep another seed's curriculum from starting
+    for kind in a.steps_to_run:
+        for seed in a.seeds:
+            if all(result_path(out, a.task, seed, p).is_file() for p in rows_of(kind)):
                 say(f"{a.task} s{seed} {kind}: done already")
             else:
                 todo.append((seed, kind))
@@ -464,13 +497,16 @@ def cmd_run(a) -> int:
                 out.mkdir(parents=True, exist_ok=True)
                 timings_file.write_text(json.dumps(timings, indent=1) + "\n")
             say(f"{a.task} s{seed} {kind}: done in {dt:.0f} s")
+            if seed_done(seed):
+                drop_curriculum(out, a.task, seed)
         else:
             left.append(item)
 
     with ThreadPoolExecutor(max(1, a.parallel)) as pool:
         list(pool.map(work, todo))
-    for ck in (out / "runs").glob("*/checkpoints"):  # a stopped step's: it starts over next time, keep `out` small
-        shutil.rmtree(ck, ignore_errors=True)
+    for ck in (out / "runs").glob("*/checkpoints"):  # an unfinished run's: it starts over next time, keep `out` small
+        if not finished(ck.parent):  # a finished run (a pre-stage, a trained model awaiting search) is reused
+            shutil.rmtree(ck, ignore_errors=True)
     if left:
         say(f"{len(left)} step(s) left ({', '.join(f's{s} {k}' for s, k in sorted(left))}): run the same command again")
         return EXIT_WORK_LEFT

@@ -171,6 +171,31 @@ def test_probe_pre_stages_chain_then_task_length_from_the_last(tmp_path, capsys)
     assert "data.copy_len=8" in first and f"train.init_from={main_dir}-pre0" in second
 
 
+def test_run_shares_one_curriculum_per_seed_and_keeps_it_across_an_interruption(tmp_path, capsys, monkeypatch):
+    """`run --pre-stage`: the all-F and every4 models of a seed start from the same curriculum, trained once. A step
+    that stops leaves the finished pre-stages in place; the rerun reuses them, and they go once the seed is done."""
+    from omegaconf import OmegaConf
+
+    out = tmp_path / "q"
+    run = ["run", "--device", "cpu", "--seeds", "0", "--out", str(out), "--pre-stage", "2:48", "--pre-stage", "2:56"]
+    real_every4 = qt.STEPS["every4"]
+    monkeypatch.setitem(qt.STEPS, "every4", (lambda *args: False, real_every4[1]))  # stopped, e.g. at the budget
+    assert qt.main(run) == qt.EXIT_WORK_LEFT
+    log = capsys.readouterr().out
+    assert log.count("pre-stage 0 index=all_full") == 1 and log.count("pre-stage 1 index=all_full") == 1
+    curriculum = [out / "runs" / f"retrieval_long-s0-{qt.CURRICULUM}-pre{i}" for i in (0, 1)]
+    assert all(qt.finished(d) for d in curriculum), "the finished pre-stages outlive the interruption"
+
+    monkeypatch.setitem(qt.STEPS, "every4", real_every4)
+    assert qt.main(run) == 0
+    log = capsys.readouterr().out
+    assert "pre-stage" not in log and "training index=every4" in log
+    for index in ("all_full", "every4"):
+        cfg = OmegaConf.load(out / "runs" / f"retrieval_long-s0-{index}" / "config.yaml")
+        assert cfg.train.init_from == str(curriculum[1]) and cfg.train.seq_len == 64
+    assert not any(d.exists() for d in curriculum) and not list(out.glob("runs/*/checkpoints"))
+
+
 @pytest.mark.parametrize("bad", ["64", "x:64", "0:64", "10:1"])
 def test_a_malformed_pre_stage_exits_2(bad, capsys):
     with pytest.raises(SystemExit) as e:
