@@ -62,7 +62,13 @@ def collect_rows(dirs) -> list:
 
 
 def _f(x, fmt, signed=False):
-    return "n/a" if x is None else format(x, ("+" if signed else "") + fmt)
+    """x in `fmt`; a loss too small for 4 decimals (a task the model has learned) in 2 significant digits."""
+    if x is None:
+        return "n/a"
+    sign = "+" if signed else ""
+    if fmt == ".4f" and x != 0 and abs(x) < 5e-5:
+        return format(x, sign + ".1e")
+    return format(x, sign + fmt)
 
 
 def markdown(rows) -> str:

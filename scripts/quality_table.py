@@ -74,7 +74,18 @@ PRESETS = {
         "train_eval_batches": 8,
         "calib_batches": 8,
         "eval_batches": 32,
-        "pre_stages": [],  # a curriculum before the task length (`--pre-stage`)
+        # the curriculum before the task length, per task (`--pre-stage` replaces it; docs/quality.md, "Recipe"):
+        # a 2-pair warm-up whose repeated run forms key lookup, the 8-pair task at 64 tokens, then doubling lengths
+        "pre_stages": {
+            "retrieval_long": [
+                "1250:64:data.num_pairs=2 data.num_queries=1 data.copy_len=24 data.copy_chars=mixed "
+                "train.batch_size=256 train.eval_every=250",
+                "300:64:train.batch_size=128 train.eval_every=100",
+                "300:256:train.batch_size=64 train.eval_every=100",
+                "300:512:train.batch_size=32 train.eval_every=100",
+                "200:1024:train.batch_size=16 train.eval_every=100",
+            ],
+        },
         "guess_s": {"base": 420, "every4": 330},  # until a measured time of the step exists (timings.json)
     },
     "cpu": {
@@ -89,7 +100,7 @@ PRESETS = {
         "train_eval_batches": 1,
         "calib_batches": 1,
         "eval_batches": 2,
-        "pre_stages": [],
+        "pre_stages": {},
         "guess_s": {"base": 60, "every4": 30},
     },
 }
@@ -114,24 +125,20 @@ def task_overrides(task: str, r: dict, text_path: str | None) -> list:
 
 def recipe(a) -> dict:
     r = dict(PRESETS[a.preset or ("gpu" if a.device == "cuda" else "cpu")])
-    for k in (
-        "steps",
-        "seq_len",
-        "topk",
-        "batch_size",
-        "lr",
-        "warmup",
-        "eval_batches",
-        "calib_batches",
-        "pre_stages",
-    ):
+    r["pre_stages"] = [pre_stage(text) for text in r["pre_stages"].get(a.task, [])]
+    for k in ("steps", "seq_len", "topk", "batch_size", "lr", "warmup", "eval_batches", "calib_batches"):
         if getattr(a, k, None) is not None:
             r[k] = getattr(a, k)
+    if a.pre_stages is not None:  # --pre-stage replaces the preset's curriculum; `--pre-stage none` drops it
+        r["pre_stages"] = [st for st in a.pre_stages if st is not None]
     return r
 
 
 def pre_stage(text: str) -> dict:
-    """--pre-stage "STEPS:SEQ_LEN[:OVERRIDES]" -> {steps, seq_len, overrides (list)}; argparse reports a ValueError."""
+    """--pre-stage "STEPS:SEQ_LEN[:OVERRIDES]" -> {steps, seq_len, overrides (list)}, "none" -> None; argparse
+    reports an ArgumentTypeError."""
+    if text == "none":
+        return None
     parts = text.split(":", 2)
     try:
         steps, seq_len = int(parts[0]), int(parts[1])
@@ -590,7 +597,8 @@ def main(argv=None) -> int:
             metavar="STEPS:SEQ_LEN[:OVERRIDES]",
             help="repeatable: train each model from scratch first through these stages in order, each STEPS steps at "
             "SEQ_LEN tokens, dense (top-k = SEQ_LEN), with its own space-separated overrides, from the previous "
-            "stage's weights; then the task length from the last (train.init_from)",
+            "stage's weights; then the task length from the last (train.init_from). Replaces the preset's "
+            "curriculum (gpu, retrieval_long: docs/quality.md); `--pre-stage none`: no curriculum",
         )
         for k, t in (
             ("seq-len", int),

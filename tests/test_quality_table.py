@@ -114,11 +114,26 @@ def test_collect_pairs_each_pattern_with_all_f_of_the_same_seed(tmp_path):
 
 @pytest.mark.parametrize("task", ["retrieval_long", "text"])
 def test_gpu_recipes_compose_plan_and_make_batches(task, tmp_path):
-    """The commands `run --device cuda` issues are valid configs whose data holds the task (no GPU needed)."""
+    """The commands `run --device cuda` issues are valid configs whose data holds the task (no GPU needed): the
+    curriculum's stages (retrieval_long) and the task-length runs."""
     a = argparse.Namespace(device="cuda", preset=None, text_path=None, track="none", set=[], every4_steps=None)
     for k in ("steps", "seq_len", "topk", "batch_size", "lr", "warmup", "eval_batches", "calib_batches"):
         setattr(a, k, None)
+    a.task, a.pre_stages = task, None
     r = qt.recipe(a)
+    for st in r["pre_stages"]:  # each stage dense at its own length, its overrides last (as pre_stages() runs it)
+        rs = dict(r, seq_len=st["seq_len"], topk=st["seq_len"])
+        cfg = compose(qt.train_overrides(a, rs, task, 0, "all_full", tmp_path / "pre", 2) + st["overrides"])
+        assert build_plan(cfg).num_layers == 12 and cfg.model.index_topk == cfg.train.seq_len == st["seq_len"]
+        x, _ = BatchSource(cfg.data, cfg.train.seq_len, 2, 0, cfg.model.vocab_size).val_batch(0)
+        assert x.shape == (2, st["seq_len"])
+    if task == "retrieval_long":
+        first, last = r["pre_stages"][0], r["pre_stages"][-1]
+        assert "data.copy_chars=mixed" in first["overrides"] and last["seq_len"] == r["seq_len"]
+    else:
+        assert r["pre_stages"] == []
+    a.pre_stages = [None]  # `--pre-stage none`
+    assert qt.recipe(a)["pre_stages"] == []
     for index in ("all_full", "every4"):
         cfg = compose(qt.train_overrides(a, r, task, 0, index, tmp_path / "run", r["steps"]))
         plan = build_plan(cfg)
