@@ -111,7 +111,7 @@ def workload(args, name: str, vocab: int):
     return prompts, limits
 
 
-def make_cfg(args, pipeline: str, microbatches, context: int):
+def make_cfg(args, pipeline: str, microbatches, context: int, continuous: bool = True):
     graphs = ["graphs=decode_prefill"] if args.graphs == "on" else ["graphs=off"]
     cfg = compose(
         [
@@ -127,6 +127,7 @@ def make_cfg(args, pipeline: str, microbatches, context: int):
         ]
     )
     cfg.serve.microbatches = microbatches
+    cfg.serve.batching = "continuous" if continuous else "fixed"  # the engine picks its schedule from it at build
     if args.graphs == "on":
         groups = microbatches or RANKS[pipeline]
         rows = args.max_batch // groups
@@ -154,10 +155,9 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) 
     settings = (None,) if RANKS[pipeline] == 1 else (1, None)  # one rank: the default is one group
     runs = [(w, mb, True) for w in loads for mb in settings] + [("mixed", None, False)] * ("mixed" in loads)
     for w, mb, continuous in runs:
-        cfg, plan = make_cfg(args, pipeline, mb, context)
+        cfg, plan = make_cfg(args, pipeline, mb, context, continuous)
         eng = PipelineEngine(cfg.model, plan, stages, cfg.serve, cfg.graphs, device, dtype, rank, link)
         eng.capture()
-        eng.continuous = continuous
         prompts, limits = loads[w]
         # warm-up: first calls allocate and compile; prompts across the workload's lengths, so the timed run
         # meets no new kernel specialisation

@@ -9,6 +9,7 @@ from test_graphs_cpu import FakeCapturer
 
 from dsaflow.config.compose import compose
 from dsaflow.errors import PlanError, ServeError
+from dsaflow.model.cache import StageCache
 from dsaflow.plan import build_plan
 from dsaflow.run.stages import build_stages
 from dsaflow.serve.generate import build_engine, check_serve, load_prompts, write_outputs
@@ -259,7 +260,7 @@ CROSS = ["pipeline.cross_stage_indices=true", "model.num_layers=8", "serve.max_n
 
 
 @pytest.mark.parametrize("split", ["FS|SS|FSSS", "FS|SS|FS|SS"])
-def test_cross_stage_indices_generate_what_one_stage_does(split):
+def test_cross_stage_indices_generate_what_one_stage_does(split, monkeypatch):
     """Stages that open on S read the previous stage's indices in prefill chunks and decode steps: the same greedy
     tokens and logits as one stage, eager and through the padded graph path."""
     cfg1, plan1 = setup(["layout=FSSSFSSS", *CROSS])
@@ -284,6 +285,18 @@ def test_cross_stage_indices_generate_what_one_stage_does(split):
     assert len(flat(eg.logits_log)) == len(flat(ee.logits_log)) == 3 * 6
     for a, b in zip(flat(eg.logits_log), flat(ee.logits_log)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    # continuous batching: refills move rows and prefill through top-row graphs; the received indices land there
+    moved = []
+    real_move = StageCache.move_rows
+    monkeypatch.setattr(StageCache, "move_rows", lambda self, a, b: moved.append(len(a)) or real_move(self, a, b))
+    cfg_c, plan_c = setup(["graphs=decode_prefill", f"layout={split}", "serve.batching=continuous", *CROSS], graphs)
+    prompts, limits = ids_of(PROMPTS * 8), [1 + (5 * i) % 6 for i in range(32)]
+    eng_c = build_engine(cfg_c, plan_c, 0, "cpu", all_stages=True, capturer=FakeCapturer())
+    eng_c.capture()
+    eng_1 = build_engine(*setup(["layout=FSSSFSSS", "serve.prefill_chunk=8", *CROSS]), 0, "cpu", all_stages=True)
+    eng_1.capture()
+    assert eng_c.narrow and eng_c.generate(prompts, limits) == eng_1.generate(prompts, limits) and moved
 
 
 def test_request_that_does_not_fit_is_rejected_by_line_and_the_rest_served(tmp_path):

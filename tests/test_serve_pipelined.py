@@ -204,3 +204,49 @@ def test_refills_spanning_decoding_rows_keep_their_tokens():
     assert seen  # some prefill pass spanned a decoding row
     alone = engine(None, "single", 1, ["serve.max_batch=1"])
     assert got == [alone.generate([p], [m])[0] for p, m in zip(prompts, limits)]
+
+
+@pytest.mark.parametrize("pipeline", ["single", "pp2"])
+def test_continuous_batching_with_prefill_graphs_prefills_the_top_rows(pipeline):
+    """Continuous batching with prefill graphs (a fake capturer, which replays like a graph): refills rearrange the
+    rows (their cached rows on every stage, decoding rows down, prefilling ones up), joiners prefill through graphs
+    over the group's top rows, and every request's tokens equal serving it alone."""
+    from test_graphs_cpu import FakeCapturer
+
+    from dsaflow.model.cache import StageCache
+
+    prompts, _ = workload(24, seed=5)
+    limits = [1 + (5 * i) % 12 for i in range(24)]
+    graphs = [
+        "graphs=decode_prefill",
+        "graphs.blocks.0.shape_classes=[1,2,4,8]",
+        "graphs.blocks.1.shape_classes=[4,16]",
+    ]
+    cfg = compose(["mode=serve", f"pipeline={pipeline}", *MODEL, *SERVE, "serve.batching=continuous", *graphs])
+    if pipeline == "pp2":
+        cfg.graphs.blocks[0].shape_classes = [1, 2, 4]  # two groups of 4 rows
+    eng = build_engine(cfg, build_plan(cfg), 0, "cpu", all_stages=True, capturer=FakeCapturer())
+    eng.capture()
+    group_rows = 8 // eng.groups
+    assert eng.row_classes == tuple(sorted({max(1, group_rows // d) for d in (8, 4, 2)} | {group_rows}))
+    names, moves = [], []
+    real_run, real_move = eng.graphs.run, StageCache.move_rows
+
+    def run(name, stage, n, inputs):
+        names.append(name)
+        return real_run(name, stage, n, inputs)
+
+    def move(self, src, dst):
+        moves.append((src.tolist(), dst.tolist()))
+        return real_move(self, src, dst)
+
+    eng.graphs.run = run
+    StageCache.move_rows = move
+    try:
+        got = eng.generate(prompts, limits)
+    finally:
+        StageCache.move_rows = real_move
+    assert moves and all(len(set(dst)) == len(dst) and set(src) != set(dst) for src, dst in moves)
+    assert any("/r" in n for n in names)  # some prefill replayed a graph over fewer rows than the group
+    alone = engine(None, "single", 1, ["serve.max_batch=1"])
+    assert got == [alone.generate([p], [m])[0] for p, m in zip(prompts, limits)]

@@ -28,9 +28,9 @@ def trained_gpu(tmp_path_factory):
     return train_checkpoint(tmp_path_factory.mktemp("trained_gpu") / "run")
 
 
-def gpu_engine(run, pipeline, microbatches):
+def gpu_engine(run, pipeline, microbatches, extra=()):
     mb = [] if microbatches is None else [f"serve.microbatches={microbatches}"]
-    cfg = compose(["mode=serve", f"pipeline={pipeline}", *MODEL, *SERVE, f"serve.checkpoint={run}", *mb])
+    cfg = compose(["mode=serve", f"pipeline={pipeline}", *MODEL, *SERVE, f"serve.checkpoint={run}", *mb, *extra])
     groups = microbatches or {"single": 1, "pp2": 2, "pp4": 4}[pipeline]
     rows = 8 // groups
     cfg.graphs.blocks[0].shape_classes = [c for c in (1, 2, 4, 8) if c <= rows]
@@ -54,3 +54,17 @@ def test_greedy_tokens_identical_across_pipelines_and_groups_with_graphs(trained
             captures = eng.graphs.captures
             assert eng.generate(prompts, limits) == ref, (pipeline, mb)
             assert eng.graphs.captures == captures  # replays only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", ["single", "pp2"])
+def test_continuous_batching_with_top_row_prefill_graphs_serves_the_same_tokens(trained_gpu, pipeline):
+    """serve.batching=continuous with prefill graphs: refills move rows on the GPU caches and joiners prefill through
+    graphs over the group's top rows; every token equals the fixed-batch run's."""
+    prompts, limits = workload()
+    ref = gpu_engine(trained_gpu, "single", 1).generate(prompts, limits)
+    eng = gpu_engine(trained_gpu, pipeline, None, ["serve.batching=continuous"])
+    assert eng.narrow and len(eng.row_classes) > 1
+    captures = eng.graphs.captures
+    assert eng.generate(prompts, limits) == ref
+    assert eng.graphs.captures == captures

@@ -154,6 +154,12 @@ class StageCache:
             IndexSlot(self.index_slot.buffer[start:stop]),
         )
 
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy cached rows src -> dst (int64 [n] row indices of this cache, distinct dst) in every kv and index_k
+        buffer: a serving group compacting its active requests. Outside any captured graph."""
+        for t in (*self.kv.values(), *self.index_k.values()):
+            t[dst] = t[src]  # the right side is gathered first, so overlapping moves read the old rows
+
     def reset(self) -> None:
         """Forget every cached row (new requests). Outside any captured graph; keeps the same storage."""
         for t in (*self.kv.values(), *self.index_k.values()):

@@ -37,10 +37,10 @@ from dsaflow.run.executor import Item, PipelineExecutor
 from dsaflow.run.stages import stage_cache
 
 from .checks import check_graph_blocks, check_prompts, fit_problem, serve_groups
-from .graphs import GraphManager, StaticInput
+from .graphs import GraphManager, StaticInput, choose_shape_class, sync_error_guard
 from .report import CaptureReport
 from .sampling import sample_keyed
-from .scheduler import Pass, Request, Scheduler, group_ranges
+from .scheduler import Pass, Request, Scheduler, Work, group_ranges, prefill_row_classes
 
 plan_prefill = dense_prefill.plan_prefill  # the engine's one call into the short-prefill rule (tests spy on it)
 
@@ -111,6 +111,11 @@ class PipelineEngine:
             max_keys=dense_prefill.MASKED_PREFILL_MAX_KEYS, min_tokens=dense_prefill.MIN_PREFILL_TOKENS
         )
         self.blocks = {s: plan.blocks_of_stage(s) for s in stages}
+        # continuous batching with prefill graphs: refills compact the group and prefill its top rows, through graphs
+        # captured over the top c rows for each of `row_classes` (dsaflow.serve.scheduler, "narrow")
+        self.narrow = self.prefill_graphs and str(serve_cfg.batching) == "continuous"
+        group_rows = min(b - a for a, b in self.ranges)
+        self.row_classes = prefill_row_classes(group_rows) if self.narrow else ()
         for s, blocks in self.blocks.items():
             for b in blocks:
                 for g in range(self.groups):
@@ -123,7 +128,7 @@ class PipelineEngine:
         self.timings: Dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
         self.stats: Dict[str, object] = {}
         self.on_finished: Optional[Callable[[int, int], None]] = None  # last rank: (requests done, tokens so far)
-        self.continuous = str(serve_cfg.batching) == "continuous"  # serve.batching (bench_serve sets both)
+        self.continuous = str(serve_cfg.batching) == "continuous"  # serve.batching
 
     # --- setup -------------------------------------------------------------------------------------------------
     def _graph_name(self, block_name: str, group: int) -> str:
@@ -150,8 +155,14 @@ class PipelineEngine:
         else:  # prefill: class = tokens per chunk, rows fixed at the group's rows; one block per attention path
             for path in self.prefill_paths:
                 classes = dense_prefill.graph_classes(path, block.shape_classes, top_k, **self.prefill_rule)
-                if classes:
-                    self._register_prefill(stage, module, cache, self._path_name(name, path), path, classes)
+                if not classes:
+                    continue
+                self._register_prefill(stage, module, cache, self._path_name(name, path), path, classes)
+                for c in self.row_classes[:-1]:  # the top c rows of the group (the last class is the whole group)
+                    top_rows = cache.rows(cache.max_batch - c, cache.max_batch)
+                    self._register_prefill(
+                        stage, module, top_rows, f"{self._path_name(name, path)}/r{c}", path, classes
+                    )
 
     def _register_prefill(self, stage: int, module, cache, name: str, path: str, classes) -> None:
         """A prefill graph block of one attention path: each class replays the path's static hint
@@ -187,19 +198,7 @@ class PipelineEngine:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _sync_guard(self, on: bool):
-        if not (on and self.strict_sync and self.device.type == "cuda"):
-            return contextlib.nullcontext()
-
-        @contextlib.contextmanager
-        def guard():
-            previous = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                yield
-            finally:
-                torch.cuda.set_sync_debug_mode(previous)
-
-        return guard()
+        return sync_error_guard(on and self.strict_sync and self.device.type == "cuda")
 
     @torch.no_grad()
     def capture(self) -> CaptureReport:
@@ -231,12 +230,15 @@ class PipelineEngine:
         indices = None
         if isinstance(x, tuple):
             x, indices = x
-        w: _Work = item.payload
+        w: Work = item.payload
         with self._sync_guard(item.decode):
             if w.positions is None:
                 w.positions = self._h2d(w.p.positions)
             p = w.p
             if stage == self.first:
+                if p.moves:
+                    last = self.last_tokens[p.group]
+                    last[self._h2d([b for _, b in p.moves])] = last[self._h2d([a for a, _ in p.moves])]
                 x = self._h2d(p.tokens)
                 mask = self._h2d(p.decode).bool()
                 last = self.last_tokens[p.group][p.row0 : p.row0 + w.rows]
@@ -245,7 +247,11 @@ class PipelineEngine:
             path = w.hint.path if w.hint is not None else "sparse"
             name = self._block_name(stage, kind, p.group, path) if w.graph else None
             cache = self.group_caches[stage][p.group]
-            if name is None and p.row0 > 0:  # a pass over some rows of the group: a view of just those rows
+            if p.moves:  # a refill compacted the group: its rows move on this stage before the pass
+                cache.move_rows(self._h2d([a for a, _ in p.moves]), self._h2d([b for _, b in p.moves]))
+            if name is not None and kind == "prefill" and self.narrow and w.rows < cache.max_batch:
+                name = f"{name}/r{w.rows}"  # the graph over the group's top w.rows rows
+            if p.row0 > 0:  # a pass over some rows of the group: a view of just those rows
                 cache = cache.rows(p.row0, p.row0 + w.rows)
             R, T = w.positions.shape
             if self.plan.receives_indices(stage):
@@ -262,7 +268,7 @@ class PipelineEngine:
 
     def _finish(self, item: Item, logits: torch.Tensor) -> torch.Tensor:
         """Last stage: sample every emitting row -> [2, rows] int64 (tokens, EOS flags)."""
-        w: _Work = item.payload
+        w: Work = item.payload
         with self._sync_guard(item.decode):
             rows = torch.arange(w.rows, device=self.device)
             cols = self._h2d(w.sample_cols)
@@ -281,7 +287,7 @@ class PipelineEngine:
 
     def _feedback(self, item: Item, message: torch.Tensor) -> None:
         """Every rank: the pass is through. Stage 0's rank keeps the tokens; everyone advances the scheduler."""
-        w: _Work = item.payload
+        w: Work = item.payload
         if self.first in self.stages and w.p.emit:  # only rows that sampled: a prefill pass may span decoding rows
             local = [r for r, *_ in w.p.emit]
             self.last_tokens[w.p.group][self._h2d([w.p.row0 + r for r in local])] = message[0][self._h2d(local)]
@@ -313,8 +319,9 @@ class PipelineEngine:
             if problem:
                 raise ServeError(problem)
         requests = [Request(i, list(p), int(m)) for i, (p, m) in enumerate(zip(prompts, max_new))]
+        mixed = self.prefill_graphs and not self.narrow
         self.scheduler = Scheduler(
-            requests, self.ranges, s.prefill_chunk, refill=self.continuous, mixed=self.prefill_graphs
+            requests, self.ranges, s.prefill_chunk, refill=self.continuous, mixed=mixed, narrow=self.narrow
         )
         self.logits_log, self.first_mark, self.last_mark = {}, {}, {}
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
@@ -353,14 +360,16 @@ class PipelineEngine:
         """The executor's item of a pass. Decode passes replay the decode graphs; with prefill graphs every other pass
         is mixed (the scheduler's `mixed`) and replays the group's prefill graph padded to its rows (an eager pass of
         a few rows costs ~30 ms of launches for model=small on an H200); else it runs eagerly on its rows."""
-        graph = p.decode_only or self.scheduler.mixed
-        if not p.decode_only and graph:
+        graph = p.decode_only or self.scheduler.mixed or self.narrow
+        if not p.decode_only and self.scheduler.mixed:
             p.pad_rows(self.ranges[p.group][1] - self.ranges[p.group][0])
+        elif not p.decode_only and self.narrow:  # top-aligned: the smallest class of top rows that holds the pass
+            p.pad_front(choose_shape_class(self.row_classes, p.rows))
         rows = p.rows
         cols, keys = [0] * rows, [0] * rows
         for r, c, req, k in p.emit:
             cols[r], keys[r] = c, req * TOKEN_KEY + k
-        work = _Work(p, rows, cols, keys, graph)
+        work = Work(p, rows, cols, keys, graph)
         if not p.decode_only and "dense" in self.prefill_paths:
             topk, cache_rows = self.model_cfg.index_topk, self.serve.max_context + 1
             work.hint = plan_prefill(p.positions, topk, cache_rows, split=not graph, **self.prefill_rule)
@@ -388,13 +397,3 @@ class PipelineEngine:
             "tpot_s": tpot,
             "tokens": int(self.timings["tokens"]),
         }
-
-
-class _Work:
-    """The engine's payload of one pass: the host pass, its padded row count, sampling columns and keys."""
-
-    def __init__(self, p: Pass, rows: int, sample_cols: List[int], keys: List[int], graph: bool):
-        self.p, self.rows, self.sample_cols, self.keys, self.graph = p, rows, sample_cols, keys, graph
-        self.positions: Optional[torch.Tensor] = None  # on the device, built by the first stage of this rank
-        self.mark = None  # last stage: when the pass was sampled
-        self.hint = None  # a short prefill pass's attention path (dsaflow.model.dense_prefill), None = sparse

@@ -20,6 +20,7 @@ Everything but the capture itself is pure Python over tensors, so it is tested o
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -48,6 +49,23 @@ def choose_shape_class(classes: Sequence[int], n: int) -> int:
         f"size {n} exceeds the largest shape class {max(classes)} of the block (classes {list(classes)}): add a class "
         f">= {n} to graphs.blocks[..].shape_classes or lower serve.max_batch / serve.prefill_chunk."
     )
+
+
+def sync_error_guard(on: bool):
+    """A context in which any CUDA host sync raises (torch.cuda.set_sync_debug_mode("error")); a no-op when off."""
+    if not on:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def guard():
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+    return guard()
 
 
 def pad_into(dst: torch.Tensor, src: torch.Tensor, dim: int, pad_value: float) -> None:

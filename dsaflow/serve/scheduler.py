@@ -18,6 +18,12 @@ flags that every rank receives); once half of the group's rows are free (or enou
 request), waiting requests take them at the group's next pass (longest first, in the lowest rows) and prefill
 together. Every rank runs this same
 scheduler with the same inputs, so every rank builds the same passes without talking.
+
+With `narrow` (prefill graphs and continuous batching), a refill rearranges the group's rows (the pass's `moves`,
+applied to every stage's cache rows before the pass runs there): decoding rows to the lowest rows, then every row
+that still prefills, the joining requests included, up to the top row, least prompt left lowest. Every prefill pass
+then covers a top-aligned span [first prefilling row, group rows), which a prefill graph captured over the top c
+rows of the group serves at the cost of c rows, not of the whole group; decode passes run between them as usual.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Pass:
     emit: List[Tuple[int, int, int, int]] = field(default_factory=list)
     advance: Dict[int, int] = field(default_factory=dict)
     decode_only: bool = False  # no row prefills: a decode step of the group
+    moves: List[Tuple[int, int]] = field(default_factory=list)  # (from, to) group rows, moved before this pass
 
     def pad_rows(self, rows: int) -> None:
         """Append idle rows (position -1) up to `rows` (for a graph with a static row count)."""
@@ -67,6 +74,25 @@ class Pass:
         self.positions += [[-1] * self.T for _ in range(extra)]
         self.decode += [False] * extra
         self.rows = rows
+
+    def pad_front(self, rows: int) -> None:
+        """Prepend idle rows up to `rows`, so that the pass ends where it ended and starts `rows` rows below (a
+        top-aligned graph of `rows` rows)."""
+        extra = rows - self.rows
+        if extra > self.row0:
+            raise ValueError(f"pad_front({rows}): the pass starts at row {self.row0}, {extra} rows would not fit below")
+        self.tokens = [[0] * self.T for _ in range(extra)] + self.tokens
+        self.positions = [[-1] * self.T for _ in range(extra)] + self.positions
+        self.decode = [False] * extra + self.decode
+        self.emit = [(r + extra, c, req, k) for r, c, req, k in self.emit]
+        self.advance = {r + extra: offset for r, offset in self.advance.items()}
+        self.row0, self.rows = self.row0 - extra, rows
+
+
+def prefill_row_classes(group_rows: int) -> Tuple[int, ...]:
+    """Row counts of the top-aligned prefill graphs of a group (`narrow`): 1/8, 1/4, 1/2 of its rows and all of
+    them, ascending; a refill of n requests prefills at the cost of the smallest class >= n."""
+    return tuple(sorted({max(1, group_rows // d) for d in (8, 4, 2, 1)}))
 
 
 def group_ranges(max_batch: int, groups: int) -> List[Tuple[int, int]]:
@@ -94,10 +120,12 @@ class Scheduler:
         chunk: int,
         refill: bool = True,
         mixed: bool = False,
+        narrow: bool = False,
     ):
         self.queue: Deque[Request] = deque(requests)
         self.refill = refill  # False: fixed batches (a group takes requests only once all its rows finished)
         self.mixed = mixed  # prefill passes carry the decoding rows too (see the module docstring)
+        self.narrow = narrow and refill and not mixed  # compact on refill, joiners in the top rows (module docstring)
         self.ranges, self.chunk = list(ranges), chunk
         self.rows: List[List[Optional[Row]]] = [[None] * (b - a) for a, b in self.ranges]
         self.generated = {r.index: 0 for r in requests}  # final token count per request
@@ -113,13 +141,40 @@ class Scheduler:
         # refill once REFILL_FRACTION of the group is free (or every waiting request fits): the joining requests
         # prefill together, instead of one narrow prefill pass (and one paused decode step) per finished row
         wanted = min(max(1, int(len(rows) * self.REFILL_FRACTION)), len(self.queue))
-        if (self.refill and free >= max(wanted, 1)) or free == len(rows):
+        moves: List[Tuple[int, int]] = []
+        if self.narrow and self.queue and free >= max(wanted, 1):
+            joining = [Row(self.queue.popleft()) for _ in range(min(free, len(self.queue)))]
+            moves = self._compact(rows, joining)
+        elif (self.refill and free >= max(wanted, 1)) or free == len(rows):
             slots = [i for i, r in enumerate(rows) if r is None][: len(self.queue)]
             joining = [self.queue.popleft() for _ in slots]
             # the longest remaining work takes the lowest rows, so the span a decode pass covers (rows up to the
             # last active one) shrinks as requests finish
             for i, req in zip(slots, sorted(joining, key=lambda q: -(len(q.prompt) + q.max_new))):
                 rows[i] = Row(req)
+        p = self._build(group)
+        if p is not None:
+            p.moves = moves
+        return p
+
+    @staticmethod
+    def _compact(rows: List[Optional[Row]], joining: List[Row]) -> List[Tuple[int, int]]:
+        """Narrow refill: decoding rows to the lowest rows (in order), then every row that still prefills, the
+        joining ones included, up to the top row, least prompt left lowest (so the top-aligned prefill span shrinks
+        as prompts end). Fills `rows` in place -> the (from, to) moves of the rows that were already there."""
+        active = [i for i, r in enumerate(rows) if r is not None]
+        prefilling = [i for i in active if rows[i].offset < len(rows[i].request.prompt)]
+        decoding = [i for i in active if i not in set(prefilling)]
+        top = sorted(
+            [*((rows[i], i) for i in prefilling), *((r, None) for r in joining)],
+            key=lambda e: len(e[0].request.prompt) - e[0].offset,
+        )
+        order = [(rows[i], i) for i in decoding] + [(None, None)] * (len(rows) - len(decoding) - len(top)) + top
+        rows[:] = [r for r, _ in order]
+        return [(i, k) for k, (_, i) in enumerate(order) if i is not None and i != k]
+
+    def _build(self, group: int) -> Optional[Pass]:
+        rows = self.rows[group]
         active = [i for i, r in enumerate(rows) if r is not None]
         if not active:
             return None
@@ -153,6 +208,8 @@ class Scheduler:
         a, b = prefilling[0], prefilling[-1] + 1
         if self.mixed:  # the group's graph covers rows [0, group rows) anyway
             a, b = 0, max([b, *(i + 1 for i in decoding)])
+        elif self.narrow:  # top-aligned, for a graph over the group's top rows
+            b = len(rows)
         elif len(prefilling) < self.SPAN_DENSITY * (b - a):
             b = a
             while b in prefilling:
@@ -192,3 +249,13 @@ class Scheduler:
                 self.finished += 1
                 done.append(row.request.index)
         return done
+
+
+class Work:
+    """The engine's payload of one pass: the host pass, its padded row count, sampling columns and keys."""
+
+    def __init__(self, p: Pass, rows: int, sample_cols: List[int], keys: List[int], graph: bool):
+        self.p, self.rows, self.sample_cols, self.keys, self.graph = p, rows, sample_cols, keys, graph
+        self.positions = None  # a device int64 tensor [rows, T], built by the first stage of this rank
+        self.mark = None  # last stage: when the pass was sampled
+        self.hint = None  # a short prefill pass's attention path (dsaflow.model.dense_prefill), None = sparse
