@@ -181,9 +181,9 @@ def test_continuous_batching_refills_rows():
     assert eng.stats["ticks"] < fixed_passes
 
 
-def test_refills_spanning_decoding_rows_keep_their_tokens():
-    """8 rows, 20 requests of mixed prompt lengths and limits: refills land between rows that keep decoding, so
-    prefill passes span decoding rows (which must keep their previous token); every request's tokens equal serving
+def test_eager_refills_rearrange_rows_and_keep_every_token():
+    """Eager continuous batching, 8 rows, 20 requests of mixed prompt lengths and limits: refills move the decoding
+    rows down (cached rows on both stages, the previous tokens on stage 0), and every request's tokens equal serving
     it alone."""
     prompts, _ = workload(20, seed=4)
     limits = [1 + (7 * i) % 12 for i in range(20)]
@@ -192,16 +192,13 @@ def test_refills_spanning_decoding_rows_keep_their_tokens():
     inner = eng._item
 
     def spy(p):
-        if not p.decode_only and any(
-            rows is not None and rows.offset >= len(rows.request.prompt)
-            for rows in eng.scheduler.rows[p.group][p.row0 : p.row0 + p.rows]
-        ):
-            seen.append(p)
+        if p.moves:
+            seen.append(p.moves)
         return inner(p)
 
     eng._item = spy
     got = eng.generate(prompts, limits)
-    assert seen  # some prefill pass spanned a decoding row
+    assert seen  # some refill moved rows that were already decoding
     alone = engine(None, "single", 1, ["serve.max_batch=1"])
     assert got == [alone.generate([p], [m])[0] for p, m in zip(prompts, limits)]
 

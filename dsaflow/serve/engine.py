@@ -113,9 +113,9 @@ class PipelineEngine:
         self.blocks = {s: plan.blocks_of_stage(s) for s in stages}
         # continuous batching with prefill graphs: refills compact the group and prefill its top rows, through graphs
         # captured over the top c rows for each of `row_classes` (dsaflow.serve.scheduler, "narrow")
-        self.narrow = self.prefill_graphs and str(serve_cfg.batching) == "continuous"
+        self.narrow = str(serve_cfg.batching) == "continuous"
         group_rows = min(b - a for a, b in self.ranges)
-        self.row_classes = prefill_row_classes(group_rows) if self.narrow else ()
+        self.row_classes = prefill_row_classes(group_rows) if self.narrow and self.prefill_graphs else ()
         for s, blocks in self.blocks.items():
             for b in blocks:
                 for g in range(self.groups):
@@ -360,10 +360,10 @@ class PipelineEngine:
         """The executor's item of a pass. Decode passes replay the decode graphs; with prefill graphs every other pass
         is mixed (the scheduler's `mixed`) and replays the group's prefill graph padded to its rows (an eager pass of
         a few rows costs ~30 ms of launches for model=small on an H200); else it runs eagerly on its rows."""
-        graph = p.decode_only or self.scheduler.mixed or self.narrow
+        graph = p.decode_only or self.scheduler.mixed or bool(self.row_classes)
         if not p.decode_only and self.scheduler.mixed:
             p.pad_rows(self.ranges[p.group][1] - self.ranges[p.group][0])
-        elif not p.decode_only and self.narrow:  # top-aligned: the smallest class of top rows that holds the pass
+        elif not p.decode_only and self.row_classes:  # top-aligned: the smallest class of top rows that holds the pass
             p.pad_front(choose_shape_class(self.row_classes, p.rows))
         rows = p.rows
         cols, keys = [0] * rows, [0] * rows
