@@ -296,7 +296,7 @@ def test_cross_stage_indices_generate_what_one_stage_does(split, monkeypatch):
     eng_c.capture()
     eng_1 = build_engine(*setup(["layout=FSSSFSSS", "serve.prefill_chunk=8", *CROSS]), 0, "cpu", all_stages=True)
     eng_1.capture()
-    assert eng_c.narrow and eng_c.generate(prompts, limits) == eng_1.generate(prompts, limits) and moved
+    assert eng_c.row_classes and eng_c.generate(prompts, limits) == eng_1.generate(prompts, limits) and moved
 
 
 def test_request_that_does_not_fit_is_rejected_by_line_and_the_rest_served(tmp_path):

@@ -111,11 +111,11 @@ class PipelineEngine:
             max_keys=dense_prefill.MASKED_PREFILL_MAX_KEYS, min_tokens=dense_prefill.MIN_PREFILL_TOKENS
         )
         self.blocks = {s: plan.blocks_of_stage(s) for s in stages}
-        # continuous batching with prefill graphs: refills compact the group and prefill its top rows, through graphs
-        # captured over the top c rows for each of `row_classes` (dsaflow.serve.scheduler, "narrow")
-        self.narrow = str(serve_cfg.batching) == "continuous"
+        # continuous batching: refills pack the group's rows and prefill its top rows (dsaflow.serve.scheduler,
+        # "narrow"); with prefill graphs, through graphs over the top c rows for each of `row_classes`
+        self.continuous = str(serve_cfg.batching) == "continuous"  # serve.batching
         group_rows = min(b - a for a, b in self.ranges)
-        self.row_classes = prefill_row_classes(group_rows) if self.narrow and self.prefill_graphs else ()
+        self.row_classes = prefill_row_classes(group_rows) if self.continuous and self.prefill_graphs else ()
         for s, blocks in self.blocks.items():
             for b in blocks:
                 for g in range(self.groups):
@@ -128,7 +128,6 @@ class PipelineEngine:
         self.timings: Dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
         self.stats: Dict[str, object] = {}
         self.on_finished: Optional[Callable[[int, int], None]] = None  # last rank: (requests done, tokens so far)
-        self.continuous = str(serve_cfg.batching) == "continuous"  # serve.batching
 
     # --- setup -------------------------------------------------------------------------------------------------
     def _graph_name(self, block_name: str, group: int) -> str:
@@ -249,7 +248,7 @@ class PipelineEngine:
             cache = self.group_caches[stage][p.group]
             if p.moves:  # a refill compacted the group: its rows move on this stage before the pass
                 cache.move_rows(self._h2d([a for a, _ in p.moves]), self._h2d([b for _, b in p.moves]))
-            if name is not None and kind == "prefill" and self.narrow and w.rows < cache.max_batch:
+            if name is not None and kind == "prefill" and self.row_classes and w.rows < cache.max_batch:
                 name = f"{name}/r{w.rows}"  # the graph over the group's top w.rows rows
             if p.row0 > 0:  # a pass over some rows of the group: a view of just those rows
                 cache = cache.rows(p.row0, p.row0 + w.rows)
@@ -319,9 +318,9 @@ class PipelineEngine:
             if problem:
                 raise ServeError(problem)
         requests = [Request(i, list(p), int(m)) for i, (p, m) in enumerate(zip(prompts, max_new))]
-        mixed = self.prefill_graphs and not self.narrow
+        mixed = self.prefill_graphs and not self.continuous
         self.scheduler = Scheduler(
-            requests, self.ranges, s.prefill_chunk, refill=self.continuous, mixed=mixed, narrow=self.narrow
+            requests, self.ranges, s.prefill_chunk, refill=self.continuous, mixed=mixed, narrow=self.continuous
         )
         self.logits_log, self.first_mark, self.last_mark = {}, {}, {}
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
@@ -357,9 +356,10 @@ class PipelineEngine:
         return [tokens[r.index][: self.scheduler.generated[r.index]] for r in requests]
 
     def _item(self, p: Pass) -> Item:
-        """The executor's item of a pass. Decode passes replay the decode graphs; with prefill graphs every other pass
-        is mixed (the scheduler's `mixed`) and replays the group's prefill graph padded to its rows (an eager pass of
-        a few rows costs ~30 ms of launches for model=small on an H200); else it runs eagerly on its rows."""
+        """The executor's item of a pass. Decode passes replay the decode graphs; with prefill graphs, a prefill pass
+        of fixed batches is mixed (the scheduler's `mixed`) and replays the group's prefill graph padded to its rows,
+        and one of continuous batching replays the smallest top-row graph that holds it, padded below (an eager pass
+        of a few rows costs ~30 ms of launches for model=small on an H200); without, it runs eagerly on its rows."""
         graph = p.decode_only or self.scheduler.mixed or bool(self.row_classes)
         if not p.decode_only and self.scheduler.mixed:
             p.pad_rows(self.ranges[p.group][1] - self.ranges[p.group][0])

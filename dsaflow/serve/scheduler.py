@@ -19,11 +19,12 @@ request), waiting requests take them at the group's next pass (longest first, in
 together. Every rank runs this same
 scheduler with the same inputs, so every rank builds the same passes without talking.
 
-With `narrow` (prefill graphs and continuous batching), a refill rearranges the group's rows (the pass's `moves`,
-applied to every stage's cache rows before the pass runs there): decoding rows to the lowest rows, then every row
-that still prefills, the joining requests included, up to the top row, least prompt left lowest. Every prefill pass
-then covers a top-aligned span [first prefilling row, group rows), which a prefill graph captured over the top c
-rows of the group serves at the cost of c rows, not of the whole group; decode passes run between them as usual.
+With `narrow` (continuous batching), a refill rearranges the group's rows (the pass's `moves`, applied to every
+stage's cache rows before the pass runs there): decoding rows to the lowest rows, so a decode pass's span holds no
+finished row, then every row that still prefills, the joining requests included, up to the top row, least prompt
+left lowest. Every prefill pass then covers a top-aligned span [first prefilling row, group rows): eagerly it costs
+those rows, and a prefill graph captured over the top c rows of the group serves it at the cost of c rows, not of
+the whole group. Decode passes run between prefill passes as usual.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ class Scheduler:
         a, b = prefilling[0], prefilling[-1] + 1
         if self.mixed:  # the group's graph covers rows [0, group rows) anyway
             a, b = 0, max([b, *(i + 1 for i in decoding)])
-        elif self.narrow:  # top-aligned, for a graph over the group's top rows
+        elif self.narrow:  # top-aligned (a graph over the group's top rows, or an eager pass over them)
             b = len(rows)
         elif len(prefilling) < self.SPAN_DENSITY * (b - a):
             b = a
