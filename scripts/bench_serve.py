@@ -53,9 +53,9 @@ def parse_args(argv=None):
     ap.add_argument("--pipelines", default="single,pp2", help="comma separated: single, pp2, pp4")
     ap.add_argument("--workloads", default="mixed,uniform")
     ap.add_argument("--model", default=None, help="configs/model name (default: tiny on CPU, small on CUDA)")
-    ap.add_argument("--requests", type=int, default=None, help="requests per workload (default 384 CPU, 512 CUDA)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per workload (default 384 CPU, 1024 CUDA)")
     ap.add_argument("--max-batch", type=int, default=None, help="serve.max_batch, cache rows (default 64)")
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="serve.prefill_chunk (default 64 CPU, 256 CUDA)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="serve.prefill_chunk (default 64 CPU, 1024 CUDA)")
     ap.add_argument("--mixed-prompt", default=None, help="lo,hi prompt tokens (default 16,64 CPU; 16,4096 CUDA)")
     ap.add_argument("--mixed-new", default=None, help="lo,hi max_new_tokens (default 16,96 CPU; 16,256 CUDA)")
     ap.add_argument("--uniform-prompt", type=int, default=None, help="default 32 CPU, 512 CUDA")
@@ -78,9 +78,9 @@ def parse_args(argv=None):
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     cpu = a.device == "cpu"
     a.model = a.model or ("tiny" if cpu else "small")
-    a.requests = a.requests or (384 if cpu else 512)
+    a.requests = a.requests or (384 if cpu else 1024)
     a.max_batch = a.max_batch or 64
-    a.prefill_chunk = a.prefill_chunk or (64 if cpu else 256)
+    a.prefill_chunk = a.prefill_chunk or (64 if cpu else 1024)
     a.mixed_prompt = a.mixed_prompt or ("16,64" if cpu else "16,4096")
     a.mixed_new = a.mixed_new or ("16,96" if cpu else "16,256")
     a.uniform_prompt = a.uniform_prompt or (32 if cpu else 512)
@@ -134,6 +134,7 @@ def make_cfg(args, pipeline: str, microbatches, context: int, continuous: bool =
         cfg.graphs.blocks[0].shape_classes = [c for c in (1, 2, 4, 8, 16, 32, 64) if c < rows] + [rows]
         c = args.prefill_chunk
         cfg.graphs.blocks[1].shape_classes = sorted({max(c // 8, 1), max(c // 2, 1), c})
+        cfg.graphs.max_shape = max(cfg.graphs.max_shape, c)
     return cfg, build_plan(cfg)
 
 

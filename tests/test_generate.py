@@ -289,7 +289,7 @@ def test_cross_stage_indices_generate_what_one_stage_does(split, monkeypatch):
     # continuous batching: refills move rows and prefill through top-row graphs; the received indices land there
     moved = []
     real_move = StageCache.move_rows
-    monkeypatch.setattr(StageCache, "move_rows", lambda self, a, b: moved.append(len(a)) or real_move(self, a, b))
+    monkeypatch.setattr(StageCache, "move_rows", lambda self, a, b, n: moved.append(len(a)) or real_move(self, a, b, n))
     cfg_c, plan_c = setup(["graphs=decode_prefill", f"layout={split}", "serve.batching=continuous", *CROSS], graphs)
     prompts, limits = ids_of(PROMPTS * 8), [1 + (5 * i) % 6 for i in range(32)]
     eng_c = build_engine(cfg_c, plan_c, 0, "cpu", all_stages=True, capturer=FakeCapturer())

@@ -233,9 +233,10 @@ def test_continuous_batching_with_prefill_graphs_prefills_the_top_rows(pipeline)
         names.append(name)
         return real_run(name, stage, n, inputs)
 
-    def move(self, src, dst):
+    def move(self, src, dst, length=None):
         moves.append((src.tolist(), dst.tolist()))
-        return real_move(self, src, dst)
+        assert length is not None and 0 < length <= self.max_context  # a prefix of the rows, not whole rows
+        return real_move(self, src, dst, length)
 
     eng.graphs.run = run
     StageCache.move_rows = move

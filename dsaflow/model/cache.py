@@ -154,11 +154,14 @@ class StageCache:
             IndexSlot(self.index_slot.buffer[start:stop]),
         )
 
-    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, length: Optional[int] = None) -> None:
         """Copy cached rows src -> dst (int64 [n] row indices of this cache, distinct dst) in every kv and index_k
-        buffer: a serving group compacting its active requests. Outside any captured graph."""
+        buffer: a serving group compacting its active requests. Outside any captured graph. length: copy positions
+        [0, length) only (every moved row's written positions; a position beyond a row's length is written before
+        any query can see it), None = the whole row."""
+        stop = self.max_context + 1 if length is None else min(length, self.max_context + 1)
         for t in (*self.kv.values(), *self.index_k.values()):
-            t[dst] = t[src]  # the right side is gathered first, so overlapping moves read the old rows
+            t[dst, :stop] = t[src, :stop]  # the right side is gathered first, so overlapping moves read the old rows
 
     def reset(self) -> None:
         """Forget every cached row (new requests). Outside any captured graph; keeps the same storage."""

@@ -81,19 +81,8 @@ class PipelineEngine:
         self.groups = serve_groups(serve_cfg, plan)
         self.ranges = group_ranges(serve_cfg.max_batch, self.groups)
         self.batch_cap = serve_cfg.max_batch
-        self.caches = {
-            s: stage_cache(
-                model_cfg,
-                plan,
-                s,
-                serve_cfg.max_batch,
-                serve_cfg.max_context,
-                serve_cfg.prefill_chunk,
-                self.device,
-                dtype,
-            )
-            for s in stages
-        }
+        sizes = (serve_cfg.max_batch, serve_cfg.max_context, serve_cfg.prefill_chunk)
+        self.caches = {s: stage_cache(model_cfg, plan, s, *sizes, self.device, dtype) for s in stages}
         self.group_caches = {s: [c.rows(a, b) for a, b in self.ranges] for s, c in self.caches.items()}
         self.graphs = GraphManager(
             self.device,
@@ -116,6 +105,8 @@ class PipelineEngine:
         self.continuous = str(serve_cfg.batching) == "continuous"  # serve.batching
         group_rows = min(b - a for a, b in self.ranges)
         self.row_classes = prefill_row_classes(group_rows) if self.continuous and self.prefill_graphs else ()
+        blocks = [b for b in plan.graph_blocks if b.kind == "prefill"] if self.row_classes else []
+        self.chunk_classes = tuple(blocks[0].shape_classes) if blocks else ()  # the scheduler picks among them
         for s, blocks in self.blocks.items():
             for b in blocks:
                 for g in range(self.groups):
@@ -247,7 +238,7 @@ class PipelineEngine:
             name = self._block_name(stage, kind, p.group, path) if w.graph else None
             cache = self.group_caches[stage][p.group]
             if p.moves:  # a refill compacted the group: its rows move on this stage before the pass
-                cache.move_rows(self._h2d([a for a, _ in p.moves]), self._h2d([b for _, b in p.moves]))
+                cache.move_rows(self._h2d([a for a, _ in p.moves]), self._h2d([b for _, b in p.moves]), p.move_len)
             if name is not None and kind == "prefill" and self.row_classes and w.rows < cache.max_batch:
                 name = f"{name}/r{w.rows}"  # the graph over the group's top w.rows rows
             if p.row0 > 0:  # a pass over some rows of the group: a view of just those rows
@@ -318,9 +309,9 @@ class PipelineEngine:
             if problem:
                 raise ServeError(problem)
         requests = [Request(i, list(p), int(m)) for i, (p, m) in enumerate(zip(prompts, max_new))]
-        mixed = self.prefill_graphs and not self.continuous
+        mixed, narrow = self.prefill_graphs and not self.continuous, self.continuous
         self.scheduler = Scheduler(
-            requests, self.ranges, s.prefill_chunk, refill=self.continuous, mixed=mixed, narrow=self.continuous
+            requests, self.ranges, s.prefill_chunk, self.continuous, mixed, narrow, self.chunk_classes
         )
         self.logits_log, self.first_mark, self.last_mark = {}, {}, {}
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}

@@ -14,7 +14,7 @@ When a group has rows of both kinds, its passes either alternate (eager prefill:
 cost, so a narrow prefill pass and a decode step are cheaper than one wide pass), or, with `mixed` (prefill through
 the group's graph, whose static [rows, T] shape costs the same whatever its rows do), every pass is both: the
 decoding rows put their one token in column 0 of the prefill pass and sample from it, so they never wait. A row is freed when it reaches its own max_new_tokens (host-known) or emits EOS (known from the feedback
-flags that every rank receives); once half of the group's rows are free (or enough for every waiting
+flags that every rank receives); once a quarter of the group's rows are free (or enough for every waiting
 request), waiting requests take them at the group's next pass (longest first, in the lowest rows) and prefill
 together. Every rank runs this same
 scheduler with the same inputs, so every rank builds the same passes without talking.
@@ -67,6 +67,7 @@ class Pass:
     advance: Dict[int, int] = field(default_factory=dict)
     decode_only: bool = False  # no row prefills: a decode step of the group
     moves: List[Tuple[int, int]] = field(default_factory=list)  # (from, to) group rows, moved before this pass
+    move_len: int = 0  # cached positions [0, move_len) hold every moved row's keys: only they need copying
 
     def pad_rows(self, rows: int) -> None:
         """Append idle rows (position -1) up to `rows` (for a graph with a static row count)."""
@@ -91,9 +92,10 @@ class Pass:
 
 
 def prefill_row_classes(group_rows: int) -> Tuple[int, ...]:
-    """Row counts of the top-aligned prefill graphs of a group (`narrow`): 1/8, 1/4, 1/2 of its rows and all of
-    them, ascending; a refill of n requests prefills at the cost of the smallest class >= n."""
-    return tuple(sorted({max(1, group_rows // d) for d in (8, 4, 2, 1)}))
+    """Row counts of the top-aligned prefill graphs of a group (`narrow`): 1/32, 1/16, ..., 1/2 of its rows and all
+    of them, ascending; a refill of n requests prefills at the cost of the smallest class >= n. The small classes
+    matter once the refill share is 1/4: a pass's last chunks often hold a few long prompts only."""
+    return tuple(sorted({max(1, group_rows // d) for d in (32, 16, 8, 4, 2, 1)}))
 
 
 def group_ranges(max_batch: int, groups: int) -> List[Tuple[int, int]]:
@@ -111,8 +113,14 @@ class Scheduler:
     """requests in input order; `next_pass(group)` admits waiting requests into free rows and builds the pass;
     `finish(pass, eos)` advances the rows (eos: per pass row, did it emit EOS; None when serve.eos_id is unset)."""
 
-    REFILL_FRACTION = 0.5  # refill a group once this share of its rows is free (wider, fewer prefill passes)
+    # refill a group once this share of its rows is free: lower keeps more rows decoding, higher makes fewer and
+    # wider prefill passes (1/4 against 1/2: 1.08x output tokens/s on the mixed workload on an H200, docs/serving.md)
+    REFILL_FRACTION = 0.25
     SPAN_DENSITY = 0.5  # a prefill pass spans all prefilling rows when they fill at least this share of the span
+    # A prefill graph pass's fixed cost in row-tokens of prefill: 1.7 ms of launches against 0.7 us per row-token
+    # (model=small on an H200, scripts/bench_serve.py). It weighs a short chunk class, which ends the short prompts
+    # of a refill without padding them to the longest, against a long one, which needs fewer passes.
+    PASS_COST_TOKENS = 2400
 
     def __init__(
         self,
@@ -122,12 +130,15 @@ class Scheduler:
         refill: bool = True,
         mixed: bool = False,
         narrow: bool = False,
+        chunk_classes: Sequence[int] = (),
     ):
         self.queue: Deque[Request] = deque(requests)
         self.refill = refill  # False: fixed batches (a group takes requests only once all its rows finished)
         self.mixed = mixed  # prefill passes carry the decoding rows too (see the module docstring)
         self.narrow = narrow and refill and not mixed  # compact on refill, joiners in the top rows (module docstring)
         self.ranges, self.chunk = list(ranges), chunk
+        # narrow passes through prefill graphs: their token classes (a pass pads to one), see `_chunk_for`
+        self.chunk_classes = sorted(c for c in chunk_classes if c <= chunk) if self.narrow else []
         self.rows: List[List[Optional[Row]]] = [[None] * (b - a) for a, b in self.ranges]
         self.generated = {r.index: 0 for r in requests}  # final token count per request
         self.turn = ["prefill"] * len(self.ranges)  # which kind a group runs next when it has both
@@ -154,8 +165,10 @@ class Scheduler:
             for i, req in zip(slots, sorted(joining, key=lambda q: -(len(q.prompt) + q.max_new))):
                 rows[i] = Row(req)
         p = self._build(group)
-        if p is not None:
+        if p is not None and moves:
+            rows = self.rows[group]
             p.moves = moves
+            p.move_len = max(rows[k].offset + rows[k].generated for _, k in moves)
         return p
 
     @staticmethod
@@ -216,7 +229,8 @@ class Scheduler:
             while b in prefilling:
                 b += 1
         span = [i for i in prefilling if a <= i < b]
-        T = max(min(self.chunk, len(rows[i].request.prompt) - rows[i].offset) for i in span)
+        chunk = self._chunk_for([len(rows[i].request.prompt) - rows[i].offset for i in span], b - a)
+        T = max(min(chunk, len(rows[i].request.prompt) - rows[i].offset) for i in span)
         n = b - a
         p = Pass(group, a, n, T, [[0] * T for _ in range(n)], [[-1] * T for _ in range(n)], [False] * n)
         for i in span:
@@ -234,6 +248,14 @@ class Scheduler:
             p.positions[i][0] = len(req.prompt) + rows[i].generated - 1
             p.emit.append((i, 0, req.index, rows[i].generated))
         return p
+
+    def _chunk_for(self, left: List[int], rows: int) -> int:
+        """The chunk of a prefill pass over `rows` rows whose prompts have `left` tokens to go: serve.prefill_chunk,
+        or with `chunk_classes` the class that prefills the most tokens per unit of cost (PASS_COST_TOKENS +
+        rows x class), so that a refill's short prompts finish in a short pass before the long ones go on."""
+        if not self.chunk_classes:
+            return self.chunk
+        return max(self.chunk_classes, key=lambda c: sum(min(n, c) for n in left) / (self.PASS_COST_TOKENS + rows * c))
 
     def finish(self, p: Pass, eos: Optional[Sequence[bool]] = None) -> List[int]:
         """Advance the rows of a pass that went through every stage -> indices of the requests that finished.

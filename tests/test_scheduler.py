@@ -1,0 +1,58 @@
+"""The continuous-batching scheduler on the host alone (dsaflow.serve.scheduler): no model, only passes."""
+
+from dsaflow.serve.scheduler import Request, Scheduler, group_ranges, prefill_row_classes
+
+
+def requests(lengths, max_new=4):
+    return [Request(i, [1] * n, max_new) for i, n in enumerate(lengths)]
+
+
+def drain(s: Scheduler, group: int = 0):
+    """Every pass of the group until it has no work -> the passes."""
+    passes = []
+    while s.has_work(group):
+        p = s.next_pass(group)
+        passes.append(p)
+        s.finish(p)
+    return passes
+
+
+def test_prefill_row_classes_reach_one_32nd_of_the_group():
+    assert prefill_row_classes(64) == (2, 4, 8, 16, 32, 64)
+    assert prefill_row_classes(8) == (1, 2, 4, 8)
+
+
+def test_a_refill_of_short_prompts_and_one_long_one_takes_the_short_chunk_class():
+    """15 prompts of 100 tokens and one of 3000 over 16 rows: with the graph classes 128 / 512 / 1024, the first
+    pass prefills 128 columns (the short prompts end there and sample), not 1024 columns of mostly padding."""
+    lengths = [100] * 15 + [3000]
+    with_classes = Scheduler(requests(lengths), group_ranges(16, 1), 1024, narrow=True, chunk_classes=(128, 512, 1024))
+    first = with_classes.next_pass(0)
+    assert first.T == 128 and len(first.emit) == 15
+    plain = Scheduler(requests(lengths), group_ranges(16, 1), 1024, narrow=True)
+    assert plain.next_pass(0).T == 1024
+    with_classes.finish(first)
+    # the long prompt goes on alone, now in the largest class: fewer passes than 128 columns at a time
+    passes = drain(with_classes)
+    long_chunks = [p.T for p in passes if not p.decode_only]
+    assert long_chunks[0] == 1024 and sum(long_chunks) == 3000 - 128 and len(long_chunks) == 3
+    assert with_classes.generated == {i: 4 for i in range(16)}
+
+
+def test_compacting_moves_copy_every_written_position():
+    """A refill moves rows that already hold keys; the pass says how many positions to copy: at least every moved
+    row's written ones (prompt tokens sent plus tokens generated)."""
+    lengths = [5, 40, 7, 30, 9, 20, 11, 3]
+    reqs = [Request(i, [1] * n, 2 + 3 * (i % 3)) for i, n in enumerate(lengths)]
+    s = Scheduler(reqs, group_ranges(4, 1), 16, narrow=True)
+    checked = 0
+    while s.has_work(0):
+        before = {id(r): r.offset + r.generated for r in s.rows[0] if r is not None}
+        p = s.next_pass(0)
+        if p.moves:
+            rows = s.rows[0]
+            written = [before[id(rows[k])] for _, k in p.moves]
+            assert p.move_len == max(written) > 0
+            checked += 1
+        s.finish(p)
+    assert checked and sorted(s.generated.values()) == sorted(r.max_new for r in reqs)
