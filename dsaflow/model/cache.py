@@ -79,16 +79,21 @@ class IndexSlot:
         return self.indices
 
 
-def write_rows(buffer: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Scatter rows [B, T, D] into buffer [max_batch, max_context + 1, D] at their positions [B, T].
+def cache_slots(positions: torch.Tensor, max_context: int) -> torch.Tensor:
+    """positions [B, T] -> int64 [B, T, 1]: the cached position each query writes, positions outside
+    [0, max_context) mapped to the trash row max_context. Computed once per stage forward: every layer's writes
+    share it (a decode step is a few microseconds per kernel, so the per-layer masks were a visible share)."""
+    inside = (positions >= 0) & (positions < max_context)
+    return torch.where(inside, positions, max_context).long().unsqueeze(-1)
 
-    Positions outside [0, max_context) go to the trash row max_context. Returns the view buffer[:B] (all cached rows of
-    the batch, S = max_context + 1). Branchless and allocation-free apart from static-shape temporaries.
+
+def write_rows(buffer: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Scatter rows [B, T, D] into buffer [max_batch, max_context + 1, D] at `slots` [B, T, 1] (`cache_slots`).
+
+    Returns the view buffer[:B] (all cached rows of the batch, S = max_context + 1). Branchless and allocation-free.
     """
-    trash = buffer.shape[1] - 1
-    slot = torch.where((positions >= 0) & (positions < trash), positions, trash).long()
     view = buffer[: rows.shape[0]]
-    view.scatter_(1, slot.unsqueeze(-1).expand(-1, -1, rows.shape[-1]), rows.to(buffer.dtype))
+    view.scatter_(1, slots.expand(-1, -1, rows.shape[-1]), rows.to(buffer.dtype))
     return view
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .cache import IndexSlot, StageCache
+from .cache import IndexSlot, StageCache, cache_slots
 
 if TYPE_CHECKING:
     from .dense_prefill import PrefillHint
@@ -37,6 +37,8 @@ class ForwardContext:
     replay: set by a recomputed block for its layer (see `LayerReplay`), else None.
     prefill: serving only: the host-decided attention path of a prefill chunk short enough for attention over the
     non-absorbed heads (`dsaflow.model.dense_prefill.PrefillHint`), else None (the sparse path).
+    slots: with a cache, the cached position each query writes, [B, T, 1] int64 (`cache.cache_slots`, shared by
+    every layer; filled in from positions when not given), else None.
     """
 
     positions: torch.Tensor
@@ -52,6 +54,11 @@ class ForwardContext:
     recompute_chunk_tokens: int = 16384
     replay: Optional[LayerReplay] = None
     prefill: Optional[PrefillHint] = None
+    slots: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.cache is not None and self.slots is None:
+            self.slots = cache_slots(self.positions, self.cache.max_context)
 
 
 RECOMPUTE_MODES = ("none", "attention", "block")

@@ -92,16 +92,16 @@ class MLA(nn.Module):
         dsaflow.model.dense_prefill) attends over the non-absorbed heads instead. CUDA-graph safe."""
         cos, sin = ctx.rope_mla
         q_latent, q, c_kv, k_pe = self._project(x)
-        kv = write_rows(ctx.cache.kv[self.layer_index], ctx.positions, self._latent_rows(c_kv, k_pe, ctx))
+        kv = write_rows(ctx.cache.kv[self.layer_index], ctx.slots, self._latent_rows(c_kv, k_pe, ctx))
         num_keys = kv.shape[1]  # max_context + 1
         hint = ctx.prefill
         if hint is not None and hint.path == "dense":  # the top-k would select every visible key: none is computed
             if self.role == "F":  # decode reads these keys
-                write_rows(ctx.cache.index_k[self.layer_index], ctx.positions, self.indexer.keys(x, ctx.rope_index))
+                write_rows(ctx.cache.index_k[self.layer_index], ctx.slots, self.indexer.keys(x, ctx.rope_index))
             return self.wo(prefill_attention(self, q, kv, ctx.positions, cos, sin, hint))
         if self.role == "F":  # F layers keep their indexer keys current, whatever the attention mode
             q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
-            k_i = write_rows(ctx.cache.index_k[self.layer_index], ctx.positions, k_i)
+            k_i = write_rows(ctx.cache.index_k[self.layer_index], ctx.slots, k_i)
         if ctx.attn == "dense":
             indices = causal_indices(ctx.positions, num_keys)
         elif self.role == "F":
