@@ -219,6 +219,32 @@ def test_logits_unwritten_tiles_are_only_invisible_ones():
     assert torch.isnan(out[..., 32:]).all(), "tiles past every query's position need no write"
 
 
+@pytest.mark.parametrize("H", [3, 8, 20])
+def test_one_query_logits_equal_the_naive_scores(H):
+    """Decode steps (T == 1) take the one-query kernel (heads as the rows of one dot): exact scores on integer
+    inputs, -inf past the position, padding rows (position -1) all -inf, the same int64 sort keys as the tiled
+    kernel (forced by an override), and with write_invisible=False only invisible tiles left as they were."""
+    from dsaflow.ops.indexer_topk.naive import indexer_scores_naive
+
+    g = torch.Generator().manual_seed(H)
+    B, D, S = 5, 16, 300
+    q, k, w = (t.to(DEV) for t in int_inputs(B, 1, H, D, S, g))
+    positions = torch.tensor([[0], [5], [-1], [128], [299]], device=DEV)
+    ref = indexer_scores_naive(q, k, w, positions)
+    got = indexer_logits_triton(q, k, w, positions, out=torch.full((B, 1, S), float("nan"), device=DEV))
+    assert torch.equal(got, ref)
+    keys = indexer_logits_triton(q, k, w, positions, out=torch.empty(B, 1, S, dtype=torch.long, device=DEV))
+    tiled = indexer_logits_triton(q, k, w, positions, out=torch.empty_like(keys), overrides=dict(BLOCK_S=128))
+    assert torch.equal(keys, tiled)
+    part = indexer_logits_triton(
+        q, k, w, positions, out=torch.full((B, 1, S), float("nan"), device=DEV), write_invisible=False
+    )
+    vis = torch.arange(S, device=DEV).view(1, 1, -1) <= positions.unsqueeze(-1)
+    assert torch.equal(part[vis], ref[vis])
+    assert torch.isnan(part[1, 0, 128:]).all() and torch.isnan(part[2]).all()  # whole tiles past the position
+    assert torch.equal(indexer_topk_triton(q, k, w, positions, 7), indexer_topk_naive(q, k, w, positions, 7))
+
+
 # ---------------------------------------------------------------------------------------------- GPU, real shapes
 def v32_inputs(B, T, S, seed):
     g = torch.Generator().manual_seed(seed)

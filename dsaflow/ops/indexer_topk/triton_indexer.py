@@ -2,7 +2,9 @@
 
 Logits I[b,t,s] = sum_j w[b,t,j] * relu(q[b,t,j] . k[b,s]) for a tile of BLOCK_T queries x BLOCK_S keys per program:
 the key tile [BLOCK_S, D] is loaded once and reused by all H_I heads; per head one dot [BLOCK_T, D] x [D, BLOCK_S]
-(bf16 in, fp32 accumulate), relu, times w, summed elementwise into an fp32 tile (no cross-thread reduction). Key
+(bf16 in, fp32 accumulate), relu, times w, summed elementwise into an fp32 tile (no cross-thread reduction). A
+single query per row (T == 1, a decode step) runs `_indexer_logits_one_query_kernel` instead: the heads are the rows
+of one dot [H_I, D] x [D, BLOCK_S], relu, times w, summed over the heads (a reduction across the tile's rows). Key
 tiles past the largest visible position of the query tile skip the dots and only write -inf (causal skip), or write
 nothing at all for the top-k path, whose radix select reads only each row's visible prefix. The grid is one axis
 (key tile fastest, then query tile, then batch), so B * T and the context length are bounded only by 2^31 programs.
@@ -81,6 +83,55 @@ def _indexer_logits_kernel(
     else:
         tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + offs_s[None, :], acc,
                  mask=t_ok[:, None] & s_ok[None, :])
+
+
+@triton.jit
+def _indexer_logits_one_query_kernel(
+    q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, kscale_ptr,
+    S, H, D,
+    s_qb, s_qh,
+    s_kb, s_ks, s_ksb,
+    s_wb, s_wh,
+    s_pb,
+    s_ob,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, AS_KEYS: tl.constexpr,
+    WRITE_INVISIBLE: tl.constexpr, DOT_PREC: tl.constexpr, K_SCALED: tl.constexpr,
+):
+    # T == 1 (a decode step): the heads are the rows of one dot [BLOCK_H, D] x [D, BLOCK_S], then relu, times w and
+    # a sum over heads; the per-head loop of the tiled kernel would serialise H short dots behind their loads
+    pid = tl.program_id(0).to(tl.int64)
+    n_s = tl.cdiv(S, BLOCK_S)
+    pid_s = pid % n_s
+    b = pid // n_s
+    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_ok = offs_s < S
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    pos = tl.load(pos_ptr + b * s_pb)
+    tile_visible = pid_s * BLOCK_S <= pos
+    acc = tl.zeros([BLOCK_S], tl.float32)
+    if tile_visible:
+        q = tl.load(q_ptr + b * s_qb + offs_h[:, None] * s_qh + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + b * s_wb + offs_h * s_wh, mask=h_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + b * s_kb + offs_s[:, None] * s_ks + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        logits = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_S]
+        acc = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
+        if K_SCALED:
+            acc = acc * tl.load(kscale_ptr + b * s_ksb + offs_s, mask=s_ok, other=0.0)
+    acc = tl.where((offs_s <= pos) & s_ok, acc, float("-inf"))
+    store_ok = s_ok if WRITE_INVISIBLE else s_ok & (offs_s * 0 + pid_s * BLOCK_S <= pos)
+    if AS_KEYS:  # the same int64 sort key as the tiled kernel
+        acc = tl.where(acc == 0.0, 0.0, acc)
+        bits = acc.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        key = (ordered.to(tl.int64) << 32) | (2147483647 - offs_s).to(tl.int64)
+        tl.store(out_ptr + b * s_ob + offs_s, key, mask=store_ok)
+    else:
+        tl.store(out_ptr + b * s_ob + offs_s, acc, mask=store_ok)
 
 
 @triton.jit
@@ -166,6 +217,23 @@ def indexer_logits_triton(
         raise ValueError(f"indexer logits: q {q.dtype} / k {k.dtype} with k_scale "
                          f"{'given' if k_scale is not None else 'missing'}: fp8 needs both fp8 and k_scale [B, S]")
     ks = k_scale if k_scale is not None else w  # any tensor: K_SCALED=False never reads it
+    # fp32 inputs mean fp32 scores (IEEE, not TF32): rounded scores can reorder near-ties and change the top-k
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    if T == 1 and not overrides:  # a decode step: heads as the rows of one dot
+        block_s = 128
+        _indexer_logits_one_query_kernel[(triton.cdiv(S, block_s) * B,)](
+            q, k, w, positions, out, ks,
+            S, H, D,
+            q.stride(0), q.stride(2),
+            k.stride(0), k.stride(1), ks.stride(0),
+            w.stride(0), w.stride(2),
+            positions.stride(0),
+            out.stride(0),
+            BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_S=block_s, BLOCK_D=cfg["BLOCK_D"],
+            AS_KEYS=out.dtype == torch.int64, WRITE_INVISIBLE=write_invisible, DOT_PREC=prec,
+            K_SCALED=k_scale is not None, num_warps=4, num_stages=2,
+        )
+        return out
     _indexer_logits_kernel[grid](
         q, k, w, positions, out, ks,
         T, S, H, D,
@@ -175,9 +243,7 @@ def indexer_logits_triton(
         positions.stride(0), positions.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_T=cfg["BLOCK_T"], BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"], AS_KEYS=out.dtype == torch.int64,
-        WRITE_INVISIBLE=write_invisible,
-        # fp32 inputs mean fp32 scores (IEEE, not TF32): rounded scores can reorder near-ties and change the top-k
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", K_SCALED=k_scale is not None,
+        WRITE_INVISIBLE=write_invisible, DOT_PREC=prec, K_SCALED=k_scale is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
