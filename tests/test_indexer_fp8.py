@@ -169,3 +169,16 @@ def test_gpu_rounding_kernel_against_the_reference():
     diff = x8.view(torch.uint8) != r8.view(torch.uint8)
     assert not diff.any(), f"{int(diff.sum())} of {diff.numel()} codes differ"
     assert x8.shape == x.shape and scale.shape == x.shape[:-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,H", [(128, 64), (16, 4)])
+def test_gpu_fp8_decode_step_selection(D, H):
+    """One query per row (a decode step, the one-query logits kernel) on fp8 tensor cores: padding, short and long
+    contexts select within the reference's tolerance on the rounded values."""
+    S, topk = 8192, 2048 if D == 128 else 16
+    for pos in (-1, 5, 2047, 5000, S - 1):
+        q, k, w = v32_inputs(1, S, seed=pos + 2, D=D, H=H)
+        positions = torch.tensor([[pos]], device="cuda")
+        got = indexer_topk(q, k, w, positions, topk, fp8=True)
+        assert_selection_within(got, q, k, w, positions, topk)

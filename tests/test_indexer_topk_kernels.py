@@ -298,6 +298,32 @@ def test_gpu_logits_grid_takes_more_than_65535_batch_rows():
 
 
 @pytest.mark.gpu
+def test_gpu_one_query_logits_match_the_tiled_kernel_v32():
+    """Decode steps at V3.2's indexer (64 heads x 128, bf16): the one-query kernel's scores equal the tiled kernel's
+    up to the order of the head sum, its top-k equals the exact select over its own scores, and graph replay of the
+    op equals eager."""
+    B, S, topk = 8, 32768, 2048
+    q, k, w = v32_inputs(B, 1, S, seed=9)
+    positions = torch.tensor([[-1], [0], [100], [2047], [2048], [9000], [20000], [S - 1]], device="cuda")
+    poison = torch.full((B, 1, S), float("nan"), device="cuda")
+    one = indexer_logits_triton(q, k, w, positions, out=poison.clone())
+    tiled = indexer_logits_triton(q, k, w, positions, out=poison.clone(), overrides=dict(BLOCK_S=128))
+    vis = torch.arange(S, device="cuda").view(1, 1, -1) <= positions.unsqueeze(-1)
+    assert torch.equal(torch.isinf(one), ~vis) and torch.equal(torch.isinf(tiled), ~vis)
+    scale = tiled[vis].abs().max()
+    assert ((one[vis] - tiled[vis]).abs() <= 1e-5 * scale).all()
+    eager = indexer_topk_triton(q, k, w, positions, topk, select="radix")
+    assert torch.equal(eager, topk_from_scores(one, topk))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_idx = indexer_topk_triton(q, k, w, positions, topk, select="radix")
+    g_idx.fill_(POISON)
+    graph.replay()
+    assert torch.equal(g_idx, eager)
+
+
+@pytest.mark.gpu
 def test_gpu_indexer_topk_graph_equals_eager():
     B, T, S, topk = 2, 512, 32768, 2048
     q, k, w = v32_inputs(B, T, S, seed=3)
