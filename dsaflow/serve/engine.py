@@ -105,8 +105,9 @@ class PipelineEngine:
         self.continuous = str(serve_cfg.batching) == "continuous"  # serve.batching
         group_rows = min(b - a for a, b in self.ranges)
         self.row_classes = prefill_row_classes(group_rows) if self.continuous and self.prefill_graphs else ()
-        blocks = [b for b in plan.graph_blocks if b.kind == "prefill"] if self.row_classes else []
-        self.chunk_classes = tuple(blocks[0].shape_classes) if blocks else ()  # the scheduler picks among them
+        prefill_blocks = [b for b in plan.graph_blocks if b.kind == "prefill"] if self.row_classes else []
+        # the token classes of the prefill graphs: a continuous prefill pass picks one (Scheduler._chunk_for)
+        self.chunk_classes = tuple(prefill_blocks[0].shape_classes) if prefill_blocks else ()
         for s, blocks in self.blocks.items():
             for b in blocks:
                 for g in range(self.groups):
@@ -309,9 +310,14 @@ class PipelineEngine:
             if problem:
                 raise ServeError(problem)
         requests = [Request(i, list(p), int(m)) for i, (p, m) in enumerate(zip(prompts, max_new))]
-        mixed, narrow = self.prefill_graphs and not self.continuous, self.continuous
         self.scheduler = Scheduler(
-            requests, self.ranges, s.prefill_chunk, self.continuous, mixed, narrow, self.chunk_classes
+            requests,
+            self.ranges,
+            s.prefill_chunk,
+            refill=self.continuous,
+            mixed=self.prefill_graphs and not self.continuous,
+            narrow=self.continuous,
+            chunk_classes=self.chunk_classes,
         )
         self.logits_log, self.first_mark, self.last_mark = {}, {}, {}
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}

@@ -24,7 +24,9 @@ stage's cache rows before the pass runs there): decoding rows to the lowest rows
 finished row, then every row that still prefills, the joining requests included, up to the top row, least prompt
 left lowest. Every prefill pass then covers a top-aligned span [first prefilling row, group rows): eagerly it costs
 those rows, and a prefill graph captured over the top c rows of the group serves it at the cost of c rows, not of
-the whole group. Decode passes run between prefill passes as usual.
+the whole group. Decode passes run between prefill passes as usual. Given the prefill graphs' token classes
+(`chunk_classes`), a pass takes the class that prefills the most tokens per unit of cost (`_chunk_for`), so the short
+prompts of a refill end in a short pass instead of being padded to the longest one's chunk.
 """
 
 from __future__ import annotations
