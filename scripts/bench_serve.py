@@ -12,6 +12,8 @@ per rank. Workloads: `mixed` (prompt lengths log-uniform in [--mixed-prompt], ma
 and `uniform` (every prompt --uniform-prompt tokens, --uniform-new new tokens). Each (pipeline, workload) runs with
 serve.microbatches=1 (one group: one batch through the stages at a time) and the default (one group per rank), and
 the mixed workload also with fixed batches (a group takes new requests only once all its rows finished).
+--profile-passes (CUDA, pipeline=single) adds each row's GPU time per pass kind (`pass_profile`: decode / prefill
+calls, ms, mean ms), from CUDA events around every stage call, read once after the run.
 
 Busy fraction of a rank = time its stages computed / wall time (perf_counter on CPU, CUDA events on GPU); `decode`
 counts only ticks in which every pass in flight was a decode step. Writes <out>/bench_serve.json, bench_serve.md and
@@ -68,6 +70,11 @@ def parse_args(argv=None):
     )
     ap.add_argument("--graphs", default=None, choices=("on", "off"), help="CUDA graphs (default on with CUDA)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
+    ap.add_argument(
+        "--profile-passes",
+        action="store_true",
+        help="CUDA: time every stage call with CUDA events and record GPU ms per pass kind (decode / prefill)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_out/serve")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -91,6 +98,8 @@ def parse_args(argv=None):
     a.overrides = "" if a.overrides == "none" else a.overrides
     if a.graphs == "on" and cpu:
         ap.error("--graphs on needs --device cuda")
+    if a.profile_passes and (cpu or a.pipelines != "single"):
+        ap.error("--profile-passes needs --device cuda and --pipelines single (it times one process's passes)")
     return a
 
 
@@ -145,6 +154,36 @@ def pct(values, q: float):
     return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
 
 
+class PassTimer:
+    """CUDA events around every stage call of an engine (row moves on a refill included): GPU milliseconds per pass
+    kind, read once after the run, so the timed run never waits on them."""
+
+    def __init__(self, eng: PipelineEngine):
+        self.marks = []
+        inner = eng._stage
+
+        def stage(item, index, x):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = inner(item, index, x)
+            end.record()
+            self.marks.append(("decode" if item.payload.p.decode_only else "prefill", start, end))
+            return out
+
+        eng._stage = stage  # the executor looks the stage function up at each generate call
+
+    def summary(self) -> dict:
+        torch.cuda.synchronize()
+        out = {}
+        for kind, start, end in self.marks:
+            entry = out.setdefault(kind, {"calls": 0, "ms": 0.0})
+            entry["calls"] += 1
+            entry["ms"] += start.elapsed_time(end)
+        for entry in out.values():
+            entry["mean_ms"] = entry["ms"] / entry["calls"]
+        return out
+
+
 def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) -> list:
     """Every (workload, groups, batching) of one pipeline split on this rank -> rows (on the last stage's rank)."""
     rows = []
@@ -165,6 +204,7 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) 
         ranked = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         picks = sorted({ranked[(len(ranked) - 1) * q // 7] for q in range(8)})
         eng.generate([prompts[i] for i in picks], [2] * len(picks))
+        timer = PassTimer(eng) if args.profile_passes else None
         t0 = time.perf_counter()
         out = eng.generate(prompts, limits)
         wall = time.perf_counter() - t0
@@ -195,6 +235,9 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) 
                     "device": str(device),
                 }
             )
+            if timer is not None:
+                rows[-1]["pass_profile"] = timer.summary()
+                print(f"  GPU time per pass kind: {rows[-1]['pass_profile']}", flush=True)
             r = rows[-1]
             print(
                 f"{pipeline} groups={r['microbatches']} {w} {r['batching']}: {r['tokens_per_s']:.1f} tokens/s, "

@@ -69,3 +69,16 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
     assert md.count("\n| pp2 |") == 5 and "default groups vs serve.microbatches=1" in md
     assert (tmp_path / "bench_serve.png").stat().st_size > 1000
     assert data["env"]["overrides"] == "" and len(data["env"]["load_average_1min"]) == 2
+
+
+def test_profile_passes_needs_cuda(capsys):
+    """--profile-passes times one process's passes with CUDA events: on CPU or with a pp split it exits 2 naming the
+    flag and the fix."""
+    bench = load_script("bench_serve")
+    for argv in (["--device", "cpu"], ["--device", "cuda", "--pipelines", "single,pp2"]):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args([*argv, "--profile-passes"])
+        assert (
+            e.value.code == 2
+            and "--profile-passes needs --device cuda and --pipelines single" in capsys.readouterr().err
+        )
