@@ -12,8 +12,10 @@ import torch
 from model_helpers import planned_sharp
 
 import dsaflow.model.dense_prefill as dp
+from dsaflow.config.compose import compose
 from dsaflow.model.context import causal_indices
 from dsaflow.model.dense_prefill import (
+    QUERY_BLOCK,
     PrefillHint,
     graph_classes,
     graph_hint,
@@ -56,28 +58,42 @@ def test_plan_prefill_bounds_every_query_block_and_detects_aligned_passes():
 
 
 def test_plan_prefill_splits_the_first_chunk_of_a_long_prompt():
-    """An aligned pass longer than top-k: columns [0, topk) dense (causal), the rest sparse; never for a later chunk,
-    a graph pass (split=False), a top-k below min_tokens, or where the masked path takes the pass."""
+    """An aligned pass longer than top-k: columns [0, topk) dense (causal), then masked query blocks while their key
+    extent is within max_keys, the rest sparse; never for a later chunk, a graph pass (split=False) or a top-k
+    below min_tokens."""
     first = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, -1, -1], [-1] * 6]
     h = plan_prefill(first, topk=4, cache_rows=41, min_tokens=2)
-    assert h == PrefillHint("split", 4, (4,), causal=True, dense_cols=4)
-    assert h.prefix() == PrefillHint("dense", 4, (4,), causal=True)
+    assert h == PrefillHint("split", 4, (4,), causal=True, dense_cols=4) and h.short_cols == 4
     assert plan_prefill(first, topk=4, cache_rows=41, min_tokens=2, split=False) is None
     assert plan_prefill([[4, 5, 6, 7, 8, 9]], topk=4, cache_rows=41, min_tokens=2) is None  # a later chunk
     assert plan_prefill(first, topk=4, cache_rows=41, min_tokens=5) is None  # 4 dense columns: not worth it
-    assert plan_prefill(first, topk=4, cache_rows=41, max_keys=8, min_tokens=2).path == "masked"
+    # the whole pass within max_keys: causal columns then masked ones, nothing sparse (not the all-masked pass)
+    h = plan_prefill(first, topk=4, cache_rows=41, max_keys=16, min_tokens=2)
+    assert h == PrefillHint("split", QUERY_BLOCK, (16,), causal=True, dense_cols=4, masked_cols=2)
+    # dense, masked and sparse columns in one pass: blocks of 4 reach extents 16, 16, 16, then 32 > max_keys
+    rows = [list(range(21)), list(range(13)) + [-1] * 8, [-1] * 21]
+    h = plan_prefill(rows, topk=2, cache_rows=41, max_keys=16, min_tokens=2, block=4)
+    assert h == PrefillHint("split", 4, (16, 16, 16), causal=True, dense_cols=2, masked_cols=12) and h.short_cols == 14
+    assert plan_prefill(rows, topk=2, cache_rows=41, max_keys=48, min_tokens=2, block=4).masked_cols == 19
     with pytest.raises(ValueError, match="not a hint"):
         PrefillHint("split", 4, (4,), causal=False, dense_cols=4)
+
+
+def test_masked_crossover_follows_the_attention_dims():
+    """4304 keys at V3.2's dims (2048 x 1088 / 320 x MASKED_RATE, rounded down to 16); off for model=small, whose
+    window above top-k is narrower than a query block, and at rate 0."""
+    v32 = compose(["mode=serve", "model=dsv32"]).model
+    assert dp.masked_max_keys(v32) == 4304
+    assert dp.masked_max_keys(v32, rate=0.0) == 0
+    assert dp.masked_max_keys(compose(["mode=serve", "model=small"]).model) == 0
 
 
 def test_graph_classes_are_the_prefix_a_pass_on_the_path_can_replay():
     assert graph_classes("sparse", [1, 8, 32, 64], 16, 40, 1) == [1, 8, 32, 64]
     assert graph_classes("dense", [1, 8, 32, 64], 16, 40, 1) == [8, 32]  # 32 takes 9..32 tokens (extent 9..16)
-    assert graph_classes("masked", [1, 8, 32, 64], 16, 40, 1) == [8, 32, 64]
-    assert graph_classes("masked", [8, 32], 16, 0, 1) == []
+    assert graph_classes("masked", [1, 8, 32, 64], 16, 40, 1) == []  # masked passes never replay a graph
     assert graph_classes("dense", [1, 8, 32, 64], 64, 40, 20) == [32, 64]  # passes of < 20 tokens run sparse
     assert graph_hint("dense", 32, 16, 41) == PrefillHint("dense", 32, (16,))
-    assert graph_hint("masked", 32, 16, 41, 100) == PrefillHint("masked", 32, (41,))
     assert graph_hint("sparse", 32, 16, 41) is None
 
 
@@ -155,9 +171,24 @@ def test_prefill_attention_matches_naive_and_the_sparse_path(case):
     ref = naive(mla, q, kv, pos, cos, sin, idx if max_keys else None)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, _absorbed(mla, q, kv, cos, sin, indices), rtol=1e-5, atol=1e-5)
-    # the static graph hint (one block over every allowed key, masks) gives the same numbers
-    static = graph_hint(hint.path, 6, 16 if max_keys is None else topk, S, max_keys or 0)
-    torch.testing.assert_close(prefill_attention(mla, q, kv, pos, cos, sin, static, idx), ref, rtol=1e-5, atol=1e-5)
+    if max_keys is None:  # the static graph hint (one block over the first top-k keys, masks): the same numbers
+        static = graph_hint(hint.path, 6, 16, S)
+        torch.testing.assert_close(prefill_attention(mla, q, kv, pos, cos, sin, static), ref, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_split_attention_is_causal_then_masked_like_naive():
+    """A split hint's columns: 2 causal (every visible key fits top-k 2), then two masked blocks of 2 over the top-k
+    mask; a shorter row and a padding row; NaN in unwritten cache rows. Equal to the naive reference over the
+    selected keys and to the sparse path."""
+    rows, S = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, -1, -1], [-1] * 6], 41
+    mla, q, kv, pos, cos, sin, idx = _inputs(3, 6, S, rows, topk=2)
+    hint = plan_prefill(rows, topk=2, cache_rows=S, max_keys=16, min_tokens=2, block=2)
+    assert (hint.path, hint.dense_cols, hint.masked_cols, hint.ends) == ("split", 2, 4, (16, 16))
+    got = prefill_attention(mla, q, kv, pos, cos, sin, hint, idx)
+    ref = naive(mla, q, kv, pos, cos, sin, idx)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, _absorbed(mla, q, kv, cos, sin, idx), rtol=1e-5, atol=1e-5)
 
 
 # ---- stages with serving caches ----
@@ -215,13 +246,17 @@ def _rel_err(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("topk,max_keys,paths", [(24, 0, {"dense"}), (6, 40, {"dense", "masked"}), (3, 0, {"split"})])
+@pytest.mark.parametrize(
+    "topk,max_keys,chunk,paths",
+    [(24, 0, 5, {"dense"}), (6, 40, 5, {"dense", "masked"}), (3, 0, 5, {"split"}), (2, 16, 21, {"split"})],
+)
 @torch.no_grad()
-def test_stage_prefill_paths_equal_the_sparse_path_then_decode(topk, max_keys, paths):
+def test_stage_prefill_paths_equal_the_sparse_path_then_decode(topk, max_keys, chunk, paths):
     """Prompts of 21 and 13 tokens in chunks of 5 (padding columns and a padding row), two stages FSSS|FSS (S
     layers, cross-stage indices), NaN-poisoned caches: logits of every prefill chunk and of the decode steps after
     it (which read the indexer keys the dense path wrote) equal the sparse path's. topk 6: the first chunk runs
-    dense, the later ones masked; topk 3: the first chunk splits (3 dense columns, 2 sparse), the rest sparse."""
+    dense, the later ones masked; topk 3: the first chunk splits (3 dense columns, 2 sparse), the rest sparse;
+    topk 2 in one chunk of 21: 2 dense columns, 12 masked (blocks of 4), 7 sparse."""
     model, plan = planned_sharp(
         "FSSS|FSS", "model.num_layers=7", f"model.index_topk={topk}", "pipeline.cross_stage_indices=true"
     )
@@ -229,8 +264,8 @@ def test_stage_prefill_paths_equal_the_sparse_path_then_decode(topk, max_keys, p
     g = torch.Generator().manual_seed(0)
     prompts = [21, 13]
     seqs = [torch.randint(0, V, (P + 3,), generator=g) for P in prompts]
-    ref = _prefill_then_decode(stages, _caches(model, plan), seqs, prompts, 5, False, topk, max_keys)
-    got = _prefill_then_decode(stages, _caches(model, plan), seqs, prompts, 5, True, topk, max_keys)
+    ref = _prefill_then_decode(stages, _caches(model, plan, chunk=chunk), seqs, prompts, chunk, False, topk, max_keys)
+    got = _prefill_then_decode(stages, _caches(model, plan, chunk=chunk), seqs, prompts, chunk, True, topk, max_keys)
     assert {p for p, *_ in got} - {"decode", "sparse"} == paths  # a one-token tail chunk runs sparse
     _compare(got, ref, 1e-4)
 
@@ -249,6 +284,7 @@ def test_hint_outside_a_serving_prefill_is_refused():
     [
         (8, 24, {"dense", "masked", "sparse"}),  # 6-token chunks: first chunks dense, later ones masked or sparse
         (4, 0, {"split", "sparse"}),  # first chunks longer than top-k split: 4 dense columns, up to 2 sparse
+        (4, 16, {"split", "masked", "sparse"}),  # the split's last 2 columns masked; later chunks masked to 16 keys
     ],
 )
 def test_engine_tokens_equal_with_short_prefill_on_and_off(topk, max_keys, paths, monkeypatch):
@@ -262,7 +298,7 @@ def test_engine_tokens_equal_with_short_prefill_on_and_off(topk, max_keys, paths
     seen = []
     real_plan = engine_mod.plan_prefill
     monkeypatch.setattr(engine_mod, "plan_prefill", lambda *a, **k: seen.append(real_plan(*a, **k)) or seen[-1])
-    monkeypatch.setattr(dp, "MASKED_PREFILL_MAX_KEYS", max_keys)
+    monkeypatch.setattr(dp, "masked_max_keys", lambda model: max_keys)
     monkeypatch.setattr(dp, "MIN_PREFILL_TOKENS", 2)
     prompts = ["hello", "hi there, friend, how are you", "abc" * 9, "x"]
     base = [f"model.index_topk={topk}", "serve.max_batch=2", "serve.prefill_chunk=6", "model.init_std=0.3"]
@@ -275,25 +311,55 @@ def test_engine_tokens_equal_with_short_prefill_on_and_off(topk, max_keys, paths
 
 
 def test_engine_prefill_graph_blocks_per_path_replay_like_eager(monkeypatch):
-    """Fake-captured prefill graphs: one block per path and class a pass can take (`prefill+dense`,
-    `prefill+masked`), replayed with static hints; tokens equal plain eager, logits equal the force-eager run of
+    """Fake-captured prefill graphs: one block per path and class a pass can take (`prefill`, `prefill+dense`; a
+    pass whose keys would take the masked path replays the sparse graph), replayed with static hints; tokens equal plain eager, logits equal the force-eager run of
     the same blocks bit for bit."""
     from test_generate import PROMPTS, _graph_cfg, same_logits
     from test_generate import run as run_engine
     from test_graphs_cpu import FakeCapturer
 
     monkeypatch.setattr(dp, "MIN_PREFILL_TOKENS", 2)
-    monkeypatch.setattr(dp, "MASKED_PREFILL_MAX_KEYS", 8192)  # off by default (measured slower); on for the test
+    monkeypatch.setattr(dp, "masked_max_keys", lambda model: 8192)  # masked eager passes: graphs replay sparse
     cfg, plan = _graph_cfg()
     ps = [*PROMPTS[:2], "abcdefghijklmnopqrstuvwxyz"]  # the last one above top-k 16: masked chunks
     out_g, eg = run_engine(cfg, plan, ps, record=True, capturer=FakeCapturer())
-    prefill = [("prefill", (2, 8)), ("prefill+dense", (2, 8)), ("prefill+masked", (2, 8))]
+    prefill = [("prefill", (2, 8)), ("prefill+dense", (2, 8))]
     assert {(r.block, r.shape_class, r.stage) for r in eg.graphs.report().records} == {
         (b, c, s) for s in (0, 1) for b, cs in (("decode", (1, 2, 4)), *prefill) for c in cs
     }
     out_f, ef = run_engine(cfg, plan, ps, record=True, force_eager=True)
     assert out_f == out_g and same_logits(eg.logits_log, ef.logits_log)
     cfg_off, plan_off = _graph_cfg()
+    cfg_off.serve.short_prefill = False
+    out_off, _ = run_engine(cfg_off, plan_off, ps, capturer=FakeCapturer())
+    assert out_off == out_g
+
+
+def test_engine_split_graphs_replay_like_eager(monkeypatch):
+    """Top-k 4 under prefill token classes 2 / 8: a first chunk of 5-8 tokens replays the `prefill+split` graph
+    (captured with the static hint of an aligned 8-column pass: 4 causal columns, 4 masked), padded; tokens equal the
+    run without short prefill, logits equal the force-eager run of the same blocks bit for bit."""
+    from test_generate import _graph_cfg, same_logits
+    from test_generate import run as run_engine
+    from test_graphs_cpu import FakeCapturer
+
+    monkeypatch.setattr(dp, "MIN_PREFILL_TOKENS", 2)
+    monkeypatch.setattr(dp, "masked_max_keys", lambda model: 8192)
+    cfg, plan = _graph_cfg()
+    cfg.model.index_topk = 4
+    ps = ["hello there", "abcdefghijklmnopqrstuvwxyz", "hi"]
+    out_g, eg = run_engine(cfg, plan, ps, record=True, capturer=FakeCapturer())
+    blocks = {(r.block, r.shape_class) for r in eg.graphs.report().records}
+    assert {("prefill+split", 8), ("prefill+dense", 2), ("prefill+dense", 8)} <= blocks
+    assert not any("masked" in b for b, _ in blocks)
+    replayed, run_block = [], eg.graphs.run
+    eg.graphs.run = lambda name, *a, **k: replayed.append(name) or run_block(name, *a, **k)
+    assert eg.generate([list(p.encode()) for p in ps]) == out_g
+    assert "prefill+split" in replayed
+    out_f, ef = run_engine(cfg, plan, ps, record=True, force_eager=True)
+    assert out_f == out_g and same_logits(eg.logits_log, ef.logits_log)
+    cfg_off, plan_off = _graph_cfg()
+    cfg_off.model.index_topk = 4
     cfg_off.serve.short_prefill = False
     out_off, _ = run_engine(cfg_off, plan_off, ps, capturer=FakeCapturer())
     assert out_off == out_g
@@ -364,13 +430,15 @@ def test_gpu_stage_prefill_paths_match_the_sparse_path_bf16(topk, max_keys):
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk", [128, 16])
 def test_gpu_prefill_graphs_of_each_path_replay_bitwise_equal_to_eager(topk, monkeypatch):
-    """topk 128: every prompt (5..70 tokens) prefills dense; topk 16: masked above 16 keys. The prefill graph blocks
-    of the path replay (checked by name) and equal the force-eager run of the same blocks bit for bit."""
+    """topk 128: every prompt (5..70 tokens) prefills dense; topk 16: first chunks above 16 tokens replay the split
+    graph (16 causal columns, then masked), later chunks above 16 keys, where eager passes would run masked, the
+    sparse graph (no masked graph is captured). The prefill graph blocks of the path replay (checked by name) and
+    equal the force-eager run of the same blocks bit for bit."""
     from test_graphs_gpu import assert_bitwise, make, prompts
     from test_graphs_gpu import run as run_gpu
 
     monkeypatch.setattr(dp, "MIN_PREFILL_TOKENS", 2)
-    monkeypatch.setattr(dp, "MASKED_PREFILL_MAX_KEYS", 8192)  # off by default (measured slower); on for the test
+    monkeypatch.setattr(dp, "masked_max_keys", lambda model: 8192)
     cfg, plan = make([f"model.index_topk={topk}"])
     ps = prompts(5, seed=3)
     out_g, eg, report = run_gpu(cfg, plan, ps, strict=True)
@@ -378,7 +446,8 @@ def test_gpu_prefill_graphs_of_each_path_replay_bitwise_equal_to_eager(topk, mon
     replayed, run_block = [], eg.graphs.run
     eg.graphs.run = lambda name, *a, **k: replayed.append(name) or run_block(name, *a, **k)
     out_g = eg.generate(ps)
-    assert ("prefill+dense" if topk == 128 else "prefill+masked") in replayed
+    assert ("prefill+dense" if topk == 128 else "prefill+split") in replayed  # topk 16: first chunks split
+    assert not any("+masked" in r.block for r in report.records)
     out_e, ee, _ = run_gpu(cfg, plan, ps, force_eager=True)
     assert_bitwise(eg.logits_log, ee.logits_log)
     assert out_g == out_e

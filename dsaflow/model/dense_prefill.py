@@ -13,16 +13,17 @@ largest position + 1:
           them) but compute no scores and no top-k; S layers read no indices;
   masked  topk < key_extent <= max_keys: F layers run the top-k as usual (S layers read it), and attention runs over
           keys [0, key_extent) with the selected keys as a boolean mask: the same key set as the sparse path.
-`plan_prefill` refines sparse for the first chunk of a long prompt (every row at positions 0, 1, .. or padding, T >
-topk): its columns [0, topk) see at most topk keys, all of which the top-k would select, so they attend densely
-(causal, over the non-absorbed heads) and only columns [topk, T) run sparse: the `split` hint. F layers score and
-select only those columns; the first columns' indices are -1 and nobody reads them. Eager passes only: a captured
-graph cannot depend on where the prompt starts.
-max_keys defaults to MASKED_PREFILL_MAX_KEYS (docs/serving.md says how it was measured; `scripts/bench_indexcache.py
---part short` measures it); 0 turns the masked path off. min_tokens defaults to MIN_PREFILL_TOKENS: the non-absorbed
-heads need every visible key up-projected (W_UK c, W_UV c: C (N + V) multiply-adds per key and head), which a chunk
-of few queries does not amortise: in FLOPs the dense path beats the absorbed one from C (N + V) / (2 C + R - (N + R +
-V) / 2) = 141 queries per chunk at V3.2's dims.
+`plan_prefill` refines this for the first chunk of a prompt longer than top-k (every row at positions 0, 1, .. or
+padding, T > topk): the `split` hint. Its columns [0, topk) see at most topk keys, all of which the top-k would
+select, so they attend densely (causal, over the non-absorbed heads); the next query blocks whose key extent is at
+most max_keys attend masked; the remaining columns run sparse. F layers score and select only columns [topk, T); the
+first columns' indices are -1 and nobody reads them. A captured split graph of T columns (`graph_hint`) holds the
+hint of a full aligned pass of T; a shorter first chunk replays it padded (its columns past its prompt are padding).
+max_keys comes from `masked_max_keys` (the crossover, from the model's attention dims and a measured rate; 0 turns
+the masked path off). min_tokens defaults to MIN_PREFILL_TOKENS: the non-absorbed heads need every visible key
+up-projected (W_UK c, W_UV c: C (N + V) multiply-adds per key and head), which a chunk of few queries does not
+amortise: in FLOPs the dense path beats the absorbed one from C (N + V) / (2 C + R - (N + R + V) / 2) = 141 queries
+per chunk at V3.2's dims.
 
 Both run per head (H heads, N nope, R rope, V value dims, C latent) from the CACHED latent rows kv [B, S, C + R], so
 the keys of earlier chunks count: q = [q_nope | rope(q_pe)] (N + R), k = [W_UK c | rope(k_pe)] (N + R), v = W_UV c (V),
@@ -46,23 +47,37 @@ import torch.nn.functional as F
 
 from .rope import apply_rope
 
-# Largest key extent (last position + 1) for which the masked path runs; 0 = off. Set from `scripts/bench_indexcache.py
-# --part short` on one H200 (docs/serving.md, "Short-context prefill"): masked SDPA lost to the sparse path at every
-# measured context above top-k (0.94-0.95x at 4K, 0.80-0.83x at 8K), so it is off until a masked kernel beats it.
-MASKED_PREFILL_MAX_KEYS = 0
+# Masked SDPA's rate over every (query, visible key) pair of its query blocks, as a fraction of the sparse kernel's
+# rate over the top-k: 0.62 at a 4K and 0.68 at an 8K first chunk on one H200 (V3.2 attention dims, 512-query blocks,
+# cuDNN's SDPA with a boolean mask against the Hopper sparse kernel; docs/serving.md, "Short-context prefill").
+# `masked_max_keys` turns it into the crossover; 0 turns the masked path off.
+MASKED_RATE = 0.62
 # Fewest query columns per pass for the short paths: the dense path beat the sparse one at a 2K context from the
 # smallest measured chunk, 128 tokens (1.20x), on the same run (the FLOP break-even is about 141 at V3.2's dims).
 MIN_PREFILL_TOKENS = 128
-QUERY_BLOCK = 1024  # queries per SDPA call on the masked paths: each block stops at its own last visible key
+QUERY_BLOCK = 512  # queries per SDPA call on the masked paths: each block stops at its own last visible key
 KEY_ALIGN = 16  # key extents round up to this (aligned attention-bias rows for the memory-efficient kernel)
-PATHS = ("sparse", "dense", "masked")
+PATHS = ("sparse", "dense", "masked", "split")
+
+
+def masked_max_keys(model, rate: float | None = None) -> int:
+    """The largest key extent at which masked attention beats the sparse kernel, for a model config's attention
+    dims: per query and head, the masked form does extent x (N + R + V) multiply-adds over every visible key, the
+    sparse one topk x (2 C + R) over the top-k (absorbed), at `rate` (default MASKED_RATE) times its speed. V3.2's
+    dims (top-k 2048): 4304 keys. Rounded down to KEY_ALIGN; 0 (masked off) below top-k + QUERY_BLOCK keys, where
+    masked attention would win on too few passes to pay for its own graphs (`model=small`: 272 keys, off)."""
+    rate = MASKED_RATE if rate is None else rate
+    absorbed = 2 * model.kv_lora_rank + model.qk_rope_head_dim
+    per_head = model.qk_nope_head_dim + model.qk_rope_head_dim + model.v_head_dim
+    keys = int(model.index_topk * absorbed * rate / per_head) // KEY_ALIGN * KEY_ALIGN
+    return keys if keys >= model.index_topk + QUERY_BLOCK else 0
 
 
 def prefill_path(
     tokens: int,
     key_extent: int,
     topk: int,
-    max_keys: int = MASKED_PREFILL_MAX_KEYS,
+    max_keys: int = 0,
     min_tokens: int = MIN_PREFILL_TOKENS,
 ) -> str:
     """The attention path of one serving pass: `tokens` query columns per row, every position < key_extent."""
@@ -77,29 +92,43 @@ def prefill_path(
 
 @dataclass(frozen=True)
 class PrefillHint:
-    """How a prefill pass attends, decided on the host. path: "dense" | "masked" | "split". Query columns [j * block,
-    (j + 1) * block) attend over cache rows [0, ends[j]), which must cover every key they can see (position + 1).
-    causal: every column t of every row holds position t or padding (< 0): dense attention is then one causal SDPA
-    over rows [0, T) (ends unused). split: columns [0, dense_cols) attend as the causal dense hint `prefix()` says,
-    columns [dense_cols, T) sparsely over the top-k."""
+    """How a prefill pass attends, decided on the host. path: "dense" | "masked" | "split".
+    dense / masked: query columns [j * block, (j + 1) * block) attend over cache rows [0, ends[j]), which must cover
+    every key they can see (position + 1). causal: every column t of every row holds position t or padding (< 0):
+    dense attention is then one causal SDPA over rows [0, T) (ends unused).
+    split (causal, aligned rows): columns [0, dense_cols) attend causally over rows [0, dense_cols); the masked_cols
+    columns after them attend masked in query blocks as `ends` says (block j: columns dense_cols + [j * block,
+    (j + 1) * block)); columns [dense_cols + masked_cols, T) run sparse over the top-k. With masked_cols 0, block
+    and ends are (dense_cols, (dense_cols,))."""
 
     path: str
     block: int
     ends: tuple
     causal: bool = False
     dense_cols: int = 0
+    masked_cols: int = 0
 
     def __post_init__(self):
-        split_ok = self.path != "split" or (self.causal and self.dense_cols >= 1)
-        if self.path not in ("dense", "masked", "split") or self.block < 1 or not self.ends or not split_ok:
+        split_ok = self.path != "split" or (
+            self.causal and self.dense_cols >= 1 and -(-self.masked_cols // self.block) <= len(self.ends)
+        )
+        if (
+            self.path not in ("dense", "masked", "split")
+            or self.block < 1
+            or not self.ends
+            or not split_ok
+            or self.masked_cols < 0
+            or (self.masked_cols and self.path != "split")
+        ):
             raise ValueError(
                 f"PrefillHint(path={self.path!r}, block={self.block}, ends={self.ends}, causal={self.causal}, "
-                f"dense_cols={self.dense_cols}) is not a hint."
+                f"dense_cols={self.dense_cols}, masked_cols={self.masked_cols}) is not a hint."
             )
 
-    def prefix(self) -> PrefillHint:
-        """split: the causal dense hint of columns [0, dense_cols)."""
-        return PrefillHint("dense", self.dense_cols, (self.dense_cols,), causal=True)
+    @property
+    def short_cols(self) -> int:
+        """split: the columns [0, dense_cols + masked_cols) that `prefill_attention` takes (the rest run sparse)."""
+        return self.dense_cols + self.masked_cols
 
 
 def _round_keys(end: int, rows: int) -> int:
@@ -115,28 +144,43 @@ def _aligned(row: Sequence[int]) -> bool:
     return list(row[:n]) == list(range(n)) and (n == len(row) or max(row[n:]) < 0)
 
 
+def _block_ends(positions: Sequence[Sequence[int]], t0: int, T: int, block: int, cache_rows: int) -> list:
+    """The key extent of each query block of columns [t0, T): its largest position + 1, rounded up to KEY_ALIGN."""
+    return [_round_keys(max(max(r[t : t + block]) for r in positions) + 1, cache_rows) for t in range(t0, T, block)]
+
+
 def plan_prefill(
     positions: Sequence[Sequence[int]],
     topk: int,
     cache_rows: int,
-    max_keys: int = MASKED_PREFILL_MAX_KEYS,
+    max_keys: int = 0,
     min_tokens: int = MIN_PREFILL_TOKENS,
     block: int = QUERY_BLOCK,
     split: bool = True,
 ) -> Optional[PrefillHint]:
     """Host lists positions [rows][T] of one pass (< 0 = padding) -> its hint, or None for the sparse path.
-    cache_rows: rows of the serving cache (max_context + 1). split=False: never the split hint (graph passes)."""
+    cache_rows: rows of the serving cache (max_context + 1); max_keys: `masked_max_keys` (0: no masked attention).
+    split=False: never the split hint (graph passes)."""
     T = len(positions[0]) if positions else 0
     extent = max((max(r) for r in positions), default=-1) + 1
     path = prefill_path(T, extent, topk, max_keys, min_tokens)
+    worth = topk >= max(2, min_tokens)  # the dense columns amortise their key up-projection, as a dense pass
+    first = T > topk and T < cache_rows and all(_aligned(r) for r in positions)
+    if path != "dense" and split and worth and first:
+        # a first chunk: causal over the first topk columns (cheaper than masking them), then masked query blocks
+        # while their keys stay under the crossover, then sparse
+        ends = []
+        for end in _block_ends(positions, topk, T, block, cache_rows) if max_keys else ():
+            if end > max_keys:
+                break
+            ends.append(end)
+        if ends:
+            masked = min(T - topk, len(ends) * block)
+            return PrefillHint("split", block, tuple(ends), causal=True, dense_cols=topk, masked_cols=masked)
+        return PrefillHint("split", topk, (topk,), causal=True, dense_cols=topk)
     if path == "sparse":
-        worth = topk >= max(2, min_tokens)  # the dense columns amortise their key up-projection, as a dense pass
-        if split and worth and T > topk and T < cache_rows and all(_aligned(r) for r in positions):
-            return PrefillHint("split", topk, (topk,), causal=True, dense_cols=topk)
         return None
-    ends = tuple(
-        _round_keys(max(max(r[t0 : t0 + block]) for r in positions) + 1, cache_rows) for t0 in range(0, T, block)
-    )
+    ends = tuple(_block_ends(positions, 0, T, block, cache_rows))
     causal = path == "dense" and T < cache_rows and all(_aligned(r) for r in positions)
     return PrefillHint(path, block, ends, causal)
 
@@ -145,28 +189,37 @@ def graph_classes(
     path: str,
     classes: Sequence[int],
     topk: int,
-    max_keys: int = MASKED_PREFILL_MAX_KEYS,
+    max_keys: int = 0,
     min_tokens: int = MIN_PREFILL_TOKENS,
 ) -> list:
     """The token classes of a prefill graph block that a pass on `path` can use: a pass of n tokens replays the
-    smallest class >= n, and its key extent is at least n. A contiguous run of `classes`."""
+    smallest class >= n, and its key extent is at least n. A contiguous run of `classes`. None for masked: a graph
+    cannot depend on the pass's key extent, so it would attend over all max_keys keys, where the masked form costs
+    what the sparse one does (that is how max_keys is set); graph passes of those extents replay the sparse graph.
+    split: the classes above top-k (a first chunk of more than top-k tokens), where its top-k dense columns pay."""
     if path == "sparse":
         return list(classes)
-    bound = topk if path == "dense" else max_keys
+    if path == "masked":
+        return []
+    if path == "split":
+        return [c for c in classes if c > topk] if topk >= max(2, min_tokens) else []
     out, prev = [], 0
     for c in classes:
-        if c >= max(2, min_tokens) and prev + 1 <= bound and (path == "dense" or bound > topk):
+        if c >= max(2, min_tokens) and prev + 1 <= topk:
             out.append(c)
         prev = c
     return out
 
 
-def graph_hint(path: str, tokens: int, topk: int, cache_rows: int, max_keys: int = MASKED_PREFILL_MAX_KEYS):
-    """The static hint a captured prefill graph of `tokens` columns runs on `path` (None for sparse): one query
-    block over every key the path allows (topk for dense, max_keys for masked), with masks, whatever the pass."""
+def graph_hint(path: str, tokens: int, topk: int, cache_rows: int, max_keys: int = 0):
+    """The static hint a captured prefill graph of `tokens` columns runs on `path` (None for sparse): dense, one
+    query block over the first topk keys with a position mask, whatever the pass; split, the hint of an aligned pass
+    of `tokens` columns (its masked blocks' key extents cover any shorter first chunk's)."""
     if path == "sparse":
         return None
-    return PrefillHint(path, tokens, (_round_keys(topk if path == "dense" else max_keys, cache_rows),), False)
+    if path == "split":
+        return plan_prefill([list(range(tokens))], topk, cache_rows, max_keys, min_tokens=2)
+    return PrefillHint(path, tokens, (_round_keys(topk, cache_rows),), False)
 
 
 def key_mask(indices: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -209,39 +262,49 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Attention of one prefill chunk over the cached rows, on the hint's path: q [B, T, H, N + R] (q_pe not
     rotated), kv [B, S_cache, C + R] (this chunk's rows already written), positions [B, T], cos / sin the MLA RoPE
-    tables [B, T, R // 2], indices [B, T, topk] int32 (masked path) -> [B, T, H * V]. A padding query (position < 0)
-    gets 0, like sparse_mla over no index."""
+    tables [B, T, R // 2], indices [B, T, topk] int32 (masked and split paths) -> [B, T, H * V]. For a split hint,
+    T = hint.short_cols (its dense then masked columns). A padding query (position < 0) gets 0, like sparse_mla over
+    no index."""
     B, T, H, _ = q.shape
-    if hint.path == "masked" and indices is None:
+    masked = hint.path == "masked" or (hint.path == "split" and hint.masked_cols > 0)
+    if masked and indices is None:
         raise ValueError("the masked prefill path needs the top-k indices of the layer's source")
-    S = T if hint.causal else max(hint.ends)
+    # columns [0, causal) attend causally over rows [0, causal); columns [causal, T) in query blocks with a mask
+    causal = T if hint.causal and hint.path == "dense" else hint.dense_cols
+    S = max([causal] + ([max(hint.ends)] if T > causal else []))
     # Rows past a row's last position were not written by its request (stale, or never written): zero them, so that
     # a masked-out key can never bring a NaN into the sum (0 * NaN), as sparse_mla never reads unselected rows.
     live = torch.arange(S, device=q.device).view(1, S) <= positions.amax(dim=1, keepdim=True)
     rows = torch.where(live.unsqueeze(-1), kv[:, :S], torch.zeros((), dtype=kv.dtype, device=kv.device))
     qh, kh, vh = head_tensors(mla, q, rows, cos, sin)
-    if hint.causal:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=mla.sm_scale)
-    else:
+    outs = []  # [B, H, t, V] per SDPA call
+    if causal:
+        outs.append(
+            F.scaled_dot_product_attention(
+                qh[:, :, :causal], kh[:, :, :causal], vh[:, :, :causal], is_causal=True, scale=mla.sm_scale
+            )
+        )
+    if T > causal:
+        pos = positions[:, causal:]
         keys = torch.arange(S, device=q.device)
-        if hint.path == "dense":
-            mask = keys.view(1, 1, S) <= positions.unsqueeze(-1)
-        else:
-            mask = key_mask(indices, S)
+        mask = key_mask(indices[:, causal:], S) if masked else keys.view(1, 1, S) <= pos.unsqueeze(-1)
         # a padding query sees key 0 only (no all-masked row: SDPA would return NaN); its output is zeroed below
-        mask = mask | ((keys == 0).view(1, 1, S) & (positions < 0).unsqueeze(-1))
-        outs = []
+        mask = mask | ((keys == 0).view(1, 1, S) & (pos < 0).unsqueeze(-1))
         for j, end in enumerate(hint.ends):
-            t0, t1 = j * hint.block, min(T, (j + 1) * hint.block)
+            t0, t1 = j * hint.block, min(T - causal, (j + 1) * hint.block)
+            if t0 >= t1:
+                break
             outs.append(
                 F.scaled_dot_product_attention(
-                    qh[:, :, t0:t1],
+                    qh[:, :, causal + t0 : causal + t1],
                     kh[:, :, :end],
                     vh[:, :, :end],
                     attn_mask=mask[:, None, t0:t1, :end],
                     scale=mla.sm_scale,
                 )
             )
-        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    o = torch.where((positions >= 0).view(B, 1, T, 1), o, torch.zeros((), dtype=o.dtype, device=o.device))
-    return o.transpose(1, 2).reshape(B, T, H * mla.v_dim)
+    # joined along the tokens as [B, t, H, V] views: SDPA's outputs are laid out so, and a cat along the heads' token
+    # dim takes torch's slow generic copy (0.24 ms per 4K-token layer at V3.2's dims on an H200, against 0.06)
+    o = torch.cat([o.transpose(1, 2) for o in outs], dim=1) if len(outs) > 1 else outs[0].transpose(1, 2)
+    o = torch.where((positions >= 0).view(B, T, 1, 1), o, torch.zeros((), dtype=o.dtype, device=o.device))
+    return o.reshape(B, T, H * mla.v_dim)  # [B, T, H, V] contiguous (torch.where's output): a view

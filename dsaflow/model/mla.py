@@ -109,11 +109,15 @@ class MLA(nn.Module):
             indices = ctx.index_slot.write(self.layer_index, selected)
         else:
             indices = ctx.index_slot.read(self.layer_index, self.source)
-        if hint is not None and hint.path == "split":  # the first topk columns see only keys the top-k keeps
-            D, pos = hint.dense_cols, ctx.positions
-            head = prefill_attention(self, q[:, :D], kv, pos[:, :D], cos[:, :D], sin[:, :D], hint.prefix())
-            tail = self._attend(q[:, D:], kv, indices[:, D:], cos[:, D:], sin[:, D:])
-            return torch.cat([self.wo(head), self.wo(tail)], dim=1)  # [B, T, dim]: half the bytes of [B, T, H V]
+        if hint is not None and hint.path == "split":  # dense, then masked columns; the rest sparse
+            E, pos = hint.short_cols, ctx.positions
+            head = self.wo(
+                prefill_attention(self, q[:, :E], kv, pos[:, :E], cos[:, :E], sin[:, :E], hint, indices[:, :E])
+            )
+            if E == q.shape[1]:
+                return head
+            tail = self._attend(q[:, E:], kv, indices[:, E:], cos[:, E:], sin[:, E:])
+            return torch.cat([head, self.wo(tail)], dim=1)  # [B, T, dim]: half the bytes of [B, T, H V]
         if hint is not None:  # masked: the same keys as the sparse path, over the non-absorbed heads
             return self.wo(prefill_attention(self, q, kv, ctx.positions, cos, sin, hint, indices))
         return self.wo(self._attend(q, kv, indices, cos, sin))

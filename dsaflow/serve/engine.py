@@ -97,7 +97,7 @@ class PipelineEngine:
         # serve.short_prefill: the attention path of each prefill pass, from its host positions (no device read)
         self.prefill_paths = dense_prefill.PATHS if serve_cfg.short_prefill else ("sparse",)
         self.prefill_rule = dict(
-            max_keys=dense_prefill.MASKED_PREFILL_MAX_KEYS, min_tokens=dense_prefill.MIN_PREFILL_TOKENS
+            max_keys=dense_prefill.masked_max_keys(model_cfg), min_tokens=dense_prefill.MIN_PREFILL_TOKENS
         )
         self.blocks = {s: plan.blocks_of_stage(s) for s in stages}
         # continuous batching: refills pack the group's rows and prefill its top rows (dsaflow.serve.scheduler,
@@ -172,7 +172,7 @@ class PipelineEngine:
 
     @staticmethod
     def _path_name(name: str, path: str) -> str:
-        """The graph block of a prefill path: the configured name for sparse, `<name>+dense` / `<name>+masked`."""
+        """The graph block of a prefill path: the configured name for sparse, else `<name>+dense` / `<name>+split`."""
         return name if path == "sparse" else f"{name}+{path}"
 
     def _received(self, stage: int, cache, positions: torch.Tensor) -> Optional[torch.Tensor]:
@@ -369,7 +369,9 @@ class PipelineEngine:
         work = Work(p, rows, cols, keys, graph)
         if not p.decode_only and "dense" in self.prefill_paths:
             topk, cache_rows = self.model_cfg.index_topk, self.serve.max_context + 1
-            work.hint = plan_prefill(p.positions, topk, cache_rows, split=not graph, **self.prefill_rule)
+            work.hint = plan_prefill(p.positions, topk, cache_rows, **self.prefill_rule)
+            if graph and work.hint is not None and work.hint.path == "masked":
+                work.hint = None  # no masked graphs (dense_prefill.graph_classes): the sparse graph replays
         extra = (((rows, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
         return Item(p.group, (rows, p.T, self.model_cfg.dim), self.dtype, work, (2, rows), p.decode_only, extra)
 
