@@ -27,15 +27,18 @@ minutes at this size). For every index config (index=all_full / every2 / every4)
 * DSA layer prefill = a --short-layers stage (all-F: FFFF, 1/4-F: FSSS) prefilling L tokens in --prefill-chunk
   chunks through its serving cache, per layer (stage time / layers), on the old sparse path (top-k indices through
   sparse_mla) and on the short path (dsaflow.model.dense_prefill, forced: dense where L <= top-k, else masked, whatever
-  the crossover); `auto` names what the rule picks with the current MASKED_PREFILL_MAX_KEYS;
+  the crossover; above top-k the first chunk splits with every column after the first top-k masked); `auto` names
+  what the engine's rule picks (masked up to `masked_max_keys`);
 * dense layer = an independent layer in plain torch (`DenseLayer` below, nothing from dsaflow): the same
   projections (MLA, non-absorbed heads 192 / 128, causal SDPA) and SwiGLU MLP, one forward of L tokens;
 * indexer = its projections plus the scores / top-k op over the same chunks; key projection = the indexer's key
   (wk, LayerNorm, RoPE) alone, all that a dense-path F layer adds;
 * bar = dense layer + (F layers / layers) x (indexer, or the key projection on the dense path): the short path
-  should stay under it; crossover = the largest context up to which the masked path beats the sparse one, the
-  value for MASKED_PREFILL_MAX_KEYS (docs/serving.md); the chunk sweep (all-F, --short-chunks at
-  --short-chunk-contexts) gives the smallest chunk from which the short path wins, the value for MIN_PREFILL_TOKENS.
+  should stay under it; crossover = the largest context up to which the forced short path beats the sparse one;
+  masked rate = masked SDPA (the split's query blocks) against sparse_mla over the same top-k, per context above
+  top-k, in FLOP/s of what each form does: the value for MASKED_RATE (docs/serving.md); the chunk sweep (all-F,
+  --short-chunks at --short-chunk-contexts) gives the smallest chunk from which the short path wins, the value for
+  MIN_PREFILL_TOKENS.
 It writes indexcache_short.json and indexcache_short.md (the --part long outputs are unchanged).
 
 Writes indexcache.json, indexcache.md and (matplotlib permitting) indexcache.png with the IndexCache paper's 1/4-F

@@ -1,7 +1,7 @@
 """The short-context rows of scripts/bench_indexcache.py (`--part short`): the DSA layer's prefill on the sparse path
 and on the short path (dsaflow.model.dense_prefill) against an independent plain-torch dense layer, the indexer's
-time and its key projection's, and the measured crossover for MASKED_PREFILL_MAX_KEYS. See bench_indexcache.py's
-docstring for what each column means."""
+time and its key projection's, and the masked attention's measured rate against the sparse kernel's (MASKED_RATE,
+from which `masked_max_keys` sets the crossover). See bench_indexcache.py's docstring for what each column means."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsaflow.model import dense_prefill
-from dsaflow.model.dense_prefill import plan_prefill
+from dsaflow.model.dense_prefill import key_mask, masked_max_keys, plan_prefill
 from dsaflow.model.rope import rope_angles
+from dsaflow.ops.sparse_mla import sparse_mla
 from dsaflow.run.stages import stage_cache
 
 LAYOUTS = ("all_full", "every4")  # index configs: FFFF and FSSS at 4 layers
@@ -90,7 +91,34 @@ def stage_prefill_seconds(stage, cache, L: int, chunk: int, path: str, timed, de
         for xc, pc, hint in chunks:
             stage(xc, pc, cache, prefill=hint)
 
+    if path == "auto_graph":  # one pass (chunk >= L), captured as the engine's prefill graph of its class would be
+        if device.type != "cuda" or len(chunks) != 1:
+            return None
+        xc, pc, hint = chunks[0]
+        return graph_seconds(lambda: stage(xc, pc, cache, prefill=hint), device, repeats)
     return timed(prefill, device, repeats)
+
+
+def graph_seconds(fn, device, repeats: int) -> float:
+    """Median seconds of one CUDA-graph replay of fn (captured after a warm-up on a side stream): the time without
+    the launches' host overhead, as a captured serving pass runs."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    out = []
+    for _ in range(max(1, repeats)):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        out.append(time.perf_counter() - t0)
+    del graph
+    return sorted(out)[len(out) // 2]
 
 
 def chunk_hints(m, cache, L: int, chunk: int, path: str) -> list:
@@ -99,10 +127,12 @@ def chunk_hints(m, cache, L: int, chunk: int, path: str) -> list:
     for c0 in range(0, L, chunk):
         pos = list(range(c0, min(L, c0 + chunk)))
         hint = None
+        if path == "auto_graph":
+            path = "auto"
         if path == "short":
             hint = plan_prefill([pos], m.index_topk, cache.max_context + 1, UNBOUNDED, min_tokens=2)
         elif path == "auto":
-            hint = plan_prefill([pos], m.index_topk, cache.max_context + 1)
+            hint = plan_prefill([pos], m.index_topk, cache.max_context + 1, masked_max_keys(m))
         out.append((c0, pos, hint))
     return out
 
@@ -126,7 +156,7 @@ def run(a, make_cfg, build_stage, op_seconds, timed) -> dict:
     device = torch.device(a.device)
     dtype = serve_dtype("auto", device)
     contexts = [int(c) for c in a.short.split(",")]
-    rows, base, sweep = [], {}, []
+    rows, base, sweep, rates = [], {}, [], []
     warm_up(device)
     short_args = argparse.Namespace(**{**vars(a), "layers": a.short_layers})
     for index in LAYOUTS:
@@ -139,7 +169,7 @@ def run(a, make_cfg, build_stage, op_seconds, timed) -> dict:
             cache = stage_cache(m, plan, 0, 1, L + 127, chunk, device, dtype)
             times = {
                 p: stage_prefill_seconds(stage, cache, L, chunk, p, timed, device, a.short_repeats)
-                for p in ("sparse", "short", "auto")
+                for p in ("sparse", "short", "auto", "auto_graph")
             }
             auto_paths = sorted({h.path if h else "sparse" for *_, h in chunk_hints(m, cache, L, chunk, "auto")})
             del cache
@@ -151,10 +181,13 @@ def run(a, make_cfg, build_stage, op_seconds, timed) -> dict:
                 x = torch.randn(1, L, m.dim, device=device, dtype=dtype)
                 with torch.no_grad():
                     dense_s = timed(lambda: dense(x), device, a.short_repeats)
+                    dense_graph_s = (
+                        graph_seconds(lambda: dense(x), device, a.short_repeats) if device.type == "cuda" else None
+                    )
                 del dense, x
                 first_f = next(layer for layer in stage.layers.values() if layer.attn.indexer is not None)
                 idx_s, keys_s = indexer_seconds(first_f, m, L, chunk, device, dtype, timed, op_seconds, a.short_repeats)
-                base[L] = dict(dense_s=dense_s, indexer_s=idx_s, key_proj_s=keys_s)
+                base[L] = dict(dense_s=dense_s, dense_graph_s=dense_graph_s, indexer_s=idx_s, key_proj_s=keys_s)
             b = base[L]
             short_path = "dense" if L <= m.index_topk else "masked"
             share = (b["key_proj_s"] if short_path == "dense" else b["indexer_s"]) * n_f / a.short_layers
@@ -183,14 +216,23 @@ def run(a, make_cfg, build_stage, op_seconds, timed) -> dict:
                 dense_over_sparse=b["dense_s"] / (times["sparse"] / a.short_layers),
                 dense_over_short=b["dense_s"] / new,
             )
+            if times["auto_graph"] is not None:  # both sides captured: no launch overhead on either
+                graph_bar = b["dense_graph_s"] + share
+                row.update(
+                    auto_graph_ms_per_layer=times["auto_graph"] / a.short_layers * 1e3,
+                    dense_graph_ms=b["dense_graph_s"] * 1e3,
+                    graph_bar_ms=graph_bar * 1e3,
+                    auto_graph_within_bar=times["auto_graph"] / a.short_layers <= graph_bar,
+                )
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if index == LAYOUTS[0]:
             sweep += chunk_sweep(a, stage, plan, device, dtype, timed)
+            rates = [masked_rate(m, L, device, dtype, timed, a.short_repeats) for L in contexts if L > m.index_topk]
         del stage
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return result(a, rows, sweep, device, dtype, m.index_topk)
+    return result(a, rows, sweep, rates, device, dtype, m)
 
 
 def warm_up(device, seconds: float = 1.0) -> None:
@@ -204,6 +246,52 @@ def warm_up(device, seconds: float = 1.0) -> None:
         for _ in range(50):
             x @ x
         torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def masked_rate(m, L: int, device, dtype, timed, repeats: int) -> dict:
+    """The split pass's middle against the sparse kernel, for the queries [topk, L) of an L-token first chunk and one
+    random top-k of each: masked SDPA in QUERY_BLOCK-query blocks (block j over keys [0, topk + (j + 1) * block), the
+    non-absorbed heads, the top-k as a boolean mask) and sparse_mla over the same top-k (absorbed heads). Each rate
+    counts the FLOPs its form does (masked: every (query, key) pair of its blocks; sparse: the top-k), and `rate` =
+    masked / sparse is what MASKED_RATE holds; `crossover_keys` the max_keys that rate gives (`masked_max_keys`)."""
+    H, N, R, V, C, K = m.n_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, m.index_topk
+    block, Tq = dense_prefill.QUERY_BLOCK, L - K
+    g = torch.Generator(device=device).manual_seed(0)
+    visible = torch.arange(L, device=device).view(1, L) <= torch.arange(K, L, device=device).view(Tq, 1)
+    scores = torch.rand(Tq, L, device=device, generator=g).masked_fill(~visible, -1.0)
+    idx = scores.topk(K, dim=-1).indices.int().sort(-1).values.view(1, Tq, K)
+    mask = key_mask(idx, L)[:, None]  # [1, 1, Tq, L]
+    rnd = lambda *shape: torch.randn(*shape, device=device, generator=g).to(dtype)  # noqa: E731
+    q, k, v = rnd(1, H, Tq, N + R), rnd(1, H, L, N + R), rnd(1, H, L, V)
+    ends = [min(L, K + t0 + block) for t0 in range(0, Tq, block)]
+
+    def masked():
+        for j, end in enumerate(ends):
+            t0 = j * block
+            F.scaled_dot_product_attention(
+                q[:, :, t0 : t0 + block], k[:, :, :end], v[:, :, :end], attn_mask=mask[:, :, t0 : t0 + block, :end]
+            )
+
+    q_abs, kv = rnd(1, Tq, H, C + R), rnd(1, L, C + R)
+    masked_s = timed(masked, device, repeats)
+    sparse_s = timed(lambda: sparse_mla(q_abs, kv, idx, (C + R) ** -0.5, C), device, repeats)
+    pairs = sum(min(block, Tq - j * block) * end for j, end in enumerate(ends))
+    masked_flops, sparse_flops = 2 * H * (N + R + V) * pairs, 2 * H * Tq * K * (2 * C + R)
+    rate = (masked_flops / masked_s) / (sparse_flops / sparse_s)
+    row = dict(
+        context=L,
+        queries=Tq,
+        masked_ms=masked_s * 1e3,
+        sparse_ms=sparse_s * 1e3,
+        masked_tflops=masked_flops / masked_s / 1e12,
+        sparse_tflops=sparse_flops / sparse_s / 1e12,
+        rate=rate,
+        crossover_keys=masked_max_keys(m, rate) or None,
+        masked_over_sparse=sparse_s / masked_s,
+    )
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    return row
 
 
 def chunk_sweep(a, stage, plan, device, dtype, timed) -> list:
@@ -245,7 +333,7 @@ def min_tokens(sweep: list) -> dict:
 
 def crossover(rows: list, topk: int) -> dict:
     """Per layout: the largest context above top-k up to which the masked path beats the sparse one at every
-    measured context (0: it never does); `suggested` = the smallest over layouts (MASKED_PREFILL_MAX_KEYS)."""
+    measured context (0: it never does); `suggested` = the smallest over layouts."""
     out = {}
     for index in dict.fromkeys(r["index"] for r in rows):
         best = 0
@@ -274,19 +362,29 @@ def bench_env(a, device, dtype, layers: int, repeats: int, **more) -> dict:
     )
 
 
-def result(a, rows, sweep, device, dtype, topk: int) -> dict:
+def result(a, rows, sweep, rates, device, dtype, m) -> dict:
     env = bench_env(
         a,
         device,
         dtype,
         a.short_layers,
         a.short_repeats,
-        topk=topk,
-        masked_prefill_max_keys=dense_prefill.MASKED_PREFILL_MAX_KEYS,
+        topk=m.index_topk,
+        masked_rate=dense_prefill.MASKED_RATE,
+        masked_prefill_max_keys=masked_max_keys(m),
         query_block=dense_prefill.QUERY_BLOCK,
         min_prefill_tokens=dense_prefill.MIN_PREFILL_TOKENS,
     )
-    return dict(env=env, rows=rows, crossover=crossover(rows, topk), chunk_sweep=sweep, min_tokens=min_tokens(sweep))
+    suggested = min((r["rate"] for r in rates), default=None)
+    return dict(
+        env=env,
+        rows=rows,
+        crossover=crossover(rows, m.index_topk),
+        masked_rates=rates,
+        suggested_masked_rate=suggested,
+        chunk_sweep=sweep,
+        min_tokens=min_tokens(sweep),
+    )
 
 
 def save(res: dict, out: Path) -> None:
@@ -307,8 +405,10 @@ def markdown(res: dict) -> str:
         f"(ms per layer); the dense layer is plain torch (MLA non-absorbed heads, causal SDPA, SwiGLU), one forward. "
         f"short = the dense path (L <= top-k) or the masked one; bar = dense + F share x (indexer, or the key "
         f"projection on the dense path). "
-        f"auto: what the serving engine's rule runs eagerly (MASKED_PREFILL_MAX_KEYS = "
-        f"{e['masked_prefill_max_keys']}; split = dense first top-k columns, sparse rest).",
+        f"short above top-k forces the split with every column after the first top-k masked. auto: what the serving "
+        f"engine's rule runs eagerly (MASKED_RATE = {e['masked_rate']}, so masked up to "
+        f"{e['masked_prefill_max_keys'] or 'no'} keys; split = causal first top-k columns, then masked query blocks "
+        f"up to that extent, then sparse).",
         "",
         "| layout | context | short path | auto path | sparse ms | short ms | auto ms | dense ms | indexer ms "
         "| key proj ms | bar ms | short <= bar | auto <= bar | auto / sparse speedup | dense / sparse | dense / short |",
@@ -323,13 +423,43 @@ def markdown(res: dict) -> str:
             f"| {yes(r['auto_within_bar'])} | {r['auto_speedup_vs_sparse']:.2f}x | {r['dense_over_sparse']:.2f}x "
             f"| {r['dense_over_short']:.2f}x |"
         )
+    graphed = [r for r in res["rows"] if "auto_graph_ms_per_layer" in r]
+    if graphed:
+        lines += [
+            "",
+            "Captured (CUDA graphs on both sides, one pass: what a serving prefill graph of that class runs):",
+            "",
+            "| layout | context | auto path | auto graph ms | dense graph ms | bar ms | auto graph <= bar |",
+            "|---|---:|---|---:|---:|---:|---|",
+        ]
+        for r in graphed:
+            lines.append(
+                f"| {r['layout']} | {r['context']} | {r['auto_path']} | {r['auto_graph_ms_per_layer']:.3f} "
+                f"| {r['dense_graph_ms']:.3f} | {r['graph_bar_ms']:.3f} | {yes(r['auto_graph_within_bar'])} |"
+            )
     per = ", ".join(f"{k} {v}" for k, v in c.items() if k != "suggested")
     lines += [
         "",
-        f"Crossover (largest context above top-k where masked beats sparse at every measured context): {per}; "
-        f"suggested MASKED_PREFILL_MAX_KEYS = {c['suggested'] or 'top-k (masked never wins)'}.",
+        f"Layer crossover (largest context above top-k where the forced short path beats sparse at every measured "
+        f"context): {per}.",
         "",
     ]
+    if res["masked_rates"]:
+        lines += [
+            f"Masked attention against the sparse kernel, queries [top-k, L) of a first chunk ({e['query_block']}-query "
+            f"blocks; FLOPs each form does):",
+            "",
+            "| context | queries | masked ms | masked TFLOP/s | sparse ms | sparse TFLOP/s | rate | crossover keys "
+            "| masked / sparse speedup |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in res["masked_rates"]:
+            lines.append(
+                f"| {r['context']} | {r['queries']} | {r['masked_ms']:.3f} | {r['masked_tflops']:.1f} "
+                f"| {r['sparse_ms']:.3f} | {r['sparse_tflops']:.1f} | {r['rate']:.3f} | {r['crossover_keys'] or '-'} "
+                f"| {r['masked_over_sparse']:.2f}x |"
+            )
+        lines += ["", f"suggested MASKED_RATE = {res['suggested_masked_rate']:.3f} (the lowest measured).", ""]
     if res["chunk_sweep"]:
         lines += [
             f"Chunk size (all-F, ms per layer; MIN_PREFILL_TOKENS = {e['min_prefill_tokens']} now):",

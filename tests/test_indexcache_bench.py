@@ -106,7 +106,10 @@ def test_bench_indexcache_short_rows_cpu_tiny(tmp_path):
     wins = [r["short_speedup_vs_sparse"] > 1 for r in sweep]
     assert res["min_tokens"][str(32)] == {(True, True): 8, (False, True): 16}.get(tuple(wins))
     md = (tmp_path / "indexcache_short.md").read_text()
-    assert md.count("\n| FFFF |") == 3 and md.count("\n| FSSS |") == 3 and "suggested MASKED_PREFILL_MAX_KEYS" in md
+    assert md.count("\n| FFFF |") == 3 and md.count("\n| FSSS |") == 3 and "suggested MASKED_RATE" in md
+    rates = res["masked_rates"]
+    assert [r["context"] for r in rates] == [32, 48] and all(r["rate"] > 0 and r["masked_ms"] > 0 for r in rates)
+    assert res["suggested_masked_rate"] == min(r["rate"] for r in rates)
 
 
 def test_crossover_stops_at_the_first_context_where_masked_loses():
