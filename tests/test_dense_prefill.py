@@ -22,6 +22,7 @@ from dsaflow.model.dense_prefill import (
     plan_prefill,
     prefill_attention,
     prefill_path,
+    zero_padding,
 )
 from dsaflow.model.mla import MLA
 from dsaflow.model.rope import rope_angles
@@ -80,10 +81,10 @@ def test_plan_prefill_splits_the_first_chunk_of_a_long_prompt():
 
 
 def test_masked_crossover_follows_the_attention_dims():
-    """4304 keys at V3.2's dims (2048 x 1088 / 320 x MASKED_RATE, rounded down to 16); off for model=small, whose
+    """4176 keys at V3.2's dims (2048 x 1088 / 320 x MASKED_RATE, rounded down to 16); off for model=small, whose
     window above top-k is narrower than a query block, and at rate 0."""
     v32 = compose(["mode=serve", "model=dsv32"]).model
-    assert dp.masked_max_keys(v32) == 4304
+    assert dp.masked_max_keys(v32) == 4176
     assert dp.masked_max_keys(v32, rate=0.0) == 0
     assert dp.masked_max_keys(compose(["mode=serve", "model=small"]).model) == 0
 
@@ -167,13 +168,14 @@ def test_prefill_attention_matches_naive_and_the_sparse_path(case):
     assert hint.path == ("dense" if max_keys is None else "masked")
     assert hint.causal == (case == "dense_causal")
     indices = idx if max_keys else causal_indices(pos, S)
-    got = prefill_attention(mla, q, kv, pos, cos, sin, hint, idx if max_keys else None)
+    got = zero_padding(prefill_attention(mla, q, kv, pos, cos, sin, hint, idx if max_keys else None), pos)
     ref = naive(mla, q, kv, pos, cos, sin, idx if max_keys else None)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, _absorbed(mla, q, kv, cos, sin, indices), rtol=1e-5, atol=1e-5)
     if max_keys is None:  # the static graph hint (one block over the first top-k keys, masks): the same numbers
         static = graph_hint(hint.path, 6, 16, S)
-        torch.testing.assert_close(prefill_attention(mla, q, kv, pos, cos, sin, static), ref, rtol=1e-5, atol=1e-5)
+        static_out = zero_padding(prefill_attention(mla, q, kv, pos, cos, sin, static), pos)
+        torch.testing.assert_close(static_out, ref, rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()
@@ -185,7 +187,7 @@ def test_split_attention_is_causal_then_masked_like_naive():
     mla, q, kv, pos, cos, sin, idx = _inputs(3, 6, S, rows, topk=2)
     hint = plan_prefill(rows, topk=2, cache_rows=S, max_keys=16, min_tokens=2, block=2)
     assert (hint.path, hint.dense_cols, hint.masked_cols, hint.ends) == ("split", 2, 4, (16, 16))
-    got = prefill_attention(mla, q, kv, pos, cos, sin, hint, idx)
+    got = zero_padding(prefill_attention(mla, q, kv, pos, cos, sin, hint, idx), pos)
     ref = naive(mla, q, kv, pos, cos, sin, idx)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, _absorbed(mla, q, kv, cos, sin, idx), rtol=1e-5, atol=1e-5)
@@ -268,6 +270,8 @@ def test_stage_prefill_paths_equal_the_sparse_path_then_decode(topk, max_keys, c
     got = _prefill_then_decode(stages, _caches(model, plan, chunk=chunk), seqs, prompts, chunk, True, topk, max_keys)
     assert {p for p, *_ in got} - {"decode", "sparse"} == paths  # a one-token tail chunk runs sparse
     _compare(got, ref, 1e-4)
+    for (path, a, _), (_, b, _) in zip(got, ref):  # padding queries too: 0 attention on every path
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=path)
 
 
 def test_hint_outside_a_serving_prefill_is_refused():
@@ -381,7 +385,7 @@ def test_gpu_prefill_attention_bf16_matches_naive(case):
     )
     hint = plan_prefill(rows, topk=top, cache_rows=S, max_keys=4096 if max_keys else 0, min_tokens=2)
     assert hint.path == ("dense" if max_keys is None else "masked") and hint.causal == (case == "dense_causal")
-    got = prefill_attention(mla, q, kv, pos, cos, sin, hint, idx if max_keys else None)
+    got = zero_padding(prefill_attention(mla, q, kv, pos, cos, sin, hint, idx if max_keys else None), pos)
     ref = naive(mla, q, kv, pos, cos, sin, idx.cpu() if max_keys else None)
     assert torch.isfinite(got).all()
     assert _rel_err(got, ref) < 1e-2

@@ -48,10 +48,10 @@ import torch.nn.functional as F
 from .rope import apply_rope
 
 # Masked SDPA's rate over every (query, visible key) pair of its query blocks, as a fraction of the sparse kernel's
-# rate over the top-k: 0.62 at a 4K and 0.68 at an 8K first chunk on one H200 (V3.2 attention dims, 512-query blocks,
-# cuDNN's SDPA with a boolean mask against the Hopper sparse kernel; docs/serving.md, "Short-context prefill").
-# `masked_max_keys` turns it into the crossover; 0 turns the masked path off.
-MASKED_RATE = 0.62
+# rate over the top-k: 0.61-0.69 over 4K-16K first chunks in four runs on one H200 (V3.2 attention dims, 512-query
+# blocks, cuDNN's SDPA with a boolean mask against the Hopper sparse kernel; docs/serving.md, "Short-context
+# prefill"); a little below the lowest. `masked_max_keys` turns it into the crossover; 0 turns the masked path off.
+MASKED_RATE = 0.60
 # Fewest query columns per pass for the short paths: the dense path beat the sparse one at a 2K context from the
 # smallest measured chunk, 128 tokens (1.20x), on the same run (the FLOP break-even is about 141 at V3.2's dims).
 MIN_PREFILL_TOKENS = 128
@@ -64,7 +64,7 @@ def masked_max_keys(model, rate: float | None = None) -> int:
     """The largest key extent at which masked attention beats the sparse kernel, for a model config's attention
     dims: per query and head, the masked form does extent x (N + R + V) multiply-adds over every visible key, the
     sparse one topk x (2 C + R) over the top-k (absorbed), at `rate` (default MASKED_RATE) times its speed. V3.2's
-    dims (top-k 2048): 4304 keys. Rounded down to KEY_ALIGN; 0 (masked off) below top-k + QUERY_BLOCK keys, where
+    dims (top-k 2048): 4176 keys. Rounded down to KEY_ALIGN; 0 (masked off) below top-k + QUERY_BLOCK keys, where
     masked attention would win on too few passes to pay for its own graphs (`model=small`: 272 keys, off)."""
     rate = MASKED_RATE if rate is None else rate
     absorbed = 2 * model.kv_lora_rank + model.qk_rope_head_dim
@@ -263,8 +263,8 @@ def prefill_attention(
     """Attention of one prefill chunk over the cached rows, on the hint's path: q [B, T, H, N + R] (q_pe not
     rotated), kv [B, S_cache, C + R] (this chunk's rows already written), positions [B, T], cos / sin the MLA RoPE
     tables [B, T, R // 2], indices [B, T, topk] int32 (masked and split paths) -> [B, T, H * V]. For a split hint,
-    T = hint.short_cols (its dense then masked columns). A padding query (position < 0) gets 0, like sparse_mla over
-    no index."""
+    T = hint.short_cols (its dense then masked columns). A padding query's (position < 0) output is finite and
+    unspecified: `zero_padding` after the output projection makes it 0, as sparse_mla over no index gives."""
     B, T, H, _ = q.shape
     masked = hint.path == "masked" or (hint.path == "split" and hint.masked_cols > 0)
     if masked and indices is None:
@@ -306,5 +306,11 @@ def prefill_attention(
     # joined along the tokens as [B, t, H, V] views: SDPA's outputs are laid out so, and a cat along the heads' token
     # dim takes torch's slow generic copy (0.24 ms per 4K-token layer at V3.2's dims on an H200, against 0.06)
     o = torch.cat([o.transpose(1, 2) for o in outs], dim=1) if len(outs) > 1 else outs[0].transpose(1, 2)
-    o = torch.where((positions >= 0).view(B, T, 1, 1), o, torch.zeros((), dtype=o.dtype, device=o.device))
-    return o.reshape(B, T, H * mla.v_dim)  # [B, T, H, V] contiguous (torch.where's output): a view
+    return o.reshape(B, T, H * mla.v_dim)
+
+
+def zero_padding(y: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """y [B, T, D] with the rows of padding queries (positions [B, T] < 0) set to 0. After the output projection
+    (bias-free, so the same as zeroing its input) it touches dim, not H * V, values per token: 0.06 ms less per
+    4K-token layer at V3.2's dims on an H200."""
+    return torch.where((positions >= 0).unsqueeze(-1), y, torch.zeros((), dtype=y.dtype, device=y.device))
