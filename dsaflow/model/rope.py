@@ -11,12 +11,32 @@ import torch
 
 from dsaflow.ops.rope import rope
 
+_INV_FREQ: dict = {}  # (dim, theta, device) -> theta^(-2i/dim), fp32 on the device
+
+
+def _inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """The frequencies, computed once per (dim, theta, device): four fewer small kernels and their launches in
+    every forward. Not kept when first made inside a CUDA-graph capture (its memory belongs to the graph's pool)."""
+    key = (dim, float(theta), str(device))
+    freq = _INV_FREQ.get(key)
+    if freq is None:
+        freq = theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _INV_FREQ[key] = freq
+    return freq
+
 
 def rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [B, T] int -> (cos, sin) each [B, T, dim // 2] fp32. Negative (padding) positions use 0."""
-    inv_freq = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
-    ang = positions.clamp(min=0).float().unsqueeze(-1) * inv_freq
+    ang = positions.clamp(min=0).float().unsqueeze(-1) * _inv_freq(dim, theta, positions.device)
     return ang.cos(), ang.sin()
+
+
+def rope_tables(positions: torch.Tensor, mla_dim: int, index_dim: int, theta: float):
+    """(MLA tables, indexer tables) of one forward (`rope_angles` each); computed once when the two rotary dims
+    agree (64 and 64 at V3.2's dims). Read-only: the layers slice them, never write them."""
+    mla = rope_angles(positions, mla_dim, theta)
+    return mla, (mla if index_dim == mla_dim else rope_angles(positions, index_dim, theta))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

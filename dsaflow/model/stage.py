@@ -27,7 +27,7 @@ from .indexer_loss import IndexerLossInBackward, IndexerLossRecorder
 from .init import init_stage_weights
 from .layer_spec import LayerSpec
 from .norms import RMSNorm
-from .rope import rope_angles
+from .rope import rope_tables
 
 
 class StageModule(nn.Module):
@@ -166,10 +166,11 @@ class StageModule(nn.Module):
             if indices_in.shape[-1] < c.index_topk:  # sent trimmed (`trim_indices`): the cut columns were -1
                 indices_in = F.pad(indices_in, (0, c.index_topk - indices_in.shape[-1]), value=-1)
             slot.write(self.incoming_source, indices_in.detach())
+        rope_mla, rope_index = rope_tables(positions, c.qk_rope_head_dim, c.index_rope_head_dim, c.rope_theta)
         ctx = ForwardContext(
             positions=positions,
-            rope_mla=rope_angles(positions, c.qk_rope_head_dim, c.rope_theta),
-            rope_index=rope_angles(positions, c.index_rope_head_dim, c.rope_theta),
+            rope_mla=rope_mla,
+            rope_index=rope_index,
             attn=attn,
             cache=cache,
             index_slot=slot,

@@ -19,7 +19,7 @@ from dsaflow.data.batches import IGNORE
 from dsaflow.model.cache import IndexSlot
 from dsaflow.model.context import ForwardContext
 from dsaflow.model.roles import set_roles
-from dsaflow.model.rope import rope_angles
+from dsaflow.model.rope import rope_tables
 from dsaflow.model.stage import StageModule
 
 Roles = Tuple[str, ...]
@@ -67,8 +67,7 @@ class PatternEvaluator:
         B, T = x.shape
         positions = torch.arange(T, device=x.device).expand(B, T)
         c = self.stages[0].cfg
-        rope_mla = rope_angles(positions, c.qk_rope_head_dim, c.rope_theta)
-        rope_index = rope_angles(positions, c.index_rope_head_dim, c.rope_theta)
+        rope_mla, rope_index = rope_tables(positions, c.qk_rope_head_dim, c.index_rope_head_dim, c.rope_theta)
         h = self.stages[0].embed(x) if start == 0 else state[0]
         slot = IndexSlot()
         for stage, ids in zip(self.stages, self.layer_ids):
