@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from .rope import apply_rope
 
 # Masked SDPA's rate over every (query, visible key) pair of its query blocks, as a fraction of the sparse kernel's
-# rate over the top-k: 0.61-0.69 over 4K-16K first chunks in four runs on one H200 (V3.2 attention dims, 512-query
+# rate over the top-k: 0.61-0.69 over 4K-16K first chunks in five runs on one H200 (V3.2 attention dims, 512-query
 # blocks, cuDNN's SDPA with a boolean mask against the Hopper sparse kernel; docs/serving.md, "Short-context
 # prefill"); a little below the lowest. `masked_max_keys` turns it into the crossover; 0 turns the masked path off.
 MASKED_RATE = 0.60
@@ -160,7 +160,7 @@ def plan_prefill(
 ) -> Optional[PrefillHint]:
     """Host lists positions [rows][T] of one pass (< 0 = padding) -> its hint, or None for the sparse path.
     cache_rows: rows of the serving cache (max_context + 1); max_keys: `masked_max_keys` (0: no masked attention).
-    split=False: never the split hint (graph passes)."""
+    split=False: never the split hint."""
     T = len(positions[0]) if positions else 0
     extent = max((max(r) for r in positions), default=-1) + 1
     path = prefill_path(T, extent, topk, max_keys, min_tokens)
@@ -288,7 +288,7 @@ def prefill_attention(
         pos = positions[:, causal:]
         keys = torch.arange(S, device=q.device)
         mask = key_mask(indices[:, causal:], S) if masked else keys.view(1, 1, S) <= pos.unsqueeze(-1)
-        # a padding query sees key 0 only (no all-masked row: SDPA would return NaN); its output is zeroed below
+        # a padding query sees key 0 only (no all-masked row: SDPA would return NaN); `zero_padding` clears it
         mask = mask | ((keys == 0).view(1, 1, S) & (pos < 0).unsqueeze(-1))
         for j, end in enumerate(hint.ends):
             t0, t1 = j * hint.block, min(T - causal, (j + 1) * hint.block)
