@@ -7,6 +7,9 @@ is a fixed random tensor):
   rope          q_pe, a [T, 128, 64] slice of q [T, 128, 192] bf16: Triton vs the torch code
   absorb_query  q [T, 128, 192] x W_UK [128, 128, 512] -> q_abs [T, 128, 576] bf16: strided bmm's vs einsum + cat
   head_output   o_lat [T, 128, 512] x W_UV [128, 128, 512] -> [T, 16384] bf16: strided bmm's vs einsum + reshape
+  head_tensors  serving prefill, forward only: the non-absorbed q, k, v [128, T, 192 / 192 / 128] from q and T cached
+                latent rows [T, 576] (dsaflow.model.dense_prefill: q_pe rotated in place, batched up-projections
+                into strided buffers) vs one W_UKV GEMM and strided copies
 Rates: memory-bound ops in GB/s of the bytes they must move (inputs read + outputs written, forward and backward)
 against a device-to-device copy measured in the same process; projections in TFLOP/s of their three matmuls against
 a bf16 8192^3 matmul. Writes <out>/bench_glue.json and <out>/bench_glue.md.
@@ -106,6 +109,35 @@ def cases(T: int):
         None,
         3 * 2 * T * H * V * C,
     )
+    yield ("head_tensors (forward) -> q, k, v bf16", *serving_head_tensors(T, cos, sin, w, rnd))
+
+
+def serving_head_tensors(T: int, cos, sin, w, rnd):
+    """dense_prefill.head_tensors (after the in-place q_pe rotation) and the GEMM + copies it replaced, at T tokens
+    over T cached rows: (new, torch, None, FLOPs of the two up-projections)."""
+    from types import SimpleNamespace
+
+    from dsaflow.model.dense_prefill import head_tensors, rotate_query_pe_
+    from dsaflow.ops.rope import rope
+
+    H, NV, C = w.shape
+    N, R, V = 128, 64, NV - 128
+    mla = SimpleNamespace(nope=N, rope=R, v_dim=V, kv_lora_rank=C, wkv_b=SimpleNamespace(weight=w.reshape(H * NV, C)))
+    q, kv = rnd(1, T, H, N + R, grad=False), rnd(1, T, C + R, grad=False)
+
+    def new():
+        return head_tensors(mla, rotate_query_pe_(q, cos, sin, N), kv)
+
+    def copies():
+        kvb = (kv[..., :C] @ mla.wkv_b.weight.t()).view(1, T, H, N + V)
+        qh, kh = q.new_empty(1, T, H, N + R), q.new_empty(1, T, H, N + R)
+        qh[..., :N].copy_(q[..., :N])
+        qh[..., N:].copy_(rope(q[..., N:], cos, sin))
+        kh[..., :N].copy_(kvb[..., :N])
+        kh[..., N:].copy_(kv[..., C:].unsqueeze(2))
+        return qh.transpose(1, 2), kh.transpose(1, 2), kvb[..., N:].transpose(1, 2)
+
+    return torch.no_grad()(new), torch.no_grad()(copies), None, 2 * T * C * H * (N + V)
 
 
 def main(argv=None) -> int:
@@ -137,7 +169,7 @@ def main(argv=None) -> int:
     (out / "bench_glue.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
     lines = [
         f"{meta['device']}, T = {args.seq}: copy {ceil['copy_gb_s']:.0f} GB/s, bf16 matmul "
-        f"{ceil['matmul_tflops']:.0f} TFLOP/s (same process). Forward + backward, ms:",
+        f"{ceil['matmul_tflops']:.0f} TFLOP/s (same process). Forward + backward (head_tensors: forward), ms:",
         "",
         "| op | new | torch | speedup | rate | of ceiling |",
         "|---|---:|---:|---:|---:|---:|",

@@ -22,10 +22,12 @@ from dsaflow.model.dense_prefill import (
     plan_prefill,
     prefill_attention,
     prefill_path,
+    rotate_query_pe_,
     zero_padding,
 )
 from dsaflow.model.mla import MLA
 from dsaflow.model.rope import rope_angles
+from dsaflow.ops.rope import rope_naive
 from dsaflow.run.stages import build_stages, stage_cache
 
 V = 256
@@ -126,25 +128,58 @@ def _inputs(B, T, S, pos_rows, seed=0, dtype=torch.float32, device="cpu", topk=N
 
 
 def naive(mla, q, kv, pos, cos, sin, indices=None):
-    """Per query and head, in fp32: softmax over the visible (or selected) keys of [q_nope | rope q_pe] .
-    [W_UK c | k_pe] * scale, times W_UV c. A padding query gets 0."""
-    qh, kh, vh = (t.cpu() for t in dp.head_tensors(mla.float(), q.float(), torch.nan_to_num(kv.float()), cos, sin))
-    B, H, T, _ = qh.shape
-    out = torch.zeros(B, T, H, vh.shape[-1])
+    """Per query and head, in fp32, from the weights (not dense_prefill's head tensors): softmax over the visible (or
+    selected) keys of [q_nope | rope q_pe] . [W_UK c | k_pe] * scale, times W_UV c. A padding query gets 0."""
+    H, N, V, C = mla.n_heads, mla.nope, mla.v_dim, mla.kv_lora_rank
+    w = mla.wkv_b.weight.detach().float().cpu().view(H, N + V, C)
+    lat = torch.nan_to_num(kv.float()).cpu()
+    qf = q.float().cpu()
+    qh = torch.cat([qf[..., :N], rope_naive(qf[..., N:], cos.cpu(), sin.cpu())], dim=-1)  # [B, T, H, N + R]
+    kh = torch.einsum("bsc,hnc->bhsn", lat[..., :C], w[:, :N])
+    kh = torch.cat([kh, lat[:, None, :, C:].expand(-1, H, -1, -1)], dim=-1)  # [B, H, S, N + R]
+    vh = torch.einsum("bsc,hvc->bhsv", lat[..., :C], w[:, N:])  # [B, H, S, V]
+    B, T = q.shape[:2]
+    out = torch.zeros(B, T, H, V)
     for b in range(B):
         for t in range(T):
             p = int(pos[b, t])
             if p < 0:
                 continue
             keys = torch.arange(p + 1) if indices is None else indices[b, t][indices[b, t] >= 0].long().cpu()
-            s = torch.einsum("hd,hkd->hk", qh[b, :, t], kh[b][:, keys]) * mla.sm_scale
+            s = torch.einsum("hd,hkd->hk", qh[b, t], kh[b][:, keys]) * mla.sm_scale
             out[b, t] = torch.einsum("hk,hkd->hd", s.softmax(-1), vh[b][:, keys])
     return out.reshape(B, T, -1)
+
+
+def attend(mla, q, kv, pos, cos, sin, hint, indices=None):
+    """`prefill_attention` as the layer calls it (q_pe rotated in place, here on a copy), padding rows zeroed."""
+    q_rot = rotate_query_pe_(q.clone(), cos, sin, mla.nope)
+    return zero_padding(prefill_attention(mla, q_rot, kv, pos, hint, indices), pos)
 
 
 def _absorbed(mla, q, kv, cos, sin, indices):
     """The sparse path's attention (absorbed, sparse_mla over indices) with NaN rows cleaned for the reference."""
     return mla._attend(q, torch.nan_to_num(kv), indices, cos, sin)
+
+
+@torch.no_grad()
+def test_head_tensors_and_the_in_place_query_rotation():
+    """Two sequences: q_pe rotated in place (q_nope untouched, the same tensor returned); k and v from the batched
+    up-projection into strided buffers equal the fp32 einsums, k's rope dims the shared rope key."""
+    mla, q, kv, pos, cos, sin, _ = _inputs(2, 5, 9, [[0, 1, 2, 3, 4], [2, 3, 4, 5, 6]])
+    kv = torch.randn_like(kv)
+    H, N, V, C = mla.n_heads, mla.nope, mla.v_dim, mla.kv_lora_rank
+    q0 = q.clone()
+    out = rotate_query_pe_(q, cos, sin, N)
+    assert out.data_ptr() == q.data_ptr()
+    torch.testing.assert_close(q[..., :N], q0[..., :N], rtol=0, atol=0)
+    torch.testing.assert_close(q[..., N:], rope_naive(q0[..., N:], cos, sin))
+    qh, kh, vh = dp.head_tensors(mla, q, kv)
+    w = mla.wkv_b.weight.view(H, N + V, C)
+    assert qh.data_ptr() == q.data_ptr() and qh.shape == (2, H, 5, N + mla.rope)
+    torch.testing.assert_close(kh[..., :N], torch.einsum("bsc,hnc->bhsn", kv[..., :C], w[:, :N]))
+    torch.testing.assert_close(kh[..., N:], kv[:, None, :, C:].expand(-1, H, -1, -1), rtol=0, atol=0)
+    torch.testing.assert_close(vh, torch.einsum("bsc,hvc->bhsv", kv[..., :C], w[:, N:]))
 
 
 CASES = {
@@ -168,13 +203,13 @@ def test_prefill_attention_matches_naive_and_the_sparse_path(case):
     assert hint.path == ("dense" if max_keys is None else "masked")
     assert hint.causal == (case == "dense_causal")
     indices = idx if max_keys else causal_indices(pos, S)
-    got = zero_padding(prefill_attention(mla, q, kv, pos, cos, sin, hint, idx if max_keys else None), pos)
+    got = attend(mla, q, kv, pos, cos, sin, hint, idx if max_keys else None)
     ref = naive(mla, q, kv, pos, cos, sin, idx if max_keys else None)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, _absorbed(mla, q, kv, cos, sin, indices), rtol=1e-5, atol=1e-5)
     if max_keys is None:  # the static graph hint (one block over the first top-k keys, masks): the same numbers
         static = graph_hint(hint.path, 6, 16, S)
-        static_out = zero_padding(prefill_attention(mla, q, kv, pos, cos, sin, static), pos)
+        static_out = attend(mla, q, kv, pos, cos, sin, static)
         torch.testing.assert_close(static_out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -187,7 +222,7 @@ def test_split_attention_is_causal_then_masked_like_naive():
     mla, q, kv, pos, cos, sin, idx = _inputs(3, 6, S, rows, topk=2)
     hint = plan_prefill(rows, topk=2, cache_rows=S, max_keys=16, min_tokens=2, block=2)
     assert (hint.path, hint.dense_cols, hint.masked_cols, hint.ends) == ("split", 2, 4, (16, 16))
-    got = zero_padding(prefill_attention(mla, q, kv, pos, cos, sin, hint, idx), pos)
+    got = attend(mla, q, kv, pos, cos, sin, hint, idx)
     ref = naive(mla, q, kv, pos, cos, sin, idx)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, _absorbed(mla, q, kv, cos, sin, idx), rtol=1e-5, atol=1e-5)
@@ -385,7 +420,7 @@ def test_gpu_prefill_attention_bf16_matches_naive(case):
     )
     hint = plan_prefill(rows, topk=top, cache_rows=S, max_keys=4096 if max_keys else 0, min_tokens=2)
     assert hint.path == ("dense" if max_keys is None else "masked") and hint.causal == (case == "dense_causal")
-    got = zero_padding(prefill_attention(mla, q, kv, pos, cos, sin, hint, idx if max_keys else None), pos)
+    got = attend(mla, q, kv, pos, cos, sin, hint, idx if max_keys else None)
     ref = naive(mla, q, kv, pos, cos, sin, idx.cpu() if max_keys else None)
     assert torch.isfinite(got).all()
     assert _rel_err(got, ref) < 1e-2

@@ -76,5 +76,12 @@ def test_bench_glue_smoke(tmp_path):
 
     assert load_script("bench_glue").main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_glue.json").read_text())["rows"]
-    assert [r["op"].split()[0] for r in rows] == ["rms_norm", "rms_norm", "rope", "absorb_query", "head_output"]
-    assert (tmp_path / "bench_glue.md").read_text().count("\n| ") == 6
+    assert [r["op"].split()[0] for r in rows] == [
+        "rms_norm",
+        "rms_norm",
+        "rope",
+        "absorb_query",
+        "head_output",
+        "head_tensors",
+    ]
+    assert (tmp_path / "bench_glue.md").read_text().count("\n| ") == 7

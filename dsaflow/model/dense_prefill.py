@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .rope import apply_rope
+from dsaflow.ops.rope import rope_into
 
 # Masked SDPA's rate over every (query, visible key) pair of its query blocks, as a fraction of the sparse kernel's
 # rate over the top-k: 0.61-0.69 over 4K-16K first chunks in five runs on one H200 (V3.2 attention dims, 512-query
@@ -231,23 +231,35 @@ def key_mask(indices: torch.Tensor, num_keys: int) -> torch.Tensor:
     return mask[..., :num_keys]
 
 
-def head_tensors(mla, q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [B, T, H, N + R] (q_pe not rotated), kv [B, S, C + R] latent rows -> per-head q [B, H, T, N + R],
-    k [B, H, S, N + R], v [B, H, S, V] (views of fresh tensors; SDPA takes the strides)."""
-    B, T, H, _ = q.shape
-    S, N, R, V, C = kv.shape[1], mla.nope, mla.rope, mla.v_dim, mla.kv_lora_rank
-    q_nope, q_pe = q.split([N, R], dim=-1)
-    kvb = mla.wkv_b(kv[..., :C]).view(B, S, H, N + V)  # wkv_b.weight is [H, N + V, C]
-    k_nope, v = kvb.split([N, V], dim=-1)
-    # Filled by two copies each, not torch.cat: cat of strided and broadcast views takes its slow generic kernel
-    # (0.5 ms per layer for the keys of 2048 tokens at V3.2's dims on an H200, several times these copies).
-    qh = q.new_empty(B, T, H, N + R)
-    qh[..., :N].copy_(q_nope)
-    qh[..., N:].copy_(apply_rope(q_pe, cos, sin))
-    kh = k_nope.new_empty(B, S, H, N + R)
-    kh[..., :N].copy_(k_nope)
-    kh[..., N:].copy_(kv[..., C:].unsqueeze(2))  # the rope key, shared by every head
-    return qh.transpose(1, 2), kh.transpose(1, 2), v.transpose(1, 2)
+def rotate_query_pe_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope: int) -> torch.Tensor:
+    """q [B, T, H, N + R] -> q, its last R dims (q_pe) rotated in place by the MLA RoPE tables cos / sin [B, T, R // 2].
+    The serving layer owns q (fresh from wq_b, each column used by one attention path), so the short paths rotate
+    it where it lies instead of copying [B, T, H, N + R]."""
+    q_pe = q[..., nope:]
+    rope_into(q_pe, cos, sin, q_pe)
+    return q
+
+
+def head_tensors(mla, q: torch.Tensor, kv: torch.Tensor):
+    """q [B, T, H, N + R] with q_pe rotated, kv [B, S, C + R] latent rows (k_pe rotated) -> per-head q [B, H, T, N + R]
+    (a view of q), k [B, H, S, N + R] and v [B, H, S, V] (fresh, head-major).
+
+    The up-projections write straight into k's and v's buffers: one batched GEMM per sequence for each, over the heads
+    (W_UK c into k's first N dims through a strided output, W_UV c), then k's last R dims take the rope key, shared by
+    every head. One W_UKV GEMM followed by strided copies of q, k_nope and the rope key cost twice the time
+    (`scripts/bench_glue.py`, the head_tensors row)."""
+    B, S = kv.shape[:2]
+    H, N, R, V, C = q.shape[2], mla.nope, mla.rope, mla.v_dim, mla.kv_lora_rank
+    w = mla.wkv_b.weight.view(H, N + V, C)
+    w_uk, w_uv = w[:, :N].transpose(1, 2), w[:, N:].transpose(1, 2)  # [H, C, N], [H, C, V]
+    kh = kv.new_empty(B, H, S, N + R)
+    vh = kv.new_empty(B, H, S, V)
+    for b in range(B):
+        c = kv[b, :, :C].unsqueeze(0).expand(H, S, C)  # one latent row block for every head (batch stride 0)
+        torch.bmm(c, w_uk, out=kh[b, :, :, :N])
+        torch.bmm(c, w_uv, out=vh[b])
+    kh[..., N:].copy_(kv[:, None, :, C:])
+    return q.transpose(1, 2), kh, vh
 
 
 def prefill_attention(
@@ -255,14 +267,12 @@ def prefill_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
     positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
     hint: PrefillHint,
     indices: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Attention of one prefill chunk over the cached rows, on the hint's path: q [B, T, H, N + R] (q_pe not
-    rotated), kv [B, S_cache, C + R] (this chunk's rows already written), positions [B, T], cos / sin the MLA RoPE
-    tables [B, T, R // 2], indices [B, T, topk] int32 (masked and split paths) -> [B, T, H * V]. For a split hint,
+    """Attention of one prefill chunk over the cached rows, on the hint's path: q [B, T, H, N + R] with q_pe
+    rotated (`rotate_query_pe_`), kv [B, S_cache, C + R] (this chunk's rows already written), positions [B, T],
+    indices [B, T, topk] int32 (masked and split paths) -> [B, T, H * V]. For a split hint,
     T = hint.short_cols (its dense then masked columns). A padding query's (position < 0) output is finite and
     unspecified: `zero_padding` after the output projection makes it 0, as sparse_mla over no index gives."""
     B, T, H, _ = q.shape
@@ -276,7 +286,7 @@ def prefill_attention(
     # a masked-out key can never bring a NaN into the sum (0 * NaN), as sparse_mla never reads unselected rows.
     live = torch.arange(S, device=q.device).view(1, S) <= positions.amax(dim=1, keepdim=True)
     rows = torch.where(live.unsqueeze(-1), kv[:, :S], torch.zeros((), dtype=kv.dtype, device=kv.device))
-    qh, kh, vh = head_tensors(mla, q, rows, cos, sin)
+    qh, kh, vh = head_tensors(mla, q, rows)
     outs = []  # [B, H, t, V] per SDPA call
     if causal:
         outs.append(

@@ -38,7 +38,7 @@ from dsaflow.ops.head_proj import absorb_query, head_output
 
 from .cache import write_rows
 from .context import ForwardContext, causal_indices
-from .dense_prefill import prefill_attention, zero_padding
+from .dense_prefill import prefill_attention, rotate_query_pe_, zero_padding
 from .indexer import Indexer
 from .indexer_loss import kl_after_attention_replay
 from .norms import RMSNorm
@@ -98,7 +98,8 @@ class MLA(nn.Module):
         if hint is not None and hint.path == "dense":  # the top-k would select every visible key: none is computed
             if self.role == "F":  # decode reads these keys
                 write_rows(ctx.cache.index_k[self.layer_index], ctx.slots, self.indexer.keys(x, ctx.rope_index))
-            return zero_padding(self.wo(prefill_attention(self, q, kv, ctx.positions, cos, sin, hint)), ctx.positions)
+            q = rotate_query_pe_(q, cos, sin, self.nope)
+            return zero_padding(self.wo(prefill_attention(self, q, kv, ctx.positions, hint)), ctx.positions)
         if self.role == "F":  # F layers keep their indexer keys current, whatever the attention mode
             q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
             k_i = write_rows(ctx.cache.index_k[self.layer_index], ctx.slots, k_i)
@@ -111,16 +112,16 @@ class MLA(nn.Module):
             indices = ctx.index_slot.read(self.layer_index, self.source)
         if hint is not None and hint.path == "split":  # dense, then masked columns; the rest sparse
             E, pos = hint.short_cols, ctx.positions
-            head = self.wo(
-                prefill_attention(self, q[:, :E], kv, pos[:, :E], cos[:, :E], sin[:, :E], hint, indices[:, :E])
-            )
+            q_short = rotate_query_pe_(q[:, :E], cos[:, :E], sin[:, :E], self.nope)  # columns E.. stay unrotated
+            head = self.wo(prefill_attention(self, q_short, kv, pos[:, :E], hint, indices[:, :E]))
             head = zero_padding(head, pos[:, :E])
             if E == q.shape[1]:
                 return head
             tail = self._attend(q[:, E:], kv, indices[:, E:], cos[:, E:], sin[:, E:])
             return torch.cat([head, self.wo(tail)], dim=1)  # [B, T, dim]: half the bytes of [B, T, H V]
         if hint is not None:  # masked: the same keys as the sparse path, over the non-absorbed heads
-            out = self.wo(prefill_attention(self, q, kv, ctx.positions, cos, sin, hint, indices))
+            q = rotate_query_pe_(q, cos, sin, self.nope)
+            out = self.wo(prefill_attention(self, q, kv, ctx.positions, hint, indices))
             return zero_padding(out, ctx.positions)
         return self.wo(self._attend(q, kv, indices, cos, sin))
 
