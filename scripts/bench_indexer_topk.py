@@ -104,7 +104,7 @@ def run(contexts, n_queries, prefill_ctx, out_dir, sweeps=True):
         qc, wc, pc = q[:, :chunk], w[:, :chunk], pos[:, :chunk]
         scores = torch.empty(1, chunk, S, device="cuda")
         keys = torch.empty(1, chunk, S, device="cuda", dtype=torch.int64)
-        scratch = select_scratch(chunk, S, TOPK, "cuda")
+        scratch = select_scratch(chunk, S, "cuda")
         chunk_flops = 2 * H_I * D_I * int((pc + 1).sum())
         ms = bench(lambda: indexer_logits_triton(qc, k, wc, pc, scores, write_invisible=False))
         record("part: fp32 logits (invisible tiles unwritten)", S, chunk, ms, tflops=round(chunk_flops / ms / 1e9, 1))

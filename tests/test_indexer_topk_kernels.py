@@ -53,9 +53,8 @@ def tie_scores(B: int, T: int, S: int, g: torch.Generator) -> torch.Tensor:
     return torch.stack(rows).view(B, T, S)
 
 
-# sampled: "sort": small sample, one compaction program per row (index order, no atomics); "whole": no floor, every
-# visible key is a candidate (the path a missed sample takes); "split": many compaction programs per row (atomic,
-# unordered slots).
+# sampled: "sort": small sample, one compaction program per row; "whole": no floor, every visible key is a candidate
+# (the path a missed sample takes); "split": many compaction programs per row, each writing its own segment.
 SELECT_CFGS = {
     "sort": dict(BLOCK=64, BLOCK_FINISH=64, SAMPLE=16, programs=4),
     "whole": dict(BLOCK=64, BLOCK_FINISH=32, SAMPLE=16, whole_row=True, programs=4),

@@ -9,7 +9,6 @@ import triton.language as tl
 SIGN = tl.constexpr(-2147483648)  # 0x80000000 as int32
 NEG_INF_ORDERED = tl.constexpr(-2139095041)  # the order-preserving int32 of -inf
 INT32_MIN = tl.constexpr(-2147483648)
-INT32_MAX = tl.constexpr(2147483647)  # an empty output slot while survivors sort by index (above every key index)
 INT64_MIN = tl.constexpr(-9223372036854775808)
 
 

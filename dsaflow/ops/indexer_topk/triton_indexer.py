@@ -312,7 +312,7 @@ def indexer_topk_triton(
         keys = torch.empty(B, rows, S, device=q.device, dtype=torch.int64)
     else:
         scores = torch.empty(B, rows, S, device=q.device, dtype=torch.float32)
-        scratch = select_scratch(B * rows, S, topk, q.device)
+        scratch = select_scratch(B * rows, S, q.device, (select_overrides or {}).get("programs"))
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
         qc, wc, pc = q[:, t0:t1], w[:, t0:t1], positions[:, t0:t1]

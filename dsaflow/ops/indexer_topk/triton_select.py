@@ -8,15 +8,16 @@ Three kernels:
 
   1. floor (one program per row): the r-th largest of SAMPLE evenly spaced scores (a radix select in registers),
      r chosen so that the row holds >= kk = min(topk, n) scores at or above it but for ~1e-6 of rows (on an H200
-     bench, 1.2 kk candidates on average at 8K keys, 2.6 kk at 128K; exact when the sample is the whole row); also
-     zeroes the row's candidate count;
-  2. compact: one streaming pass writes the keys at or above the floor to the row's candidate list. With one
-     program per row (prefill: many rows) a running count keeps them in index order without atomics; a few long
-     rows (decode) are split over many programs that reserve slots with one atomic per block;
+     bench, 1.2 kk candidates on average at 8K keys, 2.6 kk at 128K; exact when the sample is the whole row);
+  2. compact: one streaming pass writes the keys at or above the floor to the row's candidate list, in index order.
+     A row is cut into SPLITS segments of SEG scores, one program each (prefill, many rows: one segment; decode, a
+     few long rows: enough segments to fill the GPU). With several segments a first pass counts each segment's
+     candidates, and each segment then writes at the sum of the counts before it: no atomics, and the list comes
+     out in index order;
   3. finish (one program per row): a radix select on the candidate keys themselves (distinct, so the kk-th is
-     exact after at most 8 byte levels and usually 2-3), then the kk survivors written in the candidates' index
-     order (no sort; an in-register sort by index only where atomics reserved the slots). A row whose
-     sample missed (fewer than kk candidates: rare) first takes every visible key as a candidate (`_refill_kernel`).
+     exact after at most 8 byte levels and usually 2-3), then the kk survivors written out in the list's order (no
+     sort). A row whose sample missed (fewer than kk candidates: rare) first takes every visible key as a
+     candidate (`_refill_kernel`).
 
 Grids and buffers depend on shapes only and nothing syncs with the host: the op is CUDA-graph safe.
 """
@@ -26,18 +27,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .radix_bits import INT32_MAX, INT32_MIN, INT64_MIN, NEG_INF_ORDERED, SIGN, _ordered, _threshold_bucket
+from .radix_bits import INT32_MIN, INT64_MIN, NEG_INF_ORDERED, SIGN, _ordered, _threshold_bucket
 
 
 @triton.jit
-def _compact_keys(x_row, c_row, n, floor, BLOCK: tl.constexpr):
-    """Write the int64 key (ordered score << 32 | 2^31-1-index) of every s < n with ordered score >= floor to c_row,
-    in ascending index order; return how many."""
+def _compact_keys(x_row, c_row, lo, hi, floor, BLOCK: tl.constexpr):
+    """Write the int64 key (ordered score << 32 | 2^31-1-index) of every s in [lo, hi) with ordered score >= floor to
+    c_row, in ascending index order; return how many."""
     offs = tl.arange(0, BLOCK)
-    count = n * 0
-    for s0 in range(0, n, BLOCK):
+    count = (hi - lo) * 0
+    for s0 in range(lo, hi, BLOCK):
         idx = s0 + offs
-        m = idx < n
+        m = idx < hi
         o = _ordered(tl.load(x_row + idx, mask=m, other=0.0))
         keep = m & (o >= floor)
         slot = count + tl.cumsum(keep.to(tl.int32), 0) - 1
@@ -76,34 +77,6 @@ def _key_threshold(c_row, n_c, kk, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _write_best(c_row, v_row, o_row, n_c, kk, TOPK, BLOCK: tl.constexpr, K_POW2: tl.constexpr,
-                IN_ORDER: tl.constexpr):
-    """The kk best of the n_c candidate keys in c_row -> their indices in o_row [TOPK], ascending, -inf ones dropped,
-    -1 after. IN_ORDER: the candidates are in ascending index order (one compaction program per row), so the
-    survivors are written straight out in order; otherwise (slots reserved by atomics: decode) they go to v_row
-    (int32 [>= kk]) and are sorted by index."""
-    thr = _key_threshold(c_row, n_c, kk, BLOCK)
-    offs = tl.arange(0, BLOCK)
-    dst = o_row if IN_ORDER else v_row
-    n_out = n_c * 0
-    for c0 in range(0, n_c, BLOCK):
-        ci = c0 + offs
-        key = tl.load(c_row + ci, mask=ci < n_c, other=INT64_MIN)
-        take = (ci < n_c) & (key >= thr) & ((key >> 32) > NEG_INF_ORDERED)
-        idx = 2147483647 - key.to(tl.int32)  # the low word (truncation) is 2^31 - 1 - index
-        tl.store(dst + n_out + tl.cumsum(take.to(tl.int32), 0) - 1, idx, mask=take)
-        n_out += tl.sum(take.to(tl.int32), 0)
-    if IN_ORDER:
-        for p0 in range(n_out, TOPK, BLOCK):
-            tl.store(o_row + p0 + offs, -1, mask=p0 + offs < TOPK)
-    else:
-        tl.debug_barrier()  # the survivors were written by other threads
-        ks = tl.arange(0, K_POW2)
-        idx = tl.sort(tl.load(v_row + ks, mask=ks < n_out, other=INT32_MAX))
-        tl.store(o_row + ks, tl.where(ks < n_out, idx, -1), mask=ks < TOPK)
-
-
-@triton.jit
 def _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt):
     pid = tl.program_id(0).to(tl.int64)
     b = pid // ROWS_PER_B
@@ -114,8 +87,15 @@ def _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt):
 
 
 @triton.jit
-def _floor_kernel(x_ptr, pos_ptr, floor_ptr, count_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt,
-                  SAMPLE: tl.constexpr):
+def _counted(n_row, upto, SPLITS_POW2: tl.constexpr):
+    """The sum of a row's first `upto` segment counts (upto <= SPLITS_POW2): where segment `upto` writes, or with
+    upto = SPLITS the row's candidate count."""
+    j = tl.arange(0, SPLITS_POW2)
+    return tl.sum(tl.load(n_row + j, mask=j < upto, other=0), 0)
+
+
+@triton.jit
+def _floor_kernel(x_ptr, pos_ptr, floor_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt, SAMPLE: tl.constexpr):
     pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
     n1 = tl.maximum(n, 1)
     m_eff = tl.minimum(n1, SAMPLE)
@@ -147,49 +127,79 @@ def _floor_kernel(x_ptr, pos_ptr, floor_ptr, count_ptr, S, TOPK, ROWS_PER_B, s_x
             need -= gt
             n_match = eq
     tl.store(floor_ptr + pid, tl.where((kk > 0) & (r <= m_eff), prefix ^ SIGN, INT32_MIN))
-    tl.store(count_ptr + pid, 0)
+
+
+@triton.jit
+def _count_kernel(x_ptr, pos_ptr, floor_ptr, count_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt, SEG, SPLITS,
+                  BLOCK: tl.constexpr):
+    """Program (row, segment j), several segments per row: how many of the row's scores [j * SEG, (j + 1) * SEG)
+    below its extent are at or above its floor."""
+    pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
+    j = tl.program_id(1)
+    floor = tl.load(floor_ptr + pid)
+    offs = tl.arange(0, BLOCK)
+    lo = j * SEG
+    hi = tl.minimum(lo + SEG, n)
+    count = (hi - lo) * 0
+    for s0 in range(lo, hi, BLOCK):
+        idx = s0 + offs
+        m = idx < hi
+        count += tl.sum((m & (_ordered(tl.load(x_row + idx, mask=m, other=0.0)) >= floor)).to(tl.int32), 0)
+    tl.store(count_ptr + pid * SPLITS + j, count)
 
 
 @triton.jit
 def _compact_kernel(x_ptr, pos_ptr, floor_ptr, count_ptr, cand_ptr, S, TOPK, ROWS_PER_B,
-                    s_xb, s_xt, s_pb, s_pt, s_cr, SEG, BLOCK: tl.constexpr, ONE_SPLIT: tl.constexpr):
+                    s_xb, s_xt, s_pb, s_pt, s_cr, SEG, SPLITS, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    """Program (row, segment j): the candidates among the row's scores [j * SEG, (j + 1) * SEG) below its extent,
+    written after those of the segments before it (their counts from `_count_kernel`; one segment: from 0, and
+    the count stored here)."""
     pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
-    floor = tl.load(floor_ptr + pid)
-    if ONE_SPLIT:  # one program per row: a running count in registers, no atomics, candidates in index order
-        tl.store(count_ptr + pid, _compact_keys(x_row, cand_ptr + pid * s_cr, n, floor, BLOCK))
-        return
-    lo = tl.program_id(1) * SEG
-    hi = tl.minimum(lo + SEG, n)
+    j = tl.program_id(1)
+    lo = j * SEG
+    n_row = count_ptr + pid * SPLITS
+    c_row = cand_ptr + pid * s_cr
+    if SPLITS_POW2 > 1:
+        c_row += _counted(n_row, j, SPLITS_POW2)
+    cnt = _compact_keys(x_row, c_row, lo, tl.minimum(lo + SEG, n), tl.load(floor_ptr + pid), BLOCK)
+    if SPLITS_POW2 == 1:
+        tl.store(n_row, cnt)
+
+
+@triton.jit
+def _refill_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt, s_cr, SPLITS,
+                   BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    """A row whose sample's floor was too high (fewer than kk candidates: rare) takes every visible key instead (its
+    count moves to the first segment's). Its own kernel, so the finish kernel carries no whole-row compaction code
+    (registers, shared memory)."""
+    pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
+    n_row = count_ptr + pid * SPLITS
+    if _counted(n_row, SPLITS, SPLITS_POW2) < kk:
+        tl.store(n_row, _compact_keys(x_row, cand_ptr + pid * s_cr, 0, n, INT32_MIN, BLOCK))
+        for j in range(1, SPLITS):
+            tl.store(n_row + j, 0)
+
+
+@triton.jit
+def _finish_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, out_ptr, S, TOPK, ROWS_PER_B,
+                   s_xb, s_xt, s_pb, s_pt, s_cr, s_ob, s_ot, SPLITS, BLOCK: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    """The kk best candidates of the row -> their indices, ascending (-inf ones dropped), then -1 up to TOPK."""
+    pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
+    c_row = cand_ptr + pid * s_cr
+    o_row = out_ptr + b * s_ob + t * s_ot
+    n_c = _counted(count_ptr + pid * SPLITS, SPLITS, SPLITS_POW2)
+    thr = _key_threshold(c_row, n_c, kk, BLOCK)
     offs = tl.arange(0, BLOCK)
-    for s0 in range(lo, hi, BLOCK):
-        idx = s0 + offs
-        m = idx < hi
-        o = _ordered(tl.load(x_row + idx, mask=m, other=0.0))
-        keep = m & (o >= floor)
-        cnt = tl.sum(keep.to(tl.int32), 0)
-        slot0 = tl.atomic_add(count_ptr + pid, cnt, mask=cnt > 0)
-        slot = slot0 + tl.cumsum(keep.to(tl.int32), 0) - 1
-        key = (o.to(tl.int64) << 32) | (2147483647 - idx).to(tl.int64)
-        tl.store(cand_ptr + pid * s_cr + slot, key, mask=keep)
-
-
-@triton.jit
-def _refill_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt, s_cr,
-                   BLOCK: tl.constexpr):
-    """A row whose sample's floor was too high (fewer than kk candidates: rare) takes every visible key instead.
-    Its own kernel, so the finish kernel carries no whole-row compaction code (registers, shared memory)."""
-    pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
-    if tl.load(count_ptr + pid) < kk:
-        tl.store(count_ptr + pid, _compact_keys(x_row, cand_ptr + pid * s_cr, n, INT32_MIN, BLOCK))
-
-
-@triton.jit
-def _finish_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, surv_ptr, out_ptr, S, TOPK, ROWS_PER_B,
-                   s_xb, s_xt, s_pb, s_pt, s_cr, s_sr, s_ob, s_ot, BLOCK: tl.constexpr, K_POW2: tl.constexpr,
-                   IN_ORDER: tl.constexpr):
-    pid, b, t, x_row, n, kk = _row_setup(x_ptr, pos_ptr, S, TOPK, ROWS_PER_B, s_xb, s_xt, s_pb, s_pt)
-    _write_best(cand_ptr + pid * s_cr, surv_ptr + pid * s_sr, out_ptr + b * s_ob + t * s_ot, tl.load(count_ptr + pid),
-                kk, TOPK, BLOCK, K_POW2, IN_ORDER)
+    n_out = n_c * 0
+    for c0 in range(0, n_c, BLOCK):
+        ci = c0 + offs
+        key = tl.load(c_row + ci, mask=ci < n_c, other=INT64_MIN)
+        take = (ci < n_c) & (key >= thr) & ((key >> 32) > NEG_INF_ORDERED)
+        idx = 2147483647 - key.to(tl.int32)  # the low word (truncation) is 2^31 - 1 - index
+        tl.store(o_row + n_out + tl.cumsum(take.to(tl.int32), 0) - 1, idx, mask=take)
+        n_out += tl.sum(take.to(tl.int32), 0)
+    for p0 in range(n_out, TOPK, BLOCK):
+        tl.store(o_row + p0 + offs, -1, mask=p0 + offs < TOPK)
 
 
 def select_config(S: int, overrides: dict | None = None) -> dict:
@@ -208,21 +218,26 @@ def select_config(S: int, overrides: dict | None = None) -> dict:
     return cfg
 
 
-def select_scratch(rows: int, S: int, topk: int, device) -> dict:
+def _programs(device) -> int:
+    """The compaction's default target program count: 4 per SM."""
+    if torch.device(device).type != "cuda":
+        return 16
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def select_scratch(rows: int, S: int, device, programs: int | None = None) -> dict:
     """Scratch for `radix_topk_triton` over up to `rows` rows, reusable across calls: int64 candidate keys
-    [rows, S], int32 survivor indices [rows, topk] (sorted by index where the candidates arrive
-    out of order), int32 floors and counts [rows]."""
+    [rows, S], int32 floors [rows] and segment counts, flat: a call of r <= rows rows cuts each into at most
+    cdiv(programs, r) segments, so r x segments <= rows + programs (programs: the config's, default 4 per SM)."""
+    programs = _programs(device) if programs is None else programs
     return dict(cand=torch.empty(rows, max(S, 1), device=device, dtype=torch.int64),
-                surv=torch.empty(rows, max(topk, 1), device=device, dtype=torch.int32),
                 floor=torch.empty(rows, device=device, dtype=torch.int32),
-                count=torch.empty(rows, device=device, dtype=torch.int32))
+                count=torch.empty(rows + programs, device=device, dtype=torch.int32))
 
 
 def _splits(rows: int, S: int, block: int, programs: int | None, device) -> int:
-    """Programs per row for the compaction pass (shape-only): enough rows x splits to fill the GPU ~4 times."""
-    if programs is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        programs = 4 * sms
+    """Segments per row for the compaction pass (shape-only): enough rows x segments to fill the GPU ~4 times."""
+    programs = _programs(device) if programs is None else programs
     return max(1, min(triton.cdiv(programs, rows), triton.cdiv(S, block), 65535))
 
 
@@ -245,29 +260,30 @@ def radix_topk_triton(
     if out is None:
         out = torch.empty(B, T, topk, device=scores.device, dtype=torch.int32)
     rows = B * T
-    sc = scratch if scratch is not None else select_scratch(rows, S, topk, scores.device)
-    if sc["cand"].shape[0] < rows or sc["cand"].shape[1] < S or sc["surv"].shape[1] < topk:
-        raise ValueError(f"radix_topk_triton: scratch {tuple(sc['cand'].shape)} / {tuple(sc['surv'].shape)} too "
-                         f"small for {rows} rows x {S} keys, topk {topk}")
+    sc = scratch if scratch is not None else select_scratch(rows, S, scores.device, cfg["programs"])
+    splits = _splits(rows, S, cfg["BLOCK"], cfg["programs"], scores.device)
+    if sc["cand"].shape[0] < rows or sc["cand"].shape[1] < S or sc["count"].numel() < rows * splits:
+        raise ValueError(f"radix_topk_triton: scratch {tuple(sc['cand'].shape)} / {sc['count'].numel()} counts too "
+                         f"small for {rows} rows x {S} keys in {splits} segments")
     if rows == 0:
         return out
-    k_pow2 = max(16, triton.next_power_of_2(topk))
     row_args = (S, topk, T, scores.stride(0), scores.stride(1), positions.stride(0), positions.stride(1))
     if cfg["whole_row"]:
         sc["floor"][:rows].fill_(-2**31)
-        sc["count"][:rows].zero_()
     else:
-        _floor_kernel[(rows,)](scores, positions, sc["floor"], sc["count"], *row_args, SAMPLE=cfg["SAMPLE"],
+        _floor_kernel[(rows,)](scores, positions, sc["floor"], *row_args, SAMPLE=cfg["SAMPLE"],
                                num_warps=cfg["warps_floor"])
-    splits = _splits(rows, S, cfg["BLOCK"], cfg["programs"], scores.device)
     seg = triton.cdiv(triton.cdiv(S, splits), cfg["BLOCK"]) * cfg["BLOCK"]
-    _compact_kernel[(rows, splits)](scores, positions, sc["floor"], sc["count"], sc["cand"], *row_args,
-                                    sc["cand"].stride(0), seg, BLOCK=cfg["BLOCK"], ONE_SPLIT=splits == 1,
-                                    num_warps=cfg["warps_compact"])
-    _refill_kernel[(rows,)](scores, positions, sc["count"], sc["cand"], *row_args, sc["cand"].stride(0),
-                            BLOCK=cfg["BLOCK"], num_warps=cfg["warps_compact"])
-    _finish_kernel[(rows,)](scores, positions, sc["count"], sc["cand"], sc["surv"], out, *row_args,
-                            sc["cand"].stride(0), sc["surv"].stride(0), out.stride(0), out.stride(1),
-                            BLOCK=cfg["BLOCK_FINISH"], K_POW2=k_pow2, IN_ORDER=splits == 1,
-                            num_warps=cfg["warps_finish"])
+    s_cr = sc["cand"].stride(0)
+    split_args = dict(SPLITS_POW2=triton.next_power_of_2(splits))
+    if splits > 1:
+        _count_kernel[(rows, splits)](scores, positions, sc["floor"], sc["count"], *row_args, seg, splits,
+                                      BLOCK=cfg["BLOCK"], num_warps=cfg["warps_compact"])
+    _compact_kernel[(rows, splits)](scores, positions, sc["floor"], sc["count"], sc["cand"], *row_args, s_cr, seg,
+                                    splits, BLOCK=cfg["BLOCK"], num_warps=cfg["warps_compact"], **split_args)
+    _refill_kernel[(rows,)](scores, positions, sc["count"], sc["cand"], *row_args, s_cr, splits,
+                            BLOCK=cfg["BLOCK"], num_warps=cfg["warps_compact"], **split_args)
+    _finish_kernel[(rows,)](scores, positions, sc["count"], sc["cand"], out, *row_args, s_cr, out.stride(0),
+                            out.stride(1), splits, BLOCK=cfg["BLOCK_FINISH"], num_warps=cfg["warps_finish"],
+                            **split_args)
     return out
