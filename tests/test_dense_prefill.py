@@ -100,6 +100,26 @@ def test_graph_classes_are_the_prefix_a_pass_on_the_path_can_replay():
     assert graph_hint("sparse", 32, 16, 41) is None
 
 
+def test_dense_graphs_per_key_class():
+    """Dense graphs come in key classes top-k / 4, / 2, top-k; a pass replays the smallest that holds its keys."""
+    assert dp.dense_key_classes(2048, 4353) == (512, 1024, 2048)
+    assert dp.dense_key_classes(16, 41) == (16,)  # rounded up to KEY_ALIGN: one class
+    assert dp.dense_key_classes(2048, 700) == (512, 700)  # capped at the cache's rows
+    assert dp.graph_labels(dp.PATHS, 2048, 4353) == ["sparse", "dense@512", "dense@1024", "dense", "split"]
+    assert dp.graph_labels(("sparse",), 2048, 4353) == ["sparse"]
+    assert graph_classes("dense@32", [1, 8, 32, 64], 64, 40, 1) == [8, 32]
+    assert graph_classes("dense@16", [1, 8, 32, 64], 64, 40, 1) == [8, 32]  # 32 holds 9..16 tokens
+    assert graph_classes("dense", [1, 8, 32, 64], 64, 40, 1) == [8, 32, 64]
+    assert graph_hint("dense@32", 8, 64, 100) == PrefillHint("dense", 8, (32,))
+    assert graph_hint("dense", 8, 64, 100) == PrefillHint("dense", 8, (64,))
+    label = lambda h: dp.graph_label(h, 64, 100)  # noqa: E731
+    assert label(PrefillHint("dense", 8, (16,))) == "dense@16"
+    assert label(PrefillHint("dense", 4, (16, 32))) == "dense@32"  # the largest block's keys
+    assert label(PrefillHint("dense", 8, (48,))) == "dense"
+    assert label(None) == "sparse" and label(PrefillHint("masked", 8, (80,))) == "sparse"
+    assert label(plan_prefill([list(range(80))], 64, 100, 0, min_tokens=2)) == "split"
+
+
 # ---- the attention, on random inputs ----
 def _inputs(B, T, S, pos_rows, seed=0, dtype=torch.float32, device="cpu", topk=None, **over):
     model, _ = planned_sharp("F", "model.num_layers=1", *(f"model.{k}={v}" for k, v in over.items()))
@@ -374,6 +394,35 @@ def test_engine_prefill_graph_blocks_per_path_replay_like_eager(monkeypatch):
     assert out_off == out_g
 
 
+def test_engine_dense_graphs_per_key_class_replay_like_eager(monkeypatch):
+    """Top-k 64: dense prefill graphs for key classes 16, 32 and 64 (`prefill+dense@16`, `prefill+dense@32`,
+    `prefill+dense`); each pass replays the smallest that holds its keys. Tokens equal the run without short
+    prefill, logits the force-eager run of the same blocks bit for bit."""
+    from test_generate import _graph_cfg, same_logits
+    from test_generate import run as run_engine
+    from test_graphs_cpu import FakeCapturer
+
+    monkeypatch.setattr(dp, "MIN_PREFILL_TOKENS", 2)
+
+    def cfg_plan(short=True):
+        cfg, plan = _graph_cfg()
+        cfg.model.index_topk, cfg.serve.short_prefill = 64, short
+        return cfg, plan
+
+    ps = ["hello", "hi there, friend", "abcdefghijklmnopqrstuvwxyz"]
+    cfg, plan = cfg_plan()
+    out_g, eg = run_engine(cfg, plan, ps, record=True, capturer=FakeCapturer())
+    assert {"prefill+dense@16", "prefill+dense@32", "prefill+dense"} <= {r.block for r in eg.graphs.report().records}
+    replayed, run_block = [], eg.graphs.run
+    eg.graphs.run = lambda name, *a, **k: replayed.append(name) or run_block(name, *a, **k)
+    assert eg.generate([list(p.encode()) for p in ps]) == out_g
+    assert {"prefill+dense@16", "prefill+dense@32"} <= set(replayed)
+    out_f, ef = run_engine(*cfg_plan(), ps, record=True, force_eager=True)
+    assert out_f == out_g and same_logits(eg.logits_log, ef.logits_log)
+    out_off, _ = run_engine(*cfg_plan(short=False), ps, capturer=FakeCapturer())
+    assert out_off == out_g
+
+
 def test_engine_split_graphs_replay_like_eager(monkeypatch):
     """Top-k 4 under prefill token classes 2 / 8: a first chunk of 5-8 tokens replays the `prefill+split` graph
     (captured with the static hint of an aligned 8-column pass: 4 causal columns, 4 masked), padded; tokens equal the
@@ -469,7 +518,8 @@ def test_gpu_stage_prefill_paths_match_the_sparse_path_bf16(topk, max_keys):
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk", [128, 16])
 def test_gpu_prefill_graphs_of_each_path_replay_bitwise_equal_to_eager(topk, monkeypatch):
-    """topk 128: every prompt (5..70 tokens) prefills dense; topk 16: first chunks above 16 tokens replay the split
+    """topk 128: every prompt (5..70 tokens) prefills dense, through the dense graph of the smallest key class that
+    holds the pass (32, 64 or 128 keys); topk 16: first chunks above 16 tokens replay the split
     graph (16 causal columns, then masked), later chunks above 16 keys, where eager passes would run masked, the
     sparse graph (no masked graph is captured). The prefill graph blocks of the path replay (checked by name) and
     equal the force-eager run of the same blocks bit for bit."""
@@ -485,7 +535,10 @@ def test_gpu_prefill_graphs_of_each_path_replay_bitwise_equal_to_eager(topk, mon
     replayed, run_block = [], eg.graphs.run
     eg.graphs.run = lambda name, *a, **k: replayed.append(name) or run_block(name, *a, **k)
     out_g = eg.generate(ps)
-    assert ("prefill+dense" if topk == 128 else "prefill+split") in replayed  # topk 16: first chunks split
+    if topk == 128:  # dense graphs of key classes 32 / 64 / 128: the short prompts' passes take the smaller ones
+        assert any(name.startswith("prefill+dense@") for name in replayed)
+    else:
+        assert "prefill+split" in replayed  # first chunks above 16 tokens split
     assert not any("+masked" in r.block for r in report.records)
     out_e, ee, _ = run_gpu(cfg, plan, ps, force_eager=True)
     assert_bitwise(eg.logits_log, ee.logits_log)

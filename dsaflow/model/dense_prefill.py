@@ -34,7 +34,8 @@ their queries can see. The sparse path is the same function in exact arithmetic 
 
 The decision is host-side: the serving engine builds a `PrefillHint` from its host lists of positions
 (`plan_prefill`) and passes it through `StageModule.forward(prefill=...)`; nothing reads the device. Captured prefill
-graphs take a static hint per (path, token class) (`graph_hint`, `graph_classes`), so the graph key holds the path.
+graphs take a static hint per (label, token class) (`graph_labels`, `graph_hint`, `graph_classes`): one label per
+path, and dense ones per key class (`dense_key_classes`), so the graph key holds the path and the keys attended.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ MASKED_RATE = 0.60
 MIN_PREFILL_TOKENS = 128
 QUERY_BLOCK = 512  # queries per SDPA call on the masked paths: each block stops at its own last visible key
 KEY_ALIGN = 16  # key extents round up to this (aligned attention-bias rows for the memory-efficient kernel)
+DENSE_KEY_SHARES = (4, 2, 1)  # dense prefill graphs: one per key class, these fractions of top-k
 PATHS = ("sparse", "dense", "masked", "split")
 
 
@@ -185,41 +187,81 @@ def plan_prefill(
     return PrefillHint(path, block, ends, causal)
 
 
+def dense_key_classes(topk: int, cache_rows: int) -> tuple:
+    """The key extents the dense prefill graphs are captured for: top-k / 4, / 2 and top-k (rounded up to KEY_ALIGN,
+    distinct, ascending). A graph attends over its class's keys whatever the positions of the pass, and a chunk's
+    key extent is often well below top-k (the first chunks of a prompt), so the smallest class that holds the pass
+    saves that share of the key up-projection and of the attention."""
+    return tuple(sorted({_round_keys(max(1, topk // share), cache_rows) for share in DENSE_KEY_SHARES}))
+
+
+def graph_labels(paths: Sequence[str], topk: int, cache_rows: int) -> list:
+    """The prefill graph blocks, one label each, for the attention paths a pass can take: "sparse", "split", and for
+    "dense" one label per key class ("dense" for the largest, "dense@<keys>" below it); masked passes replay the
+    sparse graph (see `graph_classes`)."""
+    out = []
+    for path in paths:
+        if path == "dense":
+            *lower, _ = dense_key_classes(topk, cache_rows)
+            out += [f"dense@{k}" for k in lower] + ["dense"]
+        elif path != "masked":
+            out.append(path)
+    return out
+
+
+def _label_keys(label: str, topk: int, cache_rows: int) -> int:
+    """The key extent a dense label's graph attends over."""
+    return int(label.split("@")[1]) if "@" in label else _round_keys(topk, cache_rows)
+
+
+def graph_label(hint: Optional[PrefillHint], topk: int, cache_rows: int) -> str:
+    """The label of the prefill graph block a pass on this hint replays: "sparse" (no hint, or masked), "split", or
+    the dense label of the smallest key class that holds the pass's key extent."""
+    if hint is None or hint.path == "masked":
+        return "sparse"
+    if hint.path != "dense":
+        return hint.path
+    *lower, _ = dense_key_classes(topk, cache_rows)
+    return next((f"dense@{k}" for k in lower if max(hint.ends) <= k), "dense")
+
+
 def graph_classes(
-    path: str,
+    label: str,
     classes: Sequence[int],
     topk: int,
     max_keys: int = 0,
     min_tokens: int = MIN_PREFILL_TOKENS,
 ) -> list:
-    """The token classes of a prefill graph block that a pass on `path` can use: a pass of n tokens replays the
-    smallest class >= n, and its key extent is at least n. A contiguous run of `classes`. None for masked: a graph
-    cannot depend on the pass's key extent, so it would attend over all max_keys keys, where the masked form costs
-    what the sparse one does (that is how max_keys is set); graph passes of those extents replay the sparse graph.
-    split: the classes above top-k (a first chunk of more than top-k tokens), where its top-k dense columns pay."""
-    if path == "sparse":
+    """The token classes of a prefill graph block (`graph_labels`) that a pass can use: a pass of n tokens replays
+    the smallest class >= n, and its key extent is at least n. A contiguous run of `classes`. None for masked: a
+    graph cannot depend on the pass's key extent, so it would attend over all max_keys keys, where the masked form
+    costs what the sparse one does (that is how max_keys is set); graph passes of those extents replay the sparse
+    graph. split: the classes above top-k (a first chunk of more than top-k tokens), where its top-k dense columns
+    pay. dense: the classes a pass within the label's key extent can reach."""
+    if label == "sparse":
         return list(classes)
-    if path == "masked":
+    if label == "masked":
         return []
-    if path == "split":
+    if label == "split":
         return [c for c in classes if c > topk] if topk >= max(2, min_tokens) else []
+    keys = int(label.split("@")[1]) if "@" in label else topk
     out, prev = [], 0
     for c in classes:
-        if c >= max(2, min_tokens) and prev + 1 <= topk:
+        if c >= max(2, min_tokens) and prev + 1 <= keys:
             out.append(c)
         prev = c
     return out
 
 
-def graph_hint(path: str, tokens: int, topk: int, cache_rows: int, max_keys: int = 0):
-    """The static hint a captured prefill graph of `tokens` columns runs on `path` (None for sparse): dense, one
-    query block over the first topk keys with a position mask, whatever the pass; split, the hint of an aligned pass
-    of `tokens` columns (its masked blocks' key extents cover any shorter first chunk's)."""
-    if path == "sparse":
+def graph_hint(label: str, tokens: int, topk: int, cache_rows: int, max_keys: int = 0):
+    """The static hint a captured prefill graph of `tokens` columns runs (None for sparse): dense, one query block
+    over the label's keys (the first top-k, or its key class) with a position mask, whatever the pass; split, the
+    hint of an aligned pass of `tokens` columns (its masked blocks' key extents cover any shorter first chunk's)."""
+    if label == "sparse":
         return None
-    if path == "split":
+    if label == "split":
         return plan_prefill([list(range(tokens))], topk, cache_rows, max_keys, min_tokens=2)
-    return PrefillHint(path, tokens, (_round_keys(topk, cache_rows),), False)
+    return PrefillHint("dense", tokens, (_label_keys(label, topk, cache_rows),), False)
 
 
 def key_mask(indices: torch.Tensor, num_keys: int) -> torch.Tensor:

@@ -143,17 +143,16 @@ class PipelineEngine:
                 indices_in=self._received(stage, cache, v["positions"]),
             )
             self.graphs.register(name, "decode", stage, block.shape_classes, 0, fn, inputs)
-        else:  # prefill: class = tokens per chunk, rows fixed at the group's rows; one block per attention path
-            for path in self.prefill_paths:
+        else:  # prefill: class = tokens per chunk, rows fixed at the group's rows; one block per graph label
+            for path in dense_prefill.graph_labels(self.prefill_paths, top_k, cache.max_context + 1):
                 classes = dense_prefill.graph_classes(path, block.shape_classes, top_k, **self.prefill_rule)
                 if not classes:
                     continue
-                self._register_prefill(stage, module, cache, self._path_name(name, path), path, classes)
+                path_name = self._path_name(name, path)
+                self._register_prefill(stage, module, cache, path_name, path, classes)
                 for c in self.row_classes[:-1]:  # the top c rows of the group (the last class is the whole group)
                     top_rows = cache.rows(cache.max_batch - c, cache.max_batch)
-                    self._register_prefill(
-                        stage, module, top_rows, f"{self._path_name(name, path)}/r{c}", path, classes
-                    )
+                    self._register_prefill(stage, module, top_rows, f"{path_name}/r{c}", path, classes)
 
     def _register_prefill(self, stage: int, module, cache, name: str, path: str, classes) -> None:
         """A prefill graph block of one attention path: each class replays the path's static hint
@@ -172,7 +171,7 @@ class PipelineEngine:
 
     @staticmethod
     def _path_name(name: str, path: str) -> str:
-        """The graph block of a prefill path: the configured name for sparse, else `<name>+dense` / `<name>+split`."""
+        """The graph block of a prefill graph label: the configured name for sparse, else `<name>+<label>`."""
         return name if path == "sparse" else f"{name}+{path}"
 
     def _received(self, stage: int, cache, positions: torch.Tensor) -> Optional[torch.Tensor]:
@@ -235,8 +234,7 @@ class PipelineEngine:
                 last = self.last_tokens[p.group][p.row0 : p.row0 + w.rows]
                 x[:, 0] = torch.where(mask, last, x[:, 0])  # decode rows feed their previous token
             kind = "decode" if p.decode_only else "prefill"
-            path = w.hint.path if w.hint is not None else "sparse"
-            name = self._block_name(stage, kind, p.group, path) if w.graph else None
+            name = self._block_name(stage, kind, p.group, w.path) if w.graph else None
             cache = self.group_caches[stage][p.group]
             if p.moves:  # a refill compacted the group: its rows move on this stage before the pass
                 cache.move_rows(self._h2d([a for a, _ in p.moves]), self._h2d([b for _, b in p.moves]), p.move_len)
@@ -372,6 +370,7 @@ class PipelineEngine:
             work.hint = plan_prefill(p.positions, topk, cache_rows, **self.prefill_rule)
             if graph and work.hint is not None and work.hint.path == "masked":
                 work.hint = None  # no masked graphs (dense_prefill.graph_classes): the sparse graph replays
+            work.path = dense_prefill.graph_label(work.hint, topk, cache_rows)
         extra = (((rows, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
         return Item(p.group, (rows, p.T, self.model_cfg.dim), self.dtype, work, (2, rows), p.decode_only, extra)
 

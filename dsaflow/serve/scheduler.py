@@ -284,3 +284,4 @@ class Work:
         self.positions = None  # a device int64 tensor [rows, T], built by the first stage of this rank
         self.mark = None  # last stage: when the pass was sampled
         self.hint = None  # a short prefill pass's attention path (dsaflow.model.dense_prefill), None = sparse
+        self.path = "sparse"  # the label of the prefill graph block it replays (dense_prefill.graph_label)
