@@ -209,9 +209,9 @@ def graph_labels(paths: Sequence[str], topk: int, cache_rows: int) -> list:
     return out
 
 
-def _label_keys(label: str, topk: int, cache_rows: int) -> int:
-    """The key extent a dense label's graph attends over."""
-    return int(label.split("@")[1]) if "@" in label else _round_keys(topk, cache_rows)
+def _label_keys(label: str, full: int) -> int:
+    """The key extent a dense label's graph attends over: its key class, or `full` for the plain "dense" label."""
+    return int(label.split("@")[1]) if "@" in label else full
 
 
 def graph_label(hint: Optional[PrefillHint], topk: int, cache_rows: int) -> str:
@@ -244,7 +244,7 @@ def graph_classes(
         return []
     if label == "split":
         return [c for c in classes if c > topk] if topk >= max(2, min_tokens) else []
-    keys = int(label.split("@")[1]) if "@" in label else topk
+    keys = _label_keys(label, topk)
     out, prev = [], 0
     for c in classes:
         if c >= max(2, min_tokens) and prev + 1 <= keys:
@@ -261,7 +261,7 @@ def graph_hint(label: str, tokens: int, topk: int, cache_rows: int, max_keys: in
         return None
     if label == "split":
         return plan_prefill([list(range(tokens))], topk, cache_rows, max_keys, min_tokens=2)
-    return PrefillHint("dense", tokens, (_label_keys(label, topk, cache_rows),), False)
+    return PrefillHint("dense", tokens, (_label_keys(label, _round_keys(topk, cache_rows)),), False)
 
 
 def key_mask(indices: torch.Tensor, num_keys: int) -> torch.Tensor:
