@@ -197,7 +197,10 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) 
     for w, mb, continuous in runs:
         cfg, plan = make_cfg(args, pipeline, mb, context, continuous)
         eng = PipelineEngine(cfg.model, plan, stages, cfg.serve, cfg.graphs, device, dtype, rank, link)
-        eng.capture()
+        captured = [r for r in eng.capture().records if r.captured]
+        capture = gather(
+            (len(captured), sum(r.capture_ms for r in captured) / 1e3, sum(r.pool_bytes for r in captured))
+        )
         prompts, limits = loads[w]
         # warm-up: first calls allocate and compile; prompts across the workload's lengths, so the timed run
         # meets no new kernel specialisation
@@ -232,6 +235,10 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) 
                     "decode_busy_fraction": [b[1] for b in busy],
                     "ticks": st["ticks"],
                     "graphs": args.graphs,
+                    # per rank: graphs captured at setup, their capture time and the graph pools' growth
+                    "graphs_captured": [c[0] for c in capture],
+                    "capture_s": [c[1] for c in capture],
+                    "graph_pool_gib": [c[2] / 2**30 for c in capture],
                     "device": str(device),
                 }
             )
@@ -242,7 +249,8 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) 
             print(
                 f"{pipeline} groups={r['microbatches']} {w} {r['batching']}: {r['tokens_per_s']:.1f} tokens/s, "
                 f"busy {[round(b, 2) for b in r['busy_fraction']]}, decode busy "
-                f"{[round(b, 2) for b in r['decode_busy_fraction']]}",
+                f"{[round(b, 2) for b in r['decode_busy_fraction']]}, graphs {r['graphs_captured']} captured in "
+                f"{[round(c, 1) for c in r['capture_s']]} s, pools {[round(g, 2) for g in r['graph_pool_gib']]} GiB",
                 flush=True,
             )
         del eng

@@ -54,6 +54,9 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
         assert r["tokens_per_s"] > 0
         assert abs(r["tokens_per_s"] - r["output_tokens"] / r["wall_s"]) < 1e-6 * r["tokens_per_s"]
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and 0 < r["tpot_p50_s"] <= r["tpot_p99_s"]
+        assert (
+            r["graphs_captured"] == [0] * r["ranks"] and len(r["capture_s"]) == len(r["graph_pool_gib"]) == r["ranks"]
+        )
         want = 6 * 4 if r["workload"] == "uniform" else None
         assert want is None or r["output_tokens"] == want
     mixed = {r["output_tokens"] for r in rows if r["workload"] == "mixed"}
