@@ -136,6 +136,9 @@ def bench_stage():
 def test_gpu_estimate_within_15_percent_of_the_measured_peak(bench_stage, seq, mode):
     bench, stage, opts = bench_stage
     row = bench.measure(stage, opts, 8, "every4", seq, mode, reps=1)
+    total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    if "out of memory" in row.get("error", "") and row["estimate_gib"] > 0.9 * total_gib:
+        pytest.skip(f"the plan estimates {row['estimate_gib']:.1f} GiB, beyond this {total_gib:.0f} GiB GPU")
     assert "error" not in row, row
     assert abs(row["estimate_error"]) <= 0.15, row
 
