@@ -36,9 +36,10 @@ from dsaflow.ops.indexer_topk.triton_indexer import (
     query_chunk,
     topk_from_keys,
 )
+from dsaflow.ops.sparse_mla.hopper_backward import hopper_bwd_supports, launch_hopper_ds
 from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
 from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
-from dsaflow.ops.sparse_mla.triton_prefill import sparse_mla_fwd_triton
+from dsaflow.ops.sparse_mla.triton_prefill import key_extent, sparse_mla_fwd_triton
 from dsaflow.ops.sparse_mla.triton_probs import sparse_mla_probs_triton
 
 H, D_QK, D_V, TOPK = 128, 576, 512, 2048
@@ -193,6 +194,34 @@ def bench_sparse_mla(contexts, do_sweep):
         do = torch.randn_like(out)
         ms = bench(lambda: sparse_mla_bwd_triton(qb, kv, idxb, out, lse, do, None, scale, D_V, bwd_cfg), rep_ms=300)
         record("sparse_mla_bwd", "triton", ctx, ms, flops=bwd_flops, queries=n_bwd, config=bwd_cfg)
+        if hopper_bwd_supports(qb, kv, idxb, D_V) is None:  # the Gluon pass 1, then the same dq and dkv kernels
+            hop = lambda: sparse_mla_bwd_triton(qb, kv, idxb, out, lse, do, None, scale, D_V, bwd_cfg, pass1="hopper")
+            errs = [
+                rel_err(a, b)
+                for a, b in zip(hop(), sparse_mla_bwd_triton(qb, kv, idxb, out, lse, do, None, scale, D_V, bwd_cfg))
+            ]
+            assert max(errs) < 1e-2, f"the Hopper pass 1 disagrees with the portable one: {errs}"
+            record(
+                "sparse_mla_bwd",
+                "hopper pass 1",
+                ctx,
+                bench(hop, rep_ms=300),
+                flops=bwd_flops,
+                queries=n_bwd,
+                rel_err_vs_triton=max(errs),
+            )
+            g = torch.empty(n_bwd, 2 * H, TOPK, device="cuda", dtype=qb.dtype)
+            nk = key_extent(idxb, ctx)
+            p1 = lambda: launch_hopper_ds(qb, kv, idxb, nk, do, out, lse, None, g, None, 0, n_bwd, scale)
+            record(
+                "sparse_mla_bwd pass 1",
+                "hopper",
+                ctx,
+                bench(p1, rep_ms=300),
+                flops=2 * H * TOPK * (D_QK + D_V) * n_bwd,
+                queries=n_bwd,
+            )
+            del g, nk
         ms = bench(
             lambda: sparse_mla_bwd_triton(qb, kv, idxb, out, lse, do, None, scale, D_V, bwd_cfg, deterministic=True),
             rep_ms=300,
@@ -223,7 +252,8 @@ def bench_backward_peers(contexts, do_sweep):
         n_keys = key_extent(idx, ctx)
         out, lse = sparse_mla_fwd_triton(q, kv, idx, scale, D_V, n_keys=n_keys)
         do = torch.randn_like(out)
-        ours = lambda: sparse_mla_bwd_triton(q, kv, idx, out, lse, do, None, scale, D_V, n_keys=n_keys)
+        pass1 = "hopper" if hopper_bwd_supports(q, kv, idx, D_V) is None else "triton"  # dsaflow's rule
+        ours = lambda: sparse_mla_bwd_triton(q, kv, idx, out, lse, do, None, scale, D_V, n_keys=n_keys, pass1=pass1)
         theirs = lambda: cb.sparse_mla_bwd_cudnn(q, kv, idx, out, lse, do, scale, D_V, n_keys)
         (dq_o, dkv_o), (dq_p, dkv_p) = ours(), theirs()  # the first cuDNN call compiles its kernels
         err_dq, err_dkv = rel_err(dq_p, dq_o), rel_err(dkv_p, dkv_o)
@@ -232,7 +262,7 @@ def bench_backward_peers(contexts, do_sweep):
         choice = explain_sparse_mla_backward(q, kv, idx, D_V, deterministic=False)
         flops = 2 * H * TOPK * (3 * D_QK + 2 * D_V) * n_bwd * batch
         shape = dict(queries=n_bwd, batch=batch, heads=H)
-        a = record("sparse_mla_bwd side by side", "dsaflow triton", ctx, ms_o, flops=flops, **shape)
+        a = record("sparse_mla_bwd side by side", f"dsaflow ({pass1} pass 1)", ctx, ms_o, flops=flops, **shape)
         b = record("sparse_mla_bwd side by side", peer, ctx, ms_p, flops=flops, **shape)
         row = dict(
             context=ctx,
@@ -249,7 +279,7 @@ def bench_backward_peers(contexts, do_sweep):
             dispatcher_why=str(choice),
             env=os.environ.get(ENV_BACKWARD, "auto"),
         )
-        row.update(backward_with_target(q, kv, idx, n_keys, out, lse, do, ctx, shape, flops, peer, do_sweep))
+        row.update(backward_with_target(q, kv, idx, n_keys, out, lse, do, ctx, shape, flops, peer, do_sweep, pass1))
         PEERS.append(row)
         print("peers", json.dumps(row), flush=True)
         assert max(err_dq, err_dkv) < 1e-2, f"dsaflow and {peer} disagree at {ctx} x {batch}: {row}"
@@ -257,7 +287,7 @@ def bench_backward_peers(contexts, do_sweep):
         del q, kv, idx, n_keys, out, lse, do
 
 
-def backward_with_target(q, kv, idx, n_keys, out, lse, do, ctx, shape, bwd_flops, peer, do_sweep):
+def backward_with_target(q, kv, idx, n_keys, out, lse, do, ctx, shape, bwd_flops, peer, do_sweep, pass1):
     """The backward with the indexer-loss target (`probs_into`, weight 0.5 into one fp32 [B, T, K] buffer): dsaflow's
     (pass 1 sums P) and cuDNN-Frontend's + dsaflow's target pass, the pass alone, and `attention_target`'s kernel
     (one program per query, all heads) on the same target. The pass's tiles: swept at the first context unless
@@ -275,7 +305,9 @@ def backward_with_target(q, kv, idx, n_keys, out, lse, do, ctx, shape, bwd_flops
         PROBS_CFG = sweep("sparse_mla target pass", make, PROBS_SWEEP) or {}
     cfg = PROBS_CFG or {}
     probs = lambda t: sparse_mla_probs_triton(q, kv, idx, lse, scale, D_V, (t, w), n_keys=n_keys, overrides=cfg)
-    ours = lambda t: sparse_mla_bwd_triton(q, kv, idx, out, lse, do, None, scale, D_V, n_keys=n_keys, probs_into=(t, w))
+    ours = lambda t: sparse_mla_bwd_triton(
+        q, kv, idx, out, lse, do, None, scale, D_V, n_keys=n_keys, probs_into=(t, w), pass1=pass1
+    )
     theirs = lambda t: (cb.sparse_mla_bwd_cudnn(q, kv, idx, out, lse, do, scale, D_V, n_keys), probs(t))
     t_ours, t_pass, t_ref = (torch.zeros_like(target) for _ in range(3))
     ours(t_ours)
@@ -288,7 +320,7 @@ def backward_with_target(q, kv, idx, n_keys, out, lse, do, ctx, shape, bwd_flops
     ms_kernel = bench(lambda: attention_target_triton(q, kv, idx, lse, scale, target, w), rep_ms=300)
     choice = explain_sparse_mla_backward(q, kv, idx, D_V, probs_into=True, deterministic=False)
     kind = "sparse_mla_bwd + indexer-loss target side by side"
-    a = record(kind, "dsaflow triton (pass 1 sums P)", ctx, ms_o, flops=bwd_flops, **shape)
+    a = record(kind, f"dsaflow ({pass1} pass 1 sums P)", ctx, ms_o, flops=bwd_flops, **shape)
     b = record(kind, f"{peer} + dsaflow target pass", ctx, ms_p, flops=bwd_flops + probs_flops, **shape)
     c = record("sparse_mla target pass (triton_probs)", "triton", ctx, ms_pass, flops=probs_flops, config=cfg, **shape)
     d = record("indexer-loss attention_target", "triton_target", ctx, ms_kernel, flops=probs_flops, **shape)

@@ -70,7 +70,9 @@ def _explain(*args, **kw):
 # ---- the environment variable ----
 
 
-@pytest.mark.parametrize("value,allowed", [("auto", None), ("", None), ("dsaflow", {"triton"}), ("CUDNN", {"cudnn"})])
+@pytest.mark.parametrize(
+    "value,allowed", [("auto", None), ("", None), ("dsaflow", {"hopper", "triton"}), ("CUDNN", {"cudnn"})]
+)
 def test_env_values(monkeypatch, value, allowed):
     _setting(monkeypatch, value)
     setting, got = bd.forced_backward()

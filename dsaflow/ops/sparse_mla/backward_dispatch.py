@@ -7,6 +7,8 @@
 |          | under 2^31 elements; lse gets no gradient; not deterministic mode (on sm_100/sm_103 its deterministic  |
 |          | kernels run it); and, unforced, no `OURS_FASTER` row. With an indexer-loss target (`probs_into`) it    |
 |          | gives dq and dkv, and a separate Q.K^T pass (`triton_probs.py`) adds the target                      |
+| `hopper` | dsaflow's backward with the warp-specialised Gluon pass 1 (`hopper_backward.py`): sm_90, triton 3.6's |
+|          | Gluon, bf16/fp16, DeepSeek MLA dims (d_qk 576, d_v 512), H a multiple of 64 (`hopper_bwd_supports`)   |
 | `triton` | always (dsaflow's portable backward, `triton_backward.py`; its pass 1 adds the target from its own P)  |
 
 The indexer-loss target is the heads' attention probabilities, summed per slot and normalised. dsaflow's pass 1
@@ -16,7 +18,7 @@ backward's) and adds the target through the same adding kernel, deterministicall
 dsaflow's backward: cuDNN's backward takes none.
 
 `DSAFLOW_SPARSE_MLA_BACKWARD` (read once per process): "auto" or unset is the table above, "dsaflow" runs dsaflow's
-backward always, "cudnn" runs cuDNN-Frontend's (with the target pass where a target is asked for) and raises (naming
+backward always (`hopper` where it takes the call, else `triton`), "cudnn" runs cuDNN-Frontend's (with the target pass where a target is asked for) and raises (naming
 the variable, the reason and the fix) where it cannot. The backward each process runs is logged once per backward
 (and once more for cuDNN-Frontend's with the target pass) at INFO; `explain_sparse_mla_backward(...)` says which
 runs and why without running anything. Without the extra installed the table picks `triton`, silently.
@@ -37,6 +39,7 @@ from dsaflow.errors import PlanError
 from ..kernel_table import Choice, walk
 from . import cudnn_backward as cb
 from .determinism import is_deterministic
+from .hopper_backward import hopper_bwd_supports
 from .triton_backward import sparse_mla_bwd_triton
 from .triton_probs import sparse_mla_probs_triton
 
@@ -115,11 +118,15 @@ def _cudnn_rule(q, kv, indices, d_v, needs: BackwardNeeds) -> str | None:
     return None
 
 
+def _hopper_rule(q, kv, indices, d_v, needs: BackwardNeeds) -> str | None:
+    return hopper_bwd_supports(q, kv, indices, d_v)  # its dq and dkv kernels are `triton`'s: every need is met
+
+
 def _triton_rule(q, kv, indices, d_v, needs: BackwardNeeds) -> str | None:
     return None  # it takes every call the forward kernels take
 
 
-BACKWARDS = (("cudnn", _cudnn_rule), ("triton", _triton_rule))
+BACKWARDS = (("cudnn", _cudnn_rule), ("hopper", _hopper_rule), ("triton", _triton_rule))
 BACKWARD_NAMES = tuple(name for name, _ in BACKWARDS)
 # The backwards that return no attention probabilities: with `probs_into`, `triton_probs.py` adds the target after.
 TARGET_PASS_AFTER = frozenset({"cudnn"})
@@ -190,7 +197,9 @@ def sparse_mla_backward(q, kv, indices, out, lse, d_out, d_lse, sm_scale: float,
         dq, dkv = cb.sparse_mla_bwd_cudnn(q, kv, indices, out, lse, d_out, sm_scale, d_v, n_keys, needs.deterministic)
     else:  # dsaflow's backward adds the target from the P of its pass 1
         args = q, kv, indices, out, lse, d_out, d_lse, sm_scale, d_v
-        dq, dkv = sparse_mla_bwd_triton(*args, deterministic=needs.deterministic, n_keys=n_keys, probs_into=probs_into)
+        dq, dkv = sparse_mla_bwd_triton(
+            *args, deterministic=needs.deterministic, n_keys=n_keys, probs_into=probs_into, pass1=kernel
+        )
     if probs_into is not None and kernel in TARGET_PASS_AFTER:
         sparse_mla_probs_triton(q, kv, indices, lse, sm_scale, d_v, probs_into, n_keys=n_keys)
     return dq, dkv

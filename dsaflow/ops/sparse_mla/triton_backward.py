@@ -24,7 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import hopper_backward
 from .triton_prefill import LOG2E, _rotated_blocks, dot_precision, key_extent
+from .triton_probs_add import _probs_into_kernel
+
+PASS1 = ("triton", "hopper")  # `_sparse_mla_bwd_ds_kernel`, or `hopper_backward`'s Gluon pass 1 (sm_90)
 
 
 @triton.jit
@@ -53,8 +57,8 @@ def _sparse_mla_bwd_ds_kernel(
     """Pass 1, one program per (head block, query): delta = rowsum(dO * O) - dlse for its heads (fp32, from the
     dO tile it needs anyway and one read of O), then S and dP per row block up to the query's key extent, dS and P
     written to g [chunk, 2H, K] (rows 0..H-1 dS, H..2H-1 P; 0 at invalid indices) for the queries q0 + pid_l.
-    SUM_P: also the fp32 sum of P over its heads per slot, to ps [n_hb, chunk, K + 1] (column K: the sum over the
-    slots too), for `_probs_into_kernel` (the indexer-loss target, from P this pass computes anyway)."""
+    SUM_P: also the fp32 sum of P over its heads per slot, to ps [n_hb, chunk, K], for `_probs_into_kernel` (the
+    indexer-loss target, from P this pass computes anyway)."""
     pid_l, b, t, offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok = _head_tile(
         q0, T, H, D_V, D_T, n_hb, BLOCK_H, BLOCK_DV, BLOCK_DT)
     q_rows = q_ptr + b * s_qb + t * s_qt + offs_h[:, None] * s_qh
@@ -75,7 +79,6 @@ def _sparse_mla_bwd_ds_kernel(
     g_base = g_ptr + pid_l * s_gq + offs_h[:, None] * s_gh
     n_k = tl.load(nk_ptr + q0 + pid_l)  # no valid slot at or past it; G past its last block stays unwritten
     ps_row = ps_ptr + (tl.program_id(0).to(tl.int64) % n_hb) * s_psh + pid_l * s_psq
-    p_total = tl.zeros([BLOCK_K], tl.float32)
     # G holds slots [0, n_g): pass 1's blocks cover n_k rounded up to its block (zeros past n_k)
     n_blk, rot = _rotated_blocks(q0 + pid_l, n_k, BLOCK_K)
     for i in range(0, n_blk):
@@ -96,11 +99,7 @@ def _sparse_mla_bwd_ds_kernel(
         tl.store(g_base + offs_k[None, :], ds.to(g_ptr.dtype.element_ty), mask=g_ok)
         tl.store(g_base + H * s_gh + offs_k[None, :], p.to(g_ptr.dtype.element_ty), mask=g_ok)
         if SUM_P:
-            p_col = tl.sum(p, 0)
-            tl.store(ps_row + offs_k, p_col, mask=offs_k < K)
-            p_total += p_col
-    if SUM_P:
-        tl.store(ps_row + K, tl.sum(p_total, 0))
+            tl.store(ps_row + offs_k, tl.sum(p, 0), mask=offs_k < K)
 
 
 @triton.jit
@@ -223,34 +222,6 @@ def _sparse_mla_bwd_dkv_reduce_kernel(
             tl.store(dst, tl.load(dst, mask=d_ok, other=0.0) + acc, mask=d_ok)
 
 
-@triton.jit
-def _probs_into_kernel(
-    ps_ptr, nk_ptr, out_ptr, T, K, q0, n_hb, weight, s_psh, s_psq, s_ob, s_ot,
-    BLOCK_K: tl.constexpr,
-):
-    """One program per query q0 + pid of the chunk: out[b, t, k] += weight * P_sum[k] / total for the slots below
-    its key extent, with P_sum the head-sum of its attention probabilities (the head blocks' partial sums in ps
-    [n_hb, chunk, K + 1]) and total their sum over the slots (column K), as `attention_target` normalises them. A
-    query without a valid key (total 0) adds nothing. One writer per element: deterministic, no atomics."""
-    pid = tl.program_id(0).to(tl.int64)
-    pid_q = q0 + pid
-    n_k = tl.load(nk_ptr + pid_q)
-    total = 0.0
-    for hb in range(0, n_hb):
-        total += tl.load(ps_ptr + hb * s_psh + pid * s_psq + K)
-    if total > 0.0:
-        scale = weight / total
-        out_row = out_ptr + (pid_q // T) * s_ob + (pid_q % T) * s_ot
-        for k0 in range(0, n_k, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < n_k
-            acc = tl.zeros([BLOCK_K], tl.float32)
-            for hb in range(0, n_hb):
-                acc += tl.load(ps_ptr + hb * s_psh + pid * s_psq + offs_k, mask=k_ok, other=0.0)
-            prev = tl.load(out_row + offs_k, mask=k_ok, other=0.0)
-            tl.store(out_row + offs_k, prev + acc * scale, mask=k_ok)
-
-
 def bwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict | None = None) -> dict:
     """Block sizes of the backward kernels (ds_*: pass 1, dqg_*: dq GEMM, gemm_* / tail_*: dkv GEMM on the value /
     rope-tail columns, red_*: deterministic reduction) and the byte budgets that set the query chunk: g_max_bytes
@@ -299,7 +270,7 @@ def sparse_mla_bwd_triton(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     d_out: torch.Tensor, d_lse: torch.Tensor | None, sm_scale: float, d_v: int, overrides: dict | None = None,
     deterministic: bool = False, n_keys: torch.Tensor | None = None,
-    probs_into: tuple[torch.Tensor, float] | None = None,
+    probs_into: tuple[torch.Tensor, float] | None = None, pass1: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32, out/d_out [B, T, H, d_v], lse/d_lse [B, T, H]
     -> dq [B, T, H, D_qk] q.dtype, dkv [B, S, D_qk] kv.dtype. q, kv, indices with contiguous last dims (the
@@ -310,7 +281,9 @@ def sparse_mla_bwd_triton(
     across runs on the same inputs and device); dq is deterministic in both modes.
     probs_into = (target [B, T, K] fp32 with unit last stride, weight): pass 1 also sums its P over heads, and
     `_probs_into_kernel` adds weight * that sum / its total into target (the indexer-loss target; see
-    `sparse_mla`), deterministically."""
+    `sparse_mla`), deterministically. pass1: one of `PASS1` ("hopper" for inputs `hopper_bwd_supports` takes)."""
+    if pass1 not in PASS1:
+        raise ValueError(f"sparse_mla_bwd_triton: pass1={pass1!r}, want one of {PASS1}")
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
     d_tail = D_qk - d_v
@@ -327,6 +300,8 @@ def sparse_mla_bwd_triton(
     dq = torch.empty_like(q)
     dkv = torch.zeros(B, S, D_qk, device=kv.device, dtype=torch.float32)
     cfg = bwd_config(q, d_v, d_tail, K, overrides)
+    if pass1 == "hopper":
+        cfg.update(ds_BLOCK_H=hopper_backward.BLOCK_H, ds_BLOCK_K=hopper_backward.BLOCK_K)  # the G it writes
     n_q = B * T
     g_per_q = 2 * H * K * q.element_size()
     if deterministic:
@@ -343,7 +318,7 @@ def sparse_mla_bwd_triton(
         if target.shape != (B, T, K) or target.dtype != torch.float32 or target.stride(-1) != 1:
             raise ValueError(f"probs_into: target must be fp32 [B, T, K] = {(B, T, K)} with a unit last stride, got "
                              f"{target.dtype} {tuple(target.shape)} strides {target.stride()}")
-        p_sums = torch.empty(n_hb, chunk, K + 1, device=q.device, dtype=torch.float32)
+        p_sums = torch.empty(n_hb, chunk, K, device=q.device, dtype=torch.float32)
     else:
         p_sums = g  # an unread placeholder
     prec = dot_precision(q.dtype)
@@ -358,16 +333,20 @@ def sparse_mla_bwd_triton(
     dlse_arg = lse if d_lse is None else d_lse  # an unread placeholder without dlse
     for q0 in range(0, n_q, chunk):
         n = min(chunk, n_q - q0)
-        _sparse_mla_bwd_ds_kernel[(n_hb * n,)](
-            q, kv, indices, n_keys, d_out, out, lse, dlse_arg, g, p_sums, T, S, K, H, d_v, d_tail, sm_scale,
-            sm_scale * LOG2E, q0, n_hb,
-            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
-            d_out.stride(0), d_out.stride(1), d_out.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), dlse_arg.stride(0), dlse_arg.stride(1), g.stride(0), g.stride(1),
-            p_sums.stride(0), p_sums.stride(1),
-            BLOCK_H=cfg["ds_BLOCK_H"], BLOCK_K=cfg["ds_BLOCK_K"], HAS_DLSE=d_lse is not None, **dims,
-            SUM_P=probs_into is not None, num_warps=cfg["ds_num_warps"], num_stages=cfg["ds_num_stages"],
-        )
+        if pass1 == "hopper":
+            hopper_backward.launch_hopper_ds(q, kv, indices, n_keys, d_out, out, lse, d_lse, g,
+                                             p_sums if probs_into is not None else None, q0, n, sm_scale)
+        else:
+            _sparse_mla_bwd_ds_kernel[(n_hb * n,)](
+                q, kv, indices, n_keys, d_out, out, lse, dlse_arg, g, p_sums, T, S, K, H, d_v, d_tail, sm_scale,
+                sm_scale * LOG2E, q0, n_hb,
+                q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), indices.stride(0), indices.stride(1),
+                d_out.stride(0), d_out.stride(1), d_out.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                lse.stride(0), lse.stride(1), dlse_arg.stride(0), dlse_arg.stride(1), g.stride(0), g.stride(1),
+                p_sums.stride(0), p_sums.stride(1),
+                BLOCK_H=cfg["ds_BLOCK_H"], BLOCK_K=cfg["ds_BLOCK_K"], HAS_DLSE=d_lse is not None, **dims,
+                SUM_P=probs_into is not None, num_warps=cfg["ds_num_warps"], num_stages=cfg["ds_num_stages"],
+            )
         if probs_into is not None:
             _probs_into_kernel[(n,)](
                 p_sums, n_keys, target, T, K, q0, n_hb, float(weight), p_sums.stride(0), p_sums.stride(1),

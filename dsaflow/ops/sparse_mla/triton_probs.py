@@ -8,9 +8,8 @@ backward adds with `probs_into`, and what `indexer_loss.attention_target` comput
   probs `_sparse_mla_probs_kernel` per (head block, query), head block fastest (`triton_backward._head_tile`): the
         backward's pass 1 without dO, dP and G: S^T = K.Q^T in blocks of BLOCK_K slots up to the query's key extent
         n_keys (`triton_prefill.key_extent`), in pass 1's rotated block order, P summed over its heads per slot to
-        ps [n_hb, chunk, K + 1] (column K: the sum over the slots too; slots at or past the extent's last block
-        stay unwritten and are never read).
-  add   `triton_backward._probs_into_kernel`, the kernel that adds dsaflow's backward's target, per query.
+        ps [n_hb, chunk, K] (slots at or past the extent's last block stay unwritten and are never read).
+  add   `triton_probs_add._probs_into_kernel`, the kernel that adds dsaflow's backward's target, per query.
 One writer per element, no atomics: deterministic. 2 H K d_qk FLOPs per query (S only: about a fifth of the
 backward's 2 H K (3 d_qk + 2 d_v)). Invalid indices (-1, >= S) are not read and give P = 0; a query with no valid
 key adds nothing. Off Hopper the tiles are pass 1's (`bwd_config`'s ds_*). The transposed dot sums each slot's
@@ -23,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_backward import _head_tile, _probs_into_kernel, bwd_config
+from .triton_backward import _head_tile, bwd_config
 from .triton_prefill import LOG2E, _rotated_blocks, dot_precision, key_extent
+from .triton_probs_add import _probs_into_kernel
 
 _empty = torch.empty  # a hook: the tests NaN-poison the partial sums through it
 
@@ -38,7 +38,7 @@ def _sparse_mla_probs_kernel(
     HAS_TAIL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """One program per (head block, query q0 + pid_l): ps[head block, pid_l, k] = sum over its heads of P[h, k] for
-    the slot blocks below the query's key extent, ps[head block, pid_l, K] = the sum of those over the slots.
+    the slot blocks below the query's key extent.
     Scores are computed transposed, S^T = K . Q^T [BLOCK_K, BLOCK_H], so that the sum over heads runs along each
     row of the dot's output (within a warp) instead of across warps: 1.26x faster on an H200 at DeepSeek shapes."""
     pid_l, b, t, offs_h, h_ok, offs_dv, dv_ok, offs_dt, dt_ok = _head_tile(
@@ -53,7 +53,6 @@ def _sparse_mla_probs_kernel(
     idx_base = idx_ptr + b * s_ib + t * s_it
     n_k = tl.load(nk_ptr + q0 + pid_l)  # no valid slot at or past it
     ps_row = ps_ptr + (tl.program_id(0).to(tl.int64) % n_hb) * s_psh + pid_l * s_psq
-    p_total = tl.zeros([BLOCK_K], tl.float32)
     n_blk, rot = _rotated_blocks(q0 + pid_l, n_k, BLOCK_K)
     for i in range(0, n_blk):
         offs_k = ((i + rot) % n_blk) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -67,16 +66,13 @@ def _sparse_mla_probs_kernel(
             s = tl.dot(k_tail, q_tail_t, s, input_precision=DOT_PREC)
         p = tl.exp2(s * scale_log2 - lse2[None, :])
         p = tl.where(valid[:, None] & h_ok[None, :], p, 0.0)
-        p_col = tl.sum(p, 1)
-        tl.store(ps_row + offs_k, p_col, mask=offs_k < K)
-        p_total += p_col
-    tl.store(ps_row + K, tl.sum(p_total, 0))
+        tl.store(ps_row + offs_k, tl.sum(p, 1), mask=offs_k < K)
 
 
 def probs_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict | None = None) -> dict:
     """Tiles of the probs pass: pass 1's (`bwd_config`; what fits there fits here, with no dO tile beside it), but
     128-head blocks of 32 keys on Hopper in bf16/fp16 at d_v >= 256 (DeepSeek shapes, swept), add_BLOCK_K of the adding kernel, and max_bytes,
-    the budget of the partial sums ps that sets the query chunk (4 * n_hb * (K + 1) bytes per query: 16 KiB at
+    the budget of the partial sums ps that sets the query chunk (4 * n_hb * K bytes per query: 16 KiB at
     h128 and top-k 2048, so 16K queries per chunk)."""
     b = bwd_config(q, d_v, d_tail, K)
     cfg = dict(
@@ -129,8 +125,8 @@ def sparse_mla_probs_triton(
     d_tail = D_qk - d_v
     cfg = probs_config(q, d_v, d_tail, K, overrides)
     n_hb = triton.cdiv(H, cfg["BLOCK_H"])
-    chunk = max(1, min(n_q, cfg["max_bytes"] // (4 * n_hb * (K + 1))))
-    ps = _empty(n_hb, chunk, K + 1, device=q.device, dtype=torch.float32)
+    chunk = max(1, min(n_q, cfg["max_bytes"] // (4 * n_hb * K)))
+    ps = _empty(n_hb, chunk, K, device=q.device, dtype=torch.float32)
     for q0 in range(0, n_q, chunk):
         n = min(chunk, n_q - q0)
         _sparse_mla_probs_kernel[(n_hb * n,)](
