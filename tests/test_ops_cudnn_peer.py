@@ -71,7 +71,8 @@ def _explain(*args, **kw):
 
 
 @pytest.mark.parametrize(
-    "value,allowed", [("auto", None), ("", None), ("dsaflow", {"hopper", "triton"}), ("CUDNN", {"cudnn"})]
+    "value,allowed",
+    [("auto", None), ("", None), ("dsaflow", {"hopper", "triton"}), ("CUDNN", {"cudnn"}), ("hopper", {"hopper"})],
 )
 def test_env_values(monkeypatch, value, allowed):
     _setting(monkeypatch, value)

@@ -40,6 +40,19 @@ def test_rule_refuses_cpu_and_other_shapes():
     assert choice.kernel == "triton" and "hopper: device cpu" in choice.reasons()
 
 
+def test_forcing_hopper_where_it_cannot_run_raises_with_the_reason(monkeypatch):
+    from dsaflow.errors import PlanError
+
+    monkeypatch.setenv(bd.ENV_BACKWARD, "hopper")
+    bd.forced_backward.cache_clear()
+    try:
+        z = lambda *s, dtype=torch.bfloat16: torch.zeros(*s, dtype=dtype)
+        with pytest.raises(PlanError, match=rf"{bd.ENV_BACKWARD}=hopper.*device cpu.*{bd.ENV_BACKWARD}=auto"):
+            bd.choose_backward(z(1, 2, 128, 576), z(1, 8, 576), z(1, 2, 4, dtype=torch.int32), 512, bd.BackwardNeeds())
+    finally:
+        bd.forced_backward.cache_clear()
+
+
 def test_portable_backward_refuses_an_unknown_pass1():
     z = torch.zeros
     with pytest.raises(ValueError, match="pass1='gluon'"):
@@ -221,5 +234,9 @@ def test_dispatch_picks_hopper_for_deepseek_shapes_on_sm90(monkeypatch):
         assert choice.kernel == "hopper"
         choice = bd.explain_sparse_mla_backward(z(1, 2, 16, 576), z(1, 8, 576), z(1, 2, 4, dtype=torch.int32), 512)
         assert choice.kernel == "triton" and "H=16" in choice.reasons()
+        monkeypatch.setenv(bd.ENV_BACKWARD, "triton")  # the portable pass 1 on demand
+        bd.forced_backward.cache_clear()
+        choice = bd.explain_sparse_mla_backward(z(1, 2, 128, 576), z(1, 8, 576), z(1, 2, 4, dtype=torch.int32), 512)
+        assert choice.kernel == "triton" and f"{bd.ENV_BACKWARD}=triton" in choice.reasons()
     finally:
         bd.forced_backward.cache_clear()

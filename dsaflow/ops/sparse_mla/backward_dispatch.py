@@ -18,10 +18,12 @@ backward's) and adds the target through the same adding kernel, deterministicall
 dsaflow's backward: cuDNN's backward takes none.
 
 `DSAFLOW_SPARSE_MLA_BACKWARD` (read once per process): "auto" or unset is the table above, "dsaflow" runs dsaflow's
-backward always (`hopper` where it takes the call, else `triton`), "cudnn" runs cuDNN-Frontend's (with the target pass where a target is asked for) and raises (naming
-the variable, the reason and the fix) where it cannot. The backward each process runs is logged once per backward
-(and once more for cuDNN-Frontend's with the target pass) at INFO; `explain_sparse_mla_backward(...)` says which
-runs and why without running anything. Without the extra installed the table picks `triton`, silently.
+backward always (`hopper` where it takes the call, else `triton`), "hopper" or "triton" dsaflow's backward with that
+pass 1, "cudnn" cuDNN-Frontend's (with the target pass where a target is asked for); a forced backward raises (naming
+the variable, the reason and the fix) where it cannot take a call. The backward each process runs is logged once per
+backward (and once more for cuDNN-Frontend's with the target pass) at INFO; `explain_sparse_mla_backward(...)` says
+which runs and why without running anything. Without the extra installed the table picks `hopper` or `triton`,
+silently.
 Rules read shapes, dtypes, the device and process-wide switches only, so a captured graph replays its backward.
 """
 
@@ -44,7 +46,7 @@ from .triton_backward import sparse_mla_bwd_triton
 from .triton_probs import sparse_mla_probs_triton
 
 ENV_BACKWARD = "DSAFLOW_SPARSE_MLA_BACKWARD"
-SETTINGS = ("auto", "dsaflow", "cudnn")
+SETTINGS = ("auto", "dsaflow", "cudnn", "hopper", "triton")
 log = logging.getLogger("dsaflow.ops.sparse_mla")
 
 # Shapes where dsaflow's backward measured faster than cuDNN-Frontend's, side by side in one process
@@ -74,9 +76,11 @@ def forced_backward() -> tuple[str, frozenset[str] | None]:
     if want not in SETTINGS:
         raise PlanError(
             f"{ENV_BACKWARD}={os.environ.get(ENV_BACKWARD)!r}: use one of {', '.join(SETTINGS)} "
-            "(auto: the dispatch rule; dsaflow: always dsaflow's backward; cudnn: always cuDNN-Frontend's)."
+            "(auto: the dispatch rule; dsaflow: always dsaflow's backward; cudnn: always cuDNN-Frontend's; hopper / "
+            "triton: dsaflow's backward with that pass 1)."
         )
-    allowed = {"auto": None, "dsaflow": frozenset(n for n in BACKWARD_NAMES if n != "cudnn"), "cudnn": {"cudnn"}}
+    allowed = {"auto": None, "dsaflow": frozenset(n for n in BACKWARD_NAMES if n != "cudnn")}
+    allowed.update({name: {name} for name in BACKWARD_NAMES})
     return want, None if allowed[want] is None else frozenset(allowed[want])
 
 
