@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .hopper_common import BLOCK_H, GLUON_ERROR, LOG2E, device_reason, gluon_reason, shape_reason
+from .hopper_common import BLOCK_H, GLUON_ERROR, LOG2E, device_reason, gluon_reason, kernel_config, shape_reason
 from .triton_decode import _num_sms
 
 BLOCK_K = 32  # key rows per block
@@ -51,7 +51,7 @@ if GLUON_ERROR is None:
         warpgroup_mma_wait,
     )
 
-    from .hopper_common import issue_rows
+    from .hopper_common import issue_rows, signal
 
     _BH = gl.constexpr(BLOCK_H)
     _BK = gl.constexpr(BLOCK_K)
@@ -72,12 +72,6 @@ if GLUON_ERROR is None:
         qi = q0 + (w // n_hblk).to(gl.int64)
         n_k = gl.load(nk_ptr + qi)  # the key extent: every partition reads this one value as its trip count
         return qi, qi // T, qi % T, (w % n_hblk) * _BH, gl.cdiv(n_k, _BK)
-
-    @gluon.jit
-    def _signal(bar):
-        """Every thread of this warpgroup has done its part (MMA waits, loads): one arrival on `bar`."""
-        gl.thread_barrier()
-        mbarrier.arrive(bar, count=1)
 
     @gluon.jit
     def _row_stats(o_ptr, do_ptr, lse_ptr, dlse_ptr, b, t, h0, s_ob, s_ot, s_oh, s_dob, s_dot, s_doh, s_lb, s_lt,
@@ -146,7 +140,7 @@ if GLUON_ERROR is None:
                 dp_acc = warpgroup_mma(do_hi, k_h.permute((1, 0)), dp_acc, is_async=True)
                 s_acc, dp_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, dp_acc))
                 if j + 1 == mine:
-                    _signal(q_free)  # this item's last read of Q is done
+                    signal(q_free)  # this item's last read of Q is done
                 idx = idx_smem.index(slot).load(gl.SliceLayout(0, _S_L))
                 slots = blk * _BK + offs_k
                 valid = (slots < K) & (idx >= 0) & (idx < S)
@@ -162,13 +156,13 @@ if GLUON_ERROR is None:
                 gl.thread_barrier()
                 ds_g = staged.index(0).load(_G_L)
                 p_g = staged.index(1).load(_G_L)
-                _signal(empty.index(slot))
+                signal(empty.index(slot))
                 ok = (blk * _BK + g_cols < K)[None, :] & (g_rows >= 0)[:, None]
                 g_blk = g_item + blk * _BK
                 gl.store(g_blk + g_offs, ds_g, mask=ok)
                 gl.store(g_blk + H * s_gh + g_offs, p_g, mask=ok)
             if mine == 0:
-                _signal(q_free)  # no block: nothing of this item reads Q
+                signal(q_free)  # no block: nothing of this item reads Q
             base += n_blk
             it += 1
 
@@ -281,10 +275,7 @@ def launch_hopper_ds(q, kv, indices, n_keys, d_out, out, lse, d_lse, g, p_sums, 
     of P into p_sums [H / 64, >= n, K] fp32. q [B, T, H, 576], kv [B, S, 576], d_out / out [B, T, H, 512]
     contiguous, lse / d_lse [B, T, H] with unit last stride (d_lse None: no lse gradient), n_keys [B, T] int32
     contiguous. Inputs must pass `hopper_bwd_supports`. Returns the compiled kernel handle."""
-    c = dict(DS_CFG, **(cfg or {}))
-    unknown = set(c) - set(DS_CFG)
-    if unknown:
-        raise ValueError(f"sparse MLA Hopper pass 1: unknown config keys {sorted(unknown)} (known: {sorted(DS_CFG)})")
+    c = kernel_config(DS_CFG, cfg, "sparse MLA Hopper pass 1")
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
     n_hblk = H // BLOCK_H

@@ -45,6 +45,14 @@ def gluon_reason() -> str | None:
     return None
 
 
+def kernel_config(defaults: dict, cfg: dict | None, what: str) -> dict:
+    """`defaults` with the knobs of cfg over them; an unknown knob raises ValueError naming it and the known ones."""
+    unknown = set(cfg or {}) - set(defaults)
+    if unknown:
+        raise ValueError(f"{what}: unknown config keys {sorted(unknown)} (known: {sorted(defaults)})")
+    return dict(defaults, **(cfg or {}))
+
+
 def device_reason(q: torch.Tensor) -> str | None:
     """The Gluon kernels run on CUDA devices of compute capability 9.x."""
     if q.device.type != "cuda":
@@ -87,3 +95,8 @@ if GLUON_ERROR is None:
         ptrs = gl.max_contiguous(gl.multiple_of(rows[:, None] + offs_d[None, :], [1, 16]), [1, 8])
         async_copy.async_copy_global_to_shared(smem, ptrs, mask=ok[:, None] & mask_cols[None, :])
 
+    @gluon.jit
+    def signal(bar):
+        """Every thread of this warpgroup has done its part (stores, loads, MMA waits): one arrival on `bar`."""
+        gl.thread_barrier()
+        mbarrier.arrive(bar, count=1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .hopper_common import GLUON_ERROR, LOG2E, device_reason, gluon_reason, shape_reason
+from .hopper_common import GLUON_ERROR, LOG2E, device_reason, gluon_reason, kernel_config, shape_reason
 
 DECODE_BLOCK_H = 16
 # 64-row blocks in 2 stages beat 32-row blocks in 4-5 stages on an H200 (fewer blocks: fewer consumer barriers per
@@ -206,11 +206,7 @@ def sparse_mla_decode_hopper(
     reason = hopper_decode_supports(q, kv, indices, d_v)
     if reason is not None:
         raise ValueError(f"sparse_mla_decode_hopper: {reason}")
-    c = dict(DECODE_CFG, **(cfg or {}))
-    unknown = set(c) - set(DECODE_CFG)
-    if unknown:
-        raise ValueError(f"sparse_mla_decode_hopper: unknown config keys {sorted(unknown)} "
-                         f"(known: {sorted(DECODE_CFG)})")
+    c = kernel_config(DECODE_CFG, cfg, "sparse_mla_decode_hopper")
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
     out = torch.empty(B, T, H, d_v, device=q.device, dtype=q.dtype) if out is None else out

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .hopper_common import BLOCK_H, GLUON_ERROR, LOG2E, device_reason, gluon_reason, shape_reason
+from .hopper_common import BLOCK_H, GLUON_ERROR, LOG2E, device_reason, gluon_reason, kernel_config, shape_reason
 from .hopper_seesaw_gather import BLOCK_K, HALF
 from .triton_decode import _num_sms
 from .triton_prefill import key_extent
@@ -53,6 +53,7 @@ if GLUON_ERROR is None:
         warpgroup_mma_wait,
     )
 
+    from .hopper_common import signal
     from .hopper_seesaw_gather import _pair_producer, _work_item
 
     _BH = gl.constexpr(BLOCK_H)
@@ -105,18 +106,12 @@ if GLUON_ERROR is None:
         return acc * gl.convert_layout(factor, gl.SliceLayout(1, _O_L))[:, None]
 
     @gluon.jit
-    def _signal(bar):
-        """Every thread of this warpgroup has done its part (stores, MMA waits): one arrival on `bar`."""
-        gl.thread_barrier()
-        mbarrier.arrive(bar, count=1)
-
-    @gluon.jit
     def _finish(acc, m_i, l_i, l_mine, l_theirs, done_mine, done_theirs, phase, o_smem, out_ptr, lse_ptr, b, t, h0,
                 col0, s_ob, s_ot, s_oh, s_lb, s_lt, WRITE_LSE: gl.constexpr):
         """Add the other warpgroup's row sums, normalise this half of O, store it (and lse, from warpgroup A).
         o_smem: a [64, 256] ring tile this warpgroup still holds (it releases it after)."""
         l_mine.store(l_i)
-        _signal(done_mine)
+        signal(done_mine)
         mbarrier.wait(done_theirs, phase)
         l_tot = l_i + l_theirs.load(gl.SliceLayout(1, _S_L))
         l_o = gl.convert_layout(l_tot, gl.SliceLayout(1, _O_L))
@@ -168,11 +163,11 @@ if GLUON_ERROR is None:
                     tok = _s_hi(q_h, q_r, k0_h, k0_r, ready_hi.index(0), ph, tok, True)
                     sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
                 if j + 1 == n_pairs:
-                    _signal(q_free)  # this item's last S is done: the producer may copy the next item's Q
+                    signal(q_free)  # this item's last S is done: the producer may copy the next item's Q
                 sc = _masked(sc, 2 * j, idx_smem.index(0), S, K, scale_log2)
                 m0 = gl.maximum(m_i, gl.max(sc, 1))
                 m0_smem.store(m0)
-                _signal(xbar.index(0))
+                signal(xbar.index(0))
                 alpha = gl.exp2(m_i - _finite(m0))
                 p = gl.exp2(sc - _finite(m0)[:, None]).to(dtype)  # bf16 only: it stays live until m1 arrives
                 l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
@@ -182,9 +177,9 @@ if GLUON_ERROR is None:
                 beta = gl.exp2(m0 - _finite(m1))
                 k0_r.store((p.to(gl.float32) * beta[:, None]).to(dtype))  # P_a for B, in the rope tile only A's S read
                 fence_async_shared()
-                _signal(xbar.index(2))
+                signal(xbar.index(2))
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-                _signal(empty_lo.index(0))
+                signal(empty_lo.index(0))
                 acc = _rescale(acc, beta)
                 l_i = l_i * beta
                 mbarrier.wait(xbar.index(3), ph)  # P_b written
@@ -194,7 +189,7 @@ if GLUON_ERROR is None:
                 if j + 1 < n_pairs:  # the next even block's S, its lo half issued behind P_b V_b,lo
                     stok = _s_lo(q_l, k0_l, ready_lo.index(0), ph ^ 1, sc, False)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok, ))
-                    _signal(empty_lo.index(1))
+                    signal(empty_lo.index(1))
                     mbarrier.arrive(xbar.index(4), count=1)
                     stok = _s_hi(q_h, q_r, k0_h, k0_r, ready_hi.index(0), ph ^ 1, stok, True)
                     sc = warpgroup_mma_wait(num_outstanding=0, deps=(stok, ))
@@ -205,7 +200,7 @@ if GLUON_ERROR is None:
             g += n_pairs
             _finish(acc, m_i, l_i, la_smem, lb_smem, xbar.index(5), xbar.index(6), it & 1, kl.index(1), out_ptr,
                     lse_ptr, b, t, h0, 0, s_ob, s_ot, s_oh, s_lb, s_lt, True)
-            _signal(empty_lo.index(1))
+            signal(empty_lo.index(1))
             it += 1
 
     @gluon.jit
@@ -231,12 +226,12 @@ if GLUON_ERROR is None:
                     tok = _s_lo(q_l, k1_l, ready_lo.index(1), ph, tok, True)
                     sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
                 if j + 1 == n_pairs:
-                    _signal(q_free)
+                    signal(q_free)
                 sc = _masked(sc, 2 * j + 1, idx_smem.index(1), S, K, scale_log2)
                 mbarrier.wait(xbar.index(0), ph)
                 m1 = gl.maximum(m0_smem.load(gl.SliceLayout(1, _S_L)), gl.max(sc, 1))
                 m1_smem.store(m1)
-                _signal(xbar.index(1))
+                signal(xbar.index(1))
                 alpha = gl.exp2(m_i - _finite(m1))
                 p = gl.exp2(sc - _finite(m1)[:, None]).to(dtype)
                 l_i = l_i * alpha + gl.sum(p.to(gl.float32), 1)
@@ -244,16 +239,16 @@ if GLUON_ERROR is None:
                 mbarrier.wait(xbar.index(4), ph ^ 1)  # A's MMA on the previous P_b is done
                 pb_smem.index(z).store(p)
                 fence_async_shared()
-                _signal(xbar.index(3))
+                signal(xbar.index(3))
                 mbarrier.wait(xbar.index(2), ph)  # P_a written (in stage 0's rope tile)
                 mbarrier.wait(ready_hi.index(0), ph)  # stage 0's hi columns landed (A saw it; these threads too)
                 fence_async_shared()
                 tok2 = warpgroup_mma(p_a, k0_h, tok, is_async=True)
                 warpgroup_mma_wait(num_outstanding=1, deps=(m1, ))  # not tok: its registers are tok2's, in flight
                 if j + 1 < n_pairs:  # the last pair's stage 1 hi tile stays held for the epilogue
-                    _signal(empty_hi.index(1))
+                    signal(empty_hi.index(1))
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(tok2, ))
-                _signal(empty_hi.index(0))
+                signal(empty_hi.index(0))
                 if j + 1 < n_pairs:
                     stok = _s_hi(q_h, q_r, k1_h, k1_r, ready_hi.index(1), ph ^ 1, sc, False)
                     stok = _s_lo(q_l, k1_l, ready_lo.index(1), ph ^ 1, stok, True)
@@ -262,7 +257,7 @@ if GLUON_ERROR is None:
             g += n_pairs
             _finish(acc, m_i, l_i, lb_smem, la_smem, xbar.index(6), xbar.index(5), it & 1, kh.index(1), out_ptr,
                     lse_ptr, b, t, h0, _HALF, s_ob, s_ot, s_oh, s_lb, s_lt, False)
-            _signal(empty_hi.index(1))
+            signal(empty_hi.index(1))
             it += 1
 
     @gluon.jit
@@ -337,11 +332,7 @@ def launch_hopper_fwd(q, kv, indices, sm_scale, d_v, out, lse, cfg: dict | None 
     `hopper_fwd_supports` accepts; n_keys [B, T] int32 contiguous = `key_extent(indices, S)` (computed when not
     given). cfg: knobs of `SEESAW_CFG`. Returns the compiled kernel handle (registers, spills)."""
     assert out.stride(-1) == 1 and lse.stride(-1) == 1, "out and lse need unit last strides"
-    c = dict(SEESAW_CFG, **(cfg or {}))
-    unknown = set(c) - set(SEESAW_CFG)
-    if unknown:
-        raise ValueError(f"sparse MLA seesaw forward: unknown config keys {sorted(unknown)} "
-                         f"(known: {sorted(SEESAW_CFG)})")
+    c = kernel_config(SEESAW_CFG, cfg, "sparse MLA seesaw forward")
     B, T, H, D_qk = q.shape
     S, K = kv.shape[1], indices.shape[2]
     if n_keys is None:
