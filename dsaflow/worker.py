@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 from dsaflow.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, PlanError
@@ -103,17 +104,23 @@ def main(argv=None) -> None:
 
 
 def _report_user_error(args, rank: str, msg: str) -> None:
+    by_hand = not os.environ.get("DSAFLOW_PARENT")  # else the dsaflow parent prints the first rank's file once
+    every_rank = msg.startswith("WORLD_SIZE=")  # every rank found the same launch mistake: one paragraph is enough
+    if by_hand and (rank == "0" or not every_rank):
+        print(f"dsaflow {args.job}: error: [rank {rank}] {msg}", file=sys.stderr, flush=True)
     try:
         from dsaflow.files import atomic_write
 
         atomic_write(Path(args.run_dir) / ERROR_FILE.format(rank=rank), msg + "\n")  # never through a link
     except OSError:
         pass
-    if os.environ.get("DSAFLOW_PARENT"):  # the dsaflow parent prints the first rank's file once
-        return
-    # Run by hand: print it here. Every rank found the same launch mistake; one paragraph is enough.
-    if rank == "0" or not msg.startswith("WORLD_SIZE="):
-        print(f"dsaflow {args.job}: error: [rank {rank}] {msg}", file=sys.stderr, flush=True)
+    if by_hand and every_rank and rank != "0":
+        # torchrun stops every other rank as soon as one exits: leave only after rank 0 has printed (its file is
+        # written after its print), or it may be stopped before it says anything
+        rank0 = Path(args.run_dir) / ERROR_FILE.format(rank=0)
+        deadline = time.monotonic() + 10.0
+        while not rank0.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _lost_peer(exc: BaseException) -> bool:
