@@ -1,16 +1,18 @@
 """Benchmark the DSA kernels at DeepSeek-V3.2 shapes against the device's measured ceilings.
 
 Measures (CUDA only): the bf16 matmul and copy ceilings; sparse MLA prefill forward and backward, default and
-deterministic (h128, d_qk 576, d_v 512, topk 2048, 4096 / 2048 queries at the end of 8K, 32K, 128K contexts); split-K decode; the indexer logits
-kernel and its torch.topk (64 heads x 128); the same shapes through torch references; and dense causal SDPA as the
-no-sparsity baseline. A small config sweep runs first at 32K and the best config is used for the table.
+deterministic (h128, d_qk 576, d_v 512, topk 2048, 4096 / 2048 queries at the end of 8K, 32K, 128K contexts; on
+sm_90 also the backward with the Gluon pass 1, checked against the portable one, and that pass alone); split-K
+decode; the indexer logits kernel and its torch.topk (64 heads x 128); the same shapes through torch references; and
+dense causal SDPA as the no-sparsity baseline. A small config sweep runs first at 32K and the best config is used
+for the table.
 With cuDNN-Frontend installed (`pip install 'dsaflow[peers]'`), section `peers` times its sparse-attention backward
-beside dsaflow's on the same inputs (the backward shapes above, and batch 2 at the first context), checks that dq
-and dkv agree, and reports the time ratio and which backward the dispatcher picks (`backward_dispatch.py`); then
-the same with the indexer-loss target (`probs_into`): dsaflow's backward (its pass 1 sums P) beside cuDNN-Frontend's
-followed by dsaflow's target pass (`triton_probs.py`), the target pass alone, and the indexer-loss op's
-`attention_target` kernel on the same target for reference. Without --no-sweep the target pass's tiles are swept at
-the first context first.
+beside dsaflow's (with the pass 1 its rule picks) on the same inputs (the backward shapes above, and batch 2 at the
+first context), checks that dq and dkv agree, and reports the time ratio and which backward the dispatcher picks
+(`backward_dispatch.py`); then the same with the indexer-loss target (`probs_into`): dsaflow's backward (its pass 1
+sums P) beside cuDNN-Frontend's followed by dsaflow's target pass (`triton_probs.py`), the target pass alone, and
+the indexer-loss op's `attention_target` kernel on the same target for reference. Without --no-sweep the target
+pass's tiles are swept at the first context first.
 Writes <out>/bench_ops.json and <out>/bench_ops.md.
 
     PYTHONPATH=. python scripts/bench_ops.py --out bench_out [--contexts 8192,32768,131072] [--no-sweep]
