@@ -57,7 +57,7 @@ def timed_slow(fn, n=3) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    from bench_ops import timed_slow as median_of_cuda_events  # scripts/ is on sys.path when run as a script
+    from bench_lib import timed_slow as median_of_cuda_events  # scripts/ is on sys.path when run as a script
 
     return median_of_cuda_events(fn, n)
 
