@@ -86,6 +86,13 @@ class Timeline:
     def seconds(self, a, b) -> float:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
+    def latencies(self, first: Dict[int, Any], last: Dict[int, Any], counts: Dict[int, int]):
+        """Marks of each request's first and last token, and its token count -> ({request: seconds from the start
+        to its first token}, {request: mean seconds per later token, None for one token}); call after `resolve`."""
+        ttft = {r: self.seconds(self.start, m) for r, m in first.items()}
+        tpot = {r: self.seconds(m, last[r]) / (counts[r] - 1) if counts[r] > 1 else None for r, m in first.items()}
+        return ttft, tpot
+
     def resolve(self) -> Dict[str, float]:
         """Synchronises once, then -> wall_s, busy_s, busy_fraction, decode_wall_s, decode_busy_s, decode_busy."""
         if self.cuda:

@@ -41,6 +41,7 @@ from .graphs import GraphManager, StaticInput, choose_shape_class, sync_error_gu
 from .report import CaptureReport
 from .sampling import sample_keyed
 from .scheduler import Pass, Request, Scheduler, Work, group_ranges, prefill_row_classes
+from .upload import pass_vectors, upload
 
 plan_prefill = dense_prefill.plan_prefill  # the engine's one call into the short-prefill rule (tests spy on it)
 
@@ -199,13 +200,6 @@ class PipelineEngine:
             c.reset()
         return report
 
-    def _h2d(self, rows) -> torch.Tensor:
-        """Host lists -> a device int64 tensor without a host sync (pinned memory, non-blocking copy on GPU)."""
-        t = torch.tensor(rows, dtype=torch.long)
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
-
     # --- one stage of one pass -----------------------------------------------------------------------------------
     def _block_name(self, stage: int, kind: str, group: int, path: str = "sparse") -> Optional[str]:
         for b in self.blocks.get(stage, ()):
@@ -222,35 +216,37 @@ class PipelineEngine:
             x, indices = x
         w: Work = item.payload
         with self._sync_guard(item.decode):
-            if w.positions is None:
-                w.positions = self._h2d(w.p.positions)
-            p = w.p
+            p, v = w.p, w.dev
             if stage == self.first:
+                last = self.last_tokens[p.group]
                 if p.moves:
-                    last = self.last_tokens[p.group]
-                    last[self._h2d([b for _, b in p.moves])] = last[self._h2d([a for a, _ in p.moves])]
-                x = self._h2d(p.tokens)
-                mask = self._h2d(p.decode).bool()
-                last = self.last_tokens[p.group][p.row0 : p.row0 + w.rows]
-                x[:, 0] = torch.where(mask, last, x[:, 0])  # decode rows feed their previous token
+                    last.index_copy_(0, v["move_to"], last.index_select(0, v["move_from"]))
+                last = last[p.row0 : p.row0 + w.rows]
+                if p.decode_only:  # every row decodes or idles (position -1, its token is moot): a view, no copy
+                    x = last.view(w.rows, 1)
+                else:  # prompt chunks; the decoding rows of a mixed pass feed their previous token
+                    x = v["tokens"]
+                    if "decode" in v:
+                        x[:, 0] = torch.where(v["decode"].bool(), last, x[:, 0])
             kind = "decode" if p.decode_only else "prefill"
             name = self._block_name(stage, kind, p.group, w.path) if w.graph else None
             cache = self.group_caches[stage][p.group]
             if p.moves:  # a refill compacted the group: its rows move on this stage before the pass
-                cache.move_rows(self._h2d([a for a, _ in p.moves]), self._h2d([b for _, b in p.moves]), p.move_len)
+                cache.move_rows(v["move_from"], v["move_to"], p.move_len)
             if name is not None and kind == "prefill" and self.row_classes and w.rows < cache.max_batch:
                 name = f"{name}/r{w.rows}"  # the graph over the group's top w.rows rows
             if p.row0 > 0:  # a pass over some rows of the group: a view of just those rows
                 cache = cache.rows(p.row0, p.row0 + w.rows)
-            R, T = w.positions.shape
+            positions = v["positions"]
+            R, T = positions.shape
             if self.plan.receives_indices(stage):
                 cache.index[:R, :T].copy_(indices)  # outside any graph: the stage's S layers read this buffer
             if name is None:
-                received = self._received(stage, cache, w.positions)
-                out = self.stages[stage](x, w.positions, cache, indices_in=received, prefill=w.hint)
+                received = self._received(stage, cache, positions)
+                out = self.stages[stage](x, positions, cache, indices_in=received, prefill=w.hint)
             else:
                 n = x.shape[0] if kind == "decode" else x.shape[1]
-                out = self.graphs.run(name, stage, n, {"x": x, "positions": w.positions})
+                out = self.graphs.run(name, stage, n, {"x": x, "positions": positions})
             if self.cross_stage and stage != self.last:
                 return out, cache.index[:R, :T]
             return out
@@ -259,15 +255,15 @@ class PipelineEngine:
         """Last stage: sample every emitting row -> [2, rows] int64 (tokens, EOS flags)."""
         w: Work = item.payload
         with self._sync_guard(item.decode):
-            rows = torch.arange(w.rows, device=self.device)
-            cols = self._h2d(w.sample_cols)
-            picked = logits[rows, cols].float()  # [rows, V]
-            tok = sample_keyed(picked, self.serve.temperature, self.serve.top_p, self.serve.seed, self._h2d(w.keys))
+            v = w.dev
+            # logits [rows, T, V]: each row samples from its own column (a decode pass has one)
+            picked = (logits[:, 0] if w.p.T == 1 else logits[self.row_ids[: w.rows], v["cols"]]).float()
+            tok = sample_keyed(picked, self.serve.temperature, self.serve.top_p, self.serve.seed, v.get("keys"))
             eos = self.serve.eos_id
-            flags = (tok == eos).long() if eos is not None else torch.zeros_like(tok)
+            flags = (tok == eos).long() if eos is not None else self.no_flags[: w.rows]
             if w.p.emit:
-                e_rows, e_req, e_tok = (self._h2d([e[k] for e in w.p.emit]) for k in (0, 2, 3))
-                self.out_tokens[e_req, e_tok] = tok[e_rows]
+                emitted = tok.index_select(0, v["emit_rows"]) if "emit_rows" in v else tok
+                self.out_tokens.view(-1).index_copy_(0, v["emit_slots"], emitted)
             if self.record_logits:
                 for r, _, req, _ in w.p.emit:
                     self.logits_log.setdefault(req, []).append(picked[r].clone())
@@ -278,8 +274,11 @@ class PipelineEngine:
         """Every rank: the pass is through. Stage 0's rank keeps the tokens; everyone advances the scheduler."""
         w: Work = item.payload
         if self.first in self.stages and w.p.emit:  # only rows that sampled: a prefill pass may span decoding rows
-            local = [r for r, *_ in w.p.emit]
-            self.last_tokens[w.p.group][self._h2d([w.p.row0 + r for r in local])] = message[0][self._h2d(local)]
+            v, last = w.dev, self.last_tokens[w.p.group][w.p.row0 : w.p.row0 + w.rows]
+            if "fed_from" in v:
+                last.index_copy_(0, v["fed_from"], message[0].index_select(0, v["fed_from"]))
+            else:  # every row of the pass sampled, in order
+                last.copy_(message[0])
         eos = message[1].tolist() if self.serve.eos_id is not None else None  # the one data-dependent read
         done = self.scheduler.finish(w.p, eos)
         if w.mark is not None:
@@ -327,6 +326,9 @@ class PipelineEngine:
                 torch.zeros(len(prompts), max(max_new), dtype=torch.long, device=self.device) if is_last else None
             )
             self.last_tokens = [torch.zeros(b - a, dtype=torch.long, device=self.device) for a, b in self.ranges]
+            self.out_width = max(max_new)  # out_tokens [requests, out_width]
+            self.row_ids = torch.arange(max(b - a for a, b in self.ranges), device=self.device)
+            self.no_flags = torch.zeros_like(self.row_ids)  # the EOS flags when serve.eos_id is unset
             self.executor = PipelineExecutor(
                 self.owner, self.rank, self.link, self.device, carries_extra=self.plan.sends_indices
             )
@@ -371,21 +373,17 @@ class PipelineEngine:
             if graph and work.hint is not None and work.hint.path == "masked":
                 work.hint = None  # no masked graphs (dense_prefill.graph_classes): the sparse graph replays
             work.path = dense_prefill.graph_label(work.hint, topk, cache_rows)
+        first, last = self.first in self.stages, self.last in self.stages
+        keyed = self.serve.temperature > 0
+        work.dev = upload(pass_vectors(p, cols, keys, first, last, self.out_width, keyed), self.device)
         extra = (((rows, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
         return Item(p.group, (rows, p.T, self.model_cfg.dim), self.dtype, work, (2, rows), p.decode_only, extra)
 
     def _summarise(self, tl: Dict[str, float], ticks: int, requests: List[Request]) -> None:
-        tlx = self.executor.timeline
         self.timings["prefill_s"] = tl["wall_s"] - tl["decode_wall_s"]
         self.timings["decode_s"] = tl["decode_wall_s"]
-        ttft, tpot = {}, {}
-        for r in requests:
-            first, last = self.first_mark.get(r.index), self.last_mark.get(r.index)
-            if first is None:
-                continue
-            ttft[r.index] = tlx.seconds(tlx.start, first)
-            n = self.scheduler.generated[r.index]
-            tpot[r.index] = tlx.seconds(first, last) / (n - 1) if n > 1 else None
+        done = {r.index: self.scheduler.generated[r.index] for r in requests}
+        ttft, tpot = self.executor.timeline.latencies(self.first_mark, self.last_mark, done)
         self.stats = {
             "wall_s": tl["wall_s"],
             "ticks": ticks,

@@ -1,0 +1,80 @@
+"""One host-to-device copy per pass: the host-known integers of a pass that this rank's stages read.
+
+A decode pass of `model=small` replays one CUDA graph per stage, so the host work around it decides whether a rank
+keeps its GPU fed. Making about ten small tensors per pass from Python lists, each with its own pinned buffer and
+copy, held a host-bound configuration to less than half the rate it now reaches (docs/serving.md, "Host work per
+pass"). Here every vector a rank needs is packed into one int64 array, one pinned buffer and one non-blocking copy,
+and the engine reads views of it.
+"""
+
+from __future__ import annotations
+
+from array import array
+from itertools import chain
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from .scheduler import Pass
+
+
+def h2d(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host ints -> a device int64 tensor without a host sync (pinned memory, non-blocking copy on GPU)."""
+    t = torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def pass_vectors(
+    p: Pass, sample_cols: List[int], keys: List[int], first: bool, last: bool, out_width: int, keyed: bool
+) -> Dict[str, Tuple[List[int], Tuple[int, ...]]]:
+    """name -> (host ints, shape) of every vector a rank reads for pass `p`.
+
+    Every rank: `positions` [rows, T]; with a refill's row moves, `move_from` / `move_to` [moves].
+    Stage 0's rank (`first`): `tokens` [rows, T] unless the pass only decodes (its rows then read their previous
+    tokens); `decode` [rows] (1 = column 0 takes the row's previous token) when the pass mixes decoding and
+    prefilling rows; `fed_from` [emitted]: the pass rows that sample (their tokens are the group's next input).
+    The last stage's rank (`last`): `cols` [rows] (the sampled column of each row) when T > 1; `keys` [rows] when
+    sampling is keyed (temperature > 0); `emit_slots` [emitted]: request x out_width + token index, a flat index
+    into the output tokens; `emit_rows` [emitted]: the pass rows that sample.
+    `fed_from` and `emit_rows` are left out when every row of the pass samples, in order (a full decode step).
+    """
+    rows, T = p.rows, p.T
+    out: Dict[str, Tuple[List[int], Tuple[int, ...]]] = {
+        "positions": (list(chain.from_iterable(p.positions)), (rows, T))
+    }
+    if p.moves:
+        out["move_from"] = ([a for a, _ in p.moves], (len(p.moves),))
+        out["move_to"] = ([b for _, b in p.moves], (len(p.moves),))
+    emitted = [e[0] for e in p.emit]
+    every_row = emitted == list(range(rows))
+    if first:
+        if not p.decode_only:
+            out["tokens"] = (list(chain.from_iterable(p.tokens)), (rows, T))
+        if not p.decode_only and any(p.decode):
+            out["decode"] = ([int(d) for d in p.decode], (rows,))
+        if not every_row:
+            out["fed_from"] = (emitted, (len(emitted),))
+    if last:
+        if T > 1:
+            out["cols"] = (list(sample_cols), (rows,))
+        if keyed:
+            out["keys"] = (list(keys), (rows,))
+        if not every_row:
+            out["emit_rows"] = (emitted, (len(emitted),))
+        out["emit_slots"] = ([req * out_width + k for _, _, req, k in p.emit], (len(emitted),))
+    return out
+
+
+def upload(vectors: Dict[str, Tuple[List[int], Tuple[int, ...]]], device: torch.device) -> Dict[str, torch.Tensor]:
+    """The vectors of `pass_vectors` in one buffer and one copy -> name -> a device int64 view of its shape."""
+    flat: List[int] = []
+    spans = {}
+    for name, (values, shape) in vectors.items():
+        spans[name] = (len(flat), len(values), shape)
+        flat.extend(values)
+    buf = h2d(flat, device)
+    return {
+        name: buf[a : a + n] if len(shape) == 1 else buf[a : a + n].view(shape) for name, (a, n, shape) in spans.items()
+    }

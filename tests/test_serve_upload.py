@@ -1,0 +1,78 @@
+"""A pass's host integers reach the device in one copy, and every view holds what the host pass says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaflow.serve.scheduler import Pass, Request, Scheduler
+from dsaflow.serve.upload import h2d, pass_vectors, upload
+
+
+def _prefill_pass() -> Pass:
+    """A mixed pass of 3 rows starting at group row 2: row 0 ends its prompt (samples at column 2), row 1 prefills
+    on, row 2 decodes (its previous token goes in column 0)."""
+    p = Pass(
+        0,
+        2,
+        3,
+        4,
+        [[5, 6, 7, 0], [8, 9, 10, 11], [0, 0, 0, 0]],
+        [[3, 4, 5, -1], [0, 1, 2, 3], [9, -1, -1, -1]],
+        [False, False, True],
+    )
+    p.emit = [(0, 2, 7, 0), (2, 0, 4, 5)]
+    p.moves = [(1, 3), (0, 2)]
+    return p
+
+
+def test_views_of_a_mixed_pass_hold_the_host_lists():
+    p = _prefill_pass()
+    v = upload(
+        pass_vectors(p, [2, 0, 0], [11, 12, 13], first=True, last=True, out_width=16, keyed=True), torch.device("cpu")
+    )
+    assert torch.equal(v["positions"], torch.tensor(p.positions))
+    assert torch.equal(v["tokens"], torch.tensor(p.tokens))
+    assert v["decode"].tolist() == [0, 0, 1]
+    assert v["cols"].tolist() == [2, 0, 0] and v["keys"].tolist() == [11, 12, 13]
+    assert v["move_from"].tolist() == [1, 0] and v["move_to"].tolist() == [3, 2]
+    # rows 0 and 2 sample: their pass rows, and their output slots request x width + token index
+    assert v["fed_from"].tolist() == [0, 2] and v["emit_rows"].tolist() == [0, 2]
+    assert v["emit_slots"].tolist() == [7 * 16 + 0, 4 * 16 + 5]
+    # every view lies in one buffer: one host-to-device copy per pass
+    assert len({t.untyped_storage().data_ptr() for t in v.values()}) == 1
+
+
+def test_a_full_decode_step_uploads_only_positions_and_slots():
+    reqs = [Request(i, [1, 2, 3], 4) for i in range(4)]
+    sched = Scheduler(reqs, [(0, 4)], chunk=8)
+    sched.finish(sched.next_pass(0))  # the prefill pass
+    p = sched.next_pass(0)
+    assert p.decode_only and [e[0] for e in p.emit] == [0, 1, 2, 3]
+    v = upload(pass_vectors(p, [0] * 4, [0] * 4, first=True, last=True, out_width=4, keyed=False), torch.device("cpu"))
+    # stage 0 feeds the previous tokens (no token upload); every row samples in order (no row lists); greedy (no keys)
+    assert set(v) == {"positions", "emit_slots"}
+    assert v["positions"].tolist() == [[3]] * 4
+    rows = sched.rows[0]
+    assert v["emit_slots"].tolist() == [rows[i].request.index * 4 + rows[i].generated for i in range(4)]
+
+
+def test_each_rank_uploads_only_what_its_stages_read():
+    p = _prefill_pass()
+    middle = pass_vectors(p, [2, 0, 0], [0] * 3, first=False, last=False, out_width=16, keyed=False)
+    assert set(middle) == {"positions", "move_from", "move_to"}
+    last = pass_vectors(p, [2, 0, 0], [0] * 3, first=False, last=True, out_width=16, keyed=False)
+    assert "tokens" not in last and "fed_from" not in last and "cols" in last
+
+
+@pytest.mark.gpu
+def test_upload_to_the_gpu_needs_no_host_sync():
+    p = _prefill_pass()
+    vec = pass_vectors(p, [2, 0, 0], [11, 12, 13], first=True, last=True, out_width=16, keyed=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        v = upload(vec, torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert v["positions"].is_cuda and v["positions"].tolist() == p.positions
+    assert h2d([], torch.device("cuda")).numel() == 0
