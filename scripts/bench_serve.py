@@ -1,7 +1,7 @@
 """Serving benchmark: output tokens/s, time to first token, time per output token and per-rank busy fractions, for
 pipeline splits x microbatch groups x workloads, and continuous against fixed batches.
 
-    python scripts/bench_serve.py --device cpu --pipelines single,pp2 --out bench_out/serve      # a few minutes
+    python scripts/bench_serve.py --device cpu --pipelines single,pp2 --out bench_out/serve      # ~20 min, 2 cores
     python scripts/bench_serve.py --device cuda --pipelines single,pp2,pp4 --out bench_out/serve_gpu
 
 Every configuration serves the same requests through `PipelineEngine.generate` (random-init weights; the schedule,
@@ -55,11 +55,11 @@ def parse_args(argv=None):
     ap.add_argument("--pipelines", default="single,pp2", help="comma separated: single, pp2, pp4")
     ap.add_argument("--workloads", default="mixed,uniform")
     ap.add_argument("--model", default=None, help="configs/model name (default: tiny on CPU, small on CUDA)")
-    ap.add_argument("--requests", type=int, default=None, help="requests per workload (default 2048 CPU, 1024 CUDA)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per workload (default 4096 CPU, 1024 CUDA)")
     ap.add_argument(
-        "--max-batch", type=int, default=None, help="serve.max_batch, cache rows (default 512 CPU, 64 CUDA)"
+        "--max-batch", type=int, default=None, help="serve.max_batch, cache rows (default 1024 CPU, 64 CUDA)"
     )
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="serve.prefill_chunk (default 64 CPU, 1024 CUDA)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="serve.prefill_chunk (default 16 CPU, 1024 CUDA)")
     ap.add_argument("--mixed-prompt", default=None, help="lo,hi prompt tokens (default 16,64 CPU; 16,4096 CUDA)")
     ap.add_argument("--mixed-new", default=None, help="lo,hi max_new_tokens (default 16,96 CPU; 16,256 CUDA)")
     ap.add_argument("--uniform-prompt", type=int, default=None, help="default 32 CPU, 512 CUDA")
@@ -77,6 +77,12 @@ def parse_args(argv=None):
         action="store_true",
         help="CUDA: time every stage call with CUDA events and record GPU ms per pass kind (decode / prefill)",
     )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="after each timed run, serve the workload's first 64 requests again under torch.profiler and write "
+        "one Chrome trace per rank (<out>/trace-<pipeline>-g<groups>-<workload>-<batching>-rank<r>.json.gz)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_out/serve")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -87,11 +93,12 @@ def parse_args(argv=None):
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     cpu = a.device == "cpu"
     a.model = a.model or ("tiny" if cpu else "small")
-    a.requests = a.requests or (2048 if cpu else 1024)
-    # on CPU a pass has about 20 ms of per-op cost whatever its rows: with 512 rows the rows dominate, so splitting
-    # them into groups costs little (docs/serving.md, "Tests and benchmark")
-    a.max_batch = a.max_batch or (512 if cpu else 64)
-    a.prefill_chunk = a.prefill_chunk or (64 if cpu else 1024)
+    a.requests = a.requests or (4096 if cpu else 1024)
+    # on CPU a pass has about 20 ms of per-op cost whatever its rows: with 1024 rows the rows dominate, so splitting
+    # them into groups costs little; an eager prefill pass pads every row to its longest chunk, so short chunks
+    # waste less on mixed prompt lengths (docs/serving.md, "Tests and benchmark")
+    a.max_batch = a.max_batch or (1024 if cpu else 64)
+    a.prefill_chunk = a.prefill_chunk or (16 if cpu else 1024)
     a.mixed_prompt = a.mixed_prompt or ("16,64" if cpu else "16,4096")
     a.mixed_new = a.mixed_new or ("16,96" if cpu else "16,256")
     a.uniform_prompt = a.uniform_prompt or (32 if cpu else 512)
@@ -188,6 +195,19 @@ class PassTimer:
         return out
 
 
+def write_trace(eng: PipelineEngine, prompts, limits, path: Path) -> None:
+    """Serve `prompts` under torch.profiler (host and, on CUDA, kernel activity) -> a gzipped Chrome trace at
+    `path` (open it in Perfetto: per rank, where the host and the GPU spend each tick)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities) as prof:
+        eng.generate(prompts, limits)
+    prof.export_chrome_trace(str(path))
+    print(f"  trace: {path}", flush=True)
+
+
 def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) -> list:
     """Every (workload, groups, batching) of one pipeline split on this rank -> rows (on the last stage's rank)."""
     rows = []
@@ -216,6 +236,9 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) 
         out = eng.generate(prompts, limits)
         wall = time.perf_counter() - t0
         st = eng.stats
+        if args.trace:
+            name = f"trace-{pipeline}-g{eng.groups}-{w}-{'continuous' if continuous else 'fixed'}-rank{rank}"
+            write_trace(eng, prompts[:64], limits[:64], Path(args.out) / f"{name}.json.gz")
         busy = gather((st["busy_fraction"], st["decode_busy"]))
         if out is not None:
             tokens = sum(len(o) for o in out)
@@ -312,8 +335,10 @@ def run_pipeline(args, pipeline: str) -> list:
                 "graphs",
                 "threads",
                 "seed",
+                "out",
             )
         ]
+        passed += ["--trace"] * args.trace
         cmd = [
             sys.executable,
             "-m",

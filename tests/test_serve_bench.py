@@ -1,6 +1,7 @@
 """scripts/bench_serve.py end to end on CPU at tiny size: one process for `single`, torchrun + gloo for `pp2`; the
 JSON rows carry the fields the docs promise, the comparisons are computed from them, the table and the PNG exist."""
 
+import gzip
 import json
 
 import pytest
@@ -33,6 +34,7 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
         "none",
         "--out",
         str(tmp_path),
+        "--trace",
     ]
     assert bench.main(argv) == 0
     data = json.loads((tmp_path / "bench_serve.json").read_text())
@@ -72,6 +74,12 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
     assert md.count("\n| pp2 |") == 5 and "default groups vs serve.microbatches=1" in md
     assert (tmp_path / "bench_serve.png").stat().st_size > 1000
     assert data["env"]["overrides"] == "" and len(data["env"]["load_average_1min"]) == 2
+    # --trace: one Chrome trace per rank of every row, holding the engine's stage calls
+    traces = sorted(p.name for p in tmp_path.glob("trace-*.json.gz"))
+    assert len(traces) == sum(r["ranks"] for r in rows)
+    assert "trace-pp2-g2-uniform-continuous-rank1.json.gz" in traces
+    events = json.loads(gzip.decompress((tmp_path / traces[0]).read_bytes()))["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)
 
 
 def test_profile_passes_needs_cuda(capsys):
