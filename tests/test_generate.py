@@ -96,6 +96,7 @@ def _graph_cfg(cache=True):
         cfg.graphs.blocks[1].shape_classes = [2, 8]
         cfg.graphs.cache = cache
         cfg.serve.microbatches = 1
+        cfg.serve.batching = "fixed"  # prefill graphs over the group's full rows only (no top-row classes)
 
     return setup(["graphs=decode_prefill", "layout=FS|FF"], edit)
 

@@ -30,6 +30,7 @@ BASE = ["mode=serve", "track=none", "serve.max_batch=8", "serve.max_context=192"
 
 def make(overrides=(), prefill_chunk=32, cache=True):
     cfg = compose(BASE + ["graphs=decode_prefill", "layout=FSSFFSSS", *overrides])
+    cfg.serve.batching = "fixed"  # prefill graphs over all rows; continuous batching's top-row graphs: test_serve_*
     cfg.serve.prefill_chunk = prefill_chunk
     cfg.graphs.blocks[1].shape_classes = [8, prefill_chunk]  # two prefill classes; prompts span several chunks
     cfg.graphs.cache = cache

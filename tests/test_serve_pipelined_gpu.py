@@ -30,7 +30,10 @@ def trained_gpu(tmp_path_factory):
 
 def gpu_engine(run, pipeline, microbatches, extra=()):
     mb = [] if microbatches is None else [f"serve.microbatches={microbatches}"]
-    cfg = compose(["mode=serve", f"pipeline={pipeline}", *MODEL, *SERVE, f"serve.checkpoint={run}", *mb, *extra])
+    batching = [] if any(e.startswith("serve.batching=") for e in extra) else ["serve.batching=fixed"]
+    cfg = compose(
+        ["mode=serve", f"pipeline={pipeline}", *MODEL, *SERVE, f"serve.checkpoint={run}", *mb, *batching, *extra]
+    )
     groups = microbatches or {"single": 1, "pp2": 2, "pp4": 4}[pipeline]
     rows = 8 // groups
     cfg.graphs.blocks[0].shape_classes = [c for c in (1, 2, 4, 8) if c <= rows]

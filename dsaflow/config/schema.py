@@ -247,7 +247,7 @@ class ServeConfig:
     max_batch: int = num(8, 1, 4096)
     # groups of rows in flight (stage s runs group g, s+1 runs g-1); None = one per rank; <= max_batch (checked)
     microbatches: Optional[int] = num(None, 1, 4096)
-    batching: Batching = Batching.fixed  # fixed | continuous (refill finished rows at once); docs/serving.md
+    batching: Batching = Batching.continuous  # continuous (refill finished rows at once) | fixed; docs/serving.md
     max_context: int = num(512, 1, 1 << 22)
     prefill_chunk: int = num(128, 1, 65536)
     temperature: float = num(0.0, 0, 100)  # 0 = greedy
