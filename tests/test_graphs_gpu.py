@@ -129,7 +129,9 @@ def test_generate_cli_one_gpu_captures_and_reports(tmp_path):
     rows, stdout = dsaflow_generate(tmp_path, "graphs=decode_prefill", "layout=FSSFFSSS", prompts_list=TEXT_PROMPTS)
     assert len(rows) == len(TEXT_PROMPTS) and all(len(r["tokens"]) == STEPS + 1 for r in rows)
     rep = json.loads((tmp_path / "run" / "graphs_rank0.json").read_text())
-    assert rep["eager"] == 0 and rep["captured"] == 4 + 4  # decode 1,2,4,8 + prefill 16,32,64,128
+    # decode 1,2,4,8 + prefill 16,32,64,128 over all 8 rows and over the top 1, 2, 4 rows (continuous batching)
+    assert rep["eager"] == 0 and rep["captured"] == 4 + 4 * 4
+    assert {r["block"] for r in rep["records"]} == {"decode", "prefill", "prefill/r1", "prefill/r2", "prefill/r4"}
     assert {r["device"] for r in rep["records"]} == {"cuda:0"}
     assert "CUDA graph capture report, rank 0" in stdout
 
