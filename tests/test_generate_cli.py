@@ -51,6 +51,8 @@ def test_two_stage_pipeline_generates_the_same_tokens_as_one_stage(tmp_path):
     for r in (0, 1):
         assert json.loads((tmp_path / "run" / f"graphs_rank{r}.json").read_text())["rank"] == r
         assert (tmp_path / "run" / f"serve_rank{r}.log").is_file()
+    # the last rank's summary names the schedule: two groups in flight, continuous batching (the defaults)
+    assert "2 microbatch groups, continuous batching" in (tmp_path / "run" / "serve_rank1.log").read_text()
     cfg = compose(["mode=serve", "layout=FSFF", *COMMON])
     eng = build_engine(cfg, build_plan(cfg), 0, "cpu")
     eng.capture()

@@ -266,7 +266,8 @@ def run_serve(ctx) -> None:
     st = engine.stats
     summary = (
         f"[rank {ctx.rank}] generated {st['tokens']} tokens for {len(served)} requests in {wall:.2f} s "
-        f"({st['tokens'] / max(wall, 1e-9):.1f} tokens/s, {engine.groups} microbatch groups, busy "
+        f"({st['tokens'] / max(wall, 1e-9):.1f} tokens/s, {engine.groups} microbatch groups, "
+        f"{'continuous' if engine.continuous else 'fixed'} batching, busy "
         f"{st['busy_fraction']:.2f} of the time, {st['decode_busy']:.2f} in decode)"
     )
     _log(ctx.run_dir, ctx.rank, summary)
