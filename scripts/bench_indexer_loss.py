@@ -63,10 +63,11 @@ def timed_slow(fn, n=3) -> float:
 
 
 def record(section, what, impl, ms, flops=None, **extra):
-    row = dict(section=section, what=what, impl=impl, time_ms=round(ms, 3), flops=flops, **extra)
-    if flops:
-        row["tflops"] = round(flops / ms / 1e9, 1)
-        row["frac_matmul"] = round(row["tflops"] / CEIL["matmul_tflops"], 3)
+    from bench_lib import add_rates  # scripts/ is on sys.path when run as a script
+
+    row = add_rates(
+        dict(section=section, what=what, impl=impl, time_ms=round(ms, 3), flops=flops, **extra), ms, CEIL, flops
+    )
     ROWS.append(row)
     print(json.dumps(row), flush=True)
     return row

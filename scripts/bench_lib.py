@@ -32,14 +32,21 @@ def timed_slow(fn, n=3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def record(kernel, impl, ctx, ms, flops=None, nbytes=None, **extra):
-    row = dict(kernel=kernel, impl=impl, context=ctx, time_ms=round(ms, 4), flops=flops, bytes=nbytes, **extra)
+def add_rates(row: dict, ms: float, ceil: dict, flops=None, nbytes=None) -> dict:
+    """A row timed at `ms` gains its TFLOP/s (given flops) and TB/s (given bytes), each also as a fraction of the
+    ceilings in `ceil` (`matmul_tflops`, `copy_tbps`)."""
     if flops:
         row["tflops"] = round(flops / ms / 1e9, 1)
-        row["frac_matmul"] = round(row["tflops"] / CEIL["matmul_tflops"], 3)
+        row["frac_matmul"] = round(row["tflops"] / ceil["matmul_tflops"], 3)
     if nbytes:
         row["tbps"] = round(nbytes / ms / 1e9, 3)
-        row["frac_copy"] = round(row["tbps"] / CEIL["copy_tbps"], 3)
+        row["frac_copy"] = round(row["tbps"] / ceil["copy_tbps"], 3)
+    return row
+
+
+def record(kernel, impl, ctx, ms, flops=None, nbytes=None, **extra):
+    row = dict(kernel=kernel, impl=impl, context=ctx, time_ms=round(ms, 4), flops=flops, bytes=nbytes, **extra)
+    add_rates(row, ms, CEIL, flops, nbytes)
     ROWS.append(row)
     print(json.dumps(row), flush=True)
     return row
