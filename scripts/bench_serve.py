@@ -49,7 +49,9 @@ RANKS = {"single": 1, "pp2": 2, "pp4": 4}
 CPU_WIDE = "model.dim=256 model.inter_dim=1024 model.q_lora_rank=128 model.kv_lora_rank=64"
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, one_process: bool = False):
+    """Options -> args with the device's defaults filled in; `one_process`: a ppN rank run alone in this process
+    (scripts/bench_serve_rank.py), where --profile-passes applies too."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     ap.add_argument("--pipelines", default="single,pp2", help="comma separated: single, pp2, pp4")
@@ -109,7 +111,7 @@ def parse_args(argv=None):
     a.overrides = "" if a.overrides == "none" else a.overrides
     if a.graphs == "on" and cpu:
         ap.error("--graphs on needs --device cuda")
-    if a.profile_passes and (cpu or a.pipelines != "single"):
+    if a.profile_passes and (cpu or (a.pipelines != "single" and not one_process)):
         ap.error("--profile-passes needs --device cuda and --pipelines single (it times one process's passes)")
     return a
 
@@ -154,7 +156,7 @@ def make_cfg(args, pipeline: str, microbatches, context: int, continuous: bool =
         cfg.graphs.blocks[0].shape_classes = [c for c in (1, 2, 4, 8, 16, 32, 64) if c < rows] + [rows]
         c = args.prefill_chunk
         cfg.graphs.blocks[1].shape_classes = sorted({max(c // 8, 1), max(c // 2, 1), c})
-        cfg.graphs.max_shape = max(cfg.graphs.max_shape, c)
+        cfg.graphs.max_shape = max(cfg.graphs.max_shape, c, rows)
     return cfg, build_plan(cfg)
 
 
@@ -208,8 +210,9 @@ def write_trace(eng: PipelineEngine, prompts, limits, path: Path) -> None:
     print(f"  trace: {path}", flush=True)
 
 
-def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) -> list:
-    """Every (workload, groups, batching) of one pipeline split on this rank -> rows (on the last stage's rank)."""
+def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, every_rank: bool = False) -> list:
+    """Every (workload, groups, batching) of one pipeline split on this rank -> rows (on the last stage's rank, or
+    on this rank with `every_rank`: scripts/bench_serve_rank.py runs one rank alone)."""
     rows = []
     loads = {w: workload(args, w, 256) for w in args.workloads.split(",")}
     context = max(len(p) + m for ps, ms in loads.values() for p, m in zip(ps, ms))
@@ -240,8 +243,8 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather) 
             name = f"trace-{pipeline}-g{eng.groups}-{w}-{'continuous' if continuous else 'fixed'}-rank{rank}"
             write_trace(eng, prompts[:64], limits[:64], Path(args.out) / f"{name}.json.gz")
         busy = gather((st["busy_fraction"], st["decode_busy"]))
-        if out is not None:
-            tokens = sum(len(o) for o in out)
+        if out is not None or every_rank:
+            tokens = st["tokens"]
             rows.append(
                 {
                     "pipeline": pipeline,
