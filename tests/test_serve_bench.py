@@ -5,6 +5,7 @@ import gzip
 import json
 
 import pytest
+import torch
 from script_helpers import load_script
 
 
@@ -93,3 +94,36 @@ def test_profile_passes_needs_cuda(capsys):
             e.value.code == 2
             and "--profile-passes needs --device cuda and --pipelines single" in capsys.readouterr().err
         )
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_bench_serve_rank_runs_one_pp2_rank_alone_through_every_request(tmp_path, rank):
+    """scripts/bench_serve_rank.py: a pp2 rank with its partner replaced by the loopback link serves every request
+    to its limit (the schedule of the real run) and reports its own busy fraction."""
+    tool = load_script("bench_serve_rank")
+    argv = ["--device", "cpu", "--pipeline", "pp2", "--rank", str(rank), "--workloads", "uniform"]
+    argv += ["--requests", "6", "--max-batch", "4", "--prefill-chunk", "8", "--uniform-prompt", "8"]
+    argv += ["--uniform-new", "4", "--overrides", "none", "--out", str(tmp_path)]
+    assert tool.main(argv) == 0
+    data = json.loads((tmp_path / "bench_serve_rank.json").read_text())
+    assert "--rank" in data["command"]
+    rows = data["rows"]
+    assert [r["microbatches"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rank_alone"] == rank and r["output_tokens"] == 6 * 4
+        assert len(r["busy_fraction"]) == 1 and 0 < r["busy_fraction"][0] <= 1.0 + 1e-9
+    assert (tmp_path / "bench_serve_rank.md").read_text().count("| uniform |") == 2
+
+
+def test_loopback_link_fills_activations_with_values_and_integers_with_zeros():
+    link = load_script("bench_serve_rank").LoopbackLink(torch.device("cpu"), seed=3)
+    hidden, again = torch.full((2, 1, 8), float("nan")), torch.full((2, 1, 8), float("nan"))
+    tokens, sent = torch.full((2, 4), 7, dtype=torch.long), torch.ones(3)
+    link.exchange([("recv", hidden, 0), ("recv", tokens, 1), ("send", sent, 1)])
+    link.exchange([("recv", again, 0)])
+    assert torch.isfinite(hidden).all() and hidden.std() > 0.3  # not zeros: real-looking indexer scores
+    assert torch.equal(hidden, again) and tokens.eq(0).all() and sent.eq(1).all()
+    bigger = torch.empty(3, 1, 8)
+    link.exchange([("recv", bigger, 0)])
+    link.exchange([("recv", again, 0)])  # a larger size draws new values; smaller receives copy their prefix
+    assert torch.isfinite(bigger).all() and torch.equal(bigger.view(-1)[:16], again.view(-1))
