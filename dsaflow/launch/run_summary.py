@@ -18,12 +18,14 @@ def shell_command(cmd: List[str]) -> str:
 
 def train_summary(cfg, run_dir, rc: int) -> str:
     """Lines for the end of `dsaflow train`: run dir, checkpoint, final metrics, the `wandb sync` command."""
-    from dsaflow.run.rundir import latest_checkpoint
+    from dsaflow.run.ckpt_store import newest_good_checkpoint
     from dsaflow.track.sweep_summary import final_metrics
 
     run_dir = Path(run_dir)
     m = final_metrics(run_dir)
-    ck = latest_checkpoint(run_dir)
+    # the newest complete checkpoint, sizes checked, not hashed: the run just wrote it, and `dsaflow generate` or a
+    # resume verifies it in full before loading
+    ck = newest_good_checkpoint(run_dir, quick=True)
     head = "training finished" if rc == 0 else f"training stopped (exit status {rc})"
     lines = [f"{head}: {run_dir}"]
     if m:

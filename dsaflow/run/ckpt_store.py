@@ -148,9 +148,10 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
-def verify_checkpoint(folder: str | Path, hashes: bool = True) -> dict:
+def verify_checkpoint(folder: str | Path, hashes: bool = True, metadata: bool = True) -> dict:
     """Raise CheckpointError (naming the folder and the reason) unless `folder` is a complete, intact checkpoint
-    whose metadata is safe to read. Returns the manifest."""
+    whose metadata is safe to read. Returns the manifest. hashes=False checks the files' sizes, not their sha256;
+    metadata=False leaves DCP's metadata unread (both for reports, never before a load)."""
     folder = Path(folder)
     if folder.is_symlink() or not folder.is_dir():
         raise CheckpointError(f"checkpoint {folder} is not a folder (links are never followed)")
@@ -169,7 +170,8 @@ def verify_checkpoint(folder: str | Path, hashes: bool = True) -> dict:
             )
         if hashes and _sha256(p, folder) != want["sha256"]:
             raise CheckpointError(f"checkpoint {folder}: {name} does not match its sha256 in the manifest (corrupted)")
-    safe_load_metadata(folder / METADATA)
+    if metadata:
+        safe_load_metadata(folder / METADATA)
     return manifest
 
 
@@ -196,13 +198,20 @@ def mark_hashed(folder: Path) -> None:
     _HASHED.add((str(folder), st.st_mtime_ns, st.st_size))
 
 
-def good_checkpoints(run_dir: str | Path, report: Optional[Callable[[str], None]] = None, once: bool = False):
+def good_checkpoints(
+    run_dir: str | Path, report: Optional[Callable[[str], None]] = None, once: bool = False, quick: bool = False
+):
     """(step, folder, manifest) of every good checkpoint of this run, newest first; bad ones and ones another run
-    wrote are reported by name and skipped. once=True: hash each checkpoint once per process (pruning)."""
+    wrote are reported by name and skipped. once=True: hash each checkpoint once per process (pruning).
+    quick=True: complete (renamed into place, manifest readable, every file at its size) is good enough; for a
+    report right after the run wrote it, where hashing a large model's checkpoint again would take minutes."""
     rid = read_run_id(run_dir)
     for step, folder in list_checkpoints(run_dir):
         try:
-            manifest = _verify_once(folder) if once else verify_checkpoint(folder)
+            if quick:
+                manifest = verify_checkpoint(folder, hashes=False, metadata=False)
+            else:
+                manifest = _verify_once(folder) if once else verify_checkpoint(folder)
         except CheckpointError as exc:
             if report is not None:
                 report(f"skipping {exc}; trying an older checkpoint")
@@ -218,10 +227,11 @@ def good_checkpoints(run_dir: str | Path, report: Optional[Callable[[str], None]
 
 
 def newest_good_checkpoint(
-    run_dir: str | Path, report: Optional[Callable[[str], None]] = None
+    run_dir: str | Path, report: Optional[Callable[[str], None]] = None, quick: bool = False
 ) -> Optional[Tuple[int, Path]]:
-    """(step, folder) of the newest good checkpoint of this run, or None; every one skipped is reported by name."""
-    for step, folder, _ in good_checkpoints(run_dir, report):
+    """(step, folder) of the newest good checkpoint of this run, or None; every one skipped is reported by name.
+    quick: see `good_checkpoints`."""
+    for step, folder, _ in good_checkpoints(run_dir, report, quick=quick):
         return step, folder
     return None
 
