@@ -56,3 +56,21 @@ def test_compacting_moves_copy_every_written_position():
             checked += 1
         s.finish(p)
     assert checked and sorted(s.generated.values()) == sorted(r.max_new for r in reqs)
+
+
+def test_the_drain_closes_the_holes_that_finished_rows_leave():
+    """Once the queue is empty, rows finish in an order unrelated to where narrow refills put them; the scheduler
+    compacts the group whenever a quarter of its decode span is idle, so no decode pass computes more than 4/3 of
+    its decoding rows (plus one), and every request still gets all its tokens."""
+    limits = [2 + (7 * i) % 29 for i in range(32)]  # finishing order scattered over the rows
+    reqs = [Request(i, [1] * (3 + i % 5), m) for i, m in enumerate(limits)]
+    s = Scheduler(reqs, group_ranges(32, 1), 16, narrow=True)
+    passes = drain(s)
+    decodes = [p for p in passes if p.decode_only]
+    assert any(p.moves for p in decodes), "the drain compacted the group"
+    for p in decodes:
+        assert p.rows <= len(p.emit) * 4 / 3 + 1
+    assert s.generated == {i: m for i, m in enumerate(limits)}
+    # fixed batches never move rows
+    fixed = Scheduler([Request(r.index, r.prompt, r.max_new) for r in reqs], group_ranges(32, 1), 16, refill=False)
+    assert not any(p.moves for p in drain(fixed))

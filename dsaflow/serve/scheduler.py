@@ -22,7 +22,8 @@ scheduler with the same inputs, so every rank builds the same passes without tal
 With `narrow` (continuous batching), a refill rearranges the group's rows (the pass's `moves`, applied to every
 stage's cache rows before the pass runs there): decoding rows to the lowest rows, so a decode pass's span holds no
 finished row, then every row that still prefills, the joining requests included, up to the top row, least prompt
-left lowest. Every prefill pass then covers a top-aligned span [first prefilling row, group rows): eagerly it costs
+left lowest. Once no request waits, the group is compacted the same way whenever a quarter of its decode span is
+idle (`_sparse`), so the drain at the end of a run does not compute the holes its finished rows leave. Every prefill pass then covers a top-aligned span [first prefilling row, group rows): eagerly it costs
 those rows, and a prefill graph captured over the top c rows of the group serves it at the cost of c rows, not of
 the whole group. Decode passes run between prefill passes as usual. Given the prefill graphs' token classes
 (`chunk_classes`), a pass takes the class that prefills the most tokens per unit of cost (`_chunk_for`), so the short
@@ -159,6 +160,8 @@ class Scheduler:
         if self.narrow and self.queue and free >= max(wanted, 1):
             joining = [Row(self.queue.popleft()) for _ in range(min(free, len(self.queue)))]
             moves = self._compact(rows, joining)
+        elif self.narrow and not self.queue and self._sparse(rows):
+            moves = self._compact(rows, [])  # nothing left to join: close the holes a decode pass would compute
         elif (self.refill and free >= max(wanted, 1)) or free == len(rows):
             slots = [i for i, r in enumerate(rows) if r is None][: len(self.queue)]
             joining = [self.queue.popleft() for _ in slots]
@@ -172,6 +175,14 @@ class Scheduler:
             p.moves = moves
             p.move_len = max(rows[k].offset + rows[k].generated for _, k in moves)
         return p
+
+    def _sparse(self, rows: List[Optional[Row]]) -> bool:
+        """Whether REFILL_FRACTION or more of the span a decode pass covers (rows up to the last active one) is
+        idle. Narrow refills place rows by prompt length, not by when they finish, so once the queue is empty,
+        finished rows would leave holes that every later decode pass still computes; compacting at this density
+        bounds the waste at 1 / (1 - REFILL_FRACTION) of the active rows, in a few moves as the group drains."""
+        active = [i for i, r in enumerate(rows) if r is not None]
+        return bool(active) and active[-1] + 1 - len(active) >= max(1, int((active[-1] + 1) * self.REFILL_FRACTION))
 
     @staticmethod
     def _compact(rows: List[Optional[Row]], joining: List[Row]) -> List[Tuple[int, int]]:
