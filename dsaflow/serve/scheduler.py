@@ -23,8 +23,9 @@ With `narrow` (continuous batching), a refill rearranges the group's rows (the p
 stage's cache rows before the pass runs there): decoding rows to the lowest rows, so a decode pass's span holds no
 finished row, then every row that still prefills, the joining requests included, up to the top row, least prompt
 left lowest. Once no request waits, the group is compacted the same way whenever a quarter of its decode span is
-idle (`_sparse`), so the drain at the end of a run does not compute the holes its finished rows leave. Every prefill pass then covers a top-aligned span [first prefilling row, group rows): eagerly it costs
-those rows, and a prefill graph captured over the top c rows of the group serves it at the cost of c rows, not of
+idle (`_sparse`), so the drain at the end of a run does not compute the holes its finished rows leave. Every
+prefill pass then covers a top-aligned span [first prefilling row, group rows): eagerly it costs those rows, and a
+prefill graph captured over the top c rows of the group serves it at the cost of c rows, not of
 the whole group. Decode passes run between prefill passes as usual. Given the prefill graphs' token classes
 (`chunk_classes`), a pass takes the class that prefills the most tokens per unit of cost (`_chunk_for`), so the short
 prompts of a refill end in a short pass instead of being padded to the longest one's chunk.
