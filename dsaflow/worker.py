@@ -54,12 +54,12 @@ def run_worker(run_dir: str, job: str = "train") -> None:
 
 
 def _run_job(cfg, plan, run_dir: str, job: str) -> None:
-    import torch.distributed as dist
-
     from dsaflow.run.context import init_distributed
+    from dsaflow.run.p2p import leave_together
 
     ctx = init_distributed(cfg, plan, run_dir)
-    try:
+    # a peer may still finish its last collective (final checkpoint, tracker) when this rank is done
+    with leave_together(ctx.group):
         if job == "train":
             from dsaflow.train.loop import run_train
 
@@ -68,12 +68,6 @@ def _run_job(cfg, plan, run_dir: str, job: str) -> None:
             from dsaflow.serve.generate import run_serve
 
             run_serve(ctx)
-        # Tear down together: a rank that destroys its gloo group while a peer still finishes its last collective
-        # (final checkpoint, tracker) can abort at exit ("terminate called without an active exception").
-        # Only on success: after an error a peer may never reach the barrier.
-        dist.barrier(group=ctx.group)
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv=None) -> None:

@@ -141,26 +141,14 @@ def worker(args) -> None:
     """One pipeline rank under torchrun: NCCL on GPUs, gloo on CPU."""
     import torch.distributed as dist
 
-    from dsaflow.run.p2p import StageLink
+    from dsaflow.run.p2p import torchrun_rank
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    try:
-        link = StageLink(device)
-        link.warm_up()
+    with torchrun_rank(args.device) as (device, link):
         rows = []
         for model in args.models.split(","):
             rows += measure(args, model, args.pp, dist.get_rank(), device, link)
         if rows:
             Path(args.rows_file).write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
 
 
 def run_pipeline(args, pp: int) -> list:

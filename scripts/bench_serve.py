@@ -291,20 +291,9 @@ def worker(args) -> None:
     """One pipeline rank under torchrun: NCCL on GPUs, gloo on CPU."""
     import torch.distributed as dist
 
-    from dsaflow.run.p2p import StageLink
+    from dsaflow.run.p2p import torchrun_rank
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        torch.set_num_threads(args.threads)
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    try:
-        link = StageLink(device)
-        link.warm_up()
+    with torchrun_rank(args.device, args.threads if args.device == "cpu" else None) as (device, link):
 
         def gather(x):
             out = [None] * dist.get_world_size()
@@ -314,8 +303,6 @@ def worker(args) -> None:
         rows = measure(args, args.pipeline, dist.get_rank(), device, link, gather)
         if rows:
             Path(args.rows_file).write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
 
 
 def run_pipeline(args, pipeline: str) -> list:

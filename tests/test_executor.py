@@ -111,3 +111,22 @@ def test_run_items_without_feedback_keeps_microbatch_order():
     items = [Item(m, (1, 1, 1), torch.float32) for m in range(4)]
     ticks = run_items(ex, items, lambda item, s, x: seen.append((s, item.key)) or torch.zeros(1))
     assert ticks == 4 and seen == [(s, m) for m in range(4) for s in (0, 1)]
+
+
+def test_leave_together_meets_peers_only_on_success(monkeypatch):
+    """A rank that finished meets its peers at a barrier before destroying the group (a gloo peer still reading
+    its last message aborts otherwise); after an error it destroys the group without waiting for peers that may
+    never come."""
+    import dsaflow.run.p2p as p2p
+
+    calls = []
+    monkeypatch.setattr(p2p.dist, "barrier", lambda group=None: calls.append(("barrier", group)))
+    monkeypatch.setattr(p2p.dist, "destroy_process_group", lambda: calls.append(("destroy",)))
+    with p2p.leave_together("g"):
+        calls.append(("body",))
+    assert calls == [("body",), ("barrier", "g"), ("destroy",)]
+    calls.clear()
+    with pytest.raises(ValueError):
+        with p2p.leave_together():
+            raise ValueError("rank failed")
+    assert calls == [("destroy",)]

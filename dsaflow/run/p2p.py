@@ -11,7 +11,9 @@ runs one collective over the whole group first.
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+import os
+from contextlib import contextmanager
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,3 +63,40 @@ class StageLink:
         p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer) for kind, tensor, peer in ops]
         for req in dist.batch_isend_irecv(p2p):
             req.wait()
+
+
+@contextmanager
+def torchrun_rank(device_type: str, threads: Optional[int] = None) -> Iterator[Tuple[torch.device, StageLink]]:
+    """Join torchrun's process group as this process's rank and yield `(device, link)`, the link warmed up.
+
+    `device_type` "cuda": NCCL on the LOCAL_RANK GPU; "cpu": gloo, with `threads` intra-op threads when given.
+    On success every rank meets at a barrier before the group is destroyed (see `leave_together`).
+    """
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    with leave_together():
+        link = StageLink(device)
+        link.warm_up()
+        yield device, link
+
+
+@contextmanager
+def leave_together(group=None) -> Iterator[None]:
+    """Run the body, then barrier on `group` and destroy the default process group.
+
+    A gloo rank that destroys its group and exits while a peer still reads its last collective or P2P message can
+    make that peer fail ("Connection closed by peer") or abort at exit, at random. The barrier runs only on success:
+    after an error a peer may never reach it.
+    """
+    try:
+        yield
+        dist.barrier(group=group)
+    finally:
+        dist.destroy_process_group()
