@@ -74,3 +74,28 @@ def test_the_drain_closes_the_holes_that_finished_rows_leave():
     # fixed batches never move rows
     fixed = Scheduler([Request(r.index, r.prompt, r.max_new) for r in reqs], group_ranges(32, 1), 16, refill=False)
     assert not any(p.moves for p in drain(fixed))
+
+
+def test_balanced_prefill_chunks_cost_what_the_other_groups_decode_passes_cost():
+    """Two groups of 8 rows, 16-token prompts, chunk 16. Group 0 fills first: no other group decodes, so it
+    prefills whole chunks. Group 1 then prefills 8 rows beside group 0's decode passes of 8 rows: with `balance`
+    its chunks hold 1 token (8 row-tokens, what a decode pass beside it holds), so the rank that runs the decode
+    pass does not idle; without, 16 tokens (128 row-tokens). Both serve every request to its limit."""
+    for balance in (False, True):
+        s = Scheduler(requests([16] * 16, max_new=24), group_ranges(16, 2), 16, balance=balance)
+        first = s.next_pass(0)
+        assert (first.rows, first.T) == (8, 16)
+        s.finish(first)
+        chunks = []
+        while not (p := s.next_pass(1)).decode_only:
+            assert p.rows == 8
+            chunks.append(p.T)
+            s.finish(p)
+            s.finish(s.next_pass(0))  # group 0 decodes beside it
+        s.finish(p)
+        assert chunks == ([1] * 16 if balance else [16])
+        while s.has_work(0) or s.has_work(1):
+            for g in (0, 1):
+                if s.has_work(g):
+                    s.finish(s.next_pass(g))
+        assert s.generated == {i: 24 for i in range(16)}

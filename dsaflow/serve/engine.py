@@ -315,6 +315,8 @@ class PipelineEngine:
             mixed=self.prefill_graphs and not self.continuous,
             narrow=self.continuous,
             chunk_classes=self.chunk_classes,
+            # groups share ticks only across ranks; eager passes cost their rows x tokens on a CPU (launches on a GPU)
+            balance=self.groups > 1 and len(set(self.owner.values())) > 1 and self.device.type == "cpu",
         )
         self.logits_log, self.first_mark, self.last_mark = {}, {}, {}
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}

@@ -135,6 +135,7 @@ class Scheduler:
         mixed: bool = False,
         narrow: bool = False,
         chunk_classes: Sequence[int] = (),
+        balance: bool = False,
     ):
         self.queue: Deque[Request] = deque(requests)
         self.refill = refill  # False: fixed batches (a group takes requests only once all its rows finished)
@@ -143,6 +144,9 @@ class Scheduler:
         self.ranges, self.chunk = list(ranges), chunk
         # narrow passes through prefill graphs: their token classes (a pass pads to one), see `_chunk_for`
         self.chunk_classes = sorted(c for c in chunk_classes if c <= chunk) if self.narrow else []
+        # eager passes whose cost follows their rows x tokens, groups in flight together: size prefill chunks like
+        # the other groups' decode passes (`_chunk_for`)
+        self.balance = balance and not self.chunk_classes and not self.mixed
         self.rows: List[List[Optional[Row]]] = [[None] * (b - a) for a, b in self.ranges]
         self.generated = {r.index: 0 for r in requests}  # final token count per request
         self.turn = ["prefill"] * len(self.ranges)  # which kind a group runs next when it has both
@@ -243,7 +247,7 @@ class Scheduler:
             while b in prefilling:
                 b += 1
         span = [i for i in prefilling if a <= i < b]
-        chunk = self._chunk_for([len(rows[i].request.prompt) - rows[i].offset for i in span], b - a)
+        chunk = self._chunk_for([len(rows[i].request.prompt) - rows[i].offset for i in span], b - a, group)
         T = max(min(chunk, len(rows[i].request.prompt) - rows[i].offset) for i in span)
         n = b - a
         p = Pass(group, a, n, T, [[0] * T for _ in range(n)], [[-1] * T for _ in range(n)], [False] * n)
@@ -263,13 +267,31 @@ class Scheduler:
             p.emit.append((i, 0, req.index, rows[i].generated))
         return p
 
-    def _chunk_for(self, left: List[int], rows: int) -> int:
-        """The chunk of a prefill pass over `rows` rows whose prompts have `left` tokens to go: serve.prefill_chunk,
-        or with `chunk_classes` the class that prefills the most tokens per unit of cost (PASS_COST_TOKENS +
-        rows x class), so that a refill's short prompts finish in a short pass before the long ones go on."""
+    def _chunk_for(self, left: List[int], rows: int, group: int) -> int:
+        """The chunk of a prefill pass of `group` over `rows` rows whose prompts have `left` tokens to go:
+        serve.prefill_chunk; with `chunk_classes`, the class that prefills the most tokens per unit of cost
+        (PASS_COST_TOKENS + rows x class), so that a refill's short prompts finish in a short pass before the long
+        ones go on; with `balance`, about as many row-tokens as the other groups' decode passes hold.
+
+        Why balance: with groups in flight, a tick lasts as long as its longest pass, so a prefill pass that costs
+        four decode passes keeps the rank that runs a decode pass beside it idle for three. Eagerly on a CPU a pass
+        costs about its rows x tokens, so a chunk of (their decode rows / rows) tokens costs about what they do."""
+        if self.balance:
+            decode_rows = [n for h in range(len(self.rows)) if h != group and (n := self._decode_rows(h))]
+            if decode_rows:
+                return max(1, min(self.chunk, round(sum(decode_rows) / len(decode_rows) / rows)))
         if not self.chunk_classes:
             return self.chunk
         return max(self.chunk_classes, key=lambda c: sum(min(n, c) for n in left) / (self.PASS_COST_TOKENS + rows * c))
+
+    def _decode_rows(self, group: int) -> int:
+        """Rows a decode pass of `group` covers now (up to its last decoding row; 0 when none decodes)."""
+        rows = self.rows[group]
+        return next((i + 1 for i in reversed(range(len(rows))) if self._decoding(rows[i])), 0)
+
+    @staticmethod
+    def _decoding(row: Optional[Row]) -> bool:
+        return row is not None and row.offset >= len(row.request.prompt)
 
     def finish(self, p: Pass, eos: Optional[Sequence[bool]] = None) -> List[int]:
         """Advance the rows of a pass that went through every stage -> indices of the requests that finished.
