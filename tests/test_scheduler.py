@@ -80,9 +80,10 @@ def test_balanced_prefill_chunks_cost_what_the_other_groups_decode_passes_cost()
     """Two groups of 8 rows, 16-token prompts, chunk 16. Group 0 fills first: no other group decodes, so it
     prefills whole chunks. Group 1 then prefills 8 rows beside group 0's decode passes of 8 rows: with `balance`
     its chunks hold 1 token (8 row-tokens, what a decode pass beside it holds), so the rank that runs the decode
-    pass does not idle; without, 16 tokens (128 row-tokens). Both serve every request to its limit."""
+    pass does not idle; without, 16 tokens (128 row-tokens). Both serve every request to its limit. Fixed
+    batches keep their chunks."""
     for balance in (False, True):
-        s = Scheduler(requests([16] * 16, max_new=24), group_ranges(16, 2), 16, balance=balance)
+        s = Scheduler(requests([16] * 16, max_new=24), group_ranges(16, 2), 16, narrow=True, balance=balance)
         first = s.next_pass(0)
         assert (first.rows, first.T) == (8, 16)
         s.finish(first)
@@ -99,3 +100,6 @@ def test_balanced_prefill_chunks_cost_what_the_other_groups_decode_passes_cost()
                 if s.has_work(g):
                     s.finish(s.next_pass(g))
         assert s.generated == {i: 24 for i in range(16)}
+    fixed = Scheduler(requests([16] * 16), group_ranges(16, 2), 16, refill=False, narrow=True, balance=True)
+    fixed.finish(fixed.next_pass(0))
+    assert fixed.next_pass(1).T == 16
