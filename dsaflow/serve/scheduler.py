@@ -147,7 +147,7 @@ class Scheduler:
         # eager passes whose cost follows their rows x tokens, groups in flight together: size prefill chunks like
         # the other groups' decode passes (`_chunk_for`). Narrow passes only: fixed batches prefill a whole group,
         # in contiguous runs once short prompts end, and balanced chunks there served 0.82x the tokens/s (pp2, two
-        # groups, mixed workload, 2-core CPU: 1,509 against 1,841)
+        # groups, mixed workload, 2-core CPU: 1,509 against 1,832)
         self.balance = balance and self.narrow and not self.chunk_classes
         self.rows: List[List[Optional[Row]]] = [[None] * (b - a) for a, b in self.ranges]
         self.generated = {r.index: 0 for r in requests}  # final token count per request
