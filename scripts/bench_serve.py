@@ -17,7 +17,8 @@ calls, ms, mean ms), from CUDA events around every stage call, read once after t
 
 Busy fraction of a rank = time its stages computed / wall time (perf_counter on CPU, CUDA events on GPU); `decode`
 counts only ticks in which every pass in flight was a decode step. Writes <out>/bench_serve.json, bench_serve.md and
-bench_serve.png (matplotlib).
+bench_serve.png (matplotlib); while it runs, every measured row is also appended to <out>/bench_serve.partial.jsonl,
+so a run stopped by a time limit keeps what it measured (the file is removed once the full results are written).
 """
 
 from __future__ import annotations
@@ -210,6 +211,19 @@ def write_trace(eng: PipelineEngine, prompts, limits, path: Path) -> None:
     print(f"  trace: {path}", flush=True)
 
 
+def partial_path(args) -> Path:
+    """Rows as they are measured, one JSON object a line: what an interrupted run (a time limit, a crash in a later
+    configuration) keeps. A finished run's rows are in bench_serve.json, and this file is removed."""
+    return Path(args.out) / "bench_serve.partial.jsonl"
+
+
+def keep_row(args, row: dict) -> None:
+    path = partial_path(args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, every_rank: bool = False) -> list:
     """Every (workload, groups, batching) of one pipeline split on this rank -> rows (on the last stage's rank, or
     on this rank with `every_rank`: scripts/bench_serve_rank.py runs one rank alone)."""
@@ -276,8 +290,10 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                 rows[-1]["pass_profile"] = timer.summary()
                 print(f"  GPU time per pass kind: {rows[-1]['pass_profile']}", flush=True)
             r = rows[-1]
+            keep_row(args, r)
             print(
                 f"{pipeline} groups={r['microbatches']} {w} {r['batching']}: {r['tokens_per_s']:.1f} tokens/s, "
+                f"TTFT p50 {r['ttft_p50_s'] or 0:.3f} s, TPOT p50 {(r['tpot_p50_s'] or 0) * 1e3:.2f} ms, "
                 f"busy {[round(b, 2) for b in r['busy_fraction']]}, decode busy "
                 f"{[round(b, 2) for b in r['decode_busy_fraction']]}, graphs {r['graphs_captured']} captured in "
                 f"{[round(c, 1) for c in r['capture_s']]} s, pools {[round(g, 2) for g in r['graph_pool_gib']]} GiB",
@@ -476,6 +492,7 @@ def main(argv=None) -> int:
 def run_all(args, argv) -> int:
     device = torch.device(args.device)
     rows, skipped = [], []
+    partial_path(args).unlink(missing_ok=True)
     load_before = os.getloadavg()[0]
     for p in args.pipelines.split(","):
         if p not in RANKS:
@@ -517,6 +534,7 @@ def run_all(args, argv) -> int:
     (out / "bench_serve.md").write_text(md + "\n")
     if rows:
         plot(rows, out / "bench_serve.png")
+    partial_path(args).unlink(missing_ok=True)
     print(md)
     print(f"wrote {out / 'bench_serve.json'}, {out / 'bench_serve.md'} and {out / 'bench_serve.png'}")
     return 0

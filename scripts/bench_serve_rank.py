@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     if not 0 <= own.rank < ranks:
         raise SystemExit(f"--rank {own.rank}: {own.pipeline} has ranks 0..{ranks - 1}")
     device = torch.device(args.device)
+    bench_serve.partial_path(args).unlink(missing_ok=True)
     rows = bench_serve.measure(
         args, own.pipeline, own.rank, device, LoopbackLink(device, args.seed), lambda x: [x], every_rank=True
     )
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
             f"{r['busy_fraction'][0]:.2f} | {r['decode_busy_fraction'][0]:.2f} |"
         )
     (out / "bench_serve_rank.md").write_text("\n".join(lines) + "\n")
+    bench_serve.partial_path(args).unlink(missing_ok=True)
     print("\n".join(lines))
     return 0
 

@@ -74,6 +74,7 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
     md = (tmp_path / "bench_serve.md").read_text()
     assert md.count("\n| pp2 |") == 5 and "default groups vs serve.microbatches=1" in md
     assert (tmp_path / "bench_serve.png").stat().st_size > 1000
+    assert not (tmp_path / "bench_serve.partial.jsonl").exists()  # the full results replace it
     assert data["env"]["overrides"] == "" and len(data["env"]["load_average_1min"]) == 2
     # --trace: one Chrome trace per rank of every row, holding the engine's stage calls
     traces = sorted(p.name for p in tmp_path.glob("trace-*.json.gz"))
@@ -81,6 +82,26 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
     assert "trace-pp2-g2-uniform-continuous-rank1.json.gz" in traces
     events = json.loads(gzip.decompress((tmp_path / traces[0]).read_bytes()))["traceEvents"]
     assert any(e.get("name", "").startswith("aten::") for e in events)
+
+
+def test_an_interrupted_run_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """A run stopped after `single` (here pp2's launch fails) leaves single's rows in bench_serve.partial.jsonl, one
+    JSON object a line, and writes no bench_serve.json; a rerun starts the partial file afresh."""
+    bench = load_script("bench_serve")
+    argv = ["--device", "cpu", "--pipelines", "single,pp2", "--workloads", "uniform", "--requests", "3"]
+    argv += ["--max-batch", "2", "--prefill-chunk", "8", "--uniform-prompt", "6", "--uniform-new", "3"]
+    argv += ["--overrides", "none", "--out", str(tmp_path)]
+    (tmp_path / "bench_serve.partial.jsonl").write_text('{"stale": true}\n')
+
+    def launch_fails(args, pipeline):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run_pipeline", launch_fails)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argv)
+    rows = [json.loads(line) for line in (tmp_path / "bench_serve.partial.jsonl").read_text().splitlines()]
+    assert [(r["pipeline"], r["workload"], r["output_tokens"]) for r in rows] == [("single", "uniform", 9)]
+    assert rows[0]["tokens_per_s"] > 0 and not (tmp_path / "bench_serve.json").exists()
 
 
 def test_profile_passes_needs_cuda(capsys):
