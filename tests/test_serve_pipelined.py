@@ -28,8 +28,8 @@ def cli(*args, timeout=600):
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def train_checkpoint(run):
-    """Train the tiny model briefly into `run` (a run dir) -> run."""
+def train_checkpoint(run, *extra):
+    """Train the tiny model briefly into `run` (a run dir) -> run; `extra`: more overrides (train.device=cpu)."""
     res = cli(
         "train",
         *MODEL,
@@ -43,6 +43,7 @@ def train_checkpoint(run):
         "train.lr=5e-3",
         "pipeline.microbatches=1",
         f"run_dir={run}",
+        *extra,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return run

@@ -1,0 +1,83 @@
+"""Pipelined serving through real ranks, one GPU and one NCCL process each, CUDA graphs on: `dsaflow generate
+pipeline=pp2 / pp4` serves a trained model's greedy tokens identical, token for token, to one stage in one process,
+with one group (serve.microbatches=1) and with the default groups (one per rank), continuous batching. Run on a
+machine with 2 or more GPUs (pp4 needs 4):
+
+    .venv/bin/python -m pytest -q -m multigpu tests/test_serve_multigpu.py
+
+fp32 serving, as in tests/test_serve_pipelined_gpu.py: the groups change the row count of every GEMM, and bf16
+rounding would flip near-ties. The model is trained on the CPU, so the GPUs compile only the serving kernels.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from test_serve_pipelined import MODEL, cli, train_checkpoint, workload
+from test_serve_pipelined_gpu import SERVE, gpu_engine
+
+RANKS = {"pp2": 2, "pp4": 4}
+
+
+@pytest.fixture(scope="module")
+def trained_on_cpu(request):
+    """A run dir of the tiny model trained on the CPU, kept in pytest's cache (.pytest_cache): a later run, say pp4 on
+    all GPUs after pp2 on two of them, serves the same weights without training again."""
+    keep = request.config.cache.mkdir("serve_multigpu_trained")
+    run, done = keep / "run", keep / "trained"
+    if not done.exists():
+        shutil.rmtree(run, ignore_errors=True)
+        train_checkpoint(run, "train.device=cpu")
+        done.touch()  # only a finished training is reused
+    return run
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(trained_on_cpu):
+    """(prompts, limits, tokens): 64 mixed-length prompts served by one stage in this process, graphs on."""
+    prompts, limits = workload()
+    ref = gpu_engine(trained_on_cpu, "single", 1).generate(prompts, limits)
+    assert [len(o) for o in ref] == limits and len({tuple(o) for o in ref}) > 32
+    return prompts, limits, ref
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("pipeline", ["pp2", "pp4"])
+@pytest.mark.parametrize("microbatches", [1, None])
+def test_nccl_ranks_serve_the_greedy_tokens_of_one_stage(
+    trained_on_cpu, greedy_reference, tmp_path, pipeline, microbatches
+):
+    if RANKS[pipeline] > torch.cuda.device_count():
+        pytest.skip(f"{pipeline} needs {RANKS[pipeline]} GPUs, this machine has {torch.cuda.device_count()}")
+    prompts, limits, ref = greedy_reference
+    groups = microbatches or RANKS[pipeline]
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text(
+        "".join(
+            json.dumps({"prompt": bytes(p).decode("ascii"), "max_new_tokens": m}) + "\n"
+            for p, m in zip(prompts, limits)
+        )
+    )
+    out, run = tmp_path / "out.jsonl", tmp_path / "run"
+    res = cli(
+        "generate",
+        f"pipeline={pipeline}",
+        *MODEL,
+        *SERVE,
+        f"graphs.blocks.0.shape_classes=[{','.join(str(c) for c in (1, 2, 4, 8) if c <= 8 // groups)}]",
+        "graphs.blocks.1.shape_classes=[8,16]",
+        *([] if microbatches is None else [f"serve.microbatches={microbatches}"]),
+        f"serve.checkpoint={trained_on_cpu}",
+        f"serve.prompts_file={pf}",
+        f"serve.output_file={out}",
+        f"run_dir={run}",
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["num_tokens"] for r in rows] == limits
+    assert [r["tokens"] for r in rows] == ref, (pipeline, microbatches)
+    for r in range(RANKS[pipeline]):  # every rank captured its own graphs on its own GPU, none fell back to eager
+        rep = json.loads((run / f"graphs_rank{r}.json").read_text())
+        assert rep["eager"] == 0 and rep["captured"] > 0
+        assert {x["device"] for x in rep["records"]} == {f"cuda:{r}"}
