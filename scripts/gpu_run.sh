@@ -7,15 +7,20 @@
 #            with and without recomputation; the dense warm-up step at 16K
 #   indexcache: scripts/bench_indexcache.py (IndexCache prefill / decode vs dense SDPA)
 #   multi:   the gpu training tests, then the multigpu tests REPEAT times in a row (default 5)
+#   serve:   pipelined serving on 2+ GPUs: scripts/bench_serve.py --pipelines pp2 (graphs on, NCCL) and the NCCL
+#            greedy-identity tests (tests/test_serve_multigpu.py, the multigpu tests of tests/test_graphs_gpu.py);
+#            with 4+ GPUs the tests run on GPUs 2,3 beside the benchmark on GPUs 0,1, then pp4's tests on all four
 # Logs, JSON and markdown go to $OUT (default gpu_out/). Each step has its own time limit and keeps going after a
 # failure; the last lines list every step's exit status.
 set -uo pipefail
-PHASE=${1:?usage: gpu_run.sh kernels|model|indexcache|multi}
+PHASE=${1:?usage: gpu_run.sh kernels|model|indexcache|serve|multi}
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; LOG="$OUT/$PHASE.log"; : > "$LOG"
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+# a step's output goes to $STEP_LOG where set (steps that run side by side), else to the phase's log
 step() { local name=$1 limit=$2; shift 2; echo "=== $name" | tee -a "$LOG"; local t0=$SECONDS
-  timeout "$limit" "$@" >> "$LOG" 2>&1; local rc=$?; echo "=== $name rc=$rc $((SECONDS - t0))s" | tee -a "$LOG"; }
+  timeout "$limit" "$@" >> "${STEP_LOG:-$LOG}" 2>&1; local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t0))s" | tee -a "$LOG"; }
 summary() { grep -hE "passed|failed" "$LOG" | grep -E "^[0-9=]" | tail -n 8; }
 case $PHASE in
 kernels)
@@ -61,6 +66,24 @@ multi)
     step multigpu_run$i 300 python3 -m pytest -q -m multigpu tests/
     summary | tail -n 1
   done ;;
-*) echo "unknown phase $PHASE (kernels|model|indexcache|multi)"; exit 2 ;;
+serve)
+  n_gpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  [ "$n_gpu" -ge 2 ] || { echo "the serve phase needs 2+ GPUs, this machine has $n_gpu"; exit 2; }
+  bench() { step bench_serve_pp2 "${BENCH_LIMIT:-420}" python3 scripts/bench_serve.py --device cuda --pipelines pp2 \
+    --workloads uniform,mixed --requests "${REQUESTS:-512}" --out "$OUT/pp2"; }
+  tests() { step serve_tests_pp2 "${TEST_LIMIT:-420}" python3 -m pytest -q -m multigpu tests/test_serve_multigpu.py \
+    tests/test_graphs_gpu.py; }
+  if [ "$n_gpu" -ge 4 ]; then  # disjoint GPUs, so the benchmark's timings share no device with the tests
+    CUDA_VISIBLE_DEVICES=0,1 STEP_LOG="$OUT/bench_pp2.log" bench &
+    CUDA_VISIBLE_DEVICES=2,3 STEP_LOG="$OUT/tests_pp2.log" tests &
+    wait
+    STEP_LOG="$OUT/tests_pp4.log" step serve_tests_pp4 "${TEST_LIMIT:-420}" python3 -m pytest -q -m multigpu \
+      tests/test_serve_multigpu.py -k pp4
+  else
+    STEP_LOG="$OUT/bench_pp2.log" bench; STEP_LOG="$OUT/tests_pp2.log" tests
+  fi
+  tail -qn 1 "$OUT"/tests_*.log
+  cat "$OUT/pp2/bench_serve.md" 2>/dev/null ;;
+*) echo "unknown phase $PHASE (kernels|model|indexcache|serve|multi)"; exit 2 ;;
 esac
 grep -E "^=== .* rc=" "$LOG"
