@@ -9,7 +9,9 @@
 #   multi:   the gpu training tests, then the multigpu tests REPEAT times in a row (default 5)
 #   serve:   pipelined serving on 2+ GPUs: scripts/bench_serve.py --pipelines pp2 (graphs on, NCCL) and the NCCL
 #            greedy-identity tests (tests/test_serve_multigpu.py, the multigpu tests of tests/test_graphs_gpu.py);
-#            with 4+ GPUs the tests run on GPUs 2,3 beside the benchmark on GPUs 0,1, then pp4's tests on all four
+#            with 4+ GPUs the tests run on GPUs 2,3 beside the benchmark on GPUs 0,1, then pp4's tests on all four;
+#            BENCH_ARGS adds options to the benchmark (BENCH_ARGS="--max-batch 256 --trace": larger passes, and one
+#            Chrome trace per rank and row for where each GPU waits)
 # Logs, JSON and markdown go to $OUT (default gpu_out/). Each step has its own time limit and keeps going after a
 # failure; the last lines list every step's exit status.
 set -uo pipefail
@@ -70,7 +72,7 @@ serve)
   n_gpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   [ "$n_gpu" -ge 2 ] || { echo "the serve phase needs 2+ GPUs, this machine has $n_gpu"; exit 2; }
   bench() { step bench_serve_pp2 "${BENCH_LIMIT:-420}" python3 scripts/bench_serve.py --device cuda --pipelines pp2 \
-    --workloads uniform,mixed --requests "${REQUESTS:-512}" --out "$OUT/pp2"; }
+    --workloads uniform,mixed --requests "${REQUESTS:-512}" --out "$OUT/pp2" ${BENCH_ARGS:-}; }
   tests() { step serve_tests_pp2 "${TEST_LIMIT:-420}" python3 -m pytest -q -m multigpu tests/test_serve_multigpu.py \
     tests/test_graphs_gpu.py; }
   if [ "$n_gpu" -ge 4 ]; then  # disjoint GPUs, so the benchmark's timings share no device with the tests
