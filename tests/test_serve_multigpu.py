@@ -14,8 +14,8 @@ import shutil
 
 import pytest
 import torch
-from test_serve_pipelined import MODEL, cli, train_checkpoint, workload
-from test_serve_pipelined_gpu import SERVE, gpu_engine
+from test_serve_pipelined import generate_cli, train_checkpoint, workload
+from test_serve_pipelined_gpu import gpu_engine
 
 RANKS = {"pp2": 2, "pp4": 4}
 
@@ -52,32 +52,23 @@ def test_nccl_ranks_serve_the_greedy_tokens_of_one_stage(
         pytest.skip(f"{pipeline} needs {RANKS[pipeline]} GPUs, this machine has {torch.cuda.device_count()}")
     prompts, limits, ref = greedy_reference
     groups = microbatches or RANKS[pipeline]
-    pf = tmp_path / "prompts.jsonl"
-    pf.write_text(
-        "".join(
-            json.dumps({"prompt": bytes(p).decode("ascii"), "max_new_tokens": m}) + "\n"
-            for p, m in zip(prompts, limits)
-        )
-    )
-    out, run = tmp_path / "out.jsonl", tmp_path / "run"
-    res = cli(
-        "generate",
-        f"pipeline={pipeline}",
-        *MODEL,
-        *SERVE,
-        f"graphs.blocks.0.shape_classes=[{','.join(str(c) for c in (1, 2, 4, 8) if c <= 8 // groups)}]",
+    decode_classes = ",".join(str(c) for c in (1, 2, 4, 8) if c <= 8 // groups)  # at most a group's rows
+    rows, _ = generate_cli(
+        tmp_path,
+        "run",
+        pipeline,
+        trained_on_cpu,
+        prompts,
+        limits,
+        "serve.dtype=fp32",
+        "graphs=decode_prefill",
+        f"graphs.blocks.0.shape_classes=[{decode_classes}]",
         "graphs.blocks.1.shape_classes=[8,16]",
         *([] if microbatches is None else [f"serve.microbatches={microbatches}"]),
-        f"serve.checkpoint={trained_on_cpu}",
-        f"serve.prompts_file={pf}",
-        f"serve.output_file={out}",
-        f"run_dir={run}",
     )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["num_tokens"] for r in rows] == limits
     assert [r["tokens"] for r in rows] == ref, (pipeline, microbatches)
     for r in range(RANKS[pipeline]):  # every rank captured its own graphs on its own GPU, none fell back to eager
-        rep = json.loads((run / f"graphs_rank{r}.json").read_text())
+        rep = json.loads((tmp_path / "run" / f"graphs_rank{r}.json").read_text())
         assert rep["eager"] == 0 and rep["captured"] > 0
         assert {x["device"] for x in rep["records"]} == {f"cuda:{r}"}

@@ -49,6 +49,27 @@ def train_checkpoint(run, *extra):
     return run
 
 
+def generate_cli(tmp_path, name, pipeline, checkpoint, prompts, limits, *overrides):
+    """`dsaflow generate pipeline=<pipeline>` of `prompts` (each with its max_new_tokens, from a JSONL file) with the
+    tiny model of `checkpoint`, run dir tmp_path/name -> (output rows, the finished process)."""
+    pf, out = tmp_path / f"{name}-prompts.jsonl", tmp_path / f"{name}.jsonl"
+    lines = [json.dumps({"prompt": bytes(p).decode("ascii"), "max_new_tokens": m}) for p, m in zip(prompts, limits)]
+    pf.write_text("".join(line + "\n" for line in lines))
+    res = cli(
+        "generate",
+        f"pipeline={pipeline}",
+        *MODEL,
+        *SERVE,
+        *overrides,
+        f"serve.checkpoint={checkpoint}",
+        f"serve.prompts_file={pf}",
+        f"serve.output_file={out}",
+        f"run_dir={tmp_path / name}",
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [json.loads(line) for line in out.read_text().splitlines()], res
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny model trained briefly on a doc of the repo (bytes, loss about 2.5): its greedy continuations differ from
@@ -98,27 +119,8 @@ def test_torchrun_pp2_and_pp4_serve_the_same_tokens(trained, tmp_path):
     """Real ranks (gloo, one process per stage), groups in flight, per-request limits from the JSONL."""
     prompts, limits = workload(24, seed=1)
     ref = engine(trained, "single", 1).generate(prompts, limits)
-    pf = tmp_path / "prompts.jsonl"
-    pf.write_text(
-        "".join(
-            json.dumps({"prompt": bytes(p).decode("ascii"), "max_new_tokens": m}) + "\n"
-            for p, m in zip(prompts, limits)
-        )
-    )
     for pipeline in ("pp2", "pp4"):
-        out = tmp_path / f"{pipeline}.jsonl"
-        res = cli(
-            "generate",
-            f"pipeline={pipeline}",
-            *MODEL,
-            *SERVE,
-            f"serve.checkpoint={trained}",
-            f"serve.prompts_file={pf}",
-            f"serve.output_file={out}",
-            f"run_dir={tmp_path / pipeline}",
-        )
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        rows, res = generate_cli(tmp_path, pipeline, pipeline, trained, prompts, limits)
         assert [r["num_tokens"] for r in rows] == limits
         assert all(r["ttft_s"] > 0 for r in rows)
         assert [r["tokens"] for r in rows] == ref, pipeline
