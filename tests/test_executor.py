@@ -113,6 +113,30 @@ def test_run_items_without_feedback_keeps_microbatch_order():
     assert ticks == 4 and seen == [(s, m) for m in range(4) for s in (0, 1)]
 
 
+def test_timeline_ticks_tile_the_run_and_host_phases_are_counted():
+    """Ticks share their boundaries (no gap between one tick's end and the next one's start), the last stage's span
+    end is the item's `finished_at`, and the host time of decode ticks is split by phase."""
+    ex = PipelineExecutor({0: 0, 1: 0}, 0)
+    items = [Item(m, (1, 1, 1), torch.float32, feedback=(2, 1), decode=True) for m in range(3)]
+    queue_ = list(items)
+    ex.run(
+        lambda free: queue_.pop(0) if queue_ else None,
+        lambda item, s, x: torch.zeros(1),
+        finish=lambda item, out: torch.zeros(2, 1, dtype=torch.long),
+    )
+    tl = ex.timeline
+    assert len(tl.ticks) == 3 and tl.ticks[0][0] == tl.start
+    assert all(a[1] == b[0] for a, b in zip(tl.ticks, tl.ticks[1:]))  # contiguous: the tick walls tile the run
+    assert [i.finished_at for i in items] == [end for _, end, _ in tl.spans]
+    assert tl.decode_ticks == 3 and len(tl.issued) == len(tl.spans) == 3
+    summary = tl.resolve()
+    assert summary["decode_wall_s"] == pytest.approx(tl.ticks[-1][1] - tl.start)
+    host = summary["decode_host_ms_per_tick"]
+    assert set(host) == {"pick", "stage", "exchange", "feedback"} and all(v >= 0 for v in host.values())
+    assert sum(host.values()) > 0
+    assert summary["decode_lead_p50_ms"] is None and summary["decode_host_late"] is None  # GPU only
+
+
 def test_leave_together_meets_peers_only_on_success(monkeypatch):
     """A rank that finished meets its peers at a barrier before destroying the group (a gloo peer still reading
     its last message aborts otherwise); after an error it destroys the group without waiting for peers that may

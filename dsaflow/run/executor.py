@@ -29,6 +29,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+HOST_PHASES = ("pick", "stage", "exchange", "feedback")  # one tick's host work, in order (Timeline.decode_host)
+HOST_LATE_S = 50e-6  # a span the GPU starts within this of its issue found the GPU idle (the host was late)
+
 
 @dataclass
 class Item:
@@ -51,6 +54,7 @@ class Item:
     feedback: Optional[Tuple[int, ...]] = None
     decode: bool = False
     extra: Tuple[Tuple[Tuple[int, ...], torch.dtype], ...] = ()
+    finished_at: Any = None  # set on the last stage's rank: the Timeline mark that ends the item's last span
 
 
 def segments_of(owner: Dict[int, int]) -> List[Tuple[int, List[int]]]:
@@ -67,21 +71,53 @@ def segments_of(owner: Dict[int, int]) -> List[Tuple[int, List[int]]]:
 class Timeline:
     """Compute and wall time of one rank, resolved once at the end (no host sync while running).
 
-    `mark()` is a CUDA event recorded on the current stream (GPU) or perf_counter (CPU). Ticks in which every item
-    in flight is a decode step (the same ticks on every rank) are summed separately (`decode_busy`)."""
+    `mark()` is a CUDA event recorded on the stream current at `begin()` (GPU) or perf_counter (CPU). Consecutive
+    ticks share their boundary mark, so a tick costs three marks (its boundary, its span's start and end): on a
+    host that builds a small model's decode pass in under a millisecond, a mark is a measurable part of the tick.
+    Ticks in which every item in flight is a decode step (the same ticks on every rank) are summed separately
+    (`decode_busy`)."""
 
     def __init__(self, device: torch.device):
         self.cuda = torch.device(device).type == "cuda"
         self.spans: List[Tuple[Any, Any, bool]] = []  # (start, end, decode tick) of each compute segment
         self.ticks: List[Tuple[Any, Any, bool]] = []  # (start, end, decode) of every tick
         self.start = self.end = None
+        self.stream = None  # GPU: the stream every mark is recorded on (looked up once, not per mark)
+        self.boundary = None  # the mark that ended the previous tick (or the start)
+        # host side (perf_counter): when each span's start mark was issued (parallel to `spans`), and the host
+        # seconds of each phase of the decode ticks (`HOST_PHASES`), to tell a GPU waiting on its host from one
+        # waiting on its partner
+        self.issued: List[float] = []
+        self.host_start: Optional[float] = None
+        self.decode_host = dict.fromkeys(HOST_PHASES, 0.0)
+        self.decode_ticks = 0
+
+    def begin(self) -> None:
+        """Mark the start of a run. On GPU it first waits for the device to go idle (setup, not a step), so the start
+        event fires as it is issued and GPU times from it compare with host times from `host_start`."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.stream = torch.cuda.current_stream()
+        self.start = self.boundary = self.mark()
+        self.host_start = time.perf_counter()
 
     def mark(self):
         if not self.cuda:
             return time.perf_counter()
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(self.stream)
         return ev
+
+    def tick_end(self, decode: bool) -> None:
+        """Close the current tick: from the previous boundary to now."""
+        end = self.mark()
+        self.ticks.append((self.boundary, end, decode))
+        self.boundary = end
+
+    def span_start(self):
+        """`mark()` for the start of a compute span, noting when the host issued it."""
+        self.issued.append(time.perf_counter())
+        return self.mark()
 
     def seconds(self, a, b) -> float:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
@@ -105,6 +141,7 @@ class Timeline:
                 "decode_wall_s": 0.0,
                 "decode_busy_s": 0.0,
                 "decode_busy": 0.0,
+                **self._host_summary(),
             }
         wall = self.seconds(self.start, self.end)
         busy = sum(self.seconds(a, b) for a, b, _ in self.spans)
@@ -117,7 +154,30 @@ class Timeline:
             "decode_wall_s": dwall,
             "decode_busy_s": dbusy,
             "decode_busy": dbusy / dwall if dwall > 0 else 0.0,
+            **self._host_summary(),
         }
+
+    def _host_summary(self) -> Dict[str, Any]:
+        """decode_host_ms_per_tick: {phase: host ms per decode tick}; decode_lead_p50_ms: median of how long each
+        decode span waited on the GPU after its host issued it, and decode_host_late: the share of decode spans that
+        waited less than HOST_LATE_S (the GPU had run dry and waited on the host; GPU only, else None)."""
+        ticks = max(self.decode_ticks, 1)
+        out: Dict[str, Any] = {
+            "decode_host_ms_per_tick": {k: v * 1e3 / ticks for k, v in self.decode_host.items()},
+            "decode_lead_p50_ms": None,
+            "decode_host_late": None,
+        }
+        if not self.cuda or self.host_start is None:
+            return out
+        leads = sorted(
+            self.seconds(self.start, a) - (issued - self.host_start)
+            for (a, _, d), issued in zip(self.spans, self.issued)
+            if d
+        )
+        if leads:
+            out["decode_lead_p50_ms"] = leads[len(leads) // 2] * 1e3
+            out["decode_host_late"] = sum(x < HOST_LATE_S for x in leads) / len(leads)
+        return out
 
 
 @dataclass
@@ -174,8 +234,10 @@ class PipelineExecutor:
         busy_keys: set = set()
         inbox: Dict[Tuple[int, int], torch.Tensor] = {}  # (start tick, segment) -> received input
         t = 0
-        tl.start = tl.mark()
+        tl.begin()
+        clock = time.perf_counter
         while True:
+            h0 = clock()
             item = pick(lambda k: k not in busy_keys)
             if item is None and not started:
                 break
@@ -183,18 +245,20 @@ class PipelineExecutor:
                 started[t] = _Flight(item, t)
                 busy_keys.add(item.key)
             work = [(j, started[t - j]) for j in self.mine if (t - j) in started]
-            tick0 = tl.mark()
+            h1 = clock()
             tick_decode = all(f.item.decode for f in started.values())  # the same on every rank
             sends: List[Tuple[Tuple[int, int], torch.Tensor, int]] = []
             message: Optional[torch.Tensor] = None
             for j, flight in work:
                 x = inbox.pop((flight.start, j)) if j > 0 else None
-                a = tl.mark()
+                a = tl.span_start()
                 for s in self.segments[j][1]:
                     x = stage_fn(flight.item, s, x)
                 if j == K - 1 and finish is not None:
                     message = finish(flight.item, x)
                 tl.spans.append((a, tl.mark(), tick_decode))
+                if j == K - 1:
+                    flight.item.finished_at = tl.spans[-1][1]
                 if j < K - 1:
                     parts = x if isinstance(x, tuple) else (x,)
                     dst = self.segments[j + 1][0]
@@ -206,6 +270,7 @@ class PipelineExecutor:
                     for r in self.ranks:
                         if r != self.rank:
                             sends.append(((flight.start, 1, 0), message, r))
+            h2 = clock()
             recvs = self._recvs(t, started, K)
             got = self._exchange(sends, recvs)
             for (tick, j, part), buf in sorted(got.items(), key=lambda kv: kv[0]):
@@ -218,12 +283,17 @@ class PipelineExecutor:
                         *(inbox[(tick, j)] if isinstance(inbox[(tick, j)], tuple) else (inbox[(tick, j)],)),
                         buf,
                     )
-            tl.ticks.append((tick0, tl.mark(), tick_decode))
+            tl.tick_end(tick_decode)
+            h3 = clock()
             done = started.pop(t - (K - 1), None)
             if done is not None:
                 busy_keys.discard(done.item.key)
                 if on_feedback is not None and done.item.feedback is not None:
                     on_feedback(done.item, message)
+            if tick_decode:
+                tl.decode_ticks += 1
+                for phase, seconds in zip(HOST_PHASES, (h1 - h0, h2 - h1, h3 - h2, clock() - h3)):
+                    tl.decode_host[phase] += seconds
             t += 1
         tl.end = tl.mark()
         return t

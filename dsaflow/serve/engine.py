@@ -267,7 +267,6 @@ class PipelineEngine:
             if self.record_logits:
                 for r, _, req, _ in w.p.emit:
                     self.logits_log.setdefault(req, []).append(picked[r].clone())
-            w.mark = self.executor.timeline.mark()
             return torch.stack([tok, flags])
 
     def _feedback(self, item: Item, message: torch.Tensor) -> None:
@@ -281,11 +280,11 @@ class PipelineEngine:
                 last.copy_(message[0])
         eos = message[1].tolist() if self.serve.eos_id is not None else None  # the one data-dependent read
         done = self.scheduler.finish(w.p, eos)
-        if w.mark is not None:
+        if item.finished_at is not None:  # the last stage's rank: when the pass was sampled
             for _, _, req, k in w.p.emit:
                 if k == 0:
-                    self.first_mark[req] = w.mark
-                self.last_mark[req] = w.mark
+                    self.first_mark[req] = item.finished_at
+                self.last_mark[req] = item.finished_at
         self.timings["tokens"] += len(w.p.emit)
         self.timings["decode_steps"] += int(w.p.decode_only)
         if done and self.on_finished is not None and self.owner[self.last] == self.rank:
@@ -394,4 +393,6 @@ class PipelineEngine:
             "ttft_s": ttft,
             "tpot_s": tpot,
             "tokens": int(self.timings["tokens"]),
+            # where the host's time goes per decode tick, and whether the GPU waited on it (Timeline._host_summary)
+            **{k: tl[k] for k in ("decode_host_ms_per_tick", "decode_lead_p50_ms", "decode_host_late")},
         }

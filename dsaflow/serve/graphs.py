@@ -145,8 +145,11 @@ class CapturedGraph:
     pool_bytes: int
 
     def replay(self) -> torch.Tensor:
-        with torch.cuda.device(self.device):
+        if torch.cuda.current_device() == self.device.index:  # the engine runs on its device: skip the guard's cost
             self.graph.replay()
+        else:
+            with torch.cuda.device(self.device):
+                self.graph.replay()
         return self.output
 
 

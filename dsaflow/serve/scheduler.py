@@ -318,6 +318,5 @@ class Work:
     def __init__(self, p: Pass, rows: int, sample_cols: List[int], keys: List[int], graph: bool):
         self.p, self.rows, self.sample_cols, self.keys, self.graph = p, rows, sample_cols, keys, graph
         self.dev = {}  # name -> device int64 view: what this rank reads of the pass (dsaflow.serve.upload)
-        self.mark = None  # last stage: when the pass was sampled
         self.hint = None  # a short prefill pass's attention path (dsaflow.model.dense_prefill), None = sparse
         self.path = "sparse"  # the label of the prefill graph block it replays (dense_prefill.graph_label)
