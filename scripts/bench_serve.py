@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from dsaflow.config.compose import compose  # noqa: E402
 from dsaflow.plan import build_plan  # noqa: E402
+from dsaflow.run.executor import HOST_PHASES  # noqa: E402
 from dsaflow.serve.engine import PipelineEngine  # noqa: E402
 from dsaflow.serve.generate import build_stage_modules, serve_dtype  # noqa: E402
 
@@ -211,6 +212,21 @@ def write_trace(eng: PipelineEngine, prompts, limits, path: Path) -> None:
     print(f"  trace: {path}", flush=True)
 
 
+def host_line(row: dict) -> str:
+    """Per rank: host ms per decode tick (by phase), the median lead of a decode pass on its GPU, the share of decode
+    passes the GPU waited for (the host was late)."""
+
+    def per_rank(values, digits):
+        return [None if v is None else round(v, digits) for v in values]
+
+    hosts = row["decode_host_ms_per_tick"]
+    phases = ", ".join(f"{k} {per_rank([h[k] for h in hosts], 3)}" for k in HOST_PHASES)
+    return (
+        f"host ms per decode tick {per_rank([sum(h.values()) for h in hosts], 3)} ({phases}), lead p50 ms "
+        f"{per_rank(row['decode_lead_p50_ms'], 3)}, host late {per_rank(row['decode_host_late'], 2)}"
+    )
+
+
 def partial_path(args) -> Path:
     """Rows as they are measured, one JSON object a line: what an interrupted run (a time limit, a crash in a later
     configuration) keeps. A finished run's rows are in bench_serve.json, and this file is removed."""
@@ -256,7 +272,15 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
         if args.trace:
             name = f"trace-{pipeline}-g{eng.groups}-{w}-{'continuous' if continuous else 'fixed'}-rank{rank}"
             write_trace(eng, prompts[:64], limits[:64], Path(args.out) / f"{name}.json.gz")
-        busy = gather((st["busy_fraction"], st["decode_busy"]))
+        busy = gather(
+            (
+                st["busy_fraction"],
+                st["decode_busy"],
+                st["decode_host_ms_per_tick"],
+                st["decode_lead_p50_ms"],
+                st["decode_host_late"],
+            )
+        )
         if out is not None or every_rank:
             tokens = st["tokens"]
             rows.append(
@@ -277,6 +301,11 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                     "tpot_p99_s": pct(st["tpot_s"].values(), 0.99),
                     "busy_fraction": [b[0] for b in busy],
                     "decode_busy_fraction": [b[1] for b in busy],
+                    # per rank: host ms per decode tick by phase (pick, stage, exchange, feedback); on GPU the median
+                    # time a decode pass queued before the GPU ran it, and the share it did not (the host was late)
+                    "decode_host_ms_per_tick": [b[2] for b in busy],
+                    "decode_lead_p50_ms": [b[3] for b in busy],
+                    "decode_host_late": [b[4] for b in busy],
                     "ticks": st["ticks"],
                     "graphs": args.graphs,
                     # per rank: graphs captured at setup, their capture time and the graph pools' growth
@@ -295,7 +324,8 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                 f"{pipeline} groups={r['microbatches']} {w} {r['batching']}: {r['tokens_per_s']:.1f} tokens/s, "
                 f"TTFT p50 {r['ttft_p50_s'] or 0:.3f} s, TPOT p50 {(r['tpot_p50_s'] or 0) * 1e3:.2f} ms, "
                 f"busy {[round(b, 2) for b in r['busy_fraction']]}, decode busy "
-                f"{[round(b, 2) for b in r['decode_busy_fraction']]}, graphs {r['graphs_captured']} captured in "
+                f"{[round(b, 2) for b in r['decode_busy_fraction']]}, {host_line(r)}, graphs {r['graphs_captured']} "
+                "captured in "
                 f"{[round(c, 1) for c in r['capture_s']]} s, pools {[round(g, 2) for g in r['graph_pool_gib']]} GiB",
                 flush=True,
             )
@@ -401,6 +431,9 @@ def markdown(rows: list, env: dict, cks: list) -> str:
     lines = [
         "# Serving benchmark",
         "",
+        "Host ms per decode tick: what each rank's host spends building, launching and passing on one tick of decode; "
+        "host late (GPU only): the share of decode passes its GPU started within 50 us of their launch (it had run dry and waited on its host).",
+        "",
         f"{env['device_name']}, torch {env['torch']}, model {env['model']} {env['overrides']}, "
         f"graphs {env['graphs']}, "
         f"serve.max_batch {env['max_batch']}, {env['requests']} requests per workload (mixed: prompts "
@@ -410,8 +443,8 @@ def markdown(rows: list, env: dict, cks: list) -> str:
         f"before and {env['load_average_1min'][1]:.1f} after. Command: `{env['command']}`.",
         "",
         "| pipeline | groups (serve.microbatches) | workload | batching | tokens/s | TTFT p50 s | TTFT p99 s "
-        "| TPOT p50 ms | TPOT p99 ms | busy per rank | decode busy per rank |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---|---|",
+        "| TPOT p50 ms | TPOT p99 ms | busy per rank | decode busy per rank | host ms per decode tick | host late |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---|---|---|---|",
     ]
     for r in rows:
         ms = lambda v: None if v is None else v * 1e3  # noqa: E731
@@ -421,7 +454,9 @@ def markdown(rows: list, env: dict, cks: list) -> str:
             f"{r['tokens_per_s']:.1f} | {f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | "
             f"{f(ms(r['tpot_p50_s']), '{:.2f}')} | {f(ms(r['tpot_p99_s']), '{:.2f}')} | "
             f"{', '.join(f'{b:.2f}' for b in r['busy_fraction'])} | "
-            f"{', '.join(f'{b:.2f}' for b in r['decode_busy_fraction'])} |"
+            f"{', '.join(f'{b:.2f}' for b in r['decode_busy_fraction'])} | "
+            f"{', '.join(f(sum(h.values()), '{:.2f}') for h in r.get('decode_host_ms_per_tick', []))} | "
+            f"{', '.join(f(x, '{:.2f}') for x in r.get('decode_host_late', [])) or '-'} |"
         )
     if cks:
         lines += [
