@@ -154,3 +154,38 @@ def test_leave_together_meets_peers_only_on_success(monkeypatch):
         with p2p.leave_together():
             raise ValueError("rank failed")
     assert calls == [("destroy",)]
+
+
+def test_stage_link_posts_a_tick_in_one_coalescing_block(monkeypatch):
+    """With a coalescing backend (NCCL) a tick's ops go to the process group inside one coalescing block, in the
+    order given, then one wait; without a process group the link falls back to batch_isend_irecv."""
+    import dsaflow.run.p2p as p2p
+
+    calls = []
+
+    class FakeWork:
+        def wait(self):
+            calls.append("wait")
+
+    class FakeGroup:
+        def _start_coalescing(self, device):
+            calls.append(("start", str(device)))
+
+        def send(self, tensors, peer, tag):
+            calls.append(("send", peer, tuple(tensors[0].shape)))
+
+        def recv(self, tensors, peer, tag):
+            calls.append(("recv", peer))
+            tensors[0].fill_(7)
+
+        def _end_coalescing(self, device):
+            calls.append("end")
+            return FakeWork()
+
+    monkeypatch.setattr(p2p.dist.distributed_c10d, "_get_default_group", lambda: FakeGroup())
+    link = p2p.StageLink("cpu", coalesce=True)
+    got = torch.zeros(2)
+    link.exchange([("send", torch.ones(3), 1), ("recv", got, 2)])
+    assert calls == [("start", "cpu"), ("send", 1, (3,)), ("recv", 2), "end", "wait"]
+    assert got.tolist() == [7, 7]
+    assert p2p.StageLink("cpu")._group is None  # no process group: nothing coalesces
