@@ -3,6 +3,7 @@ JSON rows carry the fields the docs promise, the comparisons are computed from t
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +149,19 @@ def test_loopback_link_fills_activations_with_values_and_integers_with_zeros():
     link.exchange([("recv", bigger, 0)])
     link.exchange([("recv", again, 0)])  # a larger size draws new values; smaller receives copy their prefix
     assert torch.isfinite(bigger).all() and torch.equal(bigger.view(-1)[:16], again.view(-1))
+
+
+def test_bench_p2p_needs_two_gpus_and_says_so(tmp_path):
+    """Without two GPUs the transfer benchmark exits 2 with one line, before launching any rank."""
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has two GPUs: the benchmark would run")
+    r = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "bench_p2p.py"), "--out", "unused"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and r.stderr.startswith("bench_p2p: needs 2 CUDA GPUs"), r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "unused").exists()

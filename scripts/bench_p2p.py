@@ -1,0 +1,181 @@
+"""The per-tick cost of the pipelined executor's transfers on 2 GPUs, apart from any model.
+
+    python scripts/bench_p2p.py --out bench_out/p2p
+
+Two NCCL ranks (torchrun, one GPU each) walk the tick loop of a two-group, two-stage decode
+(dsaflow/run/executor.py): in every tick each GPU runs a compute span of fixed length (a spin kernel, standing in
+for a stage's decode pass), then one batch of point-to-point ops moves rank 0's activation ([rows, 1, dim] bf16)
+to rank 1 and rank 1's feedback ([2, rows] int64: sampled tokens, EOS flags) to rank 0, and the next span reads
+what arrived. So every tick depends on the partner's previous one, as with as many groups as ranks.
+
+Per compute length and way of posting the ops it reports:
+- busy: compute time / wall time on each GPU (the ceiling of the serving benchmark's decode busy fraction at that
+  pass length, with no host work but the transfers);
+- gap_ms: (wall - compute) per tick, the GPU time a tick loses to the hop;
+- host_us: host microseconds per tick spent posting and waiting on the ops (never blocking on the GPU).
+
+Ways of posting (`--modes`), both through `StageLink.exchange`: `batch` with torch.distributed.batch_isend_irecv,
+`group` on the process group inside one coalescing block, without batch_isend_irecv's Python checks (what the
+engine uses with NCCL).
+Writes <out>/bench_p2p.json and bench_p2p.md. Needs 2 GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dsaflow.run.p2p import StageLink, torchrun_rank  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=32, help="rows of one group's pass")
+    ap.add_argument("--dim", type=int, default=512, help="hidden size of the activation sent")
+    ap.add_argument("--compute-ms", default="0,0.2,0.7", help="comma separated span lengths per tick")
+    ap.add_argument("--modes", default="batch,group")
+    ap.add_argument("--ticks", type=int, default=2000)
+    ap.add_argument("--out", default="bench_out/p2p")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def spin_cycles_per_ms(device) -> float:
+    """Clock cycles of `torch.cuda._sleep` per millisecond on this GPU."""
+    n = 20_000_000
+    torch.cuda._sleep(n // 10)  # warm-up
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(n)
+    b.record()
+    torch.cuda.synchronize(device)
+    return n / a.elapsed_time(b)
+
+
+def run_case(device, rank: int, mode: str, compute_ms: float, cycles_ms: float, args) -> dict:
+    hidden = torch.randn(args.rows, 1, args.dim, device=device).to(torch.bfloat16)
+    feedback = torch.zeros(2, args.rows, dtype=torch.long, device=device)
+    got_hidden = torch.empty_like(hidden)
+    got_feedback = torch.empty_like(feedback)
+    sink = torch.zeros((), device=device)
+    if rank == 0:
+        ops = [("send", hidden, 1), ("recv", got_feedback, 1)]
+    else:
+        ops = [("recv", got_hidden, 0), ("send", feedback, 0)]
+    cycles = int(compute_ms * cycles_ms)
+    post = StageLink(device, coalesce=mode == "group").exchange
+
+    def tick(spans, host):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        if cycles:
+            torch.cuda._sleep(cycles)
+        sink.add_(got_feedback[0, 0] if rank == 0 else got_hidden[0, 0, 0].float())  # consume the last receive
+        b.record()
+        spans.append((a, b))
+        h = time.perf_counter()
+        post(ops)
+        host.append(time.perf_counter() - h)
+
+    for _ in range(100):
+        tick([], [])
+    torch.cuda.synchronize(device)
+    spans, host = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.ticks):
+        tick(spans, host)
+    end.record()
+    torch.cuda.synchronize(device)
+    wall = start.elapsed_time(end)
+    busy = sum(a.elapsed_time(b) for a, b in spans)
+    host.sort()
+    return {
+        "mode": mode,
+        "compute_ms": compute_ms,
+        "busy": busy / wall,
+        "gap_ms": (wall - busy) / args.ticks,
+        "tick_ms": wall / args.ticks,
+        "host_us_p50": host[len(host) // 2] * 1e6,
+        "host_us_mean": sum(host) / len(host) * 1e6,
+    }
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    with torchrun_rank("cuda") as (device, _):
+        rank = dist.get_rank()
+        cycles_ms = spin_cycles_per_ms(device)
+        rows = []
+        for mode in args.modes.split(","):
+            for c in (float(x) for x in args.compute_ms.split(",")):
+                row = run_case(device, rank, mode, c, cycles_ms, args)
+                both = [None, None]
+                dist.all_gather_object(both, row)
+                if rank == 0:
+                    merged = dict(both[0])
+                    for k in ("busy", "gap_ms", "tick_ms", "host_us_p50", "host_us_mean"):
+                        merged[k] = [r[k] for r in both]
+                    rows.append(merged)
+                    print(
+                        f"{mode} compute {c} ms: busy {[round(b, 3) for b in merged['busy']]}, gap ms per tick "
+                        f"{[round(g, 4) for g in merged['gap_ms']]}, host us per tick (p50) "
+                        f"{[round(h, 1) for h in merged['host_us_p50']]}",
+                        flush=True,
+                    )
+        if rank == 0:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            env = {
+                "torch": torch.__version__,
+                "gpu": torch.cuda.get_device_name(device),
+                "rows": args.rows,
+                "dim": args.dim,
+                "ticks": args.ticks,
+            }
+            (out / "bench_p2p.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+            lines = [
+                f"{env['gpu']} x2, torch {env['torch']}, activation [{args.rows}, 1, {args.dim}] bf16 one way and "
+                f"[2, {args.rows}] int64 the other, {args.ticks} ticks",
+                "",
+                "| posting | compute ms per tick | busy per GPU | gap ms per tick | host us per tick (p50) |",
+                "|---|---:|---|---|---|",
+            ]
+            for r in rows:
+                lines.append(
+                    f"| {r['mode']} | {r['compute_ms']} | {', '.join(f'{b:.3f}' for b in r['busy'])} | "
+                    f"{', '.join(f'{g:.4f}' for g in r['gap_ms'])} | {', '.join(f'{h:.0f}' for h in r['host_us_p50'])} |"
+                )
+            (out / "bench_p2p.md").write_text("\n".join(lines) + "\n")
+            print("\n".join(lines), flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < 2:
+        print(f"bench_p2p: needs 2 CUDA GPUs (one NCCL rank each), this machine has {found}", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
+    cmd += [*(argv if argv is not None else sys.argv[1:]), "--worker"]
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    return subprocess.run(cmd, env=env, cwd=str(REPO)).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
