@@ -7,11 +7,12 @@
 #            with and without recomputation; the dense warm-up step at 16K
 #   indexcache: scripts/bench_indexcache.py (IndexCache prefill / decode vs dense SDPA)
 #   multi:   the gpu training tests, then the multigpu tests REPEAT times in a row (default 5)
-#   serve:   pipelined serving on 2+ GPUs: scripts/bench_serve.py --pipelines pp2 (graphs on, NCCL) and the NCCL
-#            greedy-identity tests (tests/test_serve_multigpu.py, the multigpu tests of tests/test_graphs_gpu.py);
-#            with 4+ GPUs the tests run on GPUs 2,3 beside the benchmark on GPUs 0,1, then pp4's tests on all four;
-#            BENCH_ARGS adds options to the benchmark (BENCH_ARGS="--max-batch 256 --trace": larger passes, and one
-#            Chrome trace per rank and row for where each GPU waits)
+#   serve:   pipelined serving on 2+ GPUs: scripts/bench_serve.py (graphs on, NCCL; --pipelines single,pp2, and pp4
+#            with 4+ GPUs), then the NCCL greedy-identity tests (tests/test_serve_multigpu.py, the multigpu tests of
+#            tests/test_graphs_gpu.py; pp4's with 4+ GPUs). The benchmark runs alone: a host busy with a test's
+#            kernel compiles beside it builds its passes late and the GPUs wait (decode busy 0.80 instead of 0.95
+#            on pp2). SERVE_STEPS="bench" or "tests" runs one part; PIPELINES replaces the pipelines; BENCH_ARGS adds
+#            options (BENCH_ARGS="--max-batch 256 --trace": larger passes, one Chrome trace per rank and row)
 # Logs, JSON and markdown go to $OUT (default gpu_out/). Each step has its own time limit and keeps going after a
 # failure; the last lines list every step's exit status.
 set -uo pipefail
@@ -71,21 +72,21 @@ multi)
 serve)
   n_gpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   [ "$n_gpu" -ge 2 ] || { echo "the serve phase needs 2+ GPUs, this machine has $n_gpu"; exit 2; }
-  bench() { step bench_serve_pp2 "${BENCH_LIMIT:-420}" python3 scripts/bench_serve.py --device cuda --pipelines pp2 \
-    --workloads uniform,mixed --requests "${REQUESTS:-512}" --out "$OUT/pp2" ${BENCH_ARGS:-}; }
-  tests() { step serve_tests_pp2 "${TEST_LIMIT:-420}" python3 -m pytest -q -m multigpu tests/test_serve_multigpu.py \
-    tests/test_graphs_gpu.py; }
-  if [ "$n_gpu" -ge 4 ]; then  # disjoint GPUs, so the benchmark's timings share no device with the tests
-    CUDA_VISIBLE_DEVICES=0,1 STEP_LOG="$OUT/bench_pp2.log" bench &
-    CUDA_VISIBLE_DEVICES=2,3 STEP_LOG="$OUT/tests_pp2.log" tests &
-    wait
-    STEP_LOG="$OUT/tests_pp4.log" step serve_tests_pp4 "${TEST_LIMIT:-420}" python3 -m pytest -q -m multigpu \
-      tests/test_serve_multigpu.py -k pp4
-  else
-    STEP_LOG="$OUT/bench_pp2.log" bench; STEP_LOG="$OUT/tests_pp2.log" tests
+  [ "$n_gpu" -ge 4 ] && pipelines=single,pp2,pp4 || pipelines=single,pp2
+  if [[ " ${SERVE_STEPS:-bench tests} " == *" bench "* ]]; then
+    STEP_LOG="$OUT/bench.log" step bench_serve "${BENCH_LIMIT:-480}" python3 scripts/bench_serve.py --device cuda \
+      --pipelines "${PIPELINES:-$pipelines}" --workloads uniform,mixed --requests "${REQUESTS:-512}" --out "$OUT/bench" \
+      ${BENCH_ARGS:-}
   fi
-  tail -qn 1 "$OUT"/tests_*.log
-  cat "$OUT/pp2/bench_serve.md" 2>/dev/null ;;
+  if [[ " ${SERVE_STEPS:-bench tests} " == *" tests "* ]]; then
+    # pp2's tests on GPUs 0,1 (pp4's cases skip there), then pp4's on all four
+    CUDA_VISIBLE_DEVICES=0,1 STEP_LOG="$OUT/tests_pp2.log" step serve_tests_pp2 "${TEST_LIMIT:-420}" python3 -m pytest \
+      -q -m multigpu tests/test_serve_multigpu.py tests/test_graphs_gpu.py
+    [ "$n_gpu" -ge 4 ] && STEP_LOG="$OUT/tests_pp4.log" step serve_tests_pp4 "${TEST_LIMIT:-420}" python3 -m pytest \
+      -q -m multigpu tests/test_serve_multigpu.py -k pp4
+    tail -qn 1 "$OUT"/tests_*.log
+  fi
+  cat "$OUT/bench/bench_serve.md" 2>/dev/null ;;
 *) echo "unknown phase $PHASE (kernels|model|indexcache|serve|multi)"; exit 2 ;;
 esac
 grep -E "^=== .* rc=" "$LOG"
