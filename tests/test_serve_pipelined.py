@@ -251,3 +251,15 @@ def test_continuous_batching_with_prefill_graphs_prefills_the_top_rows(pipeline)
     assert any("/r" in n for n in names)  # some prefill replayed a graph over fewer rows than the group
     alone = engine(None, "single", 1, ["serve.max_batch=1"])
     assert got == [alone.generate([p], [m])[0] for p, m in zip(prompts, limits)]
+
+
+def test_host_bound_hint_only_when_the_gpu_waited_on_its_host_with_groups():
+    from dsaflow.serve.generate import host_bound_hint
+
+    host = {"pick": 0.1, "stage": 0.2, "exchange": 0.2, "feedback": 0.05}
+    late = {"decode_host_late": 0.67, "decode_host_ms_per_tick": host}
+    hint = host_bound_hint(late, groups=4, rank=3)
+    assert hint.startswith("[rank 3] note:") and "67%" in hint and "0.55 ms" in hint and "serve.microbatches=1" in hint
+    assert host_bound_hint(late, groups=1, rank=3) is None  # one group: idle by design, nothing to say
+    assert host_bound_hint({**late, "decode_host_late": 0.2}, groups=4, rank=3) is None
+    assert host_bound_hint({**late, "decode_host_late": None}, groups=4, rank=3) is None  # CPU: not measured

@@ -274,3 +274,26 @@ def run_serve(ctx) -> None:
     if rows is not None:
         write_outputs(reqs.prompts, [], cfg.serve.output_file, rows)
         print(summary, flush=True)
+    hint = host_bound_hint(st, engine.groups, ctx.rank)
+    if hint:  # on the rank it concerns: every rank's host builds every pass, and any of them can be the late one
+        print(hint, flush=True)
+        _log(ctx.run_dir, ctx.rank, hint)
+
+
+HOST_LATE_HINT = 0.5  # share of decode passes whose GPU waited on the host above which a run says so
+
+
+def host_bound_hint(stats: dict, groups: int, rank: int) -> Optional[str]:
+    """A note when this rank's GPU waited on its host for most decode passes with several groups in flight (the
+    engine's `decode_host_late`, GPU only), else None: its stage passes take less GPU time than the host takes per
+    tick, so more groups cannot fill its GPU."""
+    late = stats.get("decode_host_late")
+    if late is None or late <= HOST_LATE_HINT or groups < 2:
+        return None
+    host_ms = sum(stats.get("decode_host_ms_per_tick", {}).values())
+    return (
+        f"[rank {rank}] note: this rank's GPU waited on its host for {late:.0%} of decode passes: building and "
+        f"launching a tick takes the host {host_ms:.2f} ms, longer than this rank's stage takes on the GPU, so "
+        f"{groups} groups cannot keep it busy. Stages of more layers (fewer pipeline ranks) or "
+        f"serve.microbatches=1 may serve faster; docs/serving.md, 'Host work per tick'."
+    )
