@@ -270,6 +270,7 @@ class FakeCuda:
 
         patches = {
             "device": lambda d: ctx("device", d),
+            "current_device": lambda: 0,
             "graph_pool_handle": lambda: "pool0",
             "Stream": Stream,
             "current_stream": lambda d=None: Stream("current"),
@@ -308,7 +309,13 @@ def test_cuda_capturer_protocol(monkeypatch):
     assert ("graph>", "pool", "stream") in fake.log  # captured into the device pool, on the side stream
     assert g.pool_bytes == 4096
     g.replay()
-    assert fake.log[-1] == ("<device",) and ("replay",) in fake.log
+    assert fake.log[-1] == ("<device",) and ("replay",) in fake.log  # not the current device (0): under its guard
+    from dsaflow.serve.graphs import CapturedGraph
+
+    on_current = CapturedGraph(torch.cuda.CUDAGraph(), torch.ones(1), torch.device("cuda", 0), 0)
+    fake.log.clear()
+    on_current.replay()
+    assert fake.log == [("replay",)]  # already on its device: no guard
 
     def broken():
         if fake.mode == "error":
