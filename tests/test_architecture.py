@@ -141,3 +141,17 @@ def test_only_hydra_private_reaches_into_hydra_internals():
         str(p.relative_to(PKG)) for p in sources() if any(m.startswith("hydra._internal") for m in imported_modules(p))
     )
     assert users == ["config/hydra_private.py"]
+
+
+def test_dsaflow_plan_does_not_import_torch(tmp_path):
+    """`dsaflow plan` composes and checks a config without torch (importing it costs more than the rest of the
+    command): what it reads of a checkpoint it reads from file headers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from dsaflow.cli import main; rc = main(['plan', 'model=tiny']); "
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert r.stdout.strip().splitlines()[-1] == "NO-TORCH 0", r.stdout + r.stderr
