@@ -148,7 +148,8 @@ def worker(args) -> None:
             (out / "bench_p2p.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
             lines = [
                 f"{env['gpu']} x2, torch {env['torch']}, activation [{args.rows}, 1, {args.dim}] bf16 one way and "
-                f"[2, {args.rows}] int64 the other, {args.ticks} ticks",
+                f"[2, {args.rows}] int64 the other, {args.ticks} ticks. Command: `python scripts/bench_p2p.py "
+                f"{' '.join(a for a in sys.argv[1:] if a != '--worker')}`.",
                 "",
                 "| posting | compute ms per tick | busy per GPU | gap ms per tick | host us per tick (p50) |",
                 "|---|---:|---|---|---|",
