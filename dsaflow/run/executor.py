@@ -9,7 +9,7 @@ has one segment; pp2 has two; an interleaved pp2 with four stages has four). Eve
     tick t:  segment j runs the item that started at tick t - j (one item per segment per tick)
              then one batch of point-to-point ops: each segment's output to the next segment's rank, and the last
              segment's feedback (serving: the sampled tokens + EOS flags) to every other rank, all posted together
-             with the receives of the next tick (`dist.batch_isend_irecv`), so sends around a ring never deadlock
+             with the receives of the next tick (`StageLink.exchange`), so sends around a ring never deadlock
 
 Items carry a `key` (a serving group). An item whose key is still in flight cannot start: with feedback, item i's
 first stage needs the tokens its key's previous item sampled on the last stage. So with G keys (groups) and K

@@ -1,6 +1,7 @@
 """Point-to-point moves between pipeline ranks (serving, forward-only training passes), outside any CUDA graph.
 
-Each move is posted with `dist.batch_isend_irecv` and waited: with NCCL the wait only orders the current stream after
+Each tick's moves are posted together (on NCCL in one coalescing block of the process group, elsewhere with
+`dist.batch_isend_irecv`) and waited: with NCCL the wait only orders the current stream after
 the transfer (no host sync), so a decode step never blocks the host. Received tensors land in persistent buffers
 (one per shape/dtype/peer) that the caller consumes (copies into a graph's static input or feeds an eager forward)
 before the next receive; NCCL orders the next receive after those consumers on the current stream.
@@ -67,8 +68,9 @@ class StageLink:
         return flag
 
     def exchange(self, ops) -> None:
-        """ops: [("send" | "recv", tensor, global rank)] of one pipeline tick, posted together in one
-        `batch_isend_irecv` (sends and receives in flight at once, so a ring of sends cannot deadlock) and waited.
+        """ops: [("send" | "recv", tensor, global rank)] of one pipeline tick, posted together (one coalescing
+        block, else one `batch_isend_irecv`: sends and receives in flight at once, so a ring of sends cannot
+        deadlock) and waited.
         Receive tensors are filled in place. With NCCL the wait orders the current stream only (no host sync)."""
         if self._group is not None:
             group = self._group
