@@ -25,16 +25,18 @@ class QueueLink:
                 tensor.copy_(got)
 
 
-def serve_like(owner, groups, passes):
+def serve_like(owner, groups, passes, feedback_ranks=None, leftovers=None):
     """Every rank: `groups` keys, `passes` items each; stage s adds 10**s; the last stage's feedback is the value,
-    which the next item of that key starts from (like a sampled token). -> per rank: (ticks, work log, feedback)."""
+    which the next item of that key starts from (like a sampled token). -> per rank: (ticks, work log, feedback);
+    a rank outside `feedback_ranks` logs (key, None). `leftovers` (a list) gets every message no one received."""
     ranks = sorted(set(owner.values()))
     queues = {(a, b): queue.Queue() for a in ranks for b in ranks if a != b}
     results, errors = {}, []
 
     def rank_main(rank):
         try:
-            ex = PipelineExecutor(owner, rank, QueueLink(rank, queues) if len(ranks) > 1 else None)
+            link = QueueLink(rank, queues) if len(ranks) > 1 else None
+            ex = PipelineExecutor(owner, rank, link, feedback_ranks=feedback_ranks)
             done = {g: 0 for g in range(groups)}
             value = {g: float(g) for g in range(groups)}
             log, fed = [], []
@@ -59,6 +61,9 @@ def serve_like(owner, groups, passes):
 
             def on_feedback(item, msg):
                 done[item.key] += 1
+                if msg is None:
+                    fed.append((item.key, None))
+                    return
                 value[item.key] = float(msg[0, 0])
                 fed.append((item.key, int(msg[0, 0])))
 
@@ -73,6 +78,8 @@ def serve_like(owner, groups, passes):
     for t in threads:
         t.join(60)
     assert not errors, errors
+    if leftovers is not None:
+        leftovers.extend(q.get() for q in queues.values() for _ in range(q.qsize()))
     return results
 
 
@@ -94,6 +101,19 @@ def test_two_ranks_groups_in_flight(groups):
         assert t0 == 2 * 5 and busy0 == 5
     else:  # two or more: rank 0 works every tick but the drain
         assert t0 == 5 * groups + 1 and busy0 == 5 * groups
+
+
+def test_feedback_goes_only_to_the_ranks_that_read_it():
+    owner = {0: 0, 1: 1, 2: 2}
+    unread = []
+    res = serve_like(owner, 3, passes=4, feedback_ranks=[0], leftovers=unread)
+    everyone = serve_like(owner, 3, passes=4)
+    assert not unread  # no message was sent to a rank that did not post its receive
+    assert res[0][2] == res[2][2] == everyone[0][2]  # stage 0's rank (and the sender) keep the whole chain
+    assert res[1][2] == [(k, None) for k, _ in everyone[1][2]]  # the middle rank advances, without a message
+    assert [r[0] for r in res.values()] == [r[0] for r in everyone.values()]  # the same ticks
+    with pytest.raises(ValueError, match="feedback_ranks"):
+        PipelineExecutor(owner, 0, object(), feedback_ranks=[5])
 
 
 def test_interleaved_stages_and_one_rank_agree():

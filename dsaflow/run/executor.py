@@ -8,7 +8,8 @@ has one segment; pp2 has two; an interleaved pp2 with four stages has four). Eve
 
     tick t:  segment j runs the item that started at tick t - j (one item per segment per tick)
              then one batch of point-to-point ops: each segment's output to the next segment's rank, and the last
-             segment's feedback (serving: the sampled tokens + EOS flags) to every other rank, all posted together
+             segment's feedback (serving: the sampled tokens + EOS flags) to the ranks that read it (by default
+             every other rank; serving without EOS: only stage 0's, which feeds the tokens back in), all posted together
              with the receives of the next tick (`StageLink.exchange`), so sends around a ring never deadlock
 
 Items carry a `key` (a serving group). An item whose key is still in flight cannot start: with feedback, item i's
@@ -39,7 +40,7 @@ class Item:
 
     key: items with the same key run one after the other (the next starts once the previous item's feedback arrived).
     hidden: shape of the activation a stage sends to the next ([rows, tokens, dim]); hidden_dtype its dtype.
-    feedback: shape of the int64 message the last stage sends to every rank ([2, rows] for serving), or None.
+    feedback: shape of the int64 message the last stage sends to the feedback ranks ([2, rows] for serving), or None.
     payload: whatever the caller's stage function needs (never read by the executor).
     decode: the item is a decode step (the timeline reports the busy fraction of decode ticks separately).
     extra: (shape, dtype) of each tensor that travels with the activation across the boundaries `carries_extra`
@@ -189,7 +190,9 @@ class _Flight:
 class PipelineExecutor:
     """owner: {stage: pipeline rank}; rank: this process's pipeline rank; link: a StageLink (None when every stage is
     local); peer: pipeline rank -> global rank for the link (identity by default); carries_extra(stage): whether
-    the boundary after `stage` carries each item's `extra` tensors (default: none does)."""
+    the boundary after `stage` carries each item's `extra` tensors (default: none does); feedback_ranks: the
+    pipeline ranks that receive each item's feedback (default: every rank). A transfer costs every rank on its path
+    host time each tick, so a message nobody reads is not sent."""
 
     def __init__(
         self,
@@ -199,6 +202,7 @@ class PipelineExecutor:
         device="cpu",
         peer: Optional[Callable[[int], int]] = None,
         carries_extra: Optional[Callable[[int], bool]] = None,
+        feedback_ranks: Optional[Sequence[int]] = None,
     ):
         self.segments = segments_of(owner)
         self.carries_extra = carries_extra or (lambda stage: False)
@@ -208,6 +212,10 @@ class PipelineExecutor:
         if len(self.segments) > 1 and link is None:
             raise ValueError("PipelineExecutor: stages live on several ranks but no link was given.")
         self.ranks = sorted({r for r, _ in self.segments})
+        self.feedback_ranks = sorted(set(self.ranks if feedback_ranks is None else feedback_ranks) | {self.last_rank})
+        unknown = set(self.feedback_ranks) - set(self.ranks)
+        if unknown:
+            raise ValueError(f"PipelineExecutor: feedback_ranks {sorted(unknown)} run no stage.")
         self.timeline = Timeline(self.device)
 
     @property
@@ -227,7 +235,8 @@ class PipelineExecutor:
             every rank, once per tick; free(key) says whether a key has no item in flight.
         stage_fn(item, stage, x) -> the stage's output; x is None on stage 0 (the caller feeds its own input).
         finish(item, out) on the last stage's rank -> the feedback message (int64, item.feedback shape) or None.
-        on_feedback(item, message) on every rank, when the item's feedback has arrived (the same tick on all ranks).
+        on_feedback(item, message) on every rank, when the item's feedback has arrived (the same tick on all ranks);
+            message is None on a rank outside `feedback_ranks`.
         """
         K, tl = len(self.segments), self.timeline
         started: Dict[int, _Flight] = {}  # start tick -> item in flight
@@ -267,7 +276,7 @@ class PipelineExecutor:
                         for e, part in enumerate(parts[1:], start=1):
                             sends.append(((flight.start, 0, e), part, dst))
                 elif message is not None and flight.item.feedback is not None:
-                    for r in self.ranks:
+                    for r in self.feedback_ranks:
                         if r != self.rank:
                             sends.append(((flight.start, 1, 0), message, r))
             h2 = clock()
@@ -315,7 +324,12 @@ class PipelineExecutor:
                     for e, (shape, dtype) in enumerate(f.item.extra, start=1):
                         recvs.append(((f.start, j, e), shape, dtype, src))
         f = started.get(t - (K - 1))
-        if f is not None and f.item.feedback is not None and self.last_rank != self.rank:
+        if (
+            f is not None
+            and f.item.feedback is not None
+            and self.last_rank != self.rank
+            and self.rank in self.feedback_ranks
+        ):
             recvs.append(((f.start, -1, 0), f.item.feedback, torch.long, self.last_rank))
         return recvs
 
