@@ -103,3 +103,18 @@ def test_balanced_prefill_chunks_cost_what_the_other_groups_decode_passes_cost()
     fixed = Scheduler(requests([16] * 16), group_ranges(16, 2), 16, refill=False, narrow=True, balance=True)
     fixed.finish(fixed.next_pass(0))
     assert fixed.next_pass(1).T == 16
+
+
+def test_eos_applied_one_pass_late_drops_the_token_past_it():
+    """Request 1 samples EOS as its first token; the group's next pass was built before the flags were read, so it
+    decodes both rows: `end` frees request 1 with one token, and `finish` then drops its second token."""
+    s = Scheduler(requests([2, 2], max_new=4), group_ranges(2, 1), 16)
+    first = s.next_pass(0)
+    assert s.finish(first) == [] and [e[2] for e in first.emit] == [0, 1]
+    second = s.next_pass(0)  # built before the first pass's flags were read
+    assert second.decode_only and [e[2] for e in second.emit] == [0, 1]
+    assert s.end(first, [False, True]) == [1]
+    assert s.finish(second) == [] and [e[2] for e in second.emit] == [0]
+    assert s.generated[1] == 1 and s.rows[0][1] is None
+    assert s.end(second, [True, True]) == [0]  # the dropped row's flag is ignored
+    assert s.generated[0] == 2 and not s.has_work(0)

@@ -115,6 +115,22 @@ def test_greedy_tokens_identical_across_pipelines_and_groups(trained):
 
 
 @pytest.mark.slow
+def test_eos_ends_rows_one_pass_late_and_keeps_the_tokens(trained):
+    """serve.eos_id: the flags are applied one pass of the group late (Scheduler.end), so a row that emitted EOS runs
+    once more and refills later; the output of every request is still its greedy tokens up to and with its first
+    EOS, in every pipeline and group count."""
+    prompts, limits = workload()
+    ref = engine(trained, "single", 1).generate(prompts, limits)
+    eos = max(range(128), key=lambda b: sum(b in o[:-1] for o in ref))  # a byte that ends many rows early
+    cut = [o[: o.index(eos) + 1] if eos in o else o for o in ref]
+    assert sum(len(c) < len(o) for c, o in zip(cut, ref)) >= 16
+    for pipeline, mb in (("single", 1), ("pp2", None), ("pp4", None)):
+        eng = engine(trained, pipeline, mb, [f"serve.eos_id={eos}"])
+        assert eng.generate(prompts, limits) == cut, (pipeline, mb)
+        assert eng.stats["tokens"] == sum(map(len, cut))  # the dropped tokens past EOS are not counted
+
+
+@pytest.mark.slow
 def test_torchrun_pp2_and_pp4_serve_the_same_tokens(trained, tmp_path):
     """Real ranks (gloo, one process per stage), groups in flight, per-request limits from the JSONL."""
     prompts, limits = workload(24, seed=1)

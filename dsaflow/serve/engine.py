@@ -5,13 +5,16 @@ each a contiguous row range with its own slice of every stage's caches and its o
 of one group through every stage (dsaflow.serve.scheduler builds it: prefill chunks and decode steps mixed row by
 row), and the pipelined executor (dsaflow.run.executor) moves passes through the stages in ticks: stage s runs group
 g while stage s+1 runs group g-1. The last stage samples the group's next tokens and sends them, with one EOS flag
-per row, to every rank ([2, rows] int64); stage 0's rank feeds them into the group's next pass.
+per row ([2, rows] int64), to stage 0's rank, which feeds them into the group's next pass, and with serve.eos_id set
+to every rank.
 
 Every rank runs the same scheduler over the same requests, so all ranks build the same passes. Per pass no host sync:
 positions and prompt tokens are host-known (copied from pinned memory), decode tokens are swapped in on the device,
 sampling is branchless and keyed by (request, token index), tokens accumulate on the device and reach the host once
-at the end. The one exception: with serve.eos_id set, each rank reads the flags of a pass when it arrives, to free
-the rows that emitted EOS (the only data-dependent fact of the schedule).
+at the end. The one data-dependent fact of the schedule, which rows emitted EOS (serve.eos_id), reaches every rank's
+host one pass of the group late (`Scheduler.end`): the flags are copied to pinned memory as they arrive and read when
+the group's next pass is through, so no rank ever waits for its GPU. A row that emitted EOS computes one more token,
+which is dropped.
 
 A stage with a decode / prefill graph block runs through the GraphManager: one graph per group and shape class (the
 group's cache rows are baked into its graph), decode passes padded to the smallest class >= the group's active rows,
@@ -115,7 +118,7 @@ class PipelineEngine:
                     self._register(s, b, g)
         self.record_logits = False
         # strict_sync: run every decode pass under torch.cuda.set_sync_debug_mode("error") (proof of no host sync;
-        # needs graphs.cache=true and no eos_id, since a fresh capture and the EOS flags do sync by design)
+        # needs graphs.cache=true, since a fresh capture syncs by design)
         self.strict_sync = False
         self.logits_log: Dict[int, List[torch.Tensor]] = {}  # last stage, record_logits: request -> [V] per token
         self.timings: Dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
@@ -269,8 +272,9 @@ class PipelineEngine:
                     self.logits_log.setdefault(req, []).append(picked[r].clone())
             return torch.stack([tok, flags])
 
-    def _feedback(self, item: Item, message: torch.Tensor) -> None:
-        """Every rank: the pass is through. Stage 0's rank keeps the tokens; everyone advances the scheduler."""
+    def _feedback(self, item: Item, message: Optional[torch.Tensor]) -> None:
+        """Every rank: the pass is through. Stage 0's rank keeps the tokens; everyone advances the scheduler. message
+        ([2, rows]: tokens, EOS flags) reaches stage 0's rank always, and the other ranks only with serve.eos_id."""
         w: Work = item.payload
         if self.first in self.stages and w.p.emit:  # only rows that sampled: a prefill pass may span decoding rows
             v, last = w.dev, self.last_tokens[w.p.group][w.p.row0 : w.p.row0 + w.rows]
@@ -278,8 +282,10 @@ class PipelineEngine:
                 last.index_copy_(0, v["fed_from"], message[0].index_select(0, v["fed_from"]))
             else:  # every row of the pass sampled, in order
                 last.copy_(message[0])
-        eos = message[1].tolist() if self.serve.eos_id is not None else None  # the one data-dependent read
-        done = self.scheduler.finish(w.p, eos)
+        done = self._end_on_eos(w.p.group)  # the group's previous pass: its EOS flags are on the host by now
+        done += self.scheduler.finish(w.p)  # drops the tokens of rows that just ended (w.p.emit keeps the rest)
+        if self.serve.eos_id is not None and w.p.emit:
+            self._eos_pending[w.p.group] = (w.p, self._flags_to_host(message[1], w.p.group))
         if item.finished_at is not None:  # the last stage's rank: when the pass was sampled
             for _, _, req, k in w.p.emit:
                 if k == 0:
@@ -289,6 +295,29 @@ class PipelineEngine:
         self.timings["decode_steps"] += int(w.p.decode_only)
         if done and self.on_finished is not None and self.owner[self.last] == self.rank:
             self.on_finished(self.scheduler.finished, int(self.timings["tokens"]))
+
+    def _flags_to_host(self, flags: torch.Tensor, group: int):
+        """Start copying a pass's EOS flags [rows] to the host -> (host tensor, CUDA event or None). The group's
+        pinned buffer is free again: its previous copy was waited for in `_end_on_eos` before this pass finished."""
+        if flags.device.type != "cuda":
+            return flags, None
+        host = self._eos_host[group][: flags.numel()]
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _end_on_eos(self, group: int) -> List[int]:
+        """Apply the EOS flags of the group's previous pass (serve.eos_id) -> the requests that end there. Every rank
+        reads them at the same point of the schedule (the group's next pass through), one pass after they were
+        sampled: by then the copy is long done, so the wait costs nothing, and every rank builds the same passes."""
+        pending = self._eos_pending.pop(group, None)
+        if pending is None:
+            return []
+        p, (host, event) = pending
+        if event is not None:
+            event.synchronize()
+        return self.scheduler.end(p, host.tolist())
 
     # --- generation --------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -330,9 +359,21 @@ class PipelineEngine:
             self.out_width = max(max_new)  # out_tokens [requests, out_width]
             self.row_ids = torch.arange(max(b - a for a, b in self.ranges), device=self.device)
             self.no_flags = torch.zeros_like(self.row_ids)  # the EOS flags when serve.eos_id is unset
+            # the feedback: stage 0's rank feeds the tokens back in; the others read only the EOS flags
+            feedback = None if s.eos_id is not None else [self.owner[self.first]]
             self.executor = PipelineExecutor(
-                self.owner, self.rank, self.link, self.device, carries_extra=self.plan.sends_indices
+                self.owner,
+                self.rank,
+                self.link,
+                self.device,
+                carries_extra=self.plan.sends_indices,
+                feedback_ranks=feedback,
             )
+            self._eos_pending = {}  # group -> (its previous pass, that pass's EOS flags on their way to the host)
+            pinned = self.device.type == "cuda" and s.eos_id is not None
+            self._eos_host = [
+                torch.zeros(b - a, dtype=torch.long, pin_memory=True) if pinned else None for a, b in self.ranges
+            ]
             rr = [0]
 
             def pick(free):

@@ -13,11 +13,15 @@ pass is one forward of one group through every stage, of one of two kinds:
 When a group has rows of both kinds, its passes either alternate (eager prefill: a pass costs what its rows x tokens
 cost, so a narrow prefill pass and a decode step are cheaper than one wide pass), or, with `mixed` (prefill through
 the group's graph, whose static [rows, T] shape costs the same whatever its rows do), every pass is both: the
-decoding rows put their one token in column 0 of the prefill pass and sample from it, so they never wait. A row is freed when it reaches its own max_new_tokens (host-known) or emits EOS (known from the feedback
-flags that every rank receives); once a quarter of the group's rows are free (or enough for every waiting
-request), waiting requests take them at the group's next pass (longest first, in the lowest rows) and prefill
-together. Every rank runs this same
-scheduler with the same inputs, so every rank builds the same passes without talking.
+decoding rows put their one token in column 0 of the prefill pass and sample from it, so they never wait.
+
+A row is freed when it reaches its own max_new_tokens (host-known) or emits EOS. EOS is known from the flags the last
+stage sends with the tokens, and it is applied one pass of the group late (`end`, at the group's next `finish`): the
+group's next pass is built before the flags can reach the host, so the GPUs never wait on that read, and a row that
+emitted EOS computes one more token, which is dropped. Once a quarter of the group's rows are free (or enough for
+every waiting request), waiting requests take them at the group's next pass (longest first, in the lowest rows) and
+prefill together. Every rank runs this same scheduler with the same inputs, so every rank builds the same passes
+without talking.
 
 With `narrow` (continuous batching), a refill rearranges the group's rows (the pass's `moves`, applied to every
 stage's cache rows before the pass runs there): decoding rows to the lowest rows, so a decode pass's span holds no
@@ -115,7 +119,7 @@ def group_ranges(max_batch: int, groups: int) -> List[Tuple[int, int]]:
 
 class Scheduler:
     """requests in input order; `next_pass(group)` admits waiting requests into free rows and builds the pass;
-    `finish(pass, eos)` advances the rows (eos: per pass row, did it emit EOS; None when serve.eos_id is unset)."""
+    `finish(pass)` advances the rows; `end(pass, eos)` frees the rows whose token in that pass was EOS."""
 
     # refill a group once this share of its rows is free: lower keeps more rows decoding, higher makes fewer and
     # wider prefill passes (1/4 against 1/2: 1.08x output tokens/s on the mixed workload on an H200, docs/serving.md)
@@ -295,21 +299,45 @@ class Scheduler:
     def _decoding(row: Optional[Row]) -> bool:
         return row is not None and row.offset >= len(row.request.prompt)
 
-    def finish(self, p: Pass, eos: Optional[Sequence[bool]] = None) -> List[int]:
-        """Advance the rows of a pass that went through every stage -> indices of the requests that finished.
-        eos[r]: pass row r emitted EOS (None when serve.eos_id is unset)."""
-        rows, done = self.rows[p.group], []
+    def finish(self, p: Pass) -> List[int]:
+        """Advance the rows of a pass that went through every stage -> indices of the requests that finished (at
+        their own max_new_tokens). A row that `end` freed after this pass was built (EOS in the group's previous
+        pass) sampled a token past its end: that token is dropped, and `p.emit` keeps only the tokens that count."""
+        rows, done, kept = self.rows[p.group], [], []
         for r, offset in p.advance.items():
             rows[p.row0 + r].offset = offset
-        for r, _, _, _ in p.emit:
+        for e in p.emit:
+            r, _, req, _ = e
             row = rows[p.row0 + r]
+            if row is None or row.request.index != req:
+                continue
+            kept.append(e)
             row.generated += 1
-            if row.generated >= row.request.max_new or (eos is not None and eos[r]):
-                self.generated[row.request.index] = row.generated
-                rows[p.row0 + r] = None
-                self.finished += 1
-                done.append(row.request.index)
+            if row.generated >= row.request.max_new:
+                done.append(self._free(p.group, p.row0 + r))
+        p.emit = kept
         return done
+
+    def end(self, p: Pass, eos: Sequence[bool]) -> List[int]:
+        """Apply the EOS flags of a finished pass (eos[r]: pass row r sampled serve.eos_id) -> indices of the
+        requests that end there. Called one pass late (at the group's next `finish`), so a row may have moved (a
+        compacting refill) or already ended at its max_new_tokens: rows are found by request."""
+        rows, done = self.rows[p.group], []
+        for r, _, req, _ in p.emit:
+            if not eos[r]:
+                continue
+            i = next((i for i, row in enumerate(rows) if row is not None and row.request.index == req), None)
+            if i is not None:
+                done.append(self._free(p.group, i))
+        return done
+
+    def _free(self, group: int, i: int) -> int:
+        """Row i of the group is done: record its token count, free it -> its request index."""
+        row = self.rows[group][i]
+        self.generated[row.request.index] = row.generated
+        self.rows[group][i] = None
+        self.finished += 1
+        return row.request.index
 
 
 class Work:
