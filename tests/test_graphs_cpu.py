@@ -302,7 +302,8 @@ def test_cuda_capturer_protocol(monkeypatch):
         calls.append(fake.mode)  # the sync-debug mode in force during each call
         return torch.ones(2)
 
-    cap = CudaGraphCapturer(torch.device("cpu"), warmup=2)
+    assert CudaGraphCapturer(torch.device("cuda")).device == torch.device("cuda", 0)  # named: the current device
+    cap = CudaGraphCapturer(torch.device("cuda", 1), warmup=2)
     g = cap(fn)
     assert calls == [0, "error", "error", 0]  # prime (may sync: Triton compile), 2 guarded warm-ups, the capture
     assert fake.mode == 0 and ("sync_debug", 0) in fake.log  # the previous mode is restored

@@ -109,6 +109,8 @@ class CudaGraphCapturer:
 
     def __init__(self, device: torch.device, warmup: int = 2):
         self.device, self.warmup = torch.device(device), warmup
+        if self.device.index is None:  # "cuda": the current device, named, so that a replay can skip the device guard
+            self.device = torch.device("cuda", torch.cuda.current_device())
         with torch.cuda.device(self.device):
             self.pool = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream(device=self.device)
