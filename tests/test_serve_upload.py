@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsaflow.serve.scheduler import Pass, Request, Scheduler
-from dsaflow.serve.upload import h2d, pass_vectors, upload
+from dsaflow.serve.upload import Uploader, h2d, pass_vectors, upload
 
 
 def _prefill_pass() -> Pass:
@@ -76,3 +76,33 @@ def test_upload_to_the_gpu_needs_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert v["positions"].is_cuda and v["positions"].tolist() == p.positions
     assert h2d([], torch.device("cuda")).numel() == 0
+
+
+def test_uploader_on_cpu_is_upload_and_checks_its_ring():
+    vec = pass_vectors(_prefill_pass(), [2, 0, 0], [11, 12, 13], first=True, last=True, out_width=16, keyed=True)
+    got, want = Uploader(torch.device("cpu"), 64)(vec), upload(vec, torch.device("cpu"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(ValueError, match="slots"):
+        Uploader(torch.device("cpu"), 64, slots=4, stages=4)
+
+
+@pytest.mark.gpu
+def test_uploader_ring_wraps_and_every_pass_reads_its_own_ints():
+    """Three times round a ring of 4 slots, with a pass too long for a slot in between: every pass's views hold its
+    own ints when the GPU reads them (a kernel consumes each pass before the next upload, as a stage does). The GPU
+    starts behind a long spin, so the host laps the ring before any copy has run: without the wait on a slot's
+    event, its pinned ints would be overwritten before they were copied."""
+    up = Uploader(torch.device("cuda"), slot_ints=8, slots=4, stages=2)
+    sums, want = [], []
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU spin ahead of every copy
+    torch.cuda.set_sync_debug_mode("error")  # an upload never syncs the device (the slot wait is an event's)
+    try:
+        for i in range(13):
+            n = 20 if i == 5 else 1 + i % 8  # pass 5 does not fit a slot: its own pinned buffer
+            values = [1000 * i + k for k in range(n)]
+            v = up({"positions": (values, (n,))})
+            sums.append(v["positions"].sum())  # read on the stream, before later uploads reuse the slot
+            want.append(sum(values))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [int(s) for s in sums] == want

@@ -44,7 +44,7 @@ from .graphs import GraphManager, StaticInput, choose_shape_class, sync_error_gu
 from .report import CaptureReport
 from .sampling import sample_keyed
 from .scheduler import Pass, Request, Scheduler, Work, group_ranges, prefill_row_classes
-from .upload import pass_vectors, upload
+from .upload import Uploader, pass_vectors
 
 plan_prefill = dense_prefill.plan_prefill  # the engine's one call into the short-prefill rule (tests spy on it)
 
@@ -358,6 +358,8 @@ class PipelineEngine:
             self.last_tokens = [torch.zeros(b - a, dtype=torch.long, device=self.device) for a, b in self.ranges]
             self.out_width = max(max_new)  # out_tokens [requests, out_width]
             self.row_ids = torch.arange(max(b - a for a, b in self.ranges), device=self.device)
+            # a decode pass uploads at most 8 ints per row (pass_vectors); longer prefill passes take their own buffer
+            self.upload = Uploader(self.device, 8 * len(self.row_ids) + 64, stages=self.plan.num_stages)
             self.no_flags = torch.zeros_like(self.row_ids)  # the EOS flags when serve.eos_id is unset
             # the feedback: stage 0's rank feeds the tokens back in; the others read only the EOS flags
             feedback = None if s.eos_id is not None else [self.owner[self.first]]
@@ -417,7 +419,7 @@ class PipelineEngine:
             work.path = dense_prefill.graph_label(work.hint, topk, cache_rows)
         first, last = self.first in self.stages, self.last in self.stages
         keyed = self.serve.temperature > 0
-        work.dev = upload(pass_vectors(p, cols, keys, first, last, self.out_width, keyed), self.device)
+        work.dev = self.upload(pass_vectors(p, cols, keys, first, last, self.out_width, keyed))
         extra = (((rows, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
         return Item(p.group, (rows, p.T, self.model_cfg.dim), self.dtype, work, (2, rows), p.decode_only, extra)
 

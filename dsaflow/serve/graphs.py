@@ -99,9 +99,14 @@ class Block:
     fn: Callable[[Dict[str, torch.Tensor]], torch.Tensor]
     inputs: Dict[str, StaticInput]
     buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
+    _views: Dict[int, Dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def views(self, c: int) -> Dict[str, torch.Tensor]:
-        return {k: b.narrow(self.class_dim, 0, c) for k, b in self.buffers.items()}
+        """The static buffers narrowed to class c, made once per class (a replay needs them on every pass)."""
+        got = self._views.get(c)
+        if got is None or got.keys() != self.buffers.keys():
+            got = self._views[c] = {k: b.narrow(self.class_dim, 0, c) for k, b in self.buffers.items()}
+        return got
 
 
 class CudaGraphCapturer:
