@@ -71,3 +71,20 @@ def test_continuous_batching_with_top_row_prefill_graphs_serves_the_same_tokens(
     captures = eng.graphs.captures
     assert eng.generate(prompts, limits) == ref
     assert eng.graphs.captures == captures
+
+
+@pytest.mark.gpu
+def test_eos_read_one_pass_late_keeps_the_tokens_with_graphs(trained_gpu):
+    """serve.eos_id on the GPU: the flags go to pinned memory and are read one pass of the group late
+    (dsaflow/serve/eos.py), with every decode pass under the sync guard; each request's output is its greedy
+    tokens up to and with its first EOS."""
+    prompts, limits = workload()
+    ref = gpu_engine(trained_gpu, "single", 1).generate(prompts, limits)
+    eos = max(range(128), key=lambda b: sum(b in o[:-1] for o in ref))
+    cut = [o[: o.index(eos) + 1] if eos in o else o for o in ref]
+    assert sum(len(c) < len(o) for c, o in zip(cut, ref)) >= 16
+    for pipeline in ("single", "pp2"):
+        eng = gpu_engine(trained_gpu, pipeline, None, ["serve.batching=continuous", f"serve.eos_id={eos}"])
+        assert eng.late_eos is not None and eng.late_eos.cuda
+        assert eng.generate(prompts, limits) == cut, pipeline
+        assert eng.stats["tokens"] == sum(map(len, cut))

@@ -9,7 +9,7 @@ from typing import List, Optional
 from dsaflow.errors import ServeError
 from dsaflow.plan.plan import Plan
 
-from .scheduler import group_ranges
+from .scheduler import Request, group_ranges
 
 SERVED_KINDS = ("decode", "prefill")
 
@@ -53,6 +53,16 @@ def check_prompts(prompts: List[List[int]], vocab_size: int) -> None:
                 f"prompt {i} has token id {bad[0]} outside model.vocab_size={vocab_size}. Fix: "
                 f"token ids in [0, {vocab_size})."
             )
+
+
+def requests_of(prompts: List[List[int]], max_new: List[int], max_context: int, vocab_size: int) -> List[Request]:
+    """Checked token-id prompts and their limits -> the scheduler's requests, in input order. Raises ServeError."""
+    check_prompts(prompts, vocab_size)
+    for i, (p, m) in enumerate(zip(prompts, max_new)):
+        problem = fit_problem(i, p, m, max_context, f"prompt {i}")
+        if problem:
+            raise ServeError(problem)
+    return [Request(i, list(p), int(m)) for i, (p, m) in enumerate(zip(prompts, max_new))]
 
 
 def check_graph_blocks(plan: Plan, serve_cfg) -> None:

@@ -11,10 +11,7 @@ to every rank.
 Every rank runs the same scheduler over the same requests, so all ranks build the same passes. Per pass no host sync:
 positions and prompt tokens are host-known (copied from pinned memory), decode tokens are swapped in on the device,
 sampling is branchless and keyed by (request, token index), tokens accumulate on the device and reach the host once
-at the end. The one data-dependent fact of the schedule, which rows emitted EOS (serve.eos_id), reaches every rank's
-host one pass of the group late (`Scheduler.end`): the flags are copied to pinned memory as they arrive and read when
-the group's next pass is through, so no rank ever waits for its GPU. A row that emitted EOS computes one more token,
-which is dropped.
+at the end. Which rows emitted EOS (serve.eos_id) reaches the hosts one pass of the group late (dsaflow/serve/eos.py).
 
 A stage with a decode / prefill graph block runs through the GraphManager: one graph per group and shape class (the
 group's cache rows are baked into its graph), decode passes padded to the smallest class >= the group's active rows,
@@ -33,15 +30,15 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from dsaflow.errors import ServeError
 from dsaflow.model import dense_prefill
 from dsaflow.plan.plan import Plan
 from dsaflow.run.executor import Item, PipelineExecutor
 from dsaflow.run.stages import stage_cache
 
-from .checks import check_graph_blocks, check_prompts, fit_problem, serve_groups
+from .checks import check_graph_blocks, requests_of, serve_groups
+from .eos import LateFlags
 from .graphs import GraphManager, StaticInput, choose_shape_class, sync_error_guard
-from .report import CaptureReport
+from .report import CaptureReport, run_stats
 from .sampling import sample_keyed
 from .scheduler import Pass, Request, Scheduler, Work, group_ranges, prefill_row_classes
 from .upload import Uploader, pass_vectors
@@ -282,10 +279,11 @@ class PipelineEngine:
                 last.index_copy_(0, v["fed_from"], message[0].index_select(0, v["fed_from"]))
             else:  # every row of the pass sampled, in order
                 last.copy_(message[0])
-        done = self._end_on_eos(w.p.group)  # the group's previous pass: its EOS flags are on the host by now
+        late = self.late_eos.take(w.p.group) if self.late_eos else None  # the group's previous pass (eos.py)
+        done = self.scheduler.end(*late) if late else []
         done += self.scheduler.finish(w.p)  # drops the tokens of rows that just ended (w.p.emit keeps the rest)
-        if self.serve.eos_id is not None and w.p.emit:
-            self._eos_pending[w.p.group] = (w.p, self._flags_to_host(message[1], w.p.group))
+        if self.late_eos and w.p.emit:
+            self.late_eos.put(w.p.group, w.p, message[1])
         if item.finished_at is not None:  # the last stage's rank: when the pass was sampled
             for _, _, req, k in w.p.emit:
                 if k == 0:
@@ -295,29 +293,6 @@ class PipelineEngine:
         self.timings["decode_steps"] += int(w.p.decode_only)
         if done and self.on_finished is not None and self.owner[self.last] == self.rank:
             self.on_finished(self.scheduler.finished, int(self.timings["tokens"]))
-
-    def _flags_to_host(self, flags: torch.Tensor, group: int):
-        """Start copying a pass's EOS flags [rows] to the host -> (host tensor, CUDA event or None). The group's
-        pinned buffer is free again: its previous copy was waited for in `_end_on_eos` before this pass finished."""
-        if flags.device.type != "cuda":
-            return flags, None
-        host = self._eos_host[group][: flags.numel()]
-        host.copy_(flags, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-
-    def _end_on_eos(self, group: int) -> List[int]:
-        """Apply the EOS flags of the group's previous pass (serve.eos_id) -> the requests that end there. Every rank
-        reads them at the same point of the schedule (the group's next pass through), one pass after they were
-        sampled: by then the copy is long done, so the wait costs nothing, and every rank builds the same passes."""
-        pending = self._eos_pending.pop(group, None)
-        if pending is None:
-            return []
-        p, (host, event) = pending
-        if event is not None:
-            event.synchronize()
-        return self.scheduler.end(p, host.tolist())
 
     # --- generation --------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -329,12 +304,7 @@ class PipelineEngine:
         if not prompts:
             return [] if self.owner[self.last] == self.rank else None
         max_new = list(max_new) if max_new is not None else [s.max_new_tokens] * len(prompts)
-        check_prompts(prompts, self.model_cfg.vocab_size)
-        for i, (p, m) in enumerate(zip(prompts, max_new)):
-            problem = fit_problem(i, p, m, s.max_context, f"prompt {i}")
-            if problem:
-                raise ServeError(problem)
-        requests = [Request(i, list(p), int(m)) for i, (p, m) in enumerate(zip(prompts, max_new))]
+        requests = requests_of(prompts, max_new, s.max_context, self.model_cfg.vocab_size)
         self.scheduler = Scheduler(
             requests,
             self.ranges,
@@ -371,11 +341,7 @@ class PipelineEngine:
                 carries_extra=self.plan.sends_indices,
                 feedback_ranks=feedback,
             )
-            self._eos_pending = {}  # group -> (its previous pass, that pass's EOS flags on their way to the host)
-            pinned = self.device.type == "cuda" and s.eos_id is not None
-            self._eos_host = [
-                torch.zeros(b - a, dtype=torch.long, pin_memory=True) if pinned else None for a, b in self.ranges
-            ]
+            self.late_eos = LateFlags(self.device, [b - a for a, b in self.ranges]) if s.eos_id is not None else None
             rr = [0]
 
             def pick(free):
@@ -427,15 +393,5 @@ class PipelineEngine:
         self.timings["prefill_s"] = tl["wall_s"] - tl["decode_wall_s"]
         self.timings["decode_s"] = tl["decode_wall_s"]
         done = {r.index: self.scheduler.generated[r.index] for r in requests}
-        ttft, tpot = self.executor.timeline.latencies(self.first_mark, self.last_mark, done)
-        self.stats = {
-            "wall_s": tl["wall_s"],
-            "ticks": ticks,
-            "busy_fraction": tl["busy_fraction"],
-            "decode_busy": tl["decode_busy"],
-            "ttft_s": ttft,
-            "tpot_s": tpot,
-            "tokens": int(self.timings["tokens"]),
-            # where the host's time goes per decode tick, and whether the GPU waited on it (Timeline._host_summary)
-            **{k: tl[k] for k in ("decode_host_ms_per_tick", "decode_lead_p50_ms", "decode_host_late")},
-        }
+        latencies = self.executor.timeline.latencies(self.first_mark, self.last_mark, done)
+        self.stats = run_stats(tl, ticks, latencies, int(self.timings["tokens"]))

@@ -1,4 +1,5 @@
-"""The capture report: which graph blocks each rank captured, for which shape classes, where, and at what memory cost.
+"""What a rank reports: the capture report (which graph blocks it captured, for which shape classes, where, and at
+what memory cost) and the statistics of a generation (`run_stats`).
 
 Every rank builds one after capture, prints it, logs it and writes `graphs_rank<r>.json` into the run dir. A requested
 (block, shape class) that ended neither captured nor explicitly eager (`graphs.on_failure=eager`) is an error:
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 
 class MissingGraphError(RuntimeError):
@@ -92,3 +93,20 @@ def check_complete(
             f"requested CUDA graph blocks were not captured: {', '.join(missing)}; captured: {done}. Fix the cause "
             f"above, or set graphs.on_failure=eager to run those blocks eagerly (reported as eager), or graphs=off."
         )
+
+
+def run_stats(tl: Dict[str, Any], ticks: int, latencies: Tuple[Dict, Dict], tokens: int) -> Dict[str, Any]:
+    """The engine's `stats` of one generation, from the resolved timeline (`Timeline.resolve`), the tick count, the
+    per-request (time to first token, time per output token) of `Timeline.latencies` and the tokens emitted."""
+    ttft, tpot = latencies
+    return {
+        "wall_s": tl["wall_s"],
+        "ticks": ticks,
+        "busy_fraction": tl["busy_fraction"],
+        "decode_busy": tl["decode_busy"],
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "tokens": tokens,
+        # where the host's time goes per decode tick, and whether the GPU waited on it (Timeline._host_summary)
+        **{k: tl[k] for k in ("decode_host_ms_per_tick", "decode_lead_p50_ms", "decode_host_late")},
+    }
