@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import dsaflow
 
 PKG = Path(dsaflow.__file__).parent
@@ -155,3 +157,39 @@ def test_dsaflow_plan_does_not_import_torch(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert r.stdout.strip().splitlines()[-1] == "NO-TORCH 0", r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("data", ["data=retrieval", "data=text data.path=docs/serving.md"])
+def test_the_launchers_checks_do_not_import_torch_without_a_gpu_driver(tmp_path, data):
+    """`dsaflow train`'s parent checks the config, the data (its first batch, the corpus's vocabulary) and the
+    machine's resources before torchrun starts; without a GPU driver none of that needs torch, which would cost
+    every launch about 2 s on a small machine. With a driver, `train.device=auto` asks torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import dsaflow.run.devices as d\n"
+        "d.gpu_driver_present = lambda: False\n"
+        "from dsaflow.config.compose import compose\n"
+        "from dsaflow.plan import build_plan\n"
+        "from dsaflow.launch.launch import check_launch\n"
+        f"cfg = compose(['model=tiny', *{data.split()!r}, 'track=none', 'run_dir={tmp_path / 'run'}'])\n"
+        "check_launch(cfg, build_plan(cfg))\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', d.resolve_device_type('auto'))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent)
+    assert r.stdout.strip().splitlines()[-1:] == ["NO-TORCH cpu"], r.stdout + r.stderr
+
+
+def test_auto_device_asks_torch_when_a_gpu_driver_is_present(monkeypatch):
+    import torch
+
+    import dsaflow.run.devices as devices
+
+    monkeypatch.setattr(devices, "gpu_driver_present", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert devices.resolve_device_type("auto") == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert devices.resolve_device_type("auto") == "cpu"
+    assert devices.resolve_device_type("cpu") == "cpu"

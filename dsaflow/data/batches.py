@@ -8,14 +8,20 @@ A batch is `(inputs, targets)`:
                                     byte of the retrieval filler's repeated run, `data.copy_len`)
 Both are split along dim 0 into microbatches by the pipeline schedule. Because batch `step` never depends on what
 came before, resuming at step k continues exactly, on any pipeline layout.
+
+torch loads with the first batch, not with this module: the launcher's parent builds a BatchSource to check the data
+(`check_first_batch`) before anything launches, and importing torch there would cost about 2 s on a small CPU
+machine for checks that need only numpy.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import TYPE_CHECKING, Tuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from .corpus import CorpusError, TokenCorpus, load_split_tokens
 from .retrieval import COPY, RetrievalSpec, retrieval_batch
@@ -63,21 +69,26 @@ class BatchSource:
         self.vocab_size = vocab_size
         self.bytes = self.kind == "text"  # byte tokens: eval reports bits per byte (loss / ln 2)
 
-    def _raw(self, split: int, step: int):
-        """-> tokens int64 [B, T + 1], query ids int64 [B, T + 1] (-1 where no answer)."""
+    def _raw(self, split: int, step: int) -> Tuple[np.ndarray, np.ndarray]:
+        """-> tokens int64 [B, T + 1], query ids int64 [B, T + 1] (-1 where no answer), as numpy arrays; raises
+        CorpusError for a token id outside the vocabulary."""
         if self.corpus is None:
             tokens, qid = retrieval_batch(self.spec, self.seed, split, step, self.batch_size)
-            return torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(qid.astype(np.int64))
-        tokens = torch.from_numpy(self.corpus.batch(self.seed, split, step, self.batch_size))
-        return tokens, torch.full_like(tokens, -1)
-
-    def _make(self, split: int, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        raw, qid = self._raw(split, step)
-        if int(raw.max()) >= self.vocab_size:
+            tokens, qid = tokens.astype(np.int64), qid.astype(np.int64)
+        else:
+            tokens = self.corpus.batch(self.seed, split, step, self.batch_size)
+            qid = np.full_like(tokens, -1)
+        if int(tokens.max()) >= self.vocab_size:
             raise CorpusError(
-                f"data.path={self.cfg.path} holds token id {int(raw.max())} >= model.vocab_size={self.vocab_size}. "
+                f"data.path={self.cfg.path} holds token id {int(tokens.max())} >= model.vocab_size={self.vocab_size}. "
                 "Fix: raise model.vocab_size to the tokenizer's vocabulary."
             )
+        return tokens, qid
+
+    def _make(self, split: int, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        raw, qid = (torch.from_numpy(a) for a in self._raw(split, step))
         inputs, nxt, qid = raw[:, :-1].contiguous(), raw[:, 1:], qid[:, 1:]
         answers = torch.where(qid >= 0, nxt, torch.full_like(nxt, IGNORE))
         if self.has_answers and self.cfg.loss_on == "answer":  # the answers, and the repeated run's bytes if any
@@ -85,6 +96,12 @@ class BatchSource:
         else:
             lm = nxt.clone()
         return inputs, torch.stack([lm, answers, qid], dim=1).contiguous()
+
+    def check_first_batch(self) -> None:
+        """Make batch 0's token ids (numpy only, no torch) and check them and the whole corpus against the
+        vocabulary: what the launcher's parent checks before a worker starts. Raises CorpusError."""
+        self._raw(TRAIN, 0)
+        self.check_vocab()
 
     def check_vocab(self) -> None:
         """Every token of a text/.bin corpus lies inside the vocabulary (the parent checks the whole file once,

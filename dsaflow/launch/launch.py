@@ -32,7 +32,7 @@ from dsaflow.errors import EXIT_USER_ERROR, PlanError
 from dsaflow.files import UnsafeFile, explain_os_error, kind_of, read_text
 from dsaflow.plan.plan import Plan
 from dsaflow.run.ckpt_store import report_stderr
-from dsaflow.run.context import resolve_device_type
+from dsaflow.run.devices import resolve_device_type
 from dsaflow.run.lock import LOCK_ENV, run_dir_lock
 from dsaflow.run.rundir import TMP, check_run_dir, write_run_dir
 
@@ -126,9 +126,7 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
             )
         from dsaflow.data import BatchSource
 
-        data = BatchSource(cfg.data, t.seq_len, min(t.batch_size, 2), t.seed, cfg.model.vocab_size)
-        data.batch(0)
-        data.check_vocab()
+        BatchSource(cfg.data, t.seq_len, min(t.batch_size, 2), t.seed, cfg.model.vocab_size).check_first_batch()
         check_track(cfg)
     check_run_dir(cfg, plan, job, report_stderr)
 

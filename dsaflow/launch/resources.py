@@ -20,7 +20,6 @@ import os
 from typing import Dict, Tuple
 
 from dsaflow.errors import ResourceError
-from dsaflow.ops.indexer_topk.budget import SCORE_BUDGET_ELEMS
 from dsaflow.plan import estimates as E
 from dsaflow.plan.memory import TRANSIENT, largest_term_fix, train_memory_terms
 
@@ -73,6 +72,8 @@ def rank_memory(cfg, plan, rank: int, device_type: str, job: str) -> Dict[str, f
         forward = seqs * seq * seq * 4 * (m.index_n_heads + 1)
         forward += tokens * max(k_eff, m.index_topk) * (m.kv_lora_rank + m.qk_rope_head_dim) * 4 * 2
     else:  # the Triton indexer works in query chunks of at most SCORE_BUDGET_ELEMS scores
+        from dsaflow.ops.indexer_topk.budget import SCORE_BUDGET_ELEMS  # imports torch: not on a CPU machine
+
         forward = min(seqs * seq * seq, SCORE_BUDGET_ELEMS) * 12
     out[TRANSIENT] = max(out.get(TRANSIENT, 0), forward)
     out[BATCH] = t.batch_size * (seq + 1) * 8 * 5

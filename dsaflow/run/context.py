@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dsaflow.plan.plan import Plan
+from dsaflow.run.devices import resolve_device_type
 
 
 @dataclass
@@ -49,13 +50,6 @@ class RunContext:
 
     def global_rank(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
-
-
-def resolve_device_type(train_device: str) -> str:
-    """train.device auto -> cuda when a GPU is visible, else cpu."""
-    if train_device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return train_device
 
 
 def init_distributed(cfg, plan: Plan, run_dir: Path) -> RunContext:

@@ -176,7 +176,7 @@ def _md_table(rows: List[dict], starts) -> str:
 
 def run_search(cfg) -> int:
     """The `dsaflow search` command (parent process, no torchrun). Returns 0."""
-    from dsaflow.run.context import resolve_device_type
+    from dsaflow.run.devices import resolve_device_type
 
     s = cfg.search
     if s.calib_batches < 1 or s.eval_batches < 0:
