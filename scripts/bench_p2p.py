@@ -14,9 +14,11 @@ Per compute length and way of posting the ops it reports:
 - gap_ms: (wall - compute) per tick, the GPU time a tick loses to the hop;
 - host_us: host microseconds per tick spent posting and waiting on the ops (never blocking on the GPU).
 
-Ways of posting (`--modes`), both through `StageLink.exchange`: `batch` with torch.distributed.batch_isend_irecv,
+Ways of posting (`--modes`), each through `StageLink.exchange`: `batch` with torch.distributed.batch_isend_irecv,
 `group` on the process group inside one coalescing block, without batch_isend_irecv's Python checks (what the
-engine uses with NCCL).
+engine uses with NCCL), and `graph`: the whole tick (the span and the coalescing block) captured once as a CUDA
+graph and replayed, the host's cost of a tick that never leaves the GPU (busy there is the spin's known length over
+the tick, since a timing event cannot be recorded inside a graph; a capture that fails is reported as its error).
 Writes <out>/bench_p2p.json and bench_p2p.md. Needs 2 GPUs.
 """
 
@@ -43,7 +45,7 @@ def parse_args(argv=None):
     ap.add_argument("--rows", type=int, default=32, help="rows of one group's pass")
     ap.add_argument("--dim", type=int, default=512, help="hidden size of the activation sent")
     ap.add_argument("--compute-ms", default="0,0.2,0.7", help="comma separated span lengths per tick")
-    ap.add_argument("--modes", default="batch,group")
+    ap.add_argument("--modes", default="batch,group,graph")
     ap.add_argument("--ticks", type=int, default=2000)
     ap.add_argument("--out", default="bench_out/p2p")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -63,8 +65,10 @@ def spin_cycles_per_ms(device) -> float:
 
 
 def run_case(device, rank: int, mode: str, compute_ms: float, cycles_ms: float, args) -> dict:
-    hidden = torch.randn(args.rows, 1, args.dim, device=device).to(torch.bfloat16)
-    feedback = torch.zeros(2, args.rows, dtype=torch.long, device=device)
+    # the same values on both ranks, so that each can check what it received (`delivered`)
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(args.rows, 1, args.dim, device=device, generator=gen).to(torch.bfloat16)
+    feedback = torch.randint(0, 256, (2, args.rows), device=device, generator=gen)
     got_hidden = torch.empty_like(hidden)
     got_feedback = torch.empty_like(feedback)
     sink = torch.zeros((), device=device)
@@ -73,7 +77,7 @@ def run_case(device, rank: int, mode: str, compute_ms: float, cycles_ms: float, 
     else:
         ops = [("recv", got_hidden, 0), ("send", feedback, 0)]
     cycles = int(compute_ms * cycles_ms)
-    post = StageLink(device, coalesce=mode == "group").exchange
+    post = StageLink(device, coalesce=mode != "batch").exchange
 
     def tick(spans, host):
         a = torch.cuda.Event(enable_timing=True)
@@ -91,6 +95,8 @@ def run_case(device, rank: int, mode: str, compute_ms: float, cycles_ms: float, 
     for _ in range(100):
         tick([], [])
     torch.cuda.synchronize(device)
+    if mode == "graph":
+        return run_graph_case(device, rank, ops, cycles, compute_ms, sink, args, (hidden, feedback))
     spans, host = [], []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -102,10 +108,65 @@ def run_case(device, rank: int, mode: str, compute_ms: float, cycles_ms: float, 
     busy = sum(a.elapsed_time(b) for a, b in spans)
     host.sort()
     return {
+        "delivered": delivered(rank, hidden, feedback, got_hidden, got_feedback),
         "mode": mode,
         "compute_ms": compute_ms,
         "busy": busy / wall,
         "gap_ms": (wall - busy) / args.ticks,
+        "tick_ms": wall / args.ticks,
+        "host_us_p50": host[len(host) // 2] * 1e6,
+        "host_us_mean": sum(host) / len(host) * 1e6,
+    }
+
+
+def delivered(rank: int, hidden, feedback, got_hidden, got_feedback) -> bool:
+    """Whether this rank's receive buffer holds what its partner sent (both ranks made the same tensors)."""
+    return bool(torch.equal(got_feedback, feedback) if rank == 0 else torch.equal(got_hidden, hidden))
+
+
+def run_graph_case(device, rank: int, ops, cycles: int, compute_ms: float, sink, args, sent) -> dict:
+    """The tick of `run_case` captured as one CUDA graph (span, consume, coalesced transfers), then replayed. The
+    receive buffers are zeroed after capture, so `delivered` proves the replays moved the data."""
+    link = StageLink(device, coalesce=True)
+    row = {"mode": "graph", "compute_ms": compute_ms}
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            if cycles:
+                torch.cuda._sleep(cycles)
+            sink.add_(ops[1][1][0, 0] if rank == 0 else ops[0][1][0, 0, 0].float())
+            link.exchange(ops)
+        torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - whether capture works is what this case finds out
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    import torch.distributed as dist
+
+    both_captured = torch.tensor([0 if "error" in row else 1], device=device)
+    dist.all_reduce(both_captured, op=dist.ReduceOp.MIN)  # a replay without its partner's would wait forever
+    if not int(both_captured.item()):
+        return {**row, "error": row.get("error", "the partner's capture failed")}
+    received = ops[1][1] if rank == 0 else ops[0][1]
+    received.zero_()
+    for _ in range(100):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    host = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.ticks):
+        h = time.perf_counter()
+        graph.replay()
+        host.append(time.perf_counter() - h)
+    end.record()
+    torch.cuda.synchronize(device)
+    wall = start.elapsed_time(end)
+    host.sort()
+    hidden, feedback = sent
+    return {
+        **row,
+        "delivered": delivered(rank, hidden, feedback, received, received),
+        "busy": min(1.0, compute_ms * args.ticks / wall),
+        "gap_ms": wall / args.ticks - compute_ms,
         "tick_ms": wall / args.ticks,
         "host_us_p50": host[len(host) // 2] * 1e6,
         "host_us_mean": sum(host) / len(host) * 1e6,
@@ -124,9 +185,12 @@ def worker(args) -> None:
                 row = run_case(device, rank, mode, c, cycles_ms, args)
                 both = [None, None]
                 dist.all_gather_object(both, row)
-                if rank == 0:
+                if rank == 0 and any("error" in r for r in both):
+                    print(f"{mode} compute {c} ms: {[r.get('error') for r in both]}", flush=True)
+                    rows.append({**both[0], "error": [r.get("error") for r in both]})
+                elif rank == 0:
                     merged = dict(both[0])
-                    for k in ("busy", "gap_ms", "tick_ms", "host_us_p50", "host_us_mean"):
+                    for k in ("delivered", "busy", "gap_ms", "tick_ms", "host_us_p50", "host_us_mean"):
                         merged[k] = [r[k] for r in both]
                     rows.append(merged)
                     print(
@@ -151,13 +215,17 @@ def worker(args) -> None:
                 f"[2, {args.rows}] int64 the other, {args.ticks} ticks. Command: `python scripts/bench_p2p.py "
                 f"{' '.join(a for a in sys.argv[1:] if a != '--worker')}`.",
                 "",
-                "| posting | compute ms per tick | busy per GPU | gap ms per tick | host us per tick (p50) |",
-                "|---|---:|---|---|---|",
+                "| posting | compute ms per tick | busy per GPU | gap ms per tick | host us per tick (p50) | delivered |",
+                "|---|---:|---|---|---|---|",
             ]
             for r in rows:
+                if "error" in r:
+                    lines.append(f"| {r['mode']} | {r['compute_ms']} | failed: {r['error']} | | | |")
+                    continue
                 lines.append(
                     f"| {r['mode']} | {r['compute_ms']} | {', '.join(f'{b:.3f}' for b in r['busy'])} | "
-                    f"{', '.join(f'{g:.4f}' for g in r['gap_ms'])} | {', '.join(f'{h:.0f}' for h in r['host_us_p50'])} |"
+                    f"{', '.join(f'{g:.4f}' for g in r['gap_ms'])} | {', '.join(f'{h:.0f}' for h in r['host_us_p50'])} | "
+                    f"{'yes' if all(r['delivered']) else 'NO'} |"
                 )
             (out / "bench_p2p.md").write_text("\n".join(lines) + "\n")
             print("\n".join(lines), flush=True)
