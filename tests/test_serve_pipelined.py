@@ -141,6 +141,13 @@ def test_torchrun_pp2_and_pp4_serve_the_same_tokens(trained, tmp_path):
         assert all(r["ttft_s"] > 0 for r in rows)
         assert [r["tokens"] for r in rows] == ref, pipeline
         assert "requests done" in res.stdout  # the progress lines of the last stage's rank
+    # with serve.eos_id every rank receives the flags and applies them one pass late, at the same point: the ranks
+    # must still build the same passes (a mismatch would hang or fail the transfers) and the outputs stop at EOS
+    eos = max(range(128), key=lambda b: sum(b in o[:-1] for o in ref))
+    cut = [o[: o.index(eos) + 1] if eos in o else o for o in ref]
+    assert sum(len(c) < len(o) for c, o in zip(cut, ref)) >= 4
+    rows, _ = generate_cli(tmp_path, "pp4-eos", "pp4", trained, prompts, limits, f"serve.eos_id={eos}")
+    assert [r["tokens"] for r in rows] == cut
 
 
 def test_s_layers_read_only_their_groups_indices(monkeypatch):
