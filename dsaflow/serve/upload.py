@@ -97,7 +97,8 @@ class Uploader:
 
     Why: a fresh pinned buffer per pass (`h2d`) cost about 0.1 ms of host time per pass on an H200 machine, a fifth
     of a pp4 rank's whole tick. Reuse is safe because (1) before a pinned slot is overwritten, the host waits for
-    the event recorded after its last copy (done long ago: the ring holds `slots` passes), and (2) a device slot is
+    the event recorded after its last copy (it waits only when it runs more than `slots` passes ahead of its GPU,
+    which then still has that many queued), and (2) a device slot is
     rewritten by a copy on the same stream as every kernel that read it, so after them; a pass's views are read while
     it is in flight, at most one pass per stage, so `slots` must exceed the number of stages (checked). A pass whose
     ints do not fit a slot (a long prefill chunk) takes its own pinned buffer (`h2d`). On CPU: `upload`."""
