@@ -97,25 +97,38 @@ def run_case(device, rank: int, mode: str, compute_ms: float, cycles_ms: float, 
     torch.cuda.synchronize(device)
     if mode == "graph":
         return run_graph_case(device, rank, ops, cycles, compute_ms, sink, args, (hidden, feedback))
-    spans, host = [], []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.ticks):
-        tick(spans, host)
-    end.record()
-    torch.cuda.synchronize(device)
-    wall = start.elapsed_time(end)
+    spans = []
+    host = []
+    wall = timed_ticks(device, args.ticks, lambda: tick(spans, host))
     busy = sum(a.elapsed_time(b) for a, b in spans)
-    host.sort()
     return {
         "delivered": delivered(rank, hidden, feedback, got_hidden, got_feedback),
         "mode": mode,
         "compute_ms": compute_ms,
-        "busy": busy / wall,
-        "gap_ms": (wall - busy) / args.ticks,
-        "tick_ms": wall / args.ticks,
-        "host_us_p50": host[len(host) // 2] * 1e6,
-        "host_us_mean": sum(host) / len(host) * 1e6,
+        **tick_stats(busy, wall, host, args.ticks),
+    }
+
+
+def timed_ticks(device, ticks: int, tick) -> float:
+    """Run `tick()` `ticks` times between two CUDA events -> GPU wall ms."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(ticks):
+        tick()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end)
+
+
+def tick_stats(busy_ms: float, wall_ms: float, host_s: list, ticks: int) -> dict:
+    """The reported fields of one case, from its compute ms, wall ms and host seconds per tick."""
+    host_s = sorted(host_s)
+    return {
+        "busy": min(1.0, busy_ms / wall_ms),
+        "gap_ms": (wall_ms - busy_ms) / ticks,
+        "tick_ms": wall_ms / ticks,
+        "host_us_p50": host_s[len(host_s) // 2] * 1e6,
+        "host_us_mean": sum(host_s) / len(host_s) * 1e6,
     }
 
 
@@ -151,25 +164,18 @@ def run_graph_case(device, rank: int, ops, cycles: int, compute_ms: float, sink,
         graph.replay()
     torch.cuda.synchronize(device)
     host = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.ticks):
+
+    def replay():
         h = time.perf_counter()
         graph.replay()
         host.append(time.perf_counter() - h)
-    end.record()
-    torch.cuda.synchronize(device)
-    wall = start.elapsed_time(end)
-    host.sort()
+
+    wall = timed_ticks(device, args.ticks, replay)
     hidden, feedback = sent
     return {
         **row,
         "delivered": delivered(rank, hidden, feedback, received, received),
-        "busy": min(1.0, compute_ms * args.ticks / wall),
-        "gap_ms": wall / args.ticks - compute_ms,
-        "tick_ms": wall / args.ticks,
-        "host_us_p50": host[len(host) // 2] * 1e6,
-        "host_us_mean": sum(host) / len(host) * 1e6,
+        **tick_stats(compute_ms * args.ticks, wall, host, args.ticks),
     }
 
 

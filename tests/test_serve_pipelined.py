@@ -90,6 +90,15 @@ def workload(n=64, seed=0):
     return prompts, limits
 
 
+def eos_cut(ref, at_least):
+    """A byte that ends many greedy outputs early -> (that byte, each output cut after its first occurrence); at
+    least `at_least` outputs must end early, or the EOS tests would test little."""
+    eos = max(range(128), key=lambda b: sum(b in o[:-1] for o in ref))
+    cut = [o[: o.index(eos) + 1] if eos in o else o for o in ref]
+    assert sum(len(c) < len(o) for c, o in zip(cut, ref)) >= at_least
+    return eos, cut
+
+
 def engine(run, pipeline, microbatches=None, extra=()):
     """An in-process engine running every stage (run None: the seeded random init)."""
     mb = [] if microbatches is None else [f"serve.microbatches={microbatches}"]
@@ -121,9 +130,7 @@ def test_eos_ends_rows_one_pass_late_and_keeps_the_tokens(trained):
     EOS, in every pipeline and group count."""
     prompts, limits = workload()
     ref = engine(trained, "single", 1).generate(prompts, limits)
-    eos = max(range(128), key=lambda b: sum(b in o[:-1] for o in ref))  # a byte that ends many rows early
-    cut = [o[: o.index(eos) + 1] if eos in o else o for o in ref]
-    assert sum(len(c) < len(o) for c, o in zip(cut, ref)) >= 16
+    eos, cut = eos_cut(ref, 16)
     for pipeline, mb in (("single", 1), ("pp2", None), ("pp4", None)):
         eng = engine(trained, pipeline, mb, [f"serve.eos_id={eos}"])
         assert eng.generate(prompts, limits) == cut, (pipeline, mb)
@@ -143,9 +150,7 @@ def test_torchrun_pp2_and_pp4_serve_the_same_tokens(trained, tmp_path):
         assert "requests done" in res.stdout  # the progress lines of the last stage's rank
     # with serve.eos_id every rank receives the flags and applies them one pass late, at the same point: the ranks
     # must still build the same passes (a mismatch would hang or fail the transfers) and the outputs stop at EOS
-    eos = max(range(128), key=lambda b: sum(b in o[:-1] for o in ref))
-    cut = [o[: o.index(eos) + 1] if eos in o else o for o in ref]
-    assert sum(len(c) < len(o) for c, o in zip(cut, ref)) >= 4
+    eos, cut = eos_cut(ref, 4)
     rows, _ = generate_cli(tmp_path, "pp4-eos", "pp4", trained, prompts, limits, f"serve.eos_id={eos}")
     assert [r["tokens"] for r in rows] == cut
 

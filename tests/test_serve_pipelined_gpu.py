@@ -8,7 +8,7 @@ fp32 serving: the groups change the row count of every GEMM, and bf16 rounding w
 """
 
 import pytest
-from test_serve_pipelined import MODEL, PIPELINES, train_checkpoint, workload
+from test_serve_pipelined import MODEL, PIPELINES, eos_cut, train_checkpoint, workload
 
 from dsaflow.config.compose import compose
 from dsaflow.plan import build_plan
@@ -80,9 +80,7 @@ def test_eos_read_one_pass_late_keeps_the_tokens_with_graphs(trained_gpu):
     tokens up to and with its first EOS."""
     prompts, limits = workload()
     ref = gpu_engine(trained_gpu, "single", 1).generate(prompts, limits)
-    eos = max(range(128), key=lambda b: sum(b in o[:-1] for o in ref))
-    cut = [o[: o.index(eos) + 1] if eos in o else o for o in ref]
-    assert sum(len(c) < len(o) for c, o in zip(cut, ref)) >= 16
+    eos, cut = eos_cut(ref, 16)
     for pipeline in ("single", "pp2"):
         eng = gpu_engine(trained_gpu, pipeline, None, ["serve.batching=continuous", f"serve.eos_id={eos}"])
         assert eng.generate(prompts, limits) == cut, pipeline
