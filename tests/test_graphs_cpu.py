@@ -26,7 +26,10 @@ class FakeGraph:
 
     def replay(self):
         self.replays += 1
-        self.output.copy_(self.fn())  # static output, overwritten in place like a real graph replay
+        fresh = self.fn()
+        outputs, fresh = (self.output, fresh) if isinstance(fresh, tuple) else ((self.output,), (fresh,))
+        for static, new in zip(outputs, fresh):
+            static.copy_(new)  # static outputs, overwritten in place like a real graph replay
         return self.output
 
 
@@ -37,7 +40,8 @@ class FakeCapturer:
     def __call__(self, fn):
         self.calls += 1
         out = fn()
-        if tuple(out.shape[:1])[0] in self.fail_on:
+        first = out[0] if isinstance(out, tuple) else out  # a block may return several outputs
+        if first.shape[0] in self.fail_on:
             raise RuntimeError("operation not permitted when stream is capturing")
         g = FakeGraph(fn, out)
         self.graphs.append(g)

@@ -281,6 +281,37 @@ def test_continuous_batching_with_prefill_graphs_prefills_the_top_rows(pipeline)
     assert got == [alone.generate([p], [m])[0] for p, m in zip(prompts, limits)]
 
 
+@pytest.mark.parametrize("pipeline", ["single", "pp2"])
+def test_last_stage_decode_graphs_sample_like_the_eager_path(pipeline):
+    """The last stage's decode graphs sample inside the graph (a fake capturer, which replays like a graph): with
+    temperature, top-p and an EOS byte, every request's tokens equal the eager engine's, and the graph's output is
+    the sampled message itself."""
+    from test_graphs_cpu import FakeCapturer
+
+    prompts, _ = workload(16, seed=11)
+    limits = [2 + (3 * i) % 10 for i in range(16)]
+    sampling = ["serve.temperature=0.9", "serve.top_p=0.8", "serve.seed=3", "serve.eos_id=101"]
+    classes = "[1,2,4,8]" if pipeline == "single" else "[1,2,4]"  # pp2: two groups of 4 rows
+    graphs = ["graphs=decode", f"graphs.blocks.0.shape_classes={classes}"]
+    cfg = compose(["mode=serve", f"pipeline={pipeline}", *MODEL, *SERVE, *sampling, *graphs])
+    eng = build_engine(cfg, build_plan(cfg), 0, "cpu", all_stages=True, capturer=FakeCapturer())
+    eng.capture()
+    outputs, real_run = [], eng.graphs.run
+
+    def run(name, stage, n, inputs):
+        out = real_run(name, stage, n, inputs)
+        if stage == eng.last:
+            outputs.append(out)
+        return out
+
+    eng.graphs.run = run
+    got = eng.generate(prompts, limits)
+    assert outputs and all(isinstance(o, tuple) and o[0].shape == (o[1].shape[0], 2) for o in outputs)
+    want = engine(None, pipeline, None, sampling).generate(prompts, limits)  # graphs off: sampled eagerly
+    assert got == want
+    assert any(len(o) < m for o, m in zip(got, limits))  # some rows ended at the EOS byte
+
+
 def test_host_bound_hint_only_when_the_gpu_waited_on_its_host_with_groups():
     from dsaflow.serve.generate import host_bound_hint
 

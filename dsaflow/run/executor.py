@@ -40,7 +40,7 @@ class Item:
 
     key: items with the same key run one after the other (the next starts once the previous item's feedback arrived).
     hidden: shape of the activation a stage sends to the next ([rows, tokens, dim]); hidden_dtype its dtype.
-    feedback: shape of the int64 message the last stage sends to the feedback ranks ([2, rows] for serving), or None.
+    feedback: shape of the int64 message the last stage sends to the feedback ranks ([rows, 2] for serving), or None.
     payload: whatever the caller's stage function needs (never read by the executor).
     decode: the item is a decode step (the timeline reports the busy fraction of decode ticks separately).
     extra: (shape, dtype) of each tensor that travels with the activation across the boundaries `carries_extra`

@@ -5,7 +5,7 @@ each a contiguous row range with its own slice of every stage's caches and its o
 of one group through every stage (dsaflow.serve.scheduler builds it: prefill chunks and decode steps mixed row by
 row), and the pipelined executor (dsaflow.run.executor) moves passes through the stages in ticks: stage s runs group
 g while stage s+1 runs group g-1. The last stage samples the group's next tokens and sends them, with one EOS flag
-per row ([2, rows] int64), to stage 0's rank, which feeds them into the group's next pass, and with serve.eos_id set
+per row ([rows, 2] int64), to stage 0's rank, which feeds them into the group's next pass, and with serve.eos_id set
 to every rank.
 
 Every rank runs the same scheduler over the same requests, so all ranks build the same passes. Per pass no host sync:
@@ -15,7 +15,8 @@ at the end. Which rows emitted EOS (serve.eos_id) reaches the hosts one pass of 
 
 A stage with a decode / prefill graph block runs through the GraphManager: one graph per group and shape class (the
 group's cache rows are baked into its graph), decode passes padded to the smallest class >= the group's active rows,
-prefill passes run at the group's full rows and padded along tokens. Transfers stay outside graphs.
+prefill passes run at the group's full rows and padded along tokens. The last stage's decode graphs sample too
+(their output is the [rows, 2] message). Transfers stay outside graphs.
 
 With pipeline.cross_stage_indices, a stage that opens on S reads the top-k indices of the previous stage's last F
 layer: they travel with the hidden state (int32 [rows, T, topk], the executor's `extra`) and are copied into the
@@ -25,6 +26,7 @@ group's static index buffer outside any graph, where the stage's S layers (eager
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -35,11 +37,12 @@ from dsaflow.plan.plan import Plan
 from dsaflow.run.executor import Item, PipelineExecutor
 from dsaflow.run.stages import stage_cache
 
+from .blocks import GraphBlocks
 from .checks import check_graph_blocks, requests_of, serve_groups
 from .eos import LateFlags
-from .graphs import GraphManager, StaticInput, choose_shape_class, sync_error_guard
+from .graphs import GraphManager, choose_shape_class, sync_error_guard
 from .report import CaptureReport, run_stats
-from .sampling import sample_keyed
+from .sampling import sample_message
 from .scheduler import Pass, Request, Scheduler, Work, group_ranges, prefill_row_classes
 from .upload import Uploader, pass_vectors
 
@@ -48,7 +51,7 @@ plan_prefill = dense_prefill.plan_prefill  # the engine's one call into the shor
 TOKEN_KEY = 1 << 24  # sampling key = request index * TOKEN_KEY + token index
 
 
-class PipelineEngine:
+class PipelineEngine(GraphBlocks):
     """Serving state of one rank: its stage modules, their caches (split into groups), its graph manager and the
     pipelined executor.
 
@@ -101,6 +104,10 @@ class PipelineEngine:
             max_keys=dense_prefill.masked_max_keys(model_cfg), min_tokens=dense_prefill.MIN_PREFILL_TOKENS
         )
         self.blocks = {s: plan.blocks_of_stage(s) for s in stages}
+        self.keyed = serve_cfg.temperature > 0  # sampling reads each row's key (request, token index)
+        # the last stage's sampling: (logits [rows, V], keys) -> (message [rows, 2], fp32 logits)
+        sampling = {k: getattr(serve_cfg, k) for k in ("temperature", "top_p", "seed", "eos_id")}
+        self._sample = functools.partial(sample_message, **sampling)
         # continuous batching: refills pack the group's rows and prefill its top rows (dsaflow.serve.scheduler,
         # "narrow"); with prefill graphs, through graphs over the top c rows for each of `row_classes`
         self.continuous = str(serve_cfg.batching) == "continuous"  # serve.batching
@@ -123,67 +130,6 @@ class PipelineEngine:
         self.on_finished: Optional[Callable[[int, int], None]] = None  # last rank: (requests done, tokens so far)
 
     # --- setup -------------------------------------------------------------------------------------------------
-    def _graph_name(self, block_name: str, group: int) -> str:
-        return block_name if self.groups == 1 else f"{block_name}/g{group}"
-
-    def _stage_input(self, stage: int, rows: int, tokens: int) -> StaticInput:
-        if stage == self.first:
-            return StaticInput((rows, tokens), torch.long, 0)
-        return StaticInput((rows, tokens, self.model_cfg.dim), self.dtype, 0)
-
-    def _register(self, stage: int, block, group: int) -> None:
-        module, cache = self.stages[stage], self.group_caches[stage][group]
-        top, name = max(block.shape_classes), self._graph_name(block.name, group)
-        top_k = self.model_cfg.index_topk
-        if block.kind == "decode":  # class = batch rows, one token each
-            inputs = {"x": self._stage_input(stage, top, 1), "positions": StaticInput((top, 1), torch.long, -1)}
-            fn = lambda v: module(
-                v["x"],
-                v["positions"],
-                cache,  # noqa: E731
-                indices_in=self._received(stage, cache, v["positions"]),
-            )
-            self.graphs.register(name, "decode", stage, block.shape_classes, 0, fn, inputs)
-        else:  # prefill: class = tokens per chunk, rows fixed at the group's rows; one block per graph label
-            for path in dense_prefill.graph_labels(self.prefill_paths, top_k, cache.max_context + 1):
-                classes = dense_prefill.graph_classes(path, block.shape_classes, top_k, **self.prefill_rule)
-                if not classes:
-                    continue
-                path_name = self._path_name(name, path)
-                self._register_prefill(stage, module, cache, path_name, path, classes)
-                for c in self.row_classes[:-1]:  # the top c rows of the group (the last class is the whole group)
-                    top_rows = cache.rows(cache.max_batch - c, cache.max_batch)
-                    self._register_prefill(stage, module, top_rows, f"{path_name}/r{c}", path, classes)
-
-    def _register_prefill(self, stage: int, module, cache, name: str, path: str, classes) -> None:
-        """A prefill graph block of one attention path: each class replays the path's static hint
-        (`dense_prefill.graph_hint`), so a captured graph never depends on the positions of the pass."""
-        rows, top = cache.max_batch, max(classes)
-        topk, cache_rows = self.model_cfg.index_topk, cache.max_context + 1
-        inputs = {"x": self._stage_input(stage, rows, top), "positions": StaticInput((rows, top), torch.long, -1)}
-        fn = lambda v: module(  # noqa: E731
-            v["x"].contiguous(),
-            v["positions"].contiguous(),
-            cache,
-            indices_in=self._received(stage, cache, v["positions"]),
-            prefill=dense_prefill.graph_hint(path, v["x"].shape[1], topk, cache_rows, self.prefill_rule["max_keys"]),
-        )
-        self.graphs.register(name, "prefill", stage, classes, 1, fn, inputs)
-
-    @staticmethod
-    def _path_name(name: str, path: str) -> str:
-        """The graph block of a prefill graph label: the configured name for sparse, else `<name>+<label>`."""
-        return name if path == "sparse" else f"{name}+{path}"
-
-    def _received(self, stage: int, cache, positions: torch.Tensor) -> Optional[torch.Tensor]:
-        """Cross-stage indices for a stage that opens on S: the [R, T] view of the cache's static index buffer, into
-        which `_stage` copied what the previous stage sent (static memory, so a captured graph reads each pass's
-        copy); None for every other stage."""
-        if not self.plan.receives_indices(stage):
-            return None
-        R, T = positions.shape
-        return cache.index[:R, :T]
-
     def _on_device(self):
         """Device guard: every kernel (eager Triton launches included) runs on this rank's device."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
@@ -201,12 +147,6 @@ class PipelineEngine:
         return report
 
     # --- one stage of one pass -----------------------------------------------------------------------------------
-    def _block_name(self, stage: int, kind: str, group: int, path: str = "sparse") -> Optional[str]:
-        for b in self.blocks.get(stage, ()):
-            if b.kind == kind:
-                return self._path_name(self._graph_name(b.name, group), path)
-        return None
-
     def _stage(self, item: Item, stage: int, x):
         """One stage of one pass -> its output; with cross-stage indices, (output, the indices the next stage reads)
         for every stage but the last. x: the previous stage's output (a tuple with indices likewise), None on
@@ -246,44 +186,47 @@ class PipelineEngine:
                 out = self.stages[stage](x, positions, cache, indices_in=received, prefill=w.hint)
             else:
                 n = x.shape[0] if kind == "decode" else x.shape[1]
-                out = self.graphs.run(name, stage, n, {"x": x, "positions": positions})
+                keys = {"keys": v["keys"]} if kind == "decode" and stage == self.last and self.keyed else {}
+                out = self.graphs.run(name, stage, n, {"x": x, "positions": positions, **keys})
             if self.cross_stage and stage != self.last:
                 return out, cache.index[:R, :T]
             return out
 
-    def _finish(self, item: Item, logits: torch.Tensor) -> torch.Tensor:
-        """Last stage: sample every emitting row -> [2, rows] int64 (tokens, EOS flags)."""
+    def _finish(self, item: Item, out) -> torch.Tensor:
+        """Last stage: sample every emitting row -> [rows, 2] int64 (tokens, EOS flags). out: the last stage's
+        logits [rows, T, V], or what its decode graph sampled (`sample_message`'s pair)."""
         w: Work = item.payload
         with self._sync_guard(item.decode):
             v = w.dev
-            # logits [rows, T, V]: each row samples from its own column (a decode pass has one)
-            picked = (logits[:, 0] if w.p.T == 1 else logits[self.row_ids[: w.rows], v["cols"]]).float()
-            tok = sample_keyed(picked, self.serve.temperature, self.serve.top_p, self.serve.seed, v.get("keys"))
-            eos = self.serve.eos_id
-            flags = (tok == eos).long() if eos is not None else self.no_flags[: w.rows]
+            if isinstance(out, tuple):  # sampled inside the decode graph
+                message, picked = out
+            else:  # logits [rows, T, V]: each row samples from its own column (a decode pass has one)
+                logits = out[:, 0] if w.p.T == 1 else out[self.row_ids[: w.rows], v["cols"]]
+                message, picked = self._sample(logits, v.get("keys"))
             if w.p.emit:
+                tok = message[:, 0]
                 emitted = tok.index_select(0, v["emit_rows"]) if "emit_rows" in v else tok
                 self.out_tokens.view(-1).index_copy_(0, v["emit_slots"], emitted)
             if self.record_logits:
                 for r, _, req, _ in w.p.emit:
                     self.logits_log.setdefault(req, []).append(picked[r].clone())
-            return torch.stack([tok, flags])
+            return message
 
     def _feedback(self, item: Item, message: Optional[torch.Tensor]) -> None:
         """Every rank: the pass is through. Stage 0's rank keeps the tokens; everyone advances the scheduler. message
-        ([2, rows]: tokens, EOS flags) reaches stage 0's rank always, and the other ranks only with serve.eos_id."""
+        ([rows, 2]: tokens, EOS flags) reaches stage 0's rank always, and the other ranks only with serve.eos_id."""
         w: Work = item.payload
         if self.first in self.stages and w.p.emit:  # only rows that sampled: a prefill pass may span decoding rows
             v, last = w.dev, self.last_tokens[w.p.group][w.p.row0 : w.p.row0 + w.rows]
             if "fed_from" in v:
-                last.index_copy_(0, v["fed_from"], message[0].index_select(0, v["fed_from"]))
+                last.index_copy_(0, v["fed_from"], message[:, 0].index_select(0, v["fed_from"]))
             else:  # every row of the pass sampled, in order
-                last.copy_(message[0])
+                last.copy_(message[:, 0])
         late = self.late_eos.take(w.p.group) if self.late_eos else None  # the group's previous pass (eos.py)
         done = self.scheduler.end(*late) if late else []
         done += self.scheduler.finish(w.p)  # drops the tokens of rows that just ended (w.p.emit keeps the rest)
         if self.late_eos and w.p.emit:
-            self.late_eos.put(w.p.group, w.p, message[1])
+            self.late_eos.put(w.p.group, w.p, message)
         if item.finished_at is not None:  # the last stage's rank: when the pass was sampled
             for _, _, req, k in w.p.emit:
                 if k == 0:
@@ -330,7 +273,6 @@ class PipelineEngine:
             self.row_ids = torch.arange(max(b - a for a, b in self.ranges), device=self.device)
             # a decode pass uploads at most 8 ints per row (pass_vectors); longer prefill passes take their own buffer
             self.upload = Uploader(self.device, 8 * len(self.row_ids) + 64, stages=self.plan.num_stages)
-            self.no_flags = torch.zeros_like(self.row_ids)  # the EOS flags when serve.eos_id is unset
             # the feedback: stage 0's rank feeds the tokens back in; the others read only the EOS flags
             feedback = None if s.eos_id is not None else [self.owner[self.first]]
             self.executor = PipelineExecutor(
@@ -384,10 +326,9 @@ class PipelineEngine:
                 work.hint = None  # no masked graphs (dense_prefill.graph_classes): the sparse graph replays
             work.path = dense_prefill.graph_label(work.hint, topk, cache_rows)
         first, last = self.first in self.stages, self.last in self.stages
-        keyed = self.serve.temperature > 0
-        work.dev = self.upload(pass_vectors(p, cols, keys, first, last, self.out_width, keyed))
+        work.dev = self.upload(pass_vectors(p, cols, keys, first, last, self.out_width, self.keyed))
         extra = (((rows, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
-        return Item(p.group, (rows, p.T, self.model_cfg.dim), self.dtype, work, (2, rows), p.decode_only, extra)
+        return Item(p.group, (rows, p.T, self.model_cfg.dim), self.dtype, work, (rows, 2), p.decode_only, extra)
 
     def _summarise(self, tl: Dict[str, float], ticks: int, requests: List[Request]) -> None:
         self.timings["prefill_s"] = tl["wall_s"] - tl["decode_wall_s"]

@@ -23,26 +23,29 @@ class LateFlags:
     def __init__(self, device: torch.device, group_rows: Sequence[int]):
         self.cuda = torch.device(device).type == "cuda"
         self.pending: Dict[int, Tuple[Pass, torch.Tensor, Optional[torch.cuda.Event]]] = {}
-        self.host = [torch.zeros(n, dtype=torch.long, pin_memory=True) for n in group_rows] if self.cuda else []
+        self.host = [torch.zeros(n, 2, dtype=torch.long, pin_memory=True) for n in group_rows] if self.cuda else []
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None  # looked up once (see Uploader)
 
-    def put(self, group: int, p: Pass, flags: torch.Tensor) -> None:
-        """Start copying pass p's flags [rows] to the host. The group's pinned buffer is free: `take` waited for its
-        previous copy before this pass finished."""
-        if not self.cuda:
-            self.pending[group] = (p, flags, None)
+    def put(self, group: int, p: Pass, message: torch.Tensor) -> None:
+        """Start copying pass p's message [rows, 2] (tokens, EOS flags) to the host. The group's pinned buffer is
+        free: `take` waited for its previous copy before this pass finished. The whole message travels, so the copy
+        needs no strided gather of the flags column."""
+        if not self.cuda:  # read now: the message may be a graph's static output, which the next replay rewrites
+            self.pending[group] = (p, message[:, 1].tolist(), None)
             return
-        host = self.host[group][: flags.numel()]
-        host.copy_(flags, non_blocking=True)
+        host = self.host[group][: message.shape[0]]
+        host.copy_(message, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(self.stream)
         self.pending[group] = (p, host, copied)
 
     def take(self, group: int) -> Optional[Tuple[Pass, List[int]]]:
-        """The group's previous pass and its flags (one int per pass row), or None; waits for the copy (done)."""
+        """The group's previous pass and its EOS flags (one int per pass row), or None; waits for the copy (done)."""
         got = self.pending.pop(group, None)
         if got is None:
             return None
         p, host, copied = got
-        if copied is not None:
-            copied.synchronize()
-        return p, host.tolist()
+        if copied is None:  # CPU: read at `put`
+            return p, host
+        copied.synchronize()
+        return p, host[:, 1].tolist()

@@ -270,7 +270,8 @@ class GraphManager:
     # --- calls -------------------------------------------------------------------------------------------------
     def run(self, name: str, stage: int, n: int, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Run block (name, stage) for n rows: pad inputs into the static buffers of the smallest class >= n, replay
-        (or run eagerly), return the first n rows of the output along the class dim."""
+        (or run eagerly), return the first n rows of the output along the class dim (of each output, for a block
+        whose fn returns a tuple)."""
         block = self.blocks[(name, stage)]
         c = choose_shape_class(block.classes, n)
         views = block.views(c)
@@ -285,4 +286,6 @@ class GraphManager:
             if key not in self._graphs:
                 self._capture(key)
             out = self._graphs[key].replay() if key in self._graphs else block.fn(views)
+        if isinstance(out, tuple):
+            return tuple(o.narrow(block.class_dim, 0, n) for o in out)
         return out.narrow(block.class_dim, 0, n)

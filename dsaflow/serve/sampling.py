@@ -85,3 +85,15 @@ def sample_keyed(logits: torch.Tensor, temperature: float, top_p: float, seed: i
     gives the same tokens whatever the batch, the microbatch groups or the pipeline split."""
     race = lambda probs: -torch.log(keyed_uniform(seed, keys, probs.shape[-1]))  # noqa: E731
     return _race_sample(logits, temperature, top_p, race, "sample_keyed")
+
+
+def sample_message(
+    logits: torch.Tensor, keys: torch.Tensor | None, *, temperature: float, top_p: float, seed: int, eos_id: int | None
+):
+    """The last stage's sampling of one serving pass: logits [rows, V] (each row's sampled column) -> (message
+    [rows, 2] int64: tokens, EOS flags (0 without an eos_id); the fp32 logits [rows, V]). Fixed-shape ops only, so
+    the last stage's decode graphs run it inside the graph."""
+    picked = logits.float()
+    tok = sample_keyed(picked, temperature, top_p, seed, keys)
+    flags = (tok == eos_id).long() if eos_id is not None else torch.zeros_like(tok)
+    return torch.stack([tok, flags], dim=1), picked
