@@ -8,6 +8,18 @@ import pytest
 import torch
 
 from dsaflow.run.executor import Item, PipelineExecutor, run_items, segments_of
+from dsaflow.run.transfer_graphs import TransferGraphs
+
+
+class RecordingCapturer:
+    """Like a CUDA graph capture: records the transfers without posting them; each replay posts them."""
+
+    def __init__(self):
+        self.captured = 0
+
+    def __call__(self, fn):
+        self.captured += 1
+        return type("Replay", (), {"replay": staticmethod(fn)})()
 
 
 class QueueLink:
@@ -25,10 +37,12 @@ class QueueLink:
                 tensor.copy_(got)
 
 
-def serve_like(owner, groups, passes, feedback_ranks=None, leftovers=None):
+def serve_like(owner, groups, passes, feedback_ranks=None, leftovers=None, graphs=None, decode=True):
     """Every rank: `groups` keys, `passes` items each; stage s adds 10**s; the last stage's feedback is the value,
     which the next item of that key starts from (like a sampled token). -> per rank: (ticks, work log, feedback);
-    a rank outside `feedback_ranks` logs (key, None). `leftovers` (a list) gets every message no one received."""
+    a rank outside `feedback_ranks` logs (key, None). `leftovers` (a list) gets every message no one received.
+    graphs (a dict): each rank's decode ticks' transfers through `TransferGraphs` with a recording capturer, stored
+    there by rank; decode: the items are decode steps."""
     ranks = sorted(set(owner.values()))
     queues = {(a, b): queue.Queue() for a in ranks for b in ranks if a != b}
     results, errors = {}, []
@@ -36,7 +50,10 @@ def serve_like(owner, groups, passes, feedback_ranks=None, leftovers=None):
     def rank_main(rank):
         try:
             link = QueueLink(rank, queues) if len(ranks) > 1 else None
-            ex = PipelineExecutor(owner, rank, link, feedback_ranks=feedback_ranks)
+            transfer = None
+            if graphs is not None:
+                transfer = graphs[rank] = TransferGraphs(link, "cpu", capturer=RecordingCapturer())
+            ex = PipelineExecutor(owner, rank, link, feedback_ranks=feedback_ranks, decode_transfer=transfer)
             done = {g: 0 for g in range(groups)}
             value = {g: float(g) for g in range(groups)}
             log, fed = [], []
@@ -48,7 +65,7 @@ def serve_like(owner, groups, passes, feedback_ranks=None, leftovers=None):
                     g = (state["rr"] + k) % groups
                     if free(g) and done[g] < passes:
                         state["rr"] = g + 1
-                        return Item(g, (1, 1, 2), torch.float32, payload=value[g], feedback=(2, 1))
+                        return Item(g, (1, 1, 2), torch.float32, payload=value[g], feedback=(2, 1), decode=decode)
                 return None
 
             def stage_fn(item, s, x):
@@ -101,6 +118,59 @@ def test_two_ranks_groups_in_flight(groups):
         assert t0 == 2 * 5 and busy0 == 5
     else:  # two or more: rank 0 works every tick but the drain
         assert t0 == 5 * groups + 1 and busy0 == 5 * groups
+
+
+@pytest.mark.parametrize("owner", [{0: 0, 1: 1}, {0: 0, 1: 1, 2: 2}, {0: 0, 1: 1, 2: 0, 3: 1}])
+def test_transfers_replayed_from_graphs_equal_eager_posting(owner):
+    """Every tick's transfers through TransferGraphs (captured once per signature, replayed after): the same ticks,
+    work and feedback as posting them eagerly, from a handful of captures."""
+    groups = len(owner)
+    graphs = {}
+    replayed = serve_like(owner, groups, passes=6, graphs=graphs)
+    eager = serve_like(owner, groups, passes=6)
+    assert replayed == eager
+    prefill = {}
+    assert serve_like(owner, groups, passes=6, graphs=prefill, decode=False) == eager
+    assert all(tg.captures == tg.replays == 0 for tg in prefill.values())  # only decode ticks replay
+    for tg in graphs.values():
+        assert 0 < tg.captures <= 8 and tg.replays > 3 * tg.captures and tg.eager_ticks == 0  # fill, steady, drain
+
+
+def test_transfer_graphs_pad_short_sends_and_reuse_static_buffers():
+    """A send with fewer rows than its declared shape travels in the first rows of the static buffer; each signature
+    is captured once; the receive buffer of a signature is the same tensor at every replay (read it before the next);
+    past max_graphs, new signatures post eagerly (padded with zeros)."""
+    queues = {(0, 1): queue.Queue(), (1, 0): queue.Queue()}
+    got, errors = {0: [], 1: []}, []
+
+    def rank_main(rank):
+        try:
+            tg = TransferGraphs(QueueLink(rank, queues), "cpu", capturer=RecordingCapturer(), max_graphs=2)
+            for tick in range(6):
+                rows = 1 + tick % 2  # two signatures (declared shapes), alternating, then a third past max_graphs
+                declared = ((4, 3), (2, 3))[tick % 2] if tick < 5 else (5, 3)
+                if rank == 0:
+                    out = tg([("send", torch.full((rows, 3), float(tick)), 1, declared)])
+                    assert out == []
+                else:
+                    (buf,) = tg([("recv", (declared, torch.float32), 0)])
+                    got[1].append((tick, buf, buf.clone()))
+            got[rank].append((tg.captures, tg.replays, tg.eager_ticks))
+        except Exception as exc:  # noqa: BLE001 - surfaced in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert got[0] == [(2, 5, 1)] and got[1][-1] == (2, 5, 1)
+    for tick, _buf, seen in got[1][:-1]:
+        rows = 1 + tick % 2
+        assert torch.equal(seen[:rows], torch.full((rows, 3), float(tick)))
+    assert got[1][0][1] is got[1][2][1] and got[1][1][1] is got[1][3][1]  # one static buffer per signature
+    assert torch.equal(got[1][5][2][2:], torch.zeros(3, 3))  # eager: padded with zeros
 
 
 def test_feedback_goes_only_to_the_ranks_that_read_it():

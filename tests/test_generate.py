@@ -209,6 +209,7 @@ ERRORS = [
     (["serve.checkpoint=/nope"], "serve.checkpoint=/nope does not exist"),
     (["graphs=decode", "serve.max_batch=4"], r"shape_classes=\[1, 2, 4, 8\] go beyond serve.max_batch=4"),
     (["graphs=decode_prefill"], r"largest prefill class must equal serve.prefill_chunk=4"),
+    (["graphs.transfers=true"], r"graphs.transfers=true pads .* graphs=off has no decode block"),
 ]
 
 
@@ -251,6 +252,11 @@ def test_more_serve_errors(tmp_path):
         check_serve(cfg, plan, "cpu")
     cfg, plan = setup(["serve.prompts=[a]", "graphs=decode", "graphs.on_failure=eager"])
     check_serve(cfg, plan, "cpu")  # explicit eager on CPU is allowed (and reported as eager)
+    cfg, plan = setup(["serve.prompts=[a]", "graphs=decode", "graphs.on_failure=eager", "graphs.transfers=true"])
+    with pytest.raises(ServeError, match="graphs.transfers=true replays NCCL transfers .* run on cpu"):
+        check_serve(cfg, plan, "cpu")
+    with pytest.raises(PlanError, match="graphs.transfers=true replays serving transfers .* mode=train"):
+        build_plan(compose(["graphs.transfers=true", "track=none"]))
 
     def head_block(c):
         c.graphs.blocks[0].kind = "head"

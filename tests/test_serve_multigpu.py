@@ -59,10 +59,11 @@ def greedy_reference(trained_on_cpu):
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("pipeline", ["pp2", "pp4"])
-@pytest.mark.parametrize("microbatches", [1, None])
+@pytest.mark.parametrize("microbatches,transfers", [(1, False), (None, False), (None, True)])
 def test_nccl_ranks_serve_the_greedy_tokens_of_one_stage(
-    trained_on_cpu, greedy_reference, tmp_path, pipeline, microbatches
+    trained_on_cpu, greedy_reference, tmp_path, pipeline, microbatches, transfers
 ):
+    """transfers: graphs.transfers=true, each decode tick's NCCL transfers replayed from CUDA graphs."""
     if RANKS[pipeline] > torch.cuda.device_count():
         pytest.skip(f"{pipeline} needs {RANKS[pipeline]} GPUs, this machine has {torch.cuda.device_count()}")
     prompts, limits, ref = greedy_reference
@@ -80,6 +81,7 @@ def test_nccl_ranks_serve_the_greedy_tokens_of_one_stage(
         f"graphs.blocks.0.shape_classes=[{decode_classes}]",
         "graphs.blocks.1.shape_classes=[8,16]",
         *([] if microbatches is None else [f"serve.microbatches={microbatches}"]),
+        *(["graphs.transfers=true"] if transfers else []),
     )
     assert [r["num_tokens"] for r in rows] == limits
     assert [r["tokens"] for r in rows] == ref, (pipeline, microbatches)
@@ -87,3 +89,10 @@ def test_nccl_ranks_serve_the_greedy_tokens_of_one_stage(
         rep = json.loads((tmp_path / "run" / f"graphs_rank{r}.json").read_text())
         assert rep["eager"] == 0 and rep["captured"] > 0
         assert {x["device"] for x in rep["records"]} == {f"cuda:{r}"}
+        log = (tmp_path / "run" / f"serve_rank{r}.log").read_text()
+        if transfers:  # the decode ticks replayed their transfers, from few captures
+            line = log.split("transfer graphs: ")[1]
+            captured, replays = int(line.split()[0]), int(line.split(", ")[1].split()[0])
+            assert 0 < captured < replays
+        else:
+            assert "transfer graphs" not in log

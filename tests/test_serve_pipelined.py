@@ -312,6 +312,58 @@ def test_last_stage_decode_graphs_sample_like_the_eager_path(pipeline):
     assert any(len(o) < m for o, m in zip(got, limits))  # some rows ended at the EOS byte
 
 
+def test_decode_transfers_replayed_from_graphs_serve_the_same_tokens():
+    """graphs.transfers on pp2 (two ranks as threads joined by an in-memory link; graphs and transfer graphs faked
+    like a capture: recorded, then replayed): decode ticks replay their transfers, padded to the decode classes,
+    from a few captures, and every request's tokens (sampled, with an EOS byte; stage 1 opens on S, so cross-stage
+    indices travel with the activations) equal one process serving both stages."""
+    import queue
+    import threading
+
+    from test_executor import QueueLink, RecordingCapturer
+    from test_graphs_cpu import FakeCapturer
+
+    prompts, _ = workload(16, seed=13)
+    limits = [2 + (5 * i) % 11 for i in range(16)]
+    extra = ["serve.temperature=0.9", "serve.seed=5", "layout=FSSS|SFSS", "graphs=decode"]
+    extra += ["graphs.blocks.0.shape_classes=[1,2,4]", "graphs.transfers=true", "pipeline.cross_stage_indices=true"]
+    cfg = compose(["mode=serve", "pipeline=pp2", "model.num_layers=8", "track=none", *SERVE, *extra])
+    plan = build_plan(cfg)
+
+    def one_process():
+        eng = build_engine(cfg, plan, 0, "cpu", all_stages=True, capturer=FakeCapturer())
+        eng.capture()
+        return eng.generate(prompts, limits)
+
+    later = [t for o in one_process() for t in o[1:]]
+    cfg.serve.eos_id = max(set(later), key=later.count)  # a byte that ends several rows early
+    queues = {(0, 1): queue.Queue(), (1, 0): queue.Queue()}
+    engines, got, errors = {}, {}, []
+
+    def rank_main(rank):
+        try:
+            eng = build_engine(cfg, plan, rank, "cpu", link=QueueLink(rank, queues), capturer=FakeCapturer())
+            eng.transfer_capturer = RecordingCapturer()
+            eng.capture()
+            engines[rank] = eng
+            got[rank] = eng.generate(prompts, limits)
+        except Exception as exc:  # noqa: BLE001 - surfaced in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert got[0] is None and got[1] == one_process()
+    assert any(len(o) < m for o, m in zip(got[1], limits))  # EOS ended some rows
+    for eng in engines.values():
+        tg = eng.transfers
+        assert tg is not None and tg.eager_ticks == 0
+        assert 0 < tg.captures <= 3 * 3 * 3 and tg.replays > 2 * tg.captures  # shapes of 3 classes recur
+
+
 def test_host_bound_hint_only_when_the_gpu_waited_on_its_host_with_groups():
     from dsaflow.serve.generate import host_bound_hint
 

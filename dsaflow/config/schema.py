@@ -7,9 +7,8 @@ compose time with a message naming the field, the value and what is allowed. Def
 run (CPU-sized); `configs/model/tiny.yaml` only names them.
 
 Ownership: each group's dataclass is the single place its fields are declared; the planner (`dsaflow.plan`) checks
-only cross-field rules. Upper bounds are sizes no machine can hold (they stop a typo such as an extra zero before it
-allocates hundreds of GB); what fits a given machine is the launcher's pre-launch resource check.
-"""
+only cross-field rules. Upper bounds are sizes no machine can hold (they stop a typo such as an extra zero); what
+fits a given machine is the launcher's pre-launch resource check."""
 
 from __future__ import annotations
 
@@ -153,6 +152,7 @@ class GraphsConfig:
     max_shape: int = num(256, 1, 65536)  # largest allowed shape class (batch for decode, tokens for prefill)
     cache: bool = True  # false = debug bypass: evict before lookup, capture afresh on every call
     on_failure: OnFailure = OnFailure.error
+    transfers: bool = False  # serving on NCCL: decode ticks' transfers replayed from CUDA graphs (transfer_graphs.py)
 
 
 @dataclass

@@ -40,6 +40,11 @@ def _check_shapes(block, max_shape: int) -> Tuple[int, ...]:
 
 def plan_graph_blocks(cfg, stage_of: Sequence[int], num_stages: int) -> Tuple[GraphBlockPlan, ...]:
     g = cfg.graphs
+    if g.transfers and cfg.mode != "serve":
+        raise PlanError(
+            f"graphs.transfers=true replays serving transfers from CUDA graphs, but mode={cfg.mode}. Fix: "
+            "graphs.transfers=false, or serve (mode=serve, `dsaflow generate`)."
+        )
     if not g.blocks:
         return ()
     names = [b.name for b in g.blocks]

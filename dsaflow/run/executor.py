@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .transfer_graphs import post_eagerly
+
 HOST_PHASES = ("pick", "stage", "exchange", "feedback")  # one tick's host work, in order (Timeline.decode_host)
 HOST_LATE_S = 50e-6  # a span the GPU starts within this of its issue found the GPU idle (the host was late)
 
@@ -192,7 +194,10 @@ class PipelineExecutor:
     local); peer: pipeline rank -> global rank for the link (identity by default); carries_extra(stage): whether
     the boundary after `stage` carries each item's `extra` tensors (default: none does); feedback_ranks: the
     pipeline ranks that receive each item's feedback (default: every rank). A transfer costs every rank on its path
-    host time each tick, so a message nobody reads is not sent."""
+    host time each tick, so a message nobody reads is not sent. decode_transfer(ops) -> received tensors: how the
+    transfers of a decode tick (every item in flight decodes; the same ticks on every rank) are posted, e.g. replayed
+    from CUDA graphs (`TransferGraphs`); other ticks, and all by default, post eagerly on the link (`post_eagerly`).
+    A send travels at its item's declared shape (`hidden`, `extra`, `feedback`): an output with fewer rows is padded."""
 
     def __init__(
         self,
@@ -203,6 +208,7 @@ class PipelineExecutor:
         peer: Optional[Callable[[int], int]] = None,
         carries_extra: Optional[Callable[[int], bool]] = None,
         feedback_ranks: Optional[Sequence[int]] = None,
+        decode_transfer: Optional[Callable[[list], List[torch.Tensor]]] = None,
     ):
         self.segments = segments_of(owner)
         self.carries_extra = carries_extra or (lambda stage: False)
@@ -217,6 +223,7 @@ class PipelineExecutor:
         if unknown:
             raise ValueError(f"PipelineExecutor: feedback_ranks {sorted(unknown)} run no stage.")
         self.timeline = Timeline(self.device)
+        self.decode_transfer = decode_transfer
 
     @property
     def last_rank(self) -> int:
@@ -256,7 +263,7 @@ class PipelineExecutor:
             work = [(j, started[t - j]) for j in self.mine if (t - j) in started]
             h1 = clock()
             tick_decode = all(f.item.decode for f in started.values())  # the same on every rank
-            sends: List[Tuple[Tuple[int, int], torch.Tensor, int]] = []
+            sends: List[Tuple[Tuple[int, int, int], torch.Tensor, int, Tuple[int, ...]]] = []
             message: Optional[torch.Tensor] = None
             for j, flight in work:
                 x = inbox.pop((flight.start, j)) if j > 0 else None
@@ -271,17 +278,18 @@ class PipelineExecutor:
                 if j < K - 1:
                     parts = x if isinstance(x, tuple) else (x,)
                     dst = self.segments[j + 1][0]
-                    sends.append(((flight.start, 0, 0), parts[0].to(flight.item.hidden_dtype), dst))
-                    if self._carries(j, flight.item):
-                        for e, part in enumerate(parts[1:], start=1):
-                            sends.append(((flight.start, 0, e), part, dst))
+                    item = flight.item
+                    sends.append(((flight.start, 0, 0), parts[0].to(item.hidden_dtype), dst, item.hidden))
+                    if self._carries(j, item):
+                        for e, (part, (shape, _)) in enumerate(zip(parts[1:], item.extra), start=1):
+                            sends.append(((flight.start, 0, e), part, dst, shape))
                 elif message is not None and flight.item.feedback is not None:
                     for r in self.feedback_ranks:
                         if r != self.rank:
-                            sends.append(((flight.start, 1, 0), message, r))
+                            sends.append(((flight.start, 1, 0), message, r, flight.item.feedback))
             h2 = clock()
             recvs = self._recvs(t, started, K)
-            got = self._exchange(sends, recvs)
+            got = self._exchange(sends, recvs, tick_decode)
             for (tick, j, part), buf in sorted(got.items(), key=lambda kv: kv[0]):
                 if j == -1:
                     message = buf
@@ -333,12 +341,12 @@ class PipelineExecutor:
             recvs.append(((f.start, -1, 0), f.item.feedback, torch.long, self.last_rank))
         return recvs
 
-    def _exchange(self, sends, recvs) -> Dict[Tuple[int, int], torch.Tensor]:
+    def _exchange(self, sends, recvs, decode: bool) -> Dict[Tuple[int, int], torch.Tensor]:
         """Post every send and receive of one tick in one batch, in a canonical order (start tick, then activations
-        before feedback), which both sides of each pair build identically; wait; return the received tensors."""
+        before feedback), which both sides of each pair build identically; return the received tensors."""
         if not sends and not recvs:
             return {}
-        ops = [(key, "send", tensor, peer) for key, tensor, peer in sends]
+        ops = [(key, "send", (tensor, shape), peer) for key, tensor, peer, shape in sends]
         ops += [(key, "recv", (shape, dtype), peer) for key, shape, dtype, peer in recvs]
 
         def order(op):  # sends key feedback as (start, 1, 0), receives as (start, -1, 0); activations come first,
@@ -346,16 +354,15 @@ class PipelineExecutor:
             return start, (j == 1) if kind == "send" else (j == -1), part
 
         ops.sort(key=order)
-        posted, out = [], {}
-        for key, kind, what, peer in ops:
-            if kind == "send":
-                posted.append(("send", what.contiguous(), self.peer(peer)))
-            else:
-                buf = torch.empty(what[0], dtype=what[1], device=self.device)
-                out[key] = buf
-                posted.append(("recv", buf, self.peer(peer)))
-        self.link.exchange(posted)
-        return out
+        posted = [
+            ("send", what[0], self.peer(peer), what[1]) if kind == "send" else ("recv", what, self.peer(peer))
+            for _, kind, what, peer in ops
+        ]
+        if decode and self.decode_transfer is not None:
+            received = iter(self.decode_transfer(posted))
+        else:
+            received = iter(post_eagerly(self.link, posted, self.device))
+        return {key: next(received) for key, kind, _, _ in ops if kind == "recv"}
 
 
 def run_items(executor: PipelineExecutor, items: Sequence[Item], stage_fn, finish=None) -> int:

@@ -16,7 +16,9 @@ at the end. Which rows emitted EOS (serve.eos_id) reaches the hosts one pass of 
 A stage with a decode / prefill graph block runs through the GraphManager: one graph per group and shape class (the
 group's cache rows are baked into its graph), decode passes padded to the smallest class >= the group's active rows,
 prefill passes run at the group's full rows and padded along tokens. The last stage's decode graphs sample too
-(their output is the [rows, 2] message). Transfers stay outside graphs.
+(their output is the [rows, 2] message). With graphs.transfers, the transfers of decode ticks are replayed from
+graphs of their own (dsaflow/run/transfer_graphs.py), every pass's activations and message padded to the decode
+class of its rows, so that a tick's transfers recur; a stage narrows what it receives back to the pass's rows.
 
 With pipeline.cross_stage_indices, a stage that opens on S reads the top-k indices of the previous stage's last F
 layer: they travel with the hidden state (int32 [rows, T, topk], the executor's `extra`) and are copied into the
@@ -36,6 +38,7 @@ from dsaflow.model import dense_prefill
 from dsaflow.plan.plan import Plan
 from dsaflow.run.executor import Item, PipelineExecutor
 from dsaflow.run.stages import stage_cache
+from dsaflow.run.transfer_graphs import TransferGraphs
 
 from .blocks import GraphBlocks
 from .checks import check_graph_blocks, requests_of, serve_groups
@@ -120,6 +123,11 @@ class PipelineEngine(GraphBlocks):
             for b in blocks:
                 for g in range(self.groups):
                     self._register(s, b, g)
+        # graphs.transfers: decode ticks' transfers replayed from CUDA graphs, padded to the decode block's classes
+        decode_blocks = [b for b in plan.graph_blocks if b.kind == "decode"]
+        self.transfer_classes = tuple(decode_blocks[0].shape_classes) if graphs_cfg.transfers and decode_blocks else ()
+        self.transfers: Optional[TransferGraphs] = None  # built at the first generate on a rank with a link
+        self.transfer_capturer = None  # TransferGraphs' capturer (tests inject one; default: CUDA)
         self.record_logits = False
         # strict_sync: run every decode pass under torch.cuda.set_sync_debug_mode("error") (proof of no host sync;
         # needs graphs.cache=true, since a fresh capture syncs by design)
@@ -155,6 +163,8 @@ class PipelineEngine(GraphBlocks):
         if isinstance(x, tuple):
             x, indices = x
         w: Work = item.payload
+        if x is not None and x.shape[0] != w.rows:  # padded to a transfer class (graphs.transfers)
+            x, indices = x[: w.rows], (None if indices is None else indices[: w.rows])
         with self._sync_guard(item.decode):
             p, v = w.p, w.dev
             if stage == self.first:
@@ -216,6 +226,7 @@ class PipelineEngine(GraphBlocks):
         """Every rank: the pass is through. Stage 0's rank keeps the tokens; everyone advances the scheduler. message
         ([rows, 2]: tokens, EOS flags) reaches stage 0's rank always, and the other ranks only with serve.eos_id."""
         w: Work = item.payload
+        message = None if message is None else message[: w.rows]  # padded to a transfer class (graphs.transfers)
         if self.first in self.stages and w.p.emit:  # only rows that sampled: a prefill pass may span decoding rows
             v, last = w.dev, self.last_tokens[w.p.group][w.p.row0 : w.p.row0 + w.rows]
             if "fed_from" in v:
@@ -282,6 +293,7 @@ class PipelineEngine(GraphBlocks):
                 self.device,
                 carries_extra=self.plan.sends_indices,
                 feedback_ranks=feedback,
+                decode_transfer=self._transfer_graphs(),
             )
             self.late_eos = LateFlags(self.device, [b - a for a, b in self.ranges]) if s.eos_id is not None else None
             rr = [0]
@@ -327,8 +339,16 @@ class PipelineEngine(GraphBlocks):
             work.path = dense_prefill.graph_label(work.hint, topk, cache_rows)
         first, last = self.first in self.stages, self.last in self.stages
         work.dev = self.upload(pass_vectors(p, cols, keys, first, last, self.out_width, self.keyed))
-        extra = (((rows, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
-        return Item(p.group, (rows, p.T, self.model_cfg.dim), self.dtype, work, (rows, 2), p.decode_only, extra)
+        # what travels: with graphs.transfers a decode pass's rows padded to their class (the tick's shapes recur)
+        sent = choose_shape_class(self.transfer_classes, rows) if self.transfer_classes and p.decode_only else rows
+        extra = (((sent, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
+        return Item(p.group, (sent, p.T, self.model_cfg.dim), self.dtype, work, (sent, 2), p.decode_only, extra)
+
+    def _transfer_graphs(self) -> Optional[TransferGraphs]:
+        """The rank's TransferGraphs (graphs.transfers, kept across runs), or None."""
+        if self.transfer_classes and self.link is not None and self.transfers is None:
+            self.transfers = TransferGraphs(self.link, self.device, capturer=self.transfer_capturer)
+        return self.transfers
 
     def _summarise(self, tl: Dict[str, float], ticks: int, requests: List[Request]) -> None:
         self.timings["prefill_s"] = tl["wall_s"] - tl["decode_wall_s"]

@@ -128,6 +128,17 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Requests:
             f"graphs={cfg.graphs.name} requests CUDA graph blocks {[b.name for b in plan.graph_blocks]} but the "
             f"workers run on cpu. Fix: graphs=off on CPU, or graphs.on_failure=eager to run the blocks eagerly."
         )
+    if cfg.graphs.transfers and device_type == "cpu":
+        raise ServeError(
+            "graphs.transfers=true replays NCCL transfers from CUDA graphs, but the workers run on cpu. Fix: "
+            "graphs.transfers=false on CPU."
+        )
+    if cfg.graphs.transfers and not any(b.kind == "decode" for b in plan.graph_blocks):
+        raise ServeError(
+            f"graphs.transfers=true pads each decode tick's transfers to the decode block's shape classes, but "
+            f"graphs={cfg.graphs.name} has no decode block. Fix: graphs=decode or graphs=decode_prefill, or "
+            "graphs.transfers=false."
+        )
     tok = ByteTokenizer()
     loaded = load_requests(s)
     ids = [tok.encode(p) for p, _, _ in loaded]
@@ -270,6 +281,9 @@ def run_serve(ctx) -> None:
         f"{'continuous' if engine.continuous else 'fixed'} batching, busy "
         f"{st['busy_fraction']:.2f} of the time, {st['decode_busy']:.2f} in decode)"
     )
+    tg = engine.transfers
+    if tg is not None:  # graphs.transfers: how this rank's decode ticks posted their transfers
+        summary += f"; transfer graphs: {tg.captures} captured, {tg.replays} replays, {tg.eager_ticks} ticks eager"
     _log(ctx.run_dir, ctx.rank, summary)
     if rows is not None:
         write_outputs(reqs.prompts, [], cfg.serve.output_file, rows)
