@@ -37,6 +37,25 @@ class QueueLink:
                 tensor.copy_(got)
 
 
+def run_ranks(ranks, rank_main, timeout=60):
+    """rank_main(rank) for every rank, each in its own thread (joined by a QueueLink); an exception in any of them
+    fails the caller."""
+    errors = []
+
+    def guarded(rank):
+        try:
+            rank_main(rank)
+        except Exception as exc:  # noqa: BLE001 - surfaced in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+
+
 def serve_like(owner, groups, passes, feedback_ranks=None, leftovers=None, graphs=None, decode=True):
     """Every rank: `groups` keys, `passes` items each; stage s adds 10**s; the last stage's feedback is the value,
     which the next item of that key starts from (like a sampled token). -> per rank: (ticks, work log, feedback);
@@ -45,56 +64,48 @@ def serve_like(owner, groups, passes, feedback_ranks=None, leftovers=None, graph
     there by rank; decode: the items are decode steps."""
     ranks = sorted(set(owner.values()))
     queues = {(a, b): queue.Queue() for a in ranks for b in ranks if a != b}
-    results, errors = {}, []
+    results = {}
 
     def rank_main(rank):
-        try:
-            link = QueueLink(rank, queues) if len(ranks) > 1 else None
-            transfer = None
-            if graphs is not None:
-                transfer = graphs[rank] = TransferGraphs(link, "cpu", capturer=RecordingCapturer())
-            ex = PipelineExecutor(owner, rank, link, feedback_ranks=feedback_ranks, decode_transfer=transfer)
-            done = {g: 0 for g in range(groups)}
-            value = {g: float(g) for g in range(groups)}
-            log, fed = [], []
-            state = {"rr": 0, "tick": 0}
+        link = QueueLink(rank, queues) if len(ranks) > 1 else None
+        transfer = None
+        if graphs is not None:
+            transfer = graphs[rank] = TransferGraphs(link, "cpu", capturer=RecordingCapturer())
+        ex = PipelineExecutor(owner, rank, link, feedback_ranks=feedback_ranks, decode_transfer=transfer)
+        done = {g: 0 for g in range(groups)}
+        value = {g: float(g) for g in range(groups)}
+        log, fed = [], []
+        state = {"rr": 0, "tick": 0}
 
-            def pick(free):
-                state["tick"] += 1
-                for k in range(groups):
-                    g = (state["rr"] + k) % groups
-                    if free(g) and done[g] < passes:
-                        state["rr"] = g + 1
-                        return Item(g, (1, 1, 2), torch.float32, payload=value[g], feedback=(2, 1), decode=decode)
-                return None
+        def pick(free):
+            state["tick"] += 1
+            for k in range(groups):
+                g = (state["rr"] + k) % groups
+                if free(g) and done[g] < passes:
+                    state["rr"] = g + 1
+                    return Item(g, (1, 1, 2), torch.float32, payload=value[g], feedback=(2, 1), decode=decode)
+            return None
 
-            def stage_fn(item, s, x):
-                log.append((state["tick"], s, item.key))
-                base = torch.full((1, 1, 2), item.payload) if s == 0 else x
-                return base + 10**s
+        def stage_fn(item, s, x):
+            log.append((state["tick"], s, item.key))
+            base = torch.full((1, 1, 2), item.payload) if s == 0 else x
+            return base + 10**s
 
-            def finish(item, out):
-                return torch.tensor([[int(out[0, 0, 0])], [0]])
+        def finish(item, out):
+            return torch.tensor([[int(out[0, 0, 0])], [0]])
 
-            def on_feedback(item, msg):
-                done[item.key] += 1
-                if msg is None:
-                    fed.append((item.key, None))
-                    return
-                value[item.key] = float(msg[0, 0])
-                fed.append((item.key, int(msg[0, 0])))
+        def on_feedback(item, msg):
+            done[item.key] += 1
+            if msg is None:
+                fed.append((item.key, None))
+                return
+            value[item.key] = float(msg[0, 0])
+            fed.append((item.key, int(msg[0, 0])))
 
-            ticks = ex.run(pick, stage_fn, finish, on_feedback)
-            results[rank] = (ticks, log, fed)
-        except Exception as exc:  # noqa: BLE001 - surfaced in the main thread
-            errors.append(exc)
+        ticks = ex.run(pick, stage_fn, finish, on_feedback)
+        results[rank] = (ticks, log, fed)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    run_ranks(ranks, rank_main)
     if leftovers is not None:
         leftovers.extend(q.get() for q in queues.values() for _ in range(q.qsize()))
     return results
@@ -141,30 +152,22 @@ def test_transfer_graphs_pad_short_sends_and_reuse_static_buffers():
     is captured once; the receive buffer of a signature is the same tensor at every replay (read it before the next);
     past max_graphs, new signatures post eagerly (padded with zeros)."""
     queues = {(0, 1): queue.Queue(), (1, 0): queue.Queue()}
-    got, errors = {0: [], 1: []}, []
+    got = {0: [], 1: []}
 
     def rank_main(rank):
-        try:
-            tg = TransferGraphs(QueueLink(rank, queues), "cpu", capturer=RecordingCapturer(), max_graphs=2)
-            for tick in range(6):
-                rows = 1 + tick % 2  # two signatures (declared shapes), alternating, then a third past max_graphs
-                declared = ((4, 3), (2, 3))[tick % 2] if tick < 5 else (5, 3)
-                if rank == 0:
-                    out = tg([("send", torch.full((rows, 3), float(tick)), 1, declared)])
-                    assert out == []
-                else:
-                    (buf,) = tg([("recv", (declared, torch.float32), 0)])
-                    got[1].append((tick, buf, buf.clone()))
-            got[rank].append((tg.captures, tg.replays, tg.eager_ticks))
-        except Exception as exc:  # noqa: BLE001 - surfaced in the main thread
-            errors.append(exc)
+        tg = TransferGraphs(QueueLink(rank, queues), "cpu", capturer=RecordingCapturer(), max_graphs=2)
+        for tick in range(6):
+            rows = 1 + tick % 2  # two signatures (declared shapes), alternating, then a third past max_graphs
+            declared = ((4, 3), (2, 3))[tick % 2] if tick < 5 else (5, 3)
+            if rank == 0:
+                out = tg([("send", torch.full((rows, 3), float(tick)), 1, declared)])
+                assert out == []
+            else:
+                (buf,) = tg([("recv", (declared, torch.float32), 0)])
+                got[1].append((tick, buf, buf.clone()))
+        got[rank].append((tg.captures, tg.replays, tg.eager_ticks))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors
+    run_ranks((0, 1), rank_main, timeout=30)
     assert got[0] == [(2, 5, 1)] and got[1][-1] == (2, 5, 1)
     for tick, _buf, seen in got[1][:-1]:
         rows = 1 + tick % 2

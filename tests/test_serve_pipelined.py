@@ -318,9 +318,8 @@ def test_decode_transfers_replayed_from_graphs_serve_the_same_tokens():
     from a few captures, and every request's tokens (sampled, with an EOS byte; stage 1 opens on S, so cross-stage
     indices travel with the activations) equal one process serving both stages."""
     import queue
-    import threading
 
-    from test_executor import QueueLink, RecordingCapturer
+    from test_executor import QueueLink, RecordingCapturer, run_ranks
     from test_graphs_cpu import FakeCapturer
 
     prompts, _ = workload(16, seed=13)
@@ -338,24 +337,16 @@ def test_decode_transfers_replayed_from_graphs_serve_the_same_tokens():
     later = [t for o in one_process() for t in o[1:]]
     cfg.serve.eos_id = max(set(later), key=later.count)  # a byte that ends several rows early
     queues = {(0, 1): queue.Queue(), (1, 0): queue.Queue()}
-    engines, got, errors = {}, {}, []
+    engines, got = {}, {}
 
     def rank_main(rank):
-        try:
-            eng = build_engine(cfg, plan, rank, "cpu", link=QueueLink(rank, queues), capturer=FakeCapturer())
-            eng.transfer_capturer = RecordingCapturer()
-            eng.capture()
-            engines[rank] = eng
-            got[rank] = eng.generate(prompts, limits)
-        except Exception as exc:  # noqa: BLE001 - surfaced in the main thread
-            errors.append(exc)
+        eng = build_engine(cfg, plan, rank, "cpu", link=QueueLink(rank, queues), capturer=FakeCapturer())
+        eng.transfer_capturer = RecordingCapturer()
+        eng.capture()
+        engines[rank] = eng
+        got[rank] = eng.generate(prompts, limits)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
+    run_ranks((0, 1), rank_main, timeout=300)
     assert got[0] is None and got[1] == one_process()
     assert any(len(o) < m for o, m in zip(got[1], limits))  # EOS ended some rows
     for eng in engines.values():
