@@ -265,6 +265,7 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
         picks = sorted({ranked[(len(ranked) - 1) * q // 7] for q in range(8)})
         eng.generate([prompts[i] for i in picks], [2] * len(picks))
         timer = PassTimer(eng) if args.profile_passes else None
+        captures_before = eng.transfers.captures if eng.transfers is not None else 0
         t0 = time.perf_counter()
         out = eng.generate(prompts, limits)
         wall = time.perf_counter() - t0
@@ -279,6 +280,15 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                 st["decode_host_ms_per_tick"],
                 st["decode_lead_p50_ms"],
                 st["decode_host_late"],
+                # graphs.transfers: (signatures captured in all, of them during the timed run, replays, eager ticks)
+                None
+                if eng.transfers is None
+                else (
+                    eng.transfers.captures,
+                    eng.transfers.captures - captures_before,
+                    eng.transfers.replays,
+                    eng.transfers.eager_ticks,
+                ),
             )
         )
         if out is not None or every_rank:
@@ -306,6 +316,8 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                     "decode_host_ms_per_tick": [b[2] for b in busy],
                     "decode_lead_p50_ms": [b[3] for b in busy],
                     "decode_host_late": [b[4] for b in busy],
+                    # per rank with graphs.transfers: [captured, captured in the timed run, replays, eager ticks]
+                    "transfer_graphs": [b[5] for b in busy],
                     "ticks": st["ticks"],
                     "graphs": args.graphs,
                     # per rank: graphs captured at setup, their capture time and the graph pools' growth
@@ -326,7 +338,8 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                 f"busy {[round(b, 2) for b in r['busy_fraction']]}, decode busy "
                 f"{[round(b, 2) for b in r['decode_busy_fraction']]}, {host_line(r)}, graphs {r['graphs_captured']} "
                 "captured in "
-                f"{[round(c, 1) for c in r['capture_s']]} s, pools {[round(g, 2) for g in r['graph_pool_gib']]} GiB",
+                f"{[round(c, 1) for c in r['capture_s']]} s, pools {[round(g, 2) for g in r['graph_pool_gib']]} GiB"
+                + (f", transfer graphs {r['transfer_graphs']}" if any(r["transfer_graphs"]) else ""),
                 flush=True,
             )
         del eng

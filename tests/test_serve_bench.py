@@ -61,6 +61,7 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
         assert (
             r["graphs_captured"] == [0] * r["ranks"] and len(r["capture_s"]) == len(r["graph_pool_gib"]) == r["ranks"]
         )
+        assert r["transfer_graphs"] == [None] * r["ranks"]  # graphs.transfers is off (and CUDA only)
         want = 6 * 4 if r["workload"] == "uniform" else None
         assert want is None or r["output_tokens"] == want
     mixed = {r["output_tokens"] for r in rows if r["workload"] == "mixed"}
