@@ -43,7 +43,8 @@ class CudaTransferCapturer:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)  # the static buffers were filled on the current stream
         with torch.cuda.stream(self.stream):
-            graph.capture_begin(pool=self.pool)
+            # thread_local: the process group's watchdog thread may query its events while this thread captures
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 fn()
             finally:
