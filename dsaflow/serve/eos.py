@@ -10,7 +10,7 @@ the same point of the schedule on every rank; by then the copy is long done. The
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -22,7 +22,8 @@ class LateFlags:
 
     def __init__(self, device: torch.device, group_rows: Sequence[int]):
         self.cuda = torch.device(device).type == "cuda"
-        self.pending: Dict[int, Tuple[Pass, torch.Tensor, Optional[torch.cuda.Event]]] = {}
+        # group -> (pass, pinned [rows, 2] copy of its message and the copy's event; on CPU: its flags, read at put)
+        self.pending: Dict[int, Tuple[Pass, Union[torch.Tensor, List[int]], Optional[torch.cuda.Event]]] = {}
         self.host = [torch.zeros(n, 2, dtype=torch.long, pin_memory=True) for n in group_rows] if self.cuda else []
         self.stream = torch.cuda.current_stream(device) if self.cuda else None  # looked up once (see Uploader)
 
