@@ -1,8 +1,10 @@
 """The pipelined forward executor's schedule, with two ranks as threads joined by an in-memory link (FIFO per pair,
 so a send and a receive that were posted in different orders on the two sides would mismatch and fail)."""
 
+import contextlib
 import queue
 import threading
+import types
 
 import pytest
 import torch
@@ -19,7 +21,15 @@ class RecordingCapturer:
 
     def __call__(self, fn):
         self.captured += 1
-        return type("Replay", (), {"replay": staticmethod(fn)})()
+        return Replay(fn)
+
+
+class Replay:
+    def __init__(self, fn):
+        self.replay, self.was_reset = fn, False
+
+    def reset(self):
+        self.was_reset = True
 
 
 class QueueLink:
@@ -247,6 +257,36 @@ def test_leave_together_meets_peers_only_on_success(monkeypatch):
         with p2p.leave_together():
             raise ValueError("rank failed")
     assert calls == [("destroy",)]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_transfer_graphs_are_released_before_the_group_is_destroyed(monkeypatch, fails):
+    """A live CUDA graph that captured NCCL transfers makes destroying the process group hang, so `leave_together`
+    releases every TransferGraphs after the barrier and before the destroy, on success and after an error; a
+    released one refuses further ticks, and one already collected is skipped."""
+    import dsaflow.run.p2p as p2p
+
+    calls = []
+    monkeypatch.setattr(p2p.dist, "barrier", lambda group=None: calls.append("barrier"))
+    monkeypatch.setattr(p2p.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(p2p, "_graph_holders", [])
+    capturer = RecordingCapturer()
+    ops = [("send", torch.ones(2, 3), 1, (2, 3)), ("recv", ((2, 3), torch.float32), 1)]
+    link = types.SimpleNamespace(exchange=lambda posted: calls.append("exchange"))
+    kept = TransferGraphs(link, "cpu", capturer=capturer)
+    TransferGraphs(link, "cpu", capturer=RecordingCapturer())  # dropped at once: its weak entry is skipped
+    kept(ops)
+    graphs = [g for g, _ in kept.graphs.values()]
+    with pytest.raises(ValueError) if fails else contextlib.nullcontext():
+        with p2p.leave_together():
+            calls.append("body")
+            if fails:
+                raise ValueError("rank failed")
+    assert not kept.graphs and all(g.was_reset for g in graphs)
+    released_at = calls.index("destroy")
+    assert calls[:released_at] == ["exchange", "body"] + ([] if fails else ["barrier"])
+    with pytest.raises(RuntimeError, match="after release"):
+        kept(ops)
 
 
 def test_stage_link_posts_a_tick_in_one_coalescing_block(monkeypatch):

@@ -13,8 +13,9 @@ runs one collective over the whole group first.
 from __future__ import annotations
 
 import os
+import weakref
 from contextlib import contextmanager
-from typing import Dict, Iterator, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -106,16 +107,37 @@ def torchrun_rank(device_type: str, threads: Optional[int] = None) -> Iterator[T
         yield device, link
 
 
+_graph_holders: List[weakref.ref] = []
+
+
+def release_before_teardown(holder) -> None:
+    """Have `holder.release()` run before this process destroys its process group (`leave_together`).
+
+    For objects that keep CUDA graphs which captured NCCL transfers: destroying the group while such a graph is
+    alive hangs (seen with torch 2.11 on H200s; pytorch/pytorch#115388 is the upstream report). Held weakly: a
+    holder that is gone by then is skipped."""
+    _graph_holders.append(weakref.ref(holder))
+
+
+def _release_graph_holders() -> None:
+    while _graph_holders:
+        holder = _graph_holders.pop()()
+        if holder is not None:
+            holder.release()
+
+
 @contextmanager
 def leave_together(group=None) -> Iterator[None]:
     """Run the body, then barrier on `group` and destroy the default process group.
 
     A gloo rank that destroys its group and exits while a peer still reads its last collective or P2P message can
     make that peer fail ("Connection closed by peer") or abort at exit, at random. The barrier runs only on success:
-    after an error a peer may never reach it.
+    after an error a peer may never reach it. Holders registered with `release_before_teardown` release their
+    graphs after the barrier (on NCCL it waits for the work already queued) and before the group goes.
     """
     try:
         yield
         dist.barrier(group=group)
     finally:
+        _release_graph_holders()
         dist.destroy_process_group()

@@ -16,7 +16,8 @@ A capture records the transfers without running them, and the replay that follow
 operations in the same order as eager posting, whether they replay, capture or post eagerly. Capture runs on a side
 stream without a device synchronise (a new signature mid-run costs its capture, not a drain of the queue). A capture
 that fails raises: replaying some ticks and posting others eagerly on one rank is fine, but a rank that cannot
-capture should not hide it.
+capture should not hide it. The graphs are released before the process group is destroyed (`p2p.leave_together`):
+a live graph that captured NCCL transfers makes that teardown hang.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from dsaflow.run.p2p import release_before_teardown
 
 Signature = Tuple[Tuple[str, Tuple[int, ...], torch.dtype, int], ...]
 
@@ -66,10 +69,14 @@ class TransferGraphs:
         self.capturer = capturer or CudaTransferCapturer(self.device)
         self.graphs: Dict[Signature, Tuple[object, List[torch.Tensor]]] = {}
         self.captures = self.replays = self.eager_ticks = 0
+        self.released = False
+        release_before_teardown(self)
 
     def __call__(self, ops: Sequence[Tuple[str, object, int]]) -> List[torch.Tensor]:
         """ops: one tick's [("send", tensor, peer, shape) | ("recv", (shape, dtype), peer)] in posting order, where a
         send's declared `shape` may have more rows than its tensor -> the received tensors, in order."""
+        if self.released:
+            raise RuntimeError("TransferGraphs used after release(): the process group is being torn down")
         signature = signature_of(ops)
         entry = self.graphs.get(signature)
         if entry is None and len(self.graphs) >= self.max_graphs:
@@ -84,6 +91,15 @@ class TransferGraphs:
         graph.replay()
         self.replays += 1
         return [buf for op, buf in zip(ops, buffers) if op[0] == "recv"]
+
+    def release(self) -> None:
+        """Free every captured graph (called before the process group is destroyed); later calls raise."""
+        for graph, _ in self.graphs.values():
+            reset = getattr(graph, "reset", None)
+            if reset is not None:
+                reset()
+        self.graphs.clear()
+        self.released = True
 
     def _capture(self, signature: Signature):
         buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _, shape, dtype, _ in signature]
