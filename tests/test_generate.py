@@ -210,6 +210,7 @@ ERRORS = [
     (["graphs=decode", "serve.max_batch=4"], r"shape_classes=\[1, 2, 4, 8\] go beyond serve.max_batch=4"),
     (["graphs=decode_prefill"], r"largest prefill class must equal serve.prefill_chunk=4"),
     (["graphs.transfers=true"], r"graphs.transfers=true pads .* graphs=off has no decode block"),
+    (["graphs=decode", "graphs.transfers=true"], r"graphs.transfers=true replays .* one rank. Fix: .*pipeline=pp2"),
 ]
 
 

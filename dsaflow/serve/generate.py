@@ -139,6 +139,11 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Requests:
             f"graphs={cfg.graphs.name} has no decode block. Fix: graphs=decode or graphs=decode_prefill, or "
             "graphs.transfers=false."
         )
+    if cfg.graphs.transfers and plan.pipeline.ranks == 1:
+        raise ServeError(
+            "graphs.transfers=true replays the transfers between pipeline ranks, but this plan runs every stage on "
+            "one rank. Fix: graphs.transfers=false, or a pipeline of 2 or more ranks (pipeline=pp2)."
+        )
     tok = ByteTokenizer()
     loaded = load_requests(s)
     ids = [tok.encode(p) for p, _, _ in loaded]
