@@ -1,5 +1,5 @@
 """What a generate job's serve config and requests must satisfy, checked before launch (dsaflow.serve.generate) and
-again by the engine: microbatch groups, graph blocks against the cache rows, prompts and their fit.
+again by the engine: microbatch groups, graph blocks against the cache rows, transfer graphs, prompts and their fit.
 """
 
 from __future__ import annotations
@@ -94,3 +94,26 @@ def check_graph_blocks(plan: Plan, serve_cfg) -> None:
     for k in SERVED_KINDS:
         if kinds.count(k) > 1:
             raise ServeError(f"graphs.blocks has {kinds.count(k)} blocks of kind={k}. Fix: keep one per kind.")
+
+
+def check_transfers(graphs_cfg, plan: Plan, device_type: Optional[str]) -> None:
+    """graphs.transfers needs CUDA, a decode block (whose shape classes its transfers are padded to) and transfers
+    between ranks to replay."""
+    if not graphs_cfg.transfers:
+        return
+    if device_type == "cpu":
+        raise ServeError(
+            "graphs.transfers=true replays NCCL transfers from CUDA graphs, but the workers run on cpu. Fix: "
+            "graphs.transfers=false on CPU."
+        )
+    if not any(b.kind == "decode" for b in plan.graph_blocks):
+        raise ServeError(
+            f"graphs.transfers=true pads each decode tick's transfers to the decode block's shape classes, but "
+            f"graphs={graphs_cfg.name} has no decode block. Fix: graphs=decode or graphs=decode_prefill, or "
+            "graphs.transfers=false."
+        )
+    if plan.pipeline.ranks == 1:
+        raise ServeError(
+            "graphs.transfers=true replays the transfers between pipeline ranks, but this plan runs every stage on "
+            "one rank. Fix: graphs.transfers=false, or a pipeline of 2 or more ranks (pipeline=pp2)."
+        )

@@ -30,7 +30,7 @@ from dsaflow.files import UnsafeFile, read_text
 from dsaflow.plan.plan import Plan
 from dsaflow.run.stages import stage_module
 
-from .checks import check_graph_blocks, check_prompts, fit_problem
+from .checks import check_graph_blocks, check_prompts, check_transfers, fit_problem
 from .engine import PipelineEngine
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -128,22 +128,7 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Requests:
             f"graphs={cfg.graphs.name} requests CUDA graph blocks {[b.name for b in plan.graph_blocks]} but the "
             f"workers run on cpu. Fix: graphs=off on CPU, or graphs.on_failure=eager to run the blocks eagerly."
         )
-    if cfg.graphs.transfers and device_type == "cpu":
-        raise ServeError(
-            "graphs.transfers=true replays NCCL transfers from CUDA graphs, but the workers run on cpu. Fix: "
-            "graphs.transfers=false on CPU."
-        )
-    if cfg.graphs.transfers and not any(b.kind == "decode" for b in plan.graph_blocks):
-        raise ServeError(
-            f"graphs.transfers=true pads each decode tick's transfers to the decode block's shape classes, but "
-            f"graphs={cfg.graphs.name} has no decode block. Fix: graphs=decode or graphs=decode_prefill, or "
-            "graphs.transfers=false."
-        )
-    if cfg.graphs.transfers and plan.pipeline.ranks == 1:
-        raise ServeError(
-            "graphs.transfers=true replays the transfers between pipeline ranks, but this plan runs every stage on "
-            "one rank. Fix: graphs.transfers=false, or a pipeline of 2 or more ranks (pipeline=pp2)."
-        )
+    check_transfers(cfg.graphs, plan, device_type)
     tok = ByteTokenizer()
     loaded = load_requests(s)
     ids = [tok.encode(p) for p, _, _ in loaded]
