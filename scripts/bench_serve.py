@@ -24,6 +24,7 @@ so a run stopped by a time limit keeps what it measured (the file is removed onc
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -343,6 +344,7 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                 flush=True,
             )
         del eng
+        gc.collect()  # free its graphs and caches now (reference cycles hold them), before the next engine captures
     return rows
 
 

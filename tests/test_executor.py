@@ -2,6 +2,7 @@
 so a send and a receive that were posted in different orders on the two sides would mismatch and fail)."""
 
 import contextlib
+import gc
 import queue
 import threading
 import types
@@ -184,6 +185,27 @@ def test_transfer_graphs_pad_short_sends_and_reuse_static_buffers():
         assert torch.equal(seen[:rows], torch.full((rows, 3), float(tick)))
     assert got[1][0][1] is got[1][2][1] and got[1][1][1] is got[1][3][1]  # one static buffer per signature
     assert torch.equal(got[1][5][2][2:], torch.zeros(3, 3))  # eager: padded with zeros
+
+
+def test_transfer_graphs_capture_with_the_garbage_collector_paused():
+    """A collection during a capture may free a dead CUDA graph, which fails the capture (dsaflow/run/graph_capture.py):
+    the collector is off while a signature is captured, and back on for its replays."""
+    seen = []
+
+    class GcStateCapturer(RecordingCapturer):
+        def __call__(self, fn):
+            seen.append(gc.isenabled())
+            return super().__call__(fn)
+
+    class DropLink:
+        def exchange(self, ops):
+            seen.append(("posted", gc.isenabled()))
+
+    tg = TransferGraphs(DropLink(), "cpu", capturer=GcStateCapturer())
+    for _ in range(2):
+        tg([("send", torch.ones(2, 3), 1, (2, 3))])
+    assert seen == [False, ("posted", True), ("posted", True)] and gc.isenabled()
+    assert (tg.captures, tg.replays) == (1, 2)
 
 
 def test_feedback_goes_only_to_the_ranks_that_read_it():

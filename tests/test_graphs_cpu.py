@@ -4,11 +4,13 @@ The capture itself is injected: `FakeCapturer` behaves like a CUDA graph where i
 static tensor that every replay overwrites in place — so an engine that held on to a stale output would fail.
 """
 
+import gc
 import json
 
 import pytest
 import torch
 
+from dsaflow.run.graph_capture import gc_paused
 from dsaflow.serve.graphs import (
     GraphCaptureError,
     GraphManager,
@@ -330,3 +332,33 @@ def test_cuda_capturer_protocol(monkeypatch):
     with pytest.raises(RuntimeError, match="synchronizing"):
         cap(broken)
     assert fake.mode == 0  # restored even when a warm-up fails
+
+
+class GcStateCapturer(FakeCapturer):
+    """Records whether Python's garbage collector could run automatically during each capture."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.gc_enabled = []
+
+    def __call__(self, fn):
+        self.gc_enabled.append(gc.isenabled())
+        return super().__call__(fn)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_captures_run_with_the_garbage_collector_paused(fails):
+    """A collection during a capture may free a dead CUDA graph, which fails the capture: the collector is off while
+    a capture runs and back on after it, also after a failed capture, and stays off where the caller had it off."""
+    cap = GcStateCapturer(fail_on={4} if fails else ())
+    m, _ = make_manager(capturer=cap, on_failure="eager")
+    assert gc.isenabled()
+    m.capture_all()
+    assert cap.gc_enabled == [False] * 4 and gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the caller's choice is kept
+    finally:
+        gc.enable()

@@ -4,7 +4,7 @@
 
 gpu:      graph replay == eager bit for bit over 32 decode steps at several batch sizes (decode + prefill graphs,
           every decode step under set_sync_debug_mode("error")); graphs.cache on vs off bit-identical; sampling
-          has no host sync; `dsaflow generate` on one GPU captures every requested block and reports it.
+          has no host sync; a dead graph is not freed during another capture; `dsaflow generate` on one GPU captures every requested block and reports it.
 multigpu: capture on cuda:1 works like cuda:0 (nothing lands on cuda:0); a 2-stage NCCL pipeline (torchrun, two
           processes) generates the same tokens as one stage.
 """
@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import torch
 from dsaflow.config.compose import compose
 from dsaflow.plan import build_plan
 from dsaflow.serve.generate import build_engine
+from dsaflow.serve.graphs import GraphManager, StaticInput
 from dsaflow.serve.sampling import make_generator, sample_next
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,6 +124,42 @@ def dsaflow_generate(tmp_path, *overrides, prompts_list):
 
 
 TEXT_PROMPTS = ["The quick brown fox", "DSA layers share indices", "x", "pipeline stages on two GPUs"]
+
+
+@pytest.mark.gpu
+def test_a_dead_graph_is_not_freed_while_another_captures():
+    """A dropped GraphManager held only by a reference cycle, and Python allocations (which trigger collections)
+    during another manager's capture: the capture succeeds, and the dead graph is freed after it, not during it.
+    (Freeing a graph while a stream captures fails that capture, dsaflow/run/graph_capture.py.)"""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    spec = {"x": StaticInput((8, 1), torch.float32, 0)}
+    old = GraphManager(dev)
+    old.register("b", "decode", 0, (8,), 0, lambda v: v["x"] * 2, spec)
+    old.capture_all()
+    held, freed_while_capturing = {"old": old}, []
+    weakref.finalize(old, lambda: freed_while_capturing.append(torch.cuda.is_current_stream_capturing()))
+    del old
+    thresholds = gc.get_threshold()
+
+    def fn(v):
+        if torch.cuda.is_current_stream_capturing() and "old" in held:
+            cycle = [held.pop("old")]
+            cycle.append(cycle)  # dead once fn returns: only a collection frees it
+            gc.set_threshold(1, 1, 1)  # a collection of every generation at almost every allocation
+            try:
+                junk = [[i] for i in range(5000)]
+            finally:
+                gc.set_threshold(*thresholds)
+            del cycle, junk
+        return v["x"] * 3
+
+    new = GraphManager(dev)
+    new.register("b", "decode", 0, (8,), 0, fn, spec)
+    new.capture_all()
+    x = torch.arange(8, device=dev, dtype=torch.float32).reshape(8, 1)
+    assert torch.equal(new.run("b", 0, 8, {"x": x}), x * 3)
+    gc.collect()
+    assert freed_while_capturing == [False]
 
 
 @pytest.mark.gpu

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dsaflow.run.graph_capture import gc_paused
 from dsaflow.run.p2p import release_before_teardown
 
 Signature = Tuple[Tuple[str, Tuple[int, ...], torch.dtype, int], ...]
@@ -104,7 +105,8 @@ class TransferGraphs:
     def _capture(self, signature: Signature):
         buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _, shape, dtype, _ in signature]
         static_ops = [(kind, buf, peer) for (kind, _, _, peer), buf in zip(signature, buffers)]
-        graph = self.capturer(lambda: self.link.exchange(static_ops))
+        with gc_paused():  # a collection mid-capture may free a dead graph, which fails the capture
+            graph = self.capturer(lambda: self.link.exchange(static_ops))
         self.captures += 1
         return graph, buffers
 

@@ -27,6 +27,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dsaflow.run.graph_capture import gc_paused
+
 from .report import CaptureRecord, CaptureReport, check_complete
 
 
@@ -242,7 +244,8 @@ class GraphManager:
         views = block.views(key[2])
         t0 = time.perf_counter()
         try:
-            graph = self._capturer(lambda: block.fn(views))
+            with gc_paused():  # a collection mid-capture may free a dead graph, which fails the capture
+                graph = self._capturer(lambda: block.fn(views))
         except Exception as exc:  # noqa: BLE001 - any capture failure is reported with its cause
             return self._fail(key, f"{type(exc).__name__}: {exc}")
         self.captures += 1
