@@ -262,6 +262,33 @@ def test_timeline_ticks_tile_the_run_and_host_phases_are_counted():
     assert summary["decode_lead_p50_ms"] is None and summary["decode_host_late"] is None  # GPU only
 
 
+def test_decode_ticks_begin_k_minus_1_ticks_after_a_prefill_leaves():
+    """A tick is a decode tick of the timeline once the items in flight in it and in the K-1 ticks before it were
+    all decode steps: a long prefill pass keeps the ranks downstream of it waiting for up to K-1 ticks after it
+    leaves, and that wait is the prefill's. The same ticks on every rank; each span carries its tick's flag."""
+    owner = {0: 0, 1: 1, 2: 2}  # K = 3
+    decode = [True] * 4 + [False] + [True] * 8  # item 4 (a prefill) is in flight at ticks 4, 5, 6
+    queues = {(a, b): queue.Queue() for a in range(3) for b in range(3) if a != b}
+    seen = {}
+
+    def rank_main(rank):
+        ex = PipelineExecutor(owner, rank, QueueLink(rank, queues))
+        todo = list(range(len(decode)))
+
+        def pick(free):
+            return Item(todo[0], (1, 1, 1), torch.float32, decode=decode[todo.pop(0)]) if todo else None
+
+        ticks = ex.run(pick, lambda item, s, x: torch.zeros(1, 1, 1) if x is None else x + 1)
+        tl = ex.timeline
+        seen[rank] = (ticks, [d for _, _, d in tl.ticks], [d for _, _, d in tl.spans], tl.decode_ticks)
+
+    run_ranks(range(3), rank_main)
+    expected = [True] * 4 + [False] * 5 + [True] * 6  # ticks 7 and 8 hold decode steps only, but follow the prefill
+    for rank, (ticks, flags, spans, decode_ticks) in seen.items():
+        assert ticks == len(decode) + 2 and flags == expected and decode_ticks == sum(expected)
+        assert spans == expected[rank : rank + len(decode)]  # rank r runs item i at tick i + r
+
+
 def test_leave_together_meets_peers_only_on_success(monkeypatch):
     """A rank that finished meets its peers at a barrier before destroying the group (a gloo peer still reading
     its last message aborts otherwise); after an error it destroys the group without waiting for peers that may

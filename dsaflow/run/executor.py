@@ -77,8 +77,10 @@ class Timeline:
     `mark()` is a CUDA event recorded on the stream current at `begin()` (GPU) or perf_counter (CPU). Consecutive
     ticks share their boundary mark, so a tick costs three marks (its boundary, its span's start and end): on a
     host that builds a small model's decode pass in under a millisecond, a mark is a measurable part of the tick.
-    Ticks in which every item in flight is a decode step (the same ticks on every rank) are summed separately
-    (`decode_busy`)."""
+    Decode ticks are summed separately (`decode_busy`): ticks in which every item in flight is a decode step, and
+    was in the K-1 ticks before (K: the pipeline's segments; the same ticks on every rank). A prefill pass that takes
+    a rank longer than a decode pass delays the ranks downstream of it for up to K-1 ticks after it leaves the
+    pipeline, while the feedback loop refills behind it; those waits belong to the prefill."""
 
     def __init__(self, device: torch.device):
         self.cuda = torch.device(device).type == "cuda"
@@ -250,6 +252,7 @@ class PipelineExecutor:
         busy_keys: set = set()
         inbox: Dict[Tuple[int, int], torch.Tensor] = {}  # (start tick, segment) -> received input
         t = 0
+        calm = K - 1  # consecutive ticks with only decode steps in flight, this one included (none before the run)
         tl.begin()
         clock = time.perf_counter
         while True:
@@ -263,6 +266,8 @@ class PipelineExecutor:
             work = [(j, started[t - j]) for j in self.mine if (t - j) in started]
             h1 = clock()
             tick_decode = all(f.item.decode for f in started.values())  # the same on every rank
+            calm = calm + 1 if tick_decode else 0
+            steady = calm >= K  # a decode tick of the timeline (see Timeline)
             sends: List[Tuple[Tuple[int, int, int], torch.Tensor, int, Tuple[int, ...]]] = []
             message: Optional[torch.Tensor] = None
             for j, flight in work:
@@ -272,7 +277,7 @@ class PipelineExecutor:
                     x = stage_fn(flight.item, s, x)
                 if j == K - 1 and finish is not None:
                     message = finish(flight.item, x)
-                tl.spans.append((a, tl.mark(), tick_decode))
+                tl.spans.append((a, tl.mark(), steady))
                 if j == K - 1:
                     flight.item.finished_at = tl.spans[-1][1]
                 if j < K - 1:
@@ -300,14 +305,14 @@ class PipelineExecutor:
                         *(inbox[(tick, j)] if isinstance(inbox[(tick, j)], tuple) else (inbox[(tick, j)],)),
                         buf,
                     )
-            tl.tick_end(tick_decode)
+            tl.tick_end(steady)
             h3 = clock()
             done = started.pop(t - (K - 1), None)
             if done is not None:
                 busy_keys.discard(done.item.key)
                 if on_feedback is not None and done.item.feedback is not None:
                     on_feedback(done.item, message)
-            if tick_decode:
+            if steady:
                 tl.decode_ticks += 1
                 for phase, seconds in zip(HOST_PHASES, (h1 - h0, h2 - h1, h3 - h2, clock() - h3)):
                     tl.decode_host[phase] += seconds
