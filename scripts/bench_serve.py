@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from dsaflow.config.compose import compose  # noqa: E402
 from dsaflow.plan import build_plan  # noqa: E402
-from dsaflow.run.executor import HOST_PHASES  # noqa: E402
+from dsaflow.run.timeline import HOST_PHASES  # noqa: E402
 from dsaflow.serve.engine import PipelineEngine  # noqa: E402
 from dsaflow.serve.generate import build_stage_modules, serve_dtype  # noqa: E402
 
@@ -290,6 +290,7 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                     eng.transfers.replays,
                     eng.transfers.eager_ticks,
                 ),
+                st["busy_after_prefill"],
             )
         )
         if out is not None or every_rank:
@@ -319,6 +320,9 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                     "decode_host_late": [b[4] for b in busy],
                     # per rank with graphs.transfers: [captured, captured in the timed run, replays, eager ticks]
                     "transfer_graphs": [b[5] for b in busy],
+                    # per rank: busy fraction in the 1st .. (ranks-1)th tick after a prefill pass left the pipeline
+                    # (not decode ticks, though every pass in flight decodes: the ranks wait out the prefill)
+                    "busy_after_prefill": [b[6] for b in busy],
                     "ticks": st["ticks"],
                     "graphs": args.graphs,
                     # per rank: graphs captured at setup, their capture time and the graph pools' growth

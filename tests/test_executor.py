@@ -280,13 +280,19 @@ def test_decode_ticks_begin_k_minus_1_ticks_after_a_prefill_leaves():
 
         ticks = ex.run(pick, lambda item, s, x: torch.zeros(1, 1, 1) if x is None else x + 1)
         tl = ex.timeline
-        seen[rank] = (ticks, [d for _, _, d in tl.ticks], [d for _, _, d in tl.spans], tl.decode_ticks)
+        after = tl.resolve()["busy_after_prefill"]
+        # ticks 7 and 8 come 1 and 2 ticks after the prefill left; rank r runs its span of item i in tick i + r
+        spans_in = {t: tl.spans[t - rank] for t in (7, 8)}
+        want = [tl.seconds(*spans_in[t][:2]) / tl.seconds(*tl.ticks[t][:2]) for t in (7, 8)]
+        assert after == pytest.approx(want)
+        seen[rank] = (ticks, [d for _, _, d in tl.ticks], [d for _, _, d in tl.spans], tl.decode_ticks, after)
 
     run_ranks(range(3), rank_main)
     expected = [True] * 4 + [False] * 5 + [True] * 6  # ticks 7 and 8 hold decode steps only, but follow the prefill
-    for rank, (ticks, flags, spans, decode_ticks) in seen.items():
+    for rank, (ticks, flags, spans, decode_ticks, after) in seen.items():
         assert ticks == len(decode) + 2 and flags == expected and decode_ticks == sum(expected)
         assert spans == expected[rank : rank + len(decode)]  # rank r runs item i at tick i + r
+        assert len(after) == 2 and all(0 < f <= 1 for f in after)
 
 
 def test_leave_together_meets_peers_only_on_success(monkeypatch):

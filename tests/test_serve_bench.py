@@ -62,6 +62,9 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
             r["graphs_captured"] == [0] * r["ranks"] and len(r["capture_s"]) == len(r["graph_pool_gib"]) == r["ranks"]
         )
         assert r["transfer_graphs"] == [None] * r["ranks"]  # graphs.transfers is off (and CUDA only)
+        after = r["busy_after_prefill"]  # per rank: the K-1 ticks after a prefill pass (none with one rank)
+        assert len(after) == r["ranks"] and all(len(a) == r["ranks"] - 1 for a in after)
+        assert all(f is None or 0 <= f <= 1.0 + 1e-9 for a in after for f in a)
         want = 6 * 4 if r["workload"] == "uniform" else None
         assert want is None or r["output_tokens"] == want
     mixed = {r["output_tokens"] for r in rows if r["workload"] == "mixed"}

@@ -19,7 +19,8 @@ time (the schedule of one batch at a time). Without feedback (evaluation) items 
 
 The schedule is a pure function of what `pick` returns, and `pick` runs on every rank with the same information
 (host-known facts plus the feedback every rank receives), so every rank posts matching ops without talking.
-A `Timeline` records, per rank, the time its segments computed (CUDA events on GPU, perf_counter on CPU).
+A `Timeline` (timeline.py) records, per rank, the time its segments computed (CUDA events on GPU, perf_counter on
+CPU).
 """
 
 from __future__ import annotations
@@ -30,10 +31,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .timeline import HOST_PHASES, Timeline
 from .transfer_graphs import post_eagerly
-
-HOST_PHASES = ("pick", "stage", "exchange", "feedback")  # one tick's host work, in order (Timeline.decode_host)
-HOST_LATE_S = 50e-6  # a span the GPU starts within this of its issue found the GPU idle (the host was late)
 
 
 @dataclass
@@ -69,120 +68,6 @@ def segments_of(owner: Dict[int, int]) -> List[Tuple[int, List[int]]]:
         else:
             segs.append((owner[s], [s]))
     return segs
-
-
-class Timeline:
-    """Compute and wall time of one rank, resolved once at the end (no host sync while running).
-
-    `mark()` is a CUDA event recorded on the stream current at `begin()` (GPU) or perf_counter (CPU). Consecutive
-    ticks share their boundary mark, so a tick costs three marks (its boundary, its span's start and end): on a
-    host that builds a small model's decode pass in under a millisecond, a mark is a measurable part of the tick.
-    Decode ticks are summed separately (`decode_busy`): ticks in which every item in flight is a decode step, and
-    was in the K-1 ticks before (K: the pipeline's segments; the same ticks on every rank). A prefill pass that takes
-    a rank longer than a decode pass delays the ranks downstream of it for up to K-1 ticks after it leaves the
-    pipeline, while the feedback loop refills behind it; those waits belong to the prefill."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.spans: List[Tuple[Any, Any, bool]] = []  # (start, end, decode tick) of each compute segment
-        self.ticks: List[Tuple[Any, Any, bool]] = []  # (start, end, decode) of every tick
-        self.start = self.end = None
-        self.stream = None  # GPU: the stream every mark is recorded on (looked up once, not per mark)
-        self.boundary = None  # the mark that ended the previous tick (or the start)
-        # host side (perf_counter): when each span's start mark was issued (parallel to `spans`), and the host
-        # seconds of each phase of the decode ticks (`HOST_PHASES`), to tell a GPU waiting on its host from one
-        # waiting on its partner
-        self.issued: List[float] = []
-        self.host_start: Optional[float] = None
-        self.decode_host = dict.fromkeys(HOST_PHASES, 0.0)
-        self.decode_ticks = 0
-
-    def begin(self) -> None:
-        """Mark the start of a run. On GPU it first waits for the device to go idle (setup, not a step), so the start
-        event fires as it is issued and GPU times from it compare with host times from `host_start`."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.stream = torch.cuda.current_stream()
-        self.start = self.boundary = self.mark()
-        self.host_start = time.perf_counter()
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(self.stream)
-        return ev
-
-    def tick_end(self, decode: bool) -> None:
-        """Close the current tick: from the previous boundary to now."""
-        end = self.mark()
-        self.ticks.append((self.boundary, end, decode))
-        self.boundary = end
-
-    def span_start(self):
-        """`mark()` for the start of a compute span, noting when the host issued it."""
-        self.issued.append(time.perf_counter())
-        return self.mark()
-
-    def seconds(self, a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
-
-    def latencies(self, first: Dict[int, Any], last: Dict[int, Any], counts: Dict[int, int]):
-        """Marks of each request's first and last token, and its token count -> ({request: seconds from the start
-        to its first token}, {request: mean seconds per later token, None for one token}); call after `resolve`."""
-        ttft = {r: self.seconds(self.start, m) for r, m in first.items()}
-        tpot = {r: self.seconds(m, last[r]) / (counts[r] - 1) if counts[r] > 1 else None for r, m in first.items()}
-        return ttft, tpot
-
-    def resolve(self) -> Dict[str, float]:
-        """Synchronises once, then -> wall_s, busy_s, busy_fraction, decode_wall_s, decode_busy_s, decode_busy."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        if self.start is None or self.end is None:
-            return {
-                "wall_s": 0.0,
-                "busy_s": 0.0,
-                "busy_fraction": 0.0,
-                "decode_wall_s": 0.0,
-                "decode_busy_s": 0.0,
-                "decode_busy": 0.0,
-                **self._host_summary(),
-            }
-        wall = self.seconds(self.start, self.end)
-        busy = sum(self.seconds(a, b) for a, b, _ in self.spans)
-        dwall = sum(self.seconds(a, b) for a, b, d in self.ticks if d)
-        dbusy = sum(self.seconds(a, b) for a, b, d in self.spans if d)
-        return {
-            "wall_s": wall,
-            "busy_s": busy,
-            "busy_fraction": busy / wall if wall > 0 else 0.0,
-            "decode_wall_s": dwall,
-            "decode_busy_s": dbusy,
-            "decode_busy": dbusy / dwall if dwall > 0 else 0.0,
-            **self._host_summary(),
-        }
-
-    def _host_summary(self) -> Dict[str, Any]:
-        """decode_host_ms_per_tick: {phase: host ms per decode tick}; decode_lead_p50_ms: median of how long each
-        decode span waited on the GPU after its host issued it, and decode_host_late: the share of decode spans that
-        waited less than HOST_LATE_S (the GPU had run dry and waited on the host; GPU only, else None)."""
-        ticks = max(self.decode_ticks, 1)
-        out: Dict[str, Any] = {
-            "decode_host_ms_per_tick": {k: v * 1e3 / ticks for k, v in self.decode_host.items()},
-            "decode_lead_p50_ms": None,
-            "decode_host_late": None,
-        }
-        if not self.cuda or self.host_start is None:
-            return out
-        leads = sorted(
-            self.seconds(self.start, a) - (issued - self.host_start)
-            for (a, _, d), issued in zip(self.spans, self.issued)
-            if d
-        )
-        if leads:
-            out["decode_lead_p50_ms"] = leads[len(leads) // 2] * 1e3
-            out["decode_host_late"] = sum(x < HOST_LATE_S for x in leads) / len(leads)
-        return out
 
 
 @dataclass
@@ -224,7 +109,7 @@ class PipelineExecutor:
         unknown = set(self.feedback_ranks) - set(self.ranks)
         if unknown:
             raise ValueError(f"PipelineExecutor: feedback_ranks {sorted(unknown)} run no stage.")
-        self.timeline = Timeline(self.device)
+        self.timeline = Timeline(self.device, len(self.segments))
         self.decode_transfer = decode_transfer
 
     @property
@@ -252,7 +137,6 @@ class PipelineExecutor:
         busy_keys: set = set()
         inbox: Dict[Tuple[int, int], torch.Tensor] = {}  # (start tick, segment) -> received input
         t = 0
-        calm = K - 1  # consecutive ticks with only decode steps in flight, this one included (none before the run)
         tl.begin()
         clock = time.perf_counter
         while True:
@@ -266,8 +150,7 @@ class PipelineExecutor:
             work = [(j, started[t - j]) for j in self.mine if (t - j) in started]
             h1 = clock()
             tick_decode = all(f.item.decode for f in started.values())  # the same on every rank
-            calm = calm + 1 if tick_decode else 0
-            steady = calm >= K  # a decode tick of the timeline (see Timeline)
+            steady = tl.tick_kind(tick_decode)  # a decode tick of the timeline (see Timeline)
             sends: List[Tuple[Tuple[int, int, int], torch.Tensor, int, Tuple[int, ...]]] = []
             message: Optional[torch.Tensor] = None
             for j, flight in work:

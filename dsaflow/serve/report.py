@@ -104,6 +104,7 @@ def run_stats(tl: Dict[str, Any], ticks: int, latencies: Tuple[Dict, Dict], toke
         "ticks": ticks,
         "busy_fraction": tl["busy_fraction"],
         "decode_busy": tl["decode_busy"],
+        "busy_after_prefill": tl["busy_after_prefill"],
         "ttft_s": ttft,
         "tpot_s": tpot,
         "tokens": tokens,

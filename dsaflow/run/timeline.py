@@ -1,0 +1,154 @@
+"""Per-rank compute and wall time of a pipelined run (`PipelineExecutor`), with no host sync while it runs.
+
+Busy fractions (whole run and decode ticks), where the host's time goes per decode tick, whether the GPU waited on
+its host, and per-request time to first token and per output token.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+HOST_PHASES = ("pick", "stage", "exchange", "feedback")  # one tick's host work, in order (Timeline.decode_host)
+HOST_LATE_S = 50e-6  # a span the GPU starts within this of its issue found the GPU idle (the host was late)
+
+
+class Timeline:
+    """Compute and wall time of one rank, resolved once at the end (no host sync while running).
+
+    `mark()` is a CUDA event recorded on the stream current at `begin()` (GPU) or perf_counter (CPU). Consecutive
+    ticks share their boundary mark, so a tick costs three marks (its boundary, its span's start and end): on a
+    host that builds a small model's decode pass in under a millisecond, a mark is a measurable part of the tick.
+    Decode ticks are summed separately (`decode_busy`): ticks in which every item in flight is a decode step, and
+    was in the K-1 ticks before (K: `segments`, the pipeline's; the same ticks on every rank). A prefill pass that
+    takes a rank longer than a decode pass holds up its group's next pass until its feedback returns, and the ranks
+    downstream wait for that in the first ticks after it leaves the pipeline; those waits belong to the prefill.
+    `busy_after_prefill` reports them: the busy fraction in the 1st, ..., (K-1)th tick after a prefill pass left."""
+
+    def __init__(self, device: torch.device, segments: int = 1):
+        self.cuda = torch.device(device).type == "cuda"
+        self.segments = segments
+        self.calm = segments - 1  # consecutive ticks with only decode steps in flight (none before the run)
+        self.after_prefill: List[int] = []  # per tick: min(calm, segments); 0: a prefill pass was in flight
+        self.span_ticks: List[int] = []  # the tick of each span (parallel to `spans`)
+        self.spans: List[Tuple[Any, Any, bool]] = []  # (start, end, decode tick) of each compute segment
+        self.ticks: List[Tuple[Any, Any, bool]] = []  # (start, end, decode) of every tick
+        self.start = self.end = None
+        self.stream = None  # GPU: the stream every mark is recorded on (looked up once, not per mark)
+        self.boundary = None  # the mark that ended the previous tick (or the start)
+        # host side (perf_counter): when each span's start mark was issued (parallel to `spans`), and the host
+        # seconds of each phase of the decode ticks (`HOST_PHASES`), to tell a GPU waiting on its host from one
+        # waiting on its partner
+        self.issued: List[float] = []
+        self.host_start: Optional[float] = None
+        self.decode_host = dict.fromkeys(HOST_PHASES, 0.0)
+        self.decode_ticks = 0
+
+    def begin(self) -> None:
+        """Mark the start of a run. On GPU it first waits for the device to go idle (setup, not a step), so the start
+        event fires as it is issued and GPU times from it compare with host times from `host_start`."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.stream = torch.cuda.current_stream()
+        self.start = self.boundary = self.mark()
+        self.host_start = time.perf_counter()
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(self.stream)
+        return ev
+
+    def tick_kind(self, all_decode: bool) -> bool:
+        """Start a tick in which every item in flight is a decode step (or not) -> whether it is a decode tick."""
+        self.calm = self.calm + 1 if all_decode else 0
+        self.after_prefill.append(min(self.calm, self.segments))
+        return self.calm >= self.segments
+
+    def tick_end(self, decode: bool) -> None:
+        """Close the current tick: from the previous boundary to now."""
+        end = self.mark()
+        self.ticks.append((self.boundary, end, decode))
+        self.boundary = end
+
+    def span_start(self):
+        """`mark()` for the start of a compute span, noting when the host issued it."""
+        self.issued.append(time.perf_counter())
+        self.span_ticks.append(len(self.ticks))
+        return self.mark()
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+    def latencies(self, first: Dict[int, Any], last: Dict[int, Any], counts: Dict[int, int]):
+        """Marks of each request's first and last token, and its token count -> ({request: seconds from the start
+        to its first token}, {request: mean seconds per later token, None for one token}); call after `resolve`."""
+        ttft = {r: self.seconds(self.start, m) for r, m in first.items()}
+        tpot = {r: self.seconds(m, last[r]) / (counts[r] - 1) if counts[r] > 1 else None for r, m in first.items()}
+        return ttft, tpot
+
+    def resolve(self) -> Dict[str, float]:
+        """Synchronises once, then -> wall_s, busy_s, busy_fraction, decode_wall_s, decode_busy_s, decode_busy."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        if self.start is None or self.end is None:
+            return {
+                "wall_s": 0.0,
+                "busy_s": 0.0,
+                "busy_fraction": 0.0,
+                "decode_wall_s": 0.0,
+                "decode_busy_s": 0.0,
+                "decode_busy": 0.0,
+                "busy_after_prefill": [],
+                **self._host_summary(),
+            }
+        wall = self.seconds(self.start, self.end)
+        busy = sum(self.seconds(a, b) for a, b, _ in self.spans)
+        dwall = sum(self.seconds(a, b) for a, b, d in self.ticks if d)
+        dbusy = sum(self.seconds(a, b) for a, b, d in self.spans if d)
+        return {
+            "wall_s": wall,
+            "busy_s": busy,
+            "busy_fraction": busy / wall if wall > 0 else 0.0,
+            "decode_wall_s": dwall,
+            "decode_busy_s": dbusy,
+            "decode_busy": dbusy / dwall if dwall > 0 else 0.0,
+            "busy_after_prefill": self._after_prefill(),
+            **self._host_summary(),
+        }
+
+    def _after_prefill(self) -> List[Optional[float]]:
+        """[busy fraction of the ticks that came d ticks after a prefill pass left, for d = 1 .. K-1] (None: no such
+        tick); call from `resolve`."""
+        wall, busy = [0.0] * (self.segments + 1), [0.0] * (self.segments + 1)
+        for (a, b, _), d in zip(self.ticks, self.after_prefill):
+            wall[d] += self.seconds(a, b)
+        for (a, b, _), i in zip(self.spans, self.span_ticks):
+            if i < len(self.ticks):
+                busy[self.after_prefill[i]] += self.seconds(a, b)
+        return [busy[d] / wall[d] if wall[d] > 0 else None for d in range(1, self.segments)]
+
+    def _host_summary(self) -> Dict[str, Any]:
+        """decode_host_ms_per_tick: {phase: host ms per decode tick}; decode_lead_p50_ms: median of how long each
+        decode span waited on the GPU after its host issued it, and decode_host_late: the share of decode spans that
+        waited less than HOST_LATE_S (the GPU had run dry and waited on the host; GPU only, else None)."""
+        ticks = max(self.decode_ticks, 1)
+        out: Dict[str, Any] = {
+            "decode_host_ms_per_tick": {k: v * 1e3 / ticks for k, v in self.decode_host.items()},
+            "decode_lead_p50_ms": None,
+            "decode_host_late": None,
+        }
+        if not self.cuda or self.host_start is None:
+            return out
+        leads = sorted(
+            self.seconds(self.start, a) - (issued - self.host_start)
+            for (a, _, d), issued in zip(self.spans, self.issued)
+            if d
+        )
+        if leads:
+            out["decode_lead_p50_ms"] = leads[len(leads) // 2] * 1e3
+            out["decode_host_late"] = sum(x < HOST_LATE_S for x in leads) / len(leads)
+        return out
