@@ -90,8 +90,9 @@ class Timeline:
         tpot = {r: self.seconds(m, last[r]) / (counts[r] - 1) if counts[r] > 1 else None for r, m in first.items()}
         return ttft, tpot
 
-    def resolve(self) -> Dict[str, float]:
-        """Synchronises once, then -> wall_s, busy_s, busy_fraction, decode_wall_s, decode_busy_s, decode_busy."""
+    def resolve(self) -> Dict[str, Any]:
+        """Synchronises once, then -> wall_s, busy_s, busy_fraction, decode_wall_s, decode_busy_s, decode_busy,
+        busy_after_prefill and the host summary."""
         if self.cuda:
             torch.cuda.synchronize()
         if self.start is None or self.end is None:
