@@ -15,55 +15,34 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, List, Optional
 
 from dsaflow.errors import ConfigError
 
+from .fields import Choice, make_choice, num
+from .moe import MoEConfig, check_moe
 
-class Choice(str, Enum):
-    """A string choice: compares, hashes, formats and serialises as its plain value (member name == value)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-def _choice(name: str, values) -> type:
-    return Choice(name, {v: v for v in values}, module=__name__, qualname=name)
-
-
-Schedule = _choice(
+Schedule = make_choice(
     "Schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"]
 )
-Balance = _choice("Balance", ["cost", "layers"])
-BlockKind = _choice("BlockKind", ["decode", "prefill", "head", "layers"])
-OnFailure = _choice("OnFailure", ["error", "eager"])
-DsaStage = _choice("DsaStage", ["dense_warmup", "sparse"])
-TrainDtype = _choice("TrainDtype", ["auto", "fp32", "bf16"])
-Recompute = _choice("Recompute", ["none", "attention", "block"])
-Device = _choice("Device", ["auto", "cpu", "cuda"])
-ProgressMode = _choice("ProgressMode", ["auto", "rich", "lines", "off"])
-DataKind = _choice("DataKind", ["retrieval", "text", "bin"])
-LossOn = _choice("LossOn", ["answer", "all"])
-CopyChars = _choice("CopyChars", ["filler", "mixed"])
-DataSplit = _choice("DataSplit", ["tail", "files"])
-TrackBackend = _choice("TrackBackend", ["wandb", "none"])
-TrackMode = _choice("TrackMode", ["offline", "online", "disabled"])
-Mode = _choice("Mode", ["train", "serve"])
-Batching = _choice("Batching", ["fixed", "continuous"])
+Balance = make_choice("Balance", ["cost", "layers"])
+BlockKind = make_choice("BlockKind", ["decode", "prefill", "head", "layers"])
+OnFailure = make_choice("OnFailure", ["error", "eager"])
+DsaStage = make_choice("DsaStage", ["dense_warmup", "sparse"])
+TrainDtype = make_choice("TrainDtype", ["auto", "fp32", "bf16"])
+Recompute = make_choice("Recompute", ["none", "attention", "block"])
+Device = make_choice("Device", ["auto", "cpu", "cuda"])
+ProgressMode = make_choice("ProgressMode", ["auto", "rich", "lines", "off"])
+DataKind = make_choice("DataKind", ["retrieval", "text", "bin"])
+LossOn = make_choice("LossOn", ["answer", "all"])
+CopyChars = make_choice("CopyChars", ["filler", "mixed"])
+DataSplit = make_choice("DataSplit", ["tail", "files"])
+TrackBackend = make_choice("TrackBackend", ["wandb", "none"])
+TrackMode = make_choice("TrackMode", ["offline", "online", "disabled"])
+Mode = make_choice("Mode", ["train", "serve"])
+Batching = make_choice("Batching", ["fixed", "continuous"])
 
 BIG = 1 << 31  # int32 sizes: beyond this an index tensor or an embedding row id overflows
-
-
-def num(default, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False, even: bool = False, why: str = ""):
-    """A numeric field with its allowed range [lo, hi] (open ends with lo_open/hi_open; None = unbounded)."""
-    return field(default=default, metadata={"range": (lo, hi, lo_open, hi_open, even, why)})
 
 
 @dataclass
@@ -89,13 +68,15 @@ class ModelConfig:
     # logits' speed on Hopper (fp8 tensor cores; CUDA needs compute capability 8.9+), the same rounding on CPU; the
     # indexer loss keeps its own bf16/fp32 scores
     index_fp8: bool = False
-    inter_dim: int = num(128, 1, 1 << 20)  # SwiGLU hidden size (every layer is dense; MoE is out of scope)
+    inter_dim: int = num(128, 1, 1 << 20)  # the dense SwiGLU's hidden size (every layer's MLP unless `moe` is set)
     vocab_size: int = num(256, 1, 1 << 21)
     max_seq_len: int = num(1024, 1, 1 << 22)
     rope_theta: float = num(10000.0, 0, 1e12, lo_open=True)
     norm_eps: float = num(1e-6, 0, 1, lo_open=True, hi_open=True)
     tie_embeddings: bool = False
     init_std: float = num(0.02, 0, 1, lo_open=True)
+    # mixture-of-experts MLPs (DeepSeek-V3 / GLM-5 recipe); None = every layer dense (dsaflow/config/moe.py)
+    moe: Optional[MoEConfig] = None
 
 
 @dataclass
@@ -365,6 +346,8 @@ def validate(cfg, prefix: str = "") -> None:
                 f"search.eval_ratios={ratios}: each must lie in (0, 1] (the fraction of F layers of a "
                 "uniform layout), at most 64 of them. Fix: e.g. search.eval_ratios=[0.5,0.25]."
             )
+    if isinstance(cfg, ModelConfig) and cfg.moe is not None:
+        check_moe(cfg.moe, cfg.num_layers)
     if isinstance(cfg, TrainConfig):
         betas = list(cfg.betas)
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):

@@ -1,14 +1,17 @@
 """The DSA transformer: MLA in MQA mode + lightning indexer, F/S layer roles (LayerSpec), serving caches. It knows
 nothing of plans, Hydra or torch.distributed: dsaflow.run.stages cuts it into a plan's stages."""
 
-from .block import DSABlock, SwiGLU
+from .aux_loss import attach_aux_loss
+from .block import DSABlock
 from .cache import IndexCacheError, IndexSlot, StageCache
 from .indexer import Indexer
 from .indexer_loss import IndexerLossInBackward, attention_distribution, indexer_kl_loss
 from .layer_spec import LayerSpec
 from .mla import MLA
+from .moe import MoE, Router, expert_load_balance, moe_layers, update_expert_bias
 from .norms import RMSNorm
 from .stage import StageModule, build_model, full_state_dict, load_full_state_dict, trim_indices
+from .swiglu import SwiGLU
 
 __all__ = [
     "IndexerLossInBackward",
@@ -22,7 +25,13 @@ __all__ = [
     "StageCache",
     "StageModule",
     "SwiGLU",
+    "MoE",
+    "Router",
+    "attach_aux_loss",
     "attention_distribution",
+    "expert_load_balance",
+    "moe_layers",
+    "update_expert_bias",
     "build_model",
     "full_state_dict",
     "indexer_kl_loss",

@@ -1,4 +1,5 @@
-"""One DSA transformer block (pre-norm residual): h += MLA(attn_norm(h)); h += SwiGLU(ffn_norm(h)).
+"""One DSA transformer block (pre-norm residual): h += MLA(attn_norm(h)); h += MLP(ffn_norm(h)), the MLP a dense
+SwiGLU or, on the MoE layers of a model with `model.moe`, a mixture of experts (`moe.py`).
 
 A block's place in the IndexCache layout is a `LayerSpec`: F blocks own an indexer (`attn.indexer`), S blocks read
 the indices their source wrote earlier in the same forward. The model knows nothing of plans: the planner's
@@ -14,29 +15,18 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dsaflow.config.moe import is_moe_layer
 from dsaflow.config.schema import ModelConfig
 
 from .context import ForwardContext, LayerReplay
 from .layer_spec import LayerSpec
 from .mla import MLA
+from .moe import MoE
 from .norms import RMSNorm
-
-
-class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x): x [..., dim] -> [..., dim] with hidden size inter_dim."""
-
-    def __init__(self, dim: int, inter_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, inter_dim, bias=False)
-        self.w3 = nn.Linear(dim, inter_dim, bias=False)
-        self.w2 = nn.Linear(inter_dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+from .swiglu import SwiGLU
 
 
 class DSABlock(nn.Module):
@@ -53,7 +43,7 @@ class DSABlock(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = MLA(cfg, layer.index, layer.role, source)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.dim, cfg.inter_dim)
+        self.mlp = MoE(cfg.dim, cfg.moe) if is_moe_layer(cfg, layer.index) else SwiGLU(cfg.dim, cfg.inter_dim)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """h [B, T, dim] -> [B, T, dim]."""
@@ -74,4 +64,6 @@ class DSABlock(nn.Module):
 
     def _forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), ctx)
+        if isinstance(self.mlp, MoE):
+            return h + self.mlp(self.ffn_norm(h), ctx)
         return h + self.mlp(self.ffn_norm(h))

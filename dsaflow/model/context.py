@@ -39,6 +39,8 @@ class ForwardContext:
     non-absorbed heads (`dsaflow.model.dense_prefill.PrefillHint`), else None (the sparse path).
     slots: with a cache, the cached position each query writes, [B, T, 1] int64 (`cache.cache_slots`, shared by
     every layer; filled in from positions when not given), else None.
+    record_expert_load: a training forward whose MoE layers count their routed tokens (for the bias update) and
+    attach their balance loss; off for evaluation, serving and the pipelining runtime's shape inference.
     """
 
     positions: torch.Tensor
@@ -55,6 +57,7 @@ class ForwardContext:
     replay: Optional[LayerReplay] = None
     prefill: Optional[PrefillHint] = None
     slots: Optional[torch.Tensor] = None
+    record_expert_load: bool = False
 
     def __post_init__(self):
         if self.cache is not None and self.slots is None:

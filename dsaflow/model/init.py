@@ -3,7 +3,7 @@
 Every layer draws from its own CPU generator seeded by (seed, layer index), and its indexer from a separate one
 seeded by (seed, layer index, "indexer"), so a layer gets the same weights whichever stage builds it (PP=1 vs PP=N)
 and its non-indexer weights do not depend on its role. Embedding and head have their own generators.
-Linear / Embedding: normal(0, init_std); RMSNorm and LayerNorm weights: 1; LayerNorm bias: 0.
+Linear / Embedding / MoE router and experts: normal(0, init_std) (the router's selection bias starts at 0); RMSNorm and LayerNorm weights: 1; LayerNorm bias: 0.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import hashlib
 
 import torch
 from torch import nn
+
+from .moe import Experts, Router
 
 
 def _generator(seed: int, *tag) -> torch.Generator:
@@ -27,8 +29,11 @@ def init_module(module: nn.Module, g: torch.Generator, std: float, skip: tuple[s
     for name, m in module.named_modules():
         if any(name == s or name.startswith(s + ".") for s in skip):
             continue
-        if isinstance(m, (nn.Linear, nn.Embedding)):
+        if isinstance(m, (nn.Linear, nn.Embedding, Router)):
             m.weight.copy_(torch.randn(m.weight.shape, generator=g) * std)
+        elif isinstance(m, Experts):
+            m.gate_up_proj.copy_(torch.randn(m.gate_up_proj.shape, generator=g) * std)
+            m.down_proj.copy_(torch.randn(m.down_proj.shape, generator=g) * std)
         elif isinstance(m, nn.LayerNorm):
             m.weight.fill_(1.0)
             m.bias.zero_()

@@ -91,6 +91,7 @@ class StageModule(nn.Module):
         indexer_loss_in_backward: Optional[IndexerLossInBackward] = None,
         indices_in: Optional[torch.Tensor] = None,
         prefill: Optional[PrefillHint] = None,
+        record_expert_load: bool = False,
     ) -> torch.Tensor:
         """x: token ids [B, T] int64 on the first stage, hidden [B, T, dim] otherwise.
 
@@ -111,6 +112,8 @@ class StageModule(nn.Module):
         prefill (with a cache, sparse attention, T > 1): a `PrefillHint` from `dense_prefill.plan_prefill` over the
         host-known positions: this chunk attends over the non-absorbed heads (dense, or masked by the top-k). It must
         bound every position (the caller knows them; nothing is checked on the device, which would sync).
+        record_expert_load: MoE layers count their routed tokens and attach their balance loss (a training forward
+        of the pipeline runtime; `dsaflow.model.moe`).
         """
         if attn not in ATTN_MODES:
             raise ValueError(f"attn={attn!r} is not an attention mode: use one of {ATTN_MODES}.")
@@ -180,6 +183,7 @@ class StageModule(nn.Module):
             recompute=self.recompute,
             recompute_chunk_tokens=self.recompute_chunk_tokens,
             prefill=prefill,
+            record_expert_load=record_expert_load,
         )
         for layer in self.layers.values():
             h = layer(h, ctx)

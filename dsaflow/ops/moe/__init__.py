@@ -1,0 +1,68 @@
+"""Routed experts of a MoE layer: sort the (token, expert) pairs by expert, two grouped GEMMs, unsort, weigh, sum.
+
+Static shapes throughout (N x top_k rows whatever the routing) and offsets computed on the device, so nothing syncs
+the host and serving graphs capture the layer. The grouped GEMM's kernel is `dispatch.py`'s choice; `naive.py` holds
+the fp32 references.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import explain_grouped_mm
+from .function import GroupedMM
+from .naive import moe_experts_naive, route_naive
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids int64 [N, k] -> (order int64 [N * k]: the flat (token, slot) pairs sorted by expert, stable;
+    offsets int32 [E]: where each expert's rows end in that order)."""
+    flat = ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    experts = torch.arange(num_experts, device=ids.device, dtype=sorted_ids.dtype)
+    return order, torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """a [M, K] rows sorted by expert, w [E, N, K], offsets int32 [E] -> [M, N]: row m times its expert's w^T.
+    Differentiable in a and w. Raises when no kernel takes the inputs (`explain_grouped_mm` says why)."""
+    choice = explain_grouped_mm(a, w)
+    if choice.kernel is None:
+        raise RuntimeError(f"grouped_mm: {choice}")
+    return GroupedMM.apply(a, w, offsets, choice.kernel)
+
+
+def moe_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts' output.
+
+    Args:
+        x: [N, D] token activations (the compute dtype; gate_up and down must share it).
+        ids: int64 [N, k] each token's experts (from the router).
+        weights: [N, k] each chosen expert's gate weight (fp32 from the router).
+        gate_up: [E, 2I, D] each expert's gate (first I rows) and up projections.
+        down: [E, D, I] each expert's down projection.
+
+    Returns:
+        [N, D] in x's dtype: sum over slots j of weights[:, j] * down_e(silu(gate_e x) * up_e x), e = ids[:, j].
+        Differentiable in x, weights, gate_up and down.
+    """
+    N, k = ids.shape
+    order, offsets = sort_by_expert(ids, gate_up.shape[0])
+    rows = x[order // k]  # [N * k, D], each token once per chosen expert
+    gate, up = grouped_mm(rows, gate_up, offsets).chunk(2, dim=-1)
+    out = grouped_mm(F.silu(gate) * up, down, offsets)  # [N * k, D], still sorted by expert
+    unsorted = out[torch.argsort(order)].view(N, k, -1)
+    return (unsorted * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+
+
+__all__ = [
+    "explain_grouped_mm",
+    "grouped_mm",
+    "moe_experts",
+    "moe_experts_naive",
+    "route_naive",
+    "sort_by_expert",
+]

@@ -1,0 +1,45 @@
+"""`GroupedMM`: the differentiable grouped GEMM y[m] = a[m] @ w[e(m)]^T over rows sorted by expert, forward and
+backward on the kernel `dispatch.py` chose."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _torch_rows(a, b, offsets):
+    return F.grouped_mm(a, b, offs=offsets)
+
+
+def _torch_weight_grad(a, b, offsets):
+    return F.grouped_mm(a.t(), b, offs=offsets)
+
+
+def kernel_forms(kernel: str):
+    """kernel -> (rows form: a [M, K] @ b[e] with b [E, K, N]; weight-gradient form: a[rows_e]^T @ b[rows_e])."""
+    if kernel == "torch_grouped":
+        return _torch_rows, _torch_weight_grad
+    from .triton_grouped import grouped_mm_rows, grouped_mm_weight_grad  # Triton only where a kernel needs it
+
+    return grouped_mm_rows, grouped_mm_weight_grad
+
+
+class GroupedMM(torch.autograd.Function):
+    """a [M, K] (rows sorted by expert), w [E, N, K], offsets int32 [E] (row ends) -> [M, N] in a's dtype.
+    Differentiable in a and w; a and w must share a dtype."""
+
+    @staticmethod
+    def forward(ctx, a, w, offsets, kernel: str):
+        rows, _ = kernel_forms(kernel)
+        ctx.save_for_backward(a, w, offsets)
+        ctx.kernel = kernel
+        return rows(a, w.transpose(1, 2), offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, w, offsets = ctx.saved_tensors
+        rows, weight_grad = kernel_forms(ctx.kernel)
+        grad = grad.contiguous()  # a reduction's gradient arrives expanded (stride 0), which the kernels refuse
+        grad_a = rows(grad, w, offsets) if ctx.needs_input_grad[0] else None
+        grad_w = weight_grad(grad, a, offsets) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_w, None, None
