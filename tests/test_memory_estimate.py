@@ -84,6 +84,7 @@ LONG = [
     "model=dsv32",
     "model.vocab_size=256",
     "model.inter_dim=2048",
+    "model.moe=null",
     "model.num_layers=8",
     "index=every4",
     "train.batch_size=1",

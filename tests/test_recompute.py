@@ -121,6 +121,7 @@ def test_the_memory_estimate_drops_the_recomputed_activations():
         "model=dsv32",
         "model.vocab_size=256",
         "model.inter_dim=2048",
+        "model.moe=null",
         "model.num_layers=2",
         "index=all_full",
         "train.seq_len=131072",

@@ -62,6 +62,7 @@ def rank_memory(cfg, plan, rank: int, device_type: str, job: str) -> Dict[str, f
             se["microbatches_in_flight"],
             plan.pipeline.microbatches,
             device_type,
+            layer_indices=list(st.layers),
         )
         for name, b in terms.items():
             out[name] = out.get(name, 0) + b if name != TRANSIENT else max(out.get(name, 0), b)

@@ -7,6 +7,8 @@ RoPE or top-k selection). Bytes assume bf16 (2 bytes) for activations and caches
 
 from __future__ import annotations
 
+from dsaflow.config.moe import is_moe_layer
+
 BF16 = 2
 INT32 = 4
 FP32 = 4
@@ -33,16 +35,24 @@ def mla_params(m) -> int:
     )
 
 
-def mlp_params(m) -> int:
-    """Dense SwiGLU: w1, w3 [dim -> inter], w2 [inter -> dim]."""
-    return 3 * m.dim * m.inter_dim
+def mlp_params(m, moe: bool = False, active: bool = False) -> int:
+    """Dense SwiGLU: w1, w3 [dim -> inter], w2 [inter -> dim]. A MoE MLP (`moe`): the fp32 router [E, dim], E routed
+    SwiGLU experts of width moe_inter_dim (only num_experts_per_tok of them with `active`: the weights one token
+    runs) and the shared experts, one SwiGLU of width n_shared * moe_inter_dim. (The router's selection bias is a
+    buffer, not a parameter.)"""
+    if not moe:
+        return 3 * m.dim * m.inter_dim
+    e = m.moe
+    experts = e.num_experts_per_tok if active else e.n_routed_experts
+    return e.n_routed_experts * m.dim + 3 * m.dim * e.moe_inter_dim * (experts + e.n_shared_experts)
 
 
-def layer_params(m, role: str) -> int:
-    """Parameters of one DSA block: attn_norm + MLA + ffn_norm + MLP, plus the indexer on F layers only."""
+def layer_params(m, role: str, moe: bool = False, active: bool = False) -> int:
+    """Parameters of one DSA block: attn_norm + MLA + ffn_norm + MLP (a MoE MLP with `moe`; with `active` only the
+    experts one token runs), plus the indexer on F layers only."""
     if role not in ("F", "S"):
         raise ValueError(f"role must be 'F' or 'S', got {role!r}")
-    base = m.dim + mla_params(m) + m.dim + mlp_params(m)
+    base = m.dim + mla_params(m) + m.dim + mlp_params(m, moe, active)
     return base + (indexer_params(m) if role == "F" else 0)
 
 
@@ -79,20 +89,21 @@ def sparse_attn_flops_per_query(m, context: int) -> int:
     return 2 * m.n_heads * k * (m.kv_lora_rank + m.qk_rope_head_dim + m.kv_lora_rank)
 
 
-def layer_matmul_flops_per_token(m, role: str) -> int:
-    """Projection FLOPs of one block per token (2 per weight; norms are not matmuls)."""
+def layer_matmul_flops_per_token(m, role: str, moe: bool = False) -> int:
+    """Projection FLOPs of one block per token (2 per weight a token runs: a MoE layer's router, chosen experts and
+    shared experts; norms are not matmuls)."""
     norms = 2 * m.dim + m.q_lora_rank + m.kv_lora_rank
-    weights = layer_params(m, "S") - norms
+    weights = layer_params(m, "S", moe, active=True) - norms
     flops = 2 * weights
     if role == "F":
         flops += indexer_proj_flops_per_token(m)
     return flops
 
 
-def layer_forward_flops_per_token(m, role: str, context: int) -> int:
-    """Forward FLOPs per token at a given attention context: projections + sparse attention (+ indexer scores on
-    F layers). This is the per-layer cost the `balance=cost` stage split uses."""
-    flops = layer_matmul_flops_per_token(m, role) + sparse_attn_flops_per_query(m, context)
+def layer_forward_flops_per_token(m, role: str, context: int, moe: bool = False) -> int:
+    """Forward FLOPs per token at a given attention context: projections (a MoE layer's active ones) + sparse
+    attention (+ indexer scores on F layers). This is the per-layer cost the `balance=cost` stage split uses."""
+    flops = layer_matmul_flops_per_token(m, role, moe) + sparse_attn_flops_per_query(m, context)
     if role == "F":
         flops += 2 * context * m.index_n_heads * m.index_head_dim
     return flops
@@ -134,14 +145,32 @@ def index_bytes_per_token(m) -> int:
     return m.index_topk * (INT32 + FP32)
 
 
-def activation_bytes_per_token(m, role: str, recompute: str = "none", width: int = BF16, autocast: bool = True) -> int:
+def mlp_activation_elems_per_token(m, moe: bool = False) -> int:
+    """Elements of the compute dtype an MLP keeps for its backward per token. Dense: 4*inter (w1 and w3 outputs,
+    silu, the product). MoE: per chosen expert its gathered input row and its output row (2*dim: the grouped GEMM's
+    input, the weighting's input), the gate/up output (2*I), silu and the product (2*I); plus the shared experts'
+    4 * n_shared * I."""
+    if not moe:
+        return 4 * m.inter_dim
+    e = m.moe
+    return e.num_experts_per_tok * (2 * m.dim + 4 * e.moe_inter_dim) + 4 * e.n_shared_experts * e.moe_inter_dim
+
+
+def router_bytes_per_token(m, moe: bool = False) -> int:
+    """A MoE layer's fp32 router: the input cast to fp32 (dim) and the sigmoid scores with their biased copy (2*E)."""
+    return (m.dim + 2 * m.moe.n_routed_experts) * FP32 if moe else 0
+
+
+def activation_bytes_per_token(
+    m, role: str, recompute: str = "none", width: int = BF16, autocast: bool = True, moe: bool = False
+) -> int:
     """Bytes one block keeps for its backward per token. `none`:
       fp32 residual stream: the block input and the MLP-norm input, 2*dim (4 bytes each);
       the normed inputs as the linears save them: 4*dim under autocast (each of wq_a, wkv_a, w1, w3 casts its own
       copy), 2*dim without;
       q path 2*q_lora + H*(nope+rope), kv path 2*(kv_lora+rope) (the wkv_a output and the latent rows);
       absorbed query H*(kv_lora+rope), attention output H*kv_lora (+ lse, H fp32), its up-projection H*v_head;
-      MLP 4*inter (w1 and w3 outputs, silu, the product);
+      MLP `mlp_activation_elems_per_token` (dense: 4*inter) and, on a MoE layer, `router_bytes_per_token`;
       F layers: the normed input again for wk and weights_proj under autocast (2*dim), indexer q Hi*Di, k Di (+ the
       fp32 LayerNorm input, Di) and weights Hi, and `index_bytes_per_token`.
     `attention` drops the absorbed query and the attention output (`attention_recompute_elems_per_token`).
@@ -159,9 +188,9 @@ def activation_bytes_per_token(m, role: str, recompute: str = "none", width: int
         + h * (m.qk_nope_head_dim + m.qk_rope_head_dim)
         + 2 * (m.kv_lora_rank + m.qk_rope_head_dim)
         + h * m.v_head_dim
-        + 4 * m.inter_dim
+        + mlp_activation_elems_per_token(m, moe)
     )
-    extra = 2 * m.dim * FP32 + f_only
+    extra = 2 * m.dim * FP32 + f_only + router_bytes_per_token(m, moe)
     if recompute == "none":
         elems += attention_recompute_elems_per_token(m)
         extra += h * FP32  # lse
@@ -180,15 +209,31 @@ def attention_backward_bytes_per_token(m, width: int = BF16) -> int:
     return width * h * (m.v_head_dim + m.kv_lora_rank + d_qk) + d_qk * (FP32 + width)
 
 
+def moe_backward_bytes_per_token(m, width: int = BF16) -> int:
+    """Gradients alive at once in a MoE MLP's backward, per token: of each chosen expert's output row, product,
+    gate/up output and gathered input row (k * (2*dim + 3*I))."""
+    e = m.moe
+    return e.num_experts_per_tok * (2 * m.dim + 3 * e.moe_inter_dim) * width
+
+
 def layer_backward_transient_bytes(
-    m, role: str, tokens: int, recompute: str, chunk_tokens: int, width: int = BF16, autocast: bool = True
+    m,
+    role: str,
+    tokens: int,
+    recompute: str,
+    chunk_tokens: int,
+    width: int = BF16,
+    autocast: bool = True,
+    moe: bool = False,
 ) -> int:
     """The most one layer's backward allocates on top of the kept activations, for `tokens` queries:
     none       the attention gradients over every query, and the attention backward's G buffer;
     attention  one query chunk rebuilt (absorbed query, attention output, lse) and its gradients, and G;
     block      the whole layer rebuilt (its `none` activations, or its `attention` ones when the queries exceed a
                chunk: the attention is then recomputed in chunks inside the block), then, with its MLP part freed,
-               the attention's backward as above."""
+               the attention's backward as above.
+    A MoE layer's MLP backward (`moe_backward_bytes_per_token`) comes before its attention's: the larger counts."""
+    mlp_bwd = tokens * moe_backward_bytes_per_token(m, width) if moe else 0
 
     def g_buffer(n):
         return min(SPARSE_MLA_BWD_BUFFER, n * 2 * m.n_heads * m.index_topk * width)
@@ -198,21 +243,22 @@ def layer_backward_transient_bytes(
         return n * (rebuilt + attention_backward_bytes_per_token(m, width)) + g_buffer(n)
 
     if recompute == "none":
-        return tokens * attention_backward_bytes_per_token(m, width) + g_buffer(tokens)
+        return max(mlp_bwd, tokens * attention_backward_bytes_per_token(m, width) + g_buffer(tokens))
     chunk = min(tokens, chunk_tokens)
     if recompute == "attention":
-        return chunk_transient(chunk)
+        return max(mlp_bwd, chunk_transient(chunk))
     if tokens <= chunk_tokens:
-        rebuilt = activation_bytes_per_token(m, role, "none", width, autocast)
+        rebuilt = activation_bytes_per_token(m, role, "none", width, autocast, moe)
         after = tokens * attention_backward_bytes_per_token(m, width) + g_buffer(tokens)
     else:
-        rebuilt = activation_bytes_per_token(m, role, "attention", width, autocast)
+        rebuilt = activation_bytes_per_token(m, role, "attention", width, autocast, moe)
         after = chunk_transient(chunk)
-    kept = activation_bytes_per_token(m, role, "block", width, autocast)
+    kept = activation_bytes_per_token(m, role, "block", width, autocast, moe)
     # The backward frees the MLP's rebuilt tensors before it reaches the attention: the peak is the whole rebuilt
-    # layer, or its attention part plus the attention's backward.
-    mlp = m.dim * FP32 + (2 if autocast else 1) * m.dim * width + 4 * m.inter_dim * width
-    return max(tokens * (rebuilt - kept), tokens * (rebuilt - kept - mlp) + after)
+    # layer (with the MLP's own backward), or its attention part plus the attention's backward.
+    mlp = m.dim * FP32 + (2 if autocast else 1) * m.dim * width + mlp_activation_elems_per_token(m, moe) * width
+    mlp += router_bytes_per_token(m, moe)
+    return max(tokens * (rebuilt - kept) + mlp_bwd, tokens * (rebuilt - kept - mlp) + after)
 
 
 def head_activation_bytes_per_token(m, width: int = BF16) -> int:
@@ -263,10 +309,13 @@ def indexer_train_flops_per_token(m, seq_len: int, served_layers: int) -> float:
 
 
 def train_flops_per_token(m, roles_and_served: list[tuple[str, int]], seq_len: int, params_no_embed: int) -> float:
-    """Training FLOPs per token of a DSA model: 6 per non-embedding parameter (forward + backward matmuls) plus
-    the sparse attention of every layer and the indexer (scores and its loss) of every F layer.
-    roles_and_served: (role, number of layers an F layer serves incl. itself; ignored for S) per layer."""
-    total = 6.0 * params_no_embed
+    """Training FLOPs per token of a DSA model: 6 per non-embedding parameter a token runs (forward + backward
+    matmuls; a MoE layer's routed experts count only num_experts_per_tok of them) plus the sparse attention of every
+    layer and the indexer (scores and its loss) of every F layer.
+    roles_and_served: (role, number of layers an F layer serves incl. itself; ignored for S) per layer, in layer
+    order (so position i is layer i)."""
+    idle = mlp_params(m, moe=True) - mlp_params(m, moe=True, active=True) if m.moe is not None else 0
+    total = 6.0 * (params_no_embed - idle * sum(is_moe_layer(m, i) for i in range(len(roles_and_served))))
     for role, served in roles_and_served:
         total += sparse_attn_train_flops_per_token(m, seq_len)
         if role == "F":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dsaflow.config.moe import is_moe_layer
 from dsaflow.plan import estimates as E
 
 WEIGHTS = "weights and AdamW state"
@@ -43,25 +44,31 @@ def train_memory_terms(
     in_flight: int,
     microbatches: int,
     device_type: str = "cuda",
+    layer_indices: Sequence[int] | None = None,
 ) -> dict[str, int]:
     """{term: bytes} for one training stage holding layers of `roles`, `microbatches` (the plan's) of `tokens`
-    tokens each, `in_flight` of them at once (see the module docstring)."""
+    tokens each, `in_flight` of them at once (see the module docstring). layer_indices: the layers' global indices,
+    which say which are MoE layers (required for a model with `model.moe`); every expert's weights, gradients and
+    AdamW state count."""
     m, t = cfg.model, cfg.train
     width, autocast = compute_dtype(cfg, device_type)
     recompute = str(t.recompute)
-    layer_params = [E.layer_params(m, r) for r in roles]
+    if layer_indices is None and m.moe is not None:
+        raise ValueError("train_memory_terms: a model with model.moe needs layer_indices (which layers are MoE)")
+    moe = [is_moe_layer(m, i) for i in layer_indices] if layer_indices is not None else [False] * len(roles)
+    layer_params = [E.layer_params(m, r, x) for r, x in zip(roles, moe)]
     edge = (E.embed_params(m) if first else 0) + (E.head_params(m) if last else 0)
     params = sum(layer_params) + edge
     copies = (params - (E.embed_params(m) if first else 0)) * E.BF16 if autocast else 0
     every_grad = microbatches > in_flight
     grads = 4 * (params if every_grad else max(layer_params, default=0) + (E.head_params(m) if last else 0))
-    per_token = sum(E.activation_bytes_per_token(m, r, recompute, width, autocast) for r in roles)
+    per_token = sum(E.activation_bytes_per_token(m, r, recompute, width, autocast, x) for r, x in zip(roles, moe))
     per_token += E.rope_table_bytes_per_token(m)
     per_token += E.head_activation_bytes_per_token(m, width) if last else E.stage_output_bytes_per_token(m)
     transient = max(
         (
-            E.layer_backward_transient_bytes(m, r, tokens, recompute, t.recompute_chunk_tokens, width, autocast)
-            for r in set(roles)
+            E.layer_backward_transient_bytes(m, r, tokens, recompute, t.recompute_chunk_tokens, width, autocast, x)
+            for r, x in set(zip(roles, moe))
         ),
         default=0,
     )

@@ -71,9 +71,10 @@ def _stage_table(plan: Plan, est, part: str = "all") -> Table:
         t.add_column("rank", no_wrap=True)
         t.add_column("layers\n(F, S<source, F! promoted)", overflow="fold", min_width=16, max_width=60)
         t.add_column("F/S/!", no_wrap=True, justify="right")
+    moe = any(se.get("moe_layers") for se in est["stages"])
     if part != "layers":
         for col in (
-            "params",
+            *(("params\n(total)", "params\n(active)") if moe else ("params",)),
             f"indexer saved\n/token @{ntokens(ctx)}",
             "KV cache\n/seq",
             "activations\n/microbatch",
@@ -88,6 +89,7 @@ def _stage_table(plan: Plan, est, part: str = "all") -> Table:
         if part != "layers":
             cells += [
                 human(se["params"]),
+                *((human(se["active_params"]),) if moe else ()),
                 flops(se["indexer_flops_saved_per_token"]),
                 nbytes(se["kv_cache_bytes_per_seq"]),
                 f"{nbytes(se['activation_bytes_per_microbatch'])} x{se['microbatches_in_flight']}",
@@ -193,8 +195,10 @@ def render_table(plan: Plan, cfg, width: Optional[int] = None) -> str:
         con.print("graph blocks: none")
     tot = est["total"]
     saved, full = tot["indexer_flops_saved_per_token"], tot["indexer_flops_all_full_per_token"]
+    active = f" ({human(tot['active_params'])} active per token)" if tot["active_params"] != tot["params"] else ""
     con.print(
-        f"total: {human(tot['params'])} params, {tot['f_layers']} F / {tot['s_layers']} S layers ({tot['promoted']} promoted)\n"
+        f"total: {human(tot['params'])} params{active}, {tot['f_layers']} F / {tot['s_layers']} S layers "
+        f"({tot['promoted']} promoted)\n"
         f"indexer per token at {ntokens(est['savings_context'])} context: {flops(full - saved)} instead of "
         f"{flops(full)} with every layer F ({100 * saved / full if full else 0:.1f}% saved; sparse attention "
         f"{flops(tot['sparse_attn_flops_per_token'])})\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
+from dsaflow.config.moe import is_moe_layer
 from dsaflow.plan import estimates as E
 from dsaflow.plan.memory import train_memory_terms
 from dsaflow.plan.plan import LayerPlan, PipelinePlan, StagePlan
@@ -26,7 +27,7 @@ def layer_costs(cfg, roles: Sequence[str]) -> List[float]:
     """Forward FLOPs per token per layer (declared roles), with the LM head folded into the last layer's cost
     because it always lands on the last stage. Embedding lookups cost no FLOPs."""
     m, ctx = cfg.model, cost_context(cfg)
-    costs = [float(E.layer_forward_flops_per_token(m, r, ctx)) for r in roles]
+    costs = [float(E.layer_forward_flops_per_token(m, r, ctx, is_moe_layer(m, i))) for i, r in enumerate(roles)]
     costs[-1] += E.head_forward_flops_per_token(m)
     return costs
 
@@ -60,20 +61,32 @@ def build_estimates(
         ls = [layers[i] for i in st.layers]
         n_f = sum(l.role == "F" for l in ls)
         n_s = len(ls) - n_f
-        params = sum(E.layer_params(m, l.role) for l in ls)
-        cost = sum(E.layer_forward_flops_per_token(m, l.role, ctx) for l in ls)
-        act = sum(E.activation_bytes_per_token(m, l.role, recompute) for l in ls) + E.rope_table_bytes_per_token(m)
+        moe = [is_moe_layer(m, l.index) for l in ls]
+        params = sum(E.layer_params(m, l.role, x) for l, x in zip(ls, moe))
+        active = sum(E.layer_params(m, l.role, x, active=True) for l, x in zip(ls, moe))
+        cost = sum(E.layer_forward_flops_per_token(m, l.role, ctx, x) for l, x in zip(ls, moe))
+        act = sum(E.activation_bytes_per_token(m, l.role, recompute, moe=x) for l, x in zip(ls, moe))
+        act += E.rope_table_bytes_per_token(m)
         act += E.head_activation_bytes_per_token(m) if st.index == last else E.stage_output_bytes_per_token(m)
         act *= tokens
         if st.index == 0:
             params += E.embed_params(m)
+            active += E.embed_params(m)
         if st.index == last:
             params += E.head_params(m)
+            active += E.head_params(m)
             cost += E.head_forward_flops_per_token(m)
         in_flight = microbatches_in_flight(st.index, st.rank, pipeline)
         memory = (
             train_memory_terms(
-                cfg, [l.role for l in ls], st.index == 0, st.index == last, tokens, in_flight, pipeline.microbatches
+                cfg,
+                [l.role for l in ls],
+                st.index == 0,
+                st.index == last,
+                tokens,
+                in_flight,
+                pipeline.microbatches,
+                layer_indices=[l.index for l in ls],
             )
             if cfg.mode == "train"
             else {}
@@ -87,6 +100,9 @@ def build_estimates(
                 "s_layers": n_s,
                 "promoted": sum(l.promoted for l in ls),
                 "params": params,
+                # the parameters one token runs (a MoE layer's chosen experts only), embedding and head included
+                "active_params": active,
+                "moe_layers": sum(moe),
                 "indexer_params_saved": n_s * E.indexer_params(m),
                 "indexer_flops_saved_per_token": n_s * E.indexer_flops_per_query(m, L_save),
                 "indexer_flops_saved_prefill": n_s * E.indexer_flops_prefill(m, L_save),
@@ -136,6 +152,7 @@ def build_estimates(
         "boundaries": boundaries,
         "total": {
             "params": sum(s["params"] for s in per_stage),
+            "active_params": sum(s["active_params"] for s in per_stage),
             "f_layers": n_f_all,
             "s_layers": n_s_all,
             "promoted": sum(l.promoted for l in layers),
