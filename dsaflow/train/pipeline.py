@@ -43,7 +43,7 @@ class TrainStage(nn.Module):
 
     `live` is set by TimedPipelineStage only around a real microbatch forward. torch's pipelining also calls the
     module to infer shapes (2.13: under enable_grad, on uninitialised tensors for non-first stages); such calls
-    must not compute an indexer loss, or garbage gradients could reach the indexers."""
+    must not compute an indexer loss, or garbage gradients could reach the indexers, nor count MoE expert load."""
 
     def __init__(self, stage: nn.Module, indexer_loss_weight: float = 1.0, sends_indices: bool = False):
         super().__init__()
@@ -64,10 +64,12 @@ class TrainStage(nn.Module):
             indices = torch.zeros_like(indices)
         if learn and self.attn == "sparse":
             out, sent = self.stage.forward_with_indices(
-                x, indices, attn="sparse", indexer_loss_in_backward=self.in_backward
+                x, indices, attn="sparse", indexer_loss_in_backward=self.in_backward, record_expert_load=True
             )
             return (out, trim_indices(sent)) if self.sends_indices else out
-        out, sent = self.stage.forward_with_indices(x, indices, attn=self.attn, compute_indexer_loss=learn)
+        out, sent = self.stage.forward_with_indices(
+            x, indices, attn=self.attn, compute_indexer_loss=learn, record_expert_load=learn
+        )
         loss = self.stage.indexer_loss
         self.stage.indexer_loss = None
         if learn and loss is not None and loss.requires_grad:

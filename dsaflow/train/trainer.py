@@ -16,11 +16,13 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from dsaflow.config.moe import is_moe_layer
 from dsaflow.data import BatchSource
 from dsaflow.model import StageModule
 from dsaflow.run.context import RunContext
 from dsaflow.run.stages import stage_module
 
+from .expert_balance import ExpertBalance
 from .forward_pass import ForwardPipeline
 from .metrics import model_flops_per_token, peak_tflops_per_rank
 from .optim import advance, build_optimizers, build_schedulers, clip_global
@@ -70,6 +72,9 @@ class Trainer:
             (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
         )
         self.tokens_per_step = t.batch_size * t.seq_len
+        m = cfg.model
+        self.balance = ExpertBalance(self.modules, m.num_layers, m.moe.bias_update_rate if m.moe else 0.0)
+        self.moe_layer_ids = [i for i in range(m.num_layers) if is_moe_layer(m, i)]
         self._count_params()
 
     def _count_params(self) -> None:
@@ -143,7 +148,8 @@ class Trainer:
         advance(self.scheds)
 
         S, R = self.ctx.plan.num_stages, self.ctx.plan.pipeline.ranks
-        vec = torch.zeros(2 * S + R, dtype=torch.float64, device=self.ctx.device)
+        vec = torch.zeros(2 * S + R + self.balance.width(), dtype=torch.float64, device=self.ctx.device)
+        self.balance.after_step(vec[2 * S + R :], update=not dense and not skip_main)
         if self.ctx.is_cuda:  # peak device memory of this rank since the run started (weights, optimiser, activations)
             vec[2 * S + self.ctx.rank % R] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**30
         for ps, w, sp in zip(self.pstages, self.wrappers, self.local):
@@ -173,6 +179,7 @@ class Trainer:
         if self.ctx.is_cuda:
             for r in range(R):
                 m[f"rank{r}_peak_mem_gib"] = float(vec[2 * S + r])
+        m.update(self.balance.metrics(vec[2 * S + R :], self.moe_layer_ids))
         if self.peak_flops:
             m["mfu"] = self.flops_per_token * m["tokens_per_s"] / self.peak_flops
         if self.has_last:
