@@ -198,3 +198,13 @@ def test_the_router_stays_fp32_when_the_model_is_cast():
     assert layer.gate.weight.dtype == torch.float32 and layer.gate.e_score_correction_bias.dtype == torch.float32
     assert layer.gate.expert_load.dtype == torch.float32
     assert layer.experts.gate_up_proj.dtype == torch.bfloat16
+
+
+def test_a_forced_kernel_is_the_only_candidate(monkeypatch):
+    a, w = torch.randn(4, 8), torch.randn(2, 8, 8)
+    monkeypatch.setenv("DSAFLOW_MOE_GEMM", "triton")
+    choice = explain_grouped_mm(a, w)
+    assert choice.kernel is None and "DSAFLOW_MOE_GEMM=triton" in str(choice)
+    monkeypatch.setenv("DSAFLOW_MOE_GEMM", "cutlass")
+    with pytest.raises(ValueError, match="not a grouped GEMM"):
+        explain_grouped_mm(a, w)

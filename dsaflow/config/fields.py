@@ -25,5 +25,7 @@ class Choice(str, Enum):
         return format(self.value, spec)
 
 
-def make_choice(name: str, values) -> type:
-    return Choice(name, {v: v for v in values}, module=__name__, qualname=name)
+def make_choice(name: str, values, module: str) -> type:
+    """A Choice enum `name` of `values`, defined as if in `module` (where it must be importable: pickling and
+    OmegaConf find it there by name)."""
+    return Choice(name, {v: v for v in values}, module=module, qualname=name)

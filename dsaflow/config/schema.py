@@ -23,24 +23,24 @@ from .fields import Choice, make_choice, num
 from .moe import MoEConfig, check_moe
 
 Schedule = make_choice(
-    "Schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"]
+    "Schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"], __name__
 )
-Balance = make_choice("Balance", ["cost", "layers"])
-BlockKind = make_choice("BlockKind", ["decode", "prefill", "head", "layers"])
-OnFailure = make_choice("OnFailure", ["error", "eager"])
-DsaStage = make_choice("DsaStage", ["dense_warmup", "sparse"])
-TrainDtype = make_choice("TrainDtype", ["auto", "fp32", "bf16"])
-Recompute = make_choice("Recompute", ["none", "attention", "block"])
-Device = make_choice("Device", ["auto", "cpu", "cuda"])
-ProgressMode = make_choice("ProgressMode", ["auto", "rich", "lines", "off"])
-DataKind = make_choice("DataKind", ["retrieval", "text", "bin"])
-LossOn = make_choice("LossOn", ["answer", "all"])
-CopyChars = make_choice("CopyChars", ["filler", "mixed"])
-DataSplit = make_choice("DataSplit", ["tail", "files"])
-TrackBackend = make_choice("TrackBackend", ["wandb", "none"])
-TrackMode = make_choice("TrackMode", ["offline", "online", "disabled"])
-Mode = make_choice("Mode", ["train", "serve"])
-Batching = make_choice("Batching", ["fixed", "continuous"])
+Balance = make_choice("Balance", ["cost", "layers"], __name__)
+BlockKind = make_choice("BlockKind", ["decode", "prefill", "head", "layers"], __name__)
+OnFailure = make_choice("OnFailure", ["error", "eager"], __name__)
+DsaStage = make_choice("DsaStage", ["dense_warmup", "sparse"], __name__)
+TrainDtype = make_choice("TrainDtype", ["auto", "fp32", "bf16"], __name__)
+Recompute = make_choice("Recompute", ["none", "attention", "block"], __name__)
+Device = make_choice("Device", ["auto", "cpu", "cuda"], __name__)
+ProgressMode = make_choice("ProgressMode", ["auto", "rich", "lines", "off"], __name__)
+DataKind = make_choice("DataKind", ["retrieval", "text", "bin"], __name__)
+LossOn = make_choice("LossOn", ["answer", "all"], __name__)
+CopyChars = make_choice("CopyChars", ["filler", "mixed"], __name__)
+DataSplit = make_choice("DataSplit", ["tail", "files"], __name__)
+TrackBackend = make_choice("TrackBackend", ["wandb", "none"], __name__)
+TrackMode = make_choice("TrackMode", ["offline", "online", "disabled"], __name__)
+Mode = make_choice("Mode", ["train", "serve"], __name__)
+Batching = make_choice("Batching", ["fixed", "continuous"], __name__)
 
 BIG = 1 << 31  # int32 sizes: beyond this an index tensor or an embedding row id overflows
 

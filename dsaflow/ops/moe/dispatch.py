@@ -7,10 +7,13 @@
 
 `torch_grouped` is `torch.nn.functional.grouped_mm`: CUTLASS kernels on Hopper, a reference loop on CPU. Its CUDA
 kernels take bf16 only, so fp32 runs on `triton_grouped.py` (the GPU tests' fp32 comparisons go there).
-`explain_grouped_mm(a, w)` returns the `Choice`.
+`DSAFLOW_MOE_GEMM` (auto | torch_grouped | triton; read at each call) restricts the table to one kernel, for
+benchmarks and tests; a call the forced kernel refuses raises. `explain_grouped_mm(a, w)` returns the `Choice`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -34,9 +37,15 @@ def _triton_rule(a: torch.Tensor, w: torch.Tensor) -> str | None:
 
 
 KERNELS = (("torch_grouped", _torch_rule), ("triton", _triton_rule))
+ENV_KERNEL = "DSAFLOW_MOE_GEMM"
 
 
 def explain_grouped_mm(a: torch.Tensor, w: torch.Tensor, table=KERNELS) -> Choice:
     """The kernel for a grouped GEMM of rows a [M, K] with expert weights w [E, N, K], and why earlier ones were
     refused."""
-    return walk(table, a, w)
+    forced = os.environ.get(ENV_KERNEL, "auto")
+    names = [name for name, _ in table]
+    if forced not in ("auto", *names):
+        raise ValueError(f"{ENV_KERNEL}={forced!r} is not a grouped GEMM: use auto or one of {', '.join(names)}.")
+    allowed = None if forced == "auto" else frozenset([forced])
+    return walk(table, a, w, allowed=allowed, excluded_by=f"{ENV_KERNEL}={forced}")
