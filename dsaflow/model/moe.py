@@ -39,7 +39,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(moe.n_routed_experts, dim, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(moe.n_routed_experts, dtype=torch.float32))
         # tokens routed to each expert since the last bias update (training forwards that record it); fp32 counts
-        self.register_buffer("expert_load", torch.zeros(moe.n_routed_experts), persistent=False)
+        self.register_buffer("expert_load", torch.zeros(moe.n_routed_experts, dtype=torch.float32), persistent=False)
 
     def _apply(self, fn, recurse=True):
         def keep_fp32(t: torch.Tensor) -> torch.Tensor:
