@@ -9,6 +9,7 @@ the step's one metrics all-reduce: no extra host sync.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -43,10 +44,12 @@ class ExpertBalance:
 
     def metrics(self, reduced: torch.Tensor, moe_layer_ids: Sequence[int]) -> Dict[str, float]:
         """Per MoE layer `layer<i>_expert_load_max` / `_min` (over the mean), and the worst of each over layers.
-        reduced: the summed vector `after_step` filled on every rank."""
+        reduced: the summed vector `after_step` filled on every rank. A step that routed no token (the dense
+        warm-up trains only the indexers) reports nothing."""
+        values = reduced.view(-1, 2).tolist()
+        moe_layer_ids = [i for i in moe_layer_ids if math.isfinite(values[i][0])]
         if not moe_layer_ids:
             return {}
-        values = reduced.view(-1, 2).tolist()
         out: Dict[str, float] = {}
         for i in moe_layer_ids:
             out[f"layer{i}_expert_load_max"], out[f"layer{i}_expert_load_min"] = values[i]
