@@ -20,6 +20,7 @@ import os
 
 import torch
 import triton
+from topk_sort_baseline import indexer_topk_sort, logits_as_keys, topk_from_keys
 
 from dsaflow.ops.indexer_topk.fp8 import quantize_rows
 from dsaflow.ops.indexer_topk.triton_indexer import (
@@ -27,7 +28,6 @@ from dsaflow.ops.indexer_topk.triton_indexer import (
     indexer_topk_triton,
     quantize_rows_triton,
     query_chunk,
-    topk_from_keys,
 )
 from dsaflow.ops.indexer_topk.triton_select import radix_topk_triton, select_scratch
 
@@ -69,13 +69,13 @@ def run(contexts, n_queries, prefill_ctx, out_dir, sweeps=True):
         q, k, w, pos = inputs(S, T)
         visible = int((pos + 1).clamp(max=S).sum())
         flops = 2 * H_I * D_I * visible
-        old = indexer_topk_triton(q, k, w, pos, TOPK, select="sort")
-        new = indexer_topk_triton(q, k, w, pos, TOPK, select="radix")
+        old = indexer_topk_sort(q, k, w, pos, TOPK)
+        new = indexer_topk_triton(q, k, w, pos, TOPK)
         same = bool(torch.equal(old, new))
-        new8 = indexer_topk_triton(q, k, w, pos, TOPK, select="radix", fp8=True)
-        same8 = bool(torch.equal(indexer_topk_triton(q, k, w, pos, TOPK, select="sort", fp8=True), new8))
-        ms_old = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="sort"))
-        ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="radix"))
+        new8 = indexer_topk_triton(q, k, w, pos, TOPK, fp8=True)
+        same8 = bool(torch.equal(indexer_topk_sort(q, k, w, pos, TOPK, fp8=True), new8))
+        ms_old = bench(lambda: indexer_topk_sort(q, k, w, pos, TOPK))
+        ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK))
         ms_auto = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK))
         ms_fp8 = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, fp8=True))
         record("op: logits + int64 keys + torch.topk + sort (before)", S, T, ms_old)
@@ -144,7 +144,7 @@ def run(contexts, n_queries, prefill_ctx, out_dir, sweeps=True):
                 record(f"sweep: fp8 logits {name}", S, chunk, ms, tflops=round(chunk_flops / ms / 1e9, 1))
         del q8, k8, w8
         indexer_logits_triton(qc, k, wc, pc, scores, write_invisible=False)  # the select parts read bf16 scores
-        indexer_logits_triton(qc, k, wc, pc, keys)
+        logits_as_keys(qc, k, wc, pc, keys)
         ms = bench(lambda: topk_from_keys(keys, TOPK))
         record("part: int64 keys torch.topk + sort", S, chunk, ms)
         ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch))
@@ -168,11 +168,11 @@ def run(contexts, n_queries, prefill_ctx, out_dir, sweeps=True):
     if prefill_ctx:
         S = prefill_ctx
         q, k, w, pos = inputs(S, S)
-        old = indexer_topk_triton(q, k, w, pos, TOPK, select="sort")
-        same = bool(torch.equal(old, indexer_topk_triton(q, k, w, pos, TOPK, select="radix")))
+        old = indexer_topk_sort(q, k, w, pos, TOPK)
+        same = bool(torch.equal(old, indexer_topk_triton(q, k, w, pos, TOPK)))
         del old
-        ms_old = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="sort"), rep_ms=300)
-        ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, select="radix"), rep_ms=300)
+        ms_old = bench(lambda: indexer_topk_sort(q, k, w, pos, TOPK), rep_ms=300)
+        ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK), rep_ms=300)
         record("whole causal prefill: before", S, S, ms_old)
         record(
             "whole causal prefill: after",

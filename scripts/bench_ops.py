@@ -32,13 +32,13 @@ import triton
 import triton.testing
 from bench_lib import CEIL, D_QK, D_V, ROWS, TOPK, H, bench, measure_ceilings, mla_inputs, record, rel_err, sweep
 from bench_peers import PEERS, bench_backward_peers, peers_markdown
+from topk_sort_baseline import logits_as_keys, topk_from_keys
 
 from dsaflow.ops.indexer_topk.naive import topk_from_scores
 from dsaflow.ops.indexer_topk.triton_indexer import (
     indexer_logits_triton,
     indexer_topk_triton,
     query_chunk,
-    topk_from_keys,
 )
 from dsaflow.ops.sparse_mla.hopper_backward import hopper_bwd_supports, launch_hopper_ds
 from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
@@ -241,7 +241,7 @@ def bench_indexer(contexts, do_sweep):
             config=cfg,
         )
         keys = torch.empty(1, chunk, ctx, device="cuda", dtype=torch.int64)
-        ms = bench(lambda: indexer_logits_triton(qc, k, wc, pc, keys, cfg))
+        ms = bench(lambda: logits_as_keys(qc, k, wc, pc, keys, cfg))
         record(
             "indexer_logits (int64 keys)",
             "triton",

@@ -1,5 +1,5 @@
 """The indexer top-k's two Triton selects side by side: the radix select (the dispatcher's path on CUDA) against
-int64 sort keys + torch.topk (`select="sort"`), over key counts, decode, causal prefill and serving-pass shapes.
+int64 sort keys + torch.topk (`topk_sort_baseline.py`), over key counts, decode, causal prefill and serving-pass shapes.
 
     python3 scripts/bench_topk_select.py --out bench_out/topk_select        # one GPU, about a minute
 
@@ -21,6 +21,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from topk_sort_baseline import indexer_topk_sort  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
 
 from dsaflow.ops.indexer_topk.triton_indexer import indexer_topk_triton  # noqa: E402
 
@@ -71,10 +73,10 @@ def main(argv=None) -> int:
                 end = S - 1 if visible == "full" else S // 2
                 pos = (end - T + 1 + torch.arange(T, device=dev)).expand(B, T).contiguous()
                 r = {"heads": H, "topk": K, "keys": S, "case": name}
-                for select in ("radix", "sort"):
-                    r[f"{select}_ms"] = median_ms(lambda: indexer_topk_triton(q, k, w, pos, K, select=select), a.reps)
-                radix = indexer_topk_triton(q, k, w, pos, K, select="radix")
-                r["identical"] = bool(torch.equal(radix, indexer_topk_triton(q, k, w, pos, K, select="sort")))
+                for select, op in (("radix", indexer_topk_triton), ("sort", indexer_topk_sort)):
+                    r[f"{select}_ms"] = median_ms(lambda op=op: op(q, k, w, pos, K), a.reps)
+                radix = indexer_topk_triton(q, k, w, pos, K)
+                r["identical"] = bool(torch.equal(radix, indexer_topk_sort(q, k, w, pos, K)))
                 r["sort_over_radix"] = r["sort_ms"] / r["radix_ms"]
                 rows.append(r)
                 print(r, flush=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops_helpers import FakeCuda
 
 from dsaflow.ops.indexer_topk import indexer_topk_naive, topk_from_scores
 from dsaflow.ops.indexer_topk.dispatch import explain_indexer_topk
@@ -154,12 +155,9 @@ def test_indexer_topk_op_equals_naive_exactly(seed, chunk):
         positions.to(DEV),
         topk,
         chunk=chunk,
-        select="radix",
         select_overrides=CPU_SELECT,
     )
     assert torch.equal(got.cpu(), ref)
-    old = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), topk, chunk=chunk, select="sort")
-    assert torch.equal(old.cpu(), ref)
     radix = indexer_topk_triton(
         q.to(DEV),
         k.to(DEV),
@@ -167,7 +165,6 @@ def test_indexer_topk_op_equals_naive_exactly(seed, chunk):
         positions.to(DEV),
         topk,
         chunk=chunk,
-        select="radix",
         select_overrides=SELECT_CFGS["whole"],
     )
     assert torch.equal(radix.cpu(), ref)
@@ -179,22 +176,21 @@ def test_indexer_topk_op_wider_than_context():
     q, k, w = int_inputs(1, 3, 2, 16, 5, g)
     positions = torch.tensor([[0, 2, 4]])
     ref = indexer_topk_naive(q, k, w, positions, 8)
-    for select in ("radix", "sort"):
-        got = indexer_topk_triton(
-            q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), 8, select=select, select_overrides=CPU_SELECT
-        )
-        assert torch.equal(got.cpu(), ref), select
+    got = indexer_topk_triton(q.to(DEV), k.to(DEV), w.to(DEV), positions.to(DEV), 8, select_overrides=CPU_SELECT)
+    assert torch.equal(got.cpu(), ref)
 
 
 def test_explain_walks_the_table():
-    """CPU tensors take the reference; every CUDA shape, long or short rows, prefill or decode, the radix select."""
-    from dsaflow.ops.indexer_topk.dispatch import KERNELS, SELECTS, choose_kernel
+    """CPU tensors take the reference; every CUDA shape, long or short rows, prefill or decode, the radix select
+    (the rules read the device and fp8 only; a CUDA tensor is faked by its `is_cuda`)."""
+    from dsaflow.ops.indexer_topk.dispatch import KERNELS
 
     q, k = torch.zeros(1, 2048, 2, 16), torch.zeros(1, 8192, 16)
     assert explain_indexer_topk(q, k, None, None, 64).kernel == "reference"
-    assert [name for name, _ in KERNELS] == ["reference", "triton_radix"] and set(SELECTS) == {"triton_radix"}
+    assert [name for name, _ in KERNELS] == ["reference", "triton_radix"]
     for qq, kk in ((q, k), (q, k[:, :4096]), (q[:, :1], k), (q[:, :1], k[:, :1025])):
-        assert choose_kernel(qq, kk, False, table=KERNELS[1:]).kernel == "triton_radix"
+        choice = explain_indexer_topk(FakeCuda(qq), kk, None, None, 64)
+        assert choice.kernel == "triton_radix" and choice.refused == (("reference", "device cuda runs the kernels"),)
 
 
 def test_select_config_and_query_chunk_are_shape_only():
@@ -255,8 +251,8 @@ def v32_inputs(B, T, S, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("S", [8192, 131072])
-def test_gpu_radix_equals_sort_path_v32(S):
-    """Same fp32 logits -> the radix op equals the stable-sort reference and the old int64-key path exactly."""
+def test_gpu_radix_equals_the_stable_sort_v32(S):
+    """Same fp32 logits -> the radix select and the whole op equal the stable-sort reference exactly."""
     T, topk = 256, 2048
     q, k, w = v32_inputs(1, T, S, seed=S)
     positions = torch.arange(S - T, S, device="cuda").unsqueeze(0)
@@ -267,10 +263,7 @@ def test_gpu_radix_equals_sort_path_v32(S):
     for cfg in ({}, dict(whole_row=True), dict(programs=4096)):  # default; no floor; more splits
         got = radix_topk_triton(scores, positions, topk, out=out.fill_(POISON), overrides=cfg)
         assert torch.equal(got, ref), cfg
-    assert torch.equal(
-        indexer_topk_triton(q, k, w, positions, topk, select="radix"),
-        indexer_topk_triton(q, k, w, positions, topk, select="sort"),
-    )
+    assert torch.equal(indexer_topk_triton(q, k, w, positions, topk), ref)
 
 
 @pytest.mark.gpu
@@ -292,8 +285,7 @@ def test_gpu_logits_grid_takes_more_than_65535_batch_rows():
     q, k, w = (x.cuda() for x in int_inputs(B, T, H, D, S, g))
     positions = torch.randint(-1, S, (B, T), generator=g).cuda()
     ref = indexer_topk_naive(q, k, w, positions, topk)
-    for select in ("radix", "sort"):
-        assert torch.equal(indexer_topk_triton(q, k, w, positions, topk, select=select), ref), select
+    assert torch.equal(indexer_topk_triton(q, k, w, positions, topk), ref)
 
 
 @pytest.mark.gpu

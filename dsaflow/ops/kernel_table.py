@@ -1,8 +1,9 @@
 """The dispatch shape every op shares: an ordered table of (kernel name, capability rule).
 
-A rule takes the op's inputs and returns None when its kernel runs them, else the reason it does not. The op's
-dispatch walks its table and runs the first kernel whose rule accepts; `Choice` keeps the reasons of the candidates
-refused before it, so `explain_<op>(...)` can say which kernel a call runs and why the earlier ones did not.
+A rule takes the op's inputs and returns None when its kernel runs them, else the reason it does not. Each op's
+`dispatch.py` holds its table and one dispatch function, `explain_<op>(...)`, which walks the table and returns a
+`Choice`: the first kernel whose rule accepts, and the reasons of the candidates refused before it. The op runs
+`chosen(...)` of that choice, so the rule that explains a call is the rule that picks its kernel.
 Rules depend on shapes, dtypes, the device and process-wide switches only (never on tensor values), so a captured
 CUDA graph always replays the kernel it was captured with.
 """
@@ -42,3 +43,16 @@ def walk(
             return Choice(name, tuple(refused))
         refused.append((name, reason))
     return Choice(None, tuple(refused))
+
+
+def chosen(op: str, choice: Choice, inputs: str) -> str:
+    """The name of the kernel `choice` runs, or ValueError `<op>: no kernel takes <inputs>: <each refusal>`: a call
+    no kernel takes is an error, never a silent slow path."""
+    if choice.kernel is None:
+        raise ValueError(f"{op}: no kernel takes {inputs}: {choice.reasons()}")
+    return choice.kernel
+
+
+def describe(**tensors) -> str:
+    """`name (shape) dtype, ...` of the tensors a refusal names."""
+    return ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in tensors.items())

@@ -27,3 +27,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_rows(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The fp32 values the fp8 logits compute with: x8 [..., D], scale [...] -> fp32 [..., D]."""
     return x8.float() * scale.unsqueeze(-1)
+
+
+def fp8_reason(q: torch.Tensor) -> str | None:
+    """None if q's CUDA device has fp8 tensor cores (compute capability 8.9+), else the user-facing reason."""
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) >= (8, 9):
+        return None
+    return (
+        f"model.index_fp8=true needs fp8 tensor cores (compute capability 8.9+: Ada, Hopper and later); "
+        f"{torch.cuda.get_device_name(q.device)} is sm_{major}{minor}. Set model.index_fp8=false"
+    )

@@ -6,14 +6,12 @@ the key tile [BLOCK_S, D] is loaded once and reused by all H_I heads; per head o
 single query per row (T == 1, a decode step) runs `_indexer_logits_one_query_kernel` instead: the heads are the rows
 of one dot [H_I, D] x [D, BLOCK_S], relu, times w, summed over the heads (a reduction across the tile's rows). Key
 tiles past the largest visible position of the query tile skip the dots and only write -inf (causal skip), or write
-nothing at all for the top-k path, whose radix select reads only each row's visible prefix. The grid is one axis
-(key tile fastest, then query tile, then batch), so B * T and the context length are bounded only by 2^31 programs.
+nothing at all for the top-k, whose radix select reads only each row's visible prefix. The grid is one axis (key
+tile fastest, then query tile, then batch), so B * T and the context length are bounded only by 2^31 programs.
 
 Top-k (`indexer_topk_triton`): fp32 logits, then `triton_select.radix_topk_triton` (an exact select, not a sort of
 the row: sampled floor, one streaming compaction, a radix select on the candidate keys, the survivors written in
 the candidates' ascending key order; ties to the lower key index, -1 padding, exactly `naive.topk_from_scores`).
-The other path (int64 sort keys from the kernel + torch.topk + a sort of the survivors' indices, `topk_from_keys`)
-serves short rows and few rows (`dispatch.py` decides).
 Chunk size, grids and buffers depend on shapes only, so the whole op is CUDA-graph safe.
 """
 from __future__ import annotations
@@ -23,8 +21,7 @@ import triton
 import triton.language as tl
 
 from .budget import query_chunk
-from .dispatch import KERNELS, SELECTS, choose_kernel, fp8_reason, refusal
-from .naive import ascending_keys
+from .fp8 import fp8_reason
 from .triton_select import radix_topk_triton, select_scratch
 
 
@@ -37,7 +34,7 @@ def _indexer_logits_kernel(
     s_wb, s_wt, s_wh,
     s_pb, s_pt,
     s_ob, s_ot,
-    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, AS_KEYS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     WRITE_INVISIBLE: tl.constexpr, DOT_PREC: tl.constexpr, K_SCALED: tl.constexpr,
 ):
     # one grid axis (axes 1-2 stop at 65,535): key tile fastest, so neighbouring programs share the query tile
@@ -73,16 +70,7 @@ def _indexer_logits_kernel(
     offs_t = offs_t.to(tl.int64)  # rows x S can pass 2^31 elements
     if not WRITE_INVISIBLE:
         t_ok = t_ok & (offs_t * 0 + pid_s * BLOCK_S <= tl.max(pos, 0))  # a tensor, not a scalar, for the mask
-    if AS_KEYS:  # int64 sort key: order-preserving score bits, then a larger key for a lower index (tie rule)
-        acc = tl.where(acc == 0.0, 0.0, acc)  # -0.0 == +0.0 for the tie rule
-        bits = acc.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        key = (ordered.to(tl.int64) << 32) | (2147483647 - offs_s).to(tl.int64)[None, :]
-        tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + offs_s[None, :], key,
-                 mask=t_ok[:, None] & s_ok[None, :])
-    else:
-        tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + offs_s[None, :], acc,
-                 mask=t_ok[:, None] & s_ok[None, :])
+    tl.store(out_ptr + b * s_ob + offs_t[:, None] * s_ot + offs_s[None, :], acc, mask=t_ok[:, None] & s_ok[None, :])
 
 
 @triton.jit
@@ -94,7 +82,7 @@ def _indexer_logits_one_query_kernel(
     s_wb, s_wh,
     s_pb,
     s_ob,
-    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, AS_KEYS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     WRITE_INVISIBLE: tl.constexpr, DOT_PREC: tl.constexpr, K_SCALED: tl.constexpr,
 ):
     # T == 1 (a decode step): the heads are the rows of one dot [BLOCK_H, D] x [D, BLOCK_S], then relu, times w and
@@ -124,14 +112,7 @@ def _indexer_logits_one_query_kernel(
             acc = acc * tl.load(kscale_ptr + b * s_ksb + offs_s, mask=s_ok, other=0.0)
     acc = tl.where((offs_s <= pos) & s_ok, acc, float("-inf"))
     store_ok = s_ok if WRITE_INVISIBLE else s_ok & (offs_s * 0 + pid_s * BLOCK_S <= pos)
-    if AS_KEYS:  # the same int64 sort key as the tiled kernel
-        acc = tl.where(acc == 0.0, 0.0, acc)
-        bits = acc.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        key = (ordered.to(tl.int64) << 32) | (2147483647 - offs_s).to(tl.int64)
-        tl.store(out_ptr + b * s_ob + offs_s, key, mask=store_ok)
-    else:
-        tl.store(out_ptr + b * s_ob + offs_s, acc, mask=store_ok)
+    tl.store(out_ptr + b * s_ob + offs_s, acc, mask=store_ok)
 
 
 @triton.jit
@@ -199,9 +180,9 @@ def indexer_logits_triton(
     fp8 q and k (float8_e4m3fn, `fp8.quantize_rows`) need k_scale [B, S] fp32, the keys' scales; the queries' scales
     are folded into w by the caller (w[b, t, h] * q_scale[b, t, h]).
 
-    `out` may be a preallocated [B, T, S] buffer with a contiguous last dim (reused across chunks). An int64 `out`
-    receives sort keys instead (see `topk_from_keys`). write_invisible=False leaves key tiles that no query of the
-    tile can see unwritten (the radix select reads only each row's visible prefix): half the writes of a prefill."""
+    `out` may be a preallocated fp32 [B, T, S] buffer with a contiguous last dim (reused across chunks).
+    write_invisible=False leaves key tiles that no query of the tile can see unwritten (the radix select reads only
+    each row's visible prefix): half the writes of a prefill."""
     B, T, H, D = q.shape
     S = k.shape[1]
     if out is None:
@@ -230,7 +211,7 @@ def indexer_logits_triton(
             positions.stride(0),
             out.stride(0),
             BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_S=block_s, BLOCK_D=cfg["BLOCK_D"],
-            AS_KEYS=out.dtype == torch.int64, WRITE_INVISIBLE=write_invisible, DOT_PREC=prec,
+            WRITE_INVISIBLE=write_invisible, DOT_PREC=prec,
             K_SCALED=k_scale is not None, num_warps=4, num_stages=2,
         )
         return out
@@ -242,57 +223,28 @@ def indexer_logits_triton(
         w.stride(0), w.stride(1), w.stride(2),
         positions.stride(0), positions.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_T=cfg["BLOCK_T"], BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"], AS_KEYS=out.dtype == torch.int64,
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_S=cfg["BLOCK_S"], BLOCK_D=cfg["BLOCK_D"],
         WRITE_INVISIBLE=write_invisible, DOT_PREC=prec, K_SCALED=k_scale is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
 
-NEG_INF_KEY_HIGH = -2139095041  # order-preserving int32 of -inf (0xFF800000 ^ 0x7FFFFFFF)
-
-
-def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
-    """keys [B, T, S] int64 from the logits kernel -> int32 [B, T, topk]: the best keys, ties to the lower key
-    index, in ascending key order, -1 after them where the score is -inf (exactly `naive.topk_from_scores`). The
-    keys are distinct, so an unsorted torch.topk plus a sort of the topk survivors' indices gives the same answer
-    as a full stable sort, about 6x faster."""
-    S = keys.shape[-1]
-    k = min(topk, S)
-    vals = keys.topk(k, dim=-1, sorted=False).values
-    idx = 2147483647 - (vals & 0xFFFFFFFF)
-    idx = ascending_keys(torch.where((vals >> 32) > NEG_INF_KEY_HIGH, idx, -1).to(torch.int32))
-    if k < topk:
-        idx = torch.nn.functional.pad(idx, (0, topk - k), value=-1)
-    return idx
-
-
 @torch.no_grad()
 def indexer_topk_triton(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int,
-    chunk: int | None = None, overrides: dict | None = None, select: str = "auto",
-    select_overrides: dict | None = None, fp8: bool = False,
+    chunk: int | None = None, overrides: dict | None = None, select_overrides: dict | None = None, fp8: bool = False,
 ) -> torch.Tensor:
     """Same contract as `dsaflow.ops.indexer_topk.indexer_topk`: q [B, T, H_I, D_I], k [B, S, D_I], w [B, T, H_I],
     positions [B, T] int -> int32 [B, T, topk]: the best keys in ascending key order, -1 after them where fewer
-    than topk keys are visible.
-
-    select="radix": fp32 logits (invisible tiles unwritten) + the select kernels (`triton_select`); select="sort":
-    int64 sort keys + torch.topk + a sort of the survivors; "auto" (default): the table in `dispatch.py` (without
-    its CPU reference, so CPU tensors run the kernels in the Triton interpreter). Both are exact and return the
-    same indices. Raises ValueError where no path takes the inputs (fp8 without fp8 tensor cores).
-    overrides: logits kernel config; select_overrides: radix select config (`triton_select.select_config`).
+    than topk keys are visible. fp32 logits (invisible tiles unwritten), then the select kernels (`triton_select`).
+    CPU tensors run in the Triton interpreter. overrides: logits kernel config; select_overrides: radix select
+    config (`triton_select.select_config`).
     fp8=True: q and k rounded to per-row-scaled fp8 e4m3 (`fp8.quantize_rows`) and multiplied on fp8 tensor cores,
-    the queries' scales folded into w and the keys' applied after the head sum (compute capability 8.9+)."""
-    if select == "auto":
-        choice = choose_kernel(q, k, fp8, chunk, KERNELS[1:])
-        if choice.kernel is None:
-            raise ValueError(refusal(choice))
-        select = SELECTS[choice.kernel]
-    elif select not in ("radix", "sort"):
-        raise ValueError(f"select must be 'auto', 'radix' or 'sort', got {select!r}")
-    elif fp8 and (reason := fp8_reason(q)) is not None:
-        raise ValueError(reason)
+    the queries' scales folded into w and the keys' applied after the head sum (compute capability 8.9+, else
+    ValueError)."""
+    if fp8 and (reason := fp8_reason(q)) is not None:
+        raise ValueError(f"indexer_topk: {reason}")
     k_scale = None
     if fp8:
         q, _, w = quantize_rows_triton(q, w)  # the queries' scales folded into w
@@ -308,20 +260,12 @@ def indexer_topk_triton(
         return out.fill_(-1)
     chunk = chunk or query_chunk(B, T, S)
     rows = min(chunk, T)
-    if select == "sort":
-        keys = torch.empty(B, rows, S, device=q.device, dtype=torch.int64)
-    else:
-        scores = torch.empty(B, rows, S, device=q.device, dtype=torch.float32)
-        scratch = select_scratch(B * rows, S, q.device, (select_overrides or {}).get("programs"))
+    scores = torch.empty(B, rows, S, device=q.device, dtype=torch.float32)
+    scratch = select_scratch(B * rows, S, q.device, (select_overrides or {}).get("programs"))
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
         qc, wc, pc = q[:, t0:t1], w[:, t0:t1], positions[:, t0:t1]
-        if select == "sort":
-            buf = keys[:, : t1 - t0]
-            indexer_logits_triton(qc, k, wc, pc, buf, overrides, k_scale=k_scale)
-            out[:, t0:t1] = topk_from_keys(buf, topk)
-        else:
-            buf = scores[:, : t1 - t0]
-            indexer_logits_triton(qc, k, wc, pc, buf, overrides, write_invisible=False, k_scale=k_scale)
-            radix_topk_triton(buf, pc, topk, out=out[:, t0:t1], scratch=scratch, overrides=select_overrides)
+        buf = scores[:, : t1 - t0]
+        indexer_logits_triton(qc, k, wc, pc, buf, overrides, write_invisible=False, k_scale=k_scale)
+        radix_topk_triton(buf, pc, topk, out=out[:, t0:t1], scratch=scratch, overrides=select_overrides)
     return out
