@@ -1,5 +1,5 @@
 """Sparse MLA forward on Hopper: the Gluon seesaw kernel (and any launch configs of it) vs the Triton kernel, plus
-decode configs of the split-K Triton kernel and the Gluon decode.
+decode configs of the split-K Triton kernel.
 
     python scripts/bench_hopper.py --out bench_out/hopper                  # everything, one process
     python scripts/bench_hopper.py --out DIR --part fwd --variant seesaw   # one forward variant (own process)
@@ -32,7 +32,6 @@ import importlib  # noqa: E402
 hp = importlib.import_module("dsaflow.ops.sparse_mla.hopper_seesaw")
 tp = importlib.import_module("dsaflow.ops.sparse_mla.triton_prefill")
 td = importlib.import_module("dsaflow.ops.sparse_mla.triton_decode")
-hd = importlib.import_module("dsaflow.ops.sparse_mla.hopper_decode")
 naive = importlib.import_module("dsaflow.ops.sparse_mla.naive")
 
 H, D_QK, D_V, TOPK = 128, 576, 512, 2048
@@ -159,10 +158,6 @@ def decode_part(cp, configs, order):
         )
 
     runs = [(cfg, split_k(cfg)) for cfg in configs]
-    runs += [
-        (dict(kernel="gluon", **cfg), lambda cfg=cfg: hd.sparse_mla_decode_hopper(q, kv, idx, scale, D_V, cfg))
-        for cfg in GLUON_DECODE_CONFIGS
-    ]
     for name, fn in runs:
         try:
             diff = (fn()[0].float() - ref_o.float()).abs().max().item()
@@ -198,7 +193,6 @@ def decode_h128_part(mm, order, batches=(8, 16, 32, 64, 128)):
             )
 
 
-GLUON_DECODE_CONFIGS = [{}, dict(BLOCK_K=32, NUM_STAGES=4), dict(BLOCK_K=32, NUM_STAGES=5)]  # over DECODE_CFG
 DECODE_CONFIGS = [  # merged over triton_decode.decode_overrides (8 warps for this shape)
     {},  # the committed rule: 2 splits, BLOCK_K 64, 2 stages, 8 warps
     dict(num_warps=4),  # the prefill kernel's warps

@@ -36,7 +36,7 @@ from dsaflow.ops.indexer_loss import (
 )
 from dsaflow.ops.indexer_loss.triton_kl import indexer_kl_triton
 from dsaflow.ops.indexer_loss.triton_target import attention_target_triton
-from dsaflow.ops.sparse_mla.dispatch import sparse_mla_kernels
+from dsaflow.ops.sparse_mla import sparse_mla
 
 SEQ, H, D_QK, D_V, TOPK, H_I, D_I = 4096, 128, 576, 512, 2048, 64, 128
 SM_SCALE = 192**-0.5
@@ -120,7 +120,7 @@ def bench_ops(do_sweep):
         q = (torch.randn(1, SEQ, H, D_QK, device=DEV, generator=g) * 0.5).to(DT)
         kv = torch.randn(1, SEQ, D_QK, device=DEV, generator=g).to(DT)
         with torch.no_grad():
-            _, lse = sparse_mla_kernels(q, kv, idx, SM_SCALE, D_V)
+            _, lse = sparse_mla(q, kv, idx, SM_SCALE, D_V)
         layers.append((q, kv, lse))
     q, kv, lse = layers[0]
     t_flops = 2 * H * TOPK * D_QK * SEQ  # per layer, nominal K (the valid pairs are `valid_frac` of it)
@@ -241,7 +241,7 @@ def bench_ops(do_sweep):
     d_out = torch.randn(1, SEQ, H, D_V, device=DEV, generator=g).to(DT)
 
     def mla_fb():
-        out, _ = sparse_mla_kernels(qs, kvs, idx, SM_SCALE, D_V)
+        out, _ = sparse_mla(qs, kvs, idx, SM_SCALE, D_V)
         return torch.autograd.grad(out, (qs, kvs), d_out)
 
     mla_flops = 2 * H * TOPK * SEQ * ((D_QK + D_V) + (2 * D_QK + 2 * D_V))

@@ -9,7 +9,7 @@ for the table.
 With cuDNN-Frontend installed (`pip install 'dsaflow[peers]'`), section `peers` times its sparse-attention backward
 beside dsaflow's (with the pass 1 its rule picks) on the same inputs (the backward shapes above, and batch 2 at the
 first context), checks that dq and dkv agree, and reports the time ratio and which backward the dispatcher picks
-(`backward_dispatch.py`); then the same with the indexer-loss target (`probs_into`): dsaflow's backward (its pass 1
+(`sparse_mla/dispatch.py`); then the same with the indexer-loss target (`probs_into`): dsaflow's backward (its pass 1
 sums P) beside cuDNN-Frontend's followed by dsaflow's target pass (`triton_probs.py`), the target pass alone, and
 the indexer-loss op's `attention_target` kernel on the same target for reference. Without --no-sweep the target
 pass's tiles are swept at the first context first.
@@ -84,7 +84,6 @@ def bench_sparse_mla(contexts, do_sweep):
             gemm_num_warps=w,
             gemm_num_stages=st,
         )
-        # one-pass fused dkv / dq kernels measured slower than these (docs/kernels.md, "What we tried")
         bwd_cfg = sweep(
             "sparse_mla_bwd",
             lambda c: lambda: sparse_mla_bwd_triton(qb, kvb, idxb, out, lse, do, None, scale, D_V, c),

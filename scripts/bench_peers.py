@@ -29,7 +29,7 @@ def bench_backward_peers(contexts, do_sweep):
     """dsaflow's sparse MLA backward and cuDNN-Frontend's, on the same inputs and each query's key extent (as the
     autograd Function calls them): time, TFLOP/s, time ratio, agreement of dq and dkv, the dispatcher's choice."""
     from dsaflow.ops.sparse_mla import cudnn_backward as cb
-    from dsaflow.ops.sparse_mla.backward_dispatch import ENV_BACKWARD, explain_sparse_mla_backward
+    from dsaflow.ops.sparse_mla.dispatch import ENV_BACKWARD, explain_sparse_mla
 
     missing = cb.cudnn_import_error()
     if missing is not None:
@@ -49,7 +49,7 @@ def bench_backward_peers(contexts, do_sweep):
         err_dq, err_dkv = rel_err(dq_p, dq_o), rel_err(dkv_p, dkv_o)
         del dq_o, dkv_o, dq_p, dkv_p
         ms_o, ms_p = bench(ours, rep_ms=300), bench(theirs, rep_ms=300)
-        choice = explain_sparse_mla_backward(q, kv, idx, D_V, deterministic=False)
+        choice = explain_sparse_mla(q, kv, idx, D_V, backward=True, deterministic=False)
         flops = 2 * H * TOPK * (3 * D_QK + 2 * D_V) * n_bwd * batch
         shape = dict(queries=n_bwd, batch=batch, heads=H)
         a = record("sparse_mla_bwd side by side", f"dsaflow ({pass1} pass 1)", ctx, ms_o, flops=flops, **shape)
@@ -84,7 +84,7 @@ def backward_with_target(q, kv, idx, n_keys, out, lse, do, ctx, shape, bwd_flops
     --no-sweep, else its defaults. Returns the fields for the side-by-side row."""
     from dsaflow.ops.indexer_loss.triton_target import attention_target_triton
     from dsaflow.ops.sparse_mla import cudnn_backward as cb
-    from dsaflow.ops.sparse_mla.backward_dispatch import explain_sparse_mla_backward
+    from dsaflow.ops.sparse_mla.dispatch import explain_sparse_mla
 
     scale, w = D_QK**-0.5, 0.5
     target = torch.zeros(idx.shape, device=idx.device, dtype=torch.float32)
@@ -108,7 +108,7 @@ def backward_with_target(q, kv, idx, n_keys, out, lse, do, ctx, shape, bwd_flops
     ms_o, ms_p = bench(lambda: ours(target), rep_ms=300), bench(lambda: theirs(target), rep_ms=300)
     ms_pass = bench(lambda: probs(target), rep_ms=300)
     ms_kernel = bench(lambda: attention_target_triton(q, kv, idx, lse, scale, target, w), rep_ms=300)
-    choice = explain_sparse_mla_backward(q, kv, idx, D_V, probs_into=True, deterministic=False)
+    choice = explain_sparse_mla(q, kv, idx, D_V, backward=True, probs_into=True, deterministic=False)
     kind = "sparse_mla_bwd + indexer-loss target side by side"
     a = record(kind, f"dsaflow ({pass1} pass 1 sums P)", ctx, ms_o, flops=bwd_flops, **shape)
     b = record(kind, f"{peer} + dsaflow target pass", ctx, ms_p, flops=bwd_flops + probs_flops, **shape)

@@ -1,4 +1,4 @@
-"""The sparse MLA backward table (`backward_dispatch.py`) and the optional cuDNN-Frontend backward behind it.
+"""The sparse MLA backward rows of the dispatch table (`dispatch.py`) and the optional cuDNN-Frontend backward.
 
 CPU: the environment variable, the capability rule with cuDNN-Frontend faked present or hidden (the import is
 replaced, the device capability too), that without it the backward and its results are dsaflow's with no warning,
@@ -17,12 +17,12 @@ import warnings
 
 import pytest
 import torch
+from ops_helpers import sparse_mla_kernels
 
 from dsaflow.errors import PlanError
-from dsaflow.ops.sparse_mla import backward_dispatch as bd
 from dsaflow.ops.sparse_mla import cudnn_backward as cb
-from dsaflow.ops.sparse_mla import deterministic, sparse_mla, sparse_mla_naive
-from dsaflow.ops.sparse_mla.dispatch import sparse_mla_kernels
+from dsaflow.ops.sparse_mla import deterministic, function, sparse_mla, sparse_mla_naive
+from dsaflow.ops.sparse_mla import dispatch as bd
 
 ENV = bd.ENV_BACKWARD
 
@@ -33,12 +33,12 @@ def _fresh(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     bd.forced_backward.cache_clear()
     cb.cudnn_import_error.cache_clear()
-    bd._LOGGED.clear()
+    function._LOGGED.clear()
     yield
     monkeypatch.undo()  # first: the caches below must forget what a faked import answered
     bd.forced_backward.cache_clear()
     cb.cudnn_import_error.cache_clear()
-    bd._LOGGED.clear()
+    function._LOGGED.clear()
 
 
 def _setting(monkeypatch, value):
@@ -64,7 +64,7 @@ def _mla(B=1, T=4, H=128, d_qk=576, S=64, K=16, dtype=torch.bfloat16, device="me
 
 
 def _explain(*args, **kw):
-    return bd.explain_sparse_mla_backward(*args, **kw)
+    return bd.explain_sparse_mla(*args, backward=True, **kw)
 
 
 # ---- the environment variable ----
@@ -125,20 +125,15 @@ def test_rule_per_gpu_generation(monkeypatch):
     assert "device meta" in _explain(q, kv, idx, 512, deterministic=False).reasons()
 
 
-def test_measured_preference_table_and_forcing(monkeypatch):
+def test_forcing_picks_among_the_backwards_that_take_the_call(monkeypatch):
     _present(monkeypatch)
     q, kv, idx = _mla(S=32768, K=2048)
-    monkeypatch.setattr(bd, "OURS_FASTER", ((9, 128, 576, 2048, 16384, 65536),))
-    choice = _explain(q, kv, idx, 512, deterministic=False)
-    assert choice.kernel == "triton" and "measured faster" in choice.reasons()
-    assert _explain(*_mla(S=8192, K=2048), 512, deterministic=False).kernel == "cudnn"  # outside the row's range
-    assert _explain(*_mla(S=32768, K=1024), 512, deterministic=False).kernel == "cudnn"  # another top-k
-    _setting(monkeypatch, "cudnn")  # forcing overrides the measurement, not the capability
+    _setting(monkeypatch, "cudnn")
     assert _explain(q, kv, idx, 512, deterministic=False).kernel == "cudnn"
     _setting(monkeypatch, "dsaflow")
-    monkeypatch.setattr(bd, "OURS_FASTER", ())
     choice = _explain(q, kv, idx, 512, deterministic=False)
-    assert choice.kernel == "triton" and f"{ENV}=dsaflow" in choice.reasons()
+    assert choice.kernel == "triton" and f"{ENV}=dsaflow" in dict(choice.refused)["cudnn"]
+    assert "device meta" in dict(choice.refused)["hopper"]
 
 
 def test_forced_cudnn_on_a_call_it_cannot_take_raises(monkeypatch):
@@ -146,8 +141,8 @@ def test_forced_cudnn_on_a_call_it_cannot_take_raises(monkeypatch):
     _setting(monkeypatch, "cudnn")
     q, kv, idx = _mla()
     with pytest.raises(PlanError, match=rf"{ENV}=cudnn.*receives a gradient.*{ENV}=auto"):
-        bd.choose_backward(q, kv, idx, 512, bd.BackwardNeeds(lse_grad=True, probs_into=True))
-    assert bd.choose_backward(q, kv, idx, 512, bd.BackwardNeeds(probs_into=True)).kernel == "cudnn"
+        function.backward_kernel(q, kv, idx, 512, lse_grad=True, probs_into=True, deterministic=False)
+    assert function.backward_kernel(q, kv, idx, 512, lse_grad=False, probs_into=True, deterministic=False) == "cudnn"
 
 
 # ---- without the extra ----
@@ -294,7 +289,7 @@ def test_gpu_cudnn_backward_through_sparse_mla(monkeypatch, B, T, H, S, K):
     q.requires_grad_(True)
     kv.requires_grad_(True)
     scale = 576**-0.5
-    assert bd.explain_sparse_mla_backward(q, kv, idx, 512, deterministic=False).kernel == "cudnn"
+    assert bd.explain_sparse_mla(q, kv, idx, 512, backward=True, deterministic=False).kernel == "cudnn"
     out, _ = sparse_mla(q, kv, idx, scale, 512)
     g_out = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     dq, dkv = torch.autograd.grad((out.float() * g_out).sum(), (q, kv))
@@ -327,14 +322,14 @@ def test_gpu_cudnn_with_probs_into_through_sparse_mla(monkeypatch, B, T, H, S, K
     monkeypatch.setattr(cb, "_empty", poison)
     monkeypatch.setattr(triton_probs, "_empty", poison)
     ran = []
-    real_bwd, real_probs = cb.sparse_mla_bwd_cudnn, bd.sparse_mla_probs_triton
+    real_bwd, real_probs = cb.sparse_mla_bwd_cudnn, function.sparse_mla_probs_triton
     monkeypatch.setattr(cb, "sparse_mla_bwd_cudnn", lambda *a, **k: ran.append("cudnn") or real_bwd(*a, **k))
-    monkeypatch.setattr(bd, "sparse_mla_probs_triton", lambda *a, **k: ran.append("probs") or real_probs(*a, **k))
+    monkeypatch.setattr(function, "sparse_mla_probs_triton", lambda *a, **k: ran.append("probs") or real_probs(*a, **k))
     q, kv, idx = _gpu_inputs(B, T, H, S, K, seed=B * 100 + H + 1)
     q.requires_grad_(True)
     kv.requires_grad_(True)
     scale = 576**-0.5
-    assert bd.explain_sparse_mla_backward(q, kv, idx, 512, probs_into=True, deterministic=False).kernel == "cudnn"
+    assert bd.explain_sparse_mla(q, kv, idx, 512, backward=True, probs_into=True, deterministic=False).kernel == "cudnn"
     before = torch.rand(B, T, K, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     target = before.clone()
     out, lse = sparse_mla(q, kv, idx, scale, 512, probs_into=(target, 0.5))

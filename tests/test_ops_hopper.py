@@ -1,5 +1,5 @@
-"""Hopper (sm_90) Gluon sparse MLA forward and decode vs the naive fp32 reference, their capability rules, the
-dispatch table, and decode configs.
+"""Hopper (sm_90) Gluon sparse MLA forward vs the naive fp32 reference, its capability rule, the dispatch table
+(forward rows, and the order of the backward rows), and decode configs.
 
 The Gluon kernel does not run in the CPU interpreter: the CPU tests check only what `hopper_fwd_supports` refuses.
 `gpu` tests skip unless a CUDA device of compute capability 9.x is present. Inputs come from seeded generators;
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops_helpers import sparse_mla_kernels, sparse_mla_kernels_only
 
 from dsaflow.ops.sparse_mla import dispatch
 from dsaflow.ops.sparse_mla.hopper_common import shape_reason
@@ -185,30 +186,15 @@ def test_decode_overrides_rule():
     assert decode_overrides(_t(4, 1, 16, 40, dtype=torch.float32), 32) == {}
 
 
-def _decode_fn(kernel: str):
-    """The TP-8 decode shard's kernels: the portable split-K one (8 warps, 2 splits) and the Gluon one, which writes
-    into NaN-poisoned outputs."""
-    if kernel == "triton":
-        from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
-
-        return lambda q, kv, idx: sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
-    if not IS_HOPPER:
-        pytest.skip("needs an sm_90 GPU")
-    from dsaflow.ops.sparse_mla.hopper_decode import sparse_mla_decode_hopper
-
-    def run(q, kv, idx):
-        out = torch.full((*q.shape[:3], 512), float("nan"), device=q.device, dtype=q.dtype)
-        lse = torch.full(q.shape[:3], float("nan"), device=q.device)
-        return sparse_mla_decode_hopper(q, kv, idx, 0.04, 512, out=out, lse=lse)
-
-    return run
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["triton", "hopper"])
-def test_decode_tp8_shard_vs_naive_and_graph(kernel):
-    """128 x 1 token x 16 heads, bf16, invalid indices and an empty query; graph replay == eager, bit for bit."""
-    decode = _decode_fn(kernel)
+def test_decode_tp8_shard_vs_naive_and_graph():
+    """128 x 1 token x 16 heads (a TP-8 shard), bf16, invalid indices and an empty query, through the portable
+    split-K kernel (8 warps, 2 splits); graph replay == eager, bit for bit."""
+    from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
+
+    def decode(q, kv, idx):
+        return sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
+
     q, kv, idx = make_inputs(128, 1, 16, 2048, 2048, torch.bfloat16, "cuda", seed=21)
     idx[3] = -1
     out, lse = decode(q, kv, idx)
@@ -230,29 +216,6 @@ def test_decode_tp8_shard_vs_naive_and_graph(kernel):
     assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
 
 
-@pytest.mark.gpu
-def test_hopper_decode_multi_token_odd_keys_fp16():
-    """T = 3 tokens per sequence, 2 head blocks (H 32), topk 300 (not a multiple of the 64-row block), fp16, a
-    block of -1 slots in the middle of a row: against the naive reference."""
-    decode = _decode_fn("hopper")
-    q, kv, idx = make_inputs(2, 3, 32, 5000, 300, torch.float16, "cuda", seed=23)
-    idx[1, 2, 64:192] = -1
-    out, lse = decode(q, kv, idx)
-    check_against_naive(out, lse, q, kv, idx, 0.04, sample=torch.arange(3))
-
-
-def test_decode_rule_takes_16_head_shards_only():
-    """The Gluon decode's shape rule (heads in blocks of 16) and the dispatch rule on CPU tensors (never)."""
-    from dsaflow.ops.sparse_mla.hopper_decode import DECODE_BLOCK_H
-
-    kv, idx = _t(1, 8, 576), torch.zeros(1, 1, 4, dtype=torch.int32)
-    assert shape_reason(_t(1, 1, 16, 576), kv, idx, 512, DECODE_BLOCK_H) is None
-    assert "multiple of 16" in shape_reason(_t(1, 1, 8, 576), kv, idx, 512, DECODE_BLOCK_H)
-    assert "multiple of 64" in shape_reason(_t(1, 1, 16, 576), kv, idx, 512)
-    choice = dispatch.explain_sparse_mla(_t(1, 1, 16, 576), kv, idx, 512, grad=False)
-    assert choice.kernel == "reference"
-
-
 @pytest.fixture
 def forced_kernel(monkeypatch):
     """Set DSAFLOW_SPARSE_MLA_KERNEL for one test (the dispatch reads it once per process: clear its cache)."""
@@ -270,26 +233,32 @@ def forced_kernel(monkeypatch):
 
 def test_explain_walks_the_table_in_order(forced_kernel):
     """CPU tensors: the reference, nothing refused before it. The kernels alone (as the CPU tests run them): the
-    Gluon kernels refuse the device, the grad-less kernel refuses a call with grad and the other way round."""
+    Gluon kernel refuses the device, the grad-less kernel refuses a call with grad and the other way round; the
+    backward rows are walked apart from the forward ones, cuDNN-Frontend's and the Gluon pass 1 refusing the CPU."""
     q, kv, idx = _t(1, 2, 64, 576), _t(1, 8, 576), torch.zeros(1, 2, 4, dtype=torch.int32)
     assert dispatch.explain_sparse_mla(q, kv, idx, 512) == dispatch.Choice("reference", ())
-    kernels = dispatch.KERNELS[1:]
-    with_grad = dispatch._choose(q, kv, idx, 512, True, kernels)
+    assert [row[0] for row in dispatch.KERNELS] == [
+        "reference", "empty", "hopper_seesaw", "triton_prefill", "triton_decode", "cudnn", "hopper", "triton"
+    ]  # fmt: skip
+    with sparse_mla_kernels_only():
+        with_grad = dispatch.explain_sparse_mla(q, kv, idx, 512, grad=True)
+        no_grad = dispatch.explain_sparse_mla(q, kv, idx, 512, grad=False)
+        empty = dispatch.explain_sparse_mla(q[:, :0], kv, idx[:, :0], 512, grad=True)
+        backward = dispatch.explain_sparse_mla(q, kv, idx, 512, backward=True, deterministic=False)
     assert with_grad.kernel == "triton_prefill"
-    assert [name for name, _ in with_grad.refused] == ["empty", "hopper_seesaw", "hopper_decode"]
+    assert [name for name, _ in with_grad.refused] == ["empty", "hopper_seesaw"]
+    assert dict(with_grad.refused)["empty"] == "inputs are not empty"
     assert "device cpu" in dict(with_grad.refused)["hopper_seesaw"]
-    assert "no backward" in dict(with_grad.refused)["hopper_decode"]
-    no_grad = dispatch._choose(q, kv, idx, 512, False, kernels)
     assert no_grad.kernel == "triton_decode" and "no grad" in dict(no_grad.refused)["triton_prefill"]
-    assert dispatch._choose(q[:, :0], kv, idx[:, :0], 512, True, kernels).kernel == "empty"
+    assert empty.kernel == "empty" and empty.refused == ()
     assert "runs triton_decode" in str(no_grad) and "hopper_seesaw: device cpu" in str(no_grad)
+    assert backward.kernel == "triton" and [name for name, _ in backward.refused] == ["cudnn", "hopper"]
+    assert "device cpu" in dict(backward.refused)["cudnn"] and "device cpu" in dict(backward.refused)["hopper"]
 
 
 def test_forcing_a_kernel_that_refuses_raises_with_its_reason(forced_kernel):
     """DSAFLOW_SPARSE_MLA_KERNEL restricts the kernels; a forced kernel that refuses the inputs raises with its
     reason; an unknown value is refused with the choices."""
-    from dsaflow.ops.sparse_mla.dispatch import sparse_mla_kernels
-
     g = torch.Generator().manual_seed(3)
     q, kv = torch.randn(1, 2, 2, 40, generator=g), torch.randn(1, 8, 40, generator=g)
     idx = torch.randint(0, 8, (1, 2, 4), generator=g, dtype=torch.int32)
@@ -310,21 +279,19 @@ def test_forcing_a_kernel_that_refuses_raises_with_its_reason(forced_kernel):
 
 @pytest.mark.gpu
 @hopper_only
-def test_no_grad_16_head_calls_run_the_gluon_decode(forced_kernel):
-    """On sm_90 a no-grad `sparse_mla` call with 16 heads is the Gluon decode (bit for bit); 32 heads and
-    DSAFLOW_SPARSE_MLA_KERNEL=triton keep the split-K kernel."""
-    from dsaflow.ops.sparse_mla.dispatch import explain_sparse_mla, sparse_mla_kernels
-    from dsaflow.ops.sparse_mla.hopper_decode import sparse_mla_decode_hopper
+def test_no_grad_16_head_calls_run_the_split_k_decode(forced_kernel):
+    """On sm_90 a no-grad `sparse_mla` call with 16 heads (a TP-8 shard) is the split-K kernel, bit for bit: the
+    Gluon forward takes 64-head blocks."""
+    from dsaflow.ops.sparse_mla.dispatch import explain_sparse_mla
+    from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
 
     q, kv, idx = make_inputs(4, 2, 16, 3000, 512, torch.bfloat16, "cuda", seed=24)
-    assert explain_sparse_mla(q, kv, idx, 512, grad=False).kernel == "hopper_decode"
-    assert explain_sparse_mla(torch.cat([q, q], dim=2), kv, idx, 512, grad=False).kernel == "triton_decode"
+    choice = explain_sparse_mla(q, kv, idx, 512, grad=False)
+    assert choice.kernel == "triton_decode" and "H=16" in dict(choice.refused)["hopper_seesaw"]
     with torch.no_grad():
         out, lse = sparse_mla_kernels(q, kv, idx, 0.04, 512)
-    ref_out, ref_lse = sparse_mla_decode_hopper(q, kv, idx, 0.04, 512)
+    ref_out, ref_lse = sparse_mla_decode_triton(q, kv, idx, 0.04, 512)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    forced_kernel("triton")
-    assert explain_sparse_mla(q, kv, idx, 512, grad=False).kernel == "triton_decode"
 
 
 def test_no_grad_rule_takes_the_hopper_forward_from_half_the_sms():
@@ -343,7 +310,7 @@ def test_no_grad_rule_takes_the_hopper_forward_from_half_the_sms():
 def test_training_forward_uses_the_hopper_kernel_and_matches_the_portable_one(forced_kernel):
     """At V3.2 shapes on sm_90 the differentiable op runs the Gluon forward; its out/lse (and so the Triton backward
     built on them) agree with the portable forward to bf16 rounding."""
-    from dsaflow.ops.sparse_mla.dispatch import explain_sparse_mla, sparse_mla_kernels
+    from dsaflow.ops.sparse_mla.dispatch import explain_sparse_mla
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm_90 GPU")
@@ -376,6 +343,6 @@ def test_dispatch_choices_at_v32_shapes():
     assert choice(1, 4096, 128, grad=False) == "hopper_seesaw"  # prefill
     assert choice(32, 1, 128, grad=False) == "hopper_seesaw"  # decode, grid covers half the SMs
     assert choice(16, 1, 128, grad=False) == "triton_decode"  # decode, split-K is faster
-    assert choice(128, 1, 16, grad=False) == "hopper_decode"  # TP-8 decode shard
+    assert choice(128, 1, 16, grad=False) == "triton_decode"  # TP-8 decode shard
     assert choice(128, 1, 32, grad=False) == "triton_decode"
     assert choice(1, 64, 128, grad=True, dtype=torch.float32, d_qk=192, d_v=128) == "triton_prefill"

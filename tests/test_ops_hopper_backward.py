@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsaflow.ops.sparse_mla import backward_dispatch as bd
+from dsaflow.ops.sparse_mla import dispatch as bd
+from dsaflow.ops.sparse_mla import function
 from dsaflow.ops.sparse_mla.hopper_backward import BLOCK_K, hopper_bwd_supports, launch_hopper_ds
 from dsaflow.ops.sparse_mla.naive import sparse_mla_naive
 from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
@@ -36,7 +37,7 @@ def test_rule_refuses_cpu_and_other_shapes():
     z = lambda *s, dtype=torch.bfloat16: torch.zeros(*s, dtype=dtype)
     q, kv, idx = z(1, 2, 128, 576), z(1, 8, 576), z(1, 2, 4, dtype=torch.int32)
     assert "device cpu" in hopper_bwd_supports(q, kv, idx, 512)
-    choice = bd.explain_sparse_mla_backward(q, kv, idx, 512, deterministic=False)
+    choice = bd.explain_sparse_mla(q, kv, idx, 512, backward=True, deterministic=False)
     assert choice.kernel == "triton" and "hopper: device cpu" in choice.reasons()
 
 
@@ -48,7 +49,8 @@ def test_forcing_hopper_where_it_cannot_run_raises_with_the_reason(monkeypatch):
     try:
         z = lambda *s, dtype=torch.bfloat16: torch.zeros(*s, dtype=dtype)
         with pytest.raises(PlanError, match=rf"{bd.ENV_BACKWARD}=hopper.*device cpu.*{bd.ENV_BACKWARD}=auto"):
-            bd.choose_backward(z(1, 2, 128, 576), z(1, 8, 576), z(1, 2, 4, dtype=torch.int32), 512, bd.BackwardNeeds())
+            args = z(1, 2, 128, 576), z(1, 8, 576), z(1, 2, 4, dtype=torch.int32), 512
+            function.backward_kernel(*args, lse_grad=False, probs_into=False, deterministic=False)
     finally:
         bd.forced_backward.cache_clear()
 
@@ -230,13 +232,19 @@ def test_dispatch_picks_hopper_for_deepseek_shapes_on_sm90(monkeypatch):
     bd.forced_backward.cache_clear()
     try:
         z = lambda *s, dtype=torch.bfloat16: torch.zeros(*s, dtype=dtype, device="cuda")
-        choice = bd.explain_sparse_mla_backward(z(1, 2, 128, 576), z(1, 8, 576), z(1, 2, 4, dtype=torch.int32), 512)
+        choice = bd.explain_sparse_mla(
+            z(1, 2, 128, 576), z(1, 8, 576), z(1, 2, 4, dtype=torch.int32), 512, backward=True
+        )
         assert choice.kernel == "hopper"
-        choice = bd.explain_sparse_mla_backward(z(1, 2, 16, 576), z(1, 8, 576), z(1, 2, 4, dtype=torch.int32), 512)
+        choice = bd.explain_sparse_mla(
+            z(1, 2, 16, 576), z(1, 8, 576), z(1, 2, 4, dtype=torch.int32), 512, backward=True
+        )
         assert choice.kernel == "triton" and "H=16" in choice.reasons()
         monkeypatch.setenv(bd.ENV_BACKWARD, "triton")  # the portable pass 1 on demand
         bd.forced_backward.cache_clear()
-        choice = bd.explain_sparse_mla_backward(z(1, 2, 128, 576), z(1, 8, 576), z(1, 2, 4, dtype=torch.int32), 512)
+        choice = bd.explain_sparse_mla(
+            z(1, 2, 128, 576), z(1, 8, 576), z(1, 2, 4, dtype=torch.int32), 512, backward=True
+        )
         assert choice.kernel == "triton" and f"{bd.ENV_BACKWARD}=triton" in choice.reasons()
     finally:
         bd.forced_backward.cache_clear()

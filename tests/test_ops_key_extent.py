@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops_helpers import sparse_mla_kernels
 
 from dsaflow.ops.sparse_mla import deterministic, sparse_mla_naive
-from dsaflow.ops.sparse_mla.dispatch import sparse_mla_kernels
 from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
 from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
 from dsaflow.ops.sparse_mla.triton_prefill import key_extent, launch_sparse_mla_fwd

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops_helpers import sparse_mla_kernels
 
 from dsaflow.ops.indexer_topk import indexer_scores_naive, indexer_topk
 from dsaflow.ops.indexer_topk.triton_indexer import indexer_logits_triton, indexer_topk_triton
-from dsaflow.ops.sparse_mla import backward_dispatch, deterministic, sparse_mla, sparse_mla_naive
-from dsaflow.ops.sparse_mla.dispatch import kernel_supports, sparse_mla_kernels
+from dsaflow.ops.sparse_mla import deterministic, function, sparse_mla, sparse_mla_naive
+from dsaflow.ops.sparse_mla.dispatch import kernel_supports
 from dsaflow.ops.sparse_mla.triton_backward import sparse_mla_bwd_triton
 from dsaflow.ops.sparse_mla.triton_decode import sparse_mla_decode_triton
 from dsaflow.ops.sparse_mla.triton_prefill import launch_sparse_mla_fwd
@@ -177,13 +178,13 @@ def test_backward_variants_match_reference(variant):
 def test_deterministic_switch_reaches_backward(monkeypatch):
     """The process-wide switch (context manager here) is read when backward runs, and restored after the block."""
     seen = []
-    real = backward_dispatch.sparse_mla_bwd_triton
+    real = function.sparse_mla_bwd_triton
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("deterministic"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(backward_dispatch, "sparse_mla_bwd_triton", spy)
+    monkeypatch.setattr(function, "sparse_mla_bwd_triton", spy)
     q, kv, idx = make_mla(1, 2, 4, 40, 9, 16, torch.float32, seed=16)
     q.requires_grad_(True)
     for det in (False, True, False):

@@ -1,19 +1,24 @@
 """MQA-mode sparse MLA attention over selected latent rows.
 
 Layout: `naive.py` (fp32 reference), the kernels (`triton_prefill`, `triton_decode`, `triton_backward`,
-`triton_probs` (the indexer-loss target after cuDNN-Frontend's backward, `cudnn_backward`), and the
-Hopper Gluon kernels `hopper_seesaw` + `hopper_seesaw_gather`, `hopper_decode`, sharing `hopper_common`), the
-`autograd.Function` (`function.py`), the dispatch table (`dispatch.py`), and the public `sparse_mla` below.
+`triton_probs` (the indexer-loss target after cuDNN-Frontend's backward, `cudnn_backward`), and the Hopper Gluon
+kernels `hopper_seesaw` + `hopper_seesaw_gather` and `hopper_backward`, sharing `hopper_common`), the
+`autograd.Function` (`function.py`), the dispatch table of forward and backward kernels (`dispatch.py`), the
+deterministic switch (`determinism.py`), and the public `sparse_mla` below.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .backward_dispatch import explain_sparse_mla_backward
+from ..kernel_table import chosen, describe
 from .determinism import deterministic, is_deterministic, set_deterministic
-from .dispatch import explain_sparse_mla, run_sparse_mla
+from .dispatch import ENV_KERNEL, explain_sparse_mla, forced_kernels, normalised
+from .function import SparseMLAFunction
+from .hopper_seesaw import sparse_mla_fwd_hopper
 from .naive import sparse_mla_naive
+from .triton_decode import sparse_mla_decode_triton
+from .triton_prefill import sparse_mla_fwd_triton
 
 
 def sparse_mla(
@@ -26,26 +31,49 @@ def sparse_mla(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of every head of query t over the rows kv[b, indices[b, t, :]].
 
-    q [B, T, H, D_qk], kv [B, S, D_qk] (latent + rope; the first d_v columns are the value), indices [B, T, K] int32
-    (-1 or >= S = no key), sm_scale float -> out [B, T, H, d_v] in q.dtype, lse [B, T, H] fp32 (natural log;
-    -inf and out = 0 for a query with no valid key). Differentiable in q and kv. Batched: pad sequences to a common
-    length and mark missing keys with -1. Small T (decode) and large T (prefill) share this entry point; B * T up to
-    2^20 queries and more in one call. The kernel is chosen by the table in `dispatch.py`
-    (`explain_sparse_mla(...)` says which and why); CUDA shapes no kernel takes raise ValueError. The backward is
-    chosen by `backward_dispatch.py` (`explain_sparse_mla_backward(...)`).
-    `set_deterministic(True)` makes the backward bit-reproducible.
+    Args:
+        q: [B, T, H, D_qk] queries (bf16/fp16/fp32; on CPU any float dtype).
+        kv: [B, S, D_qk] latent rows (latent + rope), one per key, shared by all heads; the first d_v columns are
+            the value. Same dtype as q.
+        indices: [B, T, K] int, the keys each query attends to (-1 or >= S = no key).
+        sm_scale: the softmax scale.
+        d_v: value width.
+        probs_into: (target fp32 [B, T, K], weight), for the indexer loss: adds weight * each query's attention
+            probabilities summed over heads and L1-normalised over its K slots (`ops.indexer_loss.attention_target`)
+            into target. Through the kernels with grad the backward adds them (dsaflow's from the probabilities it
+            recomputes anyway; after cuDNN-Frontend's backward, a Q.K^T pass of dsaflow's, `triton_probs.py`), so
+            target is complete only once this call's backward has run. Otherwise (CPU, or no grad) they are added
+            here, by `attention_target`. Deterministic either way.
 
-    probs_into = (target fp32 [B, T, K], weight), for the indexer loss: adds weight * each query's attention
-    probabilities summed over heads and L1-normalised over its K slots (`ops.indexer_loss.attention_target`) into
-    target. On CUDA with grad the backward adds them: dsaflow's from the probabilities it recomputes anyway, and
-    where cuDNN-Frontend's backward runs, a Q.K^T pass of dsaflow's after it (`triton_probs.py`); target is
-    complete only once this call's backward has run. Otherwise (CPU, or no grad) they are added here, by
-    `attention_target`. Deterministic either way.
+    Returns:
+        (out [B, T, H, d_v] in q.dtype, lse [B, T, H] fp32, natural log): -inf and out = 0 for a query with no
+        valid key. Differentiable in q and kv. Small T (decode) and large T (prefill) share this entry point; B * T
+        up to 2^20 queries and more in one call (pad sequences to a common length, mark missing keys with -1).
+
+    The kernels, forward and backward, are chosen by the table in `dispatch.py` (`explain_sparse_mla(...)` says
+    which and why); a CUDA call no kernel takes raises ValueError. `set_deterministic(True)` makes the backward
+    bit-reproducible.
     """
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
-    if probs_into is not None and q.is_cuda and needs_grad:
-        return run_sparse_mla(q, kv, indices, sm_scale, d_v, probs_into)
-    out, lse = run_sparse_mla(q, kv, indices, sm_scale, d_v)
+    grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
+    given = q, kv, indices
+    q, kv, indices = normalised(q, kv, indices)
+    forced = forced_kernels()[0]
+    inputs = describe(q=q, kv=kv, indices=indices) + f", d_v={d_v}, grad={grad}"
+    kernel = chosen("sparse_mla", explain_sparse_mla(q, kv, indices, d_v, grad), inputs + _forced(forced))
+    sm_scale, d_v = float(sm_scale), int(d_v)
+    if kernel == "reference":
+        out, lse = sparse_mla_naive(*given, sm_scale, d_v)
+    elif kernel == "empty":
+        if grad and probs_into is not None:  # nothing to add: no query has a key
+            return _empty_result(q, kv, indices, sm_scale, d_v)
+        out, lse = _empty_result(q, kv, indices, sm_scale, d_v)
+    elif grad:
+        forward = sparse_mla_fwd_hopper if kernel == "hopper_seesaw" else sparse_mla_fwd_triton
+        return SparseMLAFunction.apply(q, kv, indices, sm_scale, d_v, probs_into, forward)
+    elif kernel == "hopper_seesaw":
+        out, lse = sparse_mla_fwd_hopper(q, kv, indices, sm_scale, d_v)
+    else:
+        out, lse = sparse_mla_decode_triton(q, kv, indices, sm_scale, d_v)
     if probs_into is not None:
         from dsaflow.ops.indexer_loss import attention_target
 
@@ -55,10 +83,23 @@ def sparse_mla(
     return out, lse
 
 
+def _forced(setting: str) -> str:
+    return f", {ENV_KERNEL}={setting}" if setting != "auto" else ""
+
+
+def _empty_result(q, kv, indices, sm_scale, d_v):
+    """No query, no key slot or no kv row: out = 0, lse = -inf (every query has no key), through the reference so
+    that gradients (zero) still reach q and kv."""
+    B, T, H = q.shape[:3]
+    if B * T * H == 0:
+        out = q.new_zeros(B, T, H, d_v) + q.sum() * 0 + kv.sum() * 0
+        return out, torch.full((B, T, H), float("-inf"), device=q.device)
+    return sparse_mla_naive(q, kv, indices[..., :0], sm_scale, d_v)
+
+
 __all__ = [
     "deterministic",
     "explain_sparse_mla",
-    "explain_sparse_mla_backward",
     "is_deterministic",
     "set_deterministic",
     "sparse_mla",

@@ -1,7 +1,7 @@
 """cuDNN-Frontend's DeepSeek sparse-attention backward (CuTe DSL) behind dsaflow's sparse MLA layout.
 
 Optional: installed by the `peers` extra (`pip install 'dsaflow[peers]'`, nvidia-cudnn-frontend 1.32). Whether it
-runs a call is decided by the backward table in `backward_dispatch.py`; this module only imports and adapts it.
+runs a call is decided by the table in `dispatch.py` (its backward rows); this module only imports and adapts it.
 
 Its contract (cudnn.deepseek_sparse_attention.sparse_attention_backward_wrapper, 1.32):
 - flat, unbatched, contiguous tensors: q [N_q, H, D], kv [N_kv, D] (one latent head, K = V = its first d_v

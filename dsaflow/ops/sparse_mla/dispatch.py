@@ -1,50 +1,76 @@
-"""Which sparse MLA kernel runs a call: one table of (kernel, capability rule), walked in order.
+"""Which sparse MLA kernel runs a call, forward and backward: one table of (kernel, pass, capability rule), walked
+in order by `explain_sparse_mla`.
 
-| kernel           | runs when                                                                               |
-|------------------|-----------------------------------------------------------------------------------------|
-| `reference`      | CPU tensors (`naive.py`, fp32 math)                                                     |
-| `empty`          | no query, key slot or kv row: nothing to launch (out 0, lse -inf, zero gradients)       |
-| `hopper_seesaw`  | sm_90, DeepSeek MLA shapes (d_qk 576, d_v 512, H % 64 == 0), bf16/fp16, triton 3.6      |
-|                  | Gluon; without grad also only when its grid covers at least half the SMs                |
-| `hopper_decode`  | no grad, exactly 16 heads per query (a TP-8 shard), sm_90, the same shapes              |
-| `triton_prefill` | grad; bf16/fp16/fp32, 0 < d_v <= 512, 0 <= d_qk - d_v <= 128 (fp32: d_qk <= 256)        |
-| `triton_decode`  | no grad; the same shapes (split-K over the selected rows; one split = the prefill kernel)|
+| kernel           | pass     | runs when                                                                          |
+|------------------|----------|------------------------------------------------------------------------------------|
+| `reference`      | forward  | CPU tensors (`naive.py`, fp32 math; autograd differentiates it)                    |
+| `empty`          | forward  | no query, key slot or kv row: nothing to launch (out 0, lse -inf, zero gradients)  |
+| `hopper_seesaw`  | forward  | sm_90, DeepSeek MLA shapes (d_qk 576, d_v 512, H % 64 == 0), bf16/fp16, triton     |
+|                  |          | 3.6's Gluon; without grad also only when its grid covers at least half the SMs     |
+| `triton_prefill` | forward  | grad; bf16/fp16/fp32, 0 < d_v <= 512, 0 <= d_qk - d_v <= 128 (fp32: d_qk <= 256)   |
+| `triton_decode`  | forward  | no grad; the same shapes (split-K over the selected rows)                          |
+| `cudnn`          | backward | cuDNN-Frontend's CuTe DSL backward (`cudnn_backward.py`, the optional `peers`      |
+|                  |          | extra) imports; sm_90 (H >= 2) or sm_100/sm_103 (H 16/32/64/96/128); bf16/fp16;    |
+|                  |          | d_qk 512 or 576 with d_v 512; q and kv under 2^31 elements; lse gets no gradient;  |
+|                  |          | not deterministic mode (on sm_100/sm_103 its deterministic kernels run it)         |
+| `hopper`         | backward | dsaflow's backward with the Gluon pass 1 (`hopper_backward.py`): the shapes of     |
+|                  |          | `hopper_seesaw`; every need is met (its dq and dkv kernels are `triton`'s)         |
+| `triton`         | backward | always (dsaflow's portable backward, `triton_backward.py`)                         |
 
-With grad the chosen forward runs inside `SparseMLAFunction`, whose backward has its own table
-(`backward_dispatch.py`: dsaflow's Triton backward, or cuDNN-Frontend's where installed). A CUDA call no
-kernel takes raises ValueError with the shape and every candidate's reason: there is no silent slow path.
-`explain_sparse_mla(q, kv, indices, d_v, grad)` returns the `Choice` for given inputs without running anything.
+With grad, the chosen forward runs inside `SparseMLAFunction` (`function.py`), which walks the backward rows when
+its backward runs (the lse gradient and the deterministic switch are known only then). With an indexer-loss target
+(`probs_into`) dsaflow's pass 1 sums the attention probabilities it recomputes anyway; after cuDNN-Frontend's
+backward, which returns none, `triton_probs.py` recomputes them from the saved lse (`TARGET_PASS_AFTER`).
 
-`DSAFLOW_SPARSE_MLA_KERNEL` (read once per process) restricts the CUDA kernels: "triton" (the portable kernels),
-"hopper" (the Gluon kernels), or one kernel name; "auto" or unset is the table above. A forced choice that no
-allowed kernel takes raises with the reasons.
+Two process-wide variables (read once per process) restrict the table; a forced choice that refuses a call raises
+with the reasons, there is no silent slow path:
+- `DSAFLOW_SPARSE_MLA_KERNEL` (forward): "triton" (the portable kernels), "hopper" (the Gluon one), or one kernel
+  name; "auto" or unset is the table.
+- `DSAFLOW_SPARSE_MLA_BACKWARD`: "dsaflow" (`hopper` where it takes the call, else `triton`), "hopper", "triton" or
+  "cudnn"; "auto" or unset is the table.
+Rules read shapes, dtypes, the device and process-wide switches only, so a captured graph replays its kernels.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
+from dsaflow.errors import PlanError
+
 from ..kernel_table import Choice, walk
-from .function import SparseMLAFunction
-from .hopper_decode import DECODE_BLOCK_H, hopper_decode_supports, sparse_mla_decode_hopper
-from .hopper_seesaw import hopper_fwd_supports, sparse_mla_fwd_hopper
-from .naive import sparse_mla_naive
-from .triton_decode import choose_num_splits, sparse_mla_decode_triton
+from . import cudnn_backward as cb
+from .determinism import is_deterministic
+from .hopper_backward import hopper_bwd_supports
+from .hopper_seesaw import hopper_fwd_supports
+from .triton_decode import choose_num_splits
 from .triton_prefill import fwd_config
 
 ENV_KERNEL = "DSAFLOW_SPARSE_MLA_KERNEL"
-FAMILIES = {
-    "triton": frozenset({"triton_prefill", "triton_decode"}),
-    "hopper": frozenset({"hopper_seesaw", "hopper_decode"}),
-}
+ENV_BACKWARD = "DSAFLOW_SPARSE_MLA_BACKWARD"
+FORWARD, BACKWARD = "forward", "backward"
+FAMILIES = {"triton": frozenset({"triton_prefill", "triton_decode"}), "hopper": frozenset({"hopper_seesaw"})}
 ALWAYS_ALLOWED = frozenset({"reference", "empty"})  # not kernels a user can force away
+BACKWARD_SETTINGS = ("auto", "dsaflow", "cudnn", "hopper", "triton")
+TARGET_PASS_AFTER = frozenset({"cudnn"})  # backwards that return no probabilities: `triton_probs.py` adds the target
 
 MAX_D_V = 512  # the fp32 accumulator [64, 512] is the most two warpgroups' registers hold
 MAX_D_TAIL = 128
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a call asks beyond its outputs. Forward: grad (a backward will follow). Backward: an lse gradient, the
+    indexer-loss target, bit-reproducibility."""
+
+    grad: bool = False
+    lse_grad: bool = False
+    probs_into: bool = False
+    deterministic: bool = False
 
 
 def kernel_supports(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> str | None:
@@ -62,29 +88,31 @@ def kernel_supports(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_
 def no_grad_takes_hopper_forward(q: torch.Tensor, indices: torch.Tensor, d_v: int) -> bool:
     """Without grad, the Hopper forward (one work item per query and 64-head block, whole key range) runs when its
     items cover at least half the SMs, i.e. where the split-K kernel would take at most 2 splits; below that the
-    split-K kernel's extra programs win (`scripts/bench_hopper.py --part decode`, docs/kernels.md). Shape-only."""
+    split-K kernel's extra programs win (`scripts/bench_hopper.py --part decode`, docs/kernels.md)."""
     cfg = fwd_config(q, d_v, q.shape[-1] - d_v, indices.shape[2])
     return choose_num_splits(q, indices.shape[2], cfg["BLOCK_H"], cfg["BLOCK_K"]) <= 2
 
 
-def _is_empty(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor) -> bool:
-    return kv.shape[1] == 0 or indices.shape[-1] == 0 or q.shape[0] * q.shape[1] * q.shape[2] == 0
+def device_capability(t: torch.Tensor) -> tuple[int, int] | None:
+    """(major, minor) of t's CUDA device, None off CUDA (a hook the CPU tests replace)."""
+    return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
 
 
-# ---- the capability rules: (q, kv, indices, d_v, grad) -> None or the reason ----
+# ---- the capability rules: (q, kv, indices, d_v, needs) -> None or the reason ----
 
 
-def _reference_rule(q, kv, indices, d_v, grad):
+def _reference_rule(q, kv, indices, d_v, needs):
     return f"device {q.device.type} runs the kernels" if q.is_cuda else None
 
 
-def _empty_rule(q, kv, indices, d_v, grad):
-    return None if _is_empty(q, kv, indices) else "inputs are not empty"
+def _empty_rule(q, kv, indices, d_v, needs):
+    empty = kv.shape[1] == 0 or indices.shape[-1] == 0 or q.shape[0] * q.shape[1] * q.shape[2] == 0
+    return None if empty else "inputs are not empty"
 
 
-def _seesaw_rule(q, kv, indices, d_v, grad):
+def _seesaw_rule(q, kv, indices, d_v, needs):
     reason = hopper_fwd_supports(q, kv, indices, d_v)
-    if reason is None and not grad and not no_grad_takes_hopper_forward(q, indices, d_v):
+    if reason is None and not needs.grad and not no_grad_takes_hopper_forward(q, indices, d_v):
         return (
             f"no grad and {q.shape[0] * q.shape[1]} queries x {q.shape[2] // 64} head blocks cover under half "
             f"the SMs (the split-K decode is faster there)"
@@ -92,53 +120,102 @@ def _seesaw_rule(q, kv, indices, d_v, grad):
     return reason
 
 
-def _hopper_decode_rule(q, kv, indices, d_v, grad):
-    if grad:
-        return "no backward (serves calls without grad)"
-    if q.shape[2] != DECODE_BLOCK_H:
-        return (
-            f"H={q.shape[2]} (serves exactly {DECODE_BLOCK_H} heads; with more, each 16-head program would "
-            f"gather every row again)"
-        )
-    return hopper_decode_supports(q, kv, indices, d_v)
-
-
-def _triton_prefill_rule(q, kv, indices, d_v, grad):
-    if not grad:
+def _triton_prefill_rule(q, kv, indices, d_v, needs):
+    if not needs.grad:
         return "no grad (triton_decode runs it as one split, or splits the keys)"
     return kernel_supports(q, kv, indices, d_v)
 
 
-def _triton_decode_rule(q, kv, indices, d_v, grad):
-    return "no backward (serves calls without grad)" if grad else kernel_supports(q, kv, indices, d_v)
+def _triton_decode_rule(q, kv, indices, d_v, needs):
+    return "no backward (serves calls without grad)" if needs.grad else kernel_supports(q, kv, indices, d_v)
+
+
+def _cudnn_rule(q, kv, indices, d_v, needs):
+    cap = device_capability(q)
+    if cap is None:
+        return f"device {q.device.type} (cuDNN-Frontend runs on CUDA)"
+    sm100 = cap in cb.SM100_CAPABILITIES
+    if cap[0] != 9 and not sm100:
+        return f"sm_{cap[0]}{cap[1]} (cuDNN-Frontend's DSA backward runs on sm_90, sm_100 and sm_103)"
+    missing = cb.cudnn_import_error()
+    if missing is not None:
+        return missing
+    B, T, H, d_qk = q.shape
+    if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
+        return f"dtypes q={q.dtype} kv={kv.dtype} (cuDNN-Frontend takes bf16/fp16 with q.dtype == kv.dtype)"
+    if d_qk not in cb.D_QK_SUPPORTED or d_v != cb.D_V:
+        return f"d_qk={d_qk}, d_v={d_v} (cuDNN-Frontend takes d_qk 512 or 576 with d_v {cb.D_V})"
+    if sm100 and H not in cb.SM100_HEADS:
+        return f"H={H} on sm_{cap[0]}{cap[1]} (cuDNN-Frontend's sm_100 kernels take H in {cb.SM100_HEADS})"
+    if H < cb.SM90_MIN_HEADS:
+        return f"H={H} (cuDNN-Frontend's kernels take MQA: H >= {cb.SM90_MIN_HEADS})"
+    if max(q.numel(), kv.numel()) >= cb.INT32_ELEMENTS:
+        return "q or kv of 2^31 elements or more (not validated with cuDNN-Frontend; run smaller query chunks)"
+    if needs.lse_grad:
+        return "lse receives a gradient (cuDNN-Frontend's backward takes none)"
+    if needs.deterministic and not (sm100 and H in cb.SM100_HEADS):
+        return "deterministic mode (cuDNN-Frontend's backward adds dkv with atomics on sm_90)"
+    return None
+
+
+def _hopper_backward_rule(q, kv, indices, d_v, needs):
+    return hopper_bwd_supports(q, kv, indices, d_v)
+
+
+def _triton_backward_rule(q, kv, indices, d_v, needs):
+    return None  # it takes every call the forward kernels take
 
 
 KERNELS = (
-    ("reference", _reference_rule),
-    ("empty", _empty_rule),
-    ("hopper_seesaw", _seesaw_rule),
-    ("hopper_decode", _hopper_decode_rule),
-    ("triton_prefill", _triton_prefill_rule),
-    ("triton_decode", _triton_decode_rule),
+    ("reference", FORWARD, _reference_rule),
+    ("empty", FORWARD, _empty_rule),
+    ("hopper_seesaw", FORWARD, _seesaw_rule),
+    ("triton_prefill", FORWARD, _triton_prefill_rule),
+    ("triton_decode", FORWARD, _triton_decode_rule),
+    ("cudnn", BACKWARD, _cudnn_rule),
+    ("hopper", BACKWARD, _hopper_backward_rule),
+    ("triton", BACKWARD, _triton_backward_rule),
 )
-KERNEL_NAMES = tuple(name for name, _ in KERNELS)
+FORWARD_NAMES = tuple(name for name, step, _ in KERNELS if step == FORWARD)
+BACKWARD_NAMES = tuple(name for name, step, _ in KERNELS if step == BACKWARD)
 
 
 @functools.lru_cache(maxsize=1)
 def forced_kernels() -> tuple[str, frozenset[str] | None]:
-    """(`DSAFLOW_SPARSE_MLA_KERNEL`'s value, the kernels it allows; None: all), read once per process."""
+    """(`DSAFLOW_SPARSE_MLA_KERNEL`'s value, the forward kernels it allows; None: all), read once per process."""
     want = os.environ.get(ENV_KERNEL, "auto")
     if want == "auto":
         return want, None
     if want in FAMILIES:
         return want, FAMILIES[want] | ALWAYS_ALLOWED
-    if want in KERNEL_NAMES and want not in ALWAYS_ALLOWED:
+    if want in FORWARD_NAMES and want not in ALWAYS_ALLOWED:
         return want, frozenset({want}) | ALWAYS_ALLOWED
-    choices = ["auto", *FAMILIES, *(n for n in KERNEL_NAMES if n not in ALWAYS_ALLOWED)]
+    choices = ["auto", *FAMILIES, *(n for n in FORWARD_NAMES if n not in ALWAYS_ALLOWED)]
     raise ValueError(f"{ENV_KERNEL}={want!r}: use one of {', '.join(choices)}.")
 
 
-def _normalised(q, kv, indices):
+@functools.lru_cache(maxsize=1)
+def forced_backward() -> tuple[str, frozenset[str] | None]:
+    """(`DSAFLOW_SPARSE_MLA_BACKWARD`'s value, the backwards it allows; None: all), read once per process."""
+    want = os.environ.get(ENV_BACKWARD, "auto").strip().lower() or "auto"
+    if want not in BACKWARD_SETTINGS:
+        raise PlanError(
+            f"{ENV_BACKWARD}={os.environ.get(ENV_BACKWARD)!r}: use one of {', '.join(BACKWARD_SETTINGS)} "
+            "(auto: the dispatch rule; dsaflow: always dsaflow's backward; cudnn: always cuDNN-Frontend's; hopper / "
+            "triton: dsaflow's backward with that pass 1)."
+        )
+    allowed = {"auto": None, "dsaflow": frozenset(n for n in BACKWARD_NAMES if n != "cudnn")}
+    allowed.update({name: {name} for name in BACKWARD_NAMES})
+    return want, None if allowed[want] is None else frozenset(allowed[want])
+
+
+def check_forced_backward() -> None:
+    """Raise at the forward, not after it, when `DSAFLOW_SPARSE_MLA_BACKWARD=cudnn` and cuDNN-Frontend is missing."""
+    if forced_backward()[0] == "cudnn" and (missing := cb.cudnn_import_error()) is not None:
+        raise PlanError(f"{ENV_BACKWARD}=cudnn: {missing}; or set {ENV_BACKWARD}=auto.")
+
+
+def normalised(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor):
     """Unit last strides and int32 indices: what every kernel reads (and what the rules check)."""
     q = q if q.stride(-1) == 1 else q.contiguous()
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
@@ -146,66 +223,34 @@ def _normalised(q, kv, indices):
     return q, kv, indices if indices.stride(-1) == 1 else indices.contiguous()
 
 
-def _choose(q, kv, indices, d_v: int, grad: bool, table=KERNELS) -> Choice:
-    setting, allowed = forced_kernels()
-    return walk(table, q, kv, indices, d_v, grad, allowed=allowed, excluded_by=f"{ENV_KERNEL}={setting}")
-
-
 def explain_sparse_mla(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, grad: bool | None = None
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    d_v: int,
+    grad: bool | None = None,
+    *,
+    backward: bool = False,
+    lse_grad: bool = False,
+    probs_into: bool = False,
+    deterministic: bool | None = None,
 ) -> Choice:
-    """Which kernel `sparse_mla(q, kv, indices, ..., d_v)` runs and why each earlier candidate was refused; grad
-    defaults to whether this call would need a backward. Runs nothing.
+    """Which kernel a `sparse_mla(q, kv, indices, ..., d_v)` call runs and why each earlier candidate was refused.
+    Runs nothing. Forward (default): grad defaults to whether this call would need a backward. backward=True: the
+    backward of a differentiable call, asked for an lse gradient, the indexer-loss target (`cudnn` then means
+    cuDNN-Frontend's dq and dkv followed by the target pass) and bit-reproducibility (default: `is_deterministic()`
+    now).
 
         >>> print(explain_sparse_mla(q, kv, idx, 512))
         runs triton_decode (refused: reference: device cuda runs the kernels; empty: ...)"""
-    if grad is None:
-        grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
-    return _choose(*_normalised(q, kv, indices), d_v, grad)
-
-
-def run_sparse_mla(q, kv, indices, sm_scale: float, d_v: int, probs_into=None, table=KERNELS):
-    """Walk `table` for these inputs and run the chosen kernel (`sparse_mla`'s contract). probs_into is handed to
-    the backward, so it needs a call with grad. Raises ValueError when no kernel takes the inputs."""
-    grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
-    if probs_into is not None and not grad:
-        raise ValueError("sparse_mla kernels: probs_into is filled by the backward, but this call has no gradient")
-    given = q, kv, indices
-    q, kv, indices = _normalised(q, kv, indices)
-    choice = _choose(q, kv, indices, d_v, grad, table)
-    if choice.kernel is None:
-        forced = forced_kernels()[0]
-        raise ValueError(
-            f"sparse_mla: no kernel takes q {tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)} {kv.dtype}, indices "
-            f"{tuple(indices.shape)}, d_v={d_v}, grad={grad}"
-            + (f", {ENV_KERNEL}={forced}" if forced != "auto" else "")
-            + f": {choice.reasons()}"
-        )
-    sm_scale, d_v = float(sm_scale), int(d_v)
-    if choice.kernel == "reference":
-        return sparse_mla_naive(*given, sm_scale, d_v)
-    if choice.kernel == "empty":
-        return _empty_result(q, kv, indices, sm_scale, d_v)
-    if grad:
-        return SparseMLAFunction.apply(q, kv, indices, sm_scale, d_v, probs_into, choice.kernel)
-    if choice.kernel == "hopper_seesaw":
-        return sparse_mla_fwd_hopper(q, kv, indices, sm_scale, d_v)
-    if choice.kernel == "hopper_decode":
-        return sparse_mla_decode_hopper(q, kv, indices, sm_scale, d_v)
-    return sparse_mla_decode_triton(q, kv, indices, sm_scale, d_v)
-
-
-def sparse_mla_kernels(q, kv, indices, sm_scale: float, d_v: int, probs_into=None):
-    """`run_sparse_mla` without the reference: the kernels on any device (CPU tensors run the Triton kernels in the
-    interpreter, which is how the CPU tests reach them)."""
-    return run_sparse_mla(q, kv, indices, sm_scale, d_v, probs_into, KERNELS[1:])
-
-
-def _empty_result(q, kv, indices, sm_scale, d_v):
-    """No query, no key slot or no kv row: out = 0, lse = -inf (every query has no key), through the reference so
-    that gradients (zero) still reach q and kv."""
-    B, T, H = q.shape[:3]
-    if B * T * H == 0:
-        out = q.new_zeros(B, T, H, d_v) + q.sum() * 0 + kv.sum() * 0
-        return out, torch.full((B, T, H), float("-inf"), device=q.device)
-    return sparse_mla_naive(q, kv, indices[..., :0], sm_scale, d_v)
+    if backward:
+        step, (setting, allowed), env = BACKWARD, forced_backward(), ENV_BACKWARD
+        det = is_deterministic() if deterministic is None else deterministic
+        needs = Needs(grad=True, lse_grad=lse_grad, probs_into=probs_into, deterministic=det)
+    else:
+        step, (setting, allowed), env = FORWARD, forced_kernels(), ENV_KERNEL
+        if grad is None:
+            grad = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
+        needs = Needs(grad=grad)
+    table = [(name, rule) for name, row_step, rule in KERNELS if row_step == step]
+    return walk(table, *normalised(q, kv, indices), d_v, needs, allowed=allowed, excluded_by=f"{env}={setting}")

@@ -3,7 +3,7 @@
 It computes what `triton_backward._sparse_mla_bwd_ds_kernel` computes, to the same G [chunk, 2H, K] (rows 0..H-1
 dS, H..2H-1 P) and, for the indexer-loss target, the same head sums of P per slot; the dq and dkv kernels that read G
 are triton_backward's. `hopper_bwd_supports` is the capability rule (the forward's: DeepSeek MLA shapes, bf16/fp16,
-H a multiple of 64, sm_90, triton 3.6's Gluon); `backward_dispatch.py` picks it.
+H a multiple of 64, sm_90, triton 3.6's Gluon); `dispatch.py` picks it (the `hopper` backward).
 
 Why: the Triton pass 1 runs at about 200 TFLOP/s on an H200: its key rows are gathered by plain loads in the warps
 that run the MMAs, with no room in shared memory to pipeline them beside resident Q and dO. Here a producer partition

@@ -1,6 +1,6 @@
 """What the Hopper (sm_90) Gluon kernels share: the Gluon import, the capability rule, and the row gather.
 
-The kernels (`hopper_seesaw` forward, its producer `hopper_seesaw_gather`, `hopper_decode`) are written against
+The kernels (`hopper_seesaw` forward, its producer `hopper_seesaw_gather`, `hopper_backward`) are written against
 triton 3.6's Gluon (`triton.experimental.gluon`, `warp_specialize([(fn, args), ...], worker_warps, worker_regs)`).
 Gluon does not run in the CPU interpreter and its API moves between triton releases, so each kernel module defines
 its kernels only when `GLUON_ERROR` is None, and the capability rules below say, without a GPU, why a call cannot
@@ -63,17 +63,16 @@ def device_reason(q: torch.Tensor) -> str | None:
     return None
 
 
-def shape_reason(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, block_h: int = BLOCK_H,
-                  why_h: str = "one wgmma M tile per head block") -> str | None:
-    """The device-independent part of the capability rule (tested on CPU); heads in blocks of `block_h`."""
+def shape_reason(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> str | None:
+    """The device-independent part of the capability rule (tested on CPU); heads in blocks of BLOCK_H."""
     if q.dim() != 4 or kv.dim() != 3 or indices.dim() != 3:
         return f"ranks q={q.dim()} kv={kv.dim()} indices={indices.dim()} (want 4, 3, 3)"
     if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
         return f"dtypes q={q.dtype} kv={kv.dtype} (want bf16 or fp16, equal)"
     if d_v != D_V_SUPPORTED or q.shape[-1] != D_V_SUPPORTED + D_TAIL_SUPPORTED or kv.shape[-1] != q.shape[-1]:
         return f"d_v={d_v}, d_qk={q.shape[-1]}, kv d={kv.shape[-1]} (want d_v 512, d_qk 576: DeepSeek MLA)"
-    if q.shape[2] % block_h != 0:
-        return f"H={q.shape[2]} (want a multiple of {block_h}: {why_h})"
+    if q.shape[2] % BLOCK_H != 0:
+        return f"H={q.shape[2]} (want a multiple of {BLOCK_H}: one wgmma M tile per head block)"
     if indices.dtype != torch.int32:
         return f"indices dtype {indices.dtype} (want int32)"
     if q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1:

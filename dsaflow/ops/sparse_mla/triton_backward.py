@@ -15,8 +15,7 @@ causal training query t < topk has t + 1 keys): pass 1 and dq loop over [0, n_ke
 starts at or past n_keys do no work, and G is read only below n_keys (pass 1 writes it up to its last block there).
 Grids are one-dimensional (CUDA caps grid axes 1 and 2 at 65,535; B*T reaches 2^20), program id -> tile with the
 tiles that share data adjacent in launch order; ids and offsets derived from them are int64. Grids, chunk counts and
-buffers depend on shapes only. fp32 inputs use IEEE fp32 dots. Alternatives that measured slower (a one-pass
-fused dkv, an S-first dkv, a fused dq) are listed in docs/kernels.md.
+buffers depend on shapes only. fp32 inputs use IEEE fp32 dots.
 """
 from __future__ import annotations
 

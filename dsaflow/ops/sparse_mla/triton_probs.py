@@ -1,5 +1,5 @@
 """The indexer-loss target (`sparse_mla(..., probs_into=)`) from a pass of its own, for a backward that does not
-return the attention probabilities (cuDNN-Frontend's; `backward_dispatch.py` runs this pass after it).
+return the attention probabilities (cuDNN-Frontend's; `function.py` runs this pass after it).
 
 It adds weight * P_sum / total into target [B, T, K] fp32, with P = exp(q . k * sm_scale - lse) from the forward's
 lse (natural log), P_sum its sum over the heads per slot and total the sum of P_sum over the slots: what dsaflow's
