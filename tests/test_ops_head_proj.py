@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dsaflow.model.rope import rope_angles
-from dsaflow.ops.head_proj import absorb_query, absorb_query_naive, functions, head_output, head_output_naive
+from dsaflow.ops.head_proj import absorb_query, absorb_query_naive, function, head_output, head_output_naive
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -24,7 +24,7 @@ def _poisoned(monkeypatch):
     def empty(*a, **k):
         return torch.empty(*a, **k).fill_(float("nan"))
 
-    monkeypatch.setattr(functions, "_empty", empty)
+    monkeypatch.setattr(function, "_empty", empty)
 
 
 def make(B, T, H, N, R, C, V, dtype, device=DEV, seed=0):
@@ -126,7 +126,7 @@ def test_gpu_deepseek_shapes_match_and_launch_no_copy_kernels(B, T, monkeypatch)
     for a, b in zip(grads, want):
         close(a, b, torch.bfloat16)
 
-    monkeypatch.setattr(functions, "_empty", torch.empty)
+    monkeypatch.setattr(function, "_empty", torch.empty)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         y, o = absorb_query(q, w_uk, cos, sin), head_output(o_lat, w_uv)

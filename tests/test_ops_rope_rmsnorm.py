@@ -12,9 +12,12 @@ import pytest
 import torch
 
 from dsaflow.ops.rmsnorm import rms_norm, rms_norm_naive, triton_rmsnorm
-from dsaflow.ops.rmsnorm.triton_rmsnorm import rms_norm_bwd, rms_norm_fwd, rms_norm_triton
-from dsaflow.ops.rope import rope, rope_naive, triton_rope
-from dsaflow.ops.rope.triton_rope import rope_into, rope_triton
+from dsaflow.ops.rmsnorm.function import rms_norm_triton
+from dsaflow.ops.rmsnorm.triton_rmsnorm import rms_norm_bwd, rms_norm_fwd
+from dsaflow.ops.rope import function as rope_function
+from dsaflow.ops.rope import rope, rope_naive
+from dsaflow.ops.rope.function import rope_triton
+from dsaflow.ops.rope.triton_rope import rope_into
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -39,7 +42,7 @@ def _poisoned(monkeypatch):
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(triton_rmsnorm, "_empty", empty)
-    monkeypatch.setattr(triton_rope, "_empty_like", empty_like)
+    monkeypatch.setattr(rope_function, "_empty_like", empty_like)
 
 
 def angles(B, T, rope_dim, g):
@@ -102,7 +105,7 @@ def test_rope_public_op_dispatches_by_device_and_refuses_with_a_reason():
     if DEV == "cpu":  # the CPU path is the reference itself
         assert torch.equal(rope(x, cos.cpu(), sin.cpu()), rope_naive(x, cos.cpu(), sin.cpu()))
     x = x.to(DEV)
-    assert torch.equal(rope_triton(x, cos[..., :0], sin[..., :0], 0), rope_naive(x, cos[..., :0], sin[..., :0], 0))
+    assert torch.equal(rope(x, cos[..., :0], sin[..., :0], 0), rope_naive(x, cos[..., :0], sin[..., :0], 0))
     with pytest.raises(ValueError, match="rope_dim=7"):
         rope_triton(x, cos, sin, 7)
     with pytest.raises(ValueError, match="cos of shape"):

@@ -1,20 +1,36 @@
-"""RMSNorm. CUDA tensors use the Triton kernels, CPU tensors the fp32 torch reference; both compute in fp32 and
-return x's dtype. A CUDA input the kernels refuse raises."""
+"""RMSNorm.
+
+Layout: `naive.py` (fp32 reference), the kernels (`triton_rmsnorm.py`: forward, backward with a deterministic weight
+gradient), the autograd.Function (`function.py`), the dispatch table (`dispatch.py`, `explain_rms_norm`), and the
+public `rms_norm` below.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from ..kernel_table import chosen, describe
+from .dispatch import explain_rms_norm
 from .naive import rms_norm_naive
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D], weight [D] -> x / sqrt(mean(x^2) + eps) * weight, [..., D] in x.dtype (fp32 math)."""
-    if x.is_cuda:
-        from .triton_rmsnorm import rms_norm_triton
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32.
 
-        return rms_norm_triton(x, weight, eps)
-    return rms_norm_naive(x, weight, eps)
+    Args:
+        x: [..., D] (bf16/fp16/fp32 on CUDA; rows may be strided, e.g. a slice of a wider tensor).
+        weight: [D].
+        eps: added to the mean square.
+
+    Returns:
+        [..., D] in x.dtype. Differentiable in x and weight. The kernel is chosen by `dispatch.py`
+        (`explain_rms_norm(...)`); a CUDA input no kernel takes raises ValueError.
+    """
+    if chosen("rms_norm", explain_rms_norm(x, weight), describe(x=x, weight=weight)) == "reference":
+        return rms_norm_naive(x, weight, eps)
+    from .function import rms_norm_triton
+
+    return rms_norm_triton(x, weight, eps)
 
 
-__all__ = ["rms_norm", "rms_norm_naive"]
+__all__ = ["explain_rms_norm", "rms_norm", "rms_norm_naive"]

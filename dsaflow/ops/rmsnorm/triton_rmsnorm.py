@@ -117,25 +117,3 @@ def rms_norm_bwd(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dy: 
     else:
         part.zero_()
     return dx.view(x.shape), part.sum(0).to(weight.dtype)
-
-
-class RMSNormTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps: float):
-        y, rstd = rms_norm_fwd(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_bwd(x, weight, rstd, dy)
-        return dx, (dw if ctx.needs_input_grad[1] else None), None
-
-
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Same contract as `naive.rms_norm_naive`; raises ValueError for inputs the kernels refuse."""
-    reason = rms_norm_supports(x, weight)
-    if reason is not None:
-        raise ValueError(f"rms_norm (Triton): {reason}")
-    return RMSNormTriton.apply(x, weight, float(eps))

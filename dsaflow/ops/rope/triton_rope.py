@@ -2,15 +2,13 @@
 
 Reading and writing through strides lets MLA rotate q_pe straight into the tail of the absorbed query q_abs (and its
 gradient into the tail of dq) with no copy; the indexer's prefix rope rotates the first dims and copies the rest in
-the same pass. The backward is the same kernel with the angle negated.
+the same pass. The backward is the same kernel with the angle negated (`function.py`).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-_empty_like = torch.empty_like  # every output buffer comes from here (the tests poison it with NaN)
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_DIM = 1024  # one program holds BLOCK_H rows of the head dim
@@ -96,30 +94,3 @@ def rope_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.
         BLOCK_PASS=triton.next_power_of_2(n_pass) if n_pass else 0, num_warps=4 if block_h * block_half >= 512 else 1,
     )
     return out
-
-
-class RopeTriton(torch.autograd.Function):
-    """Differentiable in x only (cos/sin come from integer positions)."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin, rope_dim: int):
-        ctx.save_for_backward(cos, sin)
-        ctx.rope_dim = rope_dim
-        return rope_into(x, cos, sin, _empty_like(x, memory_format=torch.contiguous_format), rope_dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        cos, sin = ctx.saved_tensors
-        g = g if g.stride(-1) == 1 else g.contiguous()
-        dx = rope_into(g, cos, sin, _empty_like(g, memory_format=torch.contiguous_format), ctx.rope_dim,
-                       inverse=True)
-        return dx, None, None, None
-
-
-def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int | None = None) -> torch.Tensor:
-    """Same contract as `naive.rope_naive`; raises ValueError for inputs the kernel refuses."""
-    rope_dim = x.shape[-1] if rope_dim is None else rope_dim
-    if rope_dim == 0:  # nothing rotates (index_rope_head_dim=0): the identity, as in the reference
-        return x
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    return RopeTriton.apply(x, cos, sin, rope_dim)

@@ -1,4 +1,4 @@
-"""Per-head latent projections as autograd Functions that never copy an activation.
+"""Per-head latent projections as autograd Functions that never copy an activation (the strided-bmm kernel).
 
 Every per-head product is one strided batched matmul over heads: a [B, T, H, D] activation seen as [H, B*T, D]
 (batch stride D, row stride H * D) is a valid cuBLAS operand, and `torch.bmm(..., out=view)` writes through such a
@@ -24,15 +24,10 @@ def _heads(a: torch.Tensor) -> torch.Tensor:
     return a.flatten(0, 1).transpose(0, 1)
 
 
-def _check(q: torch.Tensor, w: torch.Tensor, name: str) -> None:
-    if q.dtype != w.dtype:
-        raise ValueError(
-            f"{name}: activation dtype {q.dtype} != weight dtype {w.dtype} (cast the weight to the "
-            f"compute dtype before the call)"
-        )
-
-
 class AbsorbQuery(torch.autograd.Function):
+    """q [B, T, H, N + R], w_uk [H, N, C], cos/sin [B, T, R // 2] -> q_abs [B, T, H, C + R]; differentiable in q
+    and w_uk."""
+
     @staticmethod
     def forward(ctx, q, w_uk, cos, sin):
         B, T, H, D = q.shape
@@ -59,6 +54,8 @@ class AbsorbQuery(torch.autograd.Function):
 
 
 class HeadOutput(torch.autograd.Function):
+    """o_lat [B, T, H, C], w_uv [H, V, C] -> [B, T, H * V]; differentiable in both."""
+
     @staticmethod
     def forward(ctx, o_lat, w_uv):
         B, T, H, _ = o_lat.shape
@@ -81,27 +78,3 @@ class HeadOutput(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = torch.bmm(g_heads.transpose(1, 2), _heads(o_lat))
         return do, dw
-
-
-def absorb_query(q: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """q [B, T, H, N + R], w_uk [H, N, C] (q's dtype), cos/sin [B, T, R // 2] fp32 -> q_abs = [q_nope @ W_UK |
-    rope(q_pe)] [B, T, H, C + R] in q's dtype. Differentiable in q and w_uk."""
-    _check(q, w_uk, "absorb_query")
-    if q.shape[2] != w_uk.shape[0] or q.shape[3] <= w_uk.shape[1]:
-        raise ValueError(
-            f"absorb_query: q {tuple(q.shape)} with w_uk {tuple(w_uk.shape)} (expected [B, T, H, N + R]"
-            f" with R > 0 and [H, N, C])"
-        )
-    return AbsorbQuery.apply(q, w_uk, cos, sin)
-
-
-def head_output(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """o_lat [B, T, H, C], w_uv [H, V, C] (o_lat's dtype) -> o_lat @ W_UV^T per head, [B, T, H * V].
-    Differentiable in both; the gradient of o_lat comes back contiguous [B, T, H, C]."""
-    _check(o_lat, w_uv, "head_output")
-    if o_lat.shape[2] != w_uv.shape[0] or o_lat.shape[3] != w_uv.shape[2]:
-        raise ValueError(
-            f"head_output: o_lat {tuple(o_lat.shape)} with w_uv {tuple(w_uv.shape)} (expected "
-            f"[B, T, H, C] and [H, V, C])"
-        )
-    return HeadOutput.apply(o_lat, w_uv)
