@@ -34,7 +34,7 @@ from dsaflow.ops.indexer_loss import (
     indexer_kl_loss,
     indexer_kl_naive,
 )
-from dsaflow.ops.indexer_loss.triton_kl import indexer_kl_triton
+from dsaflow.ops.indexer_loss.function import indexer_kl_triton
 from dsaflow.ops.indexer_loss.triton_target import attention_target_triton
 from dsaflow.ops.sparse_mla import sparse_mla
 

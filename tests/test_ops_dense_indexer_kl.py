@@ -10,16 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from model_helpers import planned, tokens
+from ops_helpers import FakeCuda
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsaflow.ops.dense_indexer_kl import dense_indexer_kl, dense_indexer_kl_chunked, dense_indexer_kl_naive
-from dsaflow.ops.dense_indexer_kl.triton_launch import (
-    _config,
-    attn_lse_triton,
-    dense_indexer_kl_triton,
-    kl_backward_triton,
-    kl_forward_triton,
-)
+from dsaflow.ops.dense_indexer_kl.function import dense_indexer_kl_triton
+from dsaflow.ops.dense_indexer_kl.triton_launch import _config, attn_lse_triton, kl_backward_triton, kl_forward_triton
 from dsaflow.run.stages import build_stages
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -187,16 +183,24 @@ def test_public_entry_uses_the_chunked_reference_on_cpu():
 
 
 def test_dispatch_table_names_its_choice_and_refusals():
-    """CPU: the chunked reference. The kernel's own rule names what it refuses (a CUDA call it refuses raises with
-    that reason; see the GPU test below)."""
-    from dsaflow.ops.dense_indexer_kl.dispatch import KERNELS, explain_dense_indexer_kl
-    from dsaflow.ops.kernel_table import walk
+    """CPU: the chunked reference. A CUDA call (faked by `is_cuda`) runs the kernels, and the chunked reference in
+    deterministic mode; the kernel's own rule names what it refuses (a CUDA call it refuses raises with that reason;
+    see the GPU test below)."""
+    from dsaflow.ops.dense_indexer_kl.dispatch import explain_dense_indexer_kl
+    from dsaflow.ops.kernel_table import Choice
 
     q, k, q_i, k_i, w, _ = make_inputs(1, 1, 12, 2, 8, 2, 8, device="cpu", seed=9)
-    assert explain_dense_indexer_kl(q, k, q_i, k_i, w).kernel == "chunked"
-    assert walk(KERNELS[1:], q, k, q_i, k_i, w).kernel == "triton"
-    refused = walk(KERNELS[1:], q, k, q_i, k_i[:, :5], w)
-    assert refused.kernel is None and "mismatched key sets" in refused.reasons()
+    assert explain_dense_indexer_kl(q, k, q_i, k_i, w) == Choice("chunked", ())
+    cuda = explain_dense_indexer_kl(q, k, FakeCuda(q_i), k_i, w)
+    assert cuda.kernel == "triton" and [name for name, _ in cuda.refused] == ["chunked"]
+    assert "device cuda runs the kernels" in cuda.reasons()
+    refused = explain_dense_indexer_kl(q, k, FakeCuda(q_i), k_i[:, :5], w)
+    assert refused.kernel is None and "mismatched key sets" in dict(refused.refused)["triton"]
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert explain_dense_indexer_kl(q, k, FakeCuda(q_i), k_i, w).kernel == "chunked"
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 @pytest.mark.gpu

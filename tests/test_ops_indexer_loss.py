@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops_helpers import FakeCuda
 
 from dsaflow.ops.indexer_loss import (
     attention_distribution,
@@ -18,7 +19,8 @@ from dsaflow.ops.indexer_loss import (
     indexer_kl,
     indexer_kl_naive,
 )
-from dsaflow.ops.indexer_loss.triton_kl import IndexerKLTriton, launch_indexer_kl_bwd, launch_indexer_kl_fwd
+from dsaflow.ops.indexer_loss.function import IndexerKLFunction
+from dsaflow.ops.indexer_loss.triton_kl import launch_indexer_kl_bwd, launch_indexer_kl_fwd
 from dsaflow.ops.indexer_loss.triton_target import attention_target_triton, launch_attention_target, split_dims
 from dsaflow.ops.sparse_mla import sparse_mla_naive
 
@@ -142,7 +144,7 @@ def check_kl(B, T, H_I, D_I, S, K, dtype, seed, loss_tol, grad_tol, overrides=No
 
     # The autograd.Function gives the same loss and gradients as the launchers.
     qa, ka, wa = (x.detach().clone().requires_grad_(True) for x in (q, k, w))
-    la = IndexerKLTriton.apply(qa, ka, wa, idx, target, overrides)
+    la = IndexerKLFunction.apply(qa, ka, wa, idx, target, overrides)
     torch.testing.assert_close(la, loss)
     for got, want in zip(torch.autograd.grad(la * 1.7, (qa, ka, wa)), grads):
         torch.testing.assert_close(got, want)
@@ -267,7 +269,7 @@ def test_model_indexer_loss_with_fused_ops_matches_reference(monkeypatch, layout
     ref_loss, ref_grads = stage_loss_and_grads(stage, x)
     assert ref_grads and all(".attn.indexer." in n for n in ref_grads)
     monkeypatch.setattr(recorder_mod, "attention_target", attention_target_triton)
-    from dsaflow.ops.indexer_loss.triton_kl import indexer_kl_triton
+    from dsaflow.ops.indexer_loss.function import indexer_kl_triton
 
     monkeypatch.setattr(recorder_mod, "indexer_kl", indexer_kl_triton)
     loss, grads = stage_loss_and_grads(stage, x)
@@ -343,7 +345,7 @@ def test_topk_style_rows_with_trailing_padding():
     ov = {"fwd": dict(BLOCK_K=16, BLOCK_F=16), "bwd": dict(BLOCK_K=16, BLOCK_F=16)}
     qa, ka, wa = (x.clone().requires_grad_(True) for x in (qi, ki, wi))
     qr, kr, wr = (x.clone().requires_grad_(True) for x in (qi, ki, wi))
-    loss = IndexerKLTriton.apply(qa, ka, wa, idx, target, ov)
+    loss = IndexerKLFunction.apply(qa, ka, wa, idx, target, ov)
     ref_loss = indexer_kl_naive(qr, kr, wr, idx, target)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
     for a, b in zip(torch.autograd.grad(loss, (qa, ka, wa)), torch.autograd.grad(ref_loss, (qr, kr, wr))):
@@ -351,18 +353,31 @@ def test_topk_style_rows_with_trailing_padding():
 
 
 def test_dispatch_tables_name_their_choice(monkeypatch):
-    """CPU tensors run the references; the kernel rules refuse by name; the env choice is checked."""
-    from dsaflow.ops.indexer_loss import explain_attention_target, explain_indexer_kl
-    from dsaflow.ops.indexer_loss.dispatch import KL_KERNELS, TARGET_KERNELS, reference_requested
-    from dsaflow.ops.kernel_table import walk
+    """CPU tensors run the references; CUDA calls (faked by `is_cuda`) the kernels, whose rules refuse by name; the
+    reference on demand (and, for the KL, in deterministic mode); the env choice is checked."""
+    from dsaflow.ops.indexer_loss import explain_indexer_loss
+    from dsaflow.ops.indexer_loss.dispatch import reference_requested
 
     q = torch.zeros(1, 2, 4, 576)
-    assert explain_attention_target(q, q[:, :, 0]).kernel == "reference"
-    assert explain_indexer_kl(q[..., :64], q[:, :, 0, :64]).kernel == "reference"
-    target = walk(TARGET_KERNELS[1:], q, q[:, :, 0])
-    assert target.kernel is None and "fp32 rows of d_qk=576" in target.reasons()
-    kl = walk(KL_KERNELS[1:], torch.zeros(1, 2, 256, 128), torch.zeros(1, 2, 128))
-    assert kl.kernel is None and "H_I=256" in kl.reasons()
+    assert explain_indexer_loss("attention_target", q, q[:, :, 0]).kernel == "reference"
+    assert explain_indexer_loss("indexer_kl", q[..., :64], q[:, :, 0, :64]).kernel == "reference"
+    target = explain_indexer_loss("attention_target", FakeCuda(q.bfloat16()), q[:, :, 0].bfloat16())
+    assert target.kernel == "triton_target" and [name for name, _ in target.refused] == ["reference"]
+    target = explain_indexer_loss("attention_target", FakeCuda(q), q[:, :, 0])
+    assert target.kernel is None and "fp32 rows of d_qk=576" in dict(target.refused)["triton_target"]
+    kl = explain_indexer_loss("indexer_kl", FakeCuda(torch.zeros(1, 2, 256, 128)), torch.zeros(1, 2, 128))
+    assert kl.kernel is None and "H_I=256" in dict(kl.refused)["triton_kl"]
+    q_i, k_i = FakeCuda(torch.zeros(1, 2, 64, 128)), torch.zeros(1, 2, 128)
+    assert explain_indexer_loss("indexer_kl", q_i, k_i).kernel == "triton_kl"
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert explain_indexer_loss("indexer_kl", q_i, k_i).kernel == "reference"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setenv("DSAFLOW_INDEXER_LOSS", "reference")
+    assert explain_indexer_loss("attention_target", FakeCuda(q.bfloat16()), q[:, :, 0]).kernel == "reference"
+    with pytest.raises(ValueError, match="function 'kl'"):
+        explain_indexer_loss("kl", q, q)
     monkeypatch.setenv("DSAFLOW_INDEXER_LOSS", "fastest")
     with pytest.raises(ValueError, match="use auto or reference"):
         reference_requested()

@@ -1,15 +1,16 @@
 """Dense indexer KL (the DeepSeek-V3.2 dense warm-up loss) without [T, S] tensors.
 
 Layout: `naive.py` (the fp32 reference and the chunked one, same loss in O(chunk * S) memory), the kernels
-(`triton_kl`, launched with their autograd.Function by `triton_launch`), the dispatch table (`dispatch.py`: CUDA
-runs the kernels, CPU and deterministic mode the chunked reference; CUDA shapes the kernels refuse raise
-ValueError), and the public function below.
+(`triton_kl`, launched by `triton_launch`), the autograd.Function (`function.py`), the dispatch table
+(`dispatch.py`, `explain_dense_indexer_kl`: CUDA runs the kernels, CPU and deterministic mode the chunked reference;
+CUDA shapes the kernels refuse raise ValueError), and the public function below.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernel_table import chosen, describe
 from .dispatch import explain_dense_indexer_kl
 from .naive import dense_indexer_kl_chunked, dense_indexer_kl_naive, dense_target_naive
 
@@ -25,24 +26,28 @@ def dense_indexer_kl(
 ) -> torch.Tensor:
     """KL(attention target || softmax(index scores)) over every causal key, averaged over valid queries.
 
-    q [L, B, T, H, D], k [L, B, S, H, D]: per-head attention queries / keys of the L layers an F layer serves
-    (scores sm_scale * q.k; for MLA the non-absorbed [q_nope | q_pe] and [W_UK c_kv | k_pe]). The target is each
-    layer's softmax over visible keys, summed over heads, L1-normalised, averaged over the L layers.
-    q_i [B, T, H_I, D_I], k_i [B, S, D_I], w [B, T, H_I]: the indexer; I[t, s] = sum_j w[t, j] relu(q_i[t, j].k_i[s]).
-    positions [B, T] int: key s is visible to query t iff 0 <= s <= positions[b, t]; a query with position < 0 is
-    padding and is left out of the mean. Returns a fp32 scalar, differentiable in q_i, k_i and w only (q, k are
-    treated as constants). Run it outside autocast: the arithmetic is fp32 whatever the input dtypes.
+    The target is each layer's softmax over visible keys, summed over heads, L1-normalised, averaged over the L
+    layers; the index scores are I[t, s] = sum_j w[t, j] relu(q_i[t, j] . k_i[s]).
+
+    Args:
+        q: [L, B, T, H, D] per-head attention queries of the L layers an F layer serves (for MLA the non-absorbed
+            [q_nope | q_pe]); scores sm_scale * q.k.
+        k: [L, B, S, H, D] their per-head keys (for MLA [W_UK c_kv | k_pe]).
+        sm_scale: the attention's softmax scale.
+        q_i: [B, T, H_I, D_I] index queries; k_i: [B, S, D_I] index keys; w: [B, T, H_I] per-head weights.
+        positions: [B, T] int: key s is visible to query t iff 0 <= s <= positions[b, t]; a query with position < 0
+            is padding and is left out of the mean.
+
+    Returns:
+        fp32 scalar, differentiable in q_i, k_i and w only (q, k are constants). Run it outside autocast: the
+        arithmetic is fp32 whatever the input dtypes. The kernel is chosen by `dispatch.py`
+        (`explain_dense_indexer_kl(...)`).
     """
     choice = explain_dense_indexer_kl(q, k, q_i, k_i, w)
-    if choice.kernel == "triton":
-        from .triton_launch import dense_indexer_kl_triton
+    if chosen("dense_indexer_kl", choice, describe(q=q, k=k, q_i=q_i, k_i=k_i)) == "triton":
+        from .function import dense_indexer_kl_triton
 
         return dense_indexer_kl_triton(q, k, sm_scale, q_i, k_i, w, positions)
-    if choice.kernel is None:
-        raise ValueError(
-            f"dense_indexer_kl: no kernel takes q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, q_i "
-            f"{tuple(q_i.shape)} {q_i.dtype}, k_i {tuple(k_i.shape)}: {choice.reasons()}"
-        )
     return dense_indexer_kl_chunked(q, k, sm_scale, q_i, k_i, w, positions)
 
 

@@ -1,4 +1,4 @@
-"""Launchers (grids, block sizes), the autograd.Function and the CUDA entry of `dense_indexer_kl`.
+"""Launchers (grids, block sizes) of the `dense_indexer_kl` kernels (`triton_kl.py`).
 
 Memory: the op keeps lse [L, B, H, T], KL and LSE_I [B, T] (fp32) and, in the backward, fp32 gradient buffers the
 size of q_I, k_I and w. Nothing is [T, S]. Grids depend on shapes only.
@@ -93,36 +93,3 @@ def kl_backward_triton(q, k, lse, q_i, k_i, w, positions, lse_i, coef, sm_scale:
         num_warps=cfg["bwd_warps"], num_stages=1,
     )
     return dq_i, dk_i, dw
-
-
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-class DenseIndexerKLTriton(torch.autograd.Function):
-    """Differentiable in q_i, k_i, w; q and k (the attention) and positions are constants."""
-
-    @staticmethod
-    def forward(ctx, q_i, k_i, w, q, k, positions, sm_scale: float, overrides):
-        cfg = _config(q.shape[2], k.shape[2], q.shape[4], q_i.shape[3], overrides)
-        lse = attn_lse_triton(q, k, positions, sm_scale, cfg)
-        kl, lse_i = kl_forward_triton(q, k, lse, q_i, k_i, w, positions, sm_scale, cfg)
-        valid = positions >= 0
-        n = valid.sum().clamp_min(1).float()
-        ctx.save_for_backward(q_i, k_i, w, q, k, positions, lse, lse_i, n)
-        ctx.sm_scale, ctx.cfg = sm_scale, cfg
-        return kl.sum() / n
-
-    @staticmethod
-    def backward(ctx, g):
-        q_i, k_i, w, q, k, positions, lse, lse_i, n = ctx.saved_tensors
-        coef = ((positions >= 0).float() * (g / n)).contiguous()
-        dq_i, dk_i, dw = kl_backward_triton(q, k, lse, q_i, k_i, w, positions, lse_i, coef, ctx.sm_scale, ctx.cfg)
-        return dq_i.to(q_i.dtype), dk_i.to(k_i.dtype), dw.to(w.dtype), None, None, None, None, None
-
-
-def dense_indexer_kl_triton(q, k, sm_scale, q_i, k_i, w, positions, overrides: dict | None = None) -> torch.Tensor:
-    """Same contract as `dsaflow.ops.dense_indexer_kl.dense_indexer_kl`; the caller checked
-    `dispatch.kernel_supports`."""
-    q, k, q_i, k_i = (_last_dim_contiguous(x) for x in (q.detach(), k.detach(), q_i, k_i))
-    return DenseIndexerKLTriton.apply(q_i, k_i, w, q, k, positions, float(sm_scale), overrides)

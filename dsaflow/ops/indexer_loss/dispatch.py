@@ -1,18 +1,15 @@
-"""Which kernel runs the sparse indexer loss: one table per function, walked in order.
+"""Which kernel runs the sparse indexer loss: one table of (kernel, function, capability rule), walked by
+`explain_indexer_loss` for the rows of the function called.
 
-`attention_target`:
-| kernel          | runs when                                                                              |
-|-----------------|----------------------------------------------------------------------------------------|
-| `reference`     | CPU tensors, or `DSAFLOW_INDEXER_LOSS=reference` (`naive.attention_target_naive`)       |
-| `triton_target` | bf16/fp16/fp32 with q.dtype == kv.dtype, d_qk <= 1024 (fp32: <= 256)                    |
-
-`indexer_kl`:
-| kernel       | runs when                                                                                 |
-|--------------|-------------------------------------------------------------------------------------------|
-| `reference`  | CPU tensors, `DSAFLOW_INDEXER_LOSS=reference`, or `torch.use_deterministic_algorithms(True)`|
-|              | (train.deterministic: the kernel's key gradients use atomics; the reference's index_add is |
-|              | deterministic in that mode)                                                               |
-| `triton_kl`  | bf16/fp16/fp32 with q_I.dtype == k_I.dtype, H_I <= 128, D_I <= 256                        |
+| kernel          | function           | runs when                                                                 |
+|-----------------|--------------------|---------------------------------------------------------------------------|
+| `reference`     | `attention_target` | CPU tensors, or `DSAFLOW_INDEXER_LOSS=reference` (`naive.py`)               |
+| `triton_target` | `attention_target` | bf16/fp16/fp32 with q.dtype == kv.dtype, d_qk <= 1024 (fp32: <= 256)        |
+| `reference`     | `indexer_kl`       | CPU tensors, `DSAFLOW_INDEXER_LOSS=reference`, or                           |
+|                 |                    | `torch.use_deterministic_algorithms(True)` (train.deterministic: the        |
+|                 |                    | kernel's key gradients use atomics; the reference's index_add is            |
+|                 |                    | deterministic in that mode)                                                 |
+| `triton_kl`     | `indexer_kl`       | bf16/fp16/fp32 with q_I.dtype == k_I.dtype, H_I <= 128, D_I <= 256          |
 
 A CUDA call no kernel takes raises ValueError with the shapes and the reasons. `DSAFLOW_INDEXER_LOSS` (auto |
 reference) is read on each call: `scripts/bench_train_layer.py` compares both in one process.
@@ -68,23 +65,18 @@ def _kl_reference_rule(q, k):
     return f"device cuda runs the kernel (deterministic algorithms or {ENV_CHOICE}=reference run the reference)"
 
 
-TARGET_KERNELS = (("reference", _target_reference_rule), ("triton_target", target_supports))
-KL_KERNELS = (("reference", _kl_reference_rule), ("triton_kl", kl_supports))
+KERNELS = (
+    ("reference", "attention_target", _target_reference_rule),
+    ("triton_target", "attention_target", target_supports),
+    ("reference", "indexer_kl", _kl_reference_rule),
+    ("triton_kl", "indexer_kl", kl_supports),
+)
+FUNCTIONS = ("attention_target", "indexer_kl")
 
 
-def explain_attention_target(q: torch.Tensor, kv: torch.Tensor) -> Choice:
-    """Which kernel `attention_target(q, kv, ...)` runs and why each earlier candidate was refused."""
-    return walk(TARGET_KERNELS, q, kv)
-
-
-def explain_indexer_kl(q: torch.Tensor, k: torch.Tensor) -> Choice:
-    """Which kernel `indexer_kl(q, k, ...)` runs and why each earlier candidate was refused."""
-    return walk(KL_KERNELS, q, k)
-
-
-def chosen(op: str, choice: Choice, *tensors: torch.Tensor) -> str:
-    """The kernel name, or ValueError naming the shapes and every refusal."""
-    if choice.kernel is None:
-        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
-        raise ValueError(f"{op}: no kernel takes {shapes}: {choice.reasons()}")
-    return choice.kernel
+def explain_indexer_loss(function: str, q: torch.Tensor, k: torch.Tensor) -> Choice:
+    """Which kernel `attention_target(q, kv, ...)` (function "attention_target") or `indexer_kl(q_I, k_I, ...)`
+    (function "indexer_kl") runs, and why each earlier candidate was refused. Runs nothing."""
+    if function not in FUNCTIONS:
+        raise ValueError(f"explain_indexer_loss: function {function!r}, expected one of {FUNCTIONS}")
+    return walk([(name, rule) for name, fn, rule in KERNELS if fn == function], q, k)
