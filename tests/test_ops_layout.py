@@ -127,3 +127,47 @@ def test_no_op_warns_and_falls_back():
     """A CUDA shape the kernels refuse raises ValueError in every op folder: none warns and runs something else."""
     offenders = [str(p.relative_to(PKG)) for p in OPS.rglob("*.py") if "warnings.warn(" in p.read_text()]
     assert not offenders, offenders
+
+
+def _functions(tree: ast.Module) -> list[str]:
+    return [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
+
+
+def _autograd_classes(tree: ast.Module) -> list[str]:
+    return [
+        n.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef) and any(ast.unparse(b).endswith("autograd.Function") for b in n.bases)
+    ]
+
+
+def test_every_op_folder_has_the_one_shape():
+    """naive.py, dispatch.py with one public dispatch function `explain_*` (and a table, KERNELS), the kernels'
+    autograd.Functions in function.py (a reference may differentiate itself in naive.py, as the chunked dense KL
+    does), and public functions in __init__.py documented with Args and Returns."""
+    for folder in OP_FOLDERS:
+        files = {p.name: ast.parse(p.read_text()) for p in folder.glob("*.py")}
+        assert {"naive.py", "dispatch.py", "__init__.py"} <= set(files), f"{folder.name}: {sorted(files)}"
+        dispatch = files["dispatch.py"]
+        explain = [name for name in _functions(dispatch) if name.startswith("explain_")]
+        assert len(explain) == 1, f"{folder.name}/dispatch.py: dispatch functions {explain}"
+        assert any(
+            isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "KERNELS" for t in n.targets)
+            for n in dispatch.body
+        ), f"{folder.name}/dispatch.py has no KERNELS table"
+        for name, tree in files.items():
+            if name not in ("function.py", "naive.py"):
+                assert not _autograd_classes(tree), f"{folder.name}/{name} defines {_autograd_classes(tree)}"
+        public = [n for n in files["__init__.py"].body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
+        assert public, f"{folder.name}/__init__.py defines no public function"
+        for fn in public:
+            doc = ast.get_docstring(fn) or ""
+            assert "Args:" in doc and "Returns:" in doc, f"{folder.name}.{fn.name}: docstring without Args / Returns"
+
+
+def test_one_kernel_table_module_shared_by_every_dispatch():
+    """Every dispatch walks its table with kernel_table.walk: no op keeps a second dispatch module."""
+    for folder in OP_FOLDERS:
+        extra = sorted(p.name for p in folder.glob("*dispatch*.py") if p.name != "dispatch.py")
+        assert not extra, f"{folder.name}: {extra}"
+        assert "walk(" in (folder / "dispatch.py").read_text(), folder.name
