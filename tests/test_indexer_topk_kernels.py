@@ -180,7 +180,7 @@ def test_indexer_topk_op_wider_than_context():
     assert torch.equal(got.cpu(), ref)
 
 
-def test_explain_walks_the_table():
+def test_explain_walks_the_table(monkeypatch):
     """CPU tensors take the reference; every CUDA shape, long or short rows, prefill or decode, the radix select
     (the rules read the device and fp8 only; a CUDA tensor is faked by its `is_cuda`)."""
     from dsaflow.ops.indexer_topk.dispatch import KERNELS
@@ -191,6 +191,13 @@ def test_explain_walks_the_table():
     for qq, kk in ((q, k), (q, k[:, :4096]), (q[:, :1], k), (q[:, :1], k[:, :1025])):
         choice = explain_indexer_topk(FakeCuda(qq), kk, None, None, 64)
         assert choice.kernel == "triton_radix" and choice.refused == (("reference", "device cuda runs the kernels"),)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    assert explain_indexer_topk(FakeCuda(q), k, None, None, 64).kernel == "triton_radix"
+    refused = explain_indexer_topk(FakeCuda(q), k, None, None, 64, fp8=True)
+    assert refused.kernel is None and "needs fp8 tensor cores" in dict(refused.refused)["triton_radix"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert explain_indexer_topk(FakeCuda(q), k, None, None, 64, fp8=True).kernel == "triton_radix"
 
 
 def test_select_config_and_query_chunk_are_shape_only():
