@@ -10,14 +10,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernel_table import chosen, describe
 from .dispatch import explain_grouped_mm
 from .function import GroupedMM
 from .naive import moe_experts_naive, route_naive
 
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids int64 [N, k] -> (order int64 [N * k]: the flat (token, slot) pairs sorted by expert, stable;
-    offsets int32 [E]: where each expert's rows end in that order)."""
+    """The (token, slot) pairs of a routing, grouped by expert, on the device.
+
+    Args:
+        ids: int64 [N, k] each token's experts.
+        num_experts: E.
+
+    Returns:
+        order: int64 [N * k] the flat pair indices (token * k + slot) sorted by expert, stable.
+        offsets: int32 [E] where each expert's rows end in that order (cumulative; offsets[-1] = N * k).
+    """
     flat = ids.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)
     experts = torch.arange(num_experts, device=ids.device, dtype=sorted_ids.dtype)
@@ -25,12 +34,19 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
 
 
 def grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """a [M, K] rows sorted by expert, w [E, N, K], offsets int32 [E] -> [M, N]: row m times its expert's w^T.
-    Differentiable in a and w. Raises when no kernel takes the inputs (`explain_grouped_mm` says why)."""
-    choice = explain_grouped_mm(a, w)
-    if choice.kernel is None:
-        raise RuntimeError(f"grouped_mm: {choice}")
-    return GroupedMM.apply(a, w, offsets, choice.kernel)
+    """Each row times its expert's weight, transposed.
+
+    Args:
+        a: [M, K] rows sorted by expert.
+        w: [E, N, K] one weight per expert, a's dtype.
+        offsets: int32 [E] where each expert's rows end (`sort_by_expert`).
+
+    Returns:
+        [M, N] in a's dtype, row m = a[m] @ w[e(m)]^T (fp32 accumulation); differentiable in a and w. A call no
+        kernel takes raises ValueError with each kernel's reason (`explain_grouped_mm`).
+    """
+    kernel = chosen("grouped_mm", explain_grouped_mm(a, w), describe(a=a, w=w))
+    return GroupedMM.apply(a, w, offsets, kernel)
 
 
 def moe_experts(
