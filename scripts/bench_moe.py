@@ -74,7 +74,20 @@ def loop_experts(x, ids, weights, gate_up, down):
     return out
 
 
-def train_rows(tokens: int, kernels, skew: bool) -> list[dict]:
+def profile_step(tokens: int, kernel: str) -> None:
+    """The 15 costliest CUDA kernels of one forward + backward (torch profiler), to see where a step goes."""
+    layer = moe_layer(kernel, False)
+    x = torch.randn(1, tokens, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(2):
+        layer(x).sum().backward()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        layer(x).sum().backward()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60), flush=True)
+
+
+def train_rows(tokens: int, kernels, skew: bool, loop: bool) -> list[dict]:
     rows = []
     x = torch.randn(1, tokens, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(1, tokens, D, device="cuda", dtype=torch.bfloat16)
@@ -110,8 +123,9 @@ def train_rows(tokens: int, kernels, skew: bool) -> list[dict]:
         out = loop_experts(flat, ids, w, layer.experts.gate_up_proj, layer.experts.down_proj)
         (out + layer.shared_experts(flat)).backward(grad.view(tokens, D))
 
-    ms = timed_slow(loop_step)
-    rows.append(dict(tokens=tokens, impl="per-expert loop", skew=False, ms=ms, flops=flops))
+    if loop:  # seconds a step: timed at the first size only
+        ms = timed_slow(loop_step)
+        rows.append(dict(tokens=tokens, impl="per-expert loop", skew=False, ms=ms, flops=flops))
     return rows
 
 
@@ -137,6 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode-rows", default="64,256", help="rows per decode pass")
     p.add_argument("--kernels", default="torch_grouped,triton", help="grouped GEMMs to time (dispatch.py names)")
     p.add_argument("--out", default="bench_out/moe", help="folder for bench_moe.json and bench_moe.md")
+    p.add_argument("--profile", type=int, default=0, help="print the costliest kernels of a step of this many tokens")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_moe: needs a CUDA GPU (none is visible).", file=sys.stderr)
@@ -146,10 +161,18 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"bench_moe: writing {out_dir.resolve()}/bench_moe.{{json,md}}", flush=True)
     measure_ceilings()
+    if args.profile:
+        profile_step(args.profile, kernels[0])
     rows = []
-    for t in map(int, args.tokens.split(",")):
+    for n, t in enumerate(map(int, args.tokens.split(","))):
         for skew in (False, True):
-            for r in train_rows(t, kernels, skew):
+            try:
+                timed = train_rows(t, kernels, skew, loop=n == 0)
+            except torch.OutOfMemoryError:
+                print(f"bench_moe: {t} tokens (skew={skew}) do not fit in this GPU's memory; row skipped", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            for r in timed:
                 r["tflops"] = r["flops"] / r["ms"] / 1e9
                 print(json.dumps(r), flush=True)
                 rows.append(r)

@@ -91,7 +91,9 @@ def test_a_moe_layer_replays_from_a_cuda_graph_bit_equal_and_syncs_nothing():
     with torch.no_grad(), torch.cuda.graph(graph):
         static_out = layer(static_x)
     for seed in range(3):
-        x = torch.randn(8, 1, 256, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(seed))
+        x = torch.randn(
+            8, 1, 256, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(seed)
+        )
         static_x.copy_(x)
         graph.replay()
         with torch.no_grad():

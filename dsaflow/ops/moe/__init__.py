@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..kernel_table import chosen, describe
 from .dispatch import explain_grouped_mm
-from .function import GroupedMM
+from .function import ExpandSorted, GroupedMM, PermuteRows
 from .naive import moe_experts_naive, route_naive
 
 
@@ -67,10 +67,11 @@ def moe_experts(
     """
     N, k = ids.shape
     order, offsets = sort_by_expert(ids, gate_up.shape[0])
-    rows = x[order // k]  # [N * k, D], each token once per chosen expert
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    rows = ExpandSorted.apply(x, order, inverse, k)  # [N * k, D], each token once per chosen expert
     gate, up = grouped_mm(rows, gate_up, offsets).chunk(2, dim=-1)
     out = grouped_mm(F.silu(gate) * up, down, offsets)  # [N * k, D], still sorted by expert
-    unsorted = out[torch.argsort(order)].view(N, k, -1)
+    unsorted = PermuteRows.apply(out, inverse, order).view(N, k, -1)
     return (unsorted * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
 
 

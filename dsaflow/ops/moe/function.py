@@ -43,3 +43,36 @@ class GroupedMM(torch.autograd.Function):
         grad_a = rows(grad, w, offsets) if ctx.needs_input_grad[0] else None
         grad_w = weight_grad(grad, a, offsets) if ctx.needs_input_grad[1] else None
         return grad_a, grad_w, None, None
+
+
+class ExpandSorted(torch.autograd.Function):
+    """x [N, D] -> rows [N * k, D] with rows[i] = x[order[i] // k]: each token once per chosen expert, in expert
+    order. The backward sums each token's k row gradients through the inverse permutation (a gather and a sum:
+    no atomics, deterministic)."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse, k: int):
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        grad_x = grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1]).sum(dim=1)
+        return grad_x, None, None, None
+
+
+class PermuteRows(torch.autograd.Function):
+    """x [M, D] -> x[perm] for a permutation `perm` whose inverse is `inverse`; the backward gathers the gradient
+    through the inverse (no scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
