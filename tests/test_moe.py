@@ -208,3 +208,19 @@ def test_a_forced_kernel_is_the_only_candidate(monkeypatch):
     monkeypatch.setenv("DSAFLOW_MOE_GEMM", "cutlass")
     with pytest.raises(ValueError, match="not a grouped GEMM"):
         explain_grouped_mm(a, w)
+
+
+def test_fused_weighted_swiglu_matches_torch_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from dsaflow.ops.moe.function import _swiglu_weighted_reference
+    from dsaflow.ops.moe.triton_swiglu import swiglu_weighted_bwd, swiglu_weighted_fwd
+
+    h = torch.randn(7, 2 * 40, requires_grad=True)  # I = 40: a ragged last block
+    w = torch.rand(7, requires_grad=True)
+    ref = _swiglu_weighted_reference(h, w)
+    d = torch.randn_like(ref)
+    want_h, want_w = torch.autograd.grad(ref, (h, w), d)
+    torch.testing.assert_close(swiglu_weighted_fwd(h.detach(), w.detach()), ref)
+    got_h, got_w = swiglu_weighted_bwd(h.detach(), w.detach(), d)
+    torch.testing.assert_close(got_h, want_h)
+    torch.testing.assert_close(got_w, want_w)

@@ -8,11 +8,10 @@ the fp32 references.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..kernel_table import chosen, describe
 from .dispatch import explain_grouped_mm
-from .function import ExpandSorted, GroupedMM, PermuteRows
+from .function import ExpandSorted, GroupedMM, PermuteRows, SwigluWeighted
 from .naive import moe_experts_naive, route_naive
 
 
@@ -69,10 +68,11 @@ def moe_experts(
     order, offsets = sort_by_expert(ids, gate_up.shape[0])
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     rows = ExpandSorted.apply(x, order, inverse, k)  # [N * k, D], each token once per chosen expert
-    gate, up = grouped_mm(rows, gate_up, offsets).chunk(2, dim=-1)
-    out = grouped_mm(F.silu(gate) * up, down, offsets)  # [N * k, D], still sorted by expert
-    unsorted = PermuteRows.apply(out, inverse, order).view(N, k, -1)
-    return (unsorted * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+    row_weights = PermuteRows.apply(weights.reshape(-1), order, inverse)  # [N * k], in the rows' order
+    # the routing weight scales the [N * k, I] activation, not the [N * k, D] output: fewer bytes, one fused pass
+    act = SwigluWeighted.apply(grouped_mm(rows, gate_up, offsets), row_weights)
+    out = grouped_mm(act, down, offsets)  # [N * k, D], still sorted by expert
+    return PermuteRows.apply(out, inverse, order).view(N, k, -1).sum(dim=1)
 
 
 __all__ = [

@@ -5,6 +5,9 @@
 | `torch_grouped` | CPU tensors; CUDA bf16 on sm_90+ with both matrix widths multiples of 8 (16-byte rows)           |
 | `triton`        | any other CUDA call (fp32 multiplies in full fp32, fp16, bf16 off Hopper)                       |
 
+Between the two GEMMs, the weighted SwiGLU activation runs `triton_swiglu.py` on CUDA tensors and the torch
+expression on CPU tensors (`function.SwigluWeighted`).
+
 `torch_grouped` is `torch.nn.functional.grouped_mm`: CUTLASS kernels on Hopper, a reference loop on CPU. Its CUDA
 kernels take bf16 only, so fp32 runs on `triton_grouped.py` (the GPU tests' fp32 comparisons go there).
 `DSAFLOW_MOE_GEMM` (auto | torch_grouped | triton; read at each call) restricts the table to one kernel, for

@@ -76,3 +76,35 @@ class PermuteRows(torch.autograd.Function):
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse), None, None
+
+
+def _swiglu_weighted_reference(h, w):
+    gate, up = h.float().chunk(2, dim=-1)
+    return F.silu(gate) * up * w.float().unsqueeze(-1)
+
+
+class SwigluWeighted(torch.autograd.Function):
+    """h [M, 2I] = [gate | up], w [M] fp32 -> w * silu(gate) * up [M, I] in h's dtype, fp32 inside. CUDA tensors run
+    `triton_swiglu.py` (one pass forward, one backward), CPU tensors the torch expression."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        ctx.save_for_backward(h, w)
+        if h.is_cuda:
+            from .triton_swiglu import swiglu_weighted_fwd
+
+            return swiglu_weighted_fwd(h.contiguous(), w.float().contiguous())
+        return _swiglu_weighted_reference(h, w).to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, w = ctx.saved_tensors
+        if h.is_cuda:
+            from .triton_swiglu import swiglu_weighted_bwd
+
+            dh, dw = swiglu_weighted_bwd(h.contiguous(), w.float().contiguous(), grad.contiguous())
+            return dh, dw.to(w.dtype)
+        with torch.enable_grad():
+            hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+            dh, dw = torch.autograd.grad(_swiglu_weighted_reference(hh, ww), (hh, ww), grad.float())
+        return dh.to(h.dtype), dw.to(w.dtype)
