@@ -97,7 +97,7 @@ def _skewed_run(rate: float, steps: int = 60) -> list[float]:
     balance = []
     for _ in range(steps):
         x = torch.randn(1, 2048, 64, generator=gen)
-        F.mse_loss(layer(x, record_load=True), x @ teacher).backward()
+        F.mse_loss(layer(x, count_load=True), x @ teacher).backward()
         opt.step()
         opt.zero_grad()
         balance.append(expert_load_balance(layer)[0].item())

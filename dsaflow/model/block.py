@@ -65,6 +65,6 @@ class DSABlock(nn.Module):
     def _forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), ctx)
         if isinstance(self.mlp, MoE):  # a recomputation in backward must not count the tokens twice
-            record = ctx.record_expert_load and (ctx.replay is None or not ctx.replay.replaying)
-            return h + self.mlp(self.ffn_norm(h), record, ctx.positions >= 0)
+            count = ctx.record_expert_load and (ctx.replay is None or not ctx.replay.replaying)
+            return h + self.mlp(self.ffn_norm(h), count, ctx.record_expert_load, ctx.positions >= 0)
         return h + self.mlp(self.ffn_norm(h))

@@ -8,7 +8,7 @@ sync). State-dict names follow transformers' DeepSeek-V3.2 modules: `mlp.gate.we
 `mlp.gate.e_score_correction_bias`, `mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I],
 `mlp.shared_experts.{w1,w2,w3}`.
 
-Balancing state: a training forward that asks for it (`record_load`, from `ForwardContext.record_expert_load`) adds each expert's token
+Balancing state: a training forward that asks for it (`count_load`, from `ForwardContext.record_expert_load`) adds each expert's token
 count to the router's non-persistent buffer `expert_load`; `update_expert_bias` (after the optimizer step) moves the bias by
 rate * sign(mean load - load) and clears the counts. With `aux_loss_weight > 0` the sequence-wise balance loss is
 attached to the layer's output (`attach_aux_loss`), so the pipeline schedule still carries only the LM loss.
@@ -87,9 +87,13 @@ class MoE(nn.Module):
         shared = moe.n_shared_experts * moe.moe_inter_dim
         self.shared_experts = SwiGLU(dim, shared) if shared else None
 
-    def forward(self, x: torch.Tensor, record_load: bool = False, real: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """record_load: count each expert's routed tokens into `gate.expert_load` and attach the balance loss (a
-        training forward); real: bool [B, T], the tokens that count (False = padding; default all)."""
+    def forward(
+        self, x: torch.Tensor, count_load: bool = False, balance_loss: bool = False, real: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """count_load: add each expert's routed tokens to `gate.expert_load` (a training forward, once: not in a
+        block's recomputation); balance_loss: attach the sequence-wise balance loss when its weight is > 0 (every
+        run of a training forward, so a recomputation saves what the first run saved); real: bool [B, T], the
+        tokens that count (False = padding; default all)."""
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         ids, weights, scores = self.gate(flat)
@@ -101,15 +105,15 @@ class MoE(nn.Module):
         out = out.view(B, T, D)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        if record_load:
-            real = torch.ones(B, T, dtype=torch.bool, device=x.device) if real is None else real
+        real = torch.ones(B, T, dtype=torch.bool, device=x.device) if real is None else real
+        if count_load:
             with torch.no_grad():  # padding queries route too, but are no load
                 self.gate.expert_load.scatter_add_(
                     0, ids.reshape(-1), real.reshape(-1, 1).expand_as(ids).reshape(-1).float()
                 )
-            if self.moe.aux_loss_weight > 0:
-                aux = sequence_balance_loss(scores.view(B, T, -1), ids.view(B, T, -1), real)
-                out = attach_aux_loss(out, aux, self.moe.aux_loss_weight)
+        if balance_loss and self.moe.aux_loss_weight > 0:
+            aux = sequence_balance_loss(scores.view(B, T, -1), ids.view(B, T, -1), real)
+            out = attach_aux_loss(out, aux, self.moe.aux_loss_weight)
         return out
 
 
