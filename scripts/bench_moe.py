@@ -81,10 +81,15 @@ def profile_step(tokens: int, kernel: str) -> None:
     for _ in range(2):
         layer(x).sum().backward()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        layer(x).sum().backward()
+    grad = torch.randn_like(x)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        layer(x).backward(grad)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60), flush=True)
+    table = prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=40, max_shapes_column_width=70
+    )
+    print(table, flush=True)
 
 
 def train_rows(tokens: int, kernels, skew: bool, loop: bool) -> list[dict]:

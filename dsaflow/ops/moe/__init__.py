@@ -11,7 +11,7 @@ import torch
 
 from ..kernel_table import chosen, describe
 from .dispatch import explain_grouped_mm
-from .function import ExpandSorted, GroupedMM, PermuteRows, SwigluWeighted
+from .function import ExpandSorted, GroupedMM, PermuteRows, SwigluWeighted, UnsortSum
 from .naive import moe_experts_naive, route_naive
 
 
@@ -72,7 +72,7 @@ def moe_experts(
     # the routing weight scales the [N * k, I] activation, not the [N * k, D] output: fewer bytes, one fused pass
     act = SwigluWeighted.apply(grouped_mm(rows, gate_up, offsets), row_weights)
     out = grouped_mm(act, down, offsets)  # [N * k, D], still sorted by expert
-    return PermuteRows.apply(out, inverse, order).view(N, k, -1).sum(dim=1)
+    return UnsortSum.apply(out, order, inverse, k)
 
 
 __all__ = [

@@ -108,3 +108,20 @@ class SwigluWeighted(torch.autograd.Function):
             hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
             dh, dw = torch.autograd.grad(_swiglu_weighted_reference(hh, ww), (hh, ww), grad.float())
         return dh.to(h.dtype), dw.to(w.dtype)
+
+
+class UnsortSum(torch.autograd.Function):
+    """out [N * k, D] rows sorted by expert -> [N, D], each token's k rows summed (row r of token t is
+    out[inverse[t * k + j]]). The backward hands each sorted row its token's gradient, one gather of [N * k, D]
+    with no [N, k, D] intermediate."""
+
+    @staticmethod
+    def forward(ctx, out, order, inverse, k: int):
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return out.index_select(0, inverse).view(-1, k, out.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad.contiguous().index_select(0, order // ctx.k), None, None, None
