@@ -32,6 +32,7 @@ RANK = {
     "worker": 7,
     "__init__": 0,
     "files": 0.5,
+    "outputs": 0.6,
 }
 MAX_LINES = 400
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -29,7 +28,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from dsaflow.errors import EXIT_USER_ERROR, PlanError
-from dsaflow.files import UnsafeFile, explain_os_error, kind_of, read_text
+from dsaflow.files import UnsafeFile, read_text
+from dsaflow.outputs import check_output_file
 from dsaflow.plan.plan import Plan
 from dsaflow.run.ckpt_store import report_stderr
 from dsaflow.run.devices import resolve_device_type
@@ -62,30 +62,6 @@ def check_track(cfg) -> None:
     )
 
 
-def check_output_file(path: Optional[str]) -> None:
-    """serve.output_file must be writable before generation starts, or the completions would be lost after it."""
-    if not path:
-        return
-    p = Path(path).expanduser()
-    field = f"serve.output_file={path}"
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        st = None
-    except OSError as exc:
-        raise PlanError(f"{field} {explain_os_error(exc)}. Fix: choose another output file.") from None
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        raise PlanError(
-            f"{field} is {kind_of(st.st_mode)}, not a file the completions can be written to. Fix: name "
-            "a file, e.g. serve.output_file=completions.jsonl."
-        )
-    folder = p.parent if str(p.parent) else Path(".")
-    if not folder.is_dir():
-        raise PlanError(f"{field}: its folder {folder} does not exist. Fix: create it, or choose another output file.")
-    if (st is not None and not os.access(p, os.W_OK)) or not os.access(folder, os.W_OK | os.X_OK):
-        raise PlanError(f"{field} is not writable by you. Fix: choose an output file in a folder you can write.")
-
-
 def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> None:
     """Everything a worker would otherwise trip over, checked in the parent. Raises PlanError.
     local=False (a run dir prepared for other nodes): skip the checks about this machine's GPUs and memory."""
@@ -109,7 +85,9 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
     if job == "generate":  # serve config, prompts and graph blocks (dsaflow.serve.generate; raises ServeError)
         from dsaflow.serve.generate import check_serve
 
-        check_output_file(cfg.serve.output_file)
+        s = cfg.serve  # never onto a run, a checkpoint or this command's own inputs (dsaflow.outputs)
+        inputs = {"serve.prompts_file": s.prompts_file, "serve.checkpoint": s.checkpoint, "run_dir": cfg.run_dir}
+        check_output_file("serve.output_file", s.output_file, inputs)
         check_serve(cfg, plan, device)
     else:
         t = cfg.train

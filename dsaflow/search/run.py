@@ -19,16 +19,18 @@ layers that read the previous stage's indices, and the layout is then run with c
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import List, Tuple
 
 import torch
 
 from dsaflow.errors import PlanError, ServeError
+from dsaflow.files import atomic_write
+from dsaflow.outputs import check_output_dir
 from dsaflow.plan.layout import format_layout, freq_roles
 
 from .evaluate import PatternEvaluator
@@ -205,7 +207,10 @@ def run_search(cfg) -> int:
         )
     eval_targets = [max(len(fixed), round(r * L)) for r in s.eval_ratios]
     floor = min([target] + eval_targets)  # search far enough for every ratio of the eval table
-    out = Path(s.out_dir) if s.out_dir else ckpt.parent.parent / "search"
+    # its own folder, which may sit in the run dir (the default), never onto the run's files or a checkpoint
+    out = check_output_dir(
+        "search.out_dir", s.out_dir or ckpt.parent.parent / "search", {"checkpoint": str(ckpt)}, True
+    )
     out.mkdir(parents=True, exist_ok=True)
     header = {
         "checkpoint": str(ckpt.resolve()),
@@ -233,21 +238,22 @@ def run_search(cfg) -> int:
     steps = greedy_search(ev, fixed, floor, log, report=lambda m: print(m, flush=True))
     search_s = time.perf_counter() - t0
     chosen = next(st for st in steps if st.num_f == target) if any(st.num_f == target for st in steps) else steps[-1]
-    with (out / "search.csv").open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["step", "removed_layer", "num_f", "f_ratio", "calib_loss", "calib_acc", "layout"])
-        for st in steps:
-            w.writerow(
-                [
-                    st.step,
-                    "" if st.removed is None else st.removed,
-                    st.num_f,
-                    f"{st.num_f / L:.4f}",
-                    f"{st.loss:.6f}",
-                    "" if math.isnan(st.acc) else f"{st.acc:.4f}",
-                    format_layout(tuple(st.roles), starts),
-                ]
-            )
+    table = io.StringIO(newline="")
+    w = csv.writer(table)
+    w.writerow(["step", "removed_layer", "num_f", "f_ratio", "calib_loss", "calib_acc", "layout"])
+    for st in steps:
+        w.writerow(
+            [
+                st.step,
+                "" if st.removed is None else st.removed,
+                st.num_f,
+                f"{st.num_f / L:.4f}",
+                f"{st.loss:.6f}",
+                "" if math.isnan(st.acc) else f"{st.acc:.4f}",
+                format_layout(tuple(st.roles), starts),
+            ]
+        )
+    atomic_write(out / "search.csv", table.getvalue())
     png_note = write_search_png(
         out / "search.png",
         [st.num_f for st in steps],
@@ -266,12 +272,13 @@ def run_search(cfg) -> int:
         if run_cfg.data.kind == "text":  # byte tokens: bits per byte = nats per byte / ln 2
             for r in rows:
                 r["bpb"] = r["loss"] / math.log(2)
-        (out / "eval.json").write_text(
-            json.dumps({"checkpoint": str(ckpt), "eval_batches": s.eval_batches, "rows": rows}, indent=2) + "\n"
+        atomic_write(
+            out / "eval.json",
+            json.dumps({"checkpoint": str(ckpt), "eval_batches": s.eval_batches, "rows": rows}, indent=2) + "\n",
         )
-        (out / "eval.md").write_text(_md_table(rows, starts))
+        atomic_write(out / "eval.md", _md_table(rows, starts))
     layout = format_layout(tuple(chosen.roles), starts)
-    (out / "layout.txt").write_text(layout + "\n")
+    atomic_write(out / "layout.txt", layout + "\n")
     wrote = ", ".join(["search.csv"] + ([] if png_note else ["search.png"]) + (["eval.md"] if rows else []))
     print(f"search: done in {search_s:.0f} s ({ev.layer_calls} layer forwards); wrote {out}/{wrote}", flush=True)
     if rows:

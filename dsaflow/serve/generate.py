@@ -20,18 +20,19 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
 from dsaflow.data.tokenizer import ByteTokenizer
-from dsaflow.errors import ServeError
-from dsaflow.files import UnsafeFile, read_text
+from dsaflow.errors import ServeError, shown
+from dsaflow.files import atomic_write
 from dsaflow.plan.plan import Plan
 from dsaflow.run.stages import stage_module
 
 from .checks import check_graph_blocks, check_prompts, check_transfers, fit_problem
 from .engine import PipelineEngine
+from .prompts import load_requests
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -62,50 +63,6 @@ class Requests:
 def load_prompts(serve_cfg) -> List[str]:
     """serve.prompts (a list) or serve.prompts_file (JSONL) -> prompt strings."""
     return [p for p, _, _ in load_requests(serve_cfg)]
-
-
-def load_requests(serve_cfg) -> List[Tuple[str, int, str]]:
-    """serve.prompts or serve.prompts_file (JSONL, one {"prompt": "...", "max_new_tokens": n (optional)} per line)
-    -> (prompt, max_new_tokens, where) per request, where = "prompt i" or "<file> line n"."""
-    given, path = list(serve_cfg.prompts or []), serve_cfg.prompts_file
-    if given and path:
-        raise ServeError(
-            f"both serve.prompts ({len(given)} prompts) and serve.prompts_file={path} are set. Fix: give one of them."
-        )
-    if not given and not path:
-        raise ServeError(
-            'no prompts. Fix: set serve.prompts=["Hello","Once upon"] or serve.prompts_file=prompts.jsonl '
-            '(one {"prompt": "..."} per line).'
-        )
-    if given:
-        return [(str(p), serve_cfg.max_new_tokens, f"prompt {i}") for i, p in enumerate(given)]
-    try:  # a regular file only: a FIFO or a folder is named as such, never waited on
-        text = read_text(path)
-    except UnsafeFile as exc:
-        raise ServeError(f"serve.prompts_file={path}: {exc}. Fix: point it at a JSONL file.") from None
-    out = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            if not isinstance(row["prompt"], str):
-                raise TypeError
-            prompt, limit = row["prompt"], row.get("max_new_tokens", serve_cfg.max_new_tokens)
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError):
-            raise ServeError(
-                f'serve.prompts_file={path} line {n} is not a JSON object with a string "prompt": {line[:80]!r}. '
-                'Fix: one {"prompt": "..."} per line.'
-            ) from None
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise ServeError(
-                f"serve.prompts_file={path} line {n}: max_new_tokens={limit!r} is not a positive "
-                f"integer. Fix: a whole number >= 1, or drop the key (serve.max_new_tokens applies)."
-            )
-        out.append((prompt, limit, f"serve.prompts_file={path} line {n}"))
-    if not out:
-        raise ServeError(f'serve.prompts_file={path} holds no prompts. Fix: add {{"prompt": "..."}} lines.')
-    return out
 
 
 def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Requests:
@@ -205,15 +162,16 @@ def write_outputs(
     tok = ByteTokenizer()
     if rows is None:
         rows = [{"prompt": p, "completion": tok.decode(o), "tokens": o} for p, o in zip(prompts, outputs)]
-    if output_file:
+    if output_file:  # checked in the parent (dsaflow.outputs); replaced whole, never half written
         Path(output_file).parent.mkdir(parents=True, exist_ok=True)
-        with open(output_file, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        atomic_write(output_file, "".join(json.dumps(r) + "\n" for r in rows))
         print(f"wrote {len(rows)} completions to {output_file}", flush=True)
         return
     for i, r in enumerate(rows):
-        print(f"--- [{i}] {r['prompt']!r}\n{r.get('completion', 'REJECTED: ' + str(r.get('error')))}", flush=True)
+        print(
+            f"--- [{i}] {shown(r['prompt'], 200)}\n{r.get('completion', 'REJECTED: ' + str(r.get('error')))}",
+            flush=True,
+        )
 
 
 def _log(run_dir, rank: int, text: str) -> None:
