@@ -26,3 +26,13 @@ class CheckpointError(PlanError):
 
 class ResourceError(PlanError):
     """The plan cannot fit this machine (memory per rank) or asks for sizes no machine can hold."""
+
+
+def shown(value, limit: int = 80) -> str:
+    """`value` as a user error quotes it: its repr, cut to about `limit` characters with its full length named, so
+    a rejected 10 MB prompt or a 5000-digit number costs one line, never a screenful."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return repr(text) if isinstance(value, str) else text
+    head = text[: limit // 2]
+    return f"{head!r}... ({len(text)} characters)" if isinstance(value, str) else f"{head}... ({len(text)} digits)"

@@ -336,5 +336,5 @@ def test_request_that_does_not_fit_is_rejected_by_line_and_the_rest_served(tmp_p
     assert rows[2]["ttft_s"] > 0 and rows[2]["num_tokens"] == 2 and rows[1]["error"] == reqs.rejected[1]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok", "max_new_tokens": 0}\n')
-    with pytest.raises(ServeError, match="line 1: max_new_tokens=0 is not a positive integer"):
+    with pytest.raises(ServeError, match=r"line 1: max_new_tokens=0 is not a whole number in \[1, "):
         check_serve(*setup([f"serve.prompts_file={bad}"]), "cpu")

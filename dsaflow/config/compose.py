@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 import dsaflow
 from dsaflow.config.errors import explain_omegaconf_error
+from dsaflow.config.field_checks import check_override_numbers
 from dsaflow.config.schema import DSAFlowConfig, register_configs, validate
 from dsaflow.errors import ConfigError
 
@@ -147,6 +148,7 @@ def compose(overrides: Optional[List[str]] = None, config_dir: Optional[str] = N
         raise ConfigError(
             f"config dir {cdir} has no config.yaml. Fix: point DSAFLOW_CONFIG_DIR at the repository's configs/ folder."
         )
+    check_override_numbers(overrides or [])
     register_configs()
     GlobalHydra.instance().clear()
     try:
@@ -210,6 +212,8 @@ def load_config(path) -> DSAFlowConfig:
 
     from dsaflow.files import UnsafeFile, read_text
 
+    from .literal import literal
+
     try:
         text = read_text(path)
     except UnsafeFile as exc:
@@ -228,7 +232,7 @@ def load_config(path) -> DSAFlowConfig:
                 f"{path} is not a YAML mapping of config groups of a sane size (corrupted). Fix: "
                 "restore it from a copy, or start a new run_dir."
             )
-        loaded = OmegaConf.create(data)
+        loaded = OmegaConf.create(literal(data))  # plain values: resolved once, by the parent that wrote them
         for key in COMMAND_KEYS:  # run dirs written before these moved to the command line still load
             loaded.pop(key, None)
         merged = OmegaConf.merge(OmegaConf.structured(DSAFlowConfig), loaded)

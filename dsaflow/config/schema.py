@@ -19,6 +19,7 @@ from typing import Any, List, Optional
 
 from dsaflow.errors import ConfigError
 
+from .field_checks import check_fields
 from .fields import Choice, make_choice, num
 from .moe import MoEConfig, check_moe
 
@@ -337,23 +338,9 @@ def validate(cfg, prefix: str = "") -> None:
             enum_type = _ENUM_FIELDS.get((type(cfg).__name__, f.name))
             if enum_type is not None:
                 _check_choice(path, v, enum_type)
-    if isinstance(cfg, SearchConfig):
-        ratios = list(cfg.eval_ratios)
-        if len(ratios) > 64 or not all(
-            isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and 0 < r <= 1 for r in ratios
-        ):
-            raise ConfigError(
-                f"search.eval_ratios={ratios}: each must lie in (0, 1] (the fraction of F layers of a "
-                "uniform layout), at most 64 of them. Fix: e.g. search.eval_ratios=[0.5,0.25]."
-            )
     if isinstance(cfg, ModelConfig) and cfg.moe is not None:
         check_moe(cfg.moe, cfg.num_layers)
-    if isinstance(cfg, TrainConfig):
-        betas = list(cfg.betas)
-        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-            raise ConfigError(
-                f"train.betas={betas}: AdamW needs two betas, each in [0, 1). Fix: e.g. train.betas=[0.9,0.95]."
-            )
+    check_fields(cfg, prefix)  # names that become paths, tracker fields, list items: field_checks.py
 
 
 def _enum_fields() -> dict:

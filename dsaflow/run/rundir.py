@@ -29,6 +29,7 @@ from typing import List, Optional, Tuple
 
 from dsaflow.errors import PlanError
 from dsaflow.files import UnsafeFile, atomic_write, explain_os_error, parse_json, read_text
+from dsaflow.outputs import path_under
 from dsaflow.plan.plan import Plan
 
 from .ckpt_store import CKPT, MANIFEST, checkpoint_dir, list_checkpoints, newest_good_checkpoint
@@ -52,8 +53,8 @@ def default_run_dir(cfg, job: str = "train") -> str:
     name = cfg.track.run_name or f"{cfg.model.name}-{cfg.data.name}"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if job == "generate":
-        return os.path.join("runs", "generate", f"{stamp}-{cfg.model.name}")
-    return os.path.join("runs", f"{stamp}-{name}")
+        return path_under("runs", "generate", f"{stamp}-{cfg.model.name}")
+    return path_under("runs", f"{stamp}-{name}")
 
 
 def latest_checkpoint(run_dir: str | Path, report=None) -> Optional[Tuple[int, Path]]:

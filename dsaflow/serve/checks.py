@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from dsaflow.config.field_checks import upper_bound
+from dsaflow.config.schema import ServeConfig
 from dsaflow.errors import ServeError
 from dsaflow.plan.plan import Plan
 
@@ -33,11 +35,13 @@ def check_groups(serve_cfg, plan: Plan) -> int:
 
 def fit_problem(index: int, prompt: List[int], max_new: int, max_context: int, where: str) -> Optional[str]:
     """Why a request cannot be served with these limits (None when it fits). `where` names it (a line, a prompt)."""
-    if len(prompt) + max_new > max_context:
+    need = len(prompt) + max_new
+    if need > max_context:
+        hi = upper_bound(ServeConfig, "max_context")  # a hint never suggests a value the schema refuses
+        raise_it = f"serve.max_context={need} or more, or " if hi is None or need <= hi else ""
         return (
             f"{where} is {len(prompt)} tokens; with max_new_tokens={max_new} it exceeds serve.max_context="
-            f"{max_context}. Fix: serve.max_context={len(prompt) + max_new} or more, or shorten the prompt / "
-            f"lower its max_new_tokens."
+            f"{max_context}. Fix: {raise_it}shorten the prompt / lower its max_new_tokens."
         )
     return None
 
