@@ -42,6 +42,7 @@ TrackBackend = make_choice("TrackBackend", ["wandb", "none"], __name__)
 TrackMode = make_choice("TrackMode", ["offline", "online", "disabled"], __name__)
 Mode = make_choice("Mode", ["train", "serve"], __name__)
 Batching = make_choice("Batching", ["fixed", "continuous"], __name__)
+OnNonFinite = make_choice("OnNonFinite", ["stop", "skip"], __name__)
 
 BIG = 1 << 31  # int32 sizes: beyond this an index tensor or an embedding row id overflows
 
@@ -153,6 +154,7 @@ class TrainConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # two values in [0, 1) (checked in validate)
     # global norm over every stage (main and indexer params clipped separately); 0 = off
     grad_clip: float = num(1.0, 0, 1e6)
+    on_nonfinite: OnNonFinite = OnNonFinite.stop  # a NaN/inf loss or grad norm: stop the run | skip the step
     dsa_stage: DsaStage = DsaStage.sparse
     dense_warmup_steps: int = num(0, 0, 10**9)  # steps of dense_warmup before `sparse` (when dsa_stage=sparse)
     indexer_lr: float = num(1e-3, 0, 10)

@@ -38,7 +38,7 @@ def train_summary(cfg, run_dir, rc: int) -> str:
             ("eval_bpb", ".4f"),
             ("tokens_per_s", ",.0f"),
         ):
-            if k in m:
+            if m.get(k) is not None:  # null: a non-finite value (metrics.jsonl stays JSON)
                 shown.append(f"{k} {m[k]:{fmt}}")
         lines.append("  final:      " + ", ".join(shown))
     lines.append(f"  checkpoint: {ck[1] if ck else '(none saved)'}")

@@ -13,6 +13,7 @@ from dsaflow.track import Progress, make_tracker
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .metrics import RunRecords
+from .nonfinite import NonFiniteGuard
 from .trainer import Trainer
 
 
@@ -66,6 +67,12 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
         records.log(msg)
     history = []
     step = start
+    guard = NonFiniteGuard(t.on_nonfinite)
+
+    def say(line: str) -> None:
+        progress.message(line)
+        records.log(line)
+
     stopped = False
     try:
         for step in range(start, t.steps):
@@ -80,6 +87,7 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
             history.append(record)
             show = done % t.log_every == 0 or done == t.steps or eval_due
             progress.update(done, m, print_line=show)
+            guard.after_step(done, m, say)  # train.on_nonfinite: stop (raises) before anything is saved, or skip
             if show:
                 records.log(
                     " ".join(

@@ -20,6 +20,8 @@ import torch
 from dsaflow.files import append_text, atomic_write, open_append
 from dsaflow.run.rundir import LOG, METRICS, read_metrics
 
+from .nonfinite import json_record
+
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 CPU_NOMINAL_TFLOPS = 0.1
 
@@ -83,7 +85,7 @@ class RunRecords:
 
     def metrics(self, record: Mapping) -> None:
         if self.enabled:
-            append_text(self.metrics_path, json.dumps(dict(record)) + "\n")
+            append_text(self.metrics_path, json_record(record) + "\n")  # NaN/inf as null: valid JSON
 
     def log(self, line: str) -> None:
         if self.enabled:

@@ -25,6 +25,7 @@ from dsaflow.run.stages import stage_module
 from .expert_balance import ExpertBalance
 from .forward_pass import ForwardPipeline
 from .metrics import model_flops_per_token, peak_tflops_per_rank
+from .nonfinite import nonfinite_flag
 from .optim import advance, build_optimizers, build_schedulers, clip_global
 from .pipeline import LMLoss, TrainStage, build_pipeline_stages, build_schedule
 
@@ -148,14 +149,16 @@ class Trainer:
         advance(self.scheds)
 
         S, R = self.ctx.plan.num_stages, self.ctx.plan.pipeline.ranks
-        vec = torch.zeros(2 * S + R + self.balance.width(), dtype=torch.float64, device=self.ctx.device)
-        self.balance.after_step(vec[2 * S + R :], update=not dense and not skip_main)
+        nf_slot = 2 * S + R  # the non-finite flag's slot; expert balance after it
+        vec = torch.zeros(nf_slot + 1 + self.balance.width(), dtype=torch.float64, device=self.ctx.device)
+        self.balance.after_step(vec[nf_slot + 1 :], update=not dense and not skip_main)
         if self.ctx.is_cuda:  # peak device memory of this rank since the run started (weights, optimiser, activations)
             vec[2 * S + self.ctx.rank % R] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**30
         for ps, w, sp in zip(self.pstages, self.wrappers, self.local):
             vec[sp.index] = ps.timer.seconds()
             if w.indexer_losses:
                 vec[S + sp.index] = torch.stack(w.indexer_losses).mean().double()
+        vec[nf_slot] = nonfinite_flag([*losses, *(x for w in self.wrappers for x in w.indexer_losses)], vec.device)
         dist.all_reduce(vec, group=self.ctx.group)
         if self.ctx.is_cuda:
             torch.cuda.synchronize()
@@ -170,8 +173,9 @@ class Trainer:
             "skipped_indexer": float(skip_idx),
             "step_time_s": wall,
             "tokens_per_s": self.tokens_per_step / wall,
-            "indexer_loss": float(vec[S : 2 * S].sum()),  # vec = [busy | indexer loss | memory]
+            "indexer_loss": float(vec[S : 2 * S].sum()),  # vec = [busy | indexer loss | memory | non-finite | experts]
             "pipeline_efficiency": sum(busy) / (self.ctx.plan.pipeline.ranks * wall),
+            "nonfinite_losses": float(vec[nf_slot]),  # > 0: some stage's loss was NaN/inf (train.on_nonfinite decides)
         }
         for s in range(S):
             m[f"stage{s}_time_s"] = busy[s]
@@ -179,7 +183,7 @@ class Trainer:
         if self.ctx.is_cuda:
             for r in range(R):
                 m[f"rank{r}_peak_mem_gib"] = float(vec[2 * S + r])
-        m.update(self.balance.metrics(vec[2 * S + R :], self.moe_layer_ids))
+        m.update(self.balance.metrics(vec[nf_slot + 1 :], self.moe_layer_ids))
         if self.peak_flops:
             m["mfu"] = self.flops_per_token * m["tokens_per_s"] / self.peak_flops
         if self.has_last:
