@@ -231,10 +231,16 @@ def cmd_single(command: str, overrides: List[str], nproc: Optional[int], fmt: st
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    from dsaflow.launch.interrupts import name_of, status_of, stop_signals_raise
+
     try:
-        code = _main(args)
+        with stop_signals_raise():  # SIGINT/SIGTERM/SIGHUP at any moment: one line, 128 + signal
+            code = _main(args)
         if argv is None:
             sys.stdout.flush()
+    except KeyboardInterrupt as exc:  # the launcher and sweeps say more where they catch it first
+        print(f"dsaflow: interrupted ({name_of(exc)})", file=sys.stderr, flush=True)
+        code = status_of(exc)
     except BrokenPipeError:
         # The reader went away (`dsaflow train --info | head`): stop quietly. Point stdout at /dev/null so that the
         # interpreter's final flush does not raise again.

@@ -76,8 +76,10 @@ def main(argv=None) -> None:
     ap.add_argument("--job", default="train", choices=JOBS)
     args = ap.parse_args(argv)
     from dsaflow.launch.lifecycle import die_with_parent
+    from dsaflow.launch.pipes import survive_closed_stdout
 
     die_with_parent()
+    survive_closed_stdout()  # a closed stdout (`dsaflow train | head`) must not look like a lost peer
     rank = os.environ.get("RANK", "0")
     try:
         run_worker(args.run_dir, args.job)

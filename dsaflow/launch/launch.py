@@ -36,6 +36,8 @@ from dsaflow.run.devices import resolve_device_type
 from dsaflow.run.lock import LOCK_ENV, run_dir_lock
 from dsaflow.run.rundir import TMP, check_run_dir, write_run_dir
 
+from .interrupts import STOP_SIGNALS, Interrupted, name_of, raise_interrupted, status_of, stopping
+
 # Kept on the GPU machines (NVLink multicast off); a user's own values win.
 GPU_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 STOP_TIMEOUT_S = 10.0
@@ -154,15 +156,6 @@ def launch_env(base: Optional[Dict[str, str]] = None, run_dir: Optional[Path] = 
     return env
 
 
-class _Interrupted(Exception):
-    def __init__(self, signum: int):
-        self.signum = signum
-
-
-def _raise_interrupted(signum, frame):
-    raise _Interrupted(signum)
-
-
 def interrupt_hint(run_dir: Path, job: str) -> str:
     """What an interrupted run can do next: resume only where a checkpoint was saved (resume refuses otherwise)."""
     from dsaflow.run.ckpt_store import list_checkpoints
@@ -172,9 +165,9 @@ def interrupt_hint(run_dir: Path, job: str) -> str:
     saved = list_checkpoints(run_dir)
     if saved:
         return f" (step {saved[0][0]} was saved; continue with train.resume=true run_dir={run_dir})"
-    return (
-        " (no checkpoint was saved, so it cannot resume: train.ckpt_every=0 saves only at the end. Start "
-        "again with train.ckpt_every=N to make an interrupted run resumable from its last N-step save)"
+    return (  # whatever train.ckpt_every was: the run stopped before its first save
+        " (it stopped before its first checkpoint, so it cannot resume: train.ckpt_every=N saves every N steps, 0 "
+        "only at the end. Start again, with a smaller train.ckpt_every for an earlier first save)"
     )
 
 
@@ -237,8 +230,8 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str, time
     main_thread = threading.current_thread() is threading.main_thread()
     old = {}
     if main_thread:
-        for s in (signal.SIGINT, signal.SIGTERM):
-            old[s] = signal.signal(s, _raise_interrupted)
+        for s in STOP_SIGNALS:
+            old[s] = signal.signal(s, raise_interrupted)
     proc = None
     (run_dir / TMP).mkdir(exist_ok=True)  # TMPDIR must exist, or tempfile falls back to /tmp
     try:
@@ -255,7 +248,7 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str, time
                     proc.wait()
                     print(f"dsaflow {job}: {reason}. Run dir: {run_dir}", file=sys.stderr, flush=True)
                     return 1
-    except _Interrupted as exc:
+    except Interrupted as exc:  # SIGINT, SIGTERM or SIGHUP, raised once (dsaflow.launch.interrupts)
         n = kill_tree(proc.pid) if proc is not None else 0
         if proc is not None:
             try:
@@ -272,7 +265,8 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str, time
         return 128 + exc.signum
     finally:
         for s, h in old.items():
-            signal.signal(s, h)
+            if not stopping():  # after a stop they stay ignored: one line, one status
+                signal.signal(s, h)
         if proc is not None and proc.poll() is None:
             kill_tree(proc.pid)
         shutil.rmtree(run_dir / TMP, ignore_errors=True)
@@ -298,13 +292,14 @@ def launch(cfg, plan: Plan, job: str = "train") -> int:
     finished, 2 = a user error, 128 + signal = interrupted)."""
     try:
         check_launch(cfg, plan, job)  # may scan a large corpus: Ctrl-C here is one line, not a traceback
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print(
-            f"dsaflow {job}: interrupted during the pre-launch checks; nothing was started or written.",
+            f"dsaflow {job}: interrupted during the pre-launch checks ({name_of(exc)}); nothing was started or "
+            "written.",
             file=sys.stderr,
             flush=True,
         )
-        return 128 + signal.SIGINT
+        return status_of(exc)
     from dsaflow.plan import render_table
 
     resume = job == "train" and cfg.train.resume
@@ -320,12 +315,19 @@ def _launch_in(cfg, plan: Plan, job: str, run_dir: Path) -> int:
     for stale in run_dir.glob("error-rank*.txt"):
         stale.unlink()  # unlink removes a link itself, never its target
     cmd = torchrun_command(run_dir, plan.pipeline.ranks, job)
+    from .input_watch import changed_inputs, snapshot
+    from .pipes import survive_closed_stdout
     from .run_summary import shell_command, train_summary
+
+    survive_closed_stdout()  # `dsaflow train | head`: the run goes on when the reader leaves
 
     print(f"run dir: {run_dir}\nlaunch:  {shell_command(cmd)}", flush=True)
     env = launch_env(run_dir=run_dir)
     env[LOCK_ENV] = str(run_dir.resolve())  # the workers are under this launch's lock
+    inputs = snapshot(cfg, job)
     rc = supervise(cmd, env, run_dir, job, cfg.launch.timeout_s)
+    for line in changed_inputs(inputs) if rc < 128 else []:  # a SIGBUS names no file: name it
+        print(f"dsaflow {job}: {line}", file=sys.stderr, flush=True)
     if job == "train" and rc < 128:  # an interrupted run already said so in one line
         print(train_summary(cfg, run_dir, rc), flush=True)
     return rc
