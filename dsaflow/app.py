@@ -46,6 +46,7 @@ class SweepState:
     nproc: Optional[int]
     fmt: str
     sweep_dir: Optional[str] = None
+    planned: List[List[str]] = field(default_factory=list)  # the basic sweeper's jobs (for the rows not run)
     results: List[JobResult] = field(default_factory=list)
     objective: str = "eval_loss"  # what a job returns to an optimising sweeper (Optuna): lower is better
 
@@ -112,9 +113,10 @@ def _refuse_in_multirun(overrides: List[str]) -> None:
             )
 
 
-def preflight_basic_sweep(overrides: List[str]) -> int:
-    """Basic sweeper: compose every job's config before any starts, so a typo in one value stops the whole sweep
-    (exit 2) instead of failing after earlier jobs trained. Returns the number of jobs."""
+def preflight_basic_sweep(overrides: List[str]) -> List[List[str]]:
+    """Basic sweeper: compose every distinct value of the sweep before any job starts (dsaflow.launch.sweep_guard),
+    so a typo in one value stops the whole sweep (exit 2) instead of failing after earlier jobs trained. Returns
+    the jobs' overrides."""
     from dsaflow.config.compose import compose, quote_layout_overrides
     from dsaflow.config.hydra_private import basic_sweep_jobs
 
@@ -126,9 +128,10 @@ def preflight_basic_sweep(overrides: List[str]) -> int:
             f"could not read the sweep: {' '.join(str(exc).split())} Fix: write sweeps as key=a,b,c, "
             "key='range(start,stop,step)' or key='choice(a,b)' (quoted for the shell)."
         ) from None
-    for job in jobs:
-        compose(job)
-    return len(jobs)
+    from dsaflow.launch.sweep_guard import check_jobs
+
+    check_jobs(jobs, compose)
+    return jobs
 
 
 # Sweeper plugins by name -> the pip package that provides `hydra/sweeper=<name>` (module hydra_plugins.<module>).
@@ -192,7 +195,11 @@ def job_task(cfg) -> float:
         rc = run_command(state.command, typed, plan, state.fmt)
         res.exit_code = rc
         if rc != 0:
-            res.status = f"failed (exit {rc})"
+            res.status = f"{'interrupted' if rc > 128 else 'failed'} (exit {rc})"
+    except KeyboardInterrupt as exc:  # SIGINT/SIGTERM/SIGHUP outside the launcher: this job, then the sweep, end
+        res.status, res.exit_code = "interrupted", 128 + getattr(exc, "signum", 2)
+        state.results.append(res)
+        raise
     except PlanError as exc:
         kind = "config error" if isinstance(exc, ConfigError) else "plan error"
         res.status, res.exit_code, res.error = kind, 2, str(exc)
@@ -203,6 +210,9 @@ def job_task(cfg) -> float:
         print(f"dsaflow: job {num} crashed ({res.error}); the sweep goes on", file=sys.stderr, flush=True)
     res.seconds = time.perf_counter() - t0
     state.results.append(res)
+    from dsaflow.launch.sweep_guard import after_job
+
+    after_job(res.exit_code)  # interrupted: no further job starts (SweepStopped leaves Hydra's job loop)
     if res.exit_code != 0:
         return math.inf
     from dsaflow.track.sweep_summary import final_metrics
@@ -280,6 +290,8 @@ def run_hydra_app(command: str, rest: List[str], nproc: Optional[int], fmt: str,
     from dsaflow.config.compose import default_config_dir, quote_layout_overrides
     from dsaflow.config.hydra_private import hydra_args_parser, hydra_run_app
     from dsaflow.config.schema import register_configs
+    from dsaflow.launch.interrupts import name_of, status_of, stop_signals_raise
+    from dsaflow.launch.sweep_guard import hold_sweep_dir, not_run, one_job_at_a_time
 
     parser = hydra_args_parser()
     try:
@@ -287,23 +299,29 @@ def run_hydra_app(command: str, rest: List[str], nproc: Optional[int], fmt: str,
     except SystemExit as exc:  # argparse already printed the usage line
         return int(exc.code or 0)
     args.overrides = quote_layout_overrides(list(args.overrides))
+    planned: List[List[str]] = []
     if args.multirun:
         _refuse_in_multirun(args.overrides)
         check_sweeper_plugin(args.overrides)
         sweeper = any(o.lstrip("+~").split("=", 1)[0] in ("hydra/sweeper",) for o in args.overrides)
-        if not sweeper:
-            preflight_basic_sweep(args.overrides)
+        planned = [] if sweeper else preflight_basic_sweep(args.overrides)
+        args.overrides = one_job_at_a_time(args.overrides)
         if not any(o.startswith("hydra.job.name=") for o in args.overrides):
             args.overrides.append(f"hydra.job.name=dsaflow-{command}")
-    _STATE = SweepState(command, nproc, fmt)
+    _STATE = SweepState(command, nproc, fmt, planned=planned)
     register_configs()
     GlobalHydra.instance().clear()
     code = 0
     saved_logging = _save_logging()
     try:
-        hydra_run_app(args, parser, task, str(default_config_dir().resolve()))
+        with hold_sweep_dir(args.overrides if args.multirun else []), stop_signals_raise():
+            hydra_run_app(args, parser, task, str(default_config_dir().resolve()))
     except SystemExit as exc:  # Hydra's run_and_report printed the error already
         code = exc.code if isinstance(exc.code, int) else 1
+    except KeyboardInterrupt as exc:  # SIGINT, SIGTERM or SIGHUP: the running job stopped, no further job starts
+        code = status_of(exc)
+        _STATE.results += not_run(_STATE.planned, len(_STATE.results), JobResult)
+        print(f"dsaflow {command}: interrupted ({name_of(exc)}); no further job started", file=sys.stderr, flush=True)
     finally:
         GlobalHydra.instance().clear()
         _restore_logging(saved_logging)

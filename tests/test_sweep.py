@@ -164,3 +164,63 @@ def test_run_dirs_written_with_nproc_and_format_keys_still_load(tmp_path):
     p = tmp_path / "config.yaml"
     p.write_text(to_yaml(DSAFlowConfig()) + "nproc: null\nformat: table\n")
     assert load_config(p).model.name == "tiny"
+
+
+def test_a_second_sweep_into_a_sweep_dir_is_refused_and_changes_nothing(fake_launch, tmp_path, capsys):
+    from dsaflow.run.lock import run_dir_lock
+
+    assert cli.main(["train", "-m", "train.lr=1e-3,3e-3", "hydra.sweep.dir=sw"]) == 0
+    before = {p: p.read_bytes() for p in (tmp_path / "sw").rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert cli.main(["train", "-m", "train.lr=5e-3,7e-3", "hydra.sweep.dir=sw"]) == 2
+    err = capsys.readouterr().err
+    assert "hydra.sweep.dir=sw already holds another sweep" in err and "Traceback" not in err
+    assert {p: p.read_bytes() for p in (tmp_path / "sw").rglob("*") if p.is_file()} == before
+    assert len(fake_launch) == 2
+    (tmp_path / "live").mkdir()
+    with run_dir_lock(tmp_path / "live", "sweep"):  # a sweep running in it right now
+        assert cli.main(["train", "-m", "train.lr=5e-3,7e-3", "hydra.sweep.dir=live"]) == 2
+    assert "in use by another sweep" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "live").iterdir()] == [".lock"] and len(fake_launch) == 2
+
+
+@pytest.mark.parametrize("where", ["launcher", "between jobs"])
+def test_a_stop_signal_ends_the_sweep_and_the_summary_marks_the_rest(fake_launch, monkeypatch, tmp_path, capsys, where):
+    import os
+    import signal
+    import time
+
+    import dsaflow.launch.launch as launch_mod
+
+    fake = launch_mod.launch
+
+    def interrupted_second_job(cfg, plan, job):
+        rc = fake(cfg, plan, job)
+        if len(fake_launch) == 2:
+            if where == "launcher":
+                return 130  # the launcher stopped the job's process tree and said so
+            os.kill(os.getpid(), signal.SIGTERM)  # lands in Python code: the sweep's own handler
+            time.sleep(5)
+        return rc
+
+    monkeypatch.setattr(launch_mod, "launch", interrupted_second_job)
+    try:
+        code = cli.main(["train", "-m", "train.seed=range(0,3000)", "hydra.sweep.dir=sw"])
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+    cap = capsys.readouterr()
+    assert code == (130 if where == "launcher" else 143) and len(fake_launch) == 2, cap.err
+    assert "no further job started" in cap.err and "Traceback" not in cap.err
+    rows = list(csv.DictReader((tmp_path / "sw" / "summary.csv").open()))
+    assert len(rows) == 3000 and rows[0]["status"] == "ok" and rows[1]["status"].startswith("interrupted")
+    assert {r["status"] for r in rows[2:]} == {"not run"} and rows[2]["train.seed"] == "2"
+    assert sorted(p.name for p in (tmp_path / "sw").iterdir() if p.is_dir()) == ["0", "1"]
+
+
+def test_a_long_sweep_composes_a_few_jobs_before_it_starts():
+    from dsaflow.launch.sweep_guard import representative_jobs
+
+    jobs = [[f"train.seed={i}", f"index={x}"] for x in ("all_full", "every4") for i in range(3000)]
+    reps = representative_jobs(jobs)
+    assert reps == [jobs[0], jobs[2999], jobs[3000]]  # the first; seed's largest; every4's first
