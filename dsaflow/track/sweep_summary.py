@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Dict, List
 
-from dsaflow.files import UnsafeFile, read_text
+from dsaflow.files import UnsafeFile, atomic_write, read_text
 
 METRICS = ("loss", "indexer_loss", "eval_loss", "eval_acc", "tokens_per_s")
 
@@ -87,11 +87,11 @@ def write_summary(sweep_dir, results) -> str:
     w = csv.DictWriter(buf, fieldnames=cols)
     w.writeheader()
     w.writerows(rows)
-    (sweep_dir / "summary.csv").write_text(buf.getvalue())
+    atomic_write(sweep_dir / "summary.csv", buf.getvalue())
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(r[c].replace("|", "\\|") for c in cols) + " |" for r in rows]
     ok = sum(r.exit_code == 0 for r in results)
     head = f"sweep {sweep_dir}: {ok}/{len(results)} jobs ok (wandb group {sweep_dir.name})"
     text = head + "\n\n" + "\n".join(md) + "\n"
-    (sweep_dir / "summary.md").write_text(text)
+    atomic_write(sweep_dir / "summary.md", text)
     return text + f"\nwrote {sweep_dir / 'summary.csv'} and {sweep_dir / 'summary.md'}"
