@@ -106,3 +106,14 @@ def test_outputs_are_replaced_whole(tmp_path, monkeypatch):
     assert theirs.read_text() == "keep me\n" and not out.is_symlink()
     assert json.loads(out.read_text())["completion"] == "b"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+
+
+def test_weights_export_refuses_an_out_file_in_a_run(tmp_path, capsys):
+    from dsaflow.run.weights import main as weights_main
+
+    run = fake_run(tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for out in (run / "weights.safetensors", run / "checkpoints" / "step-000002" / "manifest.json"):
+        assert weights_main(["export", str(run), str(out)]) == 2
+        assert "OUT=" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -26,7 +26,8 @@ from typing import Dict
 
 import torch
 
-from dsaflow.errors import CheckpointError, ServeError
+from dsaflow.errors import CheckpointError, PlanError, ServeError
+from dsaflow.outputs import check_output_file
 from dsaflow.run.ckpt_store import MANIFEST, newest_good_checkpoint, pinned, report_stderr, verify_checkpoint
 from dsaflow.run.rundir import CONFIG
 from dsaflow.run.safetensors_io import SafetensorsError, load_tensors, read_header, save_file
@@ -153,7 +154,9 @@ def _load_into(stages, named: str, ckpt: Path, field: str) -> None:
 
 def export_weights(path: str | Path, out: str | Path) -> Path:
     """One safetensors file with every model weight of a checkpoint (or a run dir's newest good one)."""
+    check_output_file("OUT", str(out))  # never into a run dir or a checkpoint (dsaflow.outputs)
     ckpt = resolve_checkpoint(path)
+    check_output_file("OUT", str(out), {"the checkpoint": str(ckpt)})
     tensors = {}
     with pinned(ckpt):
         for f in sorted(set(weight_files(ckpt).values())):
@@ -172,7 +175,7 @@ def main(argv=None) -> int:
         return 2
     try:
         print(export_weights(args[1], args[2]))
-    except (ServeError, CheckpointError) as exc:
+    except PlanError as exc:  # a ServeError, CheckpointError, or an OUT refused by dsaflow.outputs
         print(f"dsaflow: error: {exc}", file=sys.stderr)
         return 2
     return 0
