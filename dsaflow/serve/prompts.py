@@ -60,7 +60,7 @@ def load_requests(serve_cfg) -> List[Tuple[str, int, str]]:
         )
     if given:
         return [(_checked(str(p), f"prompt {i}"), serve_cfg.max_new_tokens, f"prompt {i}") for i, p in enumerate(given)]
-    field = f"serve.prompts_file={shown(str(path), 120)}"
+    field = f"serve.prompts_file={path if len(str(path)) <= 200 else shown(str(path), 120)}"
     try:  # a regular file only (a FIFO or a folder is named as such, never waited on); the user's own link is fine
         text = read_text(os.path.realpath(path))
     except UnsafeFile as exc:
