@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_train_pipeline import LAYOUTS_2, LAYOUTS_4, STEPS, _assert_same
-from train_harness import run_configs, tiny_cfg
+from train_harness import run_configs, stop_and_resume_cfgs, tiny_cfg
 
 from dsaflow.config.moe import MoEConfig
 from dsaflow.model import expert_load_balance, update_expert_bias
 from dsaflow.model.init import init_module
 from dsaflow.model.moe import MoE
+from dsaflow.run.rundir import read_metrics
 
 MOE = MoEConfig(
     n_routed_experts=4,
@@ -112,3 +113,18 @@ def test_the_bias_update_balances_a_skewed_router_and_training_alone_does_not():
     assert first_balanced <= 10, with_update  # measured: step 5
     assert sum(with_update[-20:]) / 20 < 1.3, with_update  # it stays balanced (measured: 1.1 to 1.4, mean 1.24)
     assert min(without) > 1.5, without  # measured: 3.8 falling to 2.1 in 60 steps
+
+
+@pytest.mark.slow
+def test_a_resumed_moe_run_carries_its_expert_biases(tmp_path):
+    """Stop after step 3, resume from the step-2 checkpoint: the losses and expert loads equal the uninterrupted
+    run's, which needs the selection biases the bias update had moved (they live in the checkpoint)."""
+    common = dict(steps=5, ckpt_every=2, dense_warmup_steps=1, eval_every=0)
+    full, stopped, resumed = stop_and_resume_cfgs(tmp_path, 2, 2, "1F1B", 3, **common)
+    for cfg in (full, stopped, resumed):
+        cfg.model.moe = dataclasses.replace(MOE, bias_update_rate=0.05)  # large steps: a lost bias would show
+    run_configs(2, [full, stopped, resumed], tmp_path / "out")
+    want, got = read_metrics(full.run_dir), read_metrics(stopped.run_dir)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    assert [r.get("expert_load_max") for r in got] == [r.get("expert_load_max") for r in want]
