@@ -224,3 +224,33 @@ def test_fused_weighted_swiglu_matches_torch_under_the_interpreter(monkeypatch):
     got_h, got_w = swiglu_weighted_bwd(h.detach(), w.detach(), d)
     torch.testing.assert_close(got_h, want_h)
     torch.testing.assert_close(got_w, want_w)
+
+
+def test_the_whole_layer_matches_the_references_with_router_gradients():
+    """MoE layer (router, routed experts, shared expert) against route_naive + moe_experts_naive + a plain SwiGLU:
+    the output and the gradients of the input, the router gate, the experts and the shared expert."""
+    moe = MoEConfig(n_routed_experts=8, num_experts_per_tok=3, moe_inter_dim=12, n_group=4, topk_group=2)
+    layer = MoE(16, moe)
+    torch.manual_seed(0)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    with torch.no_grad():
+        layer.gate.e_score_correction_bias.normal_(0, 0.1)
+    x = torch.randn(2, 9, 16, requires_grad=True)
+    out = layer(x)
+    g = layer.gate
+    flat = x.reshape(-1, 16)
+    ids, weights = route_naive(flat, g.weight, g.e_score_correction_bias, 3, 4, 2, True, 1.0)
+    # the reference weights, differentiable in x and the gate, for the experts route_naive chose
+    scores = torch.sigmoid(flat @ g.weight.t()).gather(1, ids)
+    ref_w = scores / scores.sum(dim=-1, keepdim=True)
+    torch.testing.assert_close(ref_w.detach(), weights, rtol=1e-5, atol=1e-6)
+    e = layer.experts
+    ref = moe_experts_naive(flat, ids, ref_w, e.gate_up_proj, e.down_proj) + layer.shared_experts(flat)
+    torch.testing.assert_close(out.reshape(-1, 16), ref, rtol=1e-5, atol=1e-5)
+    params = [x, g.weight, e.gate_up_proj, e.down_proj, layer.shared_experts.w1.weight]
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out.reshape(-1, 16), params, grad)
+    want = torch.autograd.grad(ref, params, grad)
+    for name, a, b in zip(["x", "gate", "gate_up", "down", "shared w1"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
