@@ -10,20 +10,20 @@
    enough to time.
 Writes <out>/bench_dense_warmup.json and <out>/bench_dense_warmup.md (rewritten after every row).
 
-    PYTHONPATH=. python scripts/bench_dense_warmup.py --out bench_out [--contexts 4096,8192,16384] [--layers 1,2]
+    python scripts/bench_dense_warmup.py --out bench_out [--contexts 4096,8192,16384] [--layers 1,2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+from bench_lib import bench, describe_device, measure_ceilings, need_cuda, out_dir, timed_slow, write_results
 
 from dsaflow.ops.dense_indexer_kl import dense_indexer_kl_chunked
 from dsaflow.ops.dense_indexer_kl.triton_launch import (
@@ -37,9 +37,7 @@ H, D, H_I, D_I = 128, 192, 64, 128
 OUT = {"device": None, "ceilings": {}, "steps": [], "op": [], "errors": []}
 
 
-def save(out_dir: str) -> None:
-    with open(os.path.join(out_dir, "bench_dense_warmup.json"), "w") as f:
-        json.dump(OUT, f, indent=1)
+def save(out, quiet: bool = True) -> None:
     lines = [
         f"# Dense warm-up on {OUT['device']}",
         "",
@@ -69,17 +67,7 @@ def save(out_dir: str) -> None:
         lines.append(f"| {r['L']} | {r['context']} | {r['part']} | {r['time_ms']:.2f} | {fl} | {tf} | {fr} |")
     if OUT["errors"]:
         lines += ["", "Errors:", *[f"- {e}" for e in OUT["errors"]]]
-    with open(os.path.join(out_dir, "bench_dense_warmup.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def cuda_ms(fn) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b)
+    write_results(out, "bench_dense_warmup", OUT, "\n".join(lines), quiet=quiet)
 
 
 def model_step(layout: str, T: int, reps: int, frozen: bool = True) -> dict:
@@ -172,7 +160,7 @@ def op_rows(L: int, T: int, chunked_max: int, overrides: dict | None = None) -> 
     total_ms, total_fl = 0.0, 0.0
     ceil = OUT["ceilings"]["matmul_tflops"]
     for name, (fn, fl) in parts.items():
-        ms = triton.testing.do_bench(fn, warmup=25, rep=100 if T <= 8192 else 60, return_mode="median")
+        ms = bench(fn, rep_ms=100 if T <= 8192 else 60, warmup_ms=25)
         total_ms, total_fl = total_ms + ms, total_fl + fl
         OUT["op"].append(
             dict(
@@ -206,7 +194,7 @@ def op_rows(L: int, T: int, chunked_max: int, overrides: dict | None = None) -> 
             return loss
 
         ref_loss = ref()
-        ms = cuda_ms(ref)
+        ms = timed_slow(ref, 1)
         OUT["op"].append(
             dict(
                 L=L,
@@ -222,8 +210,8 @@ def op_rows(L: int, T: int, chunked_max: int, overrides: dict | None = None) -> 
         OUT["op"][-1]["loss_rel_diff_vs_triton"] = abs(float(ref_loss) - float(kl.sum() / T)) / float(ref_loss)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None, prog: str = "bench_dense_warmup.py") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--contexts", default="4096,8192,16384")
     ap.add_argument("--layouts", default="FS,F", help="model layouts of the training step (FS: one F + one S layer)")
@@ -231,13 +219,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--chunked-max", type=int, default=4096, help="largest context for the torch reference")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip the remaining rows past this wall time")
-    a = ap.parse_args()
-    os.makedirs(a.out, exist_ok=True)
+    a = ap.parse_args(argv)
+    need_cuda(prog)
+    out = out_dir(prog, a.out)
     t_start = time.time()
-    OUT["device"] = torch.cuda.get_device_name()
-    m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    OUT["ceilings"]["matmul_tflops"] = round(2 * 8192**3 / triton.testing.do_bench(lambda: m @ m, rep=200) / 1e9, 1)
-    m = None
+    OUT["device"] = describe_device()
+    OUT["ceilings"] = measure_ceilings()
     contexts = [int(c) for c in a.contexts.split(",")]
     jobs = [("step", lay, T) for lay in a.layouts.split(",") for T in sorted(contexts, reverse=True)]
     jobs += [("op", int(L), T) for L in a.op_layers.split(",") for T in contexts]
@@ -258,11 +245,11 @@ def main() -> None:
             OUT["errors"].append(f"{kind} {arg} {T}: {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc()
             torch.cuda.empty_cache()
-        save(a.out)
+        save(out)
         print(json.dumps({"kind": kind, "arg": arg, "T": T, "s": round(time.time() - t_start, 1)}), flush=True)
-    with open(os.path.join(a.out, "bench_dense_warmup.md")) as f:
-        print(f.read())
+    save(out, quiet=False)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

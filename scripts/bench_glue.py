@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The training step's glue ops at DeepSeek-V3.2 attention shapes, new kernels vs the torch code they replace (CUDA).
 
 One sequence of --seq tokens (default 4096); forward + backward of each op (do_bench median, the gradient of the output
@@ -14,39 +13,29 @@ Rates: memory-bound ops in GB/s of the bytes they must move (inputs read + outpu
 against a device-to-device copy measured in the same process; projections in TFLOP/s of their three matmuls against
 a bf16 8192^3 matmul. Writes <out>/bench_glue.json and <out>/bench_glue.md.
 
-    PYTHONPATH=. python scripts/bench_glue.py --out bench_out
+    python scripts/bench_glue.py --out bench_out
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
-from pathlib import Path
+import sys
 
 import torch
+from bench_lib import bench, describe_device, measure_ceilings, need_cuda, out_dir, write_results
 
 DEV = "cuda"
 
 
 def do_bench(fn) -> float:
-    if DEV == "cpu":  # --smoke: checks the script's logic only
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    """Median ms on CUDA; on CPU (--smoke) one call, which checks the script's logic only."""
+    return bench(fn, rep_ms=200, warmup_ms=25, device=DEV)
 
 
 def ceilings() -> dict:
-    big = 2**29 if DEV == "cuda" else 2**20
-    a = torch.empty(big, dtype=torch.uint8, device=DEV)  # 512 MiB
-    copy_ms = do_bench(lambda: a.clone())
-    n = 8192 if DEV == "cuda" else 256
-    m = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
-    mm_ms = do_bench(lambda: m @ m)
-    return {"copy_gb_s": 2 * a.numel() / copy_ms / 1e6, "matmul_tflops": 2 * n**3 / mm_ms / 1e9}
+    ceil = measure_ceilings(DEV)
+    return {"copy_gb_s": ceil["copy_tbps"] * 1e3, "matmul_tflops": ceil["matmul_tflops"]}
 
 
 def fwd_bwd(f, inputs, dy):
@@ -140,8 +129,8 @@ def serving_head_tensors(T: int, cos, sin, w, rnd):
     return torch.no_grad()(new), torch.no_grad()(copies), None, 2 * T * C * H * (N + V)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog: str = "bench_glue.py") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--smoke", action="store_true", help="CPU, 16 tokens: the script's logic only")
@@ -149,9 +138,9 @@ def main(argv=None) -> int:
     if args.smoke:
         global DEV
         DEV, args.seq = "cpu", 16
-    elif not torch.cuda.is_available():
-        print("bench_glue.py needs a CUDA GPU")
-        return 2
+    else:
+        need_cuda(prog)
+    out = out_dir(prog, args.out)
     ceil = ceilings()
     rows = []
     for name, new, ref, nbytes, flops in cases(args.seq):
@@ -163,10 +152,7 @@ def main(argv=None) -> int:
             row.update(tflops=flops / new_ms / 1e9, of_matmul=flops / new_ms / 1e9 / ceil["matmul_tflops"])
         rows.append(row)
         print(json.dumps(row), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)", "seq": args.seq, **ceil}
-    (out / "bench_glue.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    meta = {"device": describe_device(DEV), "seq": args.seq, **ceil}
     lines = [
         f"{meta['device']}, T = {args.seq}: copy {ceil['copy_gb_s']:.0f} GB/s, bf16 matmul "
         f"{ceil['matmul_tflops']:.0f} TFLOP/s (same process). Forward + backward (head_tensors: forward), ms:",
@@ -181,10 +167,9 @@ def main(argv=None) -> int:
             f"| {r['op']} | {r['new_ms']:.3f} | {r['torch_ms']:.3f} | {r['speedup']:.2f}x | {rate} | "
             f"{100 * frac:.0f} % |"
         )
-    (out / "bench_glue.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, "bench_glue", {**meta, "rows": rows}, "\n".join(lines))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

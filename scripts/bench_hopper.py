@@ -18,32 +18,23 @@ Each query's keys are sorted ascending, as the top-k op returns them (--index-or
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
-import triton
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import importlib  # noqa: E402
+from bench_lib import D_QK, D_V, ROWS, TOPK, H, bench, environment, measure_ceilings, need_cuda, out_dir, write_results
 
 hp = importlib.import_module("dsaflow.ops.sparse_mla.hopper_seesaw")
 tp = importlib.import_module("dsaflow.ops.sparse_mla.triton_prefill")
 td = importlib.import_module("dsaflow.ops.sparse_mla.triton_decode")
 naive = importlib.import_module("dsaflow.ops.sparse_mla.naive")
 
-H, D_QK, D_V, TOPK = 128, 576, 512, 2048
 VARIANTS = {  # launch configs of the seesaw kernel over hopper_seesaw.SEESAW_CFG
     "seesaw": dict(),  # the default
     "seesaw_regs_48_232": dict(PRODUCER_REGS=48, CONSUMER_REGS=232),
 }
-ROWS: list[dict] = []
-
-
-def bench(fn, rep=200):
-    return triton.testing.do_bench(fn, warmup=50, rep=rep, return_mode="median")
 
 
 def rec(**row):
@@ -52,14 +43,9 @@ def rec(**row):
 
 
 def ceilings():
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm = 2 * 8192**3 / bench(lambda: a @ b) / 1e9
-    x = torch.randn(2**28, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    cp = 2 * x.numel() * 2 / bench(lambda: y.copy_(x)) / 1e9
-    rec(kind="ceiling", matmul_tflops=round(mm, 1), copy_tbps=round(cp, 3))
-    return mm, cp
+    ceil = measure_ceilings()
+    rec(kind="ceiling", **ceil)
+    return ceil["matmul_tflops"], ceil["copy_tbps"]
 
 
 def inputs(ctx, n_q, h=H, batch=1, seed=0, invalid=False, order="ascending"):
@@ -201,8 +187,8 @@ DECODE_CONFIGS = [  # merged over triton_decode.decode_overrides (8 warps for th
 ]
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None, prog: str = "bench_hopper.py") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out/hopper")
     ap.add_argument("--part", default="all", choices=("all", "fwd", "decode"))
     ap.add_argument("--variant", default="seesaw", help=f"comma-separated, of {','.join(VARIANTS)}")
@@ -213,16 +199,11 @@ def main():
         choices=("ascending", "random"),
         help="order of each query's selected keys: the top-k op's (ascending) or unsorted",
     )
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rec(
-        kind="env",
-        device=torch.cuda.get_device_name(),
-        triton=triton.__version__,
-        torch=torch.__version__,
-        index_order=args.index_order,
-    )
+    args = ap.parse_args(argv)
+    need_cuda(prog)
+    out = out_dir(prog, args.out)
+    e = environment()
+    rec(kind="env", device=e["device_name"], triton=e["triton"], torch=e["torch"], index_order=args.index_order)
     mm, cp = ceilings()
     if args.part in ("all", "fwd"):
         fwd_part(args.variant.split(","), [int(c) for c in args.contexts.split(",")], mm, args.index_order)
@@ -231,7 +212,6 @@ def main():
         decode_h128_part(mm, args.index_order)
     tag = args.part if args.part != "fwd" else f"fwd_{args.variant.replace(',', '_')}"
     tag += "" if args.index_order == "ascending" else "_random"
-    (out / f"bench_hopper_{tag}.json").write_text(json.dumps(ROWS, indent=1))
     lines = [
         "| kind | impl / cfg | ctx | ms | TFLOP/s or TB/s | fraction of ceiling | check |",
         "|---|---|---|---|---|---|---|",
@@ -245,9 +225,9 @@ def main():
                 f"| {r['kind']} | {r.get('impl', r.get('cfg'))} | {r.get('ctx', 32768)} | {r.get('ms', '')} "
                 f"| {rate} | {frac} | {chk} |"
             )
-    (out / f"bench_hopper_{tag}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, f"bench_hopper_{tag}", ROWS, "\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -52,24 +52,19 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
+import indexcache_short as short_prefill
 import torch
+from bench_lib import out_dir, resolve_device, wall_seconds, write_results
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-import indexcache_short as short_prefill  # noqa: E402
-
-import dsaflow.model.stage as stage_mod  # noqa: E402
-from dsaflow.config.compose import compose  # noqa: E402
-from dsaflow.ops.indexer_topk import indexer_topk  # noqa: E402
-from dsaflow.plan import build_plan  # noqa: E402
-from dsaflow.run.stages import stage_module  # noqa: E402
-from dsaflow.serve.engine import PipelineEngine  # noqa: E402
-from dsaflow.serve.generate import serve_dtype  # noqa: E402
+import dsaflow.model.stage as stage_mod
+from dsaflow.config.compose import compose
+from dsaflow.ops.indexer_topk import indexer_topk
+from dsaflow.plan import build_plan
+from dsaflow.run.stages import stage_module
+from dsaflow.serve.engine import PipelineEngine
+from dsaflow.serve.generate import serve_dtype
 
 PAPER = {
     "contexts": [10_000, 60_000, 120_000, 200_000],
@@ -81,8 +76,8 @@ PAPER = {
 INDEXES = {"all_full": 1, "every2": 2, "every4": 4}
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None, prog: str = "bench_indexcache.py"):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="dsv32")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--extra", default="model.vocab_size=256 model.inter_dim=2048", help="more config overrides")
@@ -101,27 +96,11 @@ def parse_args(argv=None):
     ap.add_argument("--short-chunks", default="128,256,512,1024", help="chunk sizes of the all-F chunk sweep")
     ap.add_argument("--short-chunk-contexts", default="2048,8192", help="contexts of the chunk sweep ('' = none)")
     a = ap.parse_args(argv)
-    if a.device == "auto":
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    a.device = resolve_device(prog, a.device)
     return a
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device, repeats=1) -> float:
-    """Median wall seconds of fn() between device syncs (after one untimed call)."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+timed = wall_seconds  # median wall seconds of fn() between device syncs, after one untimed call
 
 
 @torch.no_grad()
@@ -277,13 +256,8 @@ def result(a, rows: list, device, dtype) -> dict:
 
 
 def save(res: dict, out: Path, final: bool = True) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "indexcache.json").write_text(json.dumps(res, indent=1))
-    md = markdown(res)
-    (out / "indexcache.md").write_text(md)
-    if final:
-        print(md)
-        print("plot:", plot(res, out / "indexcache.png"))
+    """indexcache.json and .md (after every row: a cut-off run keeps its rows), and the plot at the end."""
+    write_results(out, "indexcache", res, markdown(res), (lambda plt: plot(res, plt)) if final else None, not final)
 
 
 def ratio(x) -> str:
@@ -325,14 +299,8 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+def plot(res: dict, plt):
+    """The paper's 1/4-F ratios beside ours, and the indexer's share of prefill -> the figure."""
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     p = res["paper"]
     for ax, key, paper_key, title in (
@@ -357,17 +325,16 @@ def plot(res: dict, path: Path) -> bool:
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return True
+    return fig
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
+def main(argv=None, prog: str = "bench_indexcache.py") -> int:
+    a = parse_args(argv, prog)
+    out = out_dir(prog, a.out)
     if a.part in ("long", "all"):
-        save(run(a), Path(a.out))
+        save(run(a), out)
     if a.part in ("short", "all"):
-        short_prefill.save(short_prefill.run(a, make_cfg, build_stage, indexer_op_seconds, timed), Path(a.out))
+        short_prefill.save(short_prefill.run(a, make_cfg, build_stage, indexer_op_seconds, timed), out)
     return 0
 
 

@@ -12,20 +12,21 @@ Sections:
         The indexer loss's share of the step = (step with it - step without it) / step with it.
 Writes <out>/bench_indexer_loss.json and <out>/bench_indexer_loss.md (after every section).
 
-    PYTHONPATH=. python scripts/bench_indexer_loss.py --out bench_out [--no-sweep] [--only ops,step]
+    python scripts/bench_indexer_loss.py --out bench_out [--no-sweep] [--only ops,step]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
+from bench_lib import CEIL, add_rates, environment, measure_ceilings, need_cuda, out_dir, write_results
+from bench_lib import bench as harness_bench
+from bench_lib import timed_slow as harness_timed_slow
 
 from dsaflow.ops.indexer_loss import (
     attention_distribution,
@@ -42,29 +43,18 @@ SEQ, H, D_QK, D_V, TOPK, H_I, D_I = 4096, 128, 576, 512, 2048, 64, 128
 SM_SCALE = 192**-0.5
 DEV, DT = "cuda", torch.bfloat16
 ROWS: list[dict] = []
-CEIL: dict = {}
 CHOSEN: dict = {"target": None, "kl": None}
 
 
 def bench(fn, rep_ms=200) -> float:
-    if DEV == "cpu":
-        return timed_slow(fn, 1)
-    return triton.testing.do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
+    return harness_bench(fn, rep_ms=rep_ms, device=DEV)
 
 
 def timed_slow(fn, n=3) -> float:
-    if DEV == "cpu":  # --smoke: checks the script's logic only
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    from bench_lib import timed_slow as median_of_cuda_events  # scripts/ is on sys.path when run as a script
-
-    return median_of_cuda_events(fn, n)
+    return harness_timed_slow(fn, n if DEV == "cuda" else 1, device=DEV)
 
 
 def record(section, what, impl, ms, flops=None, **extra):
-    from bench_lib import add_rates  # scripts/ is on sys.path when run as a script
-
     row = add_rates(
         dict(section=section, what=what, impl=impl, time_ms=round(ms, 3), flops=flops, **extra), ms, CEIL, flops
     )
@@ -79,13 +69,7 @@ def rel(a, b) -> float:
 
 
 def measure_ceiling():
-    if DEV == "cpu":
-        CEIL["matmul_tflops"] = 1.0
-        return
-    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    CEIL["matmul_tflops"] = round(2 * 8192**3 / bench(lambda: a @ b, 300) / 1e9, 1)
-    print("ceiling", CEIL, flush=True)
+    measure_ceilings(DEV)  # into bench_lib.CEIL, which every row's fraction reads
 
 
 def causal_topk(T, S, K, g):
@@ -332,9 +316,7 @@ def bench_step(layouts):
         torch.cuda.empty_cache()
 
 
-def write(out, meta):
-    with open(os.path.join(out, "bench_indexer_loss.json"), "w") as f:
-        json.dump(dict(meta=meta, ceilings=CEIL, chosen=CHOSEN, rows=ROWS), f, indent=1)
+def write(out, meta, quiet=True):
     lines = [
         f"# Indexer-loss kernels ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})",
         "",
@@ -354,27 +336,26 @@ def write(out, meta):
     checks = [r for r in ROWS if r["section"] == "check"]
     if checks:
         lines += ["", "Checks: " + "; ".join(json.dumps(c) for c in checks)]
-    with open(os.path.join(out, "bench_indexer_loss.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    data = dict(meta=meta, ceilings=CEIL, chosen=CHOSEN, rows=ROWS)
+    write_results(out, "bench_indexer_loss", data, "\n".join(lines), quiet=quiet)
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None, prog: str = "bench_indexer_loss.py") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", default="ops,step")
     ap.add_argument("--layouts", default="F,FSSS")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1): logic check only")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.smoke:
         global SEQ, H, D_QK, D_V, TOPK, H_I, D_I, SM_SCALE, DEV, DT
         SEQ, H, D_QK, D_V, TOPK, H_I, D_I, SM_SCALE, DEV, DT = 24, 4, 40, 32, 8, 4, 16, 40**-0.5, "cpu", torch.float32
-    os.makedirs(args.out, exist_ok=True)
-    meta = dict(
-        device=torch.cuda.get_device_name() if DEV == "cuda" else "cpu smoke",
-        torch=torch.__version__,
-        triton=triton.__version__,
-    )
+    else:
+        need_cuda(prog)
+    out = out_dir(prog, args.out)
+    e = environment(DEV)
+    meta = dict(device=e["device_name"], torch=e["torch"], triton=e["triton"])
     t0 = time.time()
     measure_ceiling()
     sections = [("ops", lambda: bench_ops(not args.no_sweep)), ("step", lambda: bench_step(args.layouts.split(",")))]
@@ -388,9 +369,10 @@ def main():
             ROWS.append(dict(section="failed", what=name, impl="", time_ms=float("nan"), error=str(e)[:400]))
         torch.cuda.empty_cache()
         meta["seconds"] = round(time.time() - t0, 1)
-        write(args.out, meta)
-    print(open(os.path.join(args.out, "bench_indexer_loss.md")).read())
+        write(out, meta)
+    write(out, meta, quiet=False)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,15 +23,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
-from bench_lib import CEIL, D_QK, D_V, ROWS, TOPK, H, bench, measure_ceilings, mla_inputs, record, rel_err, sweep
-from bench_peers import PEERS, bench_backward_peers, peers_markdown
+from bench_lib import (
+    CEIL,
+    D_QK,
+    D_V,
+    ROWS,
+    TOPK,
+    H,
+    bench,
+    environment,
+    measure_ceilings,
+    mla_inputs,
+    need_cuda,
+    out_dir,
+    record,
+    rel_err,
+    sweep,
+    timed_slow,
+    write_results,
+)
+from benches.ops_peers import PEERS, bench_backward_peers, peers_markdown
 from topk_sort_baseline import logits_as_keys, topk_from_keys
 
 from dsaflow.ops.indexer_topk.naive import topk_from_scores
@@ -324,7 +340,7 @@ def kernel_stats():
     return stats
 
 
-def write_markdown(path, meta):
+def markdown(meta) -> str:
     lines = [
         f"# bench_ops ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})",
         "",
@@ -346,19 +362,21 @@ def write_markdown(path, meta):
     lines += peers_markdown()
     lines += ["", "Sweeps (ms at 32K; the target pass's at the first context):", ""]
     lines += [f"- {r['kernel']} {r['config']}: {r['time_ms']}" for r in ROWS if r["impl"] == "sweep"]
-    open(path, "w").write("\n".join(lines) + "\n")
+    return "\n".join(lines)
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None, prog: str = "bench_ops.py") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", default="mla,peers,decode,indexer,dense")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    need_cuda(prog)
     contexts = [int(c) for c in args.contexts.split(",")]
-    os.makedirs(args.out, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    out = out_dir(prog, args.out)
+    e = environment()
+    meta = dict(device=e["device_name"], torch=e["torch"], triton=e["triton"])
     t0 = time.time()
     only = args.only.split(",")
     measure_ceilings()
@@ -380,11 +398,10 @@ def main():
         torch.cuda.empty_cache()
     meta["seconds"] = round(time.time() - t0, 1)
     stats = kernel_stats()
-    with open(os.path.join(args.out, "bench_ops.json"), "w") as f:
-        json.dump(dict(meta=meta, ceilings=CEIL, rows=ROWS, peers=PEERS, kernel_stats=stats), f, indent=1)
-    write_markdown(os.path.join(args.out, "bench_ops.md"), meta)
-    print(open(os.path.join(args.out, "bench_ops.md")).read())
+    data = dict(meta=meta, ceilings=CEIL, rows=ROWS, peers=PEERS, kernel_stats=stats)
+    write_results(out, "bench_ops", data, markdown(meta))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,20 +17,15 @@ Writes <out>/bench_sparse_mla_causal.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import sys
 import time
-from pathlib import Path
 
 import torch
-import triton
+from bench_hopper import hp, rec, tp
+from bench_lib import D_QK, D_V, ROWS, TOPK, H, bench, environment, measure_ceilings, need_cuda, out_dir, write_results
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import importlib  # noqa: E402
-
-from bench_hopper import D_QK, D_V, ROWS, TOPK, H, bench, hp, rec, tp  # noqa: E402  (one timer, one row list)
-
-from dsaflow.ops.indexer_topk import ascending_keys  # noqa: E402
+from dsaflow.ops.indexer_topk import ascending_keys
 
 tb = importlib.import_module("dsaflow.ops.sparse_mla.triton_backward")
 
@@ -111,9 +106,9 @@ def run(S: int, mm: float, seed: int = 0):
     print(f"seq {S}: bwd extent vs all slots rel err dq {errs[0]:.2e} dkv {errs[1]:.2e}", flush=True)
     assert max(errs) < 1e-2
     del dq1, dkv1, dq2, dkv2
-    row("sparse_mla_bwd", "key extent", bench(lambda: bwd(nk), rep=300), bwd_nom)
-    row("sparse_mla_bwd", "all slots", bench(lambda: bwd(full), rep=300), bwd_nom)
-    row("sparse_mla_bwd (deterministic)", "key extent", bench(lambda: bwd(nk, True), rep=300), bwd_nom)
+    row("sparse_mla_bwd", "key extent", bench(lambda: bwd(nk), rep_ms=300), bwd_nom)
+    row("sparse_mla_bwd", "all slots", bench(lambda: bwd(full), rep_ms=300), bwd_nom)
+    row("sparse_mla_bwd (deterministic)", "key extent", bench(lambda: bwd(nk, True), rep_ms=300), bwd_nom)
     row("torch delta (removed)", "", bench(lambda: old_delta(out, do)), 0)
 
 
@@ -136,33 +131,24 @@ def markdown(meta) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog: str = "bench_sparse_mla_causal.py") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--seq", default="4096")
     ap.add_argument("--out", default="bench_out")
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm = 2 * 8192**3 / bench(lambda: a @ b) / 1e9
-    del a, b
-    meta = dict(
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        matmul_tflops=round(mm, 1),
-    )
+    args = ap.parse_args(argv)
+    need_cuda(prog)
+    out = out_dir(prog, args.out)
+    mm = measure_ceilings()["matmul_tflops"]
+    e = environment()
+    meta = dict(device=e["device_name"], torch=e["torch"], triton=e["triton"], matmul_tflops=mm)
     t0 = time.time()
     for s in (int(x) for x in args.seq.split(",")):
         run(s, mm)
         torch.cuda.empty_cache()
     meta["seconds"] = round(time.time() - t0, 1)
-    (out / "bench_sparse_mla_causal.json").write_text(json.dumps(dict(meta=meta, rows=ROWS), indent=1))
-    md = markdown(meta)
-    (out / "bench_sparse_mla_causal.md").write_text(md)
-    print(md)
+    write_results(out, "bench_sparse_mla_causal", dict(meta=meta, rows=ROWS), markdown(meta))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

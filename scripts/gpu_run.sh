@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU test and benchmark phases for a machine with one or more NVIDIA GPUs. Usage: bash scripts/gpu_run.sh PHASE
 #   kernels: every gpu-marked op test, then scripts/bench_ops.py (kernel table with the torch and dense-SDPA baselines)
-#            and scripts/bench_train_layer.py (where a training step's time goes, 4K / 16K, the indexer loss in
+#            and scripts/bench_train.py layer (where a training step's time goes, 4K / 16K, the indexer loss in
 #            the backward vs in the forward vs the reference; a 128K-token step of a 2-layer model with train.recompute=attention)
 #   model:   the gpu-marked model, serving and training tests; the main job on one GPU; long-context training steps
 #            with and without recomputation; the dense warm-up step at 16K
@@ -33,10 +33,10 @@ kernels)
     tests/test_ops_head_proj.py tests/test_ops_probs_into.py tests/test_ops_sparse_mla_probs.py
   summary
   step bench_ops 150 python3 scripts/bench_ops.py --out "$OUT" --only mla,decode --no-sweep
-  step bench_topk 150 python3 scripts/bench_indexer_topk.py --out "$OUT"
+  step bench_topk 150 python3 scripts/bench_topk.py indexer --out "$OUT"
   step bench_causal 60 python3 scripts/bench_sparse_mla_causal.py --seq 4096 --out "$OUT/causal"
-  step train_layer 240 python3 scripts/bench_train_layer.py --seq 4096,16384 --layers 4 --out "$OUT"
-  step train_128k 90 python3 scripts/bench_train_layer.py --seq 131072 --layers 2 --index all_full --impls fused \
+  step train_layer 240 python3 scripts/bench_train.py layer --seq 4096,16384 --layers 4 --out "$OUT"
+  step train_128k 90 python3 scripts/bench_train.py layer --seq 131072 --layers 2 --index all_full --impls fused \
     --no-profile --reps 1 --recompute attention --out "$OUT/k128"
   cat "$OUT/bench_ops.md" "$OUT"/indexer_topk.md "$OUT"/causal/*.md "$OUT/bench_train_layer.md" \
     "$OUT/k128/bench_train_layer.md" 2>/dev/null ;;
@@ -48,15 +48,15 @@ model)
   step main_job_1gpu 120 python3 -m dsaflow.cli train train.device=cuda track=none train.progress=lines \
     run_dir=/tmp/r/main1
   cp /tmp/r/main1/metrics.jsonl "$OUT/main1_metrics.jsonl" 2>/dev/null
-  step train_64k_2layers 100 python3 scripts/bench_train_layer.py --seq 65536 --layers 2 --index all_full \
+  step train_64k_2layers 100 python3 scripts/bench_train.py layer --seq 65536 --layers 2 --index all_full \
     --impls fused --no-profile --reps 1 --out "$OUT/k64"
-  step train_64k_2layers_recompute 100 python3 scripts/bench_train_layer.py --seq 65536 --layers 2 \
+  step train_64k_2layers_recompute 100 python3 scripts/bench_train.py layer --seq 65536 --layers 2 \
     --index all_full --impls fused --no-profile --reps 1 --recompute attention --out "$OUT/k64r"
-  step train_128k_2layers_recompute 100 python3 scripts/bench_train_layer.py --seq 131072 --layers 2 \
+  step train_128k_2layers_recompute 100 python3 scripts/bench_train.py layer --seq 131072 --layers 2 \
     --index all_full --impls fused --no-profile --reps 1 --recompute attention --out "$OUT/k128"
   step dense_warmup_16k 120 python3 scripts/bench_dense_warmup.py --out "$OUT/dense" --contexts 16384 \
     --layouts FS --op-layers 2 --budget-s 60
-  step topk_128k 150 python3 scripts/bench_indexer_topk.py --out "$OUT/topk" --contexts 131072 --prefill-context 0
+  step topk_128k 150 python3 scripts/bench_topk.py indexer --out "$OUT/topk" --contexts 131072 --prefill-context 0
   cat "$OUT"/k64/*.md "$OUT"/k64r/*.md "$OUT"/k128/*.md "$OUT"/dense/*.md "$OUT"/topk/*.md 2>/dev/null ;;
 indexcache)
   step indexcache 540 python3 scripts/bench_indexcache.py --out "$OUT/indexcache" --decode-steps 32 --sdpa-repeats 2
@@ -74,7 +74,7 @@ serve)
   [ "$n_gpu" -ge 2 ] || { echo "the serve phase needs 2+ GPUs, this machine has $n_gpu"; exit 2; }
   [ "$n_gpu" -ge 4 ] && pipelines=single,pp2,pp4 || pipelines=single,pp2
   if [[ " ${SERVE_STEPS:-bench tests} " == *" bench "* ]]; then
-    STEP_LOG="$OUT/bench.log" step bench_serve "${BENCH_LIMIT:-480}" python3 scripts/bench_serve.py --device cuda \
+    STEP_LOG="$OUT/bench.log" step bench_serve "${BENCH_LIMIT:-480}" python3 scripts/bench_serve.py engine --device cuda \
       --pipelines "${PIPELINES:-$pipelines}" --workloads uniform,mixed --requests "${REQUESTS:-512}" --out "$OUT/bench" \
       ${BENCH_ARGS:-}
   fi

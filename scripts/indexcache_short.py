@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_lib import environment, write_results
 from torch import nn
 
 from dsaflow.model import dense_prefill
@@ -348,9 +349,8 @@ def crossover(rows: list, topk: int) -> dict:
 
 def bench_env(a, device, dtype, layers: int, repeats: int, **more) -> dict:
     """What a bench_indexcache JSON records about its run (both parts)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return dict(
-        device=name,
+        device=environment(device)["device_name"],
         torch=torch.__version__,
         model=a.model,
         extra=a.extra,
@@ -388,11 +388,7 @@ def result(a, rows, sweep, rates, device, dtype, m) -> dict:
 
 
 def save(res: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "indexcache_short.json").write_text(json.dumps(res, indent=1))
-    md = markdown(res)
-    (out / "indexcache_short.md").write_text(md)
-    print(md)
+    write_results(out, "indexcache_short", res, markdown(res))
 
 
 def markdown(res: dict) -> str:

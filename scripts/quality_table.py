@@ -41,12 +41,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # this checkout's dsaflow, whatever else is installed
-sys.path.insert(0, str(REPO / "scripts"))
-
 # the collect step lives in quality_collect.py; its names are re-exported for the tests
-from quality_collect import (  # noqa: E402, F401
+from quality_collect import (  # noqa: F401
     BEGIN,
     END,
     ORDER,
@@ -57,10 +53,8 @@ from quality_collect import (  # noqa: E402, F401
     collect_rows,
 )
 
-EXIT_WORK_LEFT = 75
-
 # the recipes (presets, the curriculum, the train overrides) live in quality_recipe.py
-from quality_recipe import (  # noqa: E402, F401
+from quality_recipe import (  # noqa: F401
     PRESETS,
     pre_stage,
     recipe,
@@ -68,6 +62,9 @@ from quality_recipe import (  # noqa: E402, F401
     task_overrides,
     train_overrides,
 )
+
+REPO = Path(__file__).resolve().parents[1]
+EXIT_WORK_LEFT = 75
 
 
 class Budget:

@@ -1,14 +1,10 @@
-"""Load a script from scripts/ as a module, so its CPU smoke tests call `main(argv)` in-process."""
+"""Import a script from scripts/ as a module, so its CPU smoke tests call `main(argv)` in-process. pytest puts
+scripts/ on the path (pyproject.toml), as `python scripts/x.py` does, so `bench_lib` and `benches` resolve."""
 
-import importlib.util
-import os
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import importlib
 
 
 def load_script(name: str):
-    """scripts/<name>.py as a module (its `if __name__ == "__main__"` block does not run)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """scripts/<name>.py (or a module under scripts/, e.g. "benches.serve_rank") as a module; its
+    `if __name__ == "__main__"` block does not run."""
+    return importlib.import_module(name)

@@ -1,4 +1,4 @@
-"""scripts/bench_decode.py runs end to end on CPU at tiny size (eager only; graphs need CUDA): in-process for one
+"""`scripts/bench_serve.py decode` runs end to end on CPU at tiny size (eager only; graphs need CUDA): in-process for one
 stage and through torchrun + gloo for two, writing consistent JSON and markdown."""
 
 import json
@@ -9,8 +9,9 @@ from script_helpers import load_script
 
 @pytest.mark.slow
 def test_bench_decode_cpu_one_and_two_stages(tmp_path):
-    bench = load_script("bench_decode")
+    bench = load_script("bench_serve")
     argv = [
+        "decode",
         "--device",
         "cpu",
         "--models",
@@ -42,6 +43,7 @@ def test_bench_decode_cpu_one_and_two_stages(tmp_path):
     assert (
         bench.main(
             [
+                "decode",
                 "--merge",
                 str(tmp_path / "bench_decode.json"),
                 str(tmp_path / "bench_decode.json"),
@@ -55,7 +57,7 @@ def test_bench_decode_cpu_one_and_two_stages(tmp_path):
 
 
 def test_bench_savings_pairing():
-    bench = load_script("bench_decode")
+    bench = load_script("benches.serve_decode")
     rows = [
         {"model": "m", "gpus": 1, "batch": 4, "mode": "eager", "per_token_ms": 10.0},
         {"model": "m", "gpus": 1, "batch": 4, "mode": "graphs", "per_token_ms": 4.0},

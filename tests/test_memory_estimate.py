@@ -125,7 +125,7 @@ GPU_ROWS = [(16384, "none"), (16384, "attention"), (16384, "block"), (32768, "bl
 
 @pytest.fixture(scope="module")
 def bench_stage():
-    bench = load_script("bench_train_stage")
+    bench = load_script("benches.train_stage")
     stage, opts = bench.build(8, "every4")
     yield bench, stage, opts
     del stage, opts
@@ -146,7 +146,7 @@ def test_gpu_estimate_within_15_percent_of_the_measured_peak(bench_stage, seq, m
 
 def test_the_bench_table_records_out_of_memory_rows():
     """CPU: the bench's markdown from rows as `measure` returns them, one of them out of memory."""
-    bench = load_script("bench_train_stage")
+    bench = load_script("benches.train_stage")
     rows = [
         {
             "seq": 16384,

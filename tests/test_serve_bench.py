@@ -1,4 +1,4 @@
-"""scripts/bench_serve.py end to end on CPU at tiny size: one process for `single`, torchrun + gloo for `pp2`; the
+"""`scripts/bench_serve.py engine` end to end on CPU at tiny size: one process for `single`, torchrun + gloo for `pp2`; the
 JSON rows carry the fields the docs promise, the comparisons are computed from them, the table and the PNG exist."""
 
 import gzip
@@ -14,6 +14,7 @@ from script_helpers import load_script
 def test_bench_serve_cpu_single_and_pp2(tmp_path):
     bench = load_script("bench_serve")
     argv = [
+        "engine",
         "--device",
         "cpu",
         "--pipelines",
@@ -92,7 +93,7 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
 def test_an_interrupted_run_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     """A run stopped after `single` (here pp2's launch fails) leaves single's rows in bench_serve.partial.jsonl, one
     JSON object a line, and writes no bench_serve.json; a rerun starts the partial file afresh."""
-    bench = load_script("bench_serve")
+    bench = load_script("benches.serve_engine")
     argv = ["--device", "cpu", "--pipelines", "single,pp2", "--workloads", "uniform", "--requests", "3"]
     argv += ["--max-batch", "2", "--prefill-chunk", "8", "--uniform-prompt", "6", "--uniform-new", "3"]
     argv += ["--overrides", "none", "--out", str(tmp_path)]
@@ -112,7 +113,7 @@ def test_an_interrupted_run_keeps_the_rows_it_measured(tmp_path, monkeypatch):
 def test_profile_passes_needs_cuda(capsys):
     """--profile-passes times one process's passes with CUDA events: on CPU or with a pp split it exits 2 naming the
     flag and the fix."""
-    bench = load_script("bench_serve")
+    bench = load_script("benches.serve_engine")
     for argv in (["--device", "cpu"], ["--device", "cuda", "--pipelines", "single,pp2"]):
         with pytest.raises(SystemExit) as e:
             bench.parse_args([*argv, "--profile-passes"])
@@ -124,10 +125,10 @@ def test_profile_passes_needs_cuda(capsys):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_bench_serve_rank_runs_one_pp2_rank_alone_through_every_request(tmp_path, rank):
-    """scripts/bench_serve_rank.py: a pp2 rank with its partner replaced by the loopback link serves every request
+    """`scripts/bench_serve.py rank`: a pp2 rank with its partner replaced by the loopback link serves every request
     to its limit (the schedule of the real run) and reports its own busy fraction."""
-    tool = load_script("bench_serve_rank")
-    argv = ["--device", "cpu", "--pipeline", "pp2", "--rank", str(rank), "--workloads", "uniform"]
+    tool = load_script("bench_serve")
+    argv = ["rank", "--device", "cpu", "--pipeline", "pp2", "--rank", str(rank), "--workloads", "uniform"]
     argv += ["--requests", "6", "--max-batch", "4", "--prefill-chunk", "8", "--uniform-prompt", "8"]
     argv += ["--uniform-new", "4", "--overrides", "none", "--out", str(tmp_path)]
     assert tool.main(argv) == 0
@@ -142,7 +143,7 @@ def test_bench_serve_rank_runs_one_pp2_rank_alone_through_every_request(tmp_path
 
 
 def test_loopback_link_fills_activations_with_values_and_integers_with_zeros():
-    link = load_script("bench_serve_rank").LoopbackLink(torch.device("cpu"), seed=3)
+    link = load_script("benches.serve_rank").LoopbackLink(torch.device("cpu"), seed=3)
     hidden, again = torch.full((2, 1, 8), float("nan")), torch.full((2, 1, 8), float("nan"))
     tokens, sent = torch.full((2, 4), 7, dtype=torch.long), torch.ones(3)
     link.exchange([("recv", hidden, 0), ("recv", tokens, 1), ("send", sent, 1)])
@@ -163,9 +164,15 @@ def test_bench_p2p_needs_two_gpus_and_says_so(tmp_path):
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         pytest.skip("this machine has two GPUs: the benchmark would run")
     r = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "bench_p2p.py"), "--out", "unused"],
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parents[1] / "scripts" / "bench_serve.py"),
+            "p2p",
+            "--out",
+            "unused",
+        ],
         capture_output=True,
         text=True,
     )
-    assert r.returncode == 2 and r.stderr.startswith("bench_p2p: needs 2 CUDA GPUs"), r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("bench_serve.py p2p: needs 2 CUDA GPUs"), r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "unused").exists()

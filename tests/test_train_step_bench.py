@@ -1,4 +1,4 @@
-"""scripts/bench_train_step.py times the trainer's step on CPU for several microbatch counts of one config and
+"""`scripts/bench_train.py step` times the trainer's step on CPU for several microbatch counts of one config and
 writes matching JSON and markdown; a malformed --microbatches exits 2."""
 
 import json
@@ -8,8 +8,8 @@ from script_helpers import load_script
 
 
 def test_bench_train_step_cpu(tmp_path):
-    bench = load_script("bench_train_step")
-    argv = ["--device", "cpu", "--steps", "1", "--warmup", "1", "--microbatches", "2,1", "--out", str(tmp_path)]
+    bench = load_script("bench_train")
+    argv = ["step", "--device", "cpu", "--steps", "1", "--warmup", "1", "--microbatches", "2,1", "--out", str(tmp_path)]
     assert bench.main(argv + ["model.num_layers=2", "train.seq_len=32", "train.batch_size=4"]) == 0
     data = json.loads((tmp_path / "bench_train_step.json").read_text())
     rows = data["rows"]
@@ -23,7 +23,7 @@ def test_bench_train_step_cpu(tmp_path):
 
 
 def test_bench_train_step_refuses_a_bad_microbatch_list(capsys):
-    bench = load_script("bench_train_step")
+    bench = load_script("bench_train")
     with pytest.raises(SystemExit) as e:
-        bench.main(["--microbatches", "4,x"])
+        bench.main(["step", "--microbatches", "4,x"])
     assert e.value.code == 2 and "--microbatches='4,x'" in capsys.readouterr().err

@@ -1,28 +1,24 @@
 """One pipeline rank of the serving benchmark alone on one GPU: its partners replaced by a loopback link.
 
-    python scripts/bench_serve_rank.py --device cuda --pipeline pp2 --rank 0 --out bench_out/serve_rank
+    python scripts/bench_serve.py rank --device cuda --pipeline pp2 --rank 0 --out bench_out/serve_rank
 
-A rank of ppN serves the same requests as in `scripts/bench_serve.py`, but every receive is answered at once
+A rank of ppN serves the same requests as `bench_serve.py engine`, but every receive is answered at once
 (the activation from the previous rank, the sampled tokens from the last) and every send is dropped. The rank's
 busy fraction is then its ceiling on a real ppN run, where it can also wait on its partners and on the transfers:
 a rank whose host builds its passes more slowly than its GPU runs them shows a busy fraction below 1 here, with no
 second GPU needed. The values are stand-ins (LoopbackLink), so the text is meaningless; the schedule is that of the
-real run (no EOS: serve.eos_id is unset in the benchmark). Accepts every option of bench_serve.py; --pipelines is replaced by --pipeline and --rank.
-Writes <out>/bench_serve_rank.json and bench_serve_rank.md.
+real run (no EOS: serve.eos_id is unset in the benchmark). Takes the options of `bench_serve.py engine`, with
+--pipeline and --rank in place of --pipelines. Writes <out>/bench_serve_rank.json and bench_serve_rank.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
+from bench_lib import command_line, out_dir, user_error, write_results
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_serve  # noqa: E402
+from benches import serve_engine
 
 
 class LoopbackLink:
@@ -49,28 +45,33 @@ class LoopbackLink:
             tensor.copy_(self._values[:n].view(tensor.shape))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--pipeline", default="pp2", choices=[p for p, n in bench_serve.RANKS.items() if n > 1])
-    ap.add_argument("--rank", type=int, default=0)
-    own, rest = ap.parse_known_args(argv)
-    args = bench_serve.parse_args(rest + ["--pipelines", own.pipeline], one_process=True)
-    ranks = bench_serve.RANKS[own.pipeline]
-    if not 0 <= own.rank < ranks:
-        raise SystemExit(f"--rank {own.rank}: {own.pipeline} has ranks 0..{ranks - 1}")
+def parse_args(argv=None, prog: str = "bench_serve.py rank") -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap.add_argument("--pipeline", default="pp2", choices=[p for p, n in serve_engine.RANKS.items() if n > 1])
+    ap.add_argument("--rank", type=int, default=0, help="which rank of the split runs here (default 0)")
+    serve_engine.add_options(ap, out="bench_out/serve_rank")
+    a = ap.parse_args(argv)
+    ranks = serve_engine.RANKS[a.pipeline]
+    if not 0 <= a.rank < ranks:
+        user_error(prog, f"--rank {a.rank}: {a.pipeline} has ranks 0..{ranks - 1}")
+    a.pipelines = a.pipeline
+    return serve_engine.finish_args(ap, a, prog, one_process=True)
+
+
+def main(argv=None, prog: str = "bench_serve.py rank") -> int:
+    args = parse_args(argv, prog)
+    out = out_dir(prog, args.out)
+    args.out = str(out)
     device = torch.device(args.device)
-    bench_serve.partial_path(args).unlink(missing_ok=True)
-    rows = bench_serve.measure(
-        args, own.pipeline, own.rank, device, LoopbackLink(device, args.seed), lambda x: [x], every_rank=True
+    serve_engine.partial_path(args).unlink(missing_ok=True)
+    rows = serve_engine.measure(
+        args, args.pipeline, args.rank, device, LoopbackLink(device, args.seed), lambda x: [x], every_rank=True
     )
     for r in rows:
-        r["rank_alone"] = own.rank
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = "python scripts/bench_serve_rank.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "bench_serve_rank.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=2))
+        r["rank_alone"] = args.rank
+    cmd = command_line(prog, argv)
     lines = [
-        f"# {own.pipeline} rank {own.rank} alone (loopback link)",
+        f"# {args.pipeline} rank {args.rank} alone (loopback link)",
         "",
         f"Command: `{cmd}`.",
         "",
@@ -82,11 +83,6 @@ def main(argv=None) -> int:
             f"| {r['microbatches']} | {r['workload']} | {r['batching']} | {r['tokens_per_s']:.1f} | "
             f"{r['busy_fraction'][0]:.2f} | {r['decode_busy_fraction'][0]:.2f} |"
         )
-    (out / "bench_serve_rank.md").write_text("\n".join(lines) + "\n")
-    bench_serve.partial_path(args).unlink(missing_ok=True)
-    print("\n".join(lines))
+    write_results(out, "bench_serve_rank", {"command": cmd, "rows": rows}, "\n".join(lines))
+    serve_engine.partial_path(args).unlink(missing_ok=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,9 @@
 """Decode benchmark: per-token latency and tokens/s, eager vs CUDA graphs, across batch sizes, models and GPU counts.
 
-    python scripts/bench_decode.py                                   # models small,mid; batch 1..64; 1 GPU
-    python scripts/bench_decode.py --gpus 1,2,4                      # + 2- and 4-stage pipelines (torchrun, NCCL)
-    python scripts/bench_decode.py --device cpu --models tiny --batches 1,2 --steps 4 --gpus 1,2   # CPU smoke test
-    python scripts/bench_decode.py --merge out_g1/bench_decode.json out_g4/bench_decode.json --out bench_out/decode
+    python scripts/bench_serve.py decode                             # models small,mid; batch 1..64; 1 GPU
+    python scripts/bench_serve.py decode --gpus 1,2,4                # + 2- and 4-stage pipelines (torchrun, NCCL)
+    python scripts/bench_serve.py decode --device cpu --models tiny --batches 1,2 --steps 4 --gpus 1,2   # CPU smoke
+    python scripts/bench_serve.py decode --merge out_g1/bench_decode.json out_g4/bench_decode.json --out DIR
 
 For every (model, GPUs, batch): the model is split into `GPUs` pipeline stages (one process per stage, p2p between
 them), B prompts of --prompt-len random bytes are prefilled, then --steps decode steps are timed — once with every
@@ -20,27 +20,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from bench_lib import environment, out_dir, resolve_device, rows_from_ranks, write_rank_rows, write_results
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from dsaflow.config.compose import compose
+from dsaflow.plan import build_plan
+from dsaflow.serve.engine import PipelineEngine
+from dsaflow.serve.generate import build_stage_modules, serve_dtype
 
-from dsaflow.config.compose import compose  # noqa: E402
-from dsaflow.plan import build_plan  # noqa: E402
-from dsaflow.serve.engine import PipelineEngine  # noqa: E402
-from dsaflow.serve.generate import build_stage_modules, serve_dtype  # noqa: E402
+ENTRY = Path(__file__).resolve().parents[1] / "bench_serve.py"  # what torchrun starts on every rank
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None, prog: str = "bench_serve.py decode"):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="small,mid", help="model configs (configs/model/*.yaml), comma separated")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--gpus", default="1", help="pipeline sizes (processes = stages), comma separated")
@@ -62,8 +58,7 @@ def parse_args(argv=None):
     ap.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = resolve_device(prog, args.device)
     return args
 
 
@@ -148,23 +143,17 @@ def worker(args) -> None:
         for model in args.models.split(","):
             rows += measure(args, model, args.pp, dist.get_rank(), device, link)
         if rows:
-            Path(args.rows_file).write_text(json.dumps(rows))
+            write_rank_rows(args.rows_file, rows)
 
 
 def run_pipeline(args, pp: int) -> list:
     """pp stages in pp processes via torchrun; returns the last rank's rows."""
-    with tempfile.TemporaryDirectory() as tmp:
-        rows_file = os.path.join(tmp, "rows.json")
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={pp}",
-            str(Path(__file__).resolve()),
+    return rows_from_ranks(
+        ENTRY,
+        [
+            "decode",
             "--worker",
             f"--pp={pp}",
-            f"--rows-file={rows_file}",
             f"--models={args.models}",
             f"--batches={args.batches}",
             f"--steps={args.steps}",
@@ -173,12 +162,9 @@ def run_pipeline(args, pp: int) -> list:
             f"--device={args.device}",
             f"--dtype={args.dtype}",
             f"--overrides={args.overrides}",
-        ]
-        env = dict(os.environ)
-        env.setdefault("NCCL_NVLS_ENABLE", "0")
-        env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        subprocess.run(cmd, check=True, env=env, cwd=str(REPO))
-        return json.loads(Path(rows_file).read_text())
+        ],
+        pp,
+    )
 
 
 def add_savings(rows: list) -> list:
@@ -224,12 +210,7 @@ def markdown(rows: list, env: dict) -> str:
 
 
 def write(out: Path, rows: list, env: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_decode.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2))
-    md = markdown(rows, env)
-    (out / "bench_decode.md").write_text(md + "\n")
-    print(md)
-    print(f"wrote {out / 'bench_decode.json'} and {out / 'bench_decode.md'}")
+    write_results(out, "bench_decode", {"env": env, "rows": rows}, markdown(rows, env))
 
 
 def merge(paths, out: Path) -> None:
@@ -238,17 +219,19 @@ def merge(paths, out: Path) -> None:
     write(out, rows, dict(parts[0]["env"], merged_from=[str(p) for p in paths]))
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str = "bench_serve.py decode") -> int:
+    args = parse_args(argv, prog)
     if args.worker:
         worker(args)
         return 0
+    out = out_dir(prog, args.out)
     if args.merge:
-        merge(args.merge, Path(args.out))
+        merge(args.merge, out)
         return 0
     device = torch.device(args.device)
     rows = []
     for pp in [int(p) for p in args.gpus.split(",")]:
+        print(f"{prog}: {pp} process(es), models {args.models}, batches {args.batches}", flush=True)
         if pp == 1:
             for model in args.models.split(","):
                 rows += measure(args, model, 1, 0, device, None)
@@ -257,18 +240,13 @@ def main(argv=None) -> int:
         print(f"done: {pp} process(es)", flush=True)
     rows = add_savings(rows)
     env = {
-        "torch": torch.__version__,
+        **environment(device),
         "device": args.device,
         "dtype": str(serve_dtype(args.dtype, device)),
-        "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU",
         "prompt_len": args.prompt_len,
         "steps": args.steps,
         "repeats": args.repeats,
         "overrides": args.overrides,
     }
-    write(Path(args.out), rows, env)
+    write(out, rows, env)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

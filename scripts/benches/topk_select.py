@@ -1,7 +1,7 @@
 """The indexer top-k's two Triton selects side by side: the radix select (the dispatcher's path on CUDA) against
 int64 sort keys + torch.topk (`topk_sort_baseline.py`), over key counts, decode, causal prefill and serving-pass shapes.
 
-    python3 scripts/bench_topk_select.py --out bench_out/topk_select        # one GPU, about a minute
+    python3 scripts/bench_topk.py select --out bench_out/topk_select        # one GPU, about a minute
 
 Cases (B rows x T queries over S keys, positions ending at the last key ("full") or at S/2 ("half": a serving cache
 filled halfway)): decode64 / decode64_half / decode8 (T = 1), prefill1x2048 (one causal 2048-query chunk at the end),
@@ -13,18 +13,12 @@ Writes topk_select.json and topk_select.md.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
+from bench_lib import environment, need_cuda, out_dir, timed_slow, write_results
+from topk_sort_baseline import indexer_topk_sort
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from topk_sort_baseline import indexer_topk_sort  # noqa: E402  (scripts/ is sys.path[0] when run as a script)
-
-from dsaflow.ops.indexer_topk.triton_indexer import indexer_topk_triton  # noqa: E402
+from dsaflow.ops.indexer_topk.triton_indexer import indexer_topk_triton
 
 CASES = (
     ("decode64", 64, 1, "full"),
@@ -37,29 +31,14 @@ CASES = (
 INDEXERS = ((8, 64, 256), (64, 128, 2048))  # heads, head dim, top-k
 
 
-def median_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog: str = "bench_topk.py select") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--keys", default="1025,2049,4097,4353,8193,16385")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench_out/topk_select")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_topk_select.py times CUDA kernels: no CUDA device here.", file=sys.stderr)
-        return 2
+    need_cuda(prog)
+    out = out_dir(prog, a.out)
     dev = torch.device("cuda")
     rows = []
     for H, D, K in INDEXERS:
@@ -74,17 +53,15 @@ def main(argv=None) -> int:
                 pos = (end - T + 1 + torch.arange(T, device=dev)).expand(B, T).contiguous()
                 r = {"heads": H, "topk": K, "keys": S, "case": name}
                 for select, op in (("radix", indexer_topk_triton), ("sort", indexer_topk_sort)):
-                    r[f"{select}_ms"] = median_ms(lambda op=op: op(q, k, w, pos, K), a.reps)
+                    r[f"{select}_ms"] = timed_slow(lambda op=op: op(q, k, w, pos, K), a.reps)
                 radix = indexer_topk_triton(q, k, w, pos, K)
                 r["identical"] = bool(torch.equal(radix, indexer_topk_sort(q, k, w, pos, K)))
                 r["sort_over_radix"] = r["sort_ms"] / r["radix_ms"]
                 rows.append(r)
                 print(r, flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    (out / "topk_select.json").write_text(json.dumps({"device": env, "rows": rows}, indent=2) + "\n")
-    md = [f"# Indexer top-k: radix select vs torch.topk\n\n{env}. `python3 scripts/bench_topk_select.py`.\n"]
+    e = environment()
+    env = f"{e['device_name']}, torch {e['torch']}"
+    md = [f"# Indexer top-k: radix select vs torch.topk\n\n{env}. `python3 scripts/bench_topk.py select`.\n"]
     md += [
         "| heads x top-k | keys | case | radix ms | sort ms | sort / radix | identical |",
         "|---|---:|---|---:|---:|---:|---|",
@@ -96,9 +73,5 @@ def main(argv=None) -> int:
     ]
     wins = sum(r["radix_ms"] <= r["sort_ms"] for r in rows)
     md.append(f"\nradix faster or equal in {wins} of {len(rows)} cases.")
-    (out / "topk_select.md").write_text("\n".join(md) + "\n")
+    write_results(out, "topk_select", {"device": env, "rows": rows}, "\n".join(md))
     return 0 if all(r["identical"] for r in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """One pipeline stage of DeepSeek-V3.2 attention at long context, under each `train.recompute` mode, on one GPU:
 step time, throughput, model FLOP rate, measured peak memory and the planner's estimate of it.
 
-    python scripts/bench_train_stage.py --seq 16384,32768,65536,131072 --recompute none,attention,block \
+    python scripts/bench_train.py stage --seq 16384,32768,65536,131072 --recompute none,attention,block \
         --out bench_out
 
 Model: `model=dsv32` attention and indexer shapes (dim 7168, 128 heads, q_lora 1536, kv_lora 512 + rope 64,
@@ -25,11 +24,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
-import time
-from pathlib import Path
 
 import torch
+from bench_lib import describe_device, need_cuda, out_dir, wall_seconds, write_results
 
 MODES = ("none", "attention", "block")
 
@@ -121,12 +118,7 @@ def measure(
         step()  # warm-up; the first row's also creates the optimiser state
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+        step_s = wall_seconds(step, "cuda", reps, warmup=False)
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     except torch.cuda.OutOfMemoryError as exc:
         row["error"] = f"out of memory: {str(exc).splitlines()[0][:160]}"
@@ -136,7 +128,7 @@ def measure(
             o.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
-    row["step_s"] = statistics.median(times)
+    row["step_s"] = step_s
     row["tokens_per_s"] = seq / row["step_s"]
     row["model_tflop"] = flops / 1e12
     row["tflops"] = flops / row["step_s"] / 1e12
@@ -148,7 +140,7 @@ def markdown(rows: list, device: str) -> str:
     lines = [
         (
             f"Device: {device}. One stage of {rows[0]['layers']} layers, one sequence per step "
-            f"(scripts/bench_train_stage.py)."
+            f"(`python scripts/bench_train.py stage`)."
         ),
         "",
         "| tokens | recompute | step | tokens/s | model TFLOP/s | peak (measured) | estimate | estimate error |",
@@ -167,8 +159,8 @@ def markdown(rows: list, device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> list:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None, prog="bench_train.py stage") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--seq", default="16384,32768,65536,131072", help="tokens per microbatch, comma-separated")
     ap.add_argument("--recompute", default=",".join(MODES), help="train.recompute modes, comma-separated")
     ap.add_argument("--layers", type=int, default=8)
@@ -182,8 +174,8 @@ def main(argv=None) -> list:
     )
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_train_stage.py needs a CUDA GPU")
+    need_cuda(prog)
+    out = out_dir(prog, args.out)
     seqs = [int(s) for s in args.seq.split(",")]
     modes = args.recompute.split(",")
     rows, failed = [], set()
@@ -206,14 +198,6 @@ def main(argv=None) -> list:
                 failed.add(mode)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = torch.cuda.get_device_name()
-    (out / "bench_train_stage.json").write_text(json.dumps({"device": device, "rows": rows}, indent=1))
-    (out / "bench_train_stage.md").write_text(markdown(rows, device))
-    print(markdown(rows, device))
-    return rows
-
-
-if __name__ == "__main__":
-    main()
+    device = describe_device()
+    write_results(out, "bench_train_stage", {"device": device, "rows": rows}, markdown(rows, device))
+    return 0

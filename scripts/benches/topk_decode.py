@@ -8,17 +8,15 @@ step is a few microseconds, below what eager timing resolves):
 It checks that the two kernels' scores agree (relative to the row scale) and reports the key bytes read per second.
 Writes indexer_decode.json and indexer_decode.md to --out.
 
-    python3 scripts/bench_indexer_decode.py --out /tmp/bench
+    python3 scripts/bench_topk.py decode --out /tmp/bench
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
-from triton.testing import do_bench_cudagraph
+from bench_lib import bench_graph, describe_device, need_cuda, out_dir, write_results
 
 from dsaflow.ops.indexer_topk.triton_indexer import indexer_logits_triton, indexer_topk_triton
 
@@ -33,7 +31,7 @@ SHAPES = [
 
 
 def us(fn) -> float:
-    return do_bench_cudagraph(fn, rep=50) * 1e3
+    return bench_graph(fn, rep_ms=50) * 1e3
 
 
 def measure(label, B, H, D, S, filled, topk) -> dict:
@@ -61,7 +59,7 @@ def measure(label, B, H, D, S, filled, topk) -> dict:
 
 def markdown(rows, device: str) -> str:
     lines = [
-        f"Indexer logits at decode steps on {device} (bf16, CUDA-graph timing; `scripts/bench_indexer_decode.py`)",
+        f"Indexer logits at decode steps on {device} (bf16, CUDA-graph timing; `scripts/bench_topk.py decode`)",
         "",
         "| shape | rows | heads x dim | keys visible (mean) | one-query | tiled | speedup | key GB/s | whole op | rel diff |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -75,24 +73,14 @@ def markdown(rows, device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog: str = "bench_topk.py decode") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_indexer_decode.py needs a CUDA GPU (the kernels are timed with CUDA graphs).")
-        return 2
+    args = ap.parse_args(argv)
+    need_cuda(prog, why="the kernels are timed with CUDA graphs")
+    out = out_dir(prog, args.out)
     rows = [measure(*shape) for shape in SHAPES]
-    device = torch.cuda.get_device_name()
-    md = markdown(rows, device)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "indexer_decode.json"), "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "indexer_decode.md"), "w") as f:
-        f.write(md)
-    print(md, end="")
+    device = describe_device()
+    data = {"device": device, "torch": torch.__version__, "rows": rows}
+    write_results(out, "indexer_decode", data, markdown(rows, device))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

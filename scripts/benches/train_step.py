@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Time one rank's training step (`Trainer.step`, the code `dsaflow train` runs) in this process, for several
 `pipeline.microbatches` values on the same config, and count what a step launches.
 
-    python scripts/bench_train_step.py --device cuda --microbatches 4,1 --out bench_out/train_step \\
+    python scripts/bench_train.py step --device cuda --microbatches 4,1 --out bench_out/train_step \\
         model=small data=retrieval_long train.seq_len=1024 model.index_topk=64 train.batch_size=16
 
 On one stage, microbatches are gradient accumulation: the same tokens, each part a full set of kernel launches. A
@@ -22,11 +21,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench_lib import environment, out_dir, resolve_device, sync, write_results
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+def parse_args(argv=None, prog="bench_train.py step") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--microbatches", default="4,1", help="comma-separated pipeline.microbatches values")
     p.add_argument("--steps", type=int, default=8, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (shape inference, autotuning)")
@@ -38,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.microbatches = [int(x) for x in a.microbatches.split(",")]
     except ValueError:
         p.error(f"--microbatches={a.microbatches!r}: give comma-separated integers, e.g. --microbatches 4,1")
+    a.device = resolve_device(prog, a.device)
     return a
 
 
@@ -51,11 +52,6 @@ def make_trainer(overrides: list, device: torch.device):
     return Trainer(RunContext(cfg, build_plan(cfg), 0, 1, 0, device, Path(tempfile.mkdtemp())))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def count_kernels(tr, step: int, device: torch.device) -> tuple:
     """(kernels launched, their summed GPU ms) in one profiled step; (None, None) on CPU."""
     if device.type != "cuda":
@@ -64,7 +60,7 @@ def count_kernels(tr, step: int, device: torch.device) -> tuple:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         tr.step(step)
-        _sync(device)
+        sync(device)
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     return sum(e.count for e in events), sum(e.self_device_time_total for e in events) / 1e3
 
@@ -73,10 +69,10 @@ def bench_row(overrides: list, mb: int, a, device: torch.device) -> dict:
     tr = make_trainer([*overrides, f"pipeline.microbatches={mb}", f"train.steps={a.warmup + a.steps + 2}"], device)
     for s in range(a.warmup):
         tr.step(s)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     busy = sum(tr.step(a.warmup + s)["stage0_time_s"] for s in range(a.steps))
-    _sync(device)
+    sync(device)
     step_s = (time.perf_counter() - t0) / a.steps
     kernels, kernel_ms = count_kernels(tr, a.warmup + a.steps, device) if a.profile else (None, None)
     return {
@@ -107,8 +103,9 @@ def markdown(rows: list, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
+def main(argv=None, prog="bench_train.py step") -> int:
+    a = parse_args(argv, prog)
+    out = out_dir(prog, a.out)
     device = torch.device(a.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
@@ -120,15 +117,6 @@ def main(argv=None) -> int:
             print(json.dumps(rows[-1]), flush=True)
     finally:
         dist.destroy_process_group()
-    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU"
-    meta = {"device_name": name, "torch": torch.__version__, "overrides": a.overrides, "steps": a.steps}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_train_step.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    (out / "bench_train_step.md").write_text(markdown(rows, meta))
-    print(markdown(rows, meta))
+    meta = environment(device, overrides=a.overrides, steps=a.steps)
+    write_results(out, "bench_train_step", {"meta": meta, "rows": rows}, markdown(rows, meta))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Where a training step's time goes, per layer x microbatch, for a model with DeepSeek-V3.2 attention on one GPU.
 
-    python scripts/bench_train_layer.py --seq 4096,16384 --layers 4 --out bench_out
-    python scripts/bench_train_layer.py --seq 131072 --layers 2 --impls fused --no-profile --recompute attention \
+    python scripts/bench_train.py layer --seq 4096,16384 --layers 4 --out bench_out
+    python scripts/bench_train.py layer --seq 131072 --layers 2 --impls fused --no-profile --recompute attention \
         --out bench_out   # 128K
 
 Model: `model=dsv32` attention and indexer (dim 7168, 128 heads, q_lora 1536, kv_lora 512 + rope 64, indexer 64 x 128,
@@ -30,11 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
-from pathlib import Path
 
 import torch
+from bench_lib import describe_device, measure_ceilings, need_cuda, out_dir, wall_seconds, write_results
 
 KINDS = ("matmul", "indexer", "attn_fwd", "attn_bwd", "indexer_loss", "other")
 # Kernel-name fragments (lower case) -> kind, first match wins. Triton kernels carry their Python names.
@@ -57,18 +54,8 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def matmul_ceiling_tflops() -> float:
-    import triton.testing
-
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
-    return 2 * 8192**3 / ms / 1e9
-
-
 def build(layers: int, index: str, seq: int, recompute: str = "none"):
-    from bench_train_stage import plan_for, stage_and_optimisers
-
+    from benches.train_stage import plan_for, stage_and_optimisers
     from dsaflow.train.metrics import model_flops_per_token
 
     cfg, plan = plan_for(layers, index, seq, recompute)
@@ -105,15 +92,8 @@ def make_step(stage, opts, x, with_loss: bool, in_backward: bool = True):
 
 
 def time_step(step, reps: int) -> float:
-    step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    """Median wall ms of a step (CUDA-synchronised), after one untimed step."""
+    return wall_seconds(step, "cuda", reps) * 1e3
 
 
 def profile_kinds(step) -> tuple[dict, list]:
@@ -232,8 +212,8 @@ def markdown(rows: list, ceiling: float, device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog="bench_train.py layer") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--seq", default="4096,16384")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--index", default="every4")
@@ -251,27 +231,16 @@ def main(argv=None) -> int:
     bad = set(args.impls.split(",")) - set(IMPLS)
     if bad:
         ap.error(f"--impls {args.impls}: {sorted(bad)} unknown, use {', '.join(IMPLS)}")
-    if not torch.cuda.is_available():
-        print("bench_train_layer.py needs a CUDA GPU")
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    ceiling = matmul_ceiling_tflops()
-    device = torch.cuda.get_device_name()
+    need_cuda(prog)
+    out = out_dir(prog, args.out)
+    ceiling = measure_ceilings()["matmul_tflops"]
+    device = describe_device()
     rows = []
     for seq in (int(s) for s in args.seq.split(",")):
         for impl in args.impls.split(","):
             row = run_case(seq, args.layers, args.index, impl, args.reps, not args.no_profile, ceiling, args.recompute)
             print(json.dumps({k: v for k, v in row.items() if k != "top_other_kernels_ms"}), flush=True)
             rows.append(row)
-    (out / "bench_train_layer.json").write_text(
-        json.dumps({"device": device, "matmul_tflops": ceiling, "rows": rows}, indent=2)
-    )
-    md = markdown(rows, ceiling, device)
-    (out / "bench_train_layer.md").write_text(md)
-    print(md)
+    data = {"device": device, "matmul_tflops": ceiling, "rows": rows}
+    write_results(out, "bench_train_layer", data, markdown(rows, ceiling, device))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

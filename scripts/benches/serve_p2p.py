@@ -1,6 +1,6 @@
 """The per-tick cost of the pipelined executor's transfers on 2 GPUs, apart from any model.
 
-    python scripts/bench_p2p.py --out bench_out/p2p
+    python scripts/bench_serve.py p2p --out bench_out/p2p
 
 Two NCCL ranks (torchrun, one GPU each) walk the tick loop of a two-group, two-stage decode
 (dsaflow/run/executor.py): in every tick each GPU runs a compute span of fixed length (a spin kernel, standing in
@@ -25,23 +25,21 @@ Writes <out>/bench_p2p.json and bench_p2p.md. Needs 2 GPUs.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from bench_lib import command_line, describe_device, launch_ranks, need_cuda, out_dir, write_results
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from dsaflow.run.p2p import StageLink, torchrun_rank
 
-from dsaflow.run.p2p import StageLink, torchrun_rank  # noqa: E402
+ENTRY = Path(__file__).resolve().parents[1] / "bench_serve.py"  # what torchrun starts on every rank
+PROG = "bench_serve.py p2p"
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None, prog: str = PROG):
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32, help="rows of one group's pass")
     ap.add_argument("--dim", type=int, default=512, help="hidden size of the activation sent")
     ap.add_argument("--compute-ms", default="0,0.2,0.7", help="comma separated span lengths per tick")
@@ -206,20 +204,17 @@ def worker(args) -> None:
                         flush=True,
                     )
         if rank == 0:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
             env = {
                 "torch": torch.__version__,
-                "gpu": torch.cuda.get_device_name(device),
+                "gpu": describe_device(device),
                 "rows": args.rows,
                 "dim": args.dim,
                 "ticks": args.ticks,
             }
-            (out / "bench_p2p.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+            cmd = command_line(PROG, [a for a in args.argv if a != "--worker"])
             lines = [
                 f"{env['gpu']} x2, torch {env['torch']}, activation [{args.rows}, 1, {args.dim}] bf16 one way and "
-                f"[2, {args.rows}] int64 the other, {args.ticks} ticks. Command: `python scripts/bench_p2p.py "
-                f"{' '.join(a for a in sys.argv[1:] if a != '--worker')}`.",
+                f"[2, {args.rows}] int64 the other, {args.ticks} ticks. Command: `{cmd}`.",
                 "",
                 "| posting | compute ms per tick | busy per GPU | gap ms per tick | host us per tick (p50) | delivered |",
                 "|---|---:|---|---|---|---|",
@@ -233,24 +228,16 @@ def worker(args) -> None:
                     f"{', '.join(f'{g:.4f}' for g in r['gap_ms'])} | {', '.join(f'{h:.0f}' for h in r['host_us_p50'])} | "
                     f"{'yes' if all(r['delivered']) else 'NO'} |"
                 )
-            (out / "bench_p2p.md").write_text("\n".join(lines) + "\n")
-            print("\n".join(lines), flush=True)
+            write_results(args.out, "bench_p2p", {"env": env, "rows": rows}, "\n".join(lines))
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str = PROG) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv, prog)
+    args.argv = argv
     if args.worker:
         worker(args)
         return 0
-    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if found < 2:
-        print(f"bench_p2p: needs 2 CUDA GPUs (one NCCL rank each), this machine has {found}", file=sys.stderr)
-        return 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
-    cmd += [*(argv if argv is not None else sys.argv[1:]), "--worker"]
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    return subprocess.run(cmd, env=env, cwd=str(REPO)).returncode
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    need_cuda(prog, gpus=2, why="one NCCL rank each")
+    out_dir(prog, args.out)  # the ranks start in this folder: a relative --out is the same folder there
+    return launch_ranks(ENTRY, ["p2p", *argv, "--worker"], 2)

@@ -8,18 +8,17 @@ k), the whole op with fp8 logits (`model.index_fp8`, with the share of the bf16 
 largest context a sweep of the select kernels (block sizes, warps, sample size, no floor), of the logits kernel's
 tile, and decode-like row counts (--no-sweeps skips them). Writes indexer_topk.json and indexer_topk.md to --out.
 
-    python3 scripts/bench_indexer_topk.py --out /tmp/bench [--contexts 8192,32768,131072] [--queries 4096] \
+    python3 scripts/bench_topk.py indexer --out /tmp/bench [--contexts 8192,32768,131072] [--queries 4096] \
         [--no-sweeps]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
-import triton
+from bench_lib import bench as harness_bench
+from bench_lib import environment, need_cuda, out_dir, write_results
 from topk_sort_baseline import indexer_topk_sort, logits_as_keys, topk_from_keys
 
 from dsaflow.ops.indexer_topk.fp8 import quantize_rows
@@ -35,7 +34,7 @@ H_I, D_I, TOPK = 64, 128, 2048
 
 
 def bench(fn, rep_ms=200) -> float:
-    return triton.testing.do_bench(fn, warmup=30, rep=rep_ms, return_mode="median")
+    return harness_bench(fn, rep_ms=rep_ms, warmup_ms=30)
 
 
 def inputs(S: int, T: int, seed: int = 0):
@@ -57,7 +56,7 @@ def selection_recall(got: torch.Tensor, ref: torch.Tensor) -> float:
     return hit / max(total, 1)
 
 
-def run(contexts, n_queries, prefill_ctx, out_dir, sweeps=True):
+def run(contexts, n_queries, prefill_ctx, out, sweeps=True):
     rows = []
 
     def record(what, ctx, queries, ms, **extra):
@@ -183,10 +182,8 @@ def run(contexts, n_queries, prefill_ctx, out_dir, sweeps=True):
             same_indices=same,
             tflops=round(2 * H_I * D_I * S * (S + 1) / 2 / ms_new / 1e9, 1),
         )
-    os.makedirs(out_dir, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-    with open(os.path.join(out_dir, "indexer_topk.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    e = environment()
+    meta = dict(device=e["device_name"], torch=e["torch"], triton=e["triton"])
     lines = [
         f"Indexer op on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}); 64 heads x 128, "
         f"topk {TOPK}, bf16, one sequence.",
@@ -197,21 +194,18 @@ def run(contexts, n_queries, prefill_ctx, out_dir, sweeps=True):
     for r in rows:
         notes = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("what", "context", "queries", "time_ms"))
         lines.append(f"| {r['what']} | {r['context']} | {r['queries']} | {r['time_ms']} | {notes} |")
-    with open(os.path.join(out_dir, "indexer_topk.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, "indexer_topk", dict(meta=meta, rows=rows), "\n".join(lines))
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None, prog: str = "bench_topk.py indexer") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--queries", type=int, default=4096)
     ap.add_argument("--prefill-context", type=int, default=32768, help="0 skips the whole-prefill row")
     ap.add_argument("--no-sweeps", action="store_true", help="skip the sweeps and the decode-like rows")
-    a = ap.parse_args()
-    run([int(c) for c in a.contexts.split(",")], a.queries, a.prefill_context, a.out, sweeps=not a.no_sweeps)
-
-
-if __name__ == "__main__":
-    main()
+    a = ap.parse_args(argv)
+    need_cuda(prog)
+    out = out_dir(prog, a.out)
+    run([int(c) for c in a.contexts.split(",")], a.queries, a.prefill_context, out, sweeps=not a.no_sweeps)
+    return 0

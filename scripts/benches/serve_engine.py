@@ -1,0 +1,597 @@
+"""Serving benchmark: output tokens/s, time to first token, time per output token and per-rank busy fractions, for
+pipeline splits x microbatch groups x workloads, and continuous against fixed batches.
+
+    python scripts/bench_serve.py engine --device cpu --pipelines single,pp2 --out bench_out/serve   # ~20 min, 2 cores
+    python scripts/bench_serve.py engine --device cuda --pipelines single,pp2,pp4 --out bench_out/serve_gpu
+
+Every configuration serves the same requests through `PipelineEngine.generate` (random-init weights; the schedule,
+not the text, is measured). pipeline=single runs in this process; ppN runs N processes under torchrun (gloo on CPU,
+NCCL with one GPU per rank on CUDA; a ppN that needs more GPUs than the machine has is skipped and listed as such,
+never run on a shared GPU). On CPU every process uses one thread (--threads), so pp2 on a 2-core machine is one core
+per rank. Workloads: `mixed` (prompt lengths log-uniform in [--mixed-prompt], max_new_tokens uniform in [--mixed-new])
+and `uniform` (every prompt --uniform-prompt tokens, --uniform-new new tokens). Each (pipeline, workload) runs with
+serve.microbatches=1 (one group: one batch through the stages at a time) and the default (one group per rank), and
+the mixed workload also with fixed batches (a group takes new requests only once all its rows finished).
+--profile-passes (CUDA, pipeline=single) adds each row's GPU time per pass kind (`pass_profile`: decode / prefill
+calls, ms, mean ms), from CUDA events around every stage call, read once after the run.
+
+Busy fraction of a rank = time its stages computed / wall time (perf_counter on CPU, CUDA events on GPU); `decode`
+counts only ticks in which every pass in flight was a decode step. Writes <out>/bench_serve.json, bench_serve.md and
+bench_serve.png (matplotlib); while it runs, every measured row is also appended to <out>/bench_serve.partial.jsonl,
+so a run stopped by a time limit keeps what it measured (the file is removed once the full results are written).
+Each configuration prints a line when it starts and every minute while it serves, and its row when it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+from bench_lib import (
+    Heartbeat,
+    command_line,
+    environment,
+    out_dir,
+    resolve_device,
+    rows_from_ranks,
+    user_error,
+    write_rank_rows,
+    write_results,
+)
+
+from dsaflow.config.compose import compose
+from dsaflow.plan import build_plan
+from dsaflow.run.timeline import HOST_PHASES
+from dsaflow.serve.engine import PipelineEngine
+from dsaflow.serve.generate import build_stage_modules, serve_dtype
+
+ENTRY = Path(__file__).resolve().parents[1] / "bench_serve.py"  # what torchrun starts on every rank
+PROG = "bench_serve.py engine"
+
+RANKS = {"single": 1, "pp2": 2, "pp4": 4}
+# the CPU default model: tiny (8 layers) at dim 256. At dim 64 a decode pass is ~10 ms of per-op overhead whatever
+# its rows (2-core CPU, one thread), so splitting rows into groups could not show; here the rows cost time.
+CPU_WIDE = "model.dim=256 model.inter_dim=1024 model.q_lora_rank=128 model.kv_lora_rank=64"
+
+
+def parse_args(argv=None, prog: str = PROG):
+    """Options -> args with the device's defaults filled in."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap.add_argument("--pipelines", default="single,pp2", help="comma separated: single, pp2, pp4")
+    add_options(ap)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--pipeline", default="single", help=argparse.SUPPRESS)
+    ap.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)
+    return finish_args(ap, ap.parse_args(argv), prog)
+
+
+def add_options(ap: argparse.ArgumentParser, out: str = "bench_out/serve") -> None:
+    """The options of a serving run, shared with `bench_serve.py rank`."""
+    ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    ap.add_argument("--workloads", default="mixed,uniform")
+    ap.add_argument("--model", default=None, help="configs/model name (default: tiny on CPU, small on CUDA)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per workload (default 4096 CPU, 1024 CUDA)")
+    ap.add_argument(
+        "--max-batch", type=int, default=None, help="serve.max_batch, cache rows (default 1024 CPU, 64 CUDA)"
+    )
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="serve.prefill_chunk (default 16 CPU, 1024 CUDA)")
+    ap.add_argument("--mixed-prompt", default=None, help="lo,hi prompt tokens (default 16,64 CPU; 16,4096 CUDA)")
+    ap.add_argument("--mixed-new", default=None, help="lo,hi max_new_tokens (default 16,96 CPU; 16,256 CUDA)")
+    ap.add_argument("--uniform-prompt", type=int, default=None, help="default 32 CPU, 512 CUDA")
+    ap.add_argument("--uniform-new", type=int, default=None, help="default 32 CPU, 128 CUDA")
+    ap.add_argument(
+        "--overrides",
+        default=None,
+        help="extra config overrides, space separated (default on CPU: a tiny model widened to dim 256, "
+        "so that a pass's time grows with its rows; 'none' for none)",
+    )
+    ap.add_argument("--graphs", default=None, choices=("on", "off"), help="CUDA graphs (default on with CUDA)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
+    ap.add_argument(
+        "--profile-passes",
+        action="store_true",
+        help="CUDA: time every stage call with CUDA events and record GPU ms per pass kind (decode / prefill)",
+    )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="after each timed run, serve the workload's first 64 requests again under torch.profiler and write "
+        "one Chrome trace per rank (<out>/trace-<pipeline>-g<groups>-<workload>-<batching>-rank<r>.json.gz)",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=out, help=f"results folder (default {out}, printed when the run starts)")
+
+
+def finish_args(ap: argparse.ArgumentParser, a: argparse.Namespace, prog: str, one_process: bool = False):
+    """The device's defaults filled in; `one_process`: a ppN rank run alone in this process (`bench_serve.py
+    rank`), where --profile-passes applies too."""
+    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    if a.profile_passes and (not cuda or (a.pipelines != "single" and not one_process)):
+        ap.error("--profile-passes needs --device cuda and --pipelines single (it times one process's passes)")
+    a.device = resolve_device(prog, a.device)
+    cpu = a.device == "cpu"
+    a.model = a.model or ("tiny" if cpu else "small")
+    a.requests = a.requests or (4096 if cpu else 1024)
+    # on CPU a pass has about 20 ms of per-op cost whatever its rows: with 1024 rows the rows dominate, so splitting
+    # them into groups costs little; an eager prefill pass pads every row to its longest chunk, so short chunks
+    # waste less on mixed prompt lengths (docs/serving.md, "Tests and benchmark")
+    a.max_batch = a.max_batch or (1024 if cpu else 64)
+    a.prefill_chunk = a.prefill_chunk or (16 if cpu else 1024)
+    a.mixed_prompt = a.mixed_prompt or ("16,64" if cpu else "16,4096")
+    a.mixed_new = a.mixed_new or ("16,96" if cpu else "16,256")
+    a.uniform_prompt = a.uniform_prompt or (32 if cpu else 512)
+    a.uniform_new = a.uniform_new or (32 if cpu else 128)
+    a.graphs = a.graphs or ("off" if cpu else "on")
+    if a.overrides is None:
+        a.overrides = CPU_WIDE if cpu else ""
+    a.overrides = "" if a.overrides == "none" else a.overrides
+    if a.graphs == "on" and cpu:
+        ap.error("--graphs on needs --device cuda")
+    return a
+
+
+def workload(args, name: str, vocab: int):
+    """(prompts, max_new) of one workload, the same on every rank (seeded)."""
+    rng = random.Random(f"{args.seed}-{name}")
+    prompts, limits = [], []
+    for _ in range(args.requests):
+        if name == "mixed":
+            lo, hi = (int(x) for x in args.mixed_prompt.split(","))
+            L = int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+            nlo, nhi = (int(x) for x in args.mixed_new.split(","))
+            m = rng.randint(nlo, nhi)
+        else:
+            L, m = args.uniform_prompt, args.uniform_new
+        prompts.append([rng.randrange(vocab) for _ in range(L)])
+        limits.append(m)
+    return prompts, limits
+
+
+def make_cfg(args, pipeline: str, microbatches, context: int, continuous: bool = True):
+    graphs = ["graphs=decode_prefill"] if args.graphs == "on" else ["graphs=off"]
+    cfg = compose(
+        [
+            "mode=serve",
+            "track=none",
+            f"model={args.model}",
+            f"pipeline={pipeline}",
+            *graphs,
+            f"serve.max_batch={args.max_batch}",
+            f"serve.prefill_chunk={args.prefill_chunk}",
+            f"serve.max_context={context}",
+            *args.overrides.split(),
+        ]
+    )
+    cfg.serve.microbatches = microbatches
+    cfg.serve.batching = "continuous" if continuous else "fixed"  # the engine picks its schedule from it at build
+    if args.graphs == "on":
+        groups = microbatches or RANKS[pipeline]
+        rows = args.max_batch // groups
+        cfg.graphs.blocks[0].shape_classes = [c for c in (1, 2, 4, 8, 16, 32, 64) if c < rows] + [rows]
+        c = args.prefill_chunk
+        cfg.graphs.blocks[1].shape_classes = sorted({max(c // 8, 1), max(c // 2, 1), c})
+        cfg.graphs.max_shape = max(cfg.graphs.max_shape, c, rows)
+    return cfg, build_plan(cfg)
+
+
+def pct(values, q: float):
+    v = sorted(x for x in values if x is not None)
+    if not v:
+        return None
+    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
+
+
+class PassTimer:
+    """CUDA events around every stage call of an engine (row moves on a refill included): GPU milliseconds per pass
+    kind, read once after the run, so the timed run never waits on them."""
+
+    def __init__(self, eng: PipelineEngine):
+        self.marks = []
+        inner = eng._stage
+
+        def stage(item, index, x):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = inner(item, index, x)
+            end.record()
+            self.marks.append(("decode" if item.payload.p.decode_only else "prefill", start, end))
+            return out
+
+        eng._stage = stage  # the executor looks the stage function up at each generate call
+
+    def summary(self) -> dict:
+        torch.cuda.synchronize()
+        out = {}
+        for kind, start, end in self.marks:
+            entry = out.setdefault(kind, {"calls": 0, "ms": 0.0})
+            entry["calls"] += 1
+            entry["ms"] += start.elapsed_time(end)
+        for entry in out.values():
+            entry["mean_ms"] = entry["ms"] / entry["calls"]
+        return out
+
+
+def write_trace(eng: PipelineEngine, prompts, limits, path: Path) -> None:
+    """Serve `prompts` under torch.profiler (host and, on CUDA, kernel activity) -> a gzipped Chrome trace at
+    `path` (open it in Perfetto: per rank, where the host and the GPU spend each tick)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities) as prof:
+        eng.generate(prompts, limits)
+    prof.export_chrome_trace(str(path))
+    print(f"  trace: {path}", flush=True)
+
+
+def host_line(row: dict) -> str:
+    """Per rank: host ms per decode tick (by phase), the median lead of a decode pass on its GPU, the share of decode
+    passes the GPU waited for (the host was late)."""
+
+    def per_rank(values, digits):
+        return [None if v is None else round(v, digits) for v in values]
+
+    hosts = row["decode_host_ms_per_tick"]
+    phases = ", ".join(f"{k} {per_rank([h[k] for h in hosts], 3)}" for k in HOST_PHASES)
+    return (
+        f"host ms per decode tick {per_rank([sum(h.values()) for h in hosts], 3)} ({phases}), lead p50 ms "
+        f"{per_rank(row['decode_lead_p50_ms'], 3)}, host late {per_rank(row['decode_host_late'], 2)}"
+    )
+
+
+def partial_path(args) -> Path:
+    """Rows as they are measured, one JSON object a line: what an interrupted run (a time limit, a crash in a later
+    configuration) keeps. A finished run's rows are in bench_serve.json, and this file is removed."""
+    return Path(args.out) / "bench_serve.partial.jsonl"
+
+
+def keep_row(args, row: dict) -> None:
+    path = partial_path(args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def runs_of(args, pipeline: str) -> list:
+    """(workload, serve.microbatches or None for the default, continuous) of every row one pipeline split serves."""
+    loads = args.workloads.split(",")
+    settings = (None,) if RANKS[pipeline] == 1 else (1, None)  # one rank: the default is one group
+    return [(w, mb, True) for w in loads for mb in settings] + [("mixed", None, False)] * ("mixed" in loads)
+
+
+def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, every_rank: bool = False) -> list:
+    """Every (workload, groups, batching) of one pipeline split on this rank -> rows (on the last stage's rank, or
+    on this rank with `every_rank`: `bench_serve.py rank` runs one rank alone)."""
+    rows = []
+    loads = {w: workload(args, w, 256) for w in args.workloads.split(",")}
+    context = max(len(p) + m for ps, ms in loads.values() for p, m in zip(ps, ms))
+    cfg0, plan0 = make_cfg(args, pipeline, 1, context)
+    dtype = serve_dtype("auto", device)
+    stages = build_stage_modules(cfg0, plan0, None if pipeline == "single" else rank, device, dtype)
+    runs = runs_of(args, pipeline)
+    for i, (w, mb, continuous) in enumerate(runs):
+        label = f"{pipeline} {w} {'continuous' if continuous else 'fixed'} serve.microbatches={mb or 'default'}"
+        loud = rank == 0 or every_rank  # one process speaks for a split
+        if loud:
+            print(f"[{pipeline} {i + 1}/{len(runs)}] {label}: capture, warm-up, {args.requests} requests", flush=True)
+        cfg, plan = make_cfg(args, pipeline, mb, context, continuous)
+        eng = PipelineEngine(cfg.model, plan, stages, cfg.serve, cfg.graphs, device, dtype, rank, link)
+        captured = [r for r in eng.capture().records if r.captured]
+        capture = gather(
+            (len(captured), sum(r.capture_ms for r in captured) / 1e3, sum(r.pool_bytes for r in captured))
+        )
+        prompts, limits = loads[w]
+        # warm-up: first calls allocate and compile; prompts across the workload's lengths, so the timed run
+        # meets no new kernel specialisation
+        ranked = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        picks = sorted({ranked[(len(ranked) - 1) * q // 7] for q in range(8)})
+        eng.generate([prompts[i] for i in picks], [2] * len(picks))
+        timer = PassTimer(eng) if args.profile_passes else None
+        captures_before = eng.transfers.captures if eng.transfers is not None else 0
+        with Heartbeat(label) if loud else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            out = eng.generate(prompts, limits)
+            wall = time.perf_counter() - t0
+        st = eng.stats
+        if args.trace:
+            name = f"trace-{pipeline}-g{eng.groups}-{w}-{'continuous' if continuous else 'fixed'}-rank{rank}"
+            write_trace(eng, prompts[:64], limits[:64], Path(args.out) / f"{name}.json.gz")
+        busy = gather(
+            (
+                st["busy_fraction"],
+                st["decode_busy"],
+                st["decode_host_ms_per_tick"],
+                st["decode_lead_p50_ms"],
+                st["decode_host_late"],
+                # graphs.transfers: (signatures captured in all, of them during the timed run, replays, eager ticks)
+                None
+                if eng.transfers is None
+                else (
+                    eng.transfers.captures,
+                    eng.transfers.captures - captures_before,
+                    eng.transfers.replays,
+                    eng.transfers.eager_ticks,
+                ),
+                st["busy_after_prefill"],
+            )
+        )
+        if out is not None or every_rank:
+            tokens = st["tokens"]
+            rows.append(
+                {
+                    "pipeline": pipeline,
+                    "ranks": RANKS[pipeline],
+                    "microbatches": eng.groups,
+                    "microbatches_setting": "default" if mb is None else mb,
+                    "workload": w,
+                    "batching": "continuous" if continuous else "fixed",
+                    "requests": len(prompts),
+                    "output_tokens": tokens,
+                    "wall_s": wall,
+                    "tokens_per_s": tokens / wall,
+                    "ttft_p50_s": pct(st["ttft_s"].values(), 0.5),
+                    "ttft_p99_s": pct(st["ttft_s"].values(), 0.99),
+                    "tpot_p50_s": pct(st["tpot_s"].values(), 0.5),
+                    "tpot_p99_s": pct(st["tpot_s"].values(), 0.99),
+                    "busy_fraction": [b[0] for b in busy],
+                    "decode_busy_fraction": [b[1] for b in busy],
+                    # per rank: host ms per decode tick by phase (pick, stage, exchange, feedback); on GPU the median
+                    # time a decode pass queued before the GPU ran it, and the share it did not (the host was late)
+                    "decode_host_ms_per_tick": [b[2] for b in busy],
+                    "decode_lead_p50_ms": [b[3] for b in busy],
+                    "decode_host_late": [b[4] for b in busy],
+                    # per rank with graphs.transfers: [captured, captured in the timed run, replays, eager ticks]
+                    "transfer_graphs": [b[5] for b in busy],
+                    # per rank: busy fraction in the 1st .. (ranks-1)th tick after a prefill pass left the pipeline
+                    # (not decode ticks, though every pass in flight decodes: the ranks wait out the prefill)
+                    "busy_after_prefill": [b[6] for b in busy],
+                    "ticks": st["ticks"],
+                    "graphs": args.graphs,
+                    # per rank: graphs captured at setup, their capture time and the graph pools' growth
+                    "graphs_captured": [c[0] for c in capture],
+                    "capture_s": [c[1] for c in capture],
+                    "graph_pool_gib": [c[2] / 2**30 for c in capture],
+                    "device": str(device),
+                }
+            )
+            if timer is not None:
+                rows[-1]["pass_profile"] = timer.summary()
+                print(f"  GPU time per pass kind: {rows[-1]['pass_profile']}", flush=True)
+            r = rows[-1]
+            keep_row(args, r)
+            print(
+                f"{pipeline} groups={r['microbatches']} {w} {r['batching']}: {r['tokens_per_s']:.1f} tokens/s, "
+                f"TTFT p50 {r['ttft_p50_s'] or 0:.3f} s, TPOT p50 {(r['tpot_p50_s'] or 0) * 1e3:.2f} ms, "
+                f"busy {[round(b, 2) for b in r['busy_fraction']]}, decode busy "
+                f"{[round(b, 2) for b in r['decode_busy_fraction']]}, {host_line(r)}, graphs {r['graphs_captured']} "
+                "captured in "
+                f"{[round(c, 1) for c in r['capture_s']]} s, pools {[round(g, 2) for g in r['graph_pool_gib']]} GiB"
+                + (f", transfer graphs {r['transfer_graphs']}" if any(r["transfer_graphs"]) else ""),
+                flush=True,
+            )
+        del eng
+        gc.collect()  # free its graphs and caches now (reference cycles hold them), before the next engine captures
+    return rows
+
+
+def worker(args) -> None:
+    """One pipeline rank under torchrun: NCCL on GPUs, gloo on CPU."""
+    import torch.distributed as dist
+
+    from dsaflow.run.p2p import torchrun_rank
+
+    with torchrun_rank(args.device, args.threads if args.device == "cpu" else None) as (device, link):
+
+        def gather(x):
+            out = [None] * dist.get_world_size()
+            dist.all_gather_object(out, x)
+            return out
+
+        rows = measure(args, args.pipeline, dist.get_rank(), device, link, gather)
+        if rows:
+            write_rank_rows(args.rows_file, rows)
+
+
+def run_pipeline(args, pipeline: str) -> list:
+    """One ppN split as N processes (torchrun) -> the last stage's rows."""
+    passed = [
+        f"--{k.replace('_', '-')}={getattr(args, k)}"
+        for k in (
+            "device",
+            "workloads",
+            "model",
+            "overrides",
+            "requests",
+            "max_batch",
+            "prefill_chunk",
+            "mixed_prompt",
+            "mixed_new",
+            "uniform_prompt",
+            "uniform_new",
+            "graphs",
+            "threads",
+            "seed",
+            "out",
+        )
+    ]
+    passed += ["--trace"] * args.trace
+    argv = ["engine", *passed, "--worker", f"--pipeline={pipeline}"]
+    return rows_from_ranks(ENTRY, argv, RANKS[pipeline], args.threads if args.device == "cpu" else None)
+
+
+def checks(rows: list) -> list:
+    """The comparisons the benchmark exists for: default groups vs one group (tokens/s, decode busy) per pipeline
+    and workload, and continuous vs fixed batches on the mixed workload."""
+    out = []
+    key = lambda r: (r["pipeline"], r["workload"], r["microbatches_setting"], r["batching"])  # noqa: E731
+    by = {key(r): r for r in rows}
+    for (p, w, mb, b), r in by.items():
+        one = by.get((p, w, 1, "continuous"))
+        if mb == "default" and b == "continuous" and one is not None and r["ranks"] > 1:
+            out.append(
+                {
+                    "check": f"{p} {w}: default groups vs serve.microbatches=1",
+                    "pipeline": p,
+                    "workload": w,
+                    "tokens_per_s_ratio": r["tokens_per_s"] / one["tokens_per_s"],
+                    "decode_busy_default": r["decode_busy_fraction"],
+                    "decode_busy_one": one["decode_busy_fraction"],
+                }
+            )
+        fixed = by.get((p, w, "default", "fixed"))
+        if mb == "default" and b == "continuous" and fixed is not None:
+            out.append(
+                {
+                    "check": f"{p} {w}: continuous vs fixed batches",
+                    "pipeline": p,
+                    "workload": w,
+                    "tokens_per_s_ratio": r["tokens_per_s"] / fixed["tokens_per_s"],
+                }
+            )
+    return out
+
+
+def markdown(rows: list, env: dict, cks: list) -> str:
+    f = lambda v, s="{:.3f}": "-" if v is None else s.format(v)  # noqa: E731
+    lines = [
+        "# Serving benchmark",
+        "",
+        "Host ms per decode tick: what each rank's host spends building, launching and passing on one tick of decode; "
+        "host late (GPU only): the share of decode passes its GPU started within 50 us of their launch (it had run dry and waited on its host).",
+        "",
+        f"{env['device_name']}, torch {env['torch']}, model {env['model']} {env['overrides']}, "
+        f"graphs {env['graphs']}, "
+        f"serve.max_batch {env['max_batch']}, {env['requests']} requests per workload (mixed: prompts "
+        f"{env['mixed_prompt']} log-uniform, new {env['mixed_new']}; uniform: {env['uniform_prompt']} + "
+        f"{env['uniform_new']}), "
+        f"{env['threads']} thread(s) per process on CPU, 1-minute load average {env['load_average_1min'][0]:.1f} "
+        f"before and {env['load_average_1min'][1]:.1f} after. Command: `{env['command']}`.",
+        "",
+        "| pipeline | groups (serve.microbatches) | workload | batching | tokens/s | TTFT p50 s | TTFT p99 s "
+        "| TPOT p50 ms | TPOT p99 ms | busy per rank | decode busy per rank | host ms per decode tick | host late |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---|---|---|---|",
+    ]
+    for r in rows:
+        ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+        lines.append(
+            f"| {r['pipeline']} | {r['microbatches']} ({r['microbatches_setting']}) | {r['workload']} | "
+            f"{r['batching']} | "
+            f"{r['tokens_per_s']:.1f} | {f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | "
+            f"{f(ms(r['tpot_p50_s']), '{:.2f}')} | {f(ms(r['tpot_p99_s']), '{:.2f}')} | "
+            f"{', '.join(f'{b:.2f}' for b in r['busy_fraction'])} | "
+            f"{', '.join(f'{b:.2f}' for b in r['decode_busy_fraction'])} | "
+            f"{', '.join(f(sum(h.values()), '{:.2f}') for h in r.get('decode_host_ms_per_tick', []))} | "
+            f"{', '.join(f(x, '{:.2f}') for x in r.get('decode_host_late', [])) or '-'} |"
+        )
+    if cks:
+        lines += [
+            "",
+            "| comparison | tokens/s ratio | decode busy (default groups) | decode busy (one group) |",
+            "|---|---:|---|---|",
+        ]
+        for c in cks:
+            d = ", ".join(f"{b:.2f}" for b in c.get("decode_busy_default", [])) or "-"
+            o = ", ".join(f"{b:.2f}" for b in c.get("decode_busy_one", [])) or "-"
+            lines.append(f"| {c['check']} | {c['tokens_per_s_ratio']:.2f}x | {d} | {o} |")
+    if env.get("skipped"):
+        lines += ["", "Skipped: " + "; ".join(env["skipped"])]
+    return "\n".join(lines)
+
+
+def plot(rows: list, plt):
+    """Tokens/s per row and each rank's decode busy fraction -> the figure."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    labels = [f"{r['pipeline']}\n{r['workload']}\ng={r['microbatches']} {r['batching'][:4]}" for r in rows]
+    x = range(len(rows))
+    colors = ["C0" if r["batching"] == "continuous" else "C7" for r in rows]
+    ax1.bar(x, [r["tokens_per_s"] for r in rows], color=colors)
+    ax1.set_xticks(list(x), labels, fontsize=6)
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_title("throughput")
+    width = 0.8 / max(r["ranks"] for r in rows)
+    for k in range(max(r["ranks"] for r in rows)):
+        ax2.bar(
+            [i + k * width for i in x],
+            [r["decode_busy_fraction"][k] if k < r["ranks"] else 0 for r in rows],
+            width,
+            label=f"rank {k}",
+        )
+    ax2.set_xticks([i + 0.4 - width / 2 for i in x], labels, fontsize=6)
+    ax2.set_ylim(0, 1)
+    ax2.set_ylabel("busy fraction in decode")
+    ax2.legend(fontsize=7)
+    ax2.set_title("per-rank busy fraction (decode ticks)")
+    fig.tight_layout()
+    return fig
+
+
+def main(argv=None, prog: str = PROG) -> int:
+    args = parse_args(argv, prog)
+    if args.worker:
+        worker(args)
+        return 0
+    threads = torch.get_num_threads()
+    try:
+        if args.device == "cpu":
+            torch.set_num_threads(args.threads)
+        return run_all(args, argv, prog)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_all(args, argv, prog: str) -> int:
+    device = torch.device(args.device)
+    pipelines = args.pipelines.split(",")
+    for p in pipelines:
+        if p not in RANKS:
+            user_error(prog, f"--pipelines: {p!r} is not one of {', '.join(RANKS)}")
+    out = out_dir(prog, args.out)
+    args.out = str(out)  # the ranks of a ppN split write their traces there too
+    total = sum(len(runs_of(args, p)) for p in pipelines)
+    print(f"{prog}: {total} configurations ({', '.join(f'{p}: {len(runs_of(args, p))}' for p in pipelines)}), "
+          f"{args.requests} requests each on {args.device}; a line per configuration as it starts", flush=True)  # fmt: skip
+    rows, skipped = [], []
+    partial_path(args).unlink(missing_ok=True)
+    load_before = os.getloadavg()[0]
+    for p in pipelines:
+        n_gpu = torch.cuda.device_count() if args.device == "cuda" else 0
+        if args.device == "cuda" and RANKS[p] > n_gpu:
+            skipped.append(f"{p} needs {RANKS[p]} GPUs, this machine has {n_gpu} (not run on a shared GPU)")
+            print(f"skipped: {skipped[-1]}", flush=True)
+            continue
+        if p == "single":
+            rows += measure(args, p, 0, device, None, lambda x: [x])
+        else:
+            rows += run_pipeline(args, p)
+    cks = checks(rows)
+    env = {
+        **environment(device),
+        "device": args.device,
+        "model": args.model,
+        "overrides": args.overrides,
+        "graphs": args.graphs,
+        "max_batch": args.max_batch,
+        "requests": args.requests,
+        "mixed_prompt": args.mixed_prompt,
+        "mixed_new": args.mixed_new,
+        "uniform_prompt": args.uniform_prompt,
+        "uniform_new": args.uniform_new,
+        "prefill_chunk": args.prefill_chunk,
+        "threads": args.threads,
+        "skipped": skipped,
+        # other processes on the machine: pp ranks compute at once, so a busy machine slows them most
+        "load_average_1min": [load_before, os.getloadavg()[0]],
+        "command": command_line(prog, argv),
+    }
+    data = {"env": env, "rows": rows, "checks": cks}
+    write_results(out, "bench_serve", data, markdown(rows, env, cks), (lambda plt: plot(rows, plt)) if rows else None)
+    partial_path(args).unlink(missing_ok=True)
+    return 0
