@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -309,8 +310,10 @@ def family_main(prog: str, doc: str, subcommands: dict, argv=None) -> int:
         width = max(len(s) for s in subcommands)
         lines = [f"usage: {prog} {{{','.join(subcommands)}}} [options]", "", doc.strip(), "", "subcommands:"]
         for name, module in subcommands.items():
-            summary = (importlib.import_module(f"benches.{module}").__doc__ or "").strip().splitlines()[0]
-            lines.append(f"  {name.ljust(width)}  {summary}")
+            summary = " ".join((importlib.import_module(f"benches.{module}").__doc__ or "").split("\n\n")[0].split())
+            lines += textwrap.wrap(
+                summary, 120, initial_indent=f"  {name.ljust(width)}  ", subsequent_indent=" " * (width + 4)
+            )
         lines += ["", f"{prog} SUBCOMMAND --help shows that subcommand's options."]
         print("\n".join(lines), file=sys.stdout if argv else sys.stderr)  # no subcommand: a usage error
         return 0 if argv else 2
