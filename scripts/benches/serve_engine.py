@@ -47,9 +47,9 @@ from bench_lib import (
     write_results,
 )
 
+from benches.serve_report import checks, host_line, markdown, plot
 from dsaflow.config.compose import compose
 from dsaflow.plan import build_plan
-from dsaflow.run.timeline import HOST_PHASES
 from dsaflow.serve.engine import PipelineEngine
 from dsaflow.serve.generate import build_stage_modules, serve_dtype
 
@@ -232,21 +232,6 @@ def write_trace(eng: PipelineEngine, prompts, limits, path: Path) -> None:
     print(f"  trace: {path}", flush=True)
 
 
-def host_line(row: dict) -> str:
-    """Per rank: host ms per decode tick (by phase), the median lead of a decode pass on its GPU, the share of decode
-    passes the GPU waited for (the host was late)."""
-
-    def per_rank(values, digits):
-        return [None if v is None else round(v, digits) for v in values]
-
-    hosts = row["decode_host_ms_per_tick"]
-    phases = ", ".join(f"{k} {per_rank([h[k] for h in hosts], 3)}" for k in HOST_PHASES)
-    return (
-        f"host ms per decode tick {per_rank([sum(h.values()) for h in hosts], 3)} ({phases}), lead p50 ms "
-        f"{per_rank(row['decode_lead_p50_ms'], 3)}, host late {per_rank(row['decode_host_late'], 2)}"
-    )
-
-
 def partial_path(args) -> Path:
     """Rows as they are measured, one JSON object a line: what an interrupted run (a time limit, a crash in a later
     configuration) keeps. A finished run's rows are in bench_serve.json, and this file is removed."""
@@ -425,112 +410,6 @@ def run_pipeline(args, pipeline: str) -> list:
     passed += ["--trace"] * args.trace
     argv = ["engine", *passed, "--worker", f"--pipeline={pipeline}"]
     return rows_from_ranks(ENTRY, argv, RANKS[pipeline], args.threads if args.device == "cpu" else None)
-
-
-def checks(rows: list) -> list:
-    """The comparisons the benchmark exists for: default groups vs one group (tokens/s, decode busy) per pipeline
-    and workload, and continuous vs fixed batches on the mixed workload."""
-    out = []
-    key = lambda r: (r["pipeline"], r["workload"], r["microbatches_setting"], r["batching"])  # noqa: E731
-    by = {key(r): r for r in rows}
-    for (p, w, mb, b), r in by.items():
-        one = by.get((p, w, 1, "continuous"))
-        if mb == "default" and b == "continuous" and one is not None and r["ranks"] > 1:
-            out.append(
-                {
-                    "check": f"{p} {w}: default groups vs serve.microbatches=1",
-                    "pipeline": p,
-                    "workload": w,
-                    "tokens_per_s_ratio": r["tokens_per_s"] / one["tokens_per_s"],
-                    "decode_busy_default": r["decode_busy_fraction"],
-                    "decode_busy_one": one["decode_busy_fraction"],
-                }
-            )
-        fixed = by.get((p, w, "default", "fixed"))
-        if mb == "default" and b == "continuous" and fixed is not None:
-            out.append(
-                {
-                    "check": f"{p} {w}: continuous vs fixed batches",
-                    "pipeline": p,
-                    "workload": w,
-                    "tokens_per_s_ratio": r["tokens_per_s"] / fixed["tokens_per_s"],
-                }
-            )
-    return out
-
-
-def markdown(rows: list, env: dict, cks: list) -> str:
-    f = lambda v, s="{:.3f}": "-" if v is None else s.format(v)  # noqa: E731
-    lines = [
-        "# Serving benchmark",
-        "",
-        "Host ms per decode tick: what each rank's host spends building, launching and passing on one tick of decode; "
-        "host late (GPU only): the share of decode passes its GPU started within 50 us of their launch (it had run dry and waited on its host).",
-        "",
-        f"{env['device_name']}, torch {env['torch']}, model {env['model']} {env['overrides']}, "
-        f"graphs {env['graphs']}, "
-        f"serve.max_batch {env['max_batch']}, {env['requests']} requests per workload (mixed: prompts "
-        f"{env['mixed_prompt']} log-uniform, new {env['mixed_new']}; uniform: {env['uniform_prompt']} + "
-        f"{env['uniform_new']}), "
-        f"{env['threads']} thread(s) per process on CPU, 1-minute load average {env['load_average_1min'][0]:.1f} "
-        f"before and {env['load_average_1min'][1]:.1f} after. Command: `{env['command']}`.",
-        "",
-        "| pipeline | groups (serve.microbatches) | workload | batching | tokens/s | TTFT p50 s | TTFT p99 s "
-        "| TPOT p50 ms | TPOT p99 ms | busy per rank | decode busy per rank | host ms per decode tick | host late |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---|---|---|---|",
-    ]
-    for r in rows:
-        ms = lambda v: None if v is None else v * 1e3  # noqa: E731
-        lines.append(
-            f"| {r['pipeline']} | {r['microbatches']} ({r['microbatches_setting']}) | {r['workload']} | "
-            f"{r['batching']} | "
-            f"{r['tokens_per_s']:.1f} | {f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | "
-            f"{f(ms(r['tpot_p50_s']), '{:.2f}')} | {f(ms(r['tpot_p99_s']), '{:.2f}')} | "
-            f"{', '.join(f'{b:.2f}' for b in r['busy_fraction'])} | "
-            f"{', '.join(f'{b:.2f}' for b in r['decode_busy_fraction'])} | "
-            f"{', '.join(f(sum(h.values()), '{:.2f}') for h in r.get('decode_host_ms_per_tick', []))} | "
-            f"{', '.join(f(x, '{:.2f}') for x in r.get('decode_host_late', [])) or '-'} |"
-        )
-    if cks:
-        lines += [
-            "",
-            "| comparison | tokens/s ratio | decode busy (default groups) | decode busy (one group) |",
-            "|---|---:|---|---|",
-        ]
-        for c in cks:
-            d = ", ".join(f"{b:.2f}" for b in c.get("decode_busy_default", [])) or "-"
-            o = ", ".join(f"{b:.2f}" for b in c.get("decode_busy_one", [])) or "-"
-            lines.append(f"| {c['check']} | {c['tokens_per_s_ratio']:.2f}x | {d} | {o} |")
-    if env.get("skipped"):
-        lines += ["", "Skipped: " + "; ".join(env["skipped"])]
-    return "\n".join(lines)
-
-
-def plot(rows: list, plt):
-    """Tokens/s per row and each rank's decode busy fraction -> the figure."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    labels = [f"{r['pipeline']}\n{r['workload']}\ng={r['microbatches']} {r['batching'][:4]}" for r in rows]
-    x = range(len(rows))
-    colors = ["C0" if r["batching"] == "continuous" else "C7" for r in rows]
-    ax1.bar(x, [r["tokens_per_s"] for r in rows], color=colors)
-    ax1.set_xticks(list(x), labels, fontsize=6)
-    ax1.set_ylabel("output tokens/s")
-    ax1.set_title("throughput")
-    width = 0.8 / max(r["ranks"] for r in rows)
-    for k in range(max(r["ranks"] for r in rows)):
-        ax2.bar(
-            [i + k * width for i in x],
-            [r["decode_busy_fraction"][k] if k < r["ranks"] else 0 for r in rows],
-            width,
-            label=f"rank {k}",
-        )
-    ax2.set_xticks([i + 0.4 - width / 2 for i in x], labels, fontsize=6)
-    ax2.set_ylim(0, 1)
-    ax2.set_ylabel("busy fraction in decode")
-    ax2.legend(fontsize=7)
-    ax2.set_title("per-rank busy fraction (decode ticks)")
-    fig.tight_layout()
-    return fig
 
 
 def main(argv=None, prog: str = PROG) -> int:

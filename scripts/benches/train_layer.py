@@ -67,8 +67,7 @@ def build(layers: int, index: str, seq: int, recompute: str = "none"):
 
 
 def make_step(stage, opts, x, with_loss: bool, in_backward: bool = True):
-    from dsaflow.model import IndexerLossInBackward
-    from dsaflow.train.pipeline import attach_aux_loss
+    from dsaflow.model import IndexerLossInBackward, attach_aux_loss
 
     sink = IndexerLossInBackward(1.0)
 
