@@ -23,11 +23,10 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_lib import CEIL, bench, measure_ceilings, timed_slow
+from bench_lib import CEIL, bench, describe_device, measure_ceilings, need_cuda, out_dir, timed_slow, write_results
 
 from dsaflow.config.moe import MoEConfig
 from dsaflow.model.moe import MoE
@@ -150,21 +149,19 @@ def decode_rows(rows_n: int, kernels) -> list[dict]:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+def main(argv=None, prog: str = "bench_moe.py") -> int:
+    p = argparse.ArgumentParser(
+        prog=prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--tokens", default="4096,16384,32768", help="tokens per microbatch for forward + backward")
     p.add_argument("--decode-rows", default="64,256", help="rows per decode pass")
     p.add_argument("--kernels", default="torch_grouped,triton", help="grouped GEMMs to time (dispatch.py names)")
     p.add_argument("--out", default="bench_out/moe", help="folder for bench_moe.json and bench_moe.md")
     p.add_argument("--profile", type=int, default=0, help="print the costliest kernels of a step of this many tokens")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_moe: needs a CUDA GPU (none is visible).", file=sys.stderr)
-        return 2
+    need_cuda(prog)
     kernels = args.kernels.split(",")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"bench_moe: writing {out_dir.resolve()}/bench_moe.{{json,md}}", flush=True)
+    out = out_dir(prog, args.out)
     measure_ceilings()
     if args.profile:
         profile_step(args.profile, kernels[0])
@@ -174,7 +171,7 @@ def main(argv=None) -> int:
             try:
                 timed = train_rows(t, kernels, skew, loop=n == 0)
             except torch.OutOfMemoryError:
-                print(f"bench_moe: {t} tokens (skew={skew}) do not fit in this GPU's memory; row skipped", flush=True)
+                print(f"{prog}: {t} tokens (skew={skew}) do not fit in this GPU's memory; row skipped", flush=True)
                 torch.cuda.empty_cache()
                 continue
             for r in timed:
@@ -192,8 +189,7 @@ def main(argv=None) -> int:
         if "tflops" in r:
             r["frac_matmul"] = r["tflops"] / CEIL["matmul_tflops"]
             r["vs_dense"] = r["tflops"] / dense[r["tokens"]] if r["tokens"] in dense else None
-    device = torch.cuda.get_device_name()
-    (out_dir / "bench_moe.json").write_text(json.dumps({"device": device, "ceilings": CEIL, "rows": rows}, indent=1))
+    device = describe_device()
     lines = [
         f"MoE MLP at DeepSeek-V3.2 expert shapes on {device} (`python scripts/bench_moe.py`); ceilings: bf16 matmul "
         f"{CEIL['matmul_tflops']} TFLOP/s, copy {CEIL['copy_tbps']} TB/s",
@@ -211,8 +207,7 @@ def main(argv=None) -> int:
             f"| {r['tokens']} | {r['impl']} | {'yes' if r.get('skew') else ''} | {r['ms']:.2f} | {tf} | {fm} | {vd} "
             f"| {bw} | {fc} |"
         )
-    (out_dir / "bench_moe.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(out, "bench_moe", {"device": device, "ceilings": CEIL, "rows": rows}, "\n".join(lines))
     return 0
 
 

@@ -32,6 +32,7 @@ OWN_OPTION = {
     "bench_dense_warmup": "--op-layers",
     "bench_glue": "--smoke",
     "bench_indexcache": "--short-chunks",
+    "bench_moe": "--decode-rows",
 }
 
 
