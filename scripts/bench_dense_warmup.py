@@ -82,6 +82,7 @@ def model_step(layout: str, T: int, reps: int, frozen: bool = True) -> dict:
             "model=dsv32",
             "model.vocab_size=256",
             "model.inter_dim=2048",
+            "model.moe=null",
             f"model.num_layers={len(layout)}",
             f"layout={layout}",
         ]

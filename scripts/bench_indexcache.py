@@ -80,7 +80,9 @@ def parse_args(argv=None, prog: str = "bench_indexcache.py"):
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="dsv32")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--extra", default="model.vocab_size=256 model.inter_dim=2048", help="more config overrides")
+    ap.add_argument(
+        "--extra", default="model.vocab_size=256 model.inter_dim=2048 model.moe=null", help="more config overrides"
+    )
     ap.add_argument("--contexts", default="8192,16384,32768,65536,131072")
     ap.add_argument("--indexes", default="all_full,every2,every4")
     ap.add_argument("--prefill-chunk", type=int, default=16384)

@@ -155,6 +155,8 @@ def test_the_bench_table_records_out_of_memory_rows():
             "step_s": 1.5,
             "tokens_per_s": 10923.0,
             "tflops": 300.0,
+            "mfu": 0.3033,
+            "moe_experts": 16,
             "peak_gib": 40.0,
             "estimate_gib": 42.0,
             "estimate_error": 0.05,
@@ -162,5 +164,5 @@ def test_the_bench_table_records_out_of_memory_rows():
         {"seq": 131072, "layers": 8, "recompute": "none", "estimate_gib": 574.4, "error": "out of memory: ..."},
     ]
     text = bench.markdown(rows, "an H200")
-    assert "| 16K | block | 1.50 s | 10,923 | 300 | 40.0 GiB | 42.0 GiB | +5.0 % |" in text
-    assert "| 128K | none | out of memory | | | | 574.4 GiB | |" in text
+    assert "| 16 | 16K | block | 1.50 s | 10,923 | 300 | 30.3 % | 40.0 GiB | 42.0 GiB | +5.0 % |" in text
+    assert "| dense | 128K | none | out of memory | | | | | 574.4 GiB | |" in text

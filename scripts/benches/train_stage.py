@@ -31,7 +31,20 @@ from bench_lib import describe_device, need_cuda, out_dir, wall_seconds, write_r
 MODES = ("none", "attention", "block")
 
 
-def plan_for(layers: int, index: str, seq: int, recompute: str, chunk_tokens: int = 16384):
+def model_overrides(moe_experts: int) -> list:
+    """A 2048-wide dense MLP (moe_experts 0), or V3.2's MoE MLP (8 experts per token of width 2048, one shared) with
+    `moe_experts` routed experts in one group, in every layer."""
+    if not moe_experts:
+        return ["model.inter_dim=2048", "model.moe=null"]
+    return [
+        f"model.moe.n_routed_experts={moe_experts}",
+        "model.moe.n_group=1",
+        "model.moe.topk_group=1",
+        "model.moe.first_k_dense=0",
+    ]
+
+
+def plan_for(layers: int, index: str, seq: int, recompute: str, chunk_tokens: int = 16384, moe_experts: int = 0):
     """(cfg, plan) of one row: the plan carries the training-memory estimate."""
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan
@@ -40,7 +53,7 @@ def plan_for(layers: int, index: str, seq: int, recompute: str, chunk_tokens: in
         [
             "model=dsv32",
             "model.vocab_size=256",
-            "model.inter_dim=2048",
+            *model_overrides(moe_experts),
             f"model.num_layers={layers}",
             f"model.max_seq_len={max(seq, 4096)}",
             f"index={index}",
@@ -54,10 +67,10 @@ def plan_for(layers: int, index: str, seq: int, recompute: str, chunk_tokens: in
     return cfg, build_plan(cfg)
 
 
-def build(layers: int, index: str):
+def build(layers: int, index: str, moe_experts: int = 0):
     """(stage on cuda in train mode, its two fused AdamW optimisers, as the trainer builds them). The weights do
     not depend on the sequence length or the recompute mode, so one stage serves every row."""
-    return stage_and_optimisers(*plan_for(layers, index, 4096, "none"))
+    return stage_and_optimisers(*plan_for(layers, index, 4096, "none", moe_experts=moe_experts))
 
 
 def stage_and_optimisers(cfg, plan):
@@ -91,14 +104,23 @@ def make_step(stage, opts, x):
 
 
 def measure(
-    stage, opts, layers: int, index: str, seq: int, recompute: str, reps: int, chunk_tokens: int = 16384
+    stage,
+    opts,
+    layers: int,
+    index: str,
+    seq: int,
+    recompute: str,
+    reps: int,
+    chunk_tokens: int = 16384,
+    moe_experts: int = 0,
 ) -> dict:
     """One row (see the module docstring) on the stage and optimisers of `build(layers, index)`."""
-    from dsaflow.train.metrics import model_flops_per_token
+    from dsaflow.train.metrics import model_flops_per_token, peak_tflops_per_rank
 
-    cfg, plan = plan_for(layers, index, seq, recompute, chunk_tokens)
+    cfg, plan = plan_for(layers, index, seq, recompute, chunk_tokens, moe_experts)
     se = plan.estimates["stages"][0]
     row = {
+        "moe_experts": moe_experts,
         "seq": seq,
         "layers": layers,
         "index": index,
@@ -131,7 +153,9 @@ def measure(
     row["step_s"] = step_s
     row["tokens_per_s"] = seq / row["step_s"]
     row["model_tflop"] = flops / 1e12
-    row["tflops"] = flops / row["step_s"] / 1e12
+    row["tflops"] = flops / row["step_s"] / 1e12  # active FLOPs: a MoE layer counts the experts a token runs
+    peak = peak_tflops_per_rank(cfg.train, torch.device("cuda"))
+    row["mfu"] = row["tflops"] / peak if peak else None
     row["estimate_error"] = row["estimate_gib"] / row["peak_gib"] - 1
     return row
 
@@ -143,17 +167,18 @@ def markdown(rows: list, device: str) -> str:
             f"(`python scripts/bench_train.py stage`)."
         ),
         "",
-        "| tokens | recompute | step | tokens/s | model TFLOP/s | peak (measured) | estimate | estimate error |",
-        "|---|---|---|---|---|---|---|---|",
+        "| experts | tokens | recompute | step | tokens/s | model TFLOP/s | MFU | peak (measured) | estimate | estimate error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        head = f"| {r['seq'] // 1024}K | {r['recompute']} |"
+        head = f"| {r.get('moe_experts') or 'dense'} | {r['seq'] // 1024}K | {r['recompute']} |"
         est = f"{r['estimate_gib']:.1f} GiB" if "estimate_gib" in r else "-"
         if "error" in r:
-            lines.append(f"{head} out of memory | | | | {est} | |")
+            lines.append(f"{head} out of memory | | | | | {est} | |")
             continue
+        mfu = f"{100 * r['mfu']:.1f} %" if r.get("mfu") else "-"
         lines.append(
-            f"{head} {r['step_s']:.2f} s | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
+            f"{head} {r['step_s']:.2f} s | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {mfu} | "
             f"{r['peak_gib']:.1f} GiB | {est} | {100 * r['estimate_error']:+.1f} % |"
         )
     return "\n".join(lines) + "\n"
@@ -172,6 +197,9 @@ def main(argv=None, prog="bench_train.py stage") -> int:
         action="store_true",
         help="once a mode runs out of memory, record its longer sequences as out of memory unrun",
     )
+    ap.add_argument(
+        "--moe-experts", type=int, default=0, help="V3.2 MoE MLPs with this many routed experts (0: dense MLP)"
+    )
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     need_cuda(prog)
@@ -179,7 +207,7 @@ def main(argv=None, prog="bench_train.py stage") -> int:
     seqs = [int(s) for s in args.seq.split(",")]
     modes = args.recompute.split(",")
     rows, failed = [], set()
-    stage, opts = build(args.layers, args.index)
+    stage, opts = build(args.layers, args.index, args.moe_experts)
     for seq in seqs:
         for mode in modes:
             if args.skip_after_oom and mode in failed:
@@ -193,7 +221,9 @@ def main(argv=None, prog="bench_train.py stage") -> int:
                     }
                 )
                 continue
-            row = measure(stage, opts, args.layers, args.index, seq, mode, args.reps, args.chunk_tokens)
+            row = measure(
+                stage, opts, args.layers, args.index, seq, mode, args.reps, args.chunk_tokens, args.moe_experts
+            )
             if "error" in row:
                 failed.add(mode)
             rows.append(row)
