@@ -189,7 +189,7 @@ def job_task(cfg) -> float:
             typed.track.run_name = f"{_sweep_name(state.sweep_dir)}-{num}"
         if state.command == "generate" and typed.mode != "serve" and not any(o.startswith("mode=") for o in overrides):
             typed.mode = "serve"
-        from dsaflow.run.checkpoint_roles import plan_for_checkpoint
+        from dsaflow.checkpoint.indexer_weights import plan_for_checkpoint
 
         plan = plan_for_checkpoint(typed, state.command, lambda c: build_plan(c, nproc=state.nproc))
         rc = run_command(state.command, typed, plan, state.fmt)

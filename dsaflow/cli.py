@@ -217,7 +217,7 @@ def _compose_and_plan(overrides: List[str], nproc: Optional[int] = None, command
     cfg = compose(overrides)
     if run_dir is not None:
         cfg.run_dir = run_dir
-    from dsaflow.run.checkpoint_roles import plan_for_checkpoint
+    from dsaflow.checkpoint.indexer_weights import plan_for_checkpoint
 
     return cfg, plan_for_checkpoint(cfg, command, lambda c: build_plan(c, nproc=nproc))
 

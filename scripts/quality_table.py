@@ -433,11 +433,11 @@ def cmd_eval_run(a) -> int:
     config, seed, batch size), fp32 like the search."""
     import torch
 
+    from dsaflow.checkpoint.weights import load_model_weights
     from dsaflow.config.compose import load_config
     from dsaflow.data import BatchSource
     from dsaflow.plan.plan import Plan
     from dsaflow.run.stages import build_stages
-    from dsaflow.run.weights import load_model_weights
     from dsaflow.search.evaluate import PatternEvaluator
 
     torch.set_num_threads(1)

@@ -20,7 +20,7 @@ class Exploit:
 def crafted_checkpoint(folder: Path, marker: Path, step: int = 1) -> Path:
     """A checkpoint folder whose `.metadata` executes a command when unpickled, with a matching manifest (an
     attacker writes the manifest too), so only the metadata reader stands between the file and the command."""
-    from dsaflow.run.ckpt_store import write_manifest
+    from dsaflow.checkpoint.store import write_manifest
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / ".metadata").write_bytes(pickle.dumps(Exploit(marker)))

@@ -23,6 +23,7 @@ RANK = {
     "plan": 3,
     "model": 3,
     "run": 4,
+    "checkpoint": 4.5,
     "train": 5,
     "serve": 5,
     "launch": 6,

@@ -202,12 +202,11 @@ def _snapshot(root: Path) -> dict:
 
 def good_run_dir(run_dir: Path, steps=(1,)) -> Path:
     """A run dir of SMALL (train.steps=2) with real checkpoints at `steps`."""
+    from dsaflow.checkpoint.training_state import save_checkpoint
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan, render_table
-    from dsaflow.run.ckpt_store import checkpoint_dir
-    from dsaflow.run.rundir import write_run_dir
+    from dsaflow.run.rundir import checkpoint_dir, write_run_dir
     from dsaflow.run.stages import stage_module
-    from dsaflow.train.checkpoint import save_checkpoint
 
     cfg = compose([*SMALL, f"run_dir={run_dir}"])
     plan = build_plan(cfg)
@@ -248,7 +247,7 @@ def files(tmp_path_factory):
     served = good_run_dir(d / "servedemptycfg")
     (served / "config.yaml").write_text("")
     # a checkpoint folder whose shard is shorter than its manifest says
-    from dsaflow.run.ckpt_store import write_manifest
+    from dsaflow.checkpoint.store import write_manifest
 
     t = d / "truncated"
     t.mkdir()
@@ -346,8 +345,8 @@ def test_crafted_pickle_is_never_executed(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from dsaflow.checkpoint.store import newest_good_checkpoint, safe_load_metadata, safe_reader, verify_checkpoint
     from dsaflow.errors import CheckpointError
-    from dsaflow.run.ckpt_store import newest_good_checkpoint, safe_load_metadata, safe_reader, verify_checkpoint
 
     marker = tmp_path / "PWNED"
     ck = crafted_checkpoint(tmp_path / "run" / "checkpoints" / "step-000001", marker)
@@ -370,8 +369,8 @@ def test_bytes_entries_in_metadata_are_refused(tmp_path):
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+    from dsaflow.checkpoint.store import safe_load_metadata
     from dsaflow.errors import CheckpointError
-    from dsaflow.run.ckpt_store import safe_load_metadata
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={"step": BytesStorageMetadata()})))
     with pytest.raises(CheckpointError, match="BytesStorageMetadata"):
@@ -433,13 +432,13 @@ def test_a_user_error_in_a_worker_exits_2_with_one_paragraph(tmp_path, capsys, m
 
 
 def test_weights_export_is_one_safetensors_file(tmp_path):
+    from dsaflow.checkpoint.safetensors_io import load_tensors
+    from dsaflow.checkpoint.training_state import save_checkpoint
+    from dsaflow.checkpoint.weights import main as export_main
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan
-    from dsaflow.run.ckpt_store import checkpoint_dir
-    from dsaflow.run.safetensors_io import load_tensors
+    from dsaflow.run.rundir import checkpoint_dir
     from dsaflow.run.stages import stage_module
-    from dsaflow.run.weights import main as export_main
-    from dsaflow.train.checkpoint import save_checkpoint
 
     cfg = compose(["pipeline=pp2", *SMALL])
     plan = build_plan(cfg)
@@ -460,13 +459,12 @@ def torch_equal(a, b) -> bool:
 def test_resume_checks_in_the_parent(empty_cwd, capsys):
     """A run dir with a good checkpoint at step 1 of 2 passes every parent check (and nothing is written); at the
     final step it is refused as finished instead of re-saving its last checkpoint."""
+    from dsaflow.checkpoint.training_state import save_checkpoint
     from dsaflow.config.compose import compose
     from dsaflow.launch.launch import check_launch
     from dsaflow.plan import build_plan, render_table
-    from dsaflow.run.ckpt_store import checkpoint_dir
-    from dsaflow.run.rundir import write_run_dir
+    from dsaflow.run.rundir import checkpoint_dir, write_run_dir
     from dsaflow.run.stages import stage_module
-    from dsaflow.train.checkpoint import save_checkpoint
 
     cfg = compose([*SMALL, "run_dir=r"])
     plan = build_plan(cfg)

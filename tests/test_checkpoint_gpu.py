@@ -9,8 +9,8 @@ import json
 import pytest
 
 from dsaflow import cli
-from dsaflow.run.ckpt_store import MANIFEST, list_checkpoints, read_run_id, verify_checkpoint
-from dsaflow.run.rundir import read_metrics
+from dsaflow.checkpoint.store import read_run_id, verify_checkpoint
+from dsaflow.run.rundir import MANIFEST, list_checkpoints, read_metrics
 
 SMALL = [
     "model.num_layers=4",

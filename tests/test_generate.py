@@ -168,7 +168,7 @@ def test_prompts_file_and_output_file(tmp_path, capsys):
 
 def test_checkpoint_weights_are_served(tmp_path):
     """A checkpoint in the trainer's layout written from seed-1 weights serves like a seed-1 model."""
-    from dsaflow.train.checkpoint import save_checkpoint
+    from dsaflow.checkpoint.training_state import save_checkpoint
 
     cfg1, plan1 = setup(["layout=FS|FF", "train.seed=1"])
     ckpt = tmp_path / "checkpoints" / "step-000001"
@@ -191,7 +191,7 @@ def test_checkpoint_weights_are_served(tmp_path):
 
 
 def test_checkpoint_with_other_roles_is_a_clear_error(tmp_path):
-    from dsaflow.train.checkpoint import save_checkpoint
+    from dsaflow.checkpoint.training_state import save_checkpoint
 
     cfg1, plan1 = setup(["layout=FSSS"])
     save_checkpoint(tmp_path / "ck", build_stages(cfg1.model, plan1), None, 0, 1)

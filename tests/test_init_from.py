@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dsaflow import cli
-from dsaflow.run.ckpt_store import newest_good_checkpoint
-from dsaflow.run.safetensors_io import load_tensors
+from dsaflow.checkpoint.safetensors_io import load_tensors
+from dsaflow.checkpoint.store import newest_good_checkpoint
 
 TINY = ["track=none", "train.progress=off", "train.eval_every=0", "train.eval_batches=1", "train.batch_size=4"]
 

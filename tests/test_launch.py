@@ -111,10 +111,10 @@ def test_launch_line_and_end_of_run_summary(tmp_path):
         + json.dumps({"step": 2, "loss": 1.5, "indexer_loss": 0.1, "eval_acc": 0.75, "tokens_per_s": 12.0})
         + "\n"
     )
+    from dsaflow.checkpoint.training_state import save_checkpoint
     from dsaflow.plan import build_plan
-    from dsaflow.run.ckpt_store import checkpoint_dir
+    from dsaflow.run.rundir import checkpoint_dir
     from dsaflow.run.stages import build_stages
-    from dsaflow.train.checkpoint import save_checkpoint
 
     small = DSAFlowConfig()
     save_checkpoint(checkpoint_dir(tmp_path, 2), build_stages(small.model, build_plan(small)), None, 0, 2)
@@ -129,23 +129,24 @@ def test_launch_line_and_end_of_run_summary(tmp_path):
 def test_end_of_run_summary_names_the_checkpoint_without_hashing_it(tmp_path, monkeypatch):
     """The summary checks that the newest checkpoint is complete (sizes), not its sha256 or metadata: hashing a
     large model's checkpoint again at the end of every run would take minutes. A truncated file still fails it."""
+    from dsaflow.checkpoint import store
+    from dsaflow.checkpoint.training_state import save_checkpoint
     from dsaflow.config.schema import DSAFlowConfig
     from dsaflow.launch.run_summary import train_summary
     from dsaflow.plan import build_plan
-    from dsaflow.run import ckpt_store
+    from dsaflow.run.rundir import MANIFEST, checkpoint_dir
     from dsaflow.run.stages import build_stages
-    from dsaflow.train.checkpoint import save_checkpoint
 
     cfg = DSAFlowConfig()
-    save_checkpoint(ckpt_store.checkpoint_dir(tmp_path, 3), build_stages(cfg.model, build_plan(cfg)), None, 0, 3)
+    save_checkpoint(checkpoint_dir(tmp_path, 3), build_stages(cfg.model, build_plan(cfg)), None, 0, 3)
 
     def refuse(*args):
         raise AssertionError("the summary must not hash or unpickle")
 
-    monkeypatch.setattr(ckpt_store, "_sha256", refuse)
-    monkeypatch.setattr(ckpt_store, "safe_load_metadata", refuse)
-    assert "checkpoint: " + str(ckpt_store.checkpoint_dir(tmp_path, 3)) in train_summary(cfg, tmp_path, 0)
-    shards = [p for p in ckpt_store.checkpoint_dir(tmp_path, 3).iterdir() if p.name != ckpt_store.MANIFEST]
+    monkeypatch.setattr(store, "_sha256", refuse)
+    monkeypatch.setattr(store, "safe_load_metadata", refuse)
+    assert "checkpoint: " + str(checkpoint_dir(tmp_path, 3)) in train_summary(cfg, tmp_path, 0)
+    shards = [p for p in checkpoint_dir(tmp_path, 3).iterdir() if p.name != MANIFEST]
     biggest = max(shards, key=lambda p: p.stat().st_size)
     with open(biggest, "r+b") as f:
         f.truncate(biggest.stat().st_size - 1)

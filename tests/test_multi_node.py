@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from train_harness import TINY_PP2_RUN, free_port
 
-from dsaflow.run.ckpt_store import list_checkpoints, verify_checkpoint
-from dsaflow.run.rundir import read_metrics
+from dsaflow.checkpoint.store import verify_checkpoint
+from dsaflow.run.rundir import list_checkpoints, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "multi_node.sh"

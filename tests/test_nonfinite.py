@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsaflow.checkpoint.store import verify_checkpoint
 from dsaflow.errors import PlanError
-from dsaflow.run.ckpt_store import list_checkpoints, verify_checkpoint
+from dsaflow.run.rundir import list_checkpoints
 from dsaflow.train.nonfinite import NonFiniteGuard, json_record, nonfinite_flag
 
 ROOT = Path(__file__).resolve().parents[1]

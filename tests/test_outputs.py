@@ -12,9 +12,8 @@ import pytest
 from dsaflow.cli import main
 from dsaflow.errors import PlanError
 from dsaflow.outputs import CHECKPOINT_MARKER, CONFIG, PLAN, check_output_dir, check_output_file
-from dsaflow.run.ckpt_store import MANIFEST
 from dsaflow.run.rundir import CONFIG as RUN_CONFIG
-from dsaflow.run.rundir import METRICS
+from dsaflow.run.rundir import MANIFEST, METRICS
 from dsaflow.run.rundir import PLAN as RUN_PLAN
 
 
@@ -109,7 +108,7 @@ def test_outputs_are_replaced_whole(tmp_path, monkeypatch):
 
 
 def test_weights_export_refuses_an_out_file_in_a_run(tmp_path, capsys):
-    from dsaflow.run.weights import main as weights_main
+    from dsaflow.checkpoint.weights import main as weights_main
 
     run = fake_run(tmp_path)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}

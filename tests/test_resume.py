@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from train_harness import run_configs, stop_and_resume_cfgs
 
-from dsaflow.run.rundir import latest_checkpoint, read_metrics
+from dsaflow.checkpoint.store import newest_good_checkpoint
+from dsaflow.run.rundir import read_metrics
 
 
 @pytest.mark.slow
@@ -17,7 +18,7 @@ def test_stop_and_resume_matches_uninterrupted(tmp_path):
 
     assert [h["step"] for h in r_stopped["history"]] == [1, 2, 3]
     assert [h["step"] for h in r_resumed["history"]] == [3, 4], "resume must continue after the step-2 checkpoint"
-    assert latest_checkpoint(stopped.run_dir)[0] == 4
+    assert newest_good_checkpoint(stopped.run_dir)[0] == 4
     # metrics.jsonl of the interrupted run dir: step 3 of the killed attempt is dropped, then 3 and 4 re-logged.
     logged = read_metrics(stopped.run_dir)
     assert [r["step"] for r in logged] == [1, 2, 3, 4]

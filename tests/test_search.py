@@ -160,10 +160,10 @@ def test_uniform_roles_keep_stage_firsts():
 def _fake_run(tmp_path, overrides):
     """A run dir as `dsaflow train` leaves it (config.yaml, plan.json, a checkpoint (DCP + weights-only safetensors +
     manifest) of freshly initialised weights), written in-process: the search only needs the files."""
+    from dsaflow.checkpoint.training_state import save_checkpoint
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan
     from dsaflow.run.rundir import write_run_dir
-    from dsaflow.train.checkpoint import save_checkpoint
 
     cfg = compose(overrides + [f"run_dir={tmp_path / 'run'}"])
     plan = build_plan(cfg)

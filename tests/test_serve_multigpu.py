@@ -17,9 +17,9 @@ import torch
 from test_serve_pipelined import MODEL, generate_cli, train_checkpoint, workload
 from test_serve_pipelined_gpu import gpu_engine
 
+from dsaflow.checkpoint.weights import check_same_model, resolve_checkpoint
 from dsaflow.config.compose import compose
 from dsaflow.errors import ServeError
-from dsaflow.run.weights import check_same_model, resolve_checkpoint
 
 RANKS = {"pp2": 2, "pp4": 4}
 

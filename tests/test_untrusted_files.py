@@ -16,18 +16,10 @@ import pytest
 import torch
 from train_harness import tiny_cfg
 
+from dsaflow.checkpoint.store import newest_good_checkpoint, pinned, prune, read_run_id, verify_checkpoint
 from dsaflow.errors import CheckpointError, PlanError
 from dsaflow.files import UnsafeFile, atomic_write, read_text
-from dsaflow.run.ckpt_store import (
-    MANIFEST,
-    checkpoint_dir,
-    list_checkpoints,
-    newest_good_checkpoint,
-    pinned,
-    prune,
-    read_run_id,
-    verify_checkpoint,
-)
+from dsaflow.run.rundir import MANIFEST, checkpoint_dir, list_checkpoints
 
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 
@@ -42,7 +34,7 @@ def model():
 
 
 def _save(run: Path, step: int, modules, keep=None) -> bool:
-    from dsaflow.train.checkpoint import save_checkpoint
+    from dsaflow.checkpoint.training_state import save_checkpoint
 
     return save_checkpoint(checkpoint_dir(run, step), modules, None, 0, step, keep=keep)
 
@@ -96,7 +88,7 @@ def test_a_bad_folder_of_the_same_step_is_replaced_after_the_new_save_verifies(t
 
 
 def test_disk_full_during_a_save_leaves_no_partial_folder(tmp_path, model, monkeypatch):
-    from dsaflow.train import checkpoint as ck
+    from dsaflow.checkpoint import training_state as ck
 
     _, modules = model
     run = tmp_path / "run"
@@ -157,8 +149,8 @@ def test_writes_never_follow_links_planted_in_a_run_dir(tmp_path):
 
 
 def test_serving_reads_only_the_weight_files_the_manifest_lists(tmp_path, model):
-    from dsaflow.run.safetensors_io import save_file
-    from dsaflow.run.weights import load_model_weights
+    from dsaflow.checkpoint.safetensors_io import save_file
+    from dsaflow.checkpoint.weights import load_model_weights
 
     _, modules = model
     run = tmp_path / "run"
@@ -181,8 +173,8 @@ def _fresh(model):
 
 
 def test_a_listed_file_replaced_by_a_link_is_refused(tmp_path, model):
+    from dsaflow.checkpoint.weights import load_model_weights
     from dsaflow.errors import ServeError
-    from dsaflow.run.weights import load_model_weights
 
     _, modules = model
     run = tmp_path / "run"
@@ -215,7 +207,7 @@ def test_a_fifo_in_a_checkpoint_is_refused_without_blocking(tmp_path, model):
 
 
 def test_hostile_manifests_and_safetensors_headers_are_refused(tmp_path, model):
-    from dsaflow.run.safetensors_io import SafetensorsError, read_header
+    from dsaflow.checkpoint.safetensors_io import SafetensorsError, read_header
 
     _, modules = model
     run = tmp_path / "run"

@@ -27,11 +27,12 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from dsaflow.checkpoint.resume import check_resume
+from dsaflow.checkpoint.store import report_stderr
 from dsaflow.errors import EXIT_USER_ERROR, PlanError
 from dsaflow.files import UnsafeFile, read_text
 from dsaflow.outputs import check_output_file
 from dsaflow.plan.plan import Plan
-from dsaflow.run.ckpt_store import report_stderr
 from dsaflow.run.devices import resolve_device_type
 from dsaflow.run.lock import LOCK_ENV, run_dir_lock
 from dsaflow.run.rundir import TMP, check_run_dir, write_run_dir
@@ -108,7 +109,9 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
 
         BatchSource(cfg.data, t.seq_len, min(t.batch_size, 2), t.seed, cfg.model.vocab_size).check_first_batch()
         check_track(cfg)
-    check_run_dir(cfg, plan, job, report_stderr)
+    check_run_dir(cfg, plan, job)
+    if job == "train" and cfg.train.resume:
+        check_resume(cfg, plan, report_stderr)
 
 
 def check_init_from(cfg) -> None:
@@ -121,7 +124,7 @@ def check_init_from(cfg) -> None:
         )
     if not os.path.exists(t.init_from):
         raise PlanError(f"train.init_from={t.init_from} does not exist. Fix: a run dir or a checkpoint folder.")
-    from dsaflow.run.weights import WEIGHTLESS_MODEL_FIELDS, check_same_model, resolve_checkpoint
+    from dsaflow.checkpoint.weights import WEIGHTLESS_MODEL_FIELDS, check_same_model, resolve_checkpoint
 
     field = "train.init_from"
     check_same_model(cfg.model, resolve_checkpoint(t.init_from, field=field), field, WEIGHTLESS_MODEL_FIELDS)
@@ -158,7 +161,7 @@ def launch_env(base: Optional[Dict[str, str]] = None, run_dir: Optional[Path] = 
 
 def interrupt_hint(run_dir: Path, job: str) -> str:
     """What an interrupted run can do next: resume only where a checkpoint was saved (resume refuses otherwise)."""
-    from dsaflow.run.ckpt_store import list_checkpoints
+    from dsaflow.run.rundir import list_checkpoints
 
     if job != "train":
         return ""

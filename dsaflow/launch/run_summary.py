@@ -18,7 +18,7 @@ def shell_command(cmd: List[str]) -> str:
 
 def train_summary(cfg, run_dir, rc: int) -> str:
     """Lines for the end of `dsaflow train`: run dir, checkpoint, final metrics, the `wandb sync` command."""
-    from dsaflow.run.ckpt_store import newest_good_checkpoint
+    from dsaflow.checkpoint.store import newest_good_checkpoint
     from dsaflow.track.sweep_summary import final_metrics
 
     run_dir = Path(run_dir)

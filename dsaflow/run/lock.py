@@ -7,7 +7,7 @@ by a process that ended (killed, or its host lost): it is stale, reported with i
 
 Who takes it: the `dsaflow train|generate` parent (for its whole launch, workers included), and rank 0 of a launch
 started without that parent (`launch/multi_node.sh`, torchrun by hand). Readers of checkpoints (serving) do not take
-it: they pin the checkpoint they read (dsaflow.run.ckpt_store.pinned).
+it: they pin the checkpoint they read (dsaflow.checkpoint.store.pinned).
 """
 
 from __future__ import annotations
@@ -124,8 +124,7 @@ def check_fresh_start(run_dir: str | Path, cfg, job: str) -> None:
     (launch/multi_node.sh run twice) would retrain from step 0 into the same metrics and checkpoints."""
     if job != "train" or cfg.train.resume:
         return
-    from .ckpt_store import list_checkpoints
-    from .rundir import METRICS
+    from .rundir import METRICS, list_checkpoints
 
     run_dir = Path(run_dir)
     steps = [s for s, _ in list_checkpoints(run_dir)]

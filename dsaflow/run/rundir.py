@@ -5,7 +5,7 @@
               plan.txt        the plan table, as printed
               metrics.jsonl   one JSON object per logged step (logging rank)
               train.log       plain-text log of the logging rank
-              checkpoints/step-000100/   see dsaflow.run.ckpt_store (manifest, weights-only safetensors)
+              checkpoints/step-000100/   see dsaflow.checkpoint.store (manifest, weights-only safetensors)
               wandb/          the tracker's files (offline runs: `wandb sync <run_dir>/wandb/offline-run-*`)
               tmp/            temporary files of torchrun and the workers (removed when the launch ends)
 
@@ -18,10 +18,10 @@ and resuming is checked against the run (model, layout, roles, stages, ranks, da
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -32,21 +32,39 @@ from dsaflow.files import UnsafeFile, atomic_write, explain_os_error, parse_json
 from dsaflow.outputs import path_under
 from dsaflow.plan.plan import Plan
 
-from .ckpt_store import CKPT, MANIFEST, checkpoint_dir, list_checkpoints, newest_good_checkpoint
-
 __all__ = [
     "CKPT",
     "checkpoint_dir",
     "list_checkpoints",
-    "latest_checkpoint",
     "read_run_dir",
+    "read_plan",
     "read_metrics",
     "write_run_dir",
     "check_run_dir",
-    "check_resume",
 ]
 
 CONFIG, PLAN, PLAN_TXT, METRICS, LOG, TMP = "config.yaml", "plan.json", "plan.txt", "metrics.jsonl", "train.log", "tmp"
+CKPT, MANIFEST = "checkpoints", "manifest.json"  # checkpoints/step-NNNNNN/, each holding its manifest.json
+_STEP_DIR = re.compile(r"^step-(\d{6,9})$")
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / CKPT / f"step-{step:06d}"
+
+
+def list_checkpoints(run_dir: str | Path) -> List[Tuple[int, Path]]:
+    """Complete-looking checkpoint folders (step-NNNNNN, real folders, not links), newest first."""
+    root = Path(run_dir) / CKPT
+    out = []
+    try:
+        entries = list(os.scandir(root)) if root.is_dir() and not root.is_symlink() else []
+    except OSError:
+        entries = []
+    for e in entries:
+        m = _STEP_DIR.match(e.name)
+        if m and e.is_dir(follow_symlinks=False):
+            out.append((int(m.group(1)), Path(e.path)))
+    return sorted(out, reverse=True)
 
 
 def default_run_dir(cfg, job: str = "train") -> str:
@@ -55,11 +73,6 @@ def default_run_dir(cfg, job: str = "train") -> str:
     if job == "generate":
         return path_under("runs", "generate", f"{stamp}-{cfg.model.name}")
     return path_under("runs", f"{stamp}-{name}")
-
-
-def latest_checkpoint(run_dir: str | Path, report=None) -> Optional[Tuple[int, Path]]:
-    """(step, path) of the newest good checkpoint (complete, manifest sizes and hashes match), or None."""
-    return newest_good_checkpoint(run_dir, report)
 
 
 def is_run_dir(path: Path) -> bool:
@@ -93,68 +106,9 @@ def read_plan(run_dir: Path) -> Plan:
         ) from None
 
 
-def _asdict(x) -> dict:
-    return {k: (str(v) if isinstance(v, str) else v) for k, v in dataclasses.asdict(x).items()}
-
-
-def _diff(section: str, old, new, skip=("name",)) -> List[str]:
-    a, b = _asdict(old), _asdict(new)
-    return [f"{section}.{k}: {a.get(k)!r} in the run vs {b[k]!r} now" for k in b if k not in skip and a.get(k) != b[k]]
-
-
-def check_resume(cfg, plan: Plan, report=None) -> Tuple[int, Path]:
-    """Everything that decides whether `train.resume=true` can continue cfg.run_dir, checked in the parent before
-    anything is written. Returns the newest good checkpoint (step, folder). Raises PlanError."""
-    from dsaflow.config.compose import load_config
-
-    run_dir = Path(cfg.run_dir)
-    if not os.path.lexists(run_dir / CONFIG) or not os.path.lexists(run_dir / PLAN):
-        raise PlanError(
-            f"train.resume=true but run_dir={run_dir} is not a dsaflow run dir (no {CONFIG} and {PLAN}). "
-            "Fix: point run_dir at runs/<name> of the run to continue."
-        )
-    old_cfg = load_config(run_dir / CONFIG)
-    old_plan = read_plan(run_dir)
-    read_metrics(run_dir, strict=True)
-    diffs = _diff("model", old_cfg.model, cfg.model) + _diff("data", old_cfg.data, cfg.data)
-    for k in ("seed", "seq_len", "batch_size"):
-        if getattr(old_cfg.train, k) != getattr(cfg.train, k):
-            diffs.append(f"train.{k}: {getattr(old_cfg.train, k)!r} in the run vs {getattr(cfg.train, k)!r} now")
-    if [s.layers for s in old_plan.stages] != [s.layers for s in plan.stages]:
-        diffs.append(
-            f"stages {[list(s.layers) for s in old_plan.stages]} in the run vs "
-            f"{[list(s.layers) for s in plan.stages]} now"
-        )
-    if [s.rank for s in old_plan.stages] != [s.rank for s in plan.stages]:
-        diffs.append(
-            f"stage ranks {[s.rank for s in old_plan.stages]} in the run vs {[s.rank for s in plan.stages]} now"
-        )
-    old_roles = "".join(l.role for l in old_plan.layers)
-    new_roles = "".join(l.role for l in plan.layers)
-    if old_roles != new_roles:
-        diffs.append(f"layer roles {old_roles} in the run vs {new_roles} now (S layers carry no indexer weights)")
-    if diffs:
-        raise PlanError(
-            f"train.resume=true but run_dir={run_dir} was trained with another setup, so its checkpoints cannot be "
-            f"loaded: {'; '.join(diffs[:4])}. Fix: resume with the run's own settings (see {run_dir / CONFIG}; "
-            "pipeline.*, layout, index.*, model.*, data.*), or start a new run_dir. Nothing was written."
-        )
-    found = newest_good_checkpoint(run_dir, report)
-    if found is None:
-        raise PlanError(
-            f"train.resume=true but run_dir={run_dir} holds no complete checkpoint (none, or every one failed its "
-            "manifest check). Fix: point run_dir at a run that saved one (train.ckpt_every>0), or drop train.resume."
-        )
-    if found[0] >= cfg.train.steps:
-        raise PlanError(
-            f"train.resume=true but run_dir={run_dir} already finished: its newest checkpoint is step {found[0]} and "
-            f"train.steps={cfg.train.steps}. Fix: raise train.steps to continue training it."
-        )
-    return found
-
-
-def check_run_dir(cfg, plan: Plan, job: str = "train", report=None) -> None:
-    """The parent's checks of an explicit `run_dir` (before anything is written). Raises PlanError."""
+def check_run_dir(cfg, plan: Plan, job: str = "train") -> None:
+    """The parent's checks of an explicit `run_dir` (before anything is written). Raises PlanError. A resumed run is
+    checked further by dsaflow.checkpoint.resume.check_resume."""
     resume = job == "train" and cfg.train.resume
     if not cfg.run_dir:
         if resume:
@@ -179,8 +133,7 @@ def check_run_dir(cfg, plan: Plan, job: str = "train", report=None) -> None:
             "Fix: choose a run_dir outside every run dir, e.g. runs/<new name>."
         )
     if resume:
-        check_resume(cfg, plan, report)
-        return
+        return  # the run itself is checked by dsaflow.checkpoint.resume.check_resume
     if p.is_dir() and any(p.iterdir()):
         what = "holds another run" if is_run_dir(p) else "is not empty"
         raise PlanError(

@@ -62,11 +62,11 @@ def load_search_model(cfg, device: torch.device):
     """-> (train cfg of the checkpoint run, plan (all F, this command's stages), [StageModule]) with weights loaded."""
     import copy
 
+    from dsaflow.checkpoint.weights import load_model_weights, resolve_checkpoint
     from dsaflow.config.compose import load_config
     from dsaflow.plan import build_plan
     from dsaflow.run.rundir import CONFIG, PLAN
     from dsaflow.run.stages import build_stages
-    from dsaflow.run.weights import load_model_weights, resolve_checkpoint
 
     s = cfg.search
     if not s.checkpoint:

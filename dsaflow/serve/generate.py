@@ -76,7 +76,7 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Requests:
     if s.checkpoint:
         if not os.path.exists(s.checkpoint):
             raise ServeError(f"serve.checkpoint={s.checkpoint} does not exist. Fix: a run dir or a checkpoint folder.")
-        from dsaflow.run.weights import check_same_model, resolve_checkpoint
+        from dsaflow.checkpoint.weights import check_same_model, resolve_checkpoint
 
         check_same_model(cfg.model, resolve_checkpoint(s.checkpoint))
     check_graph_blocks(plan, s)
@@ -103,7 +103,7 @@ def build_stage_modules(cfg, plan: Plan, rank: Optional[int], device, dtype) -> 
     owned = plan.stages if rank is None else plan.stages_of_rank(rank)
     stages = {sp.index: stage_module(cfg.model, plan, sp.index, seed=cfg.train.seed) for sp in owned}
     if cfg.serve.checkpoint:
-        from dsaflow.run.weights import load_model_weights
+        from dsaflow.checkpoint.weights import load_model_weights
 
         load_model_weights(stages, cfg.serve.checkpoint, cfg.model)
     return {s: m.to(device=device, dtype=dtype).eval() for s, m in stages.items()}

@@ -1,2 +1,2 @@
 """Training one pipeline rank: the loop (`loop.run_train`), the Trainer (stages, schedule, optimisers, data), the
-pipelining plumbing, optimisers and clipping, checkpoints, and step metrics."""
+pipelining plumbing, optimisers and clipping, and step metrics (checkpoints: dsaflow.checkpoint)."""

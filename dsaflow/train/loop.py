@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from dsaflow.checkpoint.store import newest_good_checkpoint
+from dsaflow.checkpoint.training_state import load_checkpoint, save_checkpoint
+from dsaflow.checkpoint.weights import WEIGHTLESS_MODEL_FIELDS, load_model_weights
 from dsaflow.errors import CheckpointError
-from dsaflow.run.ckpt_store import checkpoint_dir, newest_good_checkpoint
 from dsaflow.run.context import RunContext
-from dsaflow.run.weights import WEIGHTLESS_MODEL_FIELDS, load_model_weights
+from dsaflow.run.rundir import checkpoint_dir
 from dsaflow.track import Progress, make_tracker
 
-from .checkpoint import load_checkpoint, save_checkpoint
 from .metrics import RunRecords
 from .nonfinite import NonFiniteGuard
 from .trainer import Trainer
@@ -36,7 +37,7 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
     records = RunRecords(ctx.run_dir, ctx.is_logging_rank, ctx.rank)
     start = 0
     if t.resume:
-        # the parent checked the run (dsaflow.run.rundir.check_resume); every rank picks the same checkpoint
+        # the parent checked the run (dsaflow.checkpoint.resume.check_resume); every rank picks the same checkpoint
         latest = newest_good_checkpoint(ctx.run_dir, records.log if ctx.is_logging_rank else None)
         if latest is None:
             raise CheckpointError(

@@ -4,11 +4,11 @@ error."""
 import pytest
 import torch
 
+from dsaflow.checkpoint.indexer_weights import indexer_layers, plan_for_checkpoint
+from dsaflow.checkpoint.safetensors_io import save_file
 from dsaflow.cli import main
 from dsaflow.errors import PlanError
 from dsaflow.plan import build_plan
-from dsaflow.run.checkpoint_roles import indexer_layers, plan_for_checkpoint
-from dsaflow.run.safetensors_io import save_file
 from tests.planner_helpers import make_cfg
 
 ROLES = "FSSSFSSS"  # what an index.pattern=FSSS run of the tiny model saves: indexers on layers 0 and 4 only

@@ -35,37 +35,18 @@ from typing import Callable, List, Optional, Tuple
 
 from dsaflow.errors import CheckpointError
 from dsaflow.files import UnsafeFile, atomic_write, open_regular, read_bytes, read_json, read_text
+from dsaflow.run.rundir import CKPT, MANIFEST, list_checkpoints
 
-CKPT, MANIFEST, METADATA, RUN_ID = "checkpoints", "manifest.json", ".metadata", "run_id"
-PREFIX, PARTIAL, DELETING = "step-", ".partial", ".deleting"
+METADATA, RUN_ID = ".metadata", "run_id"
+PARTIAL, DELETING = ".partial", ".deleting"
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_METADATA_BYTES = 1 << 30
 MAX_FILES = 100_000
 _SHA = re.compile(r"^[0-9a-f]{64}$")
-_STEP_DIR = re.compile(r"^step-(\d{6,9})$")
-
-
-def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / CKPT / f"{PREFIX}{step:06d}"
 
 
 def partial_dir(final: Path) -> Path:
     return final.parent / f".{final.name}{PARTIAL}"
-
-
-def list_checkpoints(run_dir: str | Path) -> List[Tuple[int, Path]]:
-    """Complete-looking checkpoint folders (step-NNNNNN, real folders, not links), newest first."""
-    root = Path(run_dir) / CKPT
-    out = []
-    try:
-        entries = list(os.scandir(root)) if root.is_dir() and not root.is_symlink() else []
-    except OSError:
-        entries = []
-    for e in entries:
-        m = _STEP_DIR.match(e.name)
-        if m and e.is_dir(follow_symlinks=False):
-            out.append((int(m.group(1)), Path(e.path)))
-    return sorted(out, reverse=True)
 
 
 def read_run_id(run_dir: str | Path) -> Optional[str]:

@@ -20,7 +20,7 @@ from typing import Callable, Optional, Set
 
 from dsaflow.errors import PlanError
 from dsaflow.plan.partition import declared_roles
-from dsaflow.run.ckpt_store import MANIFEST, list_checkpoints
+from dsaflow.run.rundir import MANIFEST, list_checkpoints
 
 _INDEXER_KEY = re.compile(r"^layers\.(\d+)\.attn\.indexer\.")
 
@@ -42,7 +42,7 @@ def indexer_layers(folder: Path) -> Optional[Set[int]]:
     if not files:
         return None
     # imported here: safetensors_io imports torch, which a launch's parent process otherwise never needs (~1.2 s)
-    from dsaflow.run.safetensors_io import SafetensorsError, read_header
+    from dsaflow.checkpoint.safetensors_io import SafetensorsError, read_header
 
     layers: Set[int] = set()
     for f in files:

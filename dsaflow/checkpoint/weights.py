@@ -3,7 +3,7 @@
 (`train.init_from`).
 
 Every checkpoint folder holds, next to its DCP shards, one weights-only `model-rank<r>.safetensors` per training rank
-with global state-dict keys (`layers.5.attn.wkv_b.weight`; dsaflow.train.checkpoint). Serving reads those files
+with global state-dict keys (`layers.5.attn.wkv_b.weight`; dsaflow.checkpoint.training_state). Serving reads those files
 only: a model trained with PP=N can be served with any other stage split (each rank takes the keys of its own
 stages), and a crafted checkpoint can be wrong but can never run code. The folder's manifest (sizes, sha256) is
 checked first; a run dir falls back past bad checkpoints to the newest good one, naming each it skips. Only the
@@ -26,11 +26,11 @@ from typing import Dict
 
 import torch
 
+from dsaflow.checkpoint.safetensors_io import SafetensorsError, load_tensors, read_header, save_file
+from dsaflow.checkpoint.store import newest_good_checkpoint, pinned, report_stderr, verify_checkpoint
 from dsaflow.errors import CheckpointError, PlanError, ServeError
 from dsaflow.outputs import check_output_file
-from dsaflow.run.ckpt_store import MANIFEST, newest_good_checkpoint, pinned, report_stderr, verify_checkpoint
-from dsaflow.run.rundir import CONFIG
-from dsaflow.run.safetensors_io import SafetensorsError, load_tensors, read_header, save_file
+from dsaflow.run.rundir import CONFIG, MANIFEST
 
 WEIGHTS = re.compile(r"^model-rank\d{1,6}\.safetensors$")
 WEIGHTLESS_MODEL_FIELDS = ("index_topk", "index_fp8")  # no weight depends on them: train.init_from may change them
@@ -166,12 +166,12 @@ def export_weights(path: str | Path, out: str | Path) -> Path:
 
 
 def main(argv=None) -> int:
-    """`python -m dsaflow.run.weights export CKPT_OR_RUN_DIR OUT.safetensors`."""
+    """`python -m dsaflow.checkpoint.weights export CKPT_OR_RUN_DIR OUT.safetensors`."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 3 or args[0] != "export":
-        print("usage: python -m dsaflow.run.weights export CKPT_OR_RUN_DIR OUT.safetensors", file=sys.stderr)
+        print("usage: python -m dsaflow.checkpoint.weights export CKPT_OR_RUN_DIR OUT.safetensors", file=sys.stderr)
         return 2
     try:
         print(export_weights(args[1], args[2]))

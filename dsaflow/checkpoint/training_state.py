@@ -12,7 +12,7 @@ then the first rank writes the manifest (sizes and sha256 of every file), rename
 to the newest `train.keep_checkpoints` good checkpoints of this run. A kill at any point leaves at most a partial
 folder that nothing loads; a failed save (disk full) removes its partial folder and says so. A good checkpoint is
 never rewritten; a bad folder of the same step is replaced once the new save verifies. Loading verifies the
-manifest and reads DCP metadata through the allow-listing unpickler of `ckpt_store` (no code from a checkpoint file
+manifest and reads DCP metadata through the allow-listing unpickler of `store` (no code from a checkpoint file
 ever runs).
 """
 
@@ -28,9 +28,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from dsaflow.errors import CheckpointError
-from dsaflow.files import explain_os_error
-from dsaflow.run.ckpt_store import (
+from dsaflow.checkpoint.safetensors_io import save_file
+from dsaflow.checkpoint.store import (
     DELETING,
     ensure_run_id,
     mark_hashed,
@@ -41,9 +40,8 @@ from dsaflow.run.ckpt_store import (
     verify_checkpoint,
     write_manifest,
 )
-from dsaflow.run.safetensors_io import save_file
-
-from .optim import RankOptim
+from dsaflow.errors import CheckpointError
+from dsaflow.files import explain_os_error
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
@@ -69,9 +67,9 @@ def _optim_state(opt: torch.optim.Optimizer, params: Sequence[nn.Parameter], nam
     return out
 
 
-def rank_state(
-    modules: Sequence[nn.Module], opt: Optional[RankOptim], rank: int, step: int, for_load: bool
-) -> Dict[str, object]:
+def rank_state(modules: Sequence[nn.Module], opt, rank: int, step: int, for_load: bool) -> Dict[str, object]:
+    """One rank's flat state dict (see the module docstring). opt: the rank's optimisers (dsaflow.train.optim's
+    RankOptim: `main`, `indexer`, their params and `names`), or None for the weights only."""
     sd: Dict[str, object] = {"step": torch.tensor(step, dtype=torch.int64)}
     for m in modules:
         for k, v in m.state_dict().items():
@@ -119,9 +117,7 @@ def _save_failed(tmp: Path, step: int, exc: BaseException) -> CheckpointError:
     )
 
 
-def save_checkpoint(
-    path: Path, modules, opt: Optional[RankOptim], rank: int, step: int, group=None, keep: Optional[int] = None
-) -> bool:
+def save_checkpoint(path: Path, modules, opt, rank: int, step: int, group=None, keep: Optional[int] = None) -> bool:
     """Collective: every rank of the pipeline calls it with its own stages. Returns False (and writes nothing)
     when a good checkpoint of this run already exists at `path`: a good checkpoint is never rewritten. A folder
     of this step that is not good (corrupted, another run's) is replaced, and only once the new save verifies."""
@@ -175,7 +171,7 @@ def _first_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 
-def load_checkpoint(path: Path, modules, opt: RankOptim, rank: int, group=None) -> int:
+def load_checkpoint(path: Path, modules, opt, rank: int, group=None) -> int:
     """Collective. Loads model + optimiser + RNG in place; returns the completed step to continue from.
     `path` was verified (manifest, safe metadata) by the caller; the metadata is read safely again here."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
