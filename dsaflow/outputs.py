@@ -25,7 +25,7 @@ from typing import Dict, Optional
 from dsaflow.errors import PlanError
 from dsaflow.files import explain_os_error, kind_of
 
-# The files that mark a run dir and a checkpoint folder (dsaflow.run.rundir and dsaflow.checkpoint.store write them;
+# The files that mark a run dir and a checkpoint folder (dsaflow.rundir.folder and dsaflow.checkpoint.store write them;
 # tests/test_outputs.py checks the names agree).
 PLAN, CONFIG = "plan.json", "config.yaml"
 RUN_FILES = ("metrics.jsonl", "train.log", "run_id", "checkpoints")  # with config.yaml: a run dir missing plan.json

@@ -42,8 +42,8 @@ def check_world_size(plan, run_dir: str) -> None:
 def run_worker(run_dir: str, job: str = "train") -> None:
     """Read the run dir, hold its lock (rank 0 without a dsaflow parent), join the process group (NCCL on GPUs,
     gloo on CPU), run `job` on this rank."""
-    from dsaflow.run.lock import claim_run_dir
-    from dsaflow.run.rundir import read_run_dir
+    from dsaflow.rundir.folder import read_run_dir
+    from dsaflow.rundir.lock import claim_run_dir
 
     if job not in JOBS:
         raise PlanError(f"job={job!r} is not one of {JOBS}. Fix: --job train or --job generate.")
@@ -54,8 +54,8 @@ def run_worker(run_dir: str, job: str = "train") -> None:
 
 
 def _run_job(cfg, plan, run_dir: str, job: str) -> None:
-    from dsaflow.run.context import init_distributed
-    from dsaflow.run.p2p import leave_together
+    from dsaflow.pipeline.p2p import leave_together
+    from dsaflow.pipeline.run_context import init_distributed
 
     ctx = init_distributed(cfg, plan, run_dir)
     # a peer may still finish its last collective (final checkpoint, tracker) when this rank is done

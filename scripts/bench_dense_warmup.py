@@ -74,8 +74,8 @@ def model_step(layout: str, T: int, reps: int, frozen: bool = True) -> dict:
     """frozen=True: main weights requires_grad=False and no LM backward (the trainer's dense step,
     dsaflow/train/forward_pass.py); False: also the LM backward through trainable weights (the earlier trainer)."""
     from dsaflow.config.compose import compose
+    from dsaflow.pipeline.stages import stage_module
     from dsaflow.plan import build_plan
-    from dsaflow.run.stages import stage_module
 
     cfg = compose(
         [

@@ -61,8 +61,8 @@ from bench_lib import out_dir, resolve_device, wall_seconds, write_results
 import dsaflow.model.stage as stage_mod
 from dsaflow.config.compose import compose
 from dsaflow.ops.indexer_topk import indexer_topk
+from dsaflow.pipeline.stages import stage_module
 from dsaflow.plan import build_plan
-from dsaflow.run.stages import stage_module
 from dsaflow.serve.engine import PipelineEngine
 from dsaflow.serve.generate import serve_dtype
 

@@ -19,7 +19,7 @@ from dsaflow.model import dense_prefill
 from dsaflow.model.dense_prefill import key_mask, masked_max_keys, plan_prefill
 from dsaflow.model.rope import rope_angles
 from dsaflow.ops.sparse_mla import sparse_mla
-from dsaflow.run.stages import stage_cache
+from dsaflow.pipeline.stages import stage_cache
 
 LAYOUTS = ("all_full", "every4")  # index configs: FFFF and FSSS at 4 layers
 UNBOUNDED = 1 << 62  # max_keys that forces the masked path above top-k (and min_tokens=2: any chunk)

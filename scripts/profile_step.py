@@ -13,8 +13,8 @@ import torch
 
 from dsaflow.config.compose import compose
 from dsaflow.model import IndexerLossInBackward
+from dsaflow.pipeline.stages import stage_module
 from dsaflow.plan import build_plan
-from dsaflow.run.stages import stage_module
 
 
 def main(argv):

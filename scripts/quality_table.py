@@ -436,8 +436,8 @@ def cmd_eval_run(a) -> int:
     from dsaflow.checkpoint.weights import load_model_weights
     from dsaflow.config.compose import load_config
     from dsaflow.data import BatchSource
+    from dsaflow.pipeline.stages import build_stages
     from dsaflow.plan.plan import Plan
-    from dsaflow.run.stages import build_stages
     from dsaflow.search.evaluate import PatternEvaluator
 
     torch.set_num_threads(1)

@@ -33,7 +33,7 @@ def crafted_run_dir(run_dir: Path, marker: Path, overrides=()) -> Path:
     """A run dir (config.yaml + plan.json from `overrides`) whose only checkpoint is `crafted_checkpoint`."""
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan, render_table
-    from dsaflow.run.rundir import write_run_dir
+    from dsaflow.rundir.folder import write_run_dir
 
     cfg = compose(["track=none", *overrides, f"run_dir={run_dir}"])
     plan = build_plan(cfg)

@@ -1,7 +1,8 @@
 """The shape of the house: imports flow one way between rooms, the model needs no plan, files stay readable.
 
 Rooms, bottom-up (a room may import rooms below it and itself, never one above or beside it):
-    errors < config < data, track, ops < plan, model < run < train, serve < launch, search < app, worker < cli
+    errors < config < data, track, ops < plan, model < rundir < checkpoint < pipeline < train, serve
+    < launch, search < app, worker < cli
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ RANK = {
     "ops": 2,
     "plan": 3,
     "model": 3,
-    "run": 4,
-    "checkpoint": 4.5,
-    "train": 5,
-    "serve": 5,
-    "launch": 6,
-    "search": 6,
-    "cli": 8,
-    "app": 7,
-    "worker": 7,
+    "rundir": 4,
+    "checkpoint": 5,
+    "pipeline": 6,
+    "train": 7,
+    "serve": 7,
+    "launch": 8,
+    "search": 8,
+    "cli": 10,
+    "app": 9,
+    "worker": 9,
     "__init__": 0,
     "files": 0.5,
     "outputs": 0.6,
@@ -171,7 +173,7 @@ def test_the_launchers_checks_do_not_import_torch_without_a_gpu_driver(tmp_path,
 
     code = (
         "import sys\n"
-        "import dsaflow.run.devices as d\n"
+        "import dsaflow.pipeline.devices as d\n"
         "d.gpu_driver_present = lambda: False\n"
         "from dsaflow.config.compose import compose\n"
         "from dsaflow.plan import build_plan\n"
@@ -187,7 +189,7 @@ def test_the_launchers_checks_do_not_import_torch_without_a_gpu_driver(tmp_path,
 def test_auto_device_asks_torch_when_a_gpu_driver_is_present(monkeypatch):
     import torch
 
-    import dsaflow.run.devices as devices
+    import dsaflow.pipeline.devices as devices
 
     monkeypatch.setattr(devices, "gpu_driver_present", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from model_helpers import planned
 
-from dsaflow.run.stages import stage_module
+from dsaflow.pipeline.stages import stage_module
 from dsaflow.train.pipeline import TrainStage, attach_aux_loss
 
 

@@ -204,9 +204,9 @@ def good_run_dir(run_dir: Path, steps=(1,)) -> Path:
     """A run dir of SMALL (train.steps=2) with real checkpoints at `steps`."""
     from dsaflow.checkpoint.training_state import save_checkpoint
     from dsaflow.config.compose import compose
+    from dsaflow.pipeline.stages import stage_module
     from dsaflow.plan import build_plan, render_table
-    from dsaflow.run.rundir import checkpoint_dir, write_run_dir
-    from dsaflow.run.stages import stage_module
+    from dsaflow.rundir.folder import checkpoint_dir, write_run_dir
 
     cfg = compose([*SMALL, f"run_dir={run_dir}"])
     plan = build_plan(cfg)
@@ -297,7 +297,7 @@ def test_at_least_80_cases():
 
 def test_a_run_dir_in_use_is_refused_naming_its_holder(files, empty_cwd, capsys):
     """A resume of a run dir another launch holds stops before anything starts, naming that launch."""
-    from dsaflow.run.lock import run_dir_lock
+    from dsaflow.rundir.lock import run_dir_lock
 
     run = good_run_dir(empty_cwd.parent / "inuse")
     with run_dir_lock(run, "train"):
@@ -403,7 +403,7 @@ def test_run_dirs_are_unique_even_within_one_second(empty_cwd):
     """Two launches of the same config in the same second get two run dirs; neither writes into the other."""
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan
-    from dsaflow.run.rundir import write_run_dir
+    from dsaflow.rundir.folder import write_run_dir
 
     cfg = compose(SMALL)
     plan = build_plan(cfg)
@@ -436,9 +436,9 @@ def test_weights_export_is_one_safetensors_file(tmp_path):
     from dsaflow.checkpoint.training_state import save_checkpoint
     from dsaflow.checkpoint.weights import main as export_main
     from dsaflow.config.compose import compose
+    from dsaflow.pipeline.stages import stage_module
     from dsaflow.plan import build_plan
-    from dsaflow.run.rundir import checkpoint_dir
-    from dsaflow.run.stages import stage_module
+    from dsaflow.rundir.folder import checkpoint_dir
 
     cfg = compose(["pipeline=pp2", *SMALL])
     plan = build_plan(cfg)
@@ -462,9 +462,9 @@ def test_resume_checks_in_the_parent(empty_cwd, capsys):
     from dsaflow.checkpoint.training_state import save_checkpoint
     from dsaflow.config.compose import compose
     from dsaflow.launch.launch import check_launch
+    from dsaflow.pipeline.stages import stage_module
     from dsaflow.plan import build_plan, render_table
-    from dsaflow.run.rundir import checkpoint_dir, write_run_dir
-    from dsaflow.run.stages import stage_module
+    from dsaflow.rundir.folder import checkpoint_dir, write_run_dir
 
     cfg = compose([*SMALL, "run_dir=r"])
     plan = build_plan(cfg)

@@ -6,7 +6,7 @@ from model_helpers import planned_sharp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsaflow.model import IndexCacheError
-from dsaflow.run.stages import build_stages, stage_cache
+from dsaflow.pipeline.stages import build_stages, stage_cache
 
 V = 256
 

@@ -10,7 +10,7 @@ import pytest
 
 from dsaflow import cli
 from dsaflow.checkpoint.store import read_run_id, verify_checkpoint
-from dsaflow.run.rundir import MANIFEST, list_checkpoints, read_metrics
+from dsaflow.rundir.folder import MANIFEST, list_checkpoints, read_metrics
 
 SMALL = [
     "model.num_layers=4",

@@ -5,7 +5,7 @@ import pytest
 import torch
 from model_helpers import planned_sharp, tokens
 
-from dsaflow.run.stages import build_stages, stage_cache
+from dsaflow.pipeline.stages import build_stages, stage_cache
 
 # 0F 1S | 2S 3S 4F | 5S | 6S 7S: stage 1 opens on S (reads layer 0), stage 2 has no F (passes layer 4's indices on),
 # stage 3 opens on S (reads layer 4 across two boundaries)

@@ -28,7 +28,7 @@ from dsaflow.model.dense_prefill import (
 from dsaflow.model.mla import MLA
 from dsaflow.model.rope import rope_angles
 from dsaflow.ops.rope import rope_naive
-from dsaflow.run.stages import build_stages, stage_cache
+from dsaflow.pipeline.stages import build_stages, stage_cache
 
 V = 256
 

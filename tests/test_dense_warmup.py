@@ -12,7 +12,7 @@ from model_helpers import planned_sharp, tokens
 
 import dsaflow.model.indexer_loss as indexer_loss_mod
 import dsaflow.model.mla as mla_mod
-from dsaflow.run.stages import build_stages
+from dsaflow.pipeline.stages import build_stages
 
 
 def _forbid(monkeypatch):

@@ -10,8 +10,8 @@ import types
 import pytest
 import torch
 
-from dsaflow.run.executor import Item, PipelineExecutor, run_items, segments_of
-from dsaflow.run.transfer_graphs import TransferGraphs
+from dsaflow.pipeline.executor import Item, PipelineExecutor, run_items, segments_of
+from dsaflow.pipeline.transfer_graphs import TransferGraphs
 
 
 class RecordingCapturer:
@@ -188,7 +188,7 @@ def test_transfer_graphs_pad_short_sends_and_reuse_static_buffers():
 
 
 def test_transfer_graphs_capture_with_the_garbage_collector_paused():
-    """A collection during a capture may free a dead CUDA graph, which fails the capture (dsaflow/run/graph_capture.py):
+    """A collection during a capture may free a dead CUDA graph, which fails the capture (dsaflow/pipeline/graph_capture.py):
     the collector is off while a signature is captured, and back on for its replays."""
     seen = []
 
@@ -299,7 +299,7 @@ def test_leave_together_meets_peers_only_on_success(monkeypatch):
     """A rank that finished meets its peers at a barrier before destroying the group (a gloo peer still reading
     its last message aborts otherwise); after an error it destroys the group without waiting for peers that may
     never come."""
-    import dsaflow.run.p2p as p2p
+    import dsaflow.pipeline.p2p as p2p
 
     calls = []
     monkeypatch.setattr(p2p.dist, "barrier", lambda group=None: calls.append(("barrier", group)))
@@ -319,7 +319,7 @@ def test_transfer_graphs_are_released_before_the_group_is_destroyed(monkeypatch,
     """A live CUDA graph that captured NCCL transfers makes destroying the process group hang, so `leave_together`
     releases every TransferGraphs after the barrier and before the destroy, on success and after an error; a
     released one refuses further ticks, and one already collected is skipped."""
-    import dsaflow.run.p2p as p2p
+    import dsaflow.pipeline.p2p as p2p
 
     calls = []
     monkeypatch.setattr(p2p.dist, "barrier", lambda group=None: calls.append("barrier"))
@@ -347,7 +347,7 @@ def test_transfer_graphs_are_released_before_the_group_is_destroyed(monkeypatch,
 def test_stage_link_posts_a_tick_in_one_coalescing_block(monkeypatch):
     """With a coalescing backend (NCCL) a tick's ops go to the process group inside one coalescing block, in the
     order given, then one wait; without a process group the link falls back to batch_isend_irecv."""
-    import dsaflow.run.p2p as p2p
+    import dsaflow.pipeline.p2p as p2p
 
     calls = []
 

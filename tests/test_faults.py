@@ -20,7 +20,7 @@ from train_harness import TINY_PP2_RUN, run_configs, stop_and_resume_cfgs, tiny_
 
 from dsaflow.checkpoint.store import newest_good_checkpoint, verify_checkpoint
 from dsaflow.launch.lifecycle import children
-from dsaflow.run.rundir import list_checkpoints, read_metrics
+from dsaflow.rundir.folder import list_checkpoints, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG_RUN = [
@@ -134,9 +134,9 @@ def test_interrupted_save_leaves_no_checkpoint_and_existing_ones_are_never_rewri
     """A save killed at any point before its rename leaves only `.step-N.partial`; newest_good falls back to the
     previous checkpoint; saving over an existing checkpoint is a no-op; truncation and deletion are detected."""
     from dsaflow.checkpoint import training_state as ck
+    from dsaflow.pipeline.stages import stage_module
     from dsaflow.plan import build_plan
-    from dsaflow.run.rundir import checkpoint_dir
-    from dsaflow.run.stages import stage_module
+    from dsaflow.rundir.folder import checkpoint_dir
 
     cfg = tiny_cfg(1, None, "1F1B")
     modules = [stage_module(cfg.model, build_plan(cfg), 0, seed=0)]
@@ -171,9 +171,9 @@ def test_interrupted_save_leaves_no_checkpoint_and_existing_ones_are_never_rewri
 
 def test_keep_prunes_to_the_newest_checkpoints(tmp_path):
     from dsaflow.checkpoint.training_state import save_checkpoint
+    from dsaflow.pipeline.stages import stage_module
     from dsaflow.plan import build_plan
-    from dsaflow.run.rundir import checkpoint_dir
-    from dsaflow.run.stages import stage_module
+    from dsaflow.rundir.folder import checkpoint_dir
 
     cfg = tiny_cfg(1, None, "1F1B")
     modules = [stage_module(cfg.model, build_plan(cfg), 0, seed=0)]

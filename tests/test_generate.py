@@ -10,8 +10,8 @@ from test_graphs_cpu import FakeCapturer
 from dsaflow.config.compose import compose
 from dsaflow.errors import PlanError, ServeError
 from dsaflow.model.cache import StageCache
+from dsaflow.pipeline.stages import build_stages
 from dsaflow.plan import build_plan
-from dsaflow.run.stages import build_stages
 from dsaflow.serve.generate import build_engine, check_serve, load_prompts, write_outputs
 
 PROMPTS = ["hello", "hi there, friend", "abc", "x"]

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from dsaflow.run.graph_capture import gc_paused
+from dsaflow.pipeline.graph_capture import gc_paused
 from dsaflow.serve.graphs import (
     GraphCaptureError,
     GraphManager,

@@ -5,7 +5,7 @@ import torch
 from model_helpers import planned_sharp, tokens
 
 from dsaflow.model.rope import apply_rope, apply_rope_prefix, rope_angles
-from dsaflow.run.stages import build_stages
+from dsaflow.pipeline.stages import build_stages
 
 
 def textbook_head_probs(attn, x, pos, m):

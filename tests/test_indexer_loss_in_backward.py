@@ -8,7 +8,7 @@ from model_helpers import planned_sharp, tokens
 
 from dsaflow.model import IndexerLossInBackward
 from dsaflow.model import indexer_loss as indexer_loss_module
-from dsaflow.run.stages import build_stages
+from dsaflow.pipeline.stages import build_stages
 
 
 def _grads(stage):

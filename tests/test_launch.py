@@ -112,9 +112,9 @@ def test_launch_line_and_end_of_run_summary(tmp_path):
         + "\n"
     )
     from dsaflow.checkpoint.training_state import save_checkpoint
+    from dsaflow.pipeline.stages import build_stages
     from dsaflow.plan import build_plan
-    from dsaflow.run.rundir import checkpoint_dir
-    from dsaflow.run.stages import build_stages
+    from dsaflow.rundir.folder import checkpoint_dir
 
     small = DSAFlowConfig()
     save_checkpoint(checkpoint_dir(tmp_path, 2), build_stages(small.model, build_plan(small)), None, 0, 2)
@@ -133,9 +133,9 @@ def test_end_of_run_summary_names_the_checkpoint_without_hashing_it(tmp_path, mo
     from dsaflow.checkpoint.training_state import save_checkpoint
     from dsaflow.config.schema import DSAFlowConfig
     from dsaflow.launch.run_summary import train_summary
+    from dsaflow.pipeline.stages import build_stages
     from dsaflow.plan import build_plan
-    from dsaflow.run.rundir import MANIFEST, checkpoint_dir
-    from dsaflow.run.stages import build_stages
+    from dsaflow.rundir.folder import MANIFEST, checkpoint_dir
 
     cfg = DSAFlowConfig()
     save_checkpoint(checkpoint_dir(tmp_path, 3), build_stages(cfg.model, build_plan(cfg)), None, 0, 3)

@@ -10,8 +10,8 @@ from dsaflow.config.schema import ModelConfig
 from dsaflow.model import DSABlock, IndexSlot, LayerSpec, StageModule, build_model, full_state_dict
 from dsaflow.model.context import ForwardContext, causal_indices
 from dsaflow.model.rope import apply_rope, rope_angles
+from dsaflow.pipeline.stages import build_stages, stage_module
 from dsaflow.plan.estimates import layer_params
-from dsaflow.run.stages import build_stages, stage_module
 
 
 def run_stages(stages, x, **kw):

@@ -15,7 +15,7 @@ from dsaflow.model import mla, norms, rope
 from dsaflow.ops.head_proj import absorb_query_naive, head_output_naive
 from dsaflow.ops.rmsnorm import rms_norm_naive
 from dsaflow.ops.rope import rope_naive
-from dsaflow.run.stages import stage_module
+from dsaflow.pipeline.stages import stage_module
 
 
 def use_references(monkeypatch):

@@ -16,7 +16,7 @@ from dsaflow.config.moe import MoEConfig
 from dsaflow.model import expert_load_balance, update_expert_bias
 from dsaflow.model.init import init_module
 from dsaflow.model.moe import MoE
-from dsaflow.run.rundir import read_metrics
+from dsaflow.rundir.folder import read_metrics
 
 MOE = MoEConfig(
     n_routed_experts=4,

@@ -15,7 +15,7 @@ import pytest
 from train_harness import TINY_PP2_RUN, free_port
 
 from dsaflow.checkpoint.store import verify_checkpoint
-from dsaflow.run.rundir import list_checkpoints, read_metrics
+from dsaflow.rundir.folder import list_checkpoints, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "multi_node.sh"

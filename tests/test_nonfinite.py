@@ -15,7 +15,7 @@ import torch
 
 from dsaflow.checkpoint.store import verify_checkpoint
 from dsaflow.errors import PlanError
-from dsaflow.run.rundir import list_checkpoints
+from dsaflow.rundir.folder import list_checkpoints
 from dsaflow.train.nonfinite import NonFiniteGuard, json_record, nonfinite_flag
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsaflow.ops.dense_indexer_kl import dense_indexer_kl, dense_indexer_kl_chunked, dense_indexer_kl_naive
 from dsaflow.ops.dense_indexer_kl.function import dense_indexer_kl_triton
 from dsaflow.ops.dense_indexer_kl.triton_launch import _config, attn_lse_triton, kl_backward_triton, kl_forward_triton
-from dsaflow.run.stages import build_stages
+from dsaflow.pipeline.stages import build_stages
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -260,7 +260,7 @@ def test_model_indexer_loss_with_fused_ops_matches_reference(monkeypatch, layout
     from model_helpers import planned_sharp, tokens
 
     from dsaflow.model import indexer_loss as recorder_mod
-    from dsaflow.run.stages import build_stages
+    from dsaflow.pipeline.stages import build_stages
 
     model, plan = planned_sharp(layout, "model.num_layers=" + str(len(layout.replace("|", ""))), "model.index_topk=4")
     stage = build_stages(model, plan, seed=2)[0]

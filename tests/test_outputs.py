@@ -12,9 +12,9 @@ import pytest
 from dsaflow.cli import main
 from dsaflow.errors import PlanError
 from dsaflow.outputs import CHECKPOINT_MARKER, CONFIG, PLAN, check_output_dir, check_output_file
-from dsaflow.run.rundir import CONFIG as RUN_CONFIG
-from dsaflow.run.rundir import MANIFEST, METRICS
-from dsaflow.run.rundir import PLAN as RUN_PLAN
+from dsaflow.rundir.folder import CONFIG as RUN_CONFIG
+from dsaflow.rundir.folder import MANIFEST, METRICS
+from dsaflow.rundir.folder import PLAN as RUN_PLAN
 
 
 def fake_run(root: Path) -> Path:

@@ -8,9 +8,9 @@ from model_helpers import SHARP_INIT, planned, tokens
 import dsaflow.model.mla as mla_module
 from dsaflow.config.compose import compose
 from dsaflow.launch.resources import rank_memory
+from dsaflow.pipeline.stages import stage_module
 from dsaflow.plan import build_plan
 from dsaflow.plan.estimates import attention_recompute_elems_per_token
-from dsaflow.run.stages import stage_module
 
 B, T = 2, 24
 

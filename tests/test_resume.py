@@ -7,7 +7,7 @@ import pytest
 from train_harness import run_configs, stop_and_resume_cfgs
 
 from dsaflow.checkpoint.store import newest_good_checkpoint
-from dsaflow.run.rundir import read_metrics
+from dsaflow.rundir.folder import read_metrics
 
 
 @pytest.mark.slow

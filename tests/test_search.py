@@ -9,7 +9,7 @@ import torch
 from model_helpers import planned_sharp, tokens
 
 from dsaflow.model.roles import set_roles, stage_roles
-from dsaflow.run.stages import build_stages
+from dsaflow.pipeline.stages import build_stages
 from dsaflow.search import PatternEvaluator, SearchLog, greedy_search
 from dsaflow.search.run import uniform_roles
 
@@ -163,7 +163,7 @@ def _fake_run(tmp_path, overrides):
     from dsaflow.checkpoint.training_state import save_checkpoint
     from dsaflow.config.compose import compose
     from dsaflow.plan import build_plan
-    from dsaflow.run.rundir import write_run_dir
+    from dsaflow.rundir.folder import write_run_dir
 
     cfg = compose(overrides + [f"run_dir={tmp_path / 'run'}"])
     plan = build_plan(cfg)

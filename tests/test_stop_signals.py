@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dsaflow.launch.interrupts import Interrupted, status_of, stop_signals_raise, stopping
-from dsaflow.run.rundir import read_metrics
+from dsaflow.rundir.folder import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [

@@ -167,7 +167,7 @@ def test_run_dirs_written_with_nproc_and_format_keys_still_load(tmp_path):
 
 
 def test_a_second_sweep_into_a_sweep_dir_is_refused_and_changes_nothing(fake_launch, tmp_path, capsys):
-    from dsaflow.run.lock import run_dir_lock
+    from dsaflow.rundir.lock import run_dir_lock
 
     assert cli.main(["train", "-m", "train.lr=1e-3,3e-3", "hydra.sweep.dir=sw"]) == 0
     before = {p: p.read_bytes() for p in (tmp_path / "sw").rglob("*") if p.is_file()}

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from train_harness import tiny_cfg
 
+from dsaflow.pipeline.run_context import RunContext
 from dsaflow.plan import build_plan
-from dsaflow.run.context import RunContext
 from dsaflow.train.optim import advance, build_optimizers, build_schedulers, lr_factor
 from dsaflow.train.trainer import Trainer
 

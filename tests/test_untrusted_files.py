@@ -19,15 +19,15 @@ from train_harness import tiny_cfg
 from dsaflow.checkpoint.store import newest_good_checkpoint, pinned, prune, read_run_id, verify_checkpoint
 from dsaflow.errors import CheckpointError, PlanError
 from dsaflow.files import UnsafeFile, atomic_write, read_text
-from dsaflow.run.rundir import MANIFEST, checkpoint_dir, list_checkpoints
+from dsaflow.rundir.folder import MANIFEST, checkpoint_dir, list_checkpoints
 
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 
 
 @pytest.fixture(scope="module")
 def model():
+    from dsaflow.pipeline.stages import stage_module
     from dsaflow.plan import build_plan
-    from dsaflow.run.stages import stage_module
 
     cfg = tiny_cfg(1, None, "1F1B")
     return cfg, [stage_module(cfg.model, build_plan(cfg), 0, seed=0)]
@@ -105,7 +105,7 @@ def test_disk_full_during_a_save_leaves_no_partial_folder(tmp_path, model, monke
 
 
 def test_run_dir_inside_a_checkpoint_or_run_is_refused(tmp_path, model):
-    from dsaflow.run.rundir import check_run_dir
+    from dsaflow.rundir.folder import check_run_dir
 
     cfg, modules = model
     run = tmp_path / "run"
@@ -165,8 +165,8 @@ def test_serving_reads_only_the_weight_files_the_manifest_lists(tmp_path, model)
 
 
 def _fresh(model):
+    from dsaflow.pipeline.stages import stage_module
     from dsaflow.plan import build_plan
-    from dsaflow.run.stages import stage_module
 
     cfg, _ = model
     return stage_module(cfg.model, build_plan(cfg), 0, seed=123)
@@ -258,7 +258,7 @@ def test_safe_reads_name_fifos_folders_and_links(tmp_path):
 
 
 def test_a_second_holder_of_a_run_dir_is_refused_naming_the_first(tmp_path):
-    from dsaflow.run.lock import RunDirBusy, run_dir_lock
+    from dsaflow.rundir.lock import RunDirBusy, run_dir_lock
 
     with run_dir_lock(tmp_path, "train"):
         with pytest.raises(RunDirBusy, match=rf"in use by `dsaflow train` \(pid {os.getpid()} on host"):
@@ -269,7 +269,7 @@ def test_a_second_holder_of_a_run_dir_is_refused_naming_the_first(tmp_path):
 
 
 def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
-    from dsaflow.run.lock import LOCK, run_dir_lock
+    from dsaflow.rundir.lock import LOCK, run_dir_lock
 
     (tmp_path / LOCK).write_text(json.dumps({"pid": 999999999, "host": "gone", "job": "train", "since": 1.0}))
     said = []
@@ -296,7 +296,7 @@ def test_pruning_skips_a_checkpoint_a_reader_has_pinned(tmp_path, model):
 def test_corrupted_run_dir_files_are_named(tmp_path):
     from dsaflow.config.compose import compose, load_config
     from dsaflow.plan import build_plan, render_table
-    from dsaflow.run.rundir import read_metrics, read_run_dir, write_run_dir
+    from dsaflow.rundir.folder import read_metrics, read_run_dir, write_run_dir
 
     cfg = compose(["track=none", f"run_dir={tmp_path / 'run'}"])
     run = write_run_dir(cfg, build_plan(cfg), render_table(build_plan(cfg), cfg))

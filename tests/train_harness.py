@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from dsaflow.run.context import RunContext
+    from dsaflow.pipeline.run_context import RunContext
     from dsaflow.train.loop import run_train
 
     try:

@@ -20,7 +20,7 @@ from typing import Callable, Optional, Set
 
 from dsaflow.errors import PlanError
 from dsaflow.plan.partition import declared_roles
-from dsaflow.run.rundir import MANIFEST, list_checkpoints
+from dsaflow.rundir.folder import MANIFEST, list_checkpoints
 
 _INDEXER_KEY = re.compile(r"^layers\.(\d+)\.attn\.indexer\.")
 

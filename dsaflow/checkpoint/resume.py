@@ -13,7 +13,7 @@ from typing import List, Tuple
 from dsaflow.checkpoint.store import newest_good_checkpoint
 from dsaflow.errors import PlanError
 from dsaflow.plan.plan import Plan
-from dsaflow.run.rundir import CONFIG, PLAN, read_metrics, read_plan
+from dsaflow.rundir.folder import CONFIG, PLAN, read_metrics, read_plan
 
 
 def _asdict(x) -> dict:

@@ -35,7 +35,7 @@ from typing import Callable, List, Optional, Tuple
 
 from dsaflow.errors import CheckpointError
 from dsaflow.files import UnsafeFile, atomic_write, open_regular, read_bytes, read_json, read_text
-from dsaflow.run.rundir import CKPT, MANIFEST, list_checkpoints
+from dsaflow.rundir.folder import CKPT, MANIFEST, list_checkpoints
 
 METADATA, RUN_ID = ".metadata", "run_id"
 PARTIAL, DELETING = ".partial", ".deleting"

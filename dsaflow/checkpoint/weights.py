@@ -30,7 +30,7 @@ from dsaflow.checkpoint.safetensors_io import SafetensorsError, load_tensors, re
 from dsaflow.checkpoint.store import newest_good_checkpoint, pinned, report_stderr, verify_checkpoint
 from dsaflow.errors import CheckpointError, PlanError, ServeError
 from dsaflow.outputs import check_output_file
-from dsaflow.run.rundir import CONFIG, MANIFEST
+from dsaflow.rundir.folder import CONFIG, MANIFEST
 
 WEIGHTS = re.compile(r"^model-rank\d{1,6}\.safetensors$")
 WEIGHTLESS_MODEL_FIELDS = ("index_topk", "index_fp8")  # no weight depends on them: train.init_from may change them

@@ -32,10 +32,10 @@ from dsaflow.checkpoint.store import report_stderr
 from dsaflow.errors import EXIT_USER_ERROR, PlanError
 from dsaflow.files import UnsafeFile, read_text
 from dsaflow.outputs import check_output_file
+from dsaflow.pipeline.devices import resolve_device_type
 from dsaflow.plan.plan import Plan
-from dsaflow.run.devices import resolve_device_type
-from dsaflow.run.lock import LOCK_ENV, run_dir_lock
-from dsaflow.run.rundir import TMP, check_run_dir, write_run_dir
+from dsaflow.rundir.folder import TMP, check_run_dir, write_run_dir
+from dsaflow.rundir.lock import LOCK_ENV, run_dir_lock
 
 from .interrupts import STOP_SIGNALS, Interrupted, name_of, raise_interrupted, status_of, stopping
 
@@ -161,7 +161,7 @@ def launch_env(base: Optional[Dict[str, str]] = None, run_dir: Optional[Path] = 
 
 def interrupt_hint(run_dir: Path, job: str) -> str:
     """What an interrupted run can do next: resume only where a checkpoint was saved (resume refuses otherwise)."""
-    from dsaflow.run.rundir import list_checkpoints
+    from dsaflow.rundir.folder import list_checkpoints
 
     if job != "train":
         return ""

@@ -1,7 +1,7 @@
 """What keeps a sweep (`dsaflow COMMAND -m ...`) its own and stoppable.
 
 * Its folder: an explicit `hydra.sweep.dir` that already holds a sweep (multirun.yaml, a summary, job folders) is
-  refused before anything starts, and the sweep holds the folder's lock (dsaflow.run.lock) until it ends, so two
+  refused before anything starts, and the sweep holds the folder's lock (dsaflow.rundir.lock) until it ends, so two
   sweeps never mix their jobs, summaries or metrics. (The default folder is new: runs/multirun/<time>.)
 * A stop: SIGINT, SIGTERM or SIGHUP ends the running job as a single run would (the launcher stops its process
   tree and says so in one line), then `Interrupted` (dsaflow.launch.interrupts, a KeyboardInterrupt) leaves
@@ -39,7 +39,7 @@ def explicit_sweep_dir(overrides: List[str]) -> Optional[str]:
 @contextmanager
 def hold_sweep_dir(overrides: List[str]):
     """Refuse an explicit sweep dir that holds another sweep; hold its lock for the `with` block."""
-    from dsaflow.run.lock import LOCK, RunDirBusy, run_dir_lock
+    from dsaflow.rundir.lock import LOCK, RunDirBusy, run_dir_lock
 
     where = explicit_sweep_dir(overrides)
     if where is None:

@@ -15,7 +15,7 @@ def main(argv=None) -> int:
         print("usage: python -m dsaflow.launch.timeouts RUN_DIR", file=sys.stderr)
         return EXIT_USER_ERROR
     from dsaflow.config.compose import load_config
-    from dsaflow.run.rundir import CONFIG
+    from dsaflow.rundir.folder import CONFIG
 
     try:
         print(load_config(Path(args[0]) / CONFIG).launch.timeout_s)

@@ -1,5 +1,5 @@
 """The DSA transformer: MLA in MQA mode + lightning indexer, F/S layer roles (LayerSpec), serving caches. It knows
-nothing of plans, Hydra or torch.distributed: dsaflow.run.stages cuts it into a plan's stages."""
+nothing of plans, Hydra or torch.distributed: dsaflow.pipeline.stages cuts it into a plan's stages."""
 
 from .aux_loss import attach_aux_loss
 from .block import DSABlock

@@ -5,7 +5,7 @@
   embed   nn.Embedding(vocab, dim) when is_first (else None);
   norm    RMSNorm(dim) + head Linear(dim, vocab) when is_last (else None).
 `build_model(model_cfg)` is the whole model (every layer F unless roles are given). The model knows nothing of plans:
-the runtime cuts stages by passing each stage's layers (dsaflow.run.stages). State-dict keys are global and stable,
+the runtime cuts stages by passing each stage's layers (dsaflow.pipeline.stages). State-dict keys are global and stable,
 e.g. `layers.5.attn.wkv_b.weight`, `layers.4.attn.indexer.wk.weight` (docs/model.md lists them all).
 """
 

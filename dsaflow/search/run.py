@@ -64,9 +64,9 @@ def load_search_model(cfg, device: torch.device):
 
     from dsaflow.checkpoint.weights import load_model_weights, resolve_checkpoint
     from dsaflow.config.compose import load_config
+    from dsaflow.pipeline.stages import build_stages
     from dsaflow.plan import build_plan
-    from dsaflow.run.rundir import CONFIG, PLAN
-    from dsaflow.run.stages import build_stages
+    from dsaflow.rundir.folder import CONFIG, PLAN
 
     s = cfg.search
     if not s.checkpoint:
@@ -178,7 +178,7 @@ def _md_table(rows: List[dict], starts) -> str:
 
 def run_search(cfg) -> int:
     """The `dsaflow search` command (parent process, no torchrun). Returns 0."""
-    from dsaflow.run.devices import resolve_device_type
+    from dsaflow.pipeline.devices import resolve_device_type
 
     s = cfg.search
     if s.calib_batches < 1 or s.eval_batches < 0:

@@ -1,2 +1,3 @@
 """Serving: the `dsaflow generate` job (`generate.py`), the pipeline engine (chunked prefill + decode across stages),
-the per-device CUDA graph manager and its capture report, sampling, point-to-point transfers, and weight loading."""
+the per-device CUDA graph manager and its capture report, and sampling (stages, p2p and the executor:
+dsaflow.pipeline; weights: dsaflow.checkpoint)."""

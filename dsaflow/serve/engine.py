@@ -3,7 +3,7 @@
 The cache rows [0, serve.max_batch) are split into serve.microbatches groups (default: the number of pipeline ranks),
 each a contiguous row range with its own slice of every stage's caches and its own index slot. A pass is one forward
 of one group through every stage (dsaflow.serve.scheduler builds it: prefill chunks and decode steps mixed row by
-row), and the pipelined executor (dsaflow.run.executor) moves passes through the stages in ticks: stage s runs group
+row), and the pipelined executor (dsaflow.pipeline.executor) moves passes through the stages in ticks: stage s runs group
 g while stage s+1 runs group g-1. The last stage samples the group's next tokens and sends them, with one EOS flag
 per row ([rows, 2] int64), to stage 0's rank, which feeds them into the group's next pass, and with serve.eos_id set
 to every rank.
@@ -17,7 +17,7 @@ A stage with a decode / prefill graph block runs through the GraphManager: one g
 group's cache rows are baked into its graph), decode passes padded to the smallest class >= the group's active rows,
 prefill passes run at the group's full rows and padded along tokens. The last stage's decode graphs sample too
 (their output is the [rows, 2] message). With graphs.transfers, the transfers of decode ticks are replayed from
-graphs of their own (dsaflow/run/transfer_graphs.py), every pass's activations and message padded to the decode
+graphs of their own (dsaflow/pipeline/transfer_graphs.py), every pass's activations and message padded to the decode
 class of its rows, so that a tick's transfers recur; a stage narrows what it receives back to the pass's rows.
 
 With pipeline.cross_stage_indices, a stage that opens on S reads the top-k indices of the previous stage's last F
@@ -35,10 +35,10 @@ import torch
 from torch import nn
 
 from dsaflow.model import dense_prefill
+from dsaflow.pipeline.executor import Item, PipelineExecutor
+from dsaflow.pipeline.stages import stage_cache
+from dsaflow.pipeline.transfer_graphs import TransferGraphs
 from dsaflow.plan.plan import Plan
-from dsaflow.run.executor import Item, PipelineExecutor
-from dsaflow.run.stages import stage_cache
-from dsaflow.run.transfer_graphs import TransferGraphs
 
 from .blocks import GraphBlocks
 from .checks import check_graph_blocks, requests_of, serve_groups

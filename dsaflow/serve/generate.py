@@ -27,8 +27,8 @@ import torch
 from dsaflow.data.tokenizer import ByteTokenizer
 from dsaflow.errors import ServeError, shown
 from dsaflow.files import atomic_write
+from dsaflow.pipeline.stages import stage_module
 from dsaflow.plan.plan import Plan
-from dsaflow.run.stages import stage_module
 
 from .checks import check_graph_blocks, check_prompts, check_transfers, fit_problem
 from .engine import PipelineEngine
@@ -186,7 +186,7 @@ def run_serve(ctx) -> None:
     reqs = check_serve(cfg, plan, ctx.device.type)
     link = None
     if ctx.world_size > 1:
-        from dsaflow.run.p2p import StageLink
+        from dsaflow.pipeline.p2p import StageLink
 
         link = StageLink(ctx.device)
         link.warm_up()

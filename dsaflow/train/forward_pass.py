@@ -9,7 +9,7 @@ indexer's small graph, and backpropagates its own `indexer_loss_weight * indexer
 gradients equal the ones the schedule's backward produced (the same per-microbatch seeds, summed, then divided by
 the number of microbatches as the schedule's `scale_grads` does).
 
-The microbatches move through the stages with the pipelined forward executor (dsaflow.run.executor), the one that
+The microbatches move through the stages with the pipelined forward executor (dsaflow.pipeline.executor), the one that
 serving uses: stage s runs microbatch m while stage s+1 runs m-1, each stage sees the microbatches in order, and the
 moves of one tick are posted together. Hidden states travel in fp32 (the residual stream's dtype under autocast).
 """
@@ -22,9 +22,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from dsaflow.model import StageModule, trim_indices
-from dsaflow.run.context import RunContext
-from dsaflow.run.executor import Item, PipelineExecutor, run_items
-from dsaflow.run.p2p import StageLink
+from dsaflow.pipeline.executor import Item, PipelineExecutor, run_items
+from dsaflow.pipeline.p2p import StageLink
+from dsaflow.pipeline.run_context import RunContext
 
 from .pipeline import ChunkTimer
 

@@ -9,8 +9,8 @@ from dsaflow.checkpoint.store import newest_good_checkpoint
 from dsaflow.checkpoint.training_state import load_checkpoint, save_checkpoint
 from dsaflow.checkpoint.weights import WEIGHTLESS_MODEL_FIELDS, load_model_weights
 from dsaflow.errors import CheckpointError
-from dsaflow.run.context import RunContext
-from dsaflow.run.rundir import checkpoint_dir
+from dsaflow.pipeline.run_context import RunContext
+from dsaflow.rundir.folder import checkpoint_dir
 from dsaflow.track import Progress, make_tracker
 
 from .metrics import RunRecords

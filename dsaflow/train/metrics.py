@@ -18,7 +18,7 @@ from typing import Mapping, Optional
 import torch
 
 from dsaflow.files import append_text, atomic_write, open_append
-from dsaflow.run.rundir import LOG, METRICS, read_metrics
+from dsaflow.rundir.folder import LOG, METRICS, read_metrics
 
 from .nonfinite import json_record
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from dsaflow.config.moe import is_moe_layer
 from dsaflow.data import BatchSource
 from dsaflow.model import StageModule
-from dsaflow.run.context import RunContext
-from dsaflow.run.stages import stage_module
+from dsaflow.pipeline.run_context import RunContext
+from dsaflow.pipeline.stages import stage_module
 
 from .expert_balance import ExpertBalance
 from .forward_pass import ForwardPipeline

@@ -136,7 +136,7 @@ def worker(args) -> None:
     """One pipeline rank under torchrun: NCCL on GPUs, gloo on CPU."""
     import torch.distributed as dist
 
-    from dsaflow.run.p2p import torchrun_rank
+    from dsaflow.pipeline.p2p import torchrun_rank
 
     with torchrun_rank(args.device) as (device, link):
         rows = []

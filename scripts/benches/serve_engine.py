@@ -371,7 +371,7 @@ def worker(args) -> None:
     """One pipeline rank under torchrun: NCCL on GPUs, gloo on CPU."""
     import torch.distributed as dist
 
-    from dsaflow.run.p2p import torchrun_rank
+    from dsaflow.pipeline.p2p import torchrun_rank
 
     with torchrun_rank(args.device, args.threads if args.device == "cpu" else None) as (device, link):
 

@@ -3,7 +3,7 @@
     python scripts/bench_serve.py p2p --out bench_out/p2p
 
 Two NCCL ranks (torchrun, one GPU each) walk the tick loop of a two-group, two-stage decode
-(dsaflow/run/executor.py): in every tick each GPU runs a compute span of fixed length (a spin kernel, standing in
+(dsaflow/pipeline/executor.py): in every tick each GPU runs a compute span of fixed length (a spin kernel, standing in
 for a stage's decode pass), then one batch of point-to-point ops moves rank 0's activation ([rows, 1, dim] bf16)
 to rank 1 and rank 1's feedback ([2, rows] int64: sampled tokens, EOS flags) to rank 0, and the next span reads
 what arrived. So every tick depends on the partner's previous one, as with as many groups as ranks.
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from bench_lib import command_line, describe_device, launch_ranks, need_cuda, out_dir, write_results
 
-from dsaflow.run.p2p import StageLink, torchrun_rank
+from dsaflow.pipeline.p2p import StageLink, torchrun_rank
 
 ENTRY = Path(__file__).resolve().parents[1] / "bench_serve.py"  # what torchrun starts on every rank
 PROG = "bench_serve.py p2p"

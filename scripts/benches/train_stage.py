@@ -75,7 +75,7 @@ def build(layers: int, index: str, moe_experts: int = 0):
 
 def stage_and_optimisers(cfg, plan):
     """Stage 0 of `plan` on cuda in train mode and its two fused AdamW optimisers (main, indexer), as the trainer."""
-    from dsaflow.run.stages import stage_module
+    from dsaflow.pipeline.stages import stage_module
 
     stage = stage_module(cfg.model, plan, 0, seed=0).cuda().train()
     idx = stage.indexer_parameters()

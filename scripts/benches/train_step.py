@@ -44,8 +44,8 @@ def parse_args(argv=None, prog="bench_train.py step") -> argparse.Namespace:
 
 def make_trainer(overrides: list, device: torch.device):
     from dsaflow.config.compose import compose
+    from dsaflow.pipeline.run_context import RunContext
     from dsaflow.plan import build_plan
-    from dsaflow.run.context import RunContext
     from dsaflow.train.trainer import Trainer
 
     cfg = compose(["track=none", f"train.device={device.type}", *overrides])

@@ -26,8 +26,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dsaflow.run.graph_capture import gc_paused
-from dsaflow.run.p2p import release_before_teardown
+from dsaflow.pipeline.graph_capture import gc_paused
+from dsaflow.pipeline.p2p import release_before_teardown
 
 Signature = Tuple[Tuple[str, Tuple[int, ...], torch.dtype, int], ...]
 

@@ -124,7 +124,7 @@ def check_fresh_start(run_dir: str | Path, cfg, job: str) -> None:
     (launch/multi_node.sh run twice) would retrain from step 0 into the same metrics and checkpoints."""
     if job != "train" or cfg.train.resume:
         return
-    from .rundir import METRICS, list_checkpoints
+    from .folder import METRICS, list_checkpoints
 
     run_dir = Path(run_dir)
     steps = [s for s, _ in list_checkpoints(run_dir)]

@@ -15,8 +15,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dsaflow.pipeline.devices import resolve_device_type
 from dsaflow.plan.plan import Plan
-from dsaflow.run.devices import resolve_device_type
 
 
 @dataclass
