@@ -1,7 +1,7 @@
 """Dense indexer KL (the DeepSeek-V3.2 dense warm-up loss) without [T, S] tensors.
 
 Layout: `naive.py` (the fp32 reference and the chunked one, same loss in O(chunk * S) memory), the kernels
-(`triton_kl`, launched by `triton_launch`), the autograd.Function (`function.py`), the dispatch table
+(`triton_dense_kl`, launched by `triton_launch`), the autograd.Function (`function.py`), the dispatch table
 (`dispatch.py`, `explain_dense_indexer_kl`: CUDA runs the kernels, CPU and deterministic mode the chunked reference;
 CUDA shapes the kernels refuse raise ValueError), and the public function below.
 """

@@ -1,4 +1,4 @@
-"""Launchers (grids, block sizes) of the `dense_indexer_kl` kernels (`triton_kl.py`).
+"""Launchers (grids, block sizes) of the `dense_indexer_kl` kernels (`triton_dense_kl.py`).
 
 Memory: the op keeps lse [L, B, H, T], KL and LSE_I [B, T] (fp32) and, in the backward, fp32 gradient buffers the
 size of q_I, k_I and w. Nothing is [T, S]. Grids depend on shapes only.
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .triton_kl import LOG2E, _attn_lse_kernel, _kl_bwd_kernel, _kl_fwd_kernel
+from .triton_dense_kl import LOG2E, _attn_lse_kernel, _kl_bwd_kernel, _kl_fwd_kernel
 
 
 def _prec(dtype: torch.dtype) -> str:
