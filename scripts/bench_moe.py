@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from bench_lib import CEIL, bench, describe_device, measure_ceilings, need_cuda, out_dir, timed_slow, write_results
 
-from dsaflow.config.moe import MoEConfig
+from dsaflow.config.moe_schema import MoEConfig
 from dsaflow.model.moe import MoE
 from dsaflow.model.swiglu import SwiGLU
 from dsaflow.ops.moe import dispatch

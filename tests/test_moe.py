@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsaflow.config.moe import MoEConfig
+from dsaflow.config.moe_schema import MoEConfig
 from dsaflow.config.schema import ModelConfig
 from dsaflow.model import build_model, moe_layers, update_expert_bias
 from dsaflow.model.moe import MoE, Router, expert_load_balance, sequence_balance_loss

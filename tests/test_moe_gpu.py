@@ -13,7 +13,7 @@ from test_serve_pipelined import PIPELINES, train_checkpoint, workload
 from test_serve_pipelined_gpu import SERVE as GPU_SERVE
 
 from dsaflow.config.compose import compose
-from dsaflow.config.moe import MoEConfig
+from dsaflow.config.moe_schema import MoEConfig
 from dsaflow.model.moe import MoE
 from dsaflow.ops.moe import explain_grouped_mm, moe_experts, moe_experts_naive
 from dsaflow.plan import build_plan

@@ -10,7 +10,7 @@ import pytest
 
 from dsaflow.cli import main
 from dsaflow.config.compose import compose
-from dsaflow.config.moe import MoEConfig, is_moe_layer
+from dsaflow.config.moe_schema import MoEConfig, is_moe_layer
 from dsaflow.config.schema import ModelConfig
 from dsaflow.model import build_model
 from dsaflow.plan import build_plan

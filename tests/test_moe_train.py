@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from test_train_pipeline import LAYOUTS_2, LAYOUTS_4, STEPS, _assert_same
 from train_harness import run_configs, stop_and_resume_cfgs, tiny_cfg
 
-from dsaflow.config.moe import MoEConfig
+from dsaflow.config.moe_schema import MoEConfig
 from dsaflow.model import expert_load_balance, update_expert_bias
 from dsaflow.model.init import init_module
 from dsaflow.model.moe import MoE

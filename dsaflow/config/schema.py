@@ -21,7 +21,7 @@ from dsaflow.errors import ConfigError
 
 from .field_checks import check_fields
 from .fields import Choice, make_choice, num
-from .moe import MoEConfig, check_moe
+from .moe_schema import MoEConfig, check_moe
 
 Schedule = make_choice(
     "Schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"], __name__
@@ -77,7 +77,7 @@ class ModelConfig:
     norm_eps: float = num(1e-6, 0, 1, lo_open=True, hi_open=True)
     tie_embeddings: bool = False
     init_std: float = num(0.02, 0, 1, lo_open=True)
-    # mixture-of-experts MLPs (DeepSeek-V3 / GLM-5 recipe); None = every layer dense (dsaflow/config/moe.py)
+    # mixture-of-experts MLPs (DeepSeek-V3 / GLM-5 recipe); None = every layer dense (dsaflow/config/moe_schema.py)
     moe: Optional[MoEConfig] = None
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dsaflow.config.moe import is_moe_layer
+from dsaflow.config.moe_schema import is_moe_layer
 from dsaflow.config.schema import ModelConfig
 
 from .context import ForwardContext, LayerReplay

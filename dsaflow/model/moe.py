@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsaflow.config.moe import MoEConfig
+from dsaflow.config.moe_schema import MoEConfig
 from dsaflow.ops.moe import moe_experts
 
 from .aux_loss import attach_aux_loss

@@ -7,7 +7,7 @@ RoPE or top-k selection). Bytes assume bf16 (2 bytes) for activations and caches
 
 from __future__ import annotations
 
-from dsaflow.config.moe import is_moe_layer
+from dsaflow.config.moe_schema import is_moe_layer
 
 BF16 = 2
 INT32 = 4

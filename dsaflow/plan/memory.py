@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dsaflow.config.moe import is_moe_layer
+from dsaflow.config.moe_schema import is_moe_layer
 from dsaflow.plan import estimates as E
 
 WEIGHTS = "weights and AdamW state"

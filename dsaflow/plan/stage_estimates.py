@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
-from dsaflow.config.moe import is_moe_layer
+from dsaflow.config.moe_schema import is_moe_layer
 from dsaflow.plan import estimates as E
 from dsaflow.plan.memory import train_memory_terms
 from dsaflow.plan.plan import LayerPlan, PipelinePlan, StagePlan

@@ -16,7 +16,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from dsaflow.config.moe import is_moe_layer
+from dsaflow.config.moe_schema import is_moe_layer
 from dsaflow.data import BatchSource
 from dsaflow.model import StageModule
 from dsaflow.pipeline.run_context import RunContext
