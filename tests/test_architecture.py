@@ -197,3 +197,19 @@ def test_auto_device_asks_torch_when_a_gpu_driver_is_present(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert devices.resolve_device_type("auto") == "cpu"
     assert devices.resolve_device_type("cpu") == "cpu"
+
+
+OPS_STANDARD_NAMES = {"naive.py", "dispatch.py", "function.py"}  # the one shape of an op folder (docs/kernels.md)
+
+
+def test_no_two_modules_share_a_basename():
+    """A file name says what the file is, so `grep`, tracebacks and editor tabs never leave a reader guessing which
+    one is meant; only the standard files of an op folder repeat."""
+    seen = {}
+    for p in sources():
+        rel = p.relative_to(PKG)
+        if p.name == "__init__.py" or (rel.parts[0] == "ops" and p.name in OPS_STANDARD_NAMES):
+            continue
+        seen.setdefault(p.name, []).append(str(rel))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, f"modules sharing a basename (rename one to say what it is): {shared}"

@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import dsaflow
-from dsaflow.config.errors import explain_omegaconf_error
 from dsaflow.config.field_checks import check_override_numbers
+from dsaflow.config.omegaconf_errors import explain_omegaconf_error
 from dsaflow.config.schema import DSAFlowConfig, register_configs, validate
 from dsaflow.errors import ConfigError
 
