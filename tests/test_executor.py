@@ -188,7 +188,7 @@ def test_transfer_graphs_pad_short_sends_and_reuse_static_buffers():
 
 
 def test_transfer_graphs_capture_with_the_garbage_collector_paused():
-    """A collection during a capture may free a dead CUDA graph, which fails the capture (dsaflow/pipeline/graph_capture.py):
+    """A collection during a capture may free a dead CUDA graph, which fails the capture (dsaflow/pipeline/capture_guard.py):
     the collector is off while a signature is captured, and back on for its replays."""
     seen = []
 

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from dsaflow.pipeline.graph_capture import gc_paused
-from dsaflow.serve.graphs import (
+from dsaflow.pipeline.capture_guard import gc_paused
+from dsaflow.serve.graph_manager import (
     GraphCaptureError,
     GraphManager,
     ShapeClassError,
@@ -298,7 +298,7 @@ class FakeCuda:
 
 
 def test_cuda_capturer_protocol(monkeypatch):
-    from dsaflow.serve.graphs import CudaGraphCapturer
+    from dsaflow.serve.graph_manager import CudaGraphCapturer
 
     fake = FakeCuda()
     fake.install(monkeypatch)
@@ -317,7 +317,7 @@ def test_cuda_capturer_protocol(monkeypatch):
     assert g.pool_bytes == 4096
     g.replay()
     assert fake.log[-1] == ("<device",) and ("replay",) in fake.log  # not the current device (0): under its guard
-    from dsaflow.serve.graphs import CapturedGraph
+    from dsaflow.serve.graph_manager import CapturedGraph
 
     on_current = CapturedGraph(torch.cuda.CUDAGraph(), torch.ones(1), torch.device("cuda", 0), 0)
     fake.log.clear()

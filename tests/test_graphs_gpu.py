@@ -22,7 +22,7 @@ import torch
 from dsaflow.config.compose import compose
 from dsaflow.plan import build_plan
 from dsaflow.serve.generate import build_engine
-from dsaflow.serve.graphs import GraphManager, StaticInput
+from dsaflow.serve.graph_manager import GraphManager, StaticInput
 from dsaflow.serve.sampling import make_generator, sample_next
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,7 +130,7 @@ TEXT_PROMPTS = ["The quick brown fox", "DSA layers share indices", "x", "pipelin
 def test_a_dead_graph_is_not_freed_while_another_captures():
     """A dropped GraphManager held only by a reference cycle, and Python allocations (which trigger collections)
     during another manager's capture: the capture succeeds, and the dead graph is freed after it, not during it.
-    (Freeing a graph while a stream captures fails that capture, dsaflow/pipeline/graph_capture.py.)"""
+    (Freeing a graph while a stream captures fails that capture, dsaflow/pipeline/capture_guard.py.)"""
     dev = torch.device("cuda", torch.cuda.current_device())
     spec = {"x": StaticInput((8, 1), torch.float32, 0)}
     old = GraphManager(dev)

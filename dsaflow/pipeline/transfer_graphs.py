@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dsaflow.pipeline.graph_capture import gc_paused
+from dsaflow.pipeline.capture_guard import gc_paused
 from dsaflow.pipeline.p2p import release_before_teardown
 
 Signature = Tuple[Tuple[str, Tuple[int, ...], torch.dtype, int], ...]

@@ -40,13 +40,13 @@ from dsaflow.pipeline.stages import stage_cache
 from dsaflow.pipeline.transfer_graphs import TransferGraphs
 from dsaflow.plan.plan import Plan
 
-from .blocks import GraphBlocks
 from .checks import check_graph_blocks, requests_of, serve_groups
 from .eos import LateFlags
-from .graphs import GraphManager, choose_shape_class, sync_error_guard
+from .graph_manager import GraphManager, choose_shape_class, sync_error_guard
 from .report import CaptureReport, run_stats
 from .sampling import sample_message
 from .scheduler import Pass, Request, Scheduler, Work, group_ranges, prefill_row_classes
+from .stage_graphs import GraphBlocks
 from .upload import Uploader, pass_vectors
 
 plan_prefill = dense_prefill.plan_prefill  # the engine's one call into the short-prefill rule (tests spy on it)

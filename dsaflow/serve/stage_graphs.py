@@ -1,5 +1,5 @@
 """The graph blocks a serving rank registers: for each stage it owns, each group and each decode / prefill block of
-the plan, the static inputs and the callable that the GraphManager captures (dsaflow/serve/graphs.py).
+the plan, the static inputs and the callable that the GraphManager captures (dsaflow/serve/graph_manager.py).
 
 Decode blocks: class = rows, one token each; the last stage's decode graphs sample as well, so their output is the
 [rows, 2] message (tokens, EOS flags) with the fp32 logits. Prefill blocks: class = tokens per chunk at the group's
@@ -16,7 +16,7 @@ import torch
 
 from dsaflow.model import dense_prefill
 
-from .graphs import StaticInput
+from .graph_manager import StaticInput
 
 
 class GraphBlocks:

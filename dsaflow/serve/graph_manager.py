@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dsaflow.pipeline.graph_capture import gc_paused
+from dsaflow.pipeline.capture_guard import gc_paused
 
 from .report import CaptureRecord, CaptureReport, check_complete
 
