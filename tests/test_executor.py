@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from dsaflow.pipeline.executor import Item, PipelineExecutor, run_items, segments_of
+from dsaflow.pipeline.executor import Pass, PipelineExecutor, run_passes, segments_of
 from dsaflow.pipeline.transfer_graphs import TransferGraphs
 
 
@@ -68,11 +68,11 @@ def run_ranks(ranks, rank_main, timeout=60):
 
 
 def serve_like(owner, groups, passes, feedback_ranks=None, leftovers=None, graphs=None, decode=True):
-    """Every rank: `groups` keys, `passes` items each; stage s adds 10**s; the last stage's feedback is the value,
-    which the next item of that key starts from (like a sampled token). -> per rank: (ticks, work log, feedback);
+    """Every rank: `groups` keys, `passes` passes each; stage s adds 10**s; the last stage's feedback is the value,
+    which the next pass of that key starts from (like a sampled token). -> per rank: (ticks, work log, feedback);
     a rank outside `feedback_ranks` logs (key, None). `leftovers` (a list) gets every message no one received.
     graphs (a dict): each rank's decode ticks' transfers through `TransferGraphs` with a recording capturer, stored
-    there by rank; decode: the items are decode steps."""
+    there by rank; decode: the passes are decode steps."""
     ranks = sorted(set(owner.values()))
     queues = {(a, b): queue.Queue() for a in ranks for b in ranks if a != b}
     results = {}
@@ -94,24 +94,24 @@ def serve_like(owner, groups, passes, feedback_ranks=None, leftovers=None, graph
                 g = (state["rr"] + k) % groups
                 if free(g) and done[g] < passes:
                     state["rr"] = g + 1
-                    return Item(g, (1, 1, 2), torch.float32, payload=value[g], feedback=(2, 1), decode=decode)
+                    return Pass(g, (1, 1, 2), torch.float32, payload=value[g], feedback=(2, 1), decode=decode)
             return None
 
-        def stage_fn(item, s, x):
-            log.append((state["tick"], s, item.key))
-            base = torch.full((1, 1, 2), item.payload) if s == 0 else x
+        def stage_fn(pass_, s, x):
+            log.append((state["tick"], s, pass_.key))
+            base = torch.full((1, 1, 2), pass_.payload) if s == 0 else x
             return base + 10**s
 
-        def finish(item, out):
+        def finish(pass_, out):
             return torch.tensor([[int(out[0, 0, 0])], [0]])
 
-        def on_feedback(item, msg):
-            done[item.key] += 1
+        def on_feedback(pass_, msg):
+            done[pass_.key] += 1
             if msg is None:
-                fed.append((item.key, None))
+                fed.append((pass_.key, None))
                 return
-            value[item.key] = float(msg[0, 0])
-            fed.append((item.key, int(msg[0, 0])))
+            value[pass_.key] = float(msg[0, 0])
+            fed.append((pass_.key, int(msg[0, 0])))
 
         ticks = ex.run(pick, stage_fn, finish, on_feedback)
         results[rank] = (ticks, log, fed)
@@ -230,29 +230,29 @@ def test_interleaved_stages_and_one_rank_agree():
     assert res[0][0] == 4 * 3 + 3  # four segments, four groups: full from the start, 3 ticks of drain
 
 
-def test_run_items_without_feedback_keeps_microbatch_order():
+def test_run_passeswithout_feedback_keeps_microbatch_order():
     seen = []
     ex = PipelineExecutor({0: 0, 1: 0}, 0)
-    items = [Item(m, (1, 1, 1), torch.float32) for m in range(4)]
-    ticks = run_items(ex, items, lambda item, s, x: seen.append((s, item.key)) or torch.zeros(1))
+    passes = [Pass(m, (1, 1, 1), torch.float32) for m in range(4)]
+    ticks = run_passes(ex, passes, lambda pass_, s, x: seen.append((s, pass_.key)) or torch.zeros(1))
     assert ticks == 4 and seen == [(s, m) for m in range(4) for s in (0, 1)]
 
 
 def test_timeline_ticks_tile_the_run_and_host_phases_are_counted():
     """Ticks share their boundaries (no gap between one tick's end and the next one's start), the last stage's span
-    end is the item's `finished_at`, and the host time of decode ticks is split by phase."""
+    end is the pass's `finished_at`, and the host time of decode ticks is split by phase."""
     ex = PipelineExecutor({0: 0, 1: 0}, 0)
-    items = [Item(m, (1, 1, 1), torch.float32, feedback=(2, 1), decode=True) for m in range(3)]
-    queue_ = list(items)
+    passes = [Pass(m, (1, 1, 1), torch.float32, feedback=(2, 1), decode=True) for m in range(3)]
+    queue_ = list(passes)
     ex.run(
         lambda free: queue_.pop(0) if queue_ else None,
-        lambda item, s, x: torch.zeros(1),
-        finish=lambda item, out: torch.zeros(2, 1, dtype=torch.long),
+        lambda pass_, s, x: torch.zeros(1),
+        finish=lambda pass_, out: torch.zeros(2, 1, dtype=torch.long),
     )
     tl = ex.timeline
     assert len(tl.ticks) == 3 and tl.ticks[0][0] == tl.start
     assert all(a[1] == b[0] for a, b in zip(tl.ticks, tl.ticks[1:]))  # contiguous: the tick walls tile the run
-    assert [i.finished_at for i in items] == [end for _, end, _ in tl.spans]
+    assert [i.finished_at for i in passes] == [end for _, end, _ in tl.spans]
     assert tl.decode_ticks == 3 and len(tl.issued) == len(tl.spans) == 3
     summary = tl.resolve()
     assert summary["decode_wall_s"] == pytest.approx(tl.ticks[-1][1] - tl.start)
@@ -263,11 +263,11 @@ def test_timeline_ticks_tile_the_run_and_host_phases_are_counted():
 
 
 def test_decode_ticks_begin_k_minus_1_ticks_after_a_prefill_leaves():
-    """A tick is a decode tick of the timeline once the items in flight in it and in the K-1 ticks before it were
+    """A tick is a decode tick of the timeline once the passes in flight in it and in the K-1 ticks before it were
     all decode steps: a long prefill pass keeps the ranks downstream of it waiting for up to K-1 ticks after it
     leaves, and that wait is the prefill's. The same ticks on every rank; each span carries its tick's flag."""
     owner = {0: 0, 1: 1, 2: 2}  # K = 3
-    decode = [True] * 4 + [False] + [True] * 8  # item 4 (a prefill) is in flight at ticks 4, 5, 6
+    decode = [True] * 4 + [False] + [True] * 8  # pass 4 (a prefill) is in flight at ticks 4, 5, 6
     queues = {(a, b): queue.Queue() for a in range(3) for b in range(3) if a != b}
     seen = {}
 
@@ -276,12 +276,12 @@ def test_decode_ticks_begin_k_minus_1_ticks_after_a_prefill_leaves():
         todo = list(range(len(decode)))
 
         def pick(free):
-            return Item(todo[0], (1, 1, 1), torch.float32, decode=decode[todo.pop(0)]) if todo else None
+            return Pass(todo[0], (1, 1, 1), torch.float32, decode=decode[todo.pop(0)]) if todo else None
 
-        ticks = ex.run(pick, lambda item, s, x: torch.zeros(1, 1, 1) if x is None else x + 1)
+        ticks = ex.run(pick, lambda pass_, s, x: torch.zeros(1, 1, 1) if x is None else x + 1)
         tl = ex.timeline
         after = tl.resolve()["busy_after_prefill"]
-        # ticks 7 and 8 come 1 and 2 ticks after the prefill left; rank r runs its span of item i in tick i + r
+        # ticks 7 and 8 come 1 and 2 ticks after the prefill left; rank r runs its span of pass i in tick i + r
         spans_in = {t: tl.spans[t - rank] for t in (7, 8)}
         want = [tl.seconds(*spans_in[t][:2]) / tl.seconds(*tl.ticks[t][:2]) for t in (7, 8)]
         assert after == pytest.approx(want)
@@ -291,7 +291,7 @@ def test_decode_ticks_begin_k_minus_1_ticks_after_a_prefill_leaves():
     expected = [True] * 4 + [False] * 5 + [True] * 6  # ticks 7 and 8 hold decode steps only, but follow the prefill
     for rank, (ticks, flags, spans, decode_ticks, after) in seen.items():
         assert ticks == len(decode) + 2 and flags == expected and decode_ticks == sum(expected)
-        assert spans == expected[rank : rank + len(decode)]  # rank r runs item i at tick i + r
+        assert spans == expected[rank : rank + len(decode)]  # rank r runs pass i at tick i + r
         assert len(after) == 2 and all(0 < f <= 1 for f in after)
 
 

@@ -220,14 +220,14 @@ def test_eager_refills_rearrange_rows_and_keep_every_token():
     limits = [1 + (7 * i) % 12 for i in range(20)]
     eng = engine(None, "pp2", 1, ["serve.max_batch=8", "serve.batching=continuous"])
     seen = []
-    inner = eng._item
+    inner = eng._prepare
 
     def spy(p):
         if p.moves:
             seen.append(p.moves)
         return inner(p)
 
-    eng._item = spy
+    eng._prepare = spy
     got = eng.generate(prompts, limits)
     assert seen  # some refill moved rows that were already decoding
     alone = engine(None, "single", 1, ["serve.max_batch=1"])

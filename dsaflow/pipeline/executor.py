@@ -1,4 +1,5 @@
-"""The pipelined forward executor: items (microbatches, groups of serving rows) move through the stages in ticks.
+"""The pipelined forward executor: passes (a microbatch's forward, a serving group's pass) move through the stages
+in ticks.
 
 Used by serving (dsaflow.serve.engine), evaluation and the dense warm-up (dsaflow.train.forward_pass); the training
 schedules (forward + backward) are torch.distributed.pipelining's, not this.
@@ -6,16 +7,16 @@ schedules (forward + backward) are torch.distributed.pipelining's, not this.
 The stages are cut into *segments*: maximal runs of consecutive stages owned by one rank (a rank running every stage
 has one segment; pp2 has two; an interleaved pp2 with four stages has four). Every rank walks the same ticks:
 
-    tick t:  segment j runs the item that started at tick t - j (one item per segment per tick)
+    tick t:  segment j runs the pass that started at tick t - j (one pass per segment per tick)
              then one batch of point-to-point ops: each segment's output to the next segment's rank, and the last
              segment's feedback (serving: the sampled tokens + EOS flags) to the ranks that read it (by default
              every other rank; serving without EOS: only stage 0's, which feeds the tokens back in), all posted together
              with the receives of the next tick (`StageLink.exchange`), so sends around a ring never deadlock
 
-Items carry a `key` (a serving group). An item whose key is still in flight cannot start: with feedback, item i's
-first stage needs the tokens its key's previous item sampled on the last stage. So with G keys (groups) and K
+Passes carry a `key` (a serving group). A pass whose key is still in flight cannot start: with feedback, pass i's
+first stage needs the tokens its key's previous pass sampled on the last stage. So with G keys (groups) and K
 segments, G >= K keeps every segment busy every tick in steady state, and G = 1 leaves each rank idle (K-1)/K of the
-time (the schedule of one batch at a time). Without feedback (evaluation) items start one per tick.
+time (the schedule of one batch at a time). Without feedback (evaluation) passes start one per tick.
 
 The schedule is a pure function of what `pick` returns, and `pick` runs on every rank with the same information
 (host-known facts plus the feedback every rank receives), so every rank posts matching ops without talking.
@@ -36,14 +37,16 @@ from .transfer_graphs import post_eagerly
 
 
 @dataclass
-class Item:
-    """One unit of work that moves through every stage.
+class Pass:
+    """One forward through every stage: a microbatch (evaluation, the dense warm-up) or a serving group's pass.
 
-    key: items with the same key run one after the other (the next starts once the previous item's feedback arrived).
+    key: passes with the same key run one after the other (the next starts once the previous pass's feedback
+        arrived).
     hidden: shape of the activation a stage sends to the next ([rows, tokens, dim]); hidden_dtype its dtype.
     feedback: shape of the int64 message the last stage sends to the feedback ranks ([rows, 2] for serving), or None.
-    payload: whatever the caller's stage function needs (never read by the executor).
-    decode: the item is a decode step (the timeline reports the busy fraction of decode ticks separately).
+    payload: whatever the caller's stage function needs (never read by the executor); serving: the scheduler's
+        Pass (dsaflow.serve.scheduler).
+    decode: the pass is a decode step (the timeline reports the busy fraction of decode ticks separately).
     extra: (shape, dtype) of each tensor that travels with the activation across the boundaries `carries_extra`
         names (cross-stage top-k indices, int32 [rows, tokens, k]); there a stage returns (hidden, *extra) and the
         next stage receives that tuple. Elsewhere a tuple output sends only its hidden state.
@@ -56,7 +59,8 @@ class Item:
     feedback: Optional[Tuple[int, ...]] = None
     decode: bool = False
     extra: Tuple[Tuple[Tuple[int, ...], torch.dtype], ...] = ()
-    finished_at: Any = None  # set on the last stage's rank: the Timeline mark that ends the item's last span
+    start: int = -1  # set by the executor: the tick at which segment 0 ran the pass
+    finished_at: Any = None  # set on the last stage's rank: the Timeline mark that ends the pass's last span
 
 
 def segments_of(owner: Dict[int, int]) -> List[Tuple[int, List[int]]]:
@@ -70,21 +74,15 @@ def segments_of(owner: Dict[int, int]) -> List[Tuple[int, List[int]]]:
     return segs
 
 
-@dataclass
-class _Flight:
-    item: Item
-    start: int  # tick at which segment 0 ran it
-
-
 class PipelineExecutor:
     """owner: {stage: pipeline rank}; rank: this process's pipeline rank; link: a StageLink (None when every stage is
     local); peer: pipeline rank -> global rank for the link (identity by default); carries_extra(stage): whether
-    the boundary after `stage` carries each item's `extra` tensors (default: none does); feedback_ranks: the
-    pipeline ranks that receive each item's feedback (default: every rank). A transfer costs every rank on its path
+    the boundary after `stage` carries each pass's `extra` tensors (default: none does); feedback_ranks: the
+    pipeline ranks that receive each pass's feedback (default: every rank). A transfer costs every rank on its path
     host time each tick, so a message nobody reads is not sent. decode_transfer(ops) -> received tensors: how the
-    transfers of a decode tick (every item in flight decodes; the same ticks on every rank) are posted, e.g. replayed
+    transfers of a decode tick (every pass in flight decodes; the same ticks on every rank) are posted, e.g. replayed
     from CUDA graphs (`TransferGraphs`); other ticks, and all by default, post eagerly on the link (`post_eagerly`).
-    A send travels at its item's declared shape (`hidden`, `extra`, `feedback`): an output with fewer rows is padded."""
+    A send travels at its pass's declared shape (`hidden`, `extra`, `feedback`): an output with fewer rows is padded."""
 
     def __init__(
         self,
@@ -118,22 +116,22 @@ class PipelineExecutor:
 
     def run(
         self,
-        pick: Callable[[Callable[[int], bool]], Optional[Item]],
-        stage_fn: Callable[[Item, int, Optional[torch.Tensor]], torch.Tensor],
-        finish: Optional[Callable[[Item, torch.Tensor], Optional[torch.Tensor]]] = None,
-        on_feedback: Optional[Callable[[Item, torch.Tensor], None]] = None,
+        pick: Callable[[Callable[[int], bool]], Optional[Pass]],
+        stage_fn: Callable[[Pass, int, Optional[torch.Tensor]], torch.Tensor],
+        finish: Optional[Callable[[Pass, torch.Tensor], Optional[torch.Tensor]]] = None,
+        on_feedback: Optional[Callable[[Pass, torch.Tensor], None]] = None,
     ) -> int:
-        """Run items until `pick` has none left and nothing is in flight; returns the number of ticks.
+        """Run passes until `pick` has none left and nothing is in flight; returns the number of ticks.
 
-        pick(free) -> the item to start this tick, or None (a bubble; the end once nothing is in flight). Called on
-            every rank, once per tick; free(key) says whether a key has no item in flight.
-        stage_fn(item, stage, x) -> the stage's output; x is None on stage 0 (the caller feeds its own input).
-        finish(item, out) on the last stage's rank -> the feedback message (int64, item.feedback shape) or None.
-        on_feedback(item, message) on every rank, when the item's feedback has arrived (the same tick on all ranks);
+        pick(free) -> the pass to start this tick, or None (a bubble; the end once nothing is in flight). Called on
+            every rank, once per tick; free(key) says whether a key has no pass in flight.
+        stage_fn(pass_, stage, x) -> the stage's output; x is None on stage 0 (the caller feeds its own input).
+        finish(pass_, out) on the last stage's rank -> the feedback message (int64, pass_.feedback shape) or None.
+        on_feedback(pass_, message) on every rank, when the pass's feedback has arrived (the same tick on all ranks);
             message is None on a rank outside `feedback_ranks`.
         """
         K, tl = len(self.segments), self.timeline
-        started: Dict[int, _Flight] = {}  # start tick -> item in flight
+        started: Dict[int, Pass] = {}  # start tick -> pass in flight
         busy_keys: set = set()
         inbox: Dict[Tuple[int, int], torch.Tensor] = {}  # (start tick, segment) -> received input
         t = 0
@@ -141,40 +139,40 @@ class PipelineExecutor:
         clock = time.perf_counter
         while True:
             h0 = clock()
-            item = pick(lambda k: k not in busy_keys)
-            if item is None and not started:
+            new = pick(lambda k: k not in busy_keys)
+            if new is None and not started:
                 break
-            if item is not None:
-                started[t] = _Flight(item, t)
-                busy_keys.add(item.key)
-            work = [(j, started[t - j]) for j in self.mine if (t - j) in started]
+            if new is not None:
+                new.start = t
+                started[t] = new
+                busy_keys.add(new.key)
+            mine_now = [(j, started[t - j]) for j in self.mine if (t - j) in started]
             h1 = clock()
-            tick_decode = all(f.item.decode for f in started.values())  # the same on every rank
+            tick_decode = all(f.decode for f in started.values())  # the same on every rank
             steady = tl.tick_kind(tick_decode)  # a decode tick of the timeline (see Timeline)
             sends: List[Tuple[Tuple[int, int, int], torch.Tensor, int, Tuple[int, ...]]] = []
             message: Optional[torch.Tensor] = None
-            for j, flight in work:
-                x = inbox.pop((flight.start, j)) if j > 0 else None
+            for j, p in mine_now:
+                x = inbox.pop((p.start, j)) if j > 0 else None
                 a = tl.span_start()
                 for s in self.segments[j][1]:
-                    x = stage_fn(flight.item, s, x)
+                    x = stage_fn(p, s, x)
                 if j == K - 1 and finish is not None:
-                    message = finish(flight.item, x)
+                    message = finish(p, x)
                 tl.spans.append((a, tl.mark(), steady))
                 if j == K - 1:
-                    flight.item.finished_at = tl.spans[-1][1]
+                    p.finished_at = tl.spans[-1][1]
                 if j < K - 1:
                     parts = x if isinstance(x, tuple) else (x,)
                     dst = self.segments[j + 1][0]
-                    item = flight.item
-                    sends.append(((flight.start, 0, 0), parts[0].to(item.hidden_dtype), dst, item.hidden))
-                    if self._carries(j, item):
-                        for e, (part, (shape, _)) in enumerate(zip(parts[1:], item.extra), start=1):
-                            sends.append(((flight.start, 0, e), part, dst, shape))
-                elif message is not None and flight.item.feedback is not None:
+                    sends.append(((p.start, 0, 0), parts[0].to(p.hidden_dtype), dst, p.hidden))
+                    if self._carries(j, p):
+                        for e, (part, (shape, _)) in enumerate(zip(parts[1:], p.extra), start=1):
+                            sends.append(((p.start, 0, e), part, dst, shape))
+                elif message is not None and p.feedback is not None:
                     for r in self.feedback_ranks:
                         if r != self.rank:
-                            sends.append(((flight.start, 1, 0), message, r, flight.item.feedback))
+                            sends.append(((p.start, 1, 0), message, r, p.feedback))
             h2 = clock()
             recvs = self._recvs(t, started, K)
             got = self._exchange(sends, recvs, tick_decode)
@@ -192,9 +190,9 @@ class PipelineExecutor:
             h3 = clock()
             done = started.pop(t - (K - 1), None)
             if done is not None:
-                busy_keys.discard(done.item.key)
-                if on_feedback is not None and done.item.feedback is not None:
-                    on_feedback(done.item, message)
+                busy_keys.discard(done.key)
+                if on_feedback is not None and done.feedback is not None:
+                    on_feedback(done, message)
             if steady:
                 tl.decode_ticks += 1
                 for phase, seconds in zip(HOST_PHASES, (h1 - h0, h2 - h1, h3 - h2, clock() - h3)):
@@ -203,30 +201,30 @@ class PipelineExecutor:
         tl.end = tl.mark()
         return t
 
-    def _carries(self, j: int, item: Item) -> bool:
-        """Whether the boundary after segment j carries the item's extra tensors."""
-        return bool(item.extra) and self.carries_extra(self.segments[j][1][-1])
+    def _carries(self, j: int, pass_: Pass) -> bool:
+        """Whether the boundary after segment j carries the pass's extra tensors."""
+        return bool(pass_.extra) and self.carries_extra(self.segments[j][1][-1])
 
-    def _recvs(self, t: int, started: Dict[int, _Flight], K: int) -> list:
+    def _recvs(self, t: int, started: Dict[int, Pass], K: int) -> list:
         """Receives of this tick: inputs of my segments for tick t + 1 (the activation, then any extra tensors), and
-        the feedback of an item finishing now. Keys: (start tick, receiving segment or -1 for feedback, part)."""
+        the feedback of a pass finishing now. Keys: (start tick, receiving segment or -1 for feedback, part)."""
         recvs = []
         for j in self.mine:
             if j > 0 and (t + 1 - j) in started:
                 f = started[t + 1 - j]
                 src = self.segments[j - 1][0]
-                recvs.append(((f.start, j, 0), f.item.hidden, f.item.hidden_dtype, src))
-                if self._carries(j - 1, f.item):
-                    for e, (shape, dtype) in enumerate(f.item.extra, start=1):
+                recvs.append(((f.start, j, 0), f.hidden, f.hidden_dtype, src))
+                if self._carries(j - 1, f):
+                    for e, (shape, dtype) in enumerate(f.extra, start=1):
                         recvs.append(((f.start, j, e), shape, dtype, src))
         f = started.get(t - (K - 1))
         if (
             f is not None
-            and f.item.feedback is not None
+            and f.feedback is not None
             and self.last_rank != self.rank
             and self.rank in self.feedback_ranks
         ):
-            recvs.append(((f.start, -1, 0), f.item.feedback, torch.long, self.last_rank))
+            recvs.append(((f.start, -1, 0), f.feedback, torch.long, self.last_rank))
         return recvs
 
     def _exchange(self, sends, recvs, decode: bool) -> Dict[Tuple[int, int], torch.Tensor]:
@@ -253,9 +251,9 @@ class PipelineExecutor:
         return {key: next(received) for key, kind, _, _ in ops if kind == "recv"}
 
 
-def run_items(executor: PipelineExecutor, items: Sequence[Item], stage_fn, finish=None) -> int:
-    """Every item once, in order, one per tick (no feedback: evaluation, the dense warm-up)."""
-    queue = list(items)
+def run_passes(executor: PipelineExecutor, passes: Sequence[Pass], stage_fn, finish=None) -> int:
+    """Every pass once, in order, one per tick (no feedback: evaluation, the dense warm-up)."""
+    queue = list(passes)
 
     def pick(free):
         return queue.pop(0) if queue else None

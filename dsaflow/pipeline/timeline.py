@@ -21,7 +21,7 @@ class Timeline:
     `mark()` is a CUDA event recorded on the stream current at `begin()` (GPU) or perf_counter (CPU). Consecutive
     ticks share their boundary mark, so a tick costs three marks (its boundary, its span's start and end): on a
     host that builds a small model's decode pass in under a millisecond, a mark is a measurable part of the tick.
-    Decode ticks are summed separately (`decode_busy`): ticks in which every item in flight is a decode step, and
+    Decode ticks are summed separately (`decode_busy`): ticks in which every pass in flight is a decode step, and
     was in the K-1 ticks before (K: `segments`, the pipeline's; the same ticks on every rank). A prefill pass that
     takes a rank longer than a decode pass holds up its group's next pass until its feedback returns, and the ranks
     downstream wait for that in the first ticks after it leaves the pipeline; those waits belong to the prefill.
@@ -63,7 +63,7 @@ class Timeline:
         return ev
 
     def tick_kind(self, all_decode: bool) -> bool:
-        """Start a tick in which every item in flight is a decode step (or not) -> whether it is a decode tick."""
+        """Start a tick in which every pass in flight is a decode step (or not) -> whether it is a decode tick."""
         self.calm = self.calm + 1 if all_decode else 0
         self.after_prefill.append(min(self.calm, self.segments))
         return self.calm >= self.segments

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from dsaflow.model import dense_prefill
-from dsaflow.pipeline.executor import Item, PipelineExecutor
+from dsaflow.pipeline import executor
+from dsaflow.pipeline.executor import PipelineExecutor
 from dsaflow.pipeline.stages import stage_cache
 from dsaflow.pipeline.transfer_graphs import TransferGraphs
 from dsaflow.plan.plan import Plan
@@ -45,7 +46,7 @@ from .eos import LateFlags
 from .graph_manager import GraphManager, choose_shape_class, sync_error_guard
 from .report import CaptureReport, run_stats
 from .sampling import sample_message
-from .scheduler import Pass, Request, Scheduler, Work, group_ranges, prefill_row_classes
+from .scheduler import Pass, Request, Scheduler, group_ranges, prefill_row_classes
 from .stage_graphs import GraphBlocks
 from .upload import Uploader, pass_vectors
 
@@ -155,45 +156,45 @@ class PipelineEngine(GraphBlocks):
         return report
 
     # --- one stage of one pass -----------------------------------------------------------------------------------
-    def _stage(self, item: Item, stage: int, x):
+    def _stage(self, pass_: executor.Pass, stage: int, x):
         """One stage of one pass -> its output; with cross-stage indices, (output, the indices the next stage reads)
         for every stage but the last. x: the previous stage's output (a tuple with indices likewise), None on
         stage 0."""
         indices = None
         if isinstance(x, tuple):
             x, indices = x
-        w: Work = item.payload
-        if x is not None and x.shape[0] != w.rows:  # padded to a transfer class (graphs.transfers)
-            x, indices = x[: w.rows], (None if indices is None else indices[: w.rows])
-        with self._sync_guard(item.decode):
-            p, v = w.p, w.dev
+        p: Pass = pass_.payload
+        if x is not None and x.shape[0] != p.rows:  # padded to a transfer class (graphs.transfers)
+            x, indices = x[: p.rows], (None if indices is None else indices[: p.rows])
+        with self._sync_guard(pass_.decode):
+            v = p.dev
             if stage == self.first:
                 last = self.last_tokens[p.group]
                 if p.moves:
                     last.index_copy_(0, v["move_to"], last.index_select(0, v["move_from"]))
-                last = last[p.row0 : p.row0 + w.rows]
+                last = last[p.row0 : p.row0 + p.rows]
                 if p.decode_only:  # every row decodes or idles (position -1, its token is moot): a view, no copy
-                    x = last.view(w.rows, 1)
+                    x = last.view(p.rows, 1)
                 else:  # prompt chunks; the decoding rows of a mixed pass feed their previous token
                     x = v["tokens"]
                     if "decode" in v:
                         x[:, 0] = torch.where(v["decode"].bool(), last, x[:, 0])
             kind = "decode" if p.decode_only else "prefill"
-            name = self._block_name(stage, kind, p.group, w.path) if w.graph else None
+            name = self._block_name(stage, kind, p.group, p.path) if p.graph else None
             cache = self.group_caches[stage][p.group]
             if p.moves:  # a refill compacted the group: its rows move on this stage before the pass
                 cache.move_rows(v["move_from"], v["move_to"], p.move_len)
-            if name is not None and kind == "prefill" and self.row_classes and w.rows < cache.max_batch:
-                name = f"{name}/r{w.rows}"  # the graph over the group's top w.rows rows
+            if name is not None and kind == "prefill" and self.row_classes and p.rows < cache.max_batch:
+                name = f"{name}/r{p.rows}"  # the graph over the group's top p.rows rows
             if p.row0 > 0:  # a pass over some rows of the group: a view of just those rows
-                cache = cache.rows(p.row0, p.row0 + w.rows)
+                cache = cache.rows(p.row0, p.row0 + p.rows)
             positions = v["positions"]
             R, T = positions.shape
             if self.plan.receives_indices(stage):
                 cache.index[:R, :T].copy_(indices)  # outside any graph: the stage's S layers read this buffer
             if name is None:
                 received = self._received(stage, cache, positions)
-                out = self.stages[stage](x, positions, cache, indices_in=received, prefill=w.hint)
+                out = self.stages[stage](x, positions, cache, indices_in=received, prefill=p.hint)
             else:
                 n = x.shape[0] if kind == "decode" else x.shape[1]
                 keys = {"keys": v["keys"]} if kind == "decode" and stage == self.last and self.keyed else {}
@@ -202,49 +203,49 @@ class PipelineEngine(GraphBlocks):
                 return out, cache.index[:R, :T]
             return out
 
-    def _finish(self, item: Item, out) -> torch.Tensor:
+    def _finish(self, pass_: executor.Pass, out) -> torch.Tensor:
         """Last stage: sample every emitting row -> [rows, 2] int64 (tokens, EOS flags). out: the last stage's
         logits [rows, T, V], or what its decode graph sampled (`sample_message`'s pair)."""
-        w: Work = item.payload
-        with self._sync_guard(item.decode):
-            v = w.dev
+        p: Pass = pass_.payload
+        with self._sync_guard(pass_.decode):
+            v = p.dev
             if isinstance(out, tuple):  # sampled inside the decode graph
                 message, picked = out
             else:  # logits [rows, T, V]: each row samples from its own column (a decode pass has one)
-                logits = out[:, 0] if w.p.T == 1 else out[self.row_ids[: w.rows], v["cols"]]
+                logits = out[:, 0] if p.T == 1 else out[self.row_ids[: p.rows], v["cols"]]
                 message, picked = self._sample(logits, v.get("keys"))
-            if w.p.emit:
+            if p.emit:
                 tok = message[:, 0]
                 emitted = tok.index_select(0, v["emit_rows"]) if "emit_rows" in v else tok
                 self.out_tokens.view(-1).index_copy_(0, v["emit_slots"], emitted)
             if self.record_logits:
-                for r, _, req, _ in w.p.emit:
+                for r, _, req, _ in p.emit:
                     self.logits_log.setdefault(req, []).append(picked[r].clone())
             return message
 
-    def _feedback(self, item: Item, message: Optional[torch.Tensor]) -> None:
+    def _feedback(self, pass_: executor.Pass, message: Optional[torch.Tensor]) -> None:
         """Every rank: the pass is through. Stage 0's rank keeps the tokens; everyone advances the scheduler. message
         ([rows, 2]: tokens, EOS flags) reaches stage 0's rank always, and the other ranks only with serve.eos_id."""
-        w: Work = item.payload
-        message = None if message is None else message[: w.rows]  # padded to a transfer class (graphs.transfers)
-        if self.first in self.stages and w.p.emit:  # only rows that sampled: a prefill pass may span decoding rows
-            v, last = w.dev, self.last_tokens[w.p.group][w.p.row0 : w.p.row0 + w.rows]
+        p: Pass = pass_.payload
+        message = None if message is None else message[: p.rows]  # padded to a transfer class (graphs.transfers)
+        if self.first in self.stages and p.emit:  # only rows that sampled: a prefill pass may span decoding rows
+            v, last = p.dev, self.last_tokens[p.group][p.row0 : p.row0 + p.rows]
             if "fed_from" in v:
                 last.index_copy_(0, v["fed_from"], message[:, 0].index_select(0, v["fed_from"]))
             else:  # every row of the pass sampled, in order
                 last.copy_(message[:, 0])
-        late = self.late_eos.take(w.p.group) if self.late_eos else None  # the group's previous pass (eos.py)
+        late = self.late_eos.take(p.group) if self.late_eos else None  # the group's previous pass (eos.py)
         done = self.scheduler.end(*late) if late else []
-        done += self.scheduler.finish(w.p)  # drops the tokens of rows that just ended (w.p.emit keeps the rest)
-        if self.late_eos and w.p.emit:
-            self.late_eos.put(w.p.group, w.p, message)
-        if item.finished_at is not None:  # the last stage's rank: when the pass was sampled
-            for _, _, req, k in w.p.emit:
+        done += self.scheduler.finish(p)  # drops the tokens of rows that just ended (p.emit keeps the rest)
+        if self.late_eos and p.emit:
+            self.late_eos.put(p.group, p, message)
+        if pass_.finished_at is not None:  # the last stage's rank: when the pass was sampled
+            for _, _, req, k in p.emit:
                 if k == 0:
-                    self.first_mark[req] = item.finished_at
-                self.last_mark[req] = item.finished_at
-        self.timings["tokens"] += len(w.p.emit)
-        self.timings["decode_steps"] += int(w.p.decode_only)
+                    self.first_mark[req] = pass_.finished_at
+                self.last_mark[req] = pass_.finished_at
+        self.timings["tokens"] += len(p.emit)
+        self.timings["decode_steps"] += int(p.decode_only)
         if done and self.on_finished is not None and self.owner[self.last] == self.rank:
             self.on_finished(self.scheduler.finished, int(self.timings["tokens"]))
 
@@ -305,7 +306,7 @@ class PipelineEngine(GraphBlocks):
                         p = self.scheduler.next_pass(g)
                         if p is not None:
                             rr[0] = g + 1
-                            return self._item(p)
+                            return self._prepare(p)
                 return None
 
             ticks = self.executor.run(pick, self._stage, self._finish, self._feedback)
@@ -316,11 +317,12 @@ class PipelineEngine(GraphBlocks):
         tokens = self.out_tokens.tolist()  # the one device -> host copy of the tokens
         return [tokens[r.index][: self.scheduler.generated[r.index]] for r in requests]
 
-    def _item(self, p: Pass) -> Item:
-        """The executor's item of a pass. Decode passes replay the decode graphs; with prefill graphs, a prefill pass
-        of fixed batches is mixed (the scheduler's `mixed`) and replays the group's prefill graph padded to its rows,
-        and one of continuous batching replays the smallest top-row graph that holds it, padded below (an eager pass
-        of a few rows costs ~30 ms of launches for model=small on an H200); without, it runs eagerly on its rows."""
+    def _prepare(self, p: Pass) -> executor.Pass:
+        """A scheduled pass, ready for the executor. Decode passes replay the decode graphs; with prefill graphs, a
+        prefill pass of fixed batches is mixed (the scheduler's `mixed`) and replays the group's prefill graph padded
+        to its rows, and one of continuous batching replays the smallest top-row graph that holds it, padded below (an
+        eager pass of a few rows costs ~30 ms of launches for model=small on an H200); without, it runs eagerly on
+        its rows."""
         graph = p.decode_only or self.scheduler.mixed or bool(self.row_classes)
         if not p.decode_only and self.scheduler.mixed:
             p.pad_rows(self.ranges[p.group][1] - self.ranges[p.group][0])
@@ -330,19 +332,19 @@ class PipelineEngine(GraphBlocks):
         cols, keys = [0] * rows, [0] * rows
         for r, c, req, k in p.emit:
             cols[r], keys[r] = c, req * TOKEN_KEY + k
-        work = Work(p, rows, cols, keys, graph)
+        p.graph = graph
         if not p.decode_only and "dense" in self.prefill_paths:
             topk, cache_rows = self.model_cfg.index_topk, self.serve.max_context + 1
-            work.hint = plan_prefill(p.positions, topk, cache_rows, **self.prefill_rule)
-            if graph and work.hint is not None and work.hint.path == "masked":
-                work.hint = None  # no masked graphs (dense_prefill.graph_classes): the sparse graph replays
-            work.path = dense_prefill.graph_label(work.hint, topk, cache_rows)
+            p.hint = plan_prefill(p.positions, topk, cache_rows, **self.prefill_rule)
+            if graph and p.hint is not None and p.hint.path == "masked":
+                p.hint = None  # no masked graphs (dense_prefill.graph_classes): the sparse graph replays
+            p.path = dense_prefill.graph_label(p.hint, topk, cache_rows)
         first, last = self.first in self.stages, self.last in self.stages
-        work.dev = self.upload(pass_vectors(p, cols, keys, first, last, self.out_width, self.keyed))
+        p.dev = self.upload(pass_vectors(p, cols, keys, first, last, self.out_width, self.keyed))
         # what travels: with graphs.transfers a decode pass's rows padded to their class (the tick's shapes recur)
         sent = choose_shape_class(self.transfer_classes, rows) if self.transfer_classes and p.decode_only else rows
         extra = (((sent, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
-        return Item(p.group, (sent, p.T, self.model_cfg.dim), self.dtype, work, (sent, 2), p.decode_only, extra)
+        return executor.Pass(p.group, (sent, p.T, self.model_cfg.dim), self.dtype, p, (sent, 2), p.decode_only, extra)
 
     def _transfer_graphs(self) -> Optional[TransferGraphs]:
         """The rank's TransferGraphs (graphs.transfers, kept across runs), or None."""

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 
 @dataclass
@@ -58,11 +58,16 @@ class Row:
 
 @dataclass
 class Pass:
-    """One group's forward over its rows [row0, row0 + rows). Host lists only; the engine makes device tensors.
+    """One group's forward over its rows [row0, row0 + rows). The scheduler fills the host lists; the engine prepares
+    the rest (`PipelineEngine._prepare`) and hands the pass to the executor as a `dsaflow.pipeline.executor.Pass`'s
+    payload.
 
     tokens, positions [rows][T]; decode[r]: row r's column 0 is its previous sampled token; emit: (row, column,
     request index, token index) of every row that samples a token in this pass; advance: row -> its prompt offset
-    after this pass (prefilling rows). Rows are local to the pass (row r is cache row row0 + r of the group)."""
+    after this pass (prefilling rows). Rows are local to the pass (row r is cache row row0 + r of the group).
+    Set by the engine: graph, whether the pass replays a graph; dev, name -> device int64 view of what this rank reads of the pass
+    (dsaflow.serve.upload); hint, a short prefill pass's attention path (dsaflow.model.dense_prefill; None =
+    sparse); path, the label of the prefill graph block it replays (dense_prefill.graph_label)."""
 
     group: int
     row0: int
@@ -76,6 +81,10 @@ class Pass:
     decode_only: bool = False  # no row prefills: a decode step of the group
     moves: List[Tuple[int, int]] = field(default_factory=list)  # (from, to) group rows, moved before this pass
     move_len: int = 0  # cached positions [0, move_len) hold every moved row's keys: only they need copying
+    graph: bool = field(default=False, compare=False)
+    dev: Dict[str, Any] = field(default_factory=dict, compare=False)
+    hint: Any = field(default=None, compare=False)
+    path: str = field(default="sparse", compare=False)
 
     def pad_rows(self, rows: int) -> None:
         """Append idle rows (position -1) up to `rows` (for a graph with a static row count)."""
@@ -338,13 +347,3 @@ class Scheduler:
         self.rows[group][i] = None
         self.finished += 1
         return row.request.index
-
-
-class Work:
-    """The engine's payload of one pass: the host pass, its padded row count, sampling columns and keys."""
-
-    def __init__(self, p: Pass, rows: int, sample_cols: List[int], keys: List[int], graph: bool):
-        self.p, self.rows, self.sample_cols, self.keys, self.graph = p, rows, sample_cols, keys, graph
-        self.dev = {}  # name -> device int64 view: what this rank reads of the pass (dsaflow.serve.upload)
-        self.hint = None  # a short prefill pass's attention path (dsaflow.model.dense_prefill), None = sparse
-        self.path = "sparse"  # the label of the prefill graph block it replays (dense_prefill.graph_label)

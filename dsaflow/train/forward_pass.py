@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from dsaflow.model import StageModule, trim_indices
-from dsaflow.pipeline.executor import Item, PipelineExecutor, run_items
+from dsaflow.pipeline.executor import Pass, PipelineExecutor, run_passes
 from dsaflow.pipeline.p2p import StageLink
 from dsaflow.pipeline.run_context import RunContext
 
@@ -79,11 +79,11 @@ class ForwardPipeline:
         xs = x.to(self.ctx.device).tensor_split(n_mb) if x is not None else None
         ys = y.to(self.ctx.device).tensor_split(n_mb) if y is not None else None
 
-        def stage_fn(item: Item, s: int, inp):
+        def stage_fn(pass_: Pass, s: int, inp):
             """-> the stage's output, or (output, indices) where the boundary after it carries cross-stage indices
             (the previous stage's tuple arrives likewise)."""
             module, timer = self.local[s]
-            m = item.key
+            m = pass_.key
             indices = None
             if isinstance(inp, tuple):
                 inp, indices = inp
@@ -114,8 +114,8 @@ class ForwardPipeline:
             self.ctx.global_rank,
             carries_extra=self.plan.sends_indices,
         )
-        items = [Item(m, self._hidden_shape(), torch.float32, extra=extra) for m in range(n_mb)]
-        run_items(executor, items, stage_fn)
+        passes = [Pass(m, self._hidden_shape(), torch.float32, extra=extra) for m in range(n_mb)]
+        run_passes(executor, passes, stage_fn)
         if learn:
             for module, _ in self.local.values():
                 for p in module.indexer_parameters():

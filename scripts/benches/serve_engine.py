@@ -202,7 +202,7 @@ class PassTimer:
             start.record()
             out = inner(item, index, x)
             end.record()
-            self.marks.append(("decode" if item.payload.p.decode_only else "prefill", start, end))
+            self.marks.append(("decode" if item.payload.decode_only else "prefill", start, end))
             return out
 
         eng._stage = stage  # the executor looks the stage function up at each generate call
