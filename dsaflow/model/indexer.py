@@ -26,7 +26,7 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.index_rope_head_dim
         self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.index_head_dim, bias=False)
-        self.k_norm = nn.LayerNorm(cfg.index_head_dim)
+        self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=cfg.index_norm_eps)
         self.weights_proj = nn.Linear(cfg.dim, cfg.index_n_heads, bias=False)
         self.weight_scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
 

@@ -6,7 +6,7 @@ Shapes (H = n_heads, C = kv_lora_rank, R = qk_rope_head_dim, N = qk_nope_head_di
   kv row   = [kv_norm(c_kv) | rope(k_pe)]             [B, S, C + R]   (wkv_a(x) = [c_kv | k_pe]; shared by all heads)
   wkv_b.weight viewed as [H, N + V, C]: W_UK = [:, :N], W_UV = [:, N:]
   q_abs    = [q_nope @ W_UK | q_pe]                   [B, T, H, C + R]   (d_qk = C + R)
-  o_lat    = sparse_mla(q_abs, kv, indices, sm_scale=(N + R)^-0.5, d_v=C)  [B, T, H, C]
+  o_lat    = sparse_mla(q_abs, kv, indices, sm_scale=(N + R)^-0.5 [x YaRN mscale^2], d_v=C)  [B, T, H, C]
   out      = wo(o_lat @ W_UV^T)                       [B, T, dim]
 The absorbed form is exactly the naive MLA (q_nope . (W_UK c) = (W_UK^T q_nope) . c), and it is the same computation
 in training, prefill and decode. The indices come from the layer's own indexer (F), from the stage's index slot
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dsaflow.config.rope import softmax_mscale
 from dsaflow.config.schema import ModelConfig
 from dsaflow.ops import indexer_topk, sparse_mla
 from dsaflow.ops.head_proj import absorb_query, head_output
@@ -52,12 +53,14 @@ class MLA(nn.Module):
         self.n_heads, self.kv_lora_rank, self.topk = cfg.n_heads, cfg.kv_lora_rank, cfg.index_topk
         self.index_fp8 = cfg.index_fp8
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        self.sm_scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+        # YaRN sharpens the softmax by mscale^2 (1 without rope_scaling)
+        self.sm_scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * softmax_mscale(cfg.rope_scaling)
+        latent_eps = cfg.norm_eps if cfg.latent_norm_eps is None else cfg.latent_norm_eps
         self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, latent_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_heads * (self.nope + self.rope), bias=False)
         self.wkv_a = nn.Linear(cfg.dim, cfg.kv_lora_rank + self.rope, bias=False)
-        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, latent_eps)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
         # S layers reuse their source's indices and carry no indexer weights at all.

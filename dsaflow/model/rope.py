@@ -3,40 +3,67 @@
 A rotary vector of `d` dims is split into halves x = [x1 | x2] and rotated pairwise (x1[i], x2[i]) by angle
 pos * theta^(-2i/d): out = [x1 cos - x2 sin | x2 cos + x1 sin]. MLA applies it to the whole `qk_rope_head_dim`
 part of q and k; the indexer to the first `index_rope_head_dim` dims of its q and k.
+
+With `model.rope_scaling` (YaRN, dsaflow/config/rope.py) the frequencies blend theta^(-2i/d) (extrapolation, the
+fast pairs) and theta^(-2i/d) / factor (interpolation, the slow pairs) along a linear ramp, and cos and sin carry
+the YaRN attention factor. Checkpoints whose rotary pairs are interleaved, (x[2i], x[2i+1]), map to this layout by
+permuting their projection rows at load (dsaflow/checkpoint/hf_names.py): the dot products are the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import torch
 
+from dsaflow.config.rope import YarnConfig, rope_attention_factor, yarn_ramp_range
 from dsaflow.ops.rope import rope
 
-_INV_FREQ: dict = {}  # (dim, theta, device) -> theta^(-2i/dim), fp32 on the device
+_INV_FREQ: dict = {}  # (dim, theta, device, yarn fields) -> the frequencies [dim // 2], fp32 on the device
 
 
-def _inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """The frequencies, computed once per (dim, theta, device): four fewer small kernels and their launches in
+def inv_freq(dim: int, theta: float, yarn: Optional[YarnConfig] = None, device=None) -> torch.Tensor:
+    """The rotary frequencies [dim // 2] fp32: theta^(-2i/dim), blended with theta^(-2i/dim) / factor under YaRN."""
+    plain = theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    if yarn is None:
+        return plain
+    low, high = yarn_ramp_range(yarn, dim, theta)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return plain / yarn.factor * ramp + plain * (1 - ramp)
+
+
+def _inv_freq(dim: int, theta: float, device: torch.device, yarn: Optional[YarnConfig]) -> torch.Tensor:
+    """The frequencies, computed once per (dim, theta, device, yarn): four fewer small kernels and their launches in
     every forward. Not kept when first made inside a CUDA-graph capture (its memory belongs to the graph's pool)."""
-    key = (dim, float(theta), str(device))
+    key = (dim, float(theta), str(device), None if yarn is None else dataclasses.astuple(yarn))
     freq = _INV_FREQ.get(key)
     if freq is None:
-        freq = theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+        freq = inv_freq(dim, theta, yarn, device)
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             _INV_FREQ[key] = freq
     return freq
 
 
-def rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_angles(
+    positions: torch.Tensor, dim: int, theta: float, yarn: Optional[YarnConfig] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [B, T] int -> (cos, sin) each [B, T, dim // 2] fp32. Negative (padding) positions use 0."""
-    ang = positions.clamp(min=0).float().unsqueeze(-1) * _inv_freq(dim, theta, positions.device)
+    ang = positions.clamp(min=0).float().unsqueeze(-1) * _inv_freq(dim, theta, positions.device, yarn)
+    factor = rope_attention_factor(yarn)
+    if factor != 1.0:
+        return ang.cos() * factor, ang.sin() * factor
     return ang.cos(), ang.sin()
 
 
-def rope_tables(positions: torch.Tensor, mla_dim: int, index_dim: int, theta: float):
+def rope_tables(positions: torch.Tensor, mla_dim: int, index_dim: int, theta: float, yarn=None):
     """(MLA tables, indexer tables) of one forward (`rope_angles` each); computed once when the two rotary dims
-    agree (64 and 64 at V3.2's dims). Read-only: the layers slice them, never write them."""
-    mla = rope_angles(positions, mla_dim, theta)
-    return mla, (mla if index_dim == mla_dim else rope_angles(positions, index_dim, theta))
+    agree (64 and 64 at V3.2's dims). `yarn`: `model.rope_scaling`. Read-only: the layers slice them, never write
+    them."""
+    mla = rope_angles(positions, mla_dim, theta, yarn)
+    return mla, (mla if index_dim == mla_dim else rope_angles(positions, index_dim, theta, yarn))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -169,7 +169,9 @@ class StageModule(nn.Module):
             if indices_in.shape[-1] < c.index_topk:  # sent trimmed (`trim_indices`): the cut columns were -1
                 indices_in = F.pad(indices_in, (0, c.index_topk - indices_in.shape[-1]), value=-1)
             slot.write(self.incoming_source, indices_in.detach())
-        rope_mla, rope_index = rope_tables(positions, c.qk_rope_head_dim, c.index_rope_head_dim, c.rope_theta)
+        rope_mla, rope_index = rope_tables(
+            positions, c.qk_rope_head_dim, c.index_rope_head_dim, c.rope_theta, c.rope_scaling
+        )
         ctx = ForwardContext(
             positions=positions,
             rope_mla=rope_mla,

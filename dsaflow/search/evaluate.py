@@ -67,7 +67,9 @@ class PatternEvaluator:
         B, T = x.shape
         positions = torch.arange(T, device=x.device).expand(B, T)
         c = self.stages[0].cfg
-        rope_mla, rope_index = rope_tables(positions, c.qk_rope_head_dim, c.index_rope_head_dim, c.rope_theta)
+        rope_mla, rope_index = rope_tables(
+            positions, c.qk_rope_head_dim, c.index_rope_head_dim, c.rope_theta, c.rope_scaling
+        )
         h = self.stages[0].embed(x) if start == 0 else state[0]
         slot = IndexSlot()
         for stage, ids in zip(self.stages, self.layer_ids):
