@@ -128,9 +128,10 @@ def preflight_basic_sweep(overrides: List[str]) -> List[List[str]]:
             f"could not read the sweep: {' '.join(str(exc).split())} Fix: write sweeps as key=a,b,c, "
             "key='range(start,stop,step)' or key='choice(a,b)' (quoted for the shell)."
         ) from None
+    from dsaflow.checkpoint.hf_config import apply_hf_model
     from dsaflow.launch.sweep_guard import check_jobs
 
-    check_jobs(jobs, compose)
+    check_jobs(jobs, lambda job: compose(job, model_source=apply_hf_model))
     return jobs
 
 
@@ -181,7 +182,9 @@ def job_task(cfg) -> float:
         from dsaflow.config.compose import typed_config
         from dsaflow.plan import build_plan
 
-        typed = typed_config(cfg)
+        from dsaflow.checkpoint.hf_config import apply_hf_model
+
+        typed = typed_config(cfg, apply_hf_model)
         typed.run_dir = run_dir
         if typed.track.group is None:
             typed.track.group = _sweep_name(state.sweep_dir)

@@ -214,7 +214,9 @@ def _compose_and_plan(overrides: List[str], nproc: Optional[int] = None, command
     refuse_sweeps(overrides)
     if command == "generate" and not any(o.lstrip("+").startswith("mode=") for o in overrides):
         overrides = ["mode=serve"] + overrides  # generating is serving: decode/prefill graph blocks are allowed
-    cfg = compose(overrides)
+    from dsaflow.checkpoint.hf_config import apply_hf_model
+
+    cfg = compose(overrides, model_source=apply_hf_model)
     if run_dir is not None:
         cfg.run_dir = run_dir
     from dsaflow.checkpoint.indexer_weights import plan_for_checkpoint

@@ -116,7 +116,7 @@ def test_env_var_selects_the_config_dir(tmp_path, monkeypatch):
         (["model.foo=1"], "unknown key model.foo"),
         (["+model.foo=1"], "unknown key model.foo"),
         (["model.dim=abc"], "model.dim='abc'"),
-        (["model=nope"], "Fix: use one of dsv32, glm47flash, glm5, glm52, mid, small, small_moe, tiny, tiny_moe"),
+        (["model=nope"], "Fix: use one of dsv32, glm47flash, glm5, glm52, hf, mid, small, small_moe, tiny, tiny_moe"),
         (["pipeline=pp3"], "no option 'pp3' in the config group 'pipeline'"),
         (["model.dim=[1"], "could not compose the config"),
         (["graphs.blocks=[{name:a,kind:layers,bogus:1}]"], "unknown key bogus"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -136,8 +136,16 @@ def _unknown_keys(node, schema, prefix: str = "") -> List[str]:
     return out
 
 
-def compose(overrides: Optional[List[str]] = None, config_dir: Optional[str] = None) -> DSAFlowConfig:
-    """Hydra-compose `configs/config.yaml` with `overrides` and return the typed DSAFlowConfig."""
+# Fills the model from where `model.hf_path` points (the commands pass dsaflow.checkpoint.hf_config.apply_hf_model,
+# a room above this one); it runs before validation, so the model it sets is checked like any other.
+ModelSource = Callable[[DSAFlowConfig], None]
+
+
+def compose(
+    overrides: Optional[List[str]] = None, config_dir: Optional[str] = None, model_source: Optional[ModelSource] = None
+) -> DSAFlowConfig:
+    """Hydra-compose `configs/config.yaml` with `overrides` and return the typed DSAFlowConfig (`model_source`:
+    see ModelSource)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -154,7 +162,7 @@ def compose(overrides: Optional[List[str]] = None, config_dir: Optional[str] = N
     try:
         with initialize_config_dir(config_dir=str(cdir.resolve()), version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=quote_layout_overrides(list(overrides or [])))
-        out = typed_config(cfg)
+        out = typed_config(cfg, model_source)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain_hydra_error(exc, cdir)) from None
     finally:
@@ -162,7 +170,7 @@ def compose(overrides: Optional[List[str]] = None, config_dir: Optional[str] = N
     return out
 
 
-def typed_config(cfg) -> DSAFlowConfig:
+def typed_config(cfg, model_source: Optional[ModelSource] = None) -> DSAFlowConfig:
     """A composed DictConfig (from `compose`, or the one Hydra hands a multirun job) -> DSAFlowConfig. Keys the
     schema does not declare are refused (OmegaConf.to_object would drop them silently)."""
     unknown = _unknown_keys(cfg, DSAFlowConfig)
@@ -173,6 +181,8 @@ def typed_config(cfg) -> DSAFlowConfig:
             "metadata goes under `+extra.<name>=...`."
         )
     out = OmegaConf.to_object(cfg)
+    if model_source is not None:
+        model_source(out)
     validate(out)  # ranges and choices, declared in schema.py: a ConfigError naming field, value and range
     honour_wandb_mode(out)
     return out

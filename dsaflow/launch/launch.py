@@ -354,7 +354,9 @@ def main(argv=None) -> int:
     from dsaflow.plan import build_plan
 
     try:
-        cfg = compose(args[1:])
+        from dsaflow.checkpoint.hf_config import apply_hf_model
+
+        cfg = compose(args[1:], model_source=apply_hf_model)
         print(prepare(cfg, build_plan(cfg)))
     except PlanError as exc:
         print(f"dsaflow: error: {exc}", file=sys.stderr)
