@@ -179,10 +179,9 @@ def job_task(cfg) -> float:
     print(f"\n=== job {num}: {' '.join(overrides) or '(defaults)'} -> {run_dir}", flush=True)
     res = JobResult(num, overrides, run_dir, "ok", 0)
     try:
+        from dsaflow.checkpoint.hf_config import apply_hf_model
         from dsaflow.config.compose import typed_config
         from dsaflow.plan import build_plan
-
-        from dsaflow.checkpoint.hf_config import apply_hf_model
 
         typed = typed_config(cfg, apply_hf_model)
         typed.run_dir = run_dir

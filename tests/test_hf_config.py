@@ -1,0 +1,96 @@
+"""`model=hf model.hf_path=DIR`: config.json -> ModelConfig + MoE + layer roles, planned without reading a weight."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dsaflow.checkpoint.hf_config import apply_hf_model, hf_model, read_config_json
+from dsaflow.cli import main
+from dsaflow.config.compose import compose
+from dsaflow.errors import ConfigError
+from dsaflow.plan import build_plan
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+DSV32, GLM52 = FIXTURES / "deepseek_v32", FIXTURES / "glm_52"
+
+
+def hf_compose(folder, *overrides):
+    return compose(["model=hf", f"model.hf_path={folder}", *overrides], model_source=apply_hf_model)
+
+
+def test_deepseek_v32_plans_671b_parameters_on_pp8():
+    cfg = hf_compose(DSV32, "pipeline=pp8")
+    m = cfg.model
+    assert (m.num_layers, m.dim, m.n_heads, m.index_topk, m.moe.n_routed_experts, m.moe.first_k_dense) == (
+        61, 7168, 128, 2048, 256, 3,
+    )  # fmt: skip
+    assert (m.rope_scaling.factor, m.rope_scaling.original_max_position_embeddings) == (40, 4096)
+    plan = build_plan(cfg)
+    # DeepSeek-V3's 671.03B plus V3.2's 61 indexers (14.0M each); the MTP layer is not part of the model
+    assert 671e9 <= plan.estimates["total"]["params"] < 672e9
+    assert plan.num_stages == 8 and cfg.index.promote
+
+
+def test_glm52_plans_21_f_layers_with_stages_starting_on_f(capsys):
+    cfg = hf_compose(GLM52, "pipeline=pp8")
+    assert "planned with index.promote=false" in capsys.readouterr().err
+    assert cfg.index.promote is False and cfg.index.pattern.count("F") == 21
+    plan = build_plan(cfg)
+    assert sum(1 for lp in plan.layers if lp.role == "F") == 21
+    assert all(plan.layers[s.layers[0]].role == "F" for s in plan.stages)
+    assert not any(lp.promoted for lp in plan.layers)
+
+
+def test_transformers_reads_the_fixtures_to_the_same_roles_and_mlp_types():
+    from transformers import AutoConfig
+
+    for folder in (DSV32, GLM52):
+        theirs = AutoConfig.from_pretrained(folder)
+        ours = hf_model(read_config_json(folder))
+        types = getattr(theirs, "indexer_types", None) or ["full"] * theirs.num_hidden_layers
+        assert "".join("F" if t == "full" else "S" for t in types) == ours.roles
+        dense = [i for i, t in enumerate(theirs.mlp_layer_types) if t == "dense"]
+        assert dense == list(range(ours.model.moe.first_k_dense)) == [0, 1, 2]
+
+
+def test_dsaflow_plan_cli_plans_the_hf_model(capsys):
+    assert main(["plan", "model=hf", f"model.hf_path={GLM52}", "pipeline=pp8"]) == 0
+    out = capsys.readouterr().out
+    assert "model=hf: 78 layers" in out
+
+
+def _edited(tmp_path, src, **changes):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(src, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(changes)
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"model_type": "llama"}, "model_type='llama' is not a family dsaflow reads"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ({"fancy_new_knob": 3}, "fancy_new_knob=3 is not supported"),
+        ({"rope_scaling": {"type": "llama3", "factor": 8}}, "rope_type='llama3' is not supported"),
+    ],
+)
+def test_unsupported_config_json_exits_2_naming_the_field(tmp_path, capsys, changes, needle):
+    folder = _edited(tmp_path, DSV32, **changes)
+    assert main(["plan", "model=hf", f"model.hf_path={folder}"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "config.json" in err and "Traceback" not in err
+
+
+def test_overrides_that_contradict_config_json_are_refused():
+    with pytest.raises(ConfigError, match="model.dim=128 conflicts"):
+        hf_compose(DSV32, "model.dim=128")
+    assert hf_compose(DSV32, "model.index_topk=512").model.index_topk == 512  # a serving knob, not the architecture
+    with pytest.raises(ConfigError, match="index.pattern / index.freq / layout"):
+        hf_compose(GLM52, "index=every4")
+    with pytest.raises(ConfigError, match="model=hf needs model.hf_path"):
+        compose(["model=hf"], model_source=apply_hf_model)
