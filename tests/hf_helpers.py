@@ -1,7 +1,7 @@
 """Tiny random transformers models of both DSA families, saved as Hugging Face checkpoints for the hf tests.
 
 DeepSeek-V3.2: 3 layers (layer 0 dense, 1-2 MoE), 8 experts in 4 groups (2 kept), 2 per token, YaRN (factor 4 over
-16 positions, mscale_all_dim != mscale so both the cos/sin factor and the softmax mscale differ from 1).
+64 positions, mscale_all_dim != mscale so both the cos/sin factor and the softmax mscale differ from 1).
 GLM-5.x: 8 layers whose roles come from index_topk_freq=3 / index_skip_topk_offset=2 (FFSSFSSF), 8 experts in 2
 groups (1 kept), plain RoPE, rms_norm_eps 1e-5. Both: index_topk 8 (prompts are longer), 16 indexer heads (so that
 an all-zero score tie, every head's relu at 0, is rare). Weights are random at sizes that keep activations O(1),
@@ -47,7 +47,7 @@ def deepseek_config():
         rope_type="yarn",
         rope_theta=10000.0,
         factor=4.0,
-        original_max_position_embeddings=16,
+        original_max_position_embeddings=64,
         mscale=1.0,
         mscale_all_dim=0.8,
         beta_fast=32,
@@ -112,3 +112,86 @@ def load_reference(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+TEXT = (
+    "the quick brown fox jumps over the lazy dog while a sparse indexer picks the keys each query reads "
+    "and the experts route every token to two of eight small networks in four groups"
+)
+
+
+def save_tokenizer(folder: Path, vocab_size: int = COMMON["vocab_size"]) -> None:
+    """A small byte-level BPE tokenizer.json (ids below vocab_size, <bos> = 0 prepended, <eos> = 1), saved with
+    transformers' PreTrainedTokenizerFast so that AutoTokenizer reads it too."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<bos>", "<eos>"], initial_alphabet=sorted(set(TEXT)), min_frequency=1
+    )
+    tok.train_from_iterator([TEXT], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
+    assert tok.get_vocab_size() <= vocab_size
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>")
+    fast.save_pretrained(folder)
+
+
+def _keeps_precision(name: str, t: torch.Tensor) -> bool:
+    """What DeepSeek's and GLM's FP8 checkpoints keep in bf16 / fp32: embeddings, lm_head, norms, the router,
+    the indexer's weights_proj (and every 1-D tensor)."""
+    keep = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "weights_proj.weight")
+    return t.dim() != 2 or name.endswith(keep)
+
+
+def write_fp8_copy(src: Path, dst: Path, mtp: bool = True) -> Path:
+    """A block-quantized FP8 copy of the bf16 checkpoint `src` (e4m3 + 128x128 `weight_scale_inv`, the
+    quantization_config of DeepSeek's releases), two shards with an index; `mtp` adds a multi-token-prediction
+    layer (index num_layers) that loaders skip."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from dsaflow.checkpoint.hf_weights import quantize_fp8
+
+    dst.mkdir(parents=True)
+    raw = json.loads((src / "config.json").read_text())
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    tensors = {}
+    for name, shard in index.items():
+        with safe_open(str(src / shard), "pt") as f:
+            tensors[name] = f.get_tensor(name)
+    out = {}
+    for name, t in tensors.items():
+        if _keeps_precision(name, t):
+            out[name] = t
+        else:
+            out[name], out[name + "_scale_inv"] = quantize_fp8(t.float())
+    if mtp:
+        n = raw["num_hidden_layers"]
+        for name in [k for k in tensors if k.startswith("model.layers.0.")]:
+            out[name.replace("model.layers.0.", f"model.layers.{n}.")] = tensors[name].clone()
+    names = sorted(out)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for shard, keys in halves.items():
+        save_file({k: out[k].contiguous() for k in keys}, str(dst / shard), metadata={"format": "pt"})
+        weight_map.update({k: shard for k in keys})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    raw["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    }
+    raw["num_nextn_predict_layers"] = 1 if mtp else 0
+    (dst / "config.json").write_text(json.dumps(raw))
+    for extra in ("tokenizer.json", "tokenizer_config.json"):
+        if (src / extra).is_file():
+            shutil.copy(src / extra, dst / extra)
+    return dst

@@ -61,22 +61,24 @@ class HFIndex:
             f"{folder} holds neither {INDEX_JSON} nor {SINGLE_FILE}. Fix: point at a Hugging Face checkpoint folder."
         )
 
-    def handle(self, path: Path):
+    def handle(self, name: str):
+        """The open shard that holds tensor `name`."""
+        path = self.where[name]
         if path not in self._open:
             if not path.is_file():
                 raise CheckpointError(
-                    f"{self.index_file} names the shard {path.name}, which is missing from {self.folder}. Fix: "
-                    "download the whole checkpoint again."
+                    f"{self.index_file} puts tensor {name} in the shard {path.name}, which is missing from "
+                    f"{self.folder}. Fix: download the whole checkpoint again."
                 )
-            self._open[path] = _open(path)
+            self._open[path] = _open(path, name)
         return self._open[path]
 
     def shape(self, name: str) -> tuple:
-        return tuple(self.handle(self.where[name]).get_slice(name).get_shape())
+        return tuple(self.handle(name).get_slice(name).get_shape())
 
     def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The tensor `name` in fp32 (FP8 dequantized), then in `dtype`."""
-        f = self.handle(self.where[name])
+        f = self.handle(name)
         try:
             t = f.get_tensor(name)
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for short or bad files
@@ -91,14 +93,16 @@ class HFIndex:
         return t.to(dtype)
 
 
-def _open(path: Path):
+def _open(path: Path, name: str = ""):
     from safetensors import safe_open
 
     try:
         return safe_open(str(path), framework="pt")
     except Exception as exc:  # noqa: BLE001 - a truncated header or data section
+        holds = f" (it holds tensor {name})" if name else ""
         raise CheckpointError(
-            f"{path} is not a readable safetensors file ({exc}); it is truncated or corrupt. Fix: download it again."
+            f"{path} is not a readable safetensors file{holds}: {exc}; it is truncated or corrupt. Fix: download "
+            "it again."
         ) from None
 
 
@@ -135,7 +139,7 @@ def _check(index: HFIndex, key: str, src: Source) -> None:
                 f"{index.where[name]}: tensor {name} is {list(have)} but config.json implies {list(shape)}. Fix: "
                 "use the config.json that came with these weights."
             )
-        f = index.handle(index.where[name])
+        f = index.handle(name)
         if f.get_slice(name).get_dtype() == "F8_E4M3" and name + "_scale_inv" not in index.where:
             raise CheckpointError(
                 f"{index.where[name]}: FP8 tensor {name} has no {name}_scale_inv in {index.index_file}. Fix: "
@@ -143,9 +147,8 @@ def _check(index: HFIndex, key: str, src: Source) -> None:
             )
 
 
-def load_hf_weights(stages: Dict[int, torch.nn.Module], folder, model_cfg, report=None) -> int:
-    """Load `stages` ({stage index: StageModule}) in place from the Hugging Face checkpoint `folder`; returns the
-    bytes read from disk (this rank's). Raises CheckpointError (nothing loaded) on any bad input."""
+def _sources(stages: Dict[int, torch.nn.Module], folder, model_cfg):
+    """(index, {key: Source}, {key: stage tensor}) after checking every tensor's presence, shape and scale."""
     hf = hf_model(read_config_json(folder), Path(folder) / "config.json")
     index = HFIndex.read(folder)
     wanted: Dict[str, torch.Tensor] = {k: v for m in stages.values() for k, v in m.state_dict().items()}
@@ -153,9 +156,21 @@ def load_hf_weights(stages: Dict[int, torch.nn.Module], folder, model_cfg, repor
     for key, t in wanted.items():
         src = hf_source(key, tuple(t.shape), model_cfg, hf.family)
         if src is None:
-            raise CheckpointError(f"{key} has no Hugging Face counterpart for {hf.family}. Fix: a bug; report it.")
+            raise CheckpointError(f"{key} has no Hugging Face counterpart in {hf.family}. Fix: a bug; report it.")
         _check(index, key, src)
         sources[key] = src
+    return index, sources, wanted
+
+
+def check_hf_weights(stages: Dict[int, torch.nn.Module], folder, model_cfg) -> None:
+    """What `load_hf_weights` checks before reading (file headers only; the stages may live on the meta device)."""
+    _sources(stages, folder, model_cfg)
+
+
+def load_hf_weights(stages: Dict[int, torch.nn.Module], folder, model_cfg, report=None) -> int:
+    """Load `stages` ({stage index: StageModule}) in place from the Hugging Face checkpoint `folder`; returns the
+    bytes read from disk (this rank's). Raises CheckpointError (nothing loaded) on any bad input."""
+    index, sources, wanted = _sources(stages, folder, model_cfg)
     mtp = sorted({n for n in index.where if (layer_of(n) or 0) >= model_cfg.num_layers})
     if mtp:
         layers = sorted({layer_of(n) for n in mtp})

@@ -3,9 +3,11 @@
 Parent (before any process starts): `check_serve(cfg, plan)` validates the serve config, the prompts and the graph
 blocks and raises `ServeError` (a PlanError: one paragraph, exit status 2). Worker, per rank:
 
-    requests (serve.prompts, or serve.prompts_file JSONL {"prompt": ..., "max_new_tokens": n (optional)}) -> byte
-        tokenizer; a request with len + max_new_tokens > serve.max_context is rejected (named) and the rest served
-    build this rank's stages (random init from train.seed, or serve.checkpoint) on ctx.device in serve.dtype
+    requests (serve.prompts, or serve.prompts_file JSONL {"prompt": ..., "max_new_tokens": n (optional)}; a prompt
+        may be a list of token ids) -> the byte tokenizer, or the checkpoint's tokenizer.json with model=hf;
+        a request with len + max_new_tokens > serve.max_context is rejected (named) and the rest served
+    build this rank's stages (random init from train.seed, serve.checkpoint, or model.hf_path's weights: only this
+        rank's tensors, memory-mapped, the bytes read reported) on ctx.device in serve.dtype
     PipelineEngine: preallocated caches split into microbatch groups, graph blocks captured on this device ->
                     capture report (printed, logged, written to <run_dir>/graphs_rank<r>.json)
     generate (continuous batching, a progress bar on the last stage's rank) -> the last stage's rank prints the
@@ -24,7 +26,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from dsaflow.data.tokenizer import ByteTokenizer
+from dsaflow.data.hf_tokenizer import checkpoint_tokenizer
 from dsaflow.errors import ServeError, shown
 from dsaflow.files import atomic_write
 from dsaflow.pipeline.stages import stage_module
@@ -86,9 +88,11 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Requests:
             f"workers run on cpu. Fix: graphs=off on CPU, or graphs.on_failure=eager to run the blocks eagerly."
         )
     check_transfers(cfg.graphs, plan, device_type)
-    tok = ByteTokenizer()
+    if not s.checkpoint and cfg.model.hf_path:
+        check_hf_checkpoint(cfg, plan)
+    tok = checkpoint_tokenizer(cfg.model.hf_path)
     loaded = load_requests(s)
-    ids = [tok.encode(p) for p, _, _ in loaded]
+    ids = [list(p) if isinstance(p, list) else tok.encode(p) for p, _, _ in loaded]
     check_prompts(ids, cfg.model.vocab_size)
     rejected = [fit_problem(i, q, m, s.max_context, where) for i, (q, (_, m, where)) in enumerate(zip(ids, loaded))]
     reqs = Requests([p for p, _, _ in loaded], ids, [m for _, m, _ in loaded], [w for _, _, w in loaded], rejected)
@@ -106,6 +110,8 @@ def build_stage_modules(cfg, plan: Plan, rank: Optional[int], device, dtype) -> 
         from dsaflow.checkpoint.weights import load_model_weights
 
         load_model_weights(stages, cfg.serve.checkpoint, cfg.model)
+    elif cfg.model.hf_path:
+        load_hf_stages(stages, cfg.model, rank)
     return {s: m.to(device=device, dtype=dtype).eval() for s, m in stages.items()}
 
 
@@ -122,10 +128,12 @@ def build_engine(
     )
 
 
-def output_rows(reqs: Requests, outputs: Dict[int, List[int]], stats: Optional[dict] = None) -> List[dict]:
+def output_rows(
+    reqs: Requests, outputs: Dict[int, List[int]], stats: Optional[dict] = None, hf_path: Optional[str] = None
+) -> List[dict]:
     """One JSON row per request, in input order: prompt, completion, tokens, num_tokens, ttft_s, tpot_s; a
     rejected request gets its message under "error" instead."""
-    tok, stats = ByteTokenizer(), stats or {}
+    tok, stats = checkpoint_tokenizer(hf_path), stats or {}
     rows = []
     for i, p in enumerate(reqs.prompts):
         if reqs.rejected[i] is not None:
@@ -152,14 +160,14 @@ def serve_requests(engine: PipelineEngine, reqs: Requests) -> Optional[List[dict
     if outputs is None:
         return None
     stats = {k: {served[j]: v for j, v in engine.stats[k].items()} for k in ("ttft_s", "tpot_s")}
-    return output_rows(reqs, dict(zip(served, outputs)), stats)
+    return output_rows(reqs, dict(zip(served, outputs)), stats, engine.model_cfg.hf_path)
 
 
 def write_outputs(
     prompts: List[str], outputs: List[List[int]], output_file: Optional[str], rows: Optional[List[dict]] = None
 ) -> None:
     """Completions as JSONL in serve.output_file, or printed. rows: prebuilt rows (`output_rows`)."""
-    tok = ByteTokenizer()
+    tok = checkpoint_tokenizer(None)
     if rows is None:
         rows = [{"prompt": p, "completion": tok.decode(o), "tokens": o} for p, o in zip(prompts, outputs)]
     if output_file:  # checked in the parent (dsaflow.outputs); replaced whole, never half written
@@ -172,6 +180,33 @@ def write_outputs(
             f"--- [{i}] {shown(r['prompt'], 200)}\n{r.get('completion', 'REJECTED: ' + str(r.get('error')))}",
             flush=True,
         )
+
+
+def check_hf_checkpoint(cfg, plan: Plan) -> None:
+    """Every tensor the plan's stages need is in model.hf_path with its shape (headers only, stages built on the
+    meta device): a bad checkpoint stops the job before any process starts."""
+    from dsaflow.checkpoint.hf_weights import check_hf_weights
+    from dsaflow.errors import CheckpointError
+
+    with torch.device("meta"):
+        stages = {sp.index: stage_module(cfg.model, plan, sp.index, seed=0) for sp in plan.stages}
+    try:
+        check_hf_weights(stages, cfg.model.hf_path, cfg.model)
+    except CheckpointError as exc:
+        raise ServeError(f"model.hf_path={cfg.model.hf_path}: {exc}") from None
+
+
+def load_hf_stages(stages: dict, model_cfg, rank: Optional[int]) -> None:
+    """Load `stages` from model.hf_path and say how many bytes this rank read."""
+    from dsaflow.checkpoint.hf_weights import load_hf_weights
+    from dsaflow.errors import CheckpointError
+
+    try:
+        nbytes = load_hf_weights(stages, model_cfg.hf_path, model_cfg)
+    except CheckpointError as exc:
+        raise ServeError(f"model.hf_path={model_cfg.hf_path}: {exc}") from None
+    who = "every rank" if rank is None else f"rank {rank}"
+    print(f"[{who}] read {nbytes / 2**20:.2f} MiB of weights from {model_cfg.hf_path} (stages {sorted(stages)})")
 
 
 def _log(run_dir, rank: int, text: str) -> None:

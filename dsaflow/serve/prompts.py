@@ -1,7 +1,7 @@
 """The prompts of a generate job, read and checked as text before any process starts.
 
 serve.prompts (a list of strings) or serve.prompts_file (JSONL, one {"prompt": "...", "max_new_tokens": n
-(optional)} per line). Lines are split on "\\n" only: a U+2028 or a form feed inside a JSON string is part of the
+(optional)} per line; a prompt may also be a list of token ids, {"prompt": [0, 17, 4]}). Lines are split on "\\n" only: a U+2028 or a form feed inside a JSON string is part of the
 prompt, not a line break. Every prompt must be valid Unicode that encodes to UTF-8 (a lone surrogate, which is what
 an invalid byte on the command line becomes, is refused naming where it is), and every per-line max_new_tokens a
 whole number within serve.max_new_tokens' range. Rejected values are quoted shortened (`dsaflow.errors.shown`).
@@ -38,7 +38,18 @@ def _whole_number(digits: str):
     return int(digits) if len(digits) <= 30 else digits
 
 
-def _checked(prompt: str, where: str) -> str:
+def token_ids(prompt) -> bool:
+    """A prompt given as token ids: a non-empty list of whole numbers >= 0 (the vocabulary is checked later)."""
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in prompt)
+    )
+
+
+def _checked(prompt, where: str):
+    if token_ids(prompt):
+        return prompt
     problem = unicode_problem(prompt)
     if problem:
         raise ServeError(f"{where} {problem}. Fix: give the prompt as UTF-8 text.")
@@ -72,13 +83,13 @@ def load_requests(serve_cfg) -> List[Tuple[str, int, str]]:
         where = f"{field} line {n}"
         try:
             row = json.loads(line, parse_int=_whole_number)
-            if not isinstance(row["prompt"], str):
+            if not (isinstance(row["prompt"], str) or token_ids(row["prompt"])):
                 raise TypeError
             prompt, limit = row["prompt"], row.get("max_new_tokens", serve_cfg.max_new_tokens)
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise ServeError(
                 f'{where} is not a JSON object with a string "prompt": {shown(line)}. Fix: one {{"prompt": "..."}} '
-                "per line."
+                '(or {"prompt": [token ids]}) per line.'
             ) from None
         if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_NEW_TOKENS_HI:
             raise ServeError(
