@@ -20,6 +20,7 @@ COMMANDS = {
     "train": "plan, write the run dir, launch training (torchrun, one process per pipeline rank)",
     "generate": "plan, write the run dir, launch generation (sets mode=serve unless given)",
     "search": "training-free IndexCache layer search: which layers keep their indexer (from an all-F checkpoint)",
+    "export": "write a run's model as a Hugging Face checkpoint that transformers' from_pretrained loads",
 }
 EXAMPLES = {
     "plan": """examples:
@@ -47,6 +48,12 @@ examples:
   dsaflow search search.checkpoint=runs/<all-F run> search.ratio=0.25
   dsaflow search search.checkpoint=runs/<all-F run> search.target_f=3 pipeline=pp2
   (then: dsaflow train layout="<printed layout>" ...; see docs/search.md)""",
+    "export": """export.checkpoint is a run dir (its newest good checkpoint) or one of its checkpoint folders; export.out_dir
+a new folder. A model with dense MLPs only has no Hugging Face family and is refused.
+
+examples:
+  dsaflow export export.checkpoint=runs/<name> export.out_dir=hf/<name>
+  (then: AutoModelForCausalLM.from_pretrained("hf/<name>"), or dsaflow generate model=hf model.hf_path=hf/<name>)""",
 }
 HYDRA_FLAGS = """Hydra flags (the parent process is a Hydra app; workers never import Hydra):
   -m, --multirun        run one job per combination of the sweeps (a=1,2  b='range(0,3)'  hydra/sweeper=...)
@@ -310,6 +317,15 @@ def _main(args: List[str]) -> int:
             file=sys.stderr,
         )
         return EXIT_USER_ERROR
+    if command == "export":
+        if "-h" in rest or "--help" in rest:
+            sys.stdout.write(
+                f"usage: dsaflow export export.checkpoint=RUN_DIR export.out_dir=OUT\n\n{EXAMPLES[command]}\n"
+            )
+            return 0
+        from dsaflow.checkpoint.export_run import main as export_main
+
+        return run_cli_errors(export_main, rest)
     if "-h" in rest or "--help" in rest:
         sys.stdout.write(command_help(command))
         return 0

@@ -1,0 +1,63 @@
+"""`dsaflow export export.checkpoint=RUN_DIR export.out_dir=OUT`: a trained run's model as a Hugging Face checkpoint.
+
+The weights are the run's newest good checkpoint (or the checkpoint folder given), read from its weights-only
+safetensors (dsaflow.run.weights: manifest checked, nothing unpickled); the model is the run dir's config.yaml.
+dsaflow.checkpoint.hf_export writes config.json, the sharded safetensors and the index (and the tokenizer of
+model.hf_path, if the run started from a Hugging Face checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List
+
+from dsaflow.checkpoint.hf_export import write_hf_checkpoint
+from dsaflow.errors import ConfigError
+from dsaflow.checkpoint.store import pinned
+from dsaflow.rundir.folder import CONFIG
+from dsaflow.checkpoint.safetensors_io import load_tensors
+from dsaflow.checkpoint.weights import resolve_checkpoint, weight_files
+
+KEYS = ("export.checkpoint", "export.out_dir")
+
+
+def parse_export_args(args: List[str]) -> dict:
+    """['export.checkpoint=RUN', 'export.out_dir=OUT'] -> {"checkpoint": RUN, "out_dir": OUT}."""
+    got = {}
+    for a in args:
+        key, eq, value = a.partition("=")
+        if key not in KEYS or not eq or not value:
+            raise ConfigError(
+                f"{a!r} is not an export option. Fix: dsaflow export export.checkpoint=RUN_DIR export.out_dir=OUT."
+            )
+        got[key.split(".", 1)[1]] = value
+    missing = [k for k in KEYS if k.split(".", 1)[1] not in got]
+    if missing:
+        raise ConfigError(f"{missing[0]} is not set. Fix: dsaflow export export.checkpoint=RUN_DIR export.out_dir=OUT.")
+    return got
+
+
+def export_hf(checkpoint: str, out_dir: str) -> Path:
+    """Write the model of `checkpoint` (a run dir or one of its checkpoint folders) to `out_dir`."""
+    from dsaflow.config.compose import load_config
+
+    ckpt = resolve_checkpoint(checkpoint, field="export.checkpoint")
+    config = ckpt.parent.parent / CONFIG
+    if not os.path.lexists(config):
+        raise ConfigError(
+            f"export.checkpoint={checkpoint}: {config} is missing, so the model the weights belong to is unknown. "
+            "Fix: export from inside the training run dir (RUN_DIR/checkpoints/step-N)."
+        )
+    model_cfg = load_config(config).model
+    tensors = {}
+    with pinned(ckpt):
+        for f in sorted(set(weight_files(ckpt, "export.checkpoint").values())):
+            tensors.update(load_tensors(f))
+    return write_hf_checkpoint(tensors, model_cfg, out_dir)
+
+
+def main(args: List[str]) -> int:
+    opts = parse_export_args(args)
+    print(export_hf(opts["checkpoint"], opts["out_dir"]))
+    return 0

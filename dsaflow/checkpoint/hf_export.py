@@ -1,0 +1,183 @@
+"""Weights out: a dsaflow model as a Hugging Face checkpoint that transformers 5.x loads with `from_pretrained`.
+
+`write_hf_checkpoint(state_dict, model_cfg, out_dir)` writes config.json, the tensors in sharded safetensors with
+`model.safetensors.index.json`, and the tokenizer files of `model.hf_path` when it has them. The family:
+- a model whose every layer carries an indexer -> `deepseek_v32` (or the family model.hf_path came from);
+- a model with layers that carry none (S layers trained with index sharing) -> `glm_moe_dsa`, those layers marked
+  "shared" in `indexer_types` (transformers' GLM reuses the previous full layer's top-k there, as our S layers do).
+Tensor names and RoPE row orders are hf_names.py's, run backwards; tensors keep the dtype they were stored in.
+A model transformers' classes cannot express is refused (ConfigError, exit 2) naming the field: a dense MLP model
+(no family has one), an indexer rotary width other than MLA's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from dsaflow.config.moe import is_moe_layer
+from dsaflow.config.rope import YarnConfig
+from dsaflow.errors import ConfigError
+
+from .hf_config import HF_INDEX_NORM_EPS, HF_LATENT_NORM_EPS, hf_model, read_config_json
+from .hf_names import hf_source
+
+SHARD_BYTES = 2 << 30
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+ARCHITECTURES = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+_INDEXER = re.compile(r"^layers\.(\d+)\.attn\.indexer\.")
+
+
+def indexer_layers(state_dict: Dict[str, torch.Tensor]) -> set:
+    return {int(m.group(1)) for m in map(_INDEXER.match, state_dict) if m}
+
+
+def export_family(model_cfg, full: set) -> str:
+    if len(full) < model_cfg.num_layers:
+        return "glm_moe_dsa"
+    if model_cfg.hf_path:
+        return hf_model(read_config_json(model_cfg.hf_path)).family
+    return "deepseek_v32"
+
+
+def hf_config_json(model_cfg, family: str, full: set) -> dict:
+    """config.json of the exported model (see the module docstring for what is refused)."""
+    m, moe = model_cfg, model_cfg.moe
+    if moe is None:
+        raise ConfigError(
+            f"model.name={m.name} has dense MLPs only (model.moe is null): neither Hugging Face family "
+            f"(deepseek_v32, glm_moe_dsa) has such a model, so there is nothing transformers could load. Fix: export "
+            "a model trained with model.moe set (e.g. model=tiny_moe)."
+        )
+    if m.index_rope_head_dim != m.qk_rope_head_dim:
+        raise ConfigError(
+            f"model.index_rope_head_dim={m.index_rope_head_dim} differs from model.qk_rope_head_dim="
+            f"{m.qk_rope_head_dim}: transformers rotates the indexer's first qk_rope_head_dim dims. Fix: export "
+            "a model trained with equal rotary widths."
+        )
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling is not None:
+        y: YarnConfig = m.rope_scaling
+        rope = {"rope_type": "yarn", "rope_theta": m.rope_theta, "factor": y.factor, "beta_fast": y.beta_fast}
+        rope.update(beta_slow=y.beta_slow, original_max_position_embeddings=y.original_max_position_embeddings)
+        rope.update({k: v for k, v in (("mscale", y.mscale), ("mscale_all_dim", y.mscale_all_dim)) if v is not None})
+        if y.attention_factor is not None:
+            rope["attention_factor"] = y.attention_factor
+        rope["truncate"] = y.truncate
+    out = {
+        "architectures": [ARCHITECTURES[family]],
+        "model_type": family,
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.dim,
+        "intermediate_size": m.inter_dim,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_heads,
+        "q_lora_rank": m.q_lora_rank,
+        "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "index_n_heads": m.index_n_heads,
+        "index_head_dim": m.index_head_dim,
+        "index_topk": m.index_topk,
+        "max_position_embeddings": m.max_seq_len,
+        "rms_norm_eps": m.norm_eps,
+        "rope_parameters": rope,
+        "tie_word_embeddings": m.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "n_routed_experts": moe.n_routed_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "moe_intermediate_size": moe.moe_inter_dim,
+        "n_shared_experts": moe.n_shared_experts,
+        "n_group": moe.n_group,
+        "topk_group": moe.topk_group,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        "mlp_layer_types": ["sparse" if is_moe_layer(m, i) else "dense" for i in range(m.num_layers)],
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "dtype": "float32",
+    }
+    if family == "glm_moe_dsa":
+        out["indexer_types"] = ["full" if i in full else "shared" for i in range(m.num_layers)]
+    return out
+
+
+def _norm_notes(model_cfg) -> List[str]:
+    """Where transformers' fixed eps differs from the model's (its outputs then differ at that rounding)."""
+    latent = model_cfg.norm_eps if model_cfg.latent_norm_eps is None else model_cfg.latent_norm_eps
+    notes = []
+    if latent != HF_LATENT_NORM_EPS:
+        notes.append(f"q/kv latent RMSNorm eps {latent:g} (transformers: {HF_LATENT_NORM_EPS:g})")
+    if model_cfg.index_norm_eps != HF_INDEX_NORM_EPS:
+        notes.append(f"indexer key LayerNorm eps {model_cfg.index_norm_eps:g} (transformers: {HF_INDEX_NORM_EPS:g})")
+    return notes
+
+
+def write_hf_checkpoint(state_dict: Dict[str, torch.Tensor], model_cfg, out_dir, report=None) -> Path:
+    """state_dict: the whole model's (dsaflow keys) -> out_dir (created; must not exist or be empty)."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"export.out_dir={out} is not empty. Fix: name a new folder.")
+    full = indexer_layers(state_dict)
+    family = export_family(model_cfg, full)
+    config = hf_config_json(model_cfg, family, full)
+    tensors: Dict[str, torch.Tensor] = {}
+    for key, t in state_dict.items():
+        if key == "head.weight" and model_cfg.tie_embeddings:
+            continue
+        src = hf_source(key, tuple(t.shape), model_cfg, family)
+        if src is None:
+            raise ConfigError(f"{key} has no Hugging Face counterpart in {family}. Fix: a bug; report it.")
+        for name, part in zip(src.names, src.to_theirs(t.detach().cpu())):
+            tensors[name] = part.contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = _write_shards(tensors, out)
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                "weight_map": weight_map,
+            },
+            indent=2,
+        )  # fmt: skip
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if model_cfg.hf_path:
+        for name in TOKENIZER_FILES:
+            if (Path(model_cfg.hf_path) / name).is_file():
+                shutil.copy(Path(model_cfg.hf_path) / name, out / name)
+    say = report or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    notes = _norm_notes(model_cfg)
+    if notes:
+        say(f"dsaflow: export: transformers builds these norms with its own eps: {'; '.join(notes)}.")
+    say(f"dsaflow: exported {len(tensors)} tensors as {family} to {out}")
+    return out
+
+
+def _write_shards(tensors: Dict[str, torch.Tensor], out: Path) -> Dict[str, str]:
+    from safetensors.torch import save_file
+
+    shards: List[List[str]] = [[]]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    weight_map = {}
+    for i, names in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, str(out / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+    return weight_map
