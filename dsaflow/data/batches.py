@@ -25,19 +25,31 @@ if TYPE_CHECKING:
 
 from .corpus import CorpusError, TokenCorpus, load_split_tokens
 from .retrieval import COPY, RetrievalSpec, retrieval_batch
+from .tokenizer import ByteTokenizer
 
 IGNORE = -100
 TRAIN, VAL = 0, 1
 
 
+def encode_text(tokenizer, data: np.ndarray, split_at):
+    """uint8 bytes [N] (and where held-out bytes start, or None) -> int64 token ids (and where held-out ids start):
+    each part decoded as UTF-8 and encoded by `tokenizer` whole, in memory."""
+    parts = [data] if split_at is None else [data[:split_at], data[split_at:]]
+    ids = [np.asarray(tokenizer.encode(bytes(p).decode("utf-8", errors="replace")), dtype=np.int64) for p in parts]
+    return np.concatenate(ids), (None if split_at is None else len(ids[0]))
+
+
 class BatchSource:
     """`batch(step)` for training, `val_batch(i)` for evaluation (a fixed held-out set)."""
 
-    def __init__(self, data_cfg, seq_len: int, batch_size: int, seed: int, vocab_size: int):
+    def __init__(self, data_cfg, seq_len: int, batch_size: int, seed: int, vocab_size: int, tokenizer=None):
+        """tokenizer: for data.kind=text, a tokenizer with `encode(str)` (a checkpoint's tokenizer.json,
+        dsaflow.data.hf_tokenizer); None = bytes."""
         self.cfg, self.seq_len, self.batch_size, self.seed = data_cfg, seq_len, batch_size, seed
         self.kind = data_cfg.kind
         self.has_answers = self.kind == "retrieval"
         _refuse_unused(data_cfg)
+        subword = self.kind == "text" and tokenizer is not None and not isinstance(tokenizer, ByteTokenizer)
         if self.kind == "retrieval":
             self.spec = RetrievalSpec(
                 seq_len,
@@ -65,9 +77,12 @@ class BatchSource:
                 data_cfg.exclude,
                 data_cfg.val_fraction if by_files else None,
             )
+            if subword:
+                tokens, split_at = encode_text(tokenizer, tokens, split_at)
             self.corpus = TokenCorpus(tokens, seq_len, data_cfg.val_fraction, data_cfg.path, split_at)
         self.vocab_size = vocab_size
-        self.bytes = self.kind == "text"  # byte tokens: eval reports bits per byte (loss / ln 2)
+        # byte tokens: eval reports bits per byte (loss / ln 2)
+        self.bytes = self.kind == "text" and not subword
 
     def _raw(self, split: int, step: int) -> Tuple[np.ndarray, np.ndarray]:
         """-> tokens int64 [B, T + 1], query ids int64 [B, T + 1] (-1 where no answer), as numpy arrays; raises

@@ -53,6 +53,16 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
         modules = {s.index: m for s, m in zip(ctx.stages, tr.modules)}
         ckpt = load_model_weights(modules, t.init_from, ctx.cfg.model, field, WEIGHTLESS_MODEL_FIELDS)
         records.log(f"model weights from {ckpt}; optimiser and schedule start afresh")
+    elif ctx.cfg.model.hf_path:  # model=hf: the checkpoint's own weights, this rank's tensors only
+        from dsaflow.checkpoint.hf_weights import load_hf_weights
+
+        hf_path = ctx.cfg.model.hf_path
+        nbytes = load_hf_weights(
+            {s.index: m for s, m in zip(ctx.stages, tr.modules)}, hf_path, ctx.cfg.model, records.log
+        )
+        line = f"[rank {ctx.rank}] model weights from {hf_path}: read {nbytes / 2**20:.2f} MiB"
+        print(line, flush=True)
+        records.log(line)
     tracker = make_tracker(ctx.cfg, str(ctx.run_dir), ctx.is_logging_rank, resume=t.resume)
     tracker.log_config(config_dict(ctx.cfg), ctx.plan.to_dict())
     progress = Progress(t.steps, start, enabled=ctx.is_logging_rank, mode=t.progress)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from dsaflow.config.moe_schema import is_moe_layer
 from dsaflow.data import BatchSource
+from dsaflow.data.hf_tokenizer import checkpoint_tokenizer
 from dsaflow.model import StageModule
 from dsaflow.pipeline.run_context import RunContext
 from dsaflow.pipeline.stages import stage_module
@@ -58,7 +59,9 @@ class Trainer:
         self.pstages = build_pipeline_stages(
             self.wrappers, [s.index for s in self.local], plan.num_stages, ctx.device, ctx.group
         )
-        self.data = BatchSource(cfg.data, t.seq_len, t.batch_size, t.seed, cfg.model.vocab_size)
+        self.data = BatchSource(
+            cfg.data, t.seq_len, t.batch_size, t.seed, cfg.model.vocab_size, checkpoint_tokenizer(cfg.model.hf_path)
+        )
         self.loss_fn = LMLoss(cfg.data.num_queries if self.data.has_answers else 0)
         self.schedule = build_schedule(plan.pipeline.schedule, self.pstages, plan.pipeline.microbatches, self.loss_fn)
         self.forward_only = ForwardPipeline(
