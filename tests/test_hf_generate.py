@@ -10,7 +10,12 @@ import sys
 import pytest
 import torch
 
-from tests.hf_helpers import load_reference, save_checkpoint, save_tokenizer
+from tests.script_helpers import load_script
+
+HF = load_script("hf_tiny_checkpoint")
+load_reference = HF.load_reference
+save_checkpoint = HF.save_checkpoint
+save_tokenizer = HF.save_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_NEW = 6

@@ -8,7 +8,11 @@ from dsaflow.checkpoint.hf_config import hf_model, read_config_json
 from dsaflow.checkpoint.hf_weights import load_hf_weights
 from dsaflow.model import Indexer, build_model
 from dsaflow.ops import indexer_topk
-from tests.hf_helpers import load_reference, save_checkpoint
+from tests.script_helpers import load_script
+
+HF = load_script("hf_tiny_checkpoint")
+load_reference = HF.load_reference
+save_checkpoint = HF.save_checkpoint
 
 FAMILIES = ["deepseek_v32", "glm_moe_dsa"]
 

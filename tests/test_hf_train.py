@@ -8,7 +8,12 @@ import sys
 
 import pytest
 
-from tests.hf_helpers import TEXT, save_checkpoint, save_tokenizer
+from tests.script_helpers import load_script
+
+HF = load_script("hf_tiny_checkpoint")
+TEXT = HF.TEXT
+save_checkpoint = HF.save_checkpoint
+save_tokenizer = HF.save_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

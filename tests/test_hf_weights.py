@@ -16,7 +16,11 @@ from dsaflow.checkpoint.hf_weights import load_hf_weights
 from dsaflow.errors import PlanError
 from dsaflow.model import build_model
 from dsaflow.model.stage import StageModule
-from tests.hf_helpers import save_checkpoint, write_fp8_copy
+from tests.script_helpers import load_script
+
+HF = load_script("hf_tiny_checkpoint")
+save_checkpoint = HF.save_checkpoint
+write_fp8_copy = HF.write_fp8_copy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -169,3 +173,11 @@ def test_fp8_tensors_are_e4m3_with_block_scales(fp8):
         assert f.get_tensor(name).dtype == torch.float8_e4m3fn
     with safe_open(str(fp8 / wm[name + "_scale_inv"]), "pt") as f:
         assert f.get_tensor(name + "_scale_inv").shape == (1, 1)
+
+
+def test_the_tiny_checkpoint_script_writes_both_copies(tmp_path):
+    assert HF.main(["--family", "deepseek_v32", "--out", str(tmp_path / "bf16"), "--fp8", str(tmp_path / "fp8")]) == 0
+    for folder in ("bf16", "fp8"):
+        for name in ("config.json", "model.safetensors.index.json", "tokenizer.json"):
+            assert (tmp_path / folder / name).is_file(), (folder, name)
+    assert loaded(tmp_path / "fp8")[2] > 0

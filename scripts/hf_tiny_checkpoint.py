@@ -1,4 +1,10 @@
-"""Tiny random transformers models of both DSA families, saved as Hugging Face checkpoints for the hf tests.
+"""Tiny random Hugging Face checkpoints of both DSA families (needs the dev extra: transformers, tokenizers).
+
+    python scripts/hf_tiny_checkpoint.py --family glm_moe_dsa --out /tmp/tiny-glm [--fp8 /tmp/tiny-glm-fp8]
+
+writes a random `GlmMoeDsaForCausalLM` (or `--family deepseek_v32`: `DeepseekV32ForCausalLM`) with save_pretrained in
+bf16, sharded with its index, a small BPE tokenizer.json, and with --fp8 a block-quantized FP8 copy (e4m3 weights,
+128x128 `weight_scale_inv`, an MTP layer loaders skip). The Hugging Face tests build their checkpoints with it.
 
 DeepSeek-V3.2: 3 layers (layer 0 dense, 1-2 MoE), 8 experts in 4 groups (2 kept), 2 per token, YaRN (factor 4 over
 64 positions, mscale_all_dim != mscale so both the cos/sin factor and the softmax mscale differ from 1).
@@ -195,3 +201,25 @@ def write_fp8_copy(src: Path, dst: Path, mtp: bool = True) -> Path:
         if (src / extra).is_file():
             shutil.copy(src / extra, dst / extra)
     return dst
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=["deepseek_v32", "glm_moe_dsa"], default="glm_moe_dsa")
+    parser.add_argument("--out", required=True, type=Path, help="the bf16 checkpoint folder (must not exist)")
+    parser.add_argument("--fp8", type=Path, help="also write an FP8 block-quantized copy here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    save_checkpoint(args.family, args.out, args.seed)
+    save_tokenizer(args.out)
+    print(f"wrote {args.family} to {args.out}")
+    if args.fp8:
+        write_fp8_copy(args.out, args.fp8)
+        print(f"wrote its FP8 copy to {args.fp8}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
