@@ -94,3 +94,16 @@ def test_overrides_that_contradict_config_json_are_refused():
         hf_compose(GLM52, "index=every4")
     with pytest.raises(ConfigError, match="model=hf needs model.hf_path"):
         compose(["model=hf"], model_source=apply_hf_model)
+
+
+def test_planning_an_hf_model_reads_no_weight_and_imports_no_torch(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from dsaflow.cli import main; "
+        f"rc = main(['plan', 'model=hf', 'model.hf_path={GLM52}', 'pipeline=pp8']); "
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert r.stdout.strip().splitlines()[-1] == "NO-TORCH 0", r.stdout + r.stderr
