@@ -105,3 +105,5 @@ def test_export_of_a_dense_run_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "dense MLPs only" in err and "Traceback" not in err
     assert not (tmp_path / "hf").exists()
+    assert main(["export", f"export.checkpoint={run}", f"export.out_dir={run / 'hf'}"]) == 2  # never into a run
+    assert "export.out_dir" in capsys.readouterr().err and not (run / "hf").exists()

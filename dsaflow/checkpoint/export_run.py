@@ -1,7 +1,7 @@
 """`dsaflow export export.checkpoint=RUN_DIR export.out_dir=OUT`: a trained run's model as a Hugging Face checkpoint.
 
 The weights are the run's newest good checkpoint (or the checkpoint folder given), read from its weights-only
-safetensors (dsaflow.run.weights: manifest checked, nothing unpickled); the model is the run dir's config.yaml.
+safetensors (dsaflow.checkpoint.weights: manifest checked, nothing unpickled); the model is the run dir's config.yaml.
 dsaflow.checkpoint.hf_export writes config.json, the sharded safetensors and the index (and the tokenizer of
 model.hf_path, if the run started from a Hugging Face checkpoint).
 """
@@ -14,10 +14,11 @@ from typing import List
 
 from dsaflow.checkpoint.hf_export import write_hf_checkpoint
 from dsaflow.errors import ConfigError
-from dsaflow.checkpoint.store import pinned
-from dsaflow.rundir.folder import CONFIG
 from dsaflow.checkpoint.safetensors_io import load_tensors
+from dsaflow.checkpoint.store import pinned
 from dsaflow.checkpoint.weights import resolve_checkpoint, weight_files
+from dsaflow.outputs import check_output_dir
+from dsaflow.rundir.folder import CONFIG
 
 KEYS = ("export.checkpoint", "export.out_dir")
 
@@ -42,6 +43,7 @@ def export_hf(checkpoint: str, out_dir: str) -> Path:
     """Write the model of `checkpoint` (a run dir or one of its checkpoint folders) to `out_dir`."""
     from dsaflow.config.compose import load_config
 
+    check_output_dir("export.out_dir", out_dir)  # never into a run dir or a checkpoint (dsaflow.outputs)
     ckpt = resolve_checkpoint(checkpoint, field="export.checkpoint")
     config = ckpt.parent.parent / CONFIG
     if not os.path.lexists(config):
@@ -50,6 +52,7 @@ def export_hf(checkpoint: str, out_dir: str) -> Path:
             "Fix: export from inside the training run dir (RUN_DIR/checkpoints/step-N)."
         )
     model_cfg = load_config(config).model
+    check_output_dir("export.out_dir", out_dir, {"export.checkpoint": str(ckpt), "model.hf_path": model_cfg.hf_path})
     tensors = {}
     with pinned(ckpt):
         for f in sorted(set(weight_files(ckpt, "export.checkpoint").values())):
