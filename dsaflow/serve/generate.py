@@ -67,9 +67,11 @@ def load_prompts(serve_cfg) -> List[str]:
     return [p for p, _, _ in load_requests(serve_cfg)]
 
 
-def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Requests:
+def check_serve(cfg, plan: Plan, device_type: Optional[str] = None, hf_headers: bool = True) -> Requests:
     """Everything about a generate job that can be checked in the parent -> its requests. A request that does not
-    fit serve.max_context is rejected (named, the others are served); the job fails only when none fits."""
+    fit serve.max_context is rejected (named, the others are served); the job fails only when none fits.
+    hf_headers: with model.hf_path, check the headers of every tensor the plan needs (the parent; a worker's load
+    checks its own stages' again)."""
     s = cfg.serve  # ranges and choices: dsaflow.config.schema (checked at compose); cross-field rules here
     if s.eos_id is not None and not 0 <= s.eos_id < cfg.model.vocab_size:
         raise ServeError(
@@ -88,7 +90,7 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None) -> Requests:
             f"workers run on cpu. Fix: graphs=off on CPU, or graphs.on_failure=eager to run the blocks eagerly."
         )
     check_transfers(cfg.graphs, plan, device_type)
-    if not s.checkpoint and cfg.model.hf_path:
+    if hf_headers and not s.checkpoint and cfg.model.hf_path:  # the workers' loads check their own tensors again
         check_hf_checkpoint(cfg, plan)
     tok = checkpoint_tokenizer(cfg.model.hf_path)
     loaded = load_requests(s)
@@ -218,7 +220,7 @@ def run_serve(ctx) -> None:
     """The worker's generate job (see the module docstring). A ServeError ends the worker with exit status 2 and
     one paragraph (dsaflow.worker)."""
     cfg, plan = ctx.cfg, ctx.plan
-    reqs = check_serve(cfg, plan, ctx.device.type)
+    reqs = check_serve(cfg, plan, ctx.device.type, hf_headers=False)
     link = None
     if ctx.world_size > 1:
         from dsaflow.pipeline.p2p import StageLink
