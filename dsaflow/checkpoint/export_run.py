@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import List
 
 from dsaflow.checkpoint.hf_export import write_hf_checkpoint
-from dsaflow.errors import ConfigError
 from dsaflow.checkpoint.safetensors_io import load_tensors
 from dsaflow.checkpoint.store import pinned
 from dsaflow.checkpoint.weights import resolve_checkpoint, weight_files
+from dsaflow.errors import ConfigError
 from dsaflow.outputs import check_output_dir
 from dsaflow.rundir.folder import CONFIG
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from dsaflow.config.moe import MoEConfig
-from dsaflow.config.rope import YarnConfig
+from dsaflow.config.moe_schema import MoEConfig
+from dsaflow.config.rope_schema import YarnConfig
 from dsaflow.config.schema import ModelConfig
 from dsaflow.errors import ConfigError
 

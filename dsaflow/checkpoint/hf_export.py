@@ -21,8 +21,8 @@ from typing import Dict, List
 
 import torch
 
-from dsaflow.config.moe import is_moe_layer
-from dsaflow.config.rope import YarnConfig
+from dsaflow.config.moe_schema import is_moe_layer
+from dsaflow.config.rope_schema import YarnConfig
 from dsaflow.errors import ConfigError
 
 from .hf_config import HF_INDEX_NORM_EPS, HF_LATENT_NORM_EPS, hf_model, read_config_json

@@ -22,7 +22,7 @@ from dsaflow.errors import ConfigError
 from .field_checks import check_fields
 from .fields import Choice, make_choice, num
 from .moe_schema import MoEConfig, check_moe
-from .rope import YarnConfig
+from .rope_schema import YarnConfig
 
 Schedule = make_choice(
     "Schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"], __name__
@@ -80,7 +80,7 @@ class ModelConfig:
     # DeepSeek-V3.2 and GLM-5 use 1e-6 for both, whatever their rms_norm_eps
     latent_norm_eps: Optional[float] = num(None, 0, 1, lo_open=True, hi_open=True)
     index_norm_eps: float = num(1e-5, 0, 1, lo_open=True, hi_open=True)
-    rope_scaling: Optional[YarnConfig] = None  # YaRN (dsaflow/config/rope.py); None = plain RoPE
+    rope_scaling: Optional[YarnConfig] = None  # YaRN (dsaflow/config/rope_schema.py); None = plain RoPE
     tie_embeddings: bool = False
     init_std: float = num(0.02, 0, 1, lo_open=True)
     # mixture-of-experts MLPs (DeepSeek-V3 / GLM-5 recipe); None = every layer dense (dsaflow/config/moe_schema.py)

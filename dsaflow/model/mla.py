@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dsaflow.config.rope import softmax_mscale
+from dsaflow.config.rope_schema import softmax_mscale
 from dsaflow.config.schema import ModelConfig
 from dsaflow.ops import indexer_topk, sparse_mla
 from dsaflow.ops.head_proj import absorb_query, head_output

@@ -4,7 +4,7 @@ A rotary vector of `d` dims is split into halves x = [x1 | x2] and rotated pairw
 pos * theta^(-2i/d): out = [x1 cos - x2 sin | x2 cos + x1 sin]. MLA applies it to the whole `qk_rope_head_dim`
 part of q and k; the indexer to the first `index_rope_head_dim` dims of its q and k.
 
-With `model.rope_scaling` (YaRN, dsaflow/config/rope.py) the frequencies blend theta^(-2i/d) (extrapolation, the
+With `model.rope_scaling` (YaRN, dsaflow/config/rope_schema.py) the frequencies blend theta^(-2i/d) (extrapolation, the
 fast pairs) and theta^(-2i/d) / factor (interpolation, the slow pairs) along a linear ramp, and cos and sin carry
 the YaRN attention factor. Checkpoints whose rotary pairs are interleaved, (x[2i], x[2i+1]), map to this layout by
 permuting their projection rows at load (dsaflow/checkpoint/hf_names.py): the dot products are the same.
@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from dsaflow.config.rope import YarnConfig, rope_attention_factor, yarn_ramp_range
+from dsaflow.config.rope_schema import YarnConfig, rope_attention_factor, yarn_ramp_range
 from dsaflow.ops.rope import rope
 
 _INV_FREQ: dict = {}  # (dim, theta, device, yarn fields) -> the frequencies [dim // 2], fp32 on the device
