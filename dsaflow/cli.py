@@ -227,6 +227,9 @@ def _compose_and_plan(overrides: List[str], nproc: Optional[int] = None, command
     if run_dir is not None:
         cfg.run_dir = run_dir
     from dsaflow.checkpoint.indexer_weights import plan_for_checkpoint
+    from dsaflow.config.from_run import settings_from_run
+
+    cfg = settings_from_run(cfg, overrides, command)  # resume, serve, search: the run's own settings
 
     return cfg, plan_for_checkpoint(cfg, command, lambda c: build_plan(c, nproc=nproc))
 

@@ -66,16 +66,17 @@ def run_train(ctx: RunContext, on_trainer=None) -> list:
     tracker = make_tracker(ctx.cfg, str(ctx.run_dir), ctx.is_logging_rank, resume=t.resume)
     tracker.log_config(config_dict(ctx.cfg), ctx.plan.to_dict())
     progress = Progress(t.steps, start, enabled=ctx.is_logging_rank, mode=t.progress)
-    if start == 0:
-        p = ctx.plan
-        ranks, stages = p.pipeline.ranks, p.num_stages
-        msg = (
-            f"training {tr.params:,} parameters on {ranks} rank{'s' * (ranks != 1)} x {ctx.device.type}, "
-            f"{stages} stage{'s' * (stages != 1)}, schedule {ctx.plan.pipeline.schedule}, "
-            f"{ctx.plan.pipeline.microbatches} microbatch{'es' * (ctx.plan.pipeline.microbatches != 1)}"
-        )
-        progress.message(msg)
-        records.log(msg)
+    if start:
+        progress.message(f"resumed from step {start} ({latest[1].name})")
+    p = ctx.plan
+    ranks, stages = p.pipeline.ranks, p.num_stages
+    msg = (
+        f"training {tr.params:,} parameters on {ranks} rank{'s' * (ranks != 1)} x {ctx.device.type}, "
+        f"{stages} stage{'s' * (stages != 1)}, schedule {ctx.plan.pipeline.schedule}, "
+        f"{ctx.plan.pipeline.microbatches} microbatch{'es' * (ctx.plan.pipeline.microbatches != 1)}"
+    )
+    progress.message(msg)
+    records.log(msg)
     history = []
     step = start
     guard = NonFiniteGuard(t.on_nonfinite)
