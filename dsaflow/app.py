@@ -289,7 +289,7 @@ def run_hydra_app(command: str, rest: List[str], nproc: Optional[int], fmt: str,
     global _STATE
     from hydra.core.global_hydra import GlobalHydra
 
-    from dsaflow.config.compose import default_config_dir, quote_layout_overrides
+    from dsaflow.config.compose import check_group_overrides, default_config_dir, quote_layout_overrides
     from dsaflow.config.hydra_private import hydra_args_parser, hydra_run_app
     from dsaflow.config.schema import register_configs
     from dsaflow.launch.interrupts import name_of, status_of, stop_signals_raise
@@ -300,6 +300,7 @@ def run_hydra_app(command: str, rest: List[str], nproc: Optional[int], fmt: str,
         args = parser.parse_args(rest)
     except SystemExit as exc:  # argparse already printed the usage line
         return int(exc.code or 0)
+    check_group_overrides(list(args.overrides), default_config_dir())
     args.overrides = quote_layout_overrides(list(args.overrides))
     planned: List[List[str]] = []
     if args.multirun:

@@ -57,6 +57,12 @@ CONFIG_CASES = [
     ("train", ["train.dtype=fp16"], "train.dtype='fp16'"),
     ("train", ["train.device=tpu"], "train.device='tpu'"),
     ("train", ["train.progress=bar"], "train.progress='bar'"),
+    # a config group given a number, null or no key: the options, not Hydra's traceback
+    ("train", ["pipeline=2"], "pipeline=2: pipeline is a config group"),
+    ("train", ["model=1.5"], "model=1.5: model is a config group"),
+    ("plan", ["index=4"], "Fix: use one of all_full, every2, every4"),
+    ("train", ["train=null"], "train=null: train is a config group"),
+    ("plan", ["=5"], "=5: the override has no key"),
     ("train", ["model.dim=0"], "model.dim=0"),
     ("train", ["model.num_layers=0"], "model.num_layers=0"),
     ("train", ["model.n_heads=-4"], "model.n_heads=-4"),

@@ -110,6 +110,39 @@ def _explain_hydra_error(exc: Exception, config_dir: Path) -> str:
     )
 
 
+def check_group_overrides(overrides: List[str], config_dir: Path) -> None:
+    """A config group takes an option's name: `pipeline=2` or `train=null` would reach Hydra as a number or null,
+    which it reports with a traceback. Say which options exist instead (sweeps are checked job by job)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(quote_layout_overrides(list(overrides)))
+    except Exception:  # noqa: BLE001 - a syntax error is reported by compose with its fix
+        return
+    for p in parsed:
+        key = p.key_or_group
+        if not key:
+            raise ConfigError(
+                f"{p.input_line}: the override has no key before '='. Fix: write key=value, e.g. train.steps=5 "
+                "or pipeline=pp2."
+            )
+        if p.is_sweep_override() or p.is_delete() or not (config_dir / key).is_dir():
+            continue
+        value = p.value()
+        if not isinstance(value, str):
+            shown = "null" if value is None else str(value)
+            opts = ", ".join(_group_options(config_dir, key))
+            raise ConfigError(
+                f"{key}={shown}: {key} is a config group, which takes the name of one of its options, and {shown} "
+                f"is not one. Fix: use one of {opts}; to set one field write {key}.NAME=VALUE (e.g. {_field_example(key)})."
+            )
+
+
+def _field_example(group: str) -> str:
+    examples = {"pipeline": "stages=2", "model": "num_layers=16", "index": "freq=4", "train": "steps=100"}
+    return f"{group}.{examples.get(group, 'NAME=VALUE')}"
+
+
 def _unknown_keys(node, schema, prefix: str = "") -> List[str]:
     """Keys in a composed DictConfig that its dataclass does not declare. Hydra lets `+key=value` add them even to
     a typed config, and OmegaConf.to_object then drops them silently: a typo would be ignored, so we refuse it."""
@@ -157,6 +190,7 @@ def compose(
             f"config dir {cdir} has no config.yaml. Fix: point DSAFLOW_CONFIG_DIR at the repository's configs/ folder."
         )
     check_override_numbers(overrides or [])
+    check_group_overrides(list(overrides or []), cdir)
     register_configs()
     GlobalHydra.instance().clear()
     try:
