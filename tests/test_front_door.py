@@ -158,6 +158,14 @@ def test_interrupt_hint_offers_resume_only_when_a_checkpoint_exists(tmp_path):
     assert interrupt_hint(tmp_path, "generate") == ""
 
 
+def test_the_interrupt_message_starts_on_its_own_line_on_a_terminal(tmp_path):
+    from dsaflow.launch.launch import interrupted_message
+
+    on_tty = interrupted_message("train", signal.SIGINT, 3, tmp_path, tty=True)
+    assert on_tty.startswith("\ndsaflow train: interrupted (SIGINT)") and on_tty.count("\n") == 1
+    assert interrupted_message("train", signal.SIGINT, 3, tmp_path, tty=False).startswith("dsaflow train:")
+
+
 @pytest.mark.slow
 def test_ctrl_c_on_a_run_without_checkpoints_does_not_suggest_a_resume_that_would_be_refused(tmp_path):
     run_dir = tmp_path / "run"

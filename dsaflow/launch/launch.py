@@ -176,6 +176,15 @@ def interrupt_hint(run_dir: Path, job: str) -> str:
     )
 
 
+def interrupted_message(job: str, signum: int, stopped: int, run_dir: Path, tty: bool) -> str:
+    """The one line an interrupt prints. On a terminal the progress bar's line is still open (the workers run in
+    their own session and never see the Ctrl-C), so the message starts on a line of its own."""
+    return (
+        f"{chr(10) if tty else ''}dsaflow {job}: interrupted ({signal.Signals(signum).name}); stopped torchrun and "
+        f"its workers ({stopped} processes). Run dir: {run_dir}{interrupt_hint(run_dir, job)}"
+    )
+
+
 def _proc_state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -260,13 +269,7 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str, time
                 proc.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 pass
-        name = signal.Signals(exc.signum).name
-        print(
-            f"dsaflow {job}: interrupted ({name}); stopped torchrun and its workers ({n} processes). Run dir: "
-            f"{run_dir}{interrupt_hint(run_dir, job)}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(interrupted_message(job, exc.signum, n, run_dir, sys.stderr.isatty()), file=sys.stderr, flush=True)
         return 128 + exc.signum
     finally:
         for s, h in old.items():
