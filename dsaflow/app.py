@@ -49,6 +49,7 @@ class SweepState:
     planned: List[List[str]] = field(default_factory=list)  # the basic sweeper's jobs (for the rows not run)
     results: List[JobResult] = field(default_factory=list)
     objective: str = "eval_loss"  # what a job returns to an optimising sweeper (Optuna): lower is better
+    wandb_group: Optional[str] = None  # the group jobs logged to; None while no job tracks with wandb
 
 
 _STATE: Optional[SweepState] = None
@@ -187,6 +188,8 @@ def job_task(cfg) -> float:
         typed.run_dir = run_dir
         if typed.track.group is None:
             typed.track.group = _sweep_name(state.sweep_dir)
+        if str(typed.track.backend) == "wandb" and str(typed.track.mode) != "disabled" and state.command != "plan":
+            state.wandb_group = typed.track.group
         if typed.track.run_name is None:
             typed.track.run_name = f"{_sweep_name(state.sweep_dir)}-{num}"
         if state.command == "generate" and typed.mode != "serve" and not any(o.startswith("mode=") for o in overrides):
@@ -245,6 +248,27 @@ def run_command(command: str, cfg, plan, fmt: str = "table") -> int:
     from dsaflow.launch.launch import launch
 
     return launch(cfg, plan, command) or 0
+
+
+def _remove_empty_sweep_dir(sweep_dir: Path, results: List[JobResult]) -> None:
+    """`dsaflow plan -m` only prints: take back the folders Hydra made for its jobs (each empty) and its
+    multirun.yaml, and the sweep dir and its parents below the working directory once nothing else is in them."""
+    for r in results:
+        if r.run_dir:
+            try:
+                Path(r.run_dir).rmdir()  # only an empty folder goes
+            except OSError:
+                pass
+    record = sweep_dir / "multirun.yaml"
+    if record.is_file() and not record.is_symlink() and all(p.name == "multirun.yaml" for p in sweep_dir.iterdir()):
+        record.unlink()
+    here, folder = Path.cwd().resolve(), sweep_dir.resolve()
+    while folder != here and here in folder.parents:  # up to the working directory (runs/multirun/...)
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+        folder = folder.parent
 
 
 def _save_logging():
@@ -329,10 +353,14 @@ def run_hydra_app(command: str, rest: List[str], nproc: Optional[int], fmt: str,
         GlobalHydra.instance().clear()
         _restore_logging(saved_logging)
     state, _STATE = _STATE, None
-    if args.multirun and state.sweep_dir:
+    if args.multirun and state.sweep_dir and command == "plan":
+        _remove_empty_sweep_dir(Path(state.sweep_dir), state.results)
+        ok = sum(r.exit_code == 0 for r in state.results)
+        print(f"planned {ok}/{len(state.results)} jobs (plan -m writes nothing)", flush=True)
+    elif args.multirun and state.sweep_dir:
         from dsaflow.track.sweep_summary import write_summary
 
-        print(write_summary(state.sweep_dir, state.results), flush=True)
+        print(write_summary(state.sweep_dir, state.results, state.wandb_group), flush=True)
         if any(r.exit_code != 0 for r in state.results):
             code = code or 1
     return code

@@ -82,6 +82,29 @@ def test_ranges_and_layout_sweeps(fake_launch, capsys):
     assert [[l.role for l in c[1].layers] for c in fake_launch] == [list("FSSSFSFS"), list("FFFFFSFS")]
 
 
+def test_plan_sweeps_leave_nothing_on_disk(fake_launch, tmp_path, capsys):
+    assert cli.main(["plan", "-m", "index=all_full,every4"]) == 0
+    assert cli.main(["plan", "-m", "train.seed=0,1", "hydra.sweep.dir=sw"]) == 0
+    assert list(tmp_path.iterdir()) == []  # no job folders, no multirun.yaml, no summary of blank columns
+    out = capsys.readouterr().out
+    assert "planned 2/2 jobs" in out and "summary" not in out and "| loss |" not in out
+
+
+def test_the_summary_names_a_wandb_group_only_when_jobs_track_with_wandb(fake_launch, capsys):
+    assert cli.main(["train", "-m", "train.seed=0,1", "track=none", "hydra.sweep.dir=sw"]) == 0
+    assert "wandb group" not in capsys.readouterr().out
+    assert cli.main(["train", "-m", "train.seed=0,1", "hydra.sweep.dir=sw2"]) == 0
+    assert "(wandb group sw2)" in capsys.readouterr().out
+
+
+def test_metric_columns_no_job_has_are_left_out(tmp_path):
+    from dsaflow.app import JobResult
+    from dsaflow.track.sweep_summary import summary_rows
+
+    served = [JobResult(i, [f"serve.seed={i}"], str(tmp_path / str(i)), "ok", 0) for i in range(2)]
+    assert list(summary_rows(served)[0]) == ["job", "serve.seed", "status", "run_dir"]
+
+
 def test_a_mistake_in_any_job_stops_the_sweep_before_it_starts(fake_launch, tmp_path, capsys):
     assert cli.main(["train", "-m", "model=tiny,huge", "hydra.sweep.dir=sw"]) == 2
     err = capsys.readouterr().err

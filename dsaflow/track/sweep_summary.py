@@ -7,7 +7,7 @@ import csv
 import io
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from dsaflow.files import UnsafeFile, atomic_write, read_text
 
@@ -72,11 +72,13 @@ def summary_rows(results) -> List[Dict[str, str]]:
         row["status"] = r.status
         row["run_dir"] = r.run_dir or ""
         rows.append(row)
-    return rows
+    blank = [k for k in (*METRICS, "steps") if not any(row[k] for row in rows)]  # e.g. generate jobs: no loss
+    return [{k: v for k, v in row.items() if k not in blank} for row in rows]
 
 
-def write_summary(sweep_dir, results) -> str:
-    """Write summary.csv and summary.md into the sweep dir; -> the markdown table with a header line."""
+def write_summary(sweep_dir, results, wandb_group: Optional[str] = None) -> str:
+    """Write summary.csv and summary.md into the sweep dir; -> the markdown table with a header line.
+    `wandb_group`: the group the jobs logged to (None when no job tracked with wandb)."""
     sweep_dir = Path(sweep_dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     rows = summary_rows(results)
@@ -91,7 +93,7 @@ def write_summary(sweep_dir, results) -> str:
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(r[c].replace("|", "\\|") for c in cols) + " |" for r in rows]
     ok = sum(r.exit_code == 0 for r in results)
-    head = f"sweep {sweep_dir}: {ok}/{len(results)} jobs ok (wandb group {sweep_dir.name})"
+    head = f"sweep {sweep_dir}: {ok}/{len(results)} jobs ok" + (f" (wandb group {wandb_group})" if wandb_group else "")
     text = head + "\n\n" + "\n".join(md) + "\n"
     atomic_write(sweep_dir / "summary.md", text)
     return text + f"\nwrote {sweep_dir / 'summary.csv'} and {sweep_dir / 'summary.md'}"
