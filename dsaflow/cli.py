@@ -72,9 +72,8 @@ def _groups_help() -> str:
     lines = ["overrides (Hydra syntax: key=value, group=option, +key=value); groups and options:"]
     for g in groups:
         lines.append(f"  {g.name}={'|'.join(sorted(p.stem for p in g.glob('*.yaml')))}")
-    lines.append(
-        '  layout="(FSSS)*2|(FSSS)*2"  index.freq=4 index.offset=0  pipeline.boundaries=[0,4]  pipeline.stages=4'
-    )
+    lines.append('  layout="(FSSS)*2|(FSSS)*2" model.num_layers=16    (16 layers on two stages; docs/planning.md)')
+    lines.append("  index.freq=4 index.offset=0  pipeline.boundaries=[0,4]  pipeline.stages=4")
     lines.append("  mode=train|serve  estimate_context=131072  run_dir=DIR (or hydra.run.dir=DIR)")
     lines.append("see docs/planning.md (layouts, plan JSON), docs/training.md (runs, sweeps), docs/search.md.")
     return "\n".join(lines)

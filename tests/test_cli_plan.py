@@ -158,3 +158,21 @@ def test_glm52_pp8_s_boundaries_are_refused_with_alternatives_then_sent(capsys):
     assert [plan.layers[i].source for i in (20, 21, 40, 60)] == [18, 18, 38, 58]
     code, out, _ = run(capsys, *args)
     assert code == 0 and "cross-stage indices: after stages [1, 3, 5]" in out and "sent" in out
+
+
+def test_layout_examples_in_the_help_and_docs_plan_as_written(capsys):
+    """Every `dsaflow plan ... layout=...` in docs/planning.md, and the layout line of `dsaflow plan --help`, plans on
+    the default model with the overrides written beside it."""
+    import re
+    import shlex
+
+    from dsaflow.cli import command_help
+
+    doc = (REPO / "docs" / "planning.md").read_text().replace("\\\n", " ")
+    lines = re.findall(r"dsaflow plan ([^`\n]*layout=[^`\n]*)", doc)
+    lines += [ln.strip() for ln in command_help("plan").splitlines() if ln.strip().startswith("layout=")]
+    assert len(lines) >= 3
+    for line in lines:
+        args = [a for a in shlex.split(line.split("  ")[0].split(" #")[0]) if "=" in a]
+        code, _, err = run(capsys, *args)
+        assert code == 0, f"{line}: {err}"

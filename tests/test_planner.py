@@ -1,4 +1,4 @@
-"""Planner rules, one test (or a few) per rule of DESIGN.md, on configs built without Hydra."""
+"""Planner rules, one test (or a few) per rule of docs/planning.md, on configs built without Hydra."""
 
 import itertools
 import json

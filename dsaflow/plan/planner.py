@@ -1,6 +1,6 @@
 """The planner: a composed config in, a checked `Plan` out. Pure Python: no torch.distributed, no GPU.
 
-Rules (DESIGN.md), in the order they are applied:
+Rules (docs/planning.md), in the order they are applied:
   1. every layer gets a declared role (layout | index.pattern | index.freq | all F) and a stage;
   2. each S layer's source is the nearest preceding F on its stage; a stage whose first layer is S promotes it to F
      (fail closed: without cross-stage indices there is no cache to reuse), and says why;
