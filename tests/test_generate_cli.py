@@ -142,3 +142,23 @@ def test_cross_stage_indices_pp2_pp4_generate_the_one_stage_greedy_tokens(tmp_pa
     eng.capture()
     want = eng.generate([list(p.encode()) for p in PROMPTS])
     assert [json.loads(line)["tokens"] for line in out.read_text().splitlines()] == want
+
+
+def test_prompts_that_carry_an_answer_are_marked_and_counted(tmp_path, capsys):
+    """docs/retrieval_prompts.jsonl carries an "answer" per prompt: each output row says whether the completion
+    starts with it, the printout marks it, and one line gives the count."""
+    from dsaflow.serve.generate import accuracy_line, check_serve, output_rows, write_outputs
+
+    cfg = compose(["mode=serve", f"serve.prompts_file={REPO}/docs/retrieval_prompts.jsonl", "track=none"])
+    reqs = check_serve(cfg, build_plan(cfg), "cpu")
+    assert reqs.answers == list("71233185")
+    rows = output_rows(reqs, {i: list(b"7") if i else list(b"5") for i in range(8)})
+    assert not any(r["correct"] for r in rows) and rows[0]["answer"] == "7"
+    assert accuracy_line(rows).startswith("answers: 0 of 8 right (0.000")
+    rows = output_rows(reqs, {i: list(a.encode()) for i, a in enumerate("71233100")})
+    assert accuracy_line(rows).startswith("answers: 6 of 8 right (0.750")
+    write_outputs(reqs.prompts, [], None, rows)
+    assert "(answer 8: wrong)" in capsys.readouterr().out
+    plain = compose(["mode=serve", "serve.prompts=[hello]", "track=none"])
+    unmarked = output_rows(check_serve(plain, build_plan(plain), "cpu"), {0: list(b"x")})
+    assert "correct" not in unmarked[0] and accuracy_line(unmarked) is None

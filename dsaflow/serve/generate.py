@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -56,6 +56,7 @@ class Requests:
     max_new: List[int]
     where: List[str]
     rejected: List[Optional[str]]
+    answers: List[Optional[str]] = field(default_factory=list)  # the prompts file's "answer" field, when it has one
 
     @property
     def served(self) -> List[int]:
@@ -93,11 +94,13 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None, hf_headers: 
     if hf_headers and not s.checkpoint and cfg.model.hf_path:  # the workers' loads check their own tensors again
         check_hf_checkpoint(cfg, plan)
     tok = checkpoint_tokenizer(cfg.model.hf_path)
-    loaded = load_requests(s)
+    answers: List[Optional[str]] = []
+    loaded = load_requests(s, answers)
     ids = [list(p) if isinstance(p, list) else tok.encode(p) for p, _, _ in loaded]
     check_prompts(ids, cfg.model.vocab_size)
     rejected = [fit_problem(i, q, m, s.max_context, where) for i, (q, (_, m, where)) in enumerate(zip(ids, loaded))]
     reqs = Requests([p for p, _, _ in loaded], ids, [m for _, m, _ in loaded], [w for _, _, w in loaded], rejected)
+    reqs.answers = answers if any(a is not None for a in answers) else []
     if not reqs.served:
         raise ServeError(f"no request fits: {rejected[0]}")
     return reqs
@@ -152,7 +155,19 @@ def output_rows(
                 "tpot_s": stats.get("tpot_s", {}).get(i),
             }
         )
+        if i < len(reqs.answers) and reqs.answers[i] is not None:  # marked: does the completion start with it
+            rows[-1].update(answer=reqs.answers[i], correct=rows[-1]["completion"].startswith(reqs.answers[i]))
     return rows
+
+
+def accuracy_line(rows: List[dict]) -> Optional[str]:
+    """'answers: 7 of 8 right (0.875)' over the rows that carry an answer; None when none does."""
+    marked = [r for r in rows if "correct" in r]
+    if not marked:
+        return None
+    right = sum(r["correct"] for r in marked)
+    why = 'a completion is right when it starts with the prompt\'s "answer"'
+    return f"answers: {right} of {len(marked)} right ({right / len(marked):.3f}; {why})"
 
 
 def serve_requests(engine: PipelineEngine, reqs: Requests) -> Optional[List[dict]]:
@@ -178,8 +193,9 @@ def write_outputs(
         print(f"wrote {len(rows)} completions to {output_file}", flush=True)
         return
     for i, r in enumerate(rows):
+        mark = f"   (answer {r['answer']}: {'right' if r['correct'] else 'wrong'})" if "correct" in r else ""
         print(
-            f"--- [{i}] {shown(r['prompt'], 200)}\n{r.get('completion', 'REJECTED: ' + str(r.get('error')))}",
+            f"--- [{i}] {shown(r['prompt'], 200)}\n{r.get('completion', 'REJECTED: ' + str(r.get('error')))}{mark}",
             flush=True,
         )
 
@@ -273,6 +289,10 @@ def run_serve(ctx) -> None:
     if rows is not None:
         write_outputs(reqs.prompts, [], cfg.serve.output_file, rows)
         print(summary, flush=True)
+        marked = accuracy_line(rows)
+        if marked:
+            print(marked, flush=True)
+            _log(ctx.run_dir, ctx.rank, marked)
     hint = host_bound_hint(st, engine.groups, ctx.rank)
     if hint:  # on the rank it concerns: every rank's host builds every pass, and any of them can be the late one
         print(hint, flush=True)

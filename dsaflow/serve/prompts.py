@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from dsaflow.errors import ServeError, shown
 from dsaflow.files import UnsafeFile, read_text
@@ -56,9 +56,10 @@ def _checked(prompt, where: str):
     return prompt
 
 
-def load_requests(serve_cfg) -> List[Tuple[str, int, str]]:
+def load_requests(serve_cfg, answers: Optional[List[Optional[str]]] = None) -> List[Tuple[str, int, str]]:
     """serve.prompts or serve.prompts_file -> (prompt, max_new_tokens, where) per request, where = "prompt i" or
-    "serve.prompts_file=<file> line n". Raises ServeError naming the prompt or line."""
+    "serve.prompts_file=<file> line n". Raises ServeError naming the prompt or line. `answers`, when given, receives
+    each file line's optional "answer" as a string (None where it has none)."""
     given, path = list(serve_cfg.prompts or []), serve_cfg.prompts_file
     if given and path:
         raise ServeError(
@@ -86,6 +87,7 @@ def load_requests(serve_cfg) -> List[Tuple[str, int, str]]:
             if not (isinstance(row["prompt"], str) or token_ids(row["prompt"])):
                 raise TypeError
             prompt, limit = row["prompt"], row.get("max_new_tokens", serve_cfg.max_new_tokens)
+            answer = row.get("answer")
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise ServeError(
                 f'{where} is not a JSON object with a string "prompt": {shown(line)}. Fix: one {{"prompt": "..."}} '
@@ -97,6 +99,8 @@ def load_requests(serve_cfg) -> List[Tuple[str, int, str]]:
                 "whole number in that range, or drop the key (serve.max_new_tokens applies)."
             )
         out.append((_checked(prompt, where), limit, where))
+        if answers is not None:
+            answers.append(None if answer is None else str(answer))
     if not out:
         raise ServeError(f'{field} holds no prompts. Fix: add {{"prompt": "..."}} lines.')
     return out
