@@ -186,9 +186,12 @@ def job_task(cfg) -> float:
 
         typed = typed_config(cfg, apply_hf_model)
         typed.run_dir = run_dir
+        from dsaflow.config.from_run import settings_from_run
+
+        typed = settings_from_run(typed, overrides, state.command)  # generate / search of a run: its model, layout
         if typed.track.group is None:
             typed.track.group = _sweep_name(state.sweep_dir)
-        if str(typed.track.backend) == "wandb" and str(typed.track.mode) != "disabled" and state.command != "plan":
+        if str(typed.track.backend) == "wandb" and str(typed.track.mode) != "disabled" and state.command == "train":
             state.wandb_group = typed.track.group
         if typed.track.run_name is None:
             typed.track.run_name = f"{_sweep_name(state.sweep_dir)}-{num}"

@@ -247,3 +247,15 @@ def test_a_long_sweep_composes_a_few_jobs_before_it_starts():
     jobs = [[f"train.seed={i}", f"index={x}"] for x in ("all_full", "every4") for i in range(3000)]
     reps = representative_jobs(jobs)
     assert reps == [jobs[0], jobs[2999], jobs[3000]]  # the first; seed's largest; every4's first
+
+
+def test_a_generate_sweep_over_checkpoints_takes_each_runs_model_and_layout(fake_launch, tmp_path, capsys):
+    from dsaflow.config.compose import compose, to_yaml
+
+    for name, index in (("a", "every4"), ("b", "every2")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(to_yaml(compose([f"index={index}", "model.num_layers=4"])))
+    args = ["generate", "-m", "serve.checkpoint=a,b", "serve.prompts=[hi]", "hydra.sweep.dir=sw"]
+    assert cli.main(args) == 1  # the fake launch fails index=every4 jobs
+    assert [(c[0].index.name, c[0].model.num_layers) for c in fake_launch] == [("every4", 4), ("every2", 4)]
+    assert "wandb group" not in capsys.readouterr().out  # generate jobs log to no tracker
