@@ -21,7 +21,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 def _run(tmp_path, *overrides) -> Path:
     """A run dir as `dsaflow train` leaves it, as far as the settings go: its resolved config.yaml."""
     run = tmp_path / "run"
-    run.mkdir()
+    run.mkdir(parents=True)
     (run / "config.yaml").write_text(to_yaml(compose(list(overrides))))
     return run
 
@@ -58,6 +58,14 @@ def test_a_model_other_than_the_runs_names_the_field_both_values_and_the_fix(tmp
     text = str(err.value)
     assert "model=small" in text and "model=tiny" in text and "model.num_layers is 8 in the run, 12 as given" in text
     assert "Fix: drop model=small" in text
+    small = _run(tmp_path / "s", "model=small")  # one field given: only that field is compared
+    given = ["mode=serve", f"serve.checkpoint={small}", "model.num_layers=4"]
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.num_layers=4: .* model=small, .* model.num_layers is 12 in the run, "
+        r"4 as given\. Fix",
+    ):
+        settings_from_run(compose(given), given, "generate", report=lambda msg: None)
     same = ["mode=serve", f"serve.checkpoint={run}", "model=tiny"]  # naming the run's own model is fine
     assert settings_from_run(compose(same), same, "generate", report=lambda msg: None).model.name == "tiny"
 

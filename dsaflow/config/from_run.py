@@ -97,11 +97,6 @@ def settings_from_run(cfg: DSAFlowConfig, overrides: List[str], command: str, re
     given = {key.split(".")[0] for key, _ in touched}
     for key in list(given):
         given.update(LINKED.get(key, ()))
-    model_words = [text for key, text in touched if key.split(".")[0] == "model"]
-    if "model" in sections and model_words:
-        problem = _model_mismatch(run_cfg.model, cfg.model, field, path, model_words)
-        if problem:
-            raise ConfigError(problem)
     out, old, new = OmegaConf.structured(cfg), OmegaConf.structured(run_cfg), OmegaConf.structured(cfg)
     for section in sections:
         if section not in given:
@@ -113,6 +108,11 @@ def settings_from_run(cfg: DSAFlowConfig, overrides: List[str], command: str, re
             for key in keys:
                 OmegaConf.update(out, key, OmegaConf.select(new, key), merge=False)
     merged = OmegaConf.to_object(out)
+    model_words = [text for key, text in touched if key.split(".")[0] == "model"]
+    if "model" in sections and model_words:  # the run's model with the user's changes must still be the run's
+        problem = _model_mismatch(run_cfg.model, merged.model, field, path, model_words)
+        if problem:
+            raise ConfigError(problem)
     validate(merged)
     honour_wandb_mode(merged)
     taken = [s for s in sections if s not in given]
