@@ -35,12 +35,15 @@ EXAMPLES = {
   dsaflow train model=small data=text data.path=README.md track=online
   dsaflow train -m index=all_full,every4 train.steps=100          # a sweep: one run dir per job + summary
   dsaflow train -m train.lr=1e-3,3e-3 train.seed='range(0,3)'    # 6 jobs, one after another
-  dsaflow train train.resume=true run_dir=runs/<name>""",
-    "generate": """examples:
+  dsaflow train train.resume=true run_dir=runs/<name>  # the run's own settings; add only what changes""",
+    "generate": """serve.checkpoint=RUN serves RUN's model and layout (from its config.yaml).
+
+examples:
   dsaflow generate serve.checkpoint=runs/<name> serve.max_new_tokens=1 serve.prompts='["qmzj xwv K7; pllr ?K"]'
   dsaflow generate serve.checkpoint=runs/<name> serve.prompts_file=prompts.jsonl pipeline=pp2
-      # prompts.jsonl: one JSON object per line, {"prompt": "qmzj xwv K7; pllr ?K"}
-  dsaflow generate model=small graphs=decode_prefill serve.checkpoint=runs/<name>   # CUDA graphs (GPU)""",
+      # prompts.jsonl: one JSON object per line, {"prompt": "qmzj xwv K7; pllr ?K", "answer": "7"} ("answer":
+      # optional; generate marks each completion against it and counts the right ones)
+  dsaflow generate graphs=decode_prefill serve.checkpoint=runs/<name>   # CUDA graphs (GPU)""",
     "search": """search.checkpoint is an index=all_full run; the stage split comes from pipeline.* (each stage's
 first layer stays F); out_dir defaults to RUN_DIR/search.
 
