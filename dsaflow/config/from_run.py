@@ -39,7 +39,7 @@ LINKED = {"index": ("index", "layout"), "layout": ("index", "layout")}
 def run_source(cfg: DSAFlowConfig, command: str) -> Optional[Tuple[str, str, str]]:
     """(reader, field, path) when this command reads a run: resume, serve or search; else None."""
     if command == "train" and cfg.train.resume and cfg.run_dir:
-        return "resume", "train.resume", cfg.run_dir
+        return "resume", "run_dir", cfg.run_dir
     if (command == "generate" or (command == "plan" and str(cfg.mode) == "serve")) and cfg.serve.checkpoint:
         return "serve", "serve.checkpoint", cfg.serve.checkpoint
     if command == "search" and cfg.search.checkpoint:
@@ -67,11 +67,12 @@ def touched_paths(overrides: List[str]) -> List[Tuple[str, str]]:
     return [(p.key_or_group.replace("/", "."), p.input_line) for p in parsed]
 
 
-def _model_mismatch(run_model, given_model, field: str, path: str, words: List[str]) -> Optional[str]:
+def _model_mismatch(run_model, given_model, field: str, path: str, touched) -> Optional[str]:
     old, new = dataclasses.asdict(run_model), dataclasses.asdict(given_model)
     diff = [k for k in new if k != "name" and str(old.get(k)) != str(new[k])]
     if not diff:
         return None
+    words = [text for key, text in touched if key == "model" or key in {f"model.{k}" for k in diff}]
     pairs = "; ".join(f"model.{k} is {old.get(k)!r} in the run, {new[k]!r} as given" for k in diff[:3])
     more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
     return (
@@ -108,9 +109,8 @@ def settings_from_run(cfg: DSAFlowConfig, overrides: List[str], command: str, re
             for key in keys:
                 OmegaConf.update(out, key, OmegaConf.select(new, key), merge=False)
     merged = OmegaConf.to_object(out)
-    model_words = [text for key, text in touched if key.split(".")[0] == "model"]
-    if "model" in sections and model_words:  # the run's model with the user's changes must still be the run's
-        problem = _model_mismatch(run_cfg.model, merged.model, field, path, model_words)
+    if "model" in sections and "model" in given:  # the run's model with the user's changes must still be the run's
+        problem = _model_mismatch(run_cfg.model, merged.model, field, path, touched)
         if problem:
             raise ConfigError(problem)
     validate(merged)
