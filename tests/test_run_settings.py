@@ -29,12 +29,12 @@ def _run(tmp_path, *overrides) -> Path:
 def test_resume_keeps_the_runs_pipeline_and_training_settings_and_takes_only_what_the_user_changes(tmp_path):
     run = _run(tmp_path, "pipeline=pp2", "train.ckpt_every=50", "train.steps=300", "index=every2", "track=none")
     given = ["train.resume=true", f"run_dir={run}", "train.steps=600"]
-    cfg = settings_from_run(compose(given), given, "train", report=lambda msg: None)
+    cfg = settings_from_run(compose(given), given, "train")
     assert (cfg.pipeline.name, cfg.pipeline.stages) == ("pp2", 2)
     assert (cfg.train.ckpt_every, cfg.train.steps, cfg.train.resume) == (50, 600, True)
     assert (cfg.index.name, str(cfg.track.mode)) == ("every2", "disabled")
     again = ["train.resume=true", f"run_dir={run}", "pipeline=pp4"]  # a whole group given: the user's group
-    assert settings_from_run(compose(again), again, "train", report=lambda msg: None).pipeline.stages == 4
+    assert settings_from_run(compose(again), again, "train").pipeline.stages == 4
 
 
 def test_generate_and_search_take_the_model_and_layout_from_the_run_or_its_checkpoint_folder(tmp_path):
@@ -43,10 +43,10 @@ def test_generate_and_search_take_the_model_and_layout_from_the_run_or_its_check
     folder.mkdir(parents=True)
     for path in (run, folder):
         given = ["mode=serve", f"serve.checkpoint={path}"]
-        cfg = settings_from_run(compose(given), given, "generate", report=lambda msg: None)
+        cfg = settings_from_run(compose(given), given, "generate")
         assert (cfg.index.name, cfg.index.promote, cfg.model.num_layers) == ("every4", False, 4)
     given = [f"search.checkpoint={run}", "pipeline=pp2"]
-    cfg = settings_from_run(compose(given), given, "search", report=lambda msg: None)
+    cfg = settings_from_run(compose(given), given, "search")
     assert (cfg.model.num_layers, cfg.data.num_pairs, cfg.pipeline.stages, cfg.index.name) == (4, 3, 2, "all_full")
 
 
@@ -65,9 +65,9 @@ def test_a_model_other_than_the_runs_names_the_field_both_values_and_the_fix(tmp
         match=r"^model.num_layers=4: .* model=small, .* model.num_layers is 12 in the run, "
         r"4 as given\. Fix",
     ):
-        settings_from_run(compose(given), given, "generate", report=lambda msg: None)
+        settings_from_run(compose(given), given, "generate")
     same = ["mode=serve", f"serve.checkpoint={run}", "model=tiny"]  # naming the run's own model is fine
-    assert settings_from_run(compose(same), same, "generate", report=lambda msg: None).model.name == "tiny"
+    assert settings_from_run(compose(same), same, "generate").model.name == "tiny"
 
 
 def test_generate_with_another_model_exits_2_naming_the_mismatch_not_missing_indexer_weights(tmp_path):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -82,7 +81,7 @@ def _model_mismatch(run_model, given_model, field: str, path: str, touched) -> O
     )
 
 
-def settings_from_run(cfg: DSAFlowConfig, overrides: List[str], command: str, report=None) -> DSAFlowConfig:
+def settings_from_run(cfg: DSAFlowConfig, overrides: List[str], command: str) -> DSAFlowConfig:
     """`cfg` (composed from `overrides`) with the sections a run supplies read from that run, except where the
     overrides change them. Returns cfg itself when the command reads no run or the path has no config.yaml."""
     from dsaflow.config.compose import honour_wandb_mode, load_config
@@ -115,11 +114,4 @@ def settings_from_run(cfg: DSAFlowConfig, overrides: List[str], command: str, re
             raise ConfigError(problem)
     validate(merged)
     honour_wandb_mode(merged)
-    taken = [s for s in sections if s not in given]
-    if taken:
-        (report or _stderr)(f"dsaflow: {field}: {', '.join(taken)} from {run_dir / CONFIG}")
     return merged
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
