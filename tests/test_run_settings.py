@@ -126,3 +126,19 @@ def test_the_printed_resume_command_works_as_pasted_and_keeps_the_runs_settings(
 
     cfg = load_config(run / "config.yaml")
     assert (cfg.pipeline.name, cfg.train.ckpt_every, cfg.train.batch_size, cfg.train.resume) == ("pp2", 2, 4, True)
+
+
+def test_prepare_of_a_resume_keeps_the_runs_settings(tmp_path):
+    """`python -m dsaflow.launch.launch prepare` (multi-node) reads a resumed run like `dsaflow train` does: it gets
+    as far as the checkpoint check, past the stage comparison that a default pipeline would fail."""
+    run = tmp_path / "run"
+    for args in (["pipeline=pp2", "track=none", f"run_dir={run}"], ["train.resume=true", f"run_dir={run}"]):
+        res = subprocess.run(
+            [sys.executable, "-m", "dsaflow.launch.launch", "prepare", *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=ENV,
+            timeout=120,
+        )
+    assert res.returncode == 2 and "holds no complete checkpoint" in res.stderr, res.stderr

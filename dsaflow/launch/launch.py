@@ -356,12 +356,14 @@ def main(argv=None) -> int:
         print("usage: python -m dsaflow.launch.launch prepare [hydra overrides]", file=sys.stderr)
         return 2
     from dsaflow.config.compose import compose
+    from dsaflow.config.from_run import settings_from_run
     from dsaflow.plan import build_plan
 
     try:
         from dsaflow.checkpoint.hf_config import apply_hf_model
 
         cfg = compose(args[1:], model_source=apply_hf_model)
+        cfg = settings_from_run(cfg, args[1:], "train")  # a resume keeps the run's settings
         print(prepare(cfg, build_plan(cfg)))
     except PlanError as exc:
         print(f"dsaflow: error: {exc}", file=sys.stderr)
