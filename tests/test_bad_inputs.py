@@ -154,7 +154,11 @@ CONFIG_CASES = [
     ("train", ["run_dir={files}/afile/sub"], "is a file"),
     ("train", ["run_dir={files}/notempty"], "is not empty"),
     ("train", ["run_dir={files}/crafted"], "holds another run"),
-    ("train", ["run_dir={files}/crafted", "train.resume=true", "model.dim=32"], "model.dim is 64 in the run, 32 as given"),
+    (
+        "train",
+        ["run_dir={files}/crafted", "train.resume=true", "model.dim=32"],
+        "model.dim is 64 in the run, 32 as given",
+    ),
     ("train", ["run_dir={files}/crafted", "train.resume=true", "index=every4"], "layer roles"),
     ("train", ["run_dir={files}/crafted", "train.resume=true", "pipeline=pp2"], "stages"),
     ("train", ["run_dir={files}/crafted", "train.resume=true", "train.seed=3"], "train.seed"),
