@@ -45,6 +45,9 @@ def test_generate_and_search_take_the_model_and_layout_from_the_run_or_its_check
         given = ["mode=serve", f"serve.checkpoint={path}"]
         cfg = settings_from_run(compose(given), given, "generate")
         assert (cfg.index.name, cfg.index.promote, cfg.model.num_layers) == ("every4", False, 4)
+    from dsaflow.config.from_run import run_dir_of
+
+    assert run_dir_of(str(folder)) == run and run_dir_of(str(run / "elsewhere" / "x")) is None  # only checkpoints/
     given = [f"search.checkpoint={run}", "pipeline=pp2"]
     cfg = settings_from_run(compose(given), given, "search")
     assert (cfg.model.num_layers, cfg.data.num_pairs, cfg.pipeline.stages, cfg.index.name) == (4, 3, 2, "all_full")

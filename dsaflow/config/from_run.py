@@ -50,7 +50,7 @@ def run_dir_of(path: str) -> Optional[Path]:
     """The run dir of a run dir or of one of its checkpoint folders (RUN/checkpoints/step-N); None if neither
     holds a config.yaml (the command's own checks then say what is wrong with the path)."""
     p = Path(path)
-    for candidate in (p, p.parent.parent):
+    for candidate in (p, p.parent.parent) if p.parent.name == "checkpoints" else (p,):
         if os.path.isfile(candidate / CONFIG):
             return candidate
     return None
