@@ -116,7 +116,7 @@ def test_shell_completion_installs_for_dsaflow_and_completes_commands_and_option
         return res.stdout.split()
 
     assert complete("dsaflow tr") == ["train"]
-    assert complete("dsaflow train model=ti") == ["model=tiny"]
+    assert complete("dsaflow train model=ds") == ["model=dsv32"]  # one option starts with ds
     assert "serve.max_new_tokens=" in complete("dsaflow generate serve.max_n")
     refused = dsaflow("-sc", "install=bash")  # python -m dsaflow.cli: no command name a shell could complete
     assert refused.returncode == 2 and "Fix:" in refused.stderr and "Traceback" not in refused.stderr
