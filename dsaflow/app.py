@@ -254,17 +254,20 @@ def run_command(command: str, cfg, plan, fmt: str = "table") -> int:
 
 
 def _remove_empty_sweep_dir(sweep_dir: Path, results: List[JobResult]) -> None:
-    """`dsaflow plan -m` only prints: take back the folders Hydra made for its jobs (each empty) and its
-    multirun.yaml, and the sweep dir and its parents below the working directory once nothing else is in them."""
+    """`dsaflow plan -m` only prints: take back the folders Hydra made for its jobs (each empty), its
+    multirun.yaml and the sweep's lock file, and the sweep dir and its parents below the working directory once nothing else is in them."""
     for r in results:
         if r.run_dir:
             try:
                 Path(r.run_dir).rmdir()  # only an empty folder goes
             except OSError:
                 pass
-    record = sweep_dir / "multirun.yaml"
-    if record.is_file() and not record.is_symlink() and all(p.name == "multirun.yaml" for p in sweep_dir.iterdir()):
-        record.unlink()
+    from dsaflow.run.lock import LOCK
+
+    ours = ("multirun.yaml", LOCK)  # Hydra's record of the sweep; the lock the sweep held (released by now)
+    if sweep_dir.is_dir() and all(p.name in ours and p.is_file() and not p.is_symlink() for p in sweep_dir.iterdir()):
+        for name in ours:
+            (sweep_dir / name).unlink(missing_ok=True)
     here, folder = Path.cwd().resolve(), sweep_dir.resolve()
     while folder != here and here in folder.parents:  # up to the working directory (runs/multirun/...)
         try:
