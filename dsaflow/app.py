@@ -262,7 +262,7 @@ def _remove_empty_sweep_dir(sweep_dir: Path, results: List[JobResult]) -> None:
                 Path(r.run_dir).rmdir()  # only an empty folder goes
             except OSError:
                 pass
-    from dsaflow.run.lock import LOCK
+    from dsaflow.rundir.lock import LOCK
 
     ours = ("multirun.yaml", LOCK)  # Hydra's record of the sweep; the lock the sweep held (released by now)
     if sweep_dir.is_dir() and all(p.name in ours and p.is_file() and not p.is_symlink() for p in sweep_dir.iterdir()):
