@@ -61,7 +61,7 @@ def _run_job(cfg, plan, run_dir: str, job: str) -> None:
     # a peer may still finish its last collective (final checkpoint, tracker) when this rank is done
     with leave_together(ctx.group):
         if job == "train":
-            from dsaflow.train.loop import run_train
+            from dsaflow.train.trainer import run_train
 
             run_train(ctx)
         else:

@@ -3,6 +3,7 @@ everything; lr schedule; a non-finite gradient skips the update instead of poiso
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 
@@ -126,3 +127,12 @@ def test_text_evaluation_reports_bits_per_byte(tmp_path, trainer):
     out = Trainer(ctx).evaluate(0)
     assert "eval_acc" not in out and out["eval_bpb"] == pytest.approx(out["eval_loss"] / math.log(2), rel=1e-12)
     assert 4 < out["eval_bpb"] < 12  # an untrained model over 256 byte values: about 8 bits
+
+
+def test_the_training_step_fits_on_one_screen():
+    """Trainer.step reads top to bottom: zero_grad, batch, schedule, clip, optimisers, lr schedule in <= 40 lines."""
+    lines = inspect.getsource(Trainer.step).splitlines()
+    assert len(lines) <= 40, f"Trainer.step is {len(lines)} lines: move bookkeeping into helpers (train/metrics.py)"
+    body = "\n".join(lines)
+    for call in ("zero_grad", "self.data.batch", "clip_global", ".step()", "advance(self.scheds)"):
+        assert call in body, f"Trainer.step no longer shows {call}"

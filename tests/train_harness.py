@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from dsaflow.pipeline.run_context import RunContext
-    from dsaflow.train.loop import run_train
+    from dsaflow.train.trainer import run_train
 
     try:
         for i, cfg in enumerate(cfgs):

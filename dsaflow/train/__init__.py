@@ -1,2 +1,2 @@
-"""Training one pipeline rank: the loop (`loop.run_train`), the Trainer (stages, schedule, optimisers, data), the
-pipelining plumbing, optimisers and clipping, and step metrics (checkpoints: dsaflow.checkpoint)."""
+"""Training one pipeline rank: the Trainer and its loop (`trainer.run_train`; `Trainer.step` is the step on one
+screen), the pipelining plumbing, optimisers and clipping, and step metrics (checkpoints: dsaflow.checkpoint)."""

@@ -1,32 +1,39 @@
-"""One pipeline rank's training machinery: stages, schedule, optimisers, data; `step()` and `evaluate()`.
+"""Training one pipeline rank: `run_train(ctx)` builds the `Trainer` (stages, schedule, optimisers, data) and runs
+its loop (`train()`: resume, steps, evaluation, checkpoints, tracking). `Trainer.step` is one optimiser step on one
+screen: zero the gradients, take the batch, run the pipeline schedule, clip, update, advance the lr schedule.
 
 Every rank runs the same sequence of calls; only the rank holding stage 0 feeds inputs and only the rank holding
 the last stage feeds targets and sees losses. Per-step metrics that live on other ranks (stage compute time,
-indexer loss) reach the logging rank through one small all-reduce.
+indexer loss, expert load) reach the logging rank through one small all-reduce (dsaflow/train/metrics.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
-from dsaflow.config.moe_schema import is_moe_layer
+from dsaflow.checkpoint.store import newest_good_checkpoint
+from dsaflow.checkpoint.training_state import load_checkpoint, save_checkpoint
+from dsaflow.checkpoint.weights import WEIGHTLESS_MODEL_FIELDS, load_model_weights
 from dsaflow.data import BatchSource
 from dsaflow.data.hf_tokenizer import checkpoint_tokenizer
+from dsaflow.errors import CheckpointError
 from dsaflow.model import StageModule
 from dsaflow.pipeline.run_context import RunContext
 from dsaflow.pipeline.stages import stage_module
+from dsaflow.rundir.folder import checkpoint_dir
+from dsaflow.track import Progress, make_tracker
 
 from .expert_balance import ExpertBalance
 from .forward_pass import ForwardPipeline
-from .metrics import model_flops_per_token, peak_tflops_per_rank
-from .nonfinite import nonfinite_flag
+from .metrics import RunRecords, StepMetrics, count_parameters
+from .nonfinite import NonFiniteGuard
 from .optim import advance, build_optimizers, build_schedulers, clip_global
 from .pipeline import LMLoss, TrainStage, build_pipeline_stages, build_schedule
 
@@ -38,6 +45,24 @@ def enable_determinism() -> None:
     paths. warn_only: an op without a deterministic implementation warns (naming itself) instead of stopping."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def run_train(ctx: RunContext, on_trainer=None) -> list:
+    """Train from step 0 (or the latest checkpoint with train.resume=true) to train.steps; returns the logged
+    metric records of this rank (complete on the logging rank). `on_trainer(trainer)` lets tests and benchmarks
+    inspect the Trainer (gradients, stages) after the run."""
+    trainer = Trainer(ctx)
+    if on_trainer is not None:
+        on_trainer(trainer)
+    return trainer.train()
+
+
+def config_dict(cfg) -> dict:
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 class Trainer:
@@ -76,23 +101,12 @@ class Trainer:
             (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
         )
         self.tokens_per_step = t.batch_size * t.seq_len
-        m = cfg.model
-        self.balance = ExpertBalance(self.modules, m.num_layers, m.moe.bias_update_rate if m.moe else 0.0)
-        self.moe_layer_ids = [i for i in range(m.num_layers) if is_moe_layer(m, i)]
-        self._count_params()
-
-    def _count_params(self) -> None:
-        n = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        for m in self.modules:
-            n[0] += sum(p.numel() for p in m.parameters())
-            if m.embed is not None:
-                n[1] += m.embed.weight.numel()
-        dist.all_reduce(n, group=self.ctx.group)
-        self.params, self.embedding_params = int(n[0]), int(n[1])
-        peak = peak_tflops_per_rank(self.t, self.ctx.device)
-        self.peak_flops = None if peak is None else peak * 1e12 * self.ctx.plan.pipeline.ranks
-        self.flops_per_token = model_flops_per_token(
-            self.ctx.cfg.model, self.ctx.plan, self.t.seq_len, self.params, self.embedding_params
+        moe = cfg.model.moe
+        self.balance = ExpertBalance(self.modules, cfg.model.num_layers, moe.bias_update_rate if moe else 0.0)
+        self.params, embedding_params = count_parameters(self.modules, ctx.device, ctx.group)
+        timed = [(s.index, ps.timer, w.indexer_losses) for s, ps, w in zip(self.local, self.pstages, self.wrappers)]
+        self.metrics = StepMetrics(
+            ctx, timed, self.loss_fn, self.balance, self.tokens_per_step, self.params, embedding_params
         )
 
     def start_at(self, step: int) -> None:
@@ -123,17 +137,12 @@ class Trainer:
         )
 
     def step(self, step: int) -> Dict[str, float]:
-        """One optimiser step on batch `step`. Returns metrics (complete on the logging rank)."""
-        t0 = time.perf_counter()
-        dense = self.dense_phase(step)
-        for w in self.wrappers:
-            w.attn = "dense" if dense else "sparse"
-            w.indexer_losses.clear()
-        for s in self.pstages:
-            s.timer.reset()
+        """One optimiser step on batch `step`: forward and backward through the pipeline, clip, update, advance the
+        lr schedule. Returns metrics (complete on the logging rank)."""
+        self.metrics.start()
         for o in (self.opt.main, self.opt.indexer):
             o.zero_grad(set_to_none=True)
-        self.loss_fn.reset()
+        dense = self.dense_phase(step)
         x, y = self.data.batch(step)
         losses: list = []
         if dense:  # frozen main model: each stage backpropagates only its indexer loss (no pipeline backward)
@@ -149,51 +158,19 @@ class Trainer:
             self.opt.main.step()
         if not skip_idx:
             self.opt.indexer.step()
+        # after the optimizer step, model updates that follow the new weights. MoE: each layer's selection bias
+        # moves against the step's expert load (which the metrics report), when the main model was updated
+        self.balance.after_step(self.metrics.expert_load, update=not dense and not skip_main)
         advance(self.scheds)
-
-        S, R = self.ctx.plan.num_stages, self.ctx.plan.pipeline.ranks
-        nf_slot = 2 * S + R  # the non-finite flag's slot; expert balance after it
-        vec = torch.zeros(nf_slot + 1 + self.balance.width(), dtype=torch.float64, device=self.ctx.device)
-        self.balance.after_step(vec[nf_slot + 1 :], update=not dense and not skip_main)
-        if self.ctx.is_cuda:  # peak device memory of this rank since the run started (weights, optimiser, activations)
-            vec[2 * S + self.ctx.rank % R] = torch.cuda.max_memory_allocated(self.ctx.device) / 2**30
-        for ps, w, sp in zip(self.pstages, self.wrappers, self.local):
-            vec[sp.index] = ps.timer.seconds()
-            if w.indexer_losses:
-                vec[S + sp.index] = torch.stack(w.indexer_losses).mean().double()
-        vec[nf_slot] = nonfinite_flag([*losses, *(x for w in self.wrappers for x in w.indexer_losses)], vec.device)
-        dist.all_reduce(vec, group=self.ctx.group)
-        if self.ctx.is_cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        busy = vec[:S].tolist()
-        m: Dict[str, float] = {
+        update = {
             "lr": lr,
             "grad_norm": grad_norm,
             "indexer_grad_norm": idx_norm,
             "dense": float(dense),
             "skipped_main": float(skip_main),
             "skipped_indexer": float(skip_idx),
-            "step_time_s": wall,
-            "tokens_per_s": self.tokens_per_step / wall,
-            "indexer_loss": float(vec[S : 2 * S].sum()),  # vec = [busy | indexer loss | memory | non-finite | experts]
-            "pipeline_efficiency": sum(busy) / (self.ctx.plan.pipeline.ranks * wall),
-            "nonfinite_losses": float(vec[nf_slot]),  # > 0: some stage's loss was NaN/inf (train.on_nonfinite decides)
         }
-        for s in range(S):
-            m[f"stage{s}_time_s"] = busy[s]
-            m[f"stage{s}_indexer_loss"] = float(vec[S + s])
-        if self.ctx.is_cuda:
-            for r in range(R):
-                m[f"rank{r}_peak_mem_gib"] = float(vec[2 * S + r])
-        m.update(self.balance.metrics(vec[nf_slot + 1 :], self.moe_layer_ids))
-        if self.peak_flops:
-            m["mfu"] = self.flops_per_token * m["tokens_per_s"] / self.peak_flops
-        if self.has_last:
-            m["loss"] = float(torch.stack([l.detach().float() for l in losses]).mean())
-            if self.data.has_answers:
-                m["acc"] = self.loss_fn.accuracy()
-        return m
+        return self.metrics.finish(update, losses)
 
     def evaluate(self, step: int) -> Dict[str, float]:
         """Mean LM loss and retrieval exact-match accuracy over train.eval_batches held-out batches: forward-only
@@ -213,3 +190,112 @@ class Trainer:
         if self.data.has_answers:
             out["eval_acc"] = self.loss_fn.accuracy()
         return out
+
+    def train(self) -> list:
+        """The loop: steps from the start (0, or where `restore` resumes) to train.steps, evaluation every
+        train.eval_every steps and at the end, a checkpoint every train.ckpt_every steps and at the end, each step's
+        record to metrics.jsonl, the tracker and (every train.log_every) train.log. Returns the records."""
+        ctx, t = self.ctx, self.t
+        records = RunRecords(ctx.run_dir, ctx.is_logging_rank, ctx.rank)
+        start = self.restore(records)
+        tracker = make_tracker(ctx.cfg, str(ctx.run_dir), ctx.is_logging_rank, resume=t.resume)
+        tracker.log_config(config_dict(ctx.cfg), ctx.plan.to_dict())
+        progress = Progress(t.steps, start, enabled=ctx.is_logging_rank, mode=t.progress)
+        if start:
+            progress.message(f"resumed from step {start} ({self.resumed_from.name})")
+        header = self.describe()
+        progress.message(header)
+        records.log(header)
+        history, stopped = [], False
+        guard = NonFiniteGuard(t.on_nonfinite)
+
+        def say(line: str) -> None:
+            progress.message(line)
+            records.log(line)
+
+        try:
+            for step in range(start, t.steps):
+                m = self.step(step)
+                done = step + 1
+                eval_due = done == t.steps or (t.eval_every and done % t.eval_every == 0)
+                if eval_due:
+                    m.update(self.evaluate(step))
+                record = {"step": done, "time": time.time(), **m}
+                records.metrics(record)
+                tracker.log(m, step=done)
+                history.append(record)
+                show = done % t.log_every == 0 or done == t.steps or eval_due
+                progress.update(done, m, print_line=show)
+                guard.after_step(done, m, say)  # train.on_nonfinite: stop (raises) before anything is saved, or skip
+                if show:
+                    records.log_step(record)
+                if t.ckpt_every and done % t.ckpt_every == 0 and done != t.steps:
+                    self.save(done)
+                if t.stop_at_step is not None and done == t.stop_at_step and done != t.steps:
+                    stopped = True
+                    progress.message(f"stopping after step {done} (train.stop_at_step); resume with train.resume=true")
+                    break
+            if not stopped and t.final_ckpt:
+                self.save(t.steps)
+        finally:
+            progress.close()
+            tracker.finish()
+            records.close()
+        return history
+
+    def describe(self) -> str:
+        """The run's header line: parameters, ranks, stages, schedule, microbatches."""
+        p = self.ctx.plan
+        ranks, stages, mbs = p.pipeline.ranks, p.num_stages, p.pipeline.microbatches
+        return (
+            f"training {self.params:,} parameters on {ranks} rank{'s' * (ranks != 1)} x {self.ctx.device.type}, "
+            f"{stages} stage{'s' * (stages != 1)}, schedule {p.pipeline.schedule}, "
+            f"{mbs} microbatch{'es' * (mbs != 1)}"
+        )
+
+    def restore(self, records: RunRecords) -> int:
+        """train.resume: the newest good checkpoint's weights, optimiser and schedule; train.init_from: another
+        run's model weights only; model=hf: the Hugging Face checkpoint's weights. -> the first step to run (0 unless
+        resumed)."""
+        ctx, t = self.ctx, self.t
+        if t.resume:
+            # the parent checked the run (dsaflow.checkpoint.resume.check_resume); every rank picks the same checkpoint
+            latest = newest_good_checkpoint(ctx.run_dir, records.log if ctx.is_logging_rank else None)
+            if latest is None:
+                raise CheckpointError(
+                    f"train.resume=true but {ctx.run_dir}/checkpoints holds no good checkpoint. Fix: "
+                    "start a new run_dir, or resume a run that saved one."
+                )
+            start = load_checkpoint(latest[1], self.modules, self.opt, ctx.rank, ctx.group)
+            self.start_at(start)
+            records.truncate_after(start)
+            records.log(f"resumed from {latest[1]} at step {start}")
+            self.resumed_from = latest[1]
+            return start
+        if t.init_from:  # a new run from another run's model weights (checked in the parent: check_init_from)
+            modules = {s.index: m for s, m in zip(self.local, self.modules)}
+            ckpt = load_model_weights(modules, t.init_from, ctx.cfg.model, "train.init_from", WEIGHTLESS_MODEL_FIELDS)
+            records.log(f"model weights from {ckpt}; optimiser and schedule start afresh")
+        elif ctx.cfg.model.hf_path:  # model=hf: the checkpoint's own weights, this rank's tensors only
+            from dsaflow.checkpoint.hf_weights import load_hf_weights
+
+            hf_path = ctx.cfg.model.hf_path
+            modules = {s.index: m for s, m in zip(self.local, self.modules)}
+            nbytes = load_hf_weights(modules, hf_path, ctx.cfg.model, records.log)
+            line = f"[rank {ctx.rank}] model weights from {hf_path}: read {nbytes / 2**20:.2f} MiB"
+            print(line, flush=True)
+            records.log(line)
+        return 0
+
+    def save(self, step: int) -> None:
+        """A checkpoint of every rank's stages, optimisers and step (train.keep_checkpoints prunes older ones)."""
+        ctx = self.ctx
+        save_checkpoint(
+            checkpoint_dir(ctx.run_dir, step),
+            self.modules,
+            self.opt,
+            ctx.rank,
+            step,
+            ctx.group,
+            self.t.keep_checkpoints,
+        )
