@@ -1,5 +1,9 @@
 """Pipeline inference engine: microbatch groups in flight, continuous batching, across the stages of a plan.
 
+Start reading at dsaflow/serve/reference.py: `prefill`, `decode_one_token` and `generate` in plain torch over the
+same stage modules and caches, which give this engine's tokens (tests/test_serve_reference.py). What follows adds
+the pipeline, the groups, the refills and the CUDA graphs.
+
 The cache rows [0, serve.max_batch) are split into serve.microbatches groups (default: the number of pipeline ranks),
 each a contiguous row range with its own slice of every stage's caches and its own index slot. A pass is one forward
 of one group through every stage (dsaflow.serve.scheduler builds it: prefill chunks and decode steps mixed row by
@@ -45,14 +49,12 @@ from .checks import check_graph_blocks, requests_of, serve_groups
 from .eos import LateFlags
 from .graph_manager import GraphManager, choose_shape_class, sync_error_guard
 from .report import CaptureReport, run_stats
-from .sampling import sample_message
+from .sampling import TOKEN_KEY, sample_message
 from .scheduler import Pass, Request, Scheduler, group_ranges, prefill_row_classes
 from .stage_graphs import GraphBlocks
 from .upload import Uploader, pass_vectors
 
 plan_prefill = dense_prefill.plan_prefill  # the engine's one call into the short-prefill rule (tests spy on it)
-
-TOKEN_KEY = 1 << 24  # sampling key = request index * TOKEN_KEY + token index
 
 
 class PipelineEngine(GraphBlocks):

@@ -60,6 +60,7 @@ def make_generator(device: torch.device | str, seed: int) -> torch.Generator:
     return gen
 
 
+TOKEN_KEY = 1 << 24  # serving's sampling key = request index * TOKEN_KEY + token index (`sample_keyed`)
 _MASK63 = (1 << 63) - 1
 
 
