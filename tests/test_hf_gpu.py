@@ -54,12 +54,9 @@ def test_greedy_tokens_with_graphs_equal_transformers(checkpoint):
         [0] + torch.randint(2, 90, (n,), generator=g).tolist()
         for n in torch.randint(3, 20, (16,), generator=g).tolist()
     ]
-    ref = HF.load_reference(checkpoint).cuda().float().eval()
-    want = []
-    for p in prompts:
-        with torch.no_grad():
-            out = ref.generate(torch.tensor([p]).cuda(), max_new_tokens=6, do_sample=False, eos_token_id=None)
-        want.append(out[0, len(p) :].tolist())
+    ref = HF.load_reference(checkpoint).float().eval()
+    want_cpu = _greedy(ref, prompts, "cpu")
+    want = _greedy(ref.cuda(), prompts, "cuda")
     overrides = ["mode=serve", "model=hf", f"model.hf_path={checkpoint}", "serve.dtype=fp32", "graphs=decode_prefill"]
     overrides += ["serve.max_batch=4", "serve.max_context=64", "serve.prefill_chunk=8", "serve.batching=fixed"]
     cfg = compose(overrides, model_source=apply_hf_model)
@@ -69,5 +66,19 @@ def test_greedy_tokens_with_graphs_equal_transformers(checkpoint):
     report = engine.capture()
     assert report.records and all(r.status == "captured" for r in report.records)
     captures = engine.graphs.captures
-    assert engine.generate(prompts, [6] * len(prompts)) == want
+    got = engine.generate(prompts, [6] * len(prompts))
     assert engine.graphs.captures == captures  # replays only
+    assert got == want, (
+        f"{sum(a != b for a, b in zip(got, want))} of 16 differ from transformers on the GPU, "
+        f"{sum(a != b for a, b in zip(got, want_cpu))} from transformers on CPU; transformers GPU vs CPU: "
+        f"{sum(a != b for a, b in zip(want, want_cpu))}"
+    )
+
+
+def _greedy(ref, prompts, device):
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            gen = ref.generate(torch.tensor([p], device=device), max_new_tokens=6, do_sample=False, eos_token_id=None)
+        out.append(gen[0, len(p) :].tolist())
+    return out

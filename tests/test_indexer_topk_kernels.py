@@ -310,12 +310,12 @@ def test_gpu_one_query_logits_match_the_tiled_kernel_v32():
     assert torch.equal(torch.isinf(one), ~vis) and torch.equal(torch.isinf(tiled), ~vis)
     scale = tiled[vis].abs().max()
     assert ((one[vis] - tiled[vis]).abs() <= 1e-5 * scale).all()
-    eager = indexer_topk_triton(q, k, w, positions, topk, select="radix")
+    eager = indexer_topk_triton(q, k, w, positions, topk)
     assert torch.equal(eager, topk_from_scores(one, topk))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_idx = indexer_topk_triton(q, k, w, positions, topk, select="radix")
+        g_idx = indexer_topk_triton(q, k, w, positions, topk)
     g_idx.fill_(POISON)
     graph.replay()
     assert torch.equal(g_idx, eager)
@@ -327,12 +327,11 @@ def test_gpu_indexer_topk_graph_equals_eager():
     q, k, w = v32_inputs(B, T, S, seed=3)
     positions = torch.arange(S - T, S, device="cuda").repeat(B, 1)
     positions[1, :5] = torch.tensor([-1, -1, 0, 100, 3000])
-    for select in ("radix", "auto"):
-        eager = indexer_topk_triton(q, k, w, positions, topk, chunk=128, select=select)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            g_idx = indexer_topk_triton(q, k, w, positions, topk, chunk=128, select=select)
-        g_idx.fill_(POISON)
-        graph.replay()
-        assert torch.equal(g_idx, eager), select
+    eager = indexer_topk_triton(q, k, w, positions, topk, chunk=128)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_idx = indexer_topk_triton(q, k, w, positions, topk, chunk=128)
+    g_idx.fill_(POISON)
+    graph.replay()
+    assert torch.equal(g_idx, eager)
