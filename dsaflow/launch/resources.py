@@ -20,8 +20,7 @@ import os
 from typing import Dict, Tuple
 
 from dsaflow.errors import ResourceError
-from dsaflow.plan import estimates as E
-from dsaflow.plan.memory import TRANSIENT, largest_term_fix, train_memory_terms
+from dsaflow.plan.memory import TRANSIENT, largest_term_fix, serve_memory_terms, train_memory_terms
 
 GiB = 1 << 30
 HEADROOM = 0.9
@@ -42,12 +41,9 @@ def rank_memory(cfg, plan, rank: int, device_type: str, job: str) -> Dict[str, f
         sv = cfg.serve
         params = sum(s["params"] for s in est["stages"] if s["rank"] == rank)
         width = 2 if (str(sv.dtype) == "bf16" or (str(sv.dtype) == "auto" and device_type == "cuda")) else 4
-        out["weights"] = params * width
-        kv = sum(E.kv_bytes_per_token(m, plan.layers[i].role) for st in owned for i in st.layers)
-        out["KV and indexer-key caches"] = kv / E.BF16 * width * sv.max_batch * (sv.max_context + 1)
-        out["index cache"] = sv.max_batch * sv.prefill_chunk * m.index_topk * E.INT32 * len(owned)
-        out["logits"] = sv.max_batch * sv.prefill_chunk * m.vocab_size * 4
-        return out
+        layers = [i for st in owned for i in st.layers]
+        roles = [plan.layers[i].role for i in layers]
+        return dict(serve_memory_terms(cfg, roles, layers, params, width, len(owned)))
     t = cfg.train
     tokens = est["microbatch_tokens"]
     for st in owned:

@@ -114,6 +114,22 @@ def _memory_table(plan: Plan, est) -> Optional[Table]:
     return t
 
 
+def _serve_memory_table(est) -> Optional[Table]:
+    """Serving only: what each stage holds on a GPU in bf16, by term (dsaflow.plan.memory.serve_memory_terms)."""
+    if not any(se.get("serve_memory_bytes") for se in est["stages"]):
+        return None
+    names = list(est["stages"][0]["serve_memory_bytes"])
+    t = Table(title="serving memory per stage (GPU, bf16; GiB)", box=box.SIMPLE_HEAD)
+    for col in ("stage", *names, "total"):
+        t.add_column(col, no_wrap=col in ("stage", "total"), justify="right", overflow="fold", max_width=14)
+    for se in est["stages"]:
+        terms = se["serve_memory_bytes"]
+        t.add_row(
+            str(se["index"]), *(f"{terms.get(n, 0) / 2**30:.1f}" for n in names), f"{sum(terms.values()) / 2**30:.1f}"
+        )
+    return t
+
+
 def _boundary_table(est, part: str = "all") -> Table:
     """part: all | microbatch (training/prefill trade) | decode (per decode token): narrow terminals get two tables."""
     sent = any(b.get("carries_indices") for b in est["boundaries"])
@@ -170,9 +186,9 @@ def render_table(plan: Plan, cfg, width: Optional[int] = None) -> str:
     else:  # narrow terminal: roles and estimates side by side would not fit
         con.print(_stage_table(plan, est, "layers"))
         con.print(_stage_table(plan, est, "numbers"))
-    memory = _memory_table(plan, est)
-    if memory is not None:
-        con.print(memory)
+    for memory in (_memory_table(plan, est), _serve_memory_table(est)):
+        if memory is not None:
+            con.print(memory)
     promoted = [l for l in plan.layers if l.promoted]
     if promoted:
         con.print("promoted layers (declared S, run as F):")

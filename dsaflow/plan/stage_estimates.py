@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Sequence
 
 from dsaflow.config.moe_schema import is_moe_layer
 from dsaflow.plan import estimates as E
-from dsaflow.plan.memory import train_memory_terms
+from dsaflow.plan.memory import serve_memory_terms, train_memory_terms
 from dsaflow.plan.plan import LayerPlan, PipelinePlan, StagePlan
 from dsaflow.plan.schedule import microbatches_in_flight
 
@@ -118,6 +118,12 @@ def build_estimates(
                 "activation_bytes_peak": act * in_flight,
                 # training on a GPU under bf16 autocast, by term (dsaflow.plan.memory); {} when serving
                 "train_memory_bytes": memory,
+                # serving on a GPU in bf16, by term; {} when training
+                "serve_memory_bytes": (
+                    serve_memory_terms(cfg, [l.role for l in ls], [l.index for l in ls], params, E.BF16)
+                    if cfg.mode == "serve"
+                    else {}
+                ),
                 "train_peak_bytes": sum(memory.values()),
                 "forward_flops_per_token": cost,
             }
