@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_harness import TINY_RUN
 
 from dsaflow.checkpoint.store import verify_checkpoint
 from dsaflow.errors import PlanError
@@ -19,19 +20,7 @@ from dsaflow.rundir.folder import list_checkpoints
 from dsaflow.train.nonfinite import NonFiniteGuard, json_record, nonfinite_flag
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "track=none",
-    "model.num_layers=2",
-    "model.dim=32",
-    "model.inter_dim=64",
-    "model.index_topk=8",
-    "train.seq_len=32",
-    "train.batch_size=4",
-    "train.warmup_steps=1",
-    "train.eval_every=0",
-    "train.eval_batches=1",
-    "train.progress=lines",
-]
+TINY = TINY_RUN
 
 
 def test_the_flag_sees_nan_and_inf_on_any_tensor():

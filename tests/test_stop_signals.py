@@ -13,24 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from train_harness import TINY_RUN
 
 from dsaflow.launch.interrupts import Interrupted, status_of, stop_signals_raise, stopping
 from dsaflow.rundir.folder import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "track=none",
-    "model.num_layers=2",
-    "model.dim=32",
-    "model.inter_dim=64",
-    "model.index_topk=8",
-    "train.seq_len=32",
-    "train.batch_size=4",
-    "train.warmup_steps=1",
-    "train.eval_every=0",
-    "train.eval_batches=1",
-    "train.progress=lines",
-]
+TINY = TINY_RUN
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals, /proc")]
 
 

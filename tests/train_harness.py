@@ -15,10 +15,9 @@ import torch.multiprocessing as mp
 from dsaflow.config.schema import DSAFlowConfig
 from dsaflow.plan import build_plan
 
-# A two-rank CPU run small enough to start in seconds (the launch, fault and multi-node tests)
-TINY_PP2_RUN = [
+# A CPU run small enough to start in seconds (the launch, fault, signal and non-finite tests), and its two-rank form
+TINY_RUN = [
     "track=none",
-    "pipeline=pp2",
     "model.num_layers=2",
     "model.dim=32",
     "model.inter_dim=64",
@@ -28,9 +27,9 @@ TINY_PP2_RUN = [
     "train.warmup_steps=1",
     "train.eval_every=0",
     "train.eval_batches=1",
-    "train.log_every=1",
     "train.progress=lines",
 ]
+TINY_PP2_RUN = ["pipeline=pp2", "train.log_every=1", *TINY_RUN]
 
 
 def tiny_cfg(stages: int = 1, ranks=None, schedule: str = "1F1B", steps: int = 3, **train) -> DSAFlowConfig:
