@@ -26,7 +26,7 @@ class StageLink:
 
     coalesce: post a tick's ops on the default process group inside one coalescing block of its own (one NCCL
     group launch) instead of through `dist.batch_isend_irecv`, whose per-op Python checks cost the host a third
-    more per tick (53-67 against 82-100 us on an H100, `scripts/bench_p2p.py`). Default: where the backend
+    more per tick (53-67 against 82-100 us on an H100, `scripts/bench_serve.py p2p`). Default: where the backend
     coalesces (NCCL); gloo posts op by op either way."""
 
     def __init__(self, device: torch.device | str, coalesce: Optional[bool] = None):

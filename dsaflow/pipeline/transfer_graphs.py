@@ -2,7 +2,7 @@
 
 Posting a tick's sends and receives to NCCL costs a rank's host 50-130 us per tick in Python and the process group's
 C++ (one coalescing block; docs/serving.md, "Host work per tick"), as much as a thin stage's decode pass. Replaying
-the same transfers from a CUDA graph costs 6-8 us (`scripts/bench_p2p.py`, graph mode). Here each distinct
+the same transfers from a CUDA graph costs 6-8 us (`scripts/bench_serve.py p2p`, graph mode). Here each distinct
 *signature* of a tick's transfers, the ordered list of (send | recv, shape, dtype, peer), is captured once into a
 graph over static buffers, the first time it occurs, and replayed whenever it recurs:
 

@@ -12,7 +12,7 @@
 | `triton_kl`     | `indexer_kl`       | bf16/fp16/fp32 with q_I.dtype == k_I.dtype, H_I <= 128, D_I <= 256          |
 
 A CUDA call no kernel takes raises ValueError with the shapes and the reasons. `DSAFLOW_INDEXER_LOSS` (auto |
-reference) is read on each call: `scripts/bench_train_layer.py` compares both in one process.
+reference) is read on each call: `scripts/bench_train.py layer` compares both in one process.
 """
 
 from __future__ import annotations
