@@ -66,5 +66,6 @@ class DSABlock(nn.Module):
         h = h + self.attn(self.attn_norm(h), ctx)
         if isinstance(self.mlp, MoE):  # a recomputation in backward must not count the tokens twice
             count = ctx.record_expert_load and (ctx.replay is None or not ctx.replay.replaying)
-            return h + self.mlp(self.ffn_norm(h), count, ctx.record_expert_load, ctx.positions >= 0)
+            real = ctx.positions >= 0 if ctx.record_expert_load else None
+            return h + self.mlp(self.ffn_norm(h), count, ctx.record_expert_load, real)
         return h + self.mlp(self.ffn_norm(h))

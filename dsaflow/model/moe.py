@@ -105,6 +105,8 @@ class MoE(nn.Module):
         out = out.view(B, T, D)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if not (count_load or balance_loss):  # serving and evaluation: nothing to count
+            return out
         real = torch.ones(B, T, dtype=torch.bool, device=x.device) if real is None else real
         if count_load:
             with torch.no_grad():  # padding queries route too, but are no load
