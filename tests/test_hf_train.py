@@ -30,6 +30,6 @@ def test_train_from_a_hf_checkpoint_with_its_tokenizer(tmp_path):
     cmd += [f"run_dir={tmp_path / 'run'}"]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    read = dict(re.findall(r"\[rank (\d)\] model weights from .*: read ([\d.]+) MiB", res.stdout))
+    read = dict(re.findall(r"\[rank (\d)\] model weights from .*?: read ([\d.]+) MiB", res.stdout))
     assert set(read) == {"0", "1"} and float(read["0"]) > 0 and float(read["1"]) > 0
     assert "planned with index.promote=false" in res.stderr  # GLM's shared layers carry no indexer

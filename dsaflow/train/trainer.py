@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
 import time
 from typing import Dict, List
 
@@ -283,7 +284,8 @@ class Trainer:
             modules = {s.index: m for s, m in zip(self.local, self.modules)}
             nbytes = load_hf_weights(modules, hf_path, ctx.cfg.model, records.log)
             line = f"[rank {ctx.rank}] model weights from {hf_path}: read {nbytes / 2**20:.2f} MiB"
-            print(line, flush=True)
+            sys.stdout.write(line + "\n")  # one write: the ranks share the launcher's stdout, and print() makes two
+            sys.stdout.flush()
             records.log(line)
         return 0
 
