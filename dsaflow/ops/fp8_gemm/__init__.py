@@ -1,0 +1,129 @@
+"""FP8 block-scaled GEMMs with DeepSeek-V3's recipe: activations quantized per 1x128 on the fly, weights stored per
+128x128 block (e4m3 + fp32 `weight_scale_inv`), fp32 accumulation, output in the activations' dtype.
+
+Layout: `naive.py` (the quantizers and the fp32 references), the kernels (`triton_act_quant.py`: the activations'
+quantization; `triton_fp8_gemm.py`, `triton_fp8_grouped.py`: the GEMMs; `torch_blockwise.py`: torch's cuBLASLt
+kernel), `dispatch.py` (the table and `explain_fp8_gemm`) and the public functions below. The weights are frozen
+(no gradient), so there is no autograd.Function. Nothing here syncs the host or shapes a tensor by its values, so
+serving graphs capture both GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernel_table import chosen, describe
+from .dispatch import explain_fp8_gemm
+from .naive import (
+    FP8,
+    blocks,
+    dequantize_blocks_128,
+    dequantize_rows_1x128,
+    fp8_grouped_mm_naive,
+    fp8_linear_naive,
+    quantize_blocks_128,
+    quantize_rows_1x128,
+)
+
+
+def _check_weight(op: str, x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, dims: int) -> None:
+    """ValueError unless w8 is float8_e4m3fn with `dims` dims, K = x's last dim, and w_scale is its fp32 block
+    scales on x's device."""
+    if w8.dim() != dims or w8.dtype != FP8:
+        raise ValueError(f"{op}: w8 must be float8_e4m3fn with {dims} dims, got {w8.dtype} {tuple(w8.shape)}")
+    N, K = w8.shape[-2:]
+    if x.shape[-1] != K:
+        raise ValueError(f"{op}: x's last dim {x.shape[-1]} is not w8's K {K}")
+    want = (*w8.shape[:-2], blocks(N), blocks(K))
+    if tuple(w_scale.shape) != want or w_scale.dtype != torch.float32:
+        raise ValueError(f"{op}: w_scale must be fp32 {want} (one per 128x128 block), got {w_scale.dtype} "
+                         f"{tuple(w_scale.shape)}")  # fmt: skip
+    if not x.is_floating_point() or x.dtype == FP8:
+        raise ValueError(f"{op}: x must be a float tensor to quantize, got {x.dtype}")
+    if len({x.device, w8.device, w_scale.device}) != 1:
+        raise ValueError(f"{op}: x, w8 and w_scale must share a device, got {x.device}, {w8.device}, {w_scale.device}")
+
+
+def _quantized_rows(x2: torch.Tensor, ue8m0: bool, pad_rows: int):
+    from .triton_act_quant import quantize_rows_1x128_triton
+
+    return quantize_rows_1x128_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), ue8m0, pad_rows)
+
+
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
+    """x times a block-quantized weight, transposed, as DeepSeek-V3's FP8 linear layers run.
+
+    Args:
+        x: [..., K] activations (bf16 in serving; fp16 and fp32 too), quantized to e4m3 per row per 128 columns
+            on the fly (`quantize_rows_1x128`).
+        w8: float8_e4m3fn [N, K] weight (`quantize_blocks_128`, or a checkpoint's `weight`).
+        w_scale: fp32 [ceil(N / 128), ceil(K / 128)] block scales (a checkpoint's `weight_scale_inv`): the weight is
+            w8.float() times its block's scale.
+        ue8m0: round the activations' scales up to powers of two (DeepSeek-V3.2's `scale_fmt: ue8m0`).
+
+    Returns:
+        [..., N] in x's dtype: the quantized x times the dequantized weight, transposed, accumulated in fp32. Graph-safe
+        on CUDA. The kernel is `dispatch.py`'s choice (`explain_fp8_gemm(x, w8)` says which and why); a call no kernel
+        takes raises ValueError with each kernel's reason.
+    """
+    _check_weight("fp8_linear", x, w8, w_scale, dims=2)
+    kernel = chosen("fp8_linear", explain_fp8_gemm(x, w8), describe(x=x, w8=w8))
+    if kernel == "reference":
+        return fp8_linear_naive(x, w8, w_scale, ue8m0)
+    N, K = w8.shape
+    x2 = x.reshape(-1, K)
+    if kernel == "torch_scaled_mm":
+        from .torch_blockwise import SCALED_MM_PAD_ROWS, fp8_linear_torch
+
+        x8, x_scale_t = _quantized_rows(x2, ue8m0, SCALED_MM_PAD_ROWS)
+        out = fp8_linear_torch(x8, x_scale_t, w8, w_scale, x2.shape[0])
+    else:
+        from .triton_fp8_gemm import fp8_gemm_triton
+
+        x8, x_scale_t = _quantized_rows(x2, ue8m0, 1)
+        out = fp8_gemm_triton(x8, x_scale_t, w8, w_scale, x2.shape[0], x.dtype)
+    return out.reshape(*x.shape[:-1], N)
+
+
+def fp8_grouped_mm(
+    a: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, offsets: torch.Tensor, ue8m0: bool = False
+) -> torch.Tensor:
+    """Each row times its expert's block-quantized weight, transposed: the MoE experts' GEMM with FP8 weights.
+
+    Args:
+        a: [M, K] rows sorted by expert (`dsaflow.ops.moe.sort_by_expert`), quantized per 1x128 on the fly.
+        w8: float8_e4m3fn [E, N, K] one weight per expert (`quantize_blocks_128` of the [E, N, K] stack).
+        w_scale: fp32 [E, ceil(N / 128), ceil(K / 128)] each expert's block scales.
+        offsets: int32 [E] where each expert's rows end (cumulative; the layout of `dsaflow.ops.moe.grouped_mm`).
+        ue8m0: power-of-two activation scales.
+
+    Returns:
+        [M, N] in a's dtype: row m = quantized a[m] times expert e(m)'s dequantized weight, transposed, fp32
+        accumulation; rows past offsets[-1] are zero. Graph-safe on CUDA (the offsets are read on the device).
+    """
+    _check_weight("fp8_grouped_mm", a, w8, w_scale, dims=3)
+    if a.dim() != 2 or offsets.shape != (w8.shape[0],) or offsets.dtype != torch.int32 or offsets.device != a.device:
+        raise ValueError(
+            f"fp8_grouped_mm: a must be [M, K] and offsets int32 [{w8.shape[0]}] on a's device, got a "
+            f"{tuple(a.shape)}, offsets {offsets.dtype} {tuple(offsets.shape)} on {offsets.device}"
+        )
+    kernel = chosen("fp8_grouped_mm", explain_fp8_gemm(a, w8, offsets), describe(a=a, w8=w8))
+    if kernel == "reference":
+        return fp8_grouped_mm_naive(a, w8, w_scale, offsets, ue8m0)
+    from .triton_fp8_grouped import fp8_grouped_mm_triton
+
+    x8, x_scale_t = _quantized_rows(a, ue8m0, 1)
+    return fp8_grouped_mm_triton(x8, x_scale_t, w8, w_scale, offsets, a.shape[0], a.dtype)
+
+
+__all__ = [
+    "dequantize_blocks_128",
+    "dequantize_rows_1x128",
+    "explain_fp8_gemm",
+    "fp8_grouped_mm",
+    "fp8_grouped_mm_naive",
+    "fp8_linear",
+    "fp8_linear_naive",
+    "quantize_blocks_128",
+    "quantize_rows_1x128",
+]

@@ -1,0 +1,88 @@
+"""Which kernel runs a block-scaled FP8 GEMM: one table of (kernel, capability rule) for the dense and the grouped
+form, walked by `explain_fp8_gemm`.
+
+| kernel            | runs when                                                                                     |
+|-------------------|-----------------------------------------------------------------------------------------------|
+| `reference`       | CPU tensors (`naive.py`); on CUDA only when forced (DSAFLOW_FP8_GEMM=reference)                |
+| `torch_scaled_mm` | dense, bf16, sm_90, K and N multiples of 128, w8 contiguous, and a torch whose                 |
+|                   | `torch.nn.functional.scaled_mm` takes BlockWise1x128 / BlockWise128x128 scales (2.10+, CUDA 12.9+) |
+| `triton`          | any other CUDA call on fp8 tensor cores (compute capability 8.9+), bf16/fp16/fp32 activations     |
+
+`torch_scaled_mm` is cuBLASLt's kernel for DeepSeek's recipe (`torch_blockwise.py`); torch refuses it off sm_90.
+K and N are held to whole 128-blocks because that is what torch's own tests cover; partial blocks run on Triton.
+torch has no grouped form of these scales, so grouped calls go to `triton` (`triton_fp8_grouped.py`). Either way the
+activations are first quantized by `triton_act_quant.py`.
+
+`DSAFLOW_FP8_GEMM` (auto | reference | torch_scaled_mm | triton; read at each call) restricts the table to one
+kernel, for benchmarks and tests; a call the forced kernel refuses raises with its reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..kernel_table import Choice, walk
+from .torch_blockwise import torch_support_reason
+
+ENV_KERNEL = "DSAFLOW_FP8_GEMM"
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _forced() -> str:
+    return os.environ.get(ENV_KERNEL, "auto")
+
+
+def _reference_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
+    if x.is_cuda and _forced() != "reference":
+        return f"device cuda runs the kernels ({ENV_KERNEL}=reference runs it there)"
+    return None
+
+
+def _torch_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
+    if not x.is_cuda:
+        return f"device {x.device.type}: torch's block-scaled GEMM is cuBLASLt's (CUDA)"
+    if offsets is not None:
+        return "grouped: torch.nn.functional.scaled_grouped_mm takes no 1x128 / 128x128 block scales"
+    if (reason := torch_support_reason()) is not None:
+        return reason
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if major != 9:
+        return f"torch runs DeepSeek-style block scaling on sm_90 only; this GPU is sm_{major}{minor}"
+    if x.dtype != torch.bfloat16:
+        return f"bf16 activations only (its output dtype), not {x.dtype}"
+    N, K = w8.shape[-2:]
+    if K % 128 or N % 128:
+        return f"K {K} and N {N} must be multiples of 128"
+    if not w8.is_contiguous():
+        return "w8 must be contiguous (cuBLASLt reads w8.t() column-major)"
+    return None
+
+
+def _triton_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
+    if not x.is_cuda:
+        return f"device {x.device.type} has no Triton kernels"
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if (major, minor) < (8, 9):
+        return f"fp8 tensor cores need compute capability 8.9+; this GPU is sm_{major}{minor}"
+    if x.dtype not in ACTIVATION_DTYPES:
+        return f"activations must be bf16, fp16 or fp32, not {x.dtype}"
+    if w8.stride(-1) != 1:
+        return "w8 needs a unit stride along K (the kernels load 128-wide K rows)"
+    return None
+
+
+KERNELS = (("reference", _reference_rule), ("torch_scaled_mm", _torch_rule), ("triton", _triton_rule))
+
+
+def explain_fp8_gemm(x: torch.Tensor, w8: torch.Tensor, offsets: torch.Tensor | None = None, table=KERNELS) -> Choice:
+    """The kernel for activations x [..., K] times fp8 weights w8 [N, K] (`fp8_linear`) or, given offsets, rows x
+    [M, K] sorted by expert times w8 [E, N, K] (`fp8_grouped_mm`), and why earlier ones were refused. Runs
+    nothing; the rules read shapes, dtypes, the device, torch's version and DSAFLOW_FP8_GEMM."""
+    forced = _forced()
+    names = [name for name, _ in table]
+    if forced not in ("auto", *names):
+        raise ValueError(f"{ENV_KERNEL}={forced!r} is not an fp8 GEMM kernel: use auto or one of {', '.join(names)}.")
+    allowed = None if forced == "auto" else frozenset([forced])
+    return walk(table, x, w8, offsets, allowed=allowed, excluded_by=f"{ENV_KERNEL}={forced}")
