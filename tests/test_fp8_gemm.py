@@ -201,6 +201,7 @@ def test_the_public_functions_run_the_triton_path(monkeypatch):
     g = torch.Generator().manual_seed(8)
     x = torch.randn(2, 3, 400, generator=g)[..., :200]  # rows with a stride of 400
     w8, w_scale = quantize_blocks_128(torch.randn(130, 200, generator=g) * 0.05)
+    assert explain_fp8_gemm(x, w8).kernel == "triton"
     out = fp8_linear(x, w8, w_scale, ue8m0=True)
     assert out.shape == (2, 3, 130) and out.dtype == torch.float32
     torch.testing.assert_close(out, fp8_linear_naive(x, w8, w_scale, ue8m0=True), rtol=1e-5, atol=1e-5)

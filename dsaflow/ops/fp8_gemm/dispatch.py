@@ -76,13 +76,13 @@ def _triton_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
 KERNELS = (("reference", _reference_rule), ("torch_scaled_mm", _torch_rule), ("triton", _triton_rule))
 
 
-def explain_fp8_gemm(x: torch.Tensor, w8: torch.Tensor, offsets: torch.Tensor | None = None, table=KERNELS) -> Choice:
+def explain_fp8_gemm(x: torch.Tensor, w8: torch.Tensor, offsets: torch.Tensor | None = None) -> Choice:
     """The kernel for activations x [..., K] times fp8 weights w8 [N, K] (`fp8_linear`) or, given offsets, rows x
     [M, K] sorted by expert times w8 [E, N, K] (`fp8_grouped_mm`), and why earlier ones were refused. Runs
     nothing; the rules read shapes, dtypes, the device, torch's version and DSAFLOW_FP8_GEMM."""
     forced = _forced()
-    names = [name for name, _ in table]
+    names = [name for name, _ in KERNELS]
     if forced not in ("auto", *names):
         raise ValueError(f"{ENV_KERNEL}={forced!r} is not an fp8 GEMM kernel: use auto or one of {', '.join(names)}.")
     allowed = None if forced == "auto" else frozenset([forced])
-    return walk(table, x, w8, offsets, allowed=allowed, excluded_by=f"{ENV_KERNEL}={forced}")
+    return walk(KERNELS, x, w8, offsets, allowed=allowed, excluded_by=f"{ENV_KERNEL}={forced}")
