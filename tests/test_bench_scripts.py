@@ -33,6 +33,7 @@ OWN_OPTION = {
     "bench_glue": "--smoke",
     "bench_indexcache": "--short-chunks",
     "bench_moe": "--decode-rows",
+    "bench_fp8": "--grouped-tokens",
 }
 
 
