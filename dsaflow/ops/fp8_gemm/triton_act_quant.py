@@ -62,7 +62,8 @@ def _act_quant_kernel(
     scale = tl.where(amax > 0, amax * INV_MAX, 1.0)
     if UE8M0:
         scale = _pow2_ceil(scale)
-    y = _round_to_e4m3(tl.math.div_rn(x, scale[:, None]))
+    # div_rn does not broadcast (it lowers straight to one precise division of equal shapes)
+    y = _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], (BLOCK_ROWS, BLOCK_K))))
     pad_ok = rows < M_pad
     tl.store(x8_ptr + rows[:, None].to(tl.int64) * s_x8m + cols[None, :], y.to(tl.float8e4nv), mask=pad_ok[:, None] & col_ok[None, :])
     tl.store(scale_ptr + kb.to(tl.int64) * M_pad + rows, scale, mask=pad_ok)
