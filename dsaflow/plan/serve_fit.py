@@ -35,8 +35,8 @@ def plan_fits(cfg, usable: float, width: int) -> bool:
 def fewest_fitting_ranks(cfg, usable: float, width: int) -> Optional[str]:
     """The overrides of the fewest pipeline ranks above the current count whose every rank fits `usable` bytes, each
     rank keeping its number of stages and the planner cutting them as pipeline.balance says: 'pipeline.stages=13',
-    or 'pipeline.ranks=5 pipeline.stages=10' for 2 stages per rank. None when the stages are fixed by a layout or
-    pipeline.boundaries, or when even one layer per stage does not fit."""
+    or 'pipeline.ranks=5 pipeline.stages=10' for 2 stages per rank. "" when even one layer per stage does not fit;
+    None when the stages are fixed by a layout or pipeline.boundaries (not searched)."""
     p = cfg.pipeline
     if cfg.layout is not None or p.boundaries is not None:
         return None
@@ -50,7 +50,7 @@ def fewest_fitting_ranks(cfg, usable: float, width: int) -> Optional[str]:
                 if p.ranks is None
                 else f"pipeline.ranks={r} pipeline.stages={r * per_rank}"
             )
-    return None
+    return ""
 
 
 def fit_alternatives(cfg, usable: float, width: int) -> Tuple[Optional[str], Optional[bool]]:
@@ -79,7 +79,7 @@ def check_serve_fit(cfg, plan) -> None:
     raise ResourceError(
         f"serving {cfg.model.name} with serve.weights={sv.weights}: rank {worst.rank} ({where}) needs "
         f"{gib_text(worst.need)}, more than the {gib_text(usable)} usable of plan.device_memory_gib="
-        f"{cfg.plan.device_memory_gib:.1f} ({USABLE_FRACTION:.0%}){others}: weights {gib_text(worst.terms[WEIGHTS])}, "
+        f"{cfg.plan.device_memory_gib:.4g} ({USABLE_FRACTION:.0%}){others}: weights {gib_text(worst.terms[WEIGHTS])}, "
         f"work buffers {gib_text(worst.work)}, KV caches {gib_text(worst.terms[KV])} for serve.max_batch={sv.max_batch} x "
         f"serve.max_context={sv.max_context}. The largest term is {name} ({gib_text(biggest)}). Fix: {fix}; or plan "
         "for a device with more memory (plan.device_memory_gib)."

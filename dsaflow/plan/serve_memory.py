@@ -187,7 +187,23 @@ def rank_fits(cfg, layers, stages, width: int, usable: float) -> List[RankFit]:
 
 
 def gib_text(b: float) -> str:
-    return f"{b / GiB:.1f} GiB"
+    """Bytes in GiB, or in MiB / KiB when below a tenth of the larger unit (a tiny model's terms)."""
+    for unit, name in ((GiB, "GiB"), (1 << 20, "MiB")):
+        if abs(b) >= unit / 10:
+            return f"{b / unit:.1f} {name}"
+    return f"{b / 1024:.1f} KiB"
+
+
+def _what_fits(room: int, batch: int, context: int) -> str:
+    """The rows and context that `room` KV tokens hold, for a fix hint (every value within the schema's ranges)."""
+    rows, per_row = room // (context + 1), room // batch - 1
+    if rows:
+        return f"{rows} rows of serve.max_context={context} fit (serve.max_batch={rows})"
+    if per_row >= 1:
+        return f"serve.max_batch={batch} rows fit serve.max_context={per_row}"
+    if room >= 2:
+        return f"one row fits serve.max_context={room - 1} (serve.max_batch=1)"
+    return "not even one row of one token fits"
 
 
 def serve_fix(
@@ -200,19 +216,24 @@ def serve_fix(
 ) -> str:
     """What shrinks `term` on the rank of `fit` (`fits`: every rank, for the whole model's weights), for the message
     of a plan or a launch that does not fit. more_ranks: the overrides of the fewest pipeline ranks found to fit
-    (dsaflow.plan.serve_fit.fewest_fitting_ranks; None: not searched or none does, and the weights' lower bound is
-    named instead); fp8_fits: whether serve.weights=fp8 alone makes this plan fit (None: not known)."""
+    (dsaflow.plan.serve_fit.fewest_fitting_ranks; "": none does, so more stages are not offered; None: not searched,
+    and the weights' lower bound is named instead); fp8_fits: whether serve.weights=fp8 alone makes this plan fit (None: not known)."""
     sv = cfg.serve
     stages, ranks = len({s for f in fits for s in f.stages}), len(fits)
     total = sum(f.terms[WEIGHTS] for f in fits)
-    now = f"{stages} stages" + (f" on {ranks} ranks" if ranks != stages else "")
-    if more_ranks is not None:
+    now = f"{stages} stage{'s' if stages > 1 else ''}" + (f" on {ranks} ranks" if ranks != stages else "")
+    if more_ranks:
         more_stages = f"more pipeline stages: {more_ranks} is the fewest that fits (now {now})"
+    elif more_ranks == "":
+        more_stages = None  # searched: not even one layer per stage fits
     else:
         at_least = max(ranks + 1, math.ceil(total / fit.usable))
+        how = "more '|' cuts in layout" if cfg.layout else "pipeline.stages=N or pipeline.boundaries"
         more_stages = (
-            f"more pipeline stages (now {now}; pipeline.stages=N): the weights are {gib_text(total)} in all, so at "
-            f"least {at_least} ranks of {gib_text(fit.usable)} usable each"
+            f"more pipeline stages (now {now}; {how}): the weights are {gib_text(total)} in all, so at least "
+            f"{at_least} ranks of {gib_text(fit.usable)} usable each"
+            if at_least <= cfg.model.num_layers
+            else None  # more ranks than layers: stages cannot help
         )
     fp8 = None
     if str(sv.weights) != FP8:
@@ -225,12 +246,7 @@ def serve_fix(
         parts = [fp8, more_stages]
     elif term == KV:
         room = max(fit.tokens_fit, 0)
-        rows = room // (sv.max_context + 1)
-        shorter = (
-            f"{rows} rows of serve.max_context={sv.max_context} fit (serve.max_batch={rows})"
-            if rows
-            else f"serve.max_batch={sv.max_batch} rows fit serve.max_context={max(room // sv.max_batch - 1, 0)}"
-        )
+        shorter = _what_fits(room, sv.max_batch, sv.max_context)
         parts = [
             f"a shorter serve.max_context or a smaller serve.max_batch ({room:,} KV tokens fit beside the weights and "
             f"work buffers, serve.max_batch x (serve.max_context + 1) = {fit.asked_tokens:,} are asked: {shorter})",
