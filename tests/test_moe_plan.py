@@ -121,4 +121,4 @@ def test_a_serving_plan_says_what_each_stage_holds(capsys):
     assert max(sum(se["serve_memory_bytes"].values()) for se in plan.estimates["stages"]) > 141e9
     assert main(["plan", "model=dsv32", "pipeline=pp8", "mode=serve"]) == 2
     out = capsys.readouterr().out
-    assert "serving memory per stage" in out and "does not fit" in out
+    assert "serving memory per stage" in out and "do not fit plan.device_memory_gib" in out

@@ -165,7 +165,9 @@ def _serve_memory_notes(est) -> str:
         "serve.prefill_chunk tokens)."
     ]
     if over:
-        lines.append(f"! does not fit: ranks {[r['rank'] for r in over]} (the error below says what to change)")
+        lines.append(
+            f"! ranks {[r['rank'] for r in over]} do not fit plan.device_memory_gib (dsaflow plan exits 2 on this)"
+        )
     return "\n".join(lines)
 
 
