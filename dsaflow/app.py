@@ -236,6 +236,11 @@ def run_command(command: str, cfg, plan, fmt: str = "table") -> int:
         from dsaflow.plan.render import render_table
 
         sys.stdout.write(plan.to_json() + "\n" if fmt == "json" else render_table(plan, cfg))
+        if cfg.mode == "serve":  # the numbers above, then why they do not fit: exit 2
+            from dsaflow.plan.serve_fit import check_serve_fit
+
+            sys.stdout.flush()
+            check_serve_fit(cfg, plan)
         return 0
     if command == "search":
         from dsaflow.search.run import run_search

@@ -27,6 +27,7 @@ EXAMPLES = {
   dsaflow plan model=tiny layout="FSSS|SSFS"
   dsaflow plan model=dsv32 index=every4 pipeline=pp8
   dsaflow plan --format json model=dsv32 index=every4 pipeline=pp8
+  dsaflow plan model=dsv32 pipeline=pp8 mode=serve serve.weights=fp8   # per stage: weights, KV tokens that fit
   dsaflow plan model=small index.freq=4 index.offset=1 pipeline.boundaries=[0,5]
   dsaflow plan --cfg job model=small            # the composed config, as Hydra prints it""",
     "train": """examples:
@@ -83,7 +84,7 @@ def _groups_help() -> str:
 
 
 # The config section each command reads besides the model, index and pipeline groups (listed in its help).
-COMMAND_SECTIONS = {"generate": "serve", "search": "search"}
+COMMAND_SECTIONS = {"plan": "plan", "generate": "serve", "search": "search"}
 
 
 def _type_text(tp) -> str:
@@ -111,7 +112,8 @@ def section_fields_help(section: str) -> str:
 
     owner = typing.get_type_hints(DSAFlowConfig)[section]
     hints = typing.get_type_hints(owner)
-    lines = [f"{section} fields ({section}.NAME=VALUE; dsaflow/config/schema.py {owner.__name__}):"]
+    where = owner.__module__.replace(".", "/") + ".py"
+    lines = [f"{section} fields ({section}.NAME=VALUE; {where} {owner.__name__}):"]
     for f in dataclasses.fields(owner):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         shown = "null" if default is None else str(default).replace(" ", "") if isinstance(default, list) else default

@@ -23,6 +23,7 @@ from typing import Dict, List
 
 import torch
 
+from dsaflow.config.fp8_policy import FP8_BLOCK
 from dsaflow.errors import CheckpointError
 
 from .hf_config import hf_model, read_config_json
@@ -30,7 +31,6 @@ from .hf_names import Source, hf_source, layer_of
 
 INDEX_JSON = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-FP8_BLOCK = 128
 _FP8 = (torch.float8_e4m3fn,)
 
 

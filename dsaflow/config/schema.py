@@ -22,6 +22,7 @@ from dsaflow.errors import ConfigError
 from .field_checks import check_fields
 from .fields import Choice, make_choice, num
 from .moe_schema import MoEConfig, check_moe
+from .plan_schema import PlanConfig
 from .rope_schema import YarnConfig
 
 Schedule = make_choice(
@@ -44,6 +45,7 @@ TrackMode = make_choice("TrackMode", ["offline", "online", "disabled"], __name__
 Mode = make_choice("Mode", ["train", "serve"], __name__)
 Batching = make_choice("Batching", ["fixed", "continuous"], __name__)
 OnNonFinite = make_choice("OnNonFinite", ["stop", "skip"], __name__)
+ServeWeights = make_choice("ServeWeights", ["bf16", "fp8"], __name__)
 
 BIG = 1 << 31  # int32 sizes: beyond this an index tensor or an embedding row id overflows
 
@@ -249,6 +251,9 @@ class ServeConfig:
     eos_id: Optional[int] = num(None, 0, 1 << 21)  # stop a row at this token id (one small host sync per step)
     dtype: TrainDtype = TrainDtype.auto  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16: weights, caches, activations
     short_prefill: bool = True  # dense / masked attention for short prefill passes (docs/serving.md); false: sparse
+    # bf16: every weight in serve.dtype | fp8: the projections in e4m3 with 128x128 block scales, the embedding, head,
+    # norms and indexer weights_proj in serve.dtype, the router in fp32 (dsaflow/config/fp8_policy.py)
+    weights: ServeWeights = ServeWeights.bf16
 
 
 @dataclass
@@ -289,6 +294,7 @@ class DSAFlowConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     layout: Optional[str] = None  # e.g. "(FSSS)*2 | (FSSS)*2": roles and stage boundaries in one string
     mode: Mode = Mode.train  # train | serve: which graph blocks make sense
     run_dir: Optional[str] = None  # default: runs/<timestamp>-<name>-<unique suffix>

@@ -7,10 +7,14 @@ Per rank (the stages it owns), in bytes:
             forward scores ([T, T] per head on CPU; on a GPU the Triton indexer's query chunks) and on CPU the naive
             sparse attention's gathered keys [T, k_eff, d] when they exceed the backward transient (they never
             coexist); the batch.
-    serve   weights in serve.dtype, KV + indexer-key caches (max_batch x max_context), the index cache
-            (max_batch x prefill_chunk x index_topk int32) and the logits of one step.
+    serve   the plan's serving terms of the stages it owns (dsaflow.plan.serve_memory, the same the plan table and
+            `dsaflow plan`'s fit check use): weights in serve.weights' format (bf16 = serve.dtype; fp8 = e4m3 + block
+            scales), KV + indexer-key caches (max_batch x (max_context + 1)), the index cache (max_batch x
+            prefill_chunk x index_topk int32), the last stage's logits of one prefill pass and a MoE layer's work
+            buffers.
 Available: the memory of this rank's GPU, or the host's available memory shared by every rank on a CPU run.
-The check refuses a plan above 90% of it, naming the largest term and what shrinks it. On a GPU the training terms
+The check refuses a plan above 90% of it (dsaflow.plan.serve_memory.USABLE_FRACTION, the share the planner counts
+as usable), naming the largest term and what shrinks it. On a GPU the training terms
 are held within 15 % of the measured peak by a GPU test (tests/test_memory_estimate.py).
 """
 
@@ -20,12 +24,13 @@ import os
 from typing import Dict, Tuple
 
 from dsaflow.errors import ResourceError
-from dsaflow.plan.memory import TRANSIENT, largest_term_fix, serve_memory_terms, train_memory_terms
+from dsaflow.plan.memory import TRANSIENT, largest_term_fix, train_memory_terms
+from dsaflow.plan.serve_fit import fit_alternatives
+from dsaflow.plan.serve_memory import USABLE_FRACTION, rank_fits, serve_fix, serve_width
 
 GiB = 1 << 30
-HEADROOM = 0.9
+HEADROOM = USABLE_FRACTION
 BATCH = "batch"
-SERVE_FIX = "serve.max_batch, serve.max_context or serve.prefill_chunk smaller, or more pipeline stages"
 
 
 def _fmt(b: float) -> str:
@@ -38,12 +43,9 @@ def rank_memory(cfg, plan, rank: int, device_type: str, job: str) -> Dict[str, f
     owned = [s for s in plan.stages if s.rank == rank]
     out: Dict[str, float] = {}
     if job == "generate":
-        sv = cfg.serve
-        params = sum(s["params"] for s in est["stages"] if s["rank"] == rank)
-        width = 2 if (str(sv.dtype) == "bf16" or (str(sv.dtype) == "auto" and device_type == "cuda")) else 4
-        layers = [i for st in owned for i in st.layers]
-        roles = [plan.layers[i].role for i in layers]
-        return dict(serve_memory_terms(cfg, roles, layers, params, width, len(owned)))
+        width = serve_width(str(cfg.serve.dtype), device_type)
+        fit = next(f for f in rank_fits(cfg, plan.layers, plan.stages, width, 0.0) if f.rank == rank)
+        return dict(fit.terms)
     t = cfg.train
     tokens = est["microbatch_tokens"]
     for st in owned:
@@ -121,9 +123,13 @@ def check_resources(cfg, plan, device_type: str, job: str = "train", local: bool
     total, r, need = worst
     if total > HEADROOM * avail:
         name, biggest = max(need.items(), key=lambda kv: kv[1])
-        fix = (
-            SERVE_FIX if job == "generate" else f"{largest_term_fix(name)} (now train.recompute={cfg.train.recompute})"
-        )
+        if job == "generate":
+            usable, width = HEADROOM * avail, serve_width(str(cfg.serve.dtype), device_type)
+            fits = rank_fits(cfg, plan.layers, plan.stages, width, usable)
+            fit = next(f for f in fits if f.rank == r)
+            fix = serve_fix(cfg, fit, fits, name, *fit_alternatives(cfg, usable, width))
+        else:
+            fix = f"{largest_term_fix(name)} (now train.recompute={cfg.train.recompute})"
         raise ResourceError(
             f"the plan needs about {_fmt(total)} on rank {r}, more than the {_fmt(avail)} it has ({source}); the "
             f"largest consumer is {name}: {_fmt(biggest)}. Fix: {fix}; or "

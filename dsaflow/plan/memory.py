@@ -11,6 +11,8 @@
     backward transient        the largest one layer's backward allocates on top
                               (`estimates.layer_backward_transient_bytes`)
 
+Serving memory is dsaflow.plan.serve_memory's.
+
 Device: on a GPU with `train.dtype` auto or bf16 the compute dtype is bf16 under autocast; otherwise fp32 (CPU
 training, `train.dtype=fp32`), where activations are 4 bytes and there are no autocast copies.
 """
@@ -26,7 +28,6 @@ WEIGHTS = "weights and AdamW state"
 GRADS = "gradients"
 ACTIVATIONS = "activations"
 TRANSIENT = "one layer's backward transient"
-WEIGHTS_SERVE = "weights"
 
 
 def compute_dtype(cfg, device_type: str) -> tuple[int, bool]:
@@ -91,27 +92,3 @@ def largest_term_fix(name: str) -> str:
             "each holds fewer layers"
         )
     return "more pipeline stages (pipeline.stages), so each rank holds fewer layers"
-
-
-KV = "KV and indexer-key caches"
-
-
-def serve_memory_terms(cfg, roles, layer_indices, params: int, width: int, stages: int = 1) -> dict[str, int]:
-    """{term: bytes} a serving rank holds for `stages` stages of `params` parameters whose layers have `roles` and
-    global `layer_indices`, in a dtype of `width` bytes: the weights; the KV and indexer-key caches of
-    serve.max_batch rows of serve.max_context tokens; the stages' index caches and the logits of one prefill pass
-    (serve.max_batch x serve.prefill_chunk tokens); and a MoE layer's work buffers over that pass (each token's k
-    expert rows: gathered input, gate/up, activation and output)."""
-    m, sv = cfg.model, cfg.serve
-    tokens = sv.max_batch * sv.prefill_chunk
-    kv = sum(E.kv_bytes_per_token(m, r) for r in roles) / E.BF16 * width
-    out = {
-        WEIGHTS_SERVE: params * width,
-        KV: int(kv * sv.max_batch * (sv.max_context + 1)),
-        "index cache": tokens * m.index_topk * E.INT32 * stages,
-        "logits": tokens * m.vocab_size * 4,
-    }
-    if any(is_moe_layer(m, i) for i in layer_indices):
-        e = m.moe
-        out["MoE work buffers"] = tokens * e.num_experts_per_tok * (2 * m.dim + 4 * e.moe_inter_dim) * width
-    return out

@@ -115,19 +115,60 @@ def _memory_table(plan: Plan, est) -> Optional[Table]:
 
 
 def _serve_memory_table(est) -> Optional[Table]:
-    """Serving only: what each stage holds on a GPU in bf16, by term (dsaflow.plan.memory.serve_memory_terms)."""
-    if not any(se.get("serve_memory_bytes") for se in est["stages"]):
+    """Serving only: what each stage holds on a GPU in serve.weights' format and the KV tokens that fit beside it on
+    plan.device_memory_gib (dsaflow.plan.serve_memory)."""
+    sv = est.get("serve")
+    if not sv:
         return None
-    names = list(est["stages"][0]["serve_memory_bytes"])
-    t = Table(title="serving memory per stage (GPU, bf16; GiB)", box=box.SIMPLE_HEAD)
-    for col in ("stage", *names, "total"):
-        t.add_column(col, no_wrap=col in ("stage", "total"), justify="right", overflow="fold", max_width=14)
+    gib = 2**30
+    caches = "bf16" if sv["dtype_bytes"] == 2 else "fp32"
+    t = Table(
+        title=f"serving memory per stage (GiB) on a {sv['device_memory_bytes'] / gib:.1f} GiB device "
+        f"(plan.device_memory_gib), {sv['usable_fraction']:.0%} usable",
+        box=box.SIMPLE_HEAD,
+    )
+    asked = f"KV asked\n{sv['max_batch']} x {ntokens(sv['max_context'])}"
+    cols = ("stage", "rank", f"weights\n{sv['weights']}", f"KV bytes\n/token {caches}", "work\nbuffers", asked, "total")
+    for col in (*cols, "KV tokens\nthat fit", "rows of\nmax_context"):
+        t.add_column(col, no_wrap=True, justify="right")
     for se in est["stages"]:
-        terms = se["serve_memory_bytes"]
+        terms, fit = se["serve_memory_bytes"], se["serve_kv_tokens_fit"]
         t.add_row(
-            str(se["index"]), *(f"{terms.get(n, 0) / 2**30:.1f}" for n in names), f"{sum(terms.values()) / 2**30:.1f}"
+            str(se["index"]),
+            str(se["rank"]),
+            f"{se['serve_weight_bytes'] / gib:.1f}",
+            f"{se['serve_kv_bytes_per_token']:,}",
+            f"{se['serve_work_buffer_bytes'] / gib:.1f}",
+            f"{terms['KV and indexer-key caches'] / gib:.1f}",
+            f"{sum(terms.values()) / gib:.1f}" + ("" if se["serve_fits"] else " !"),
+            f"{fit:,}" if fit >= 0 else "none",
+            str(max(fit, 0) // (sv["max_context"] + 1)),
         )
     return t
+
+
+def _serve_memory_notes(est) -> str:
+    sv = est["serve"]
+    shared = any(len(r["stages"]) > 1 for r in sv["ranks"])
+    over = [r for r in sv["ranks"] if not r["fits"]]
+    weights = (
+        "projections in e4m3 + one fp32 scale per 128x128 block, the router fp32, the rest in the serve dtype"
+        if sv["weights"] == "fp8"
+        else "every weight in the serve dtype but the fp32 router"
+    )
+    lines = [
+        f"serve.weights={sv['weights']}: {weights} (dsaflow/config/fp8_policy.py). KV tokens that fit = "
+        f"({sv['usable_fraction']:.0%} of the device - weights - work buffers) / KV bytes per "
+        f"token{', per rank (its stages share one device)' if shared else ''}; asked: serve.max_batch "
+        f"{sv['max_batch']} x (serve.max_context {sv['max_context']} + 1) = {sv['kv_tokens_asked']:,}. Work buffers: "
+        "index caches, the last stage's logits and MoE work buffers of one prefill pass (serve.max_batch x "
+        "serve.prefill_chunk tokens)."
+    ]
+    if over:
+        lines.append(
+            f"! ranks {[r['rank'] for r in over]} do not fit plan.device_memory_gib (dsaflow plan exits 2 on this)"
+        )
+    return "\n".join(lines)
 
 
 def _boundary_table(est, part: str = "all") -> Table:
@@ -189,6 +230,8 @@ def render_table(plan: Plan, cfg, width: Optional[int] = None) -> str:
     for memory in (_memory_table(plan, est), _serve_memory_table(est)):
         if memory is not None:
             con.print(memory)
+    if est.get("serve"):
+        con.print(_serve_memory_notes(est))
     promoted = [l for l in plan.layers if l.promoted]
     if promoted:
         con.print("promoted layers (declared S, run as F):")

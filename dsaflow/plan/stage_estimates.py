@@ -3,7 +3,8 @@
 Contexts: savings at `estimate_context` (default 128K: the long-context case DSA exists for), KV cache at
 `model.max_seq_len` per sequence, activations at one microbatch of train.seq_len tokens
 (train.batch_size / pipeline.microbatches sequences; in serve mode one prefill chunk of serve.prefill_chunk tokens)
-under train.recompute; in train mode each stage's peak training memory by term (dsaflow.plan.memory).
+under train.recompute; in train mode each stage's peak training memory by term (dsaflow.plan.memory); in serve mode
+what each stage holds and the KV tokens that fit on plan.device_memory_gib (dsaflow.plan.serve_memory).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from typing import Any, Dict, List, Sequence
 
 from dsaflow.config.moe_schema import is_moe_layer
 from dsaflow.plan import estimates as E
-from dsaflow.plan.memory import serve_memory_terms, train_memory_terms
+from dsaflow.plan.memory import train_memory_terms
 from dsaflow.plan.plan import LayerPlan, PipelinePlan, StagePlan
 from dsaflow.plan.schedule import microbatches_in_flight
+from dsaflow.plan.serve_memory import serve_estimates, serve_memory_terms, serve_width
 
 
 def cost_context(cfg) -> int:
@@ -118,9 +120,16 @@ def build_estimates(
                 "activation_bytes_peak": act * in_flight,
                 # training on a GPU under bf16 autocast, by term (dsaflow.plan.memory); {} when serving
                 "train_memory_bytes": memory,
-                # serving on a GPU in bf16, by term; {} when training
+                # serving on a GPU in serve.weights' format, by term (dsaflow.plan.serve_memory); {} when training
                 "serve_memory_bytes": (
-                    serve_memory_terms(cfg, [l.role for l in ls], [l.index for l in ls], params, E.BF16)
+                    serve_memory_terms(
+                        cfg,
+                        [l.role for l in ls],
+                        [l.index for l in ls],
+                        st.index == 0,
+                        st.index == last,
+                        serve_width(str(cfg.serve.dtype)),
+                    )
                     if cfg.mode == "serve"
                     else {}
                 ),
@@ -145,6 +154,8 @@ def build_estimates(
                 "recompute_indexer_params": E.indexer_params(m),
             }
         )
+    # serving: each rank's KV tokens that fit on plan.device_memory_gib (and the stages' serve_* fields)
+    serve = serve_estimates(cfg, layers, stages, per_stage) if cfg.mode == "serve" else None
     costs = [s["forward_flops_per_token"] for s in per_stage]
     n_f_all = sum(l.role == "F" for l in layers)
     n_s_all = len(layers) - n_f_all
@@ -168,6 +179,7 @@ def build_estimates(
             "kv_cache_bytes_per_seq": sum(s["kv_cache_bytes_per_seq"] for s in per_stage),
         },
         "balance": (max(costs) / (sum(costs) / len(costs))) if costs else 1.0,
+        "serve": serve,
         "assumptions": (
             "bf16 activations and caches, int32 indices; FLOPs = 2 per multiply-add, matmuls only; indexer FLOPs = "
             "2*L*Hi*Di scores + q/k/weights projections; activations and training memory per dsaflow.plan.memory "

@@ -32,7 +32,7 @@ from dsaflow.files import atomic_write
 from dsaflow.pipeline.stages import stage_module
 from dsaflow.plan.plan import Plan
 
-from .checks import check_graph_blocks, check_prompts, check_transfers, fit_problem
+from .checks import check_graph_blocks, check_prompts, check_transfers, check_weight_format, fit_problem
 from .engine import PipelineEngine
 from .prompts import load_requests
 
@@ -74,6 +74,7 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None, hf_headers: 
     hf_headers: with model.hf_path, check the headers of every tensor the plan needs (the parent; a worker's load
     checks its own stages' again)."""
     s = cfg.serve  # ranges and choices: dsaflow.config.schema (checked at compose); cross-field rules here
+    check_weight_format(s)
     if s.eos_id is not None and not 0 <= s.eos_id < cfg.model.vocab_size:
         raise ServeError(
             f"serve.eos_id={s.eos_id} is outside model.vocab_size={cfg.model.vocab_size}. Fix: a valid id."
@@ -125,6 +126,7 @@ def build_engine(
 ):
     """This rank's PipelineEngine (stages built, caches allocated; call `.capture()` before generating).
     all_stages=True: this one process runs every stage of the plan (no p2p)."""
+    check_weight_format(cfg.serve)  # before any weight is built: an fp8 config must never run bf16 weights
     device = torch.device(device)
     dtype = serve_dtype(cfg.serve.dtype, device)
     stages = build_stage_modules(cfg, plan, None if all_stages else rank, device, dtype)
