@@ -125,6 +125,22 @@ class PipelineConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Data parallelism around the pipeline: `dp` replicas of the whole pipeline, each on its own pipeline ranks.
+
+    World size = pipeline ranks x dp. Global rank = dp index x pipeline ranks + pipeline rank (pipeline rank is the
+    inner, contiguous dimension, so a node of 8 GPUs holds whole pp8 pipelines and only data parallelism crosses
+    nodes). `train.batch_size` stays the global batch: each replica trains batch_size / dp sequences per step, in
+    pipeline.microbatches microbatches (docs/training.md, "Pipeline x data parallelism")."""
+
+    dp: int = num(1, 1, 65536)
+    # true: each stage's parameters, gradients and AdamW state are sharded over its dp group with FSDP2's
+    # fully_shard (gathered once per step, kept for the pipeline's microbatches, gradients reduce-scattered after
+    # the last backward); false: every replica holds the whole stage and gradients are all-reduced once per step
+    dp_shard: bool = True
+
+
+@dataclass
 class GraphBlockConfig:
     """A region to capture as a CUDA graph on every device that owns it, once per shape class.
 
@@ -282,6 +298,7 @@ class DSAFlowConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     graphs: GraphsConfig = field(default_factory=GraphsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -2,7 +2,7 @@
 
 Contexts: savings at `estimate_context` (default 128K: the long-context case DSA exists for), KV cache at
 `model.max_seq_len` per sequence, activations at one microbatch of train.seq_len tokens
-(train.batch_size / pipeline.microbatches sequences; in serve mode one prefill chunk of serve.prefill_chunk tokens)
+(train.batch_size / (parallel.dp x pipeline.microbatches) sequences; in serve mode one prefill chunk of serve.prefill_chunk tokens)
 under train.recompute; in train mode each stage's peak training memory by term (dsaflow.plan.memory).
 """
 
@@ -42,7 +42,12 @@ def promotion_costs(cfg, roles: Sequence[str]) -> List[float]:
 def microbatch_tokens(cfg, pipeline: PipelinePlan) -> int:
     if cfg.mode == "serve":
         return cfg.serve.prefill_chunk
-    return cfg.train.seq_len * max(1, cfg.train.batch_size // pipeline.microbatches)
+    return cfg.train.seq_len * max(1, cfg.train.batch_size // (pipeline.dp * pipeline.microbatches))
+
+
+def dp_shards(pipeline: PipelinePlan) -> int:
+    """The ranks each stage's parameters and optimiser state are sharded over: dp with parallel.dp_shard, else 1."""
+    return pipeline.dp if pipeline.dp_shard else 1
 
 
 def build_estimates(
@@ -87,6 +92,7 @@ def build_estimates(
                 in_flight,
                 pipeline.microbatches,
                 layer_indices=[l.index for l in ls],
+                shards=dp_shards(pipeline),
             )
             if cfg.mode == "train"
             else {}
