@@ -27,15 +27,20 @@ JOBS = ("train", "generate")
 
 
 def check_world_size(plan, run_dir: str) -> None:
-    """The processes launched must be exactly the plan's pipeline ranks (torchrun's WORLD_SIZE)."""
+    """The processes launched must be exactly the plan's pipeline ranks x parallel.dp (torchrun's WORLD_SIZE)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    ranks = plan.pipeline.ranks
+    ranks = plan.pipeline.world_size
     if world != ranks:
+        dp = plan.pipeline.dp
+        what = (
+            f"{plan.pipeline.ranks} pipeline ranks x parallel.dp={dp} = {ranks} ranks"
+            if dp > 1
+            else (f"{ranks} pipeline rank{'s' if ranks != 1 else ''}")
+        )
         raise PlanError(
-            f"WORLD_SIZE={world}: {world} processes were launched, but {Path(run_dir) / 'plan.json'} has {ranks} "
-            f"pipeline rank{'s' if ranks != 1 else ''}. Fix: launch exactly {ranks} process"
-            f"{'es' if ranks != 1 else ''} (nnodes x nproc-per-node = {ranks}), e.g. "
-            f"--nproc-per-node {ranks} on one node."
+            f"WORLD_SIZE={world}: {world} processes were launched, but {Path(run_dir) / 'plan.json'} has {what}. "
+            f"Fix: launch exactly {ranks} process{'es' if ranks != 1 else ''} (nnodes x nproc-per-node = {ranks}), "
+            f"e.g. --nproc-per-node {ranks} on one node."
         )
 
 
@@ -59,7 +64,7 @@ def _run_job(cfg, plan, run_dir: str, job: str) -> None:
 
     ctx = init_distributed(cfg, plan, run_dir)
     # a peer may still finish its last collective (final checkpoint, tracker) when this rank is done
-    with leave_together(ctx.group):
+    with leave_together():  # the whole world: every replica's ranks
         if job == "train":
             from dsaflow.train.trainer import run_train
 

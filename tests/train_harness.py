@@ -70,23 +70,27 @@ GRAD_STEPS = (0, 1)  # the gradients of these steps are captured (step 0 is dens
 
 
 def _capture_grads(tr, out: dict, steps) -> None:
-    """Wrap Trainer.step so that the (clipped) gradients of `steps` are copied into out[step][name]."""
+    """Wrap Trainer.step so that the (clipped) gradients of `steps` are copied into out[step][name] (whole tensors:
+    gradients sharded over dp are gathered, which every replica's rank takes part in)."""
+    from dsaflow.train.data_parallel import full_tensor
+
     inner = tr.step
 
     def step(i: int):
         metrics = inner(i)
         if i in steps:
-            out[i] = {tr.opt.names[p]: p.grad.clone() for p in tr.opt.names if p.grad is not None}
+            out[i] = {tr.opt.names[p]: full_tensor(p.grad).clone() for p in tr.opt.names if p.grad is not None}
         return metrics
 
     tr.step = step
+    out["trainer"] = tr  # for the buffers after the run (popped before saving)
 
 
 def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir: str, prepare=None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from dsaflow.pipeline.run_context import RunContext
+    from dsaflow.pipeline.run_context import RunContext, context_in_world
     from dsaflow.train.trainer import run_train
 
     try:
@@ -98,11 +102,25 @@ def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir
             plan = build_plan(cfg)
             run_dir = Path(cfg.run_dir or Path(out_dir) / f"run{i}")
             run_dir.mkdir(parents=True, exist_ok=True)
-            ctx = RunContext(cfg, plan, rank, world, rank, torch.device("cpu"), run_dir)
+            if cfg.parallel.dp > 1:  # the ("dp", "pp") mesh, as the worker builds it
+                ctx = context_in_world(cfg, plan, run_dir, torch.device("cpu"), rank)
+            else:
+                ctx = RunContext(cfg, plan, rank, world, rank, torch.device("cpu"), run_dir)
             grads: dict = {}
             history = run_train(ctx, on_trainer=lambda tr: _capture_grads(tr, grads, GRAD_STEPS))
+            trainer = grads.pop("trainer")
+            biases = {  # MoE routing biases (buffers: whole on every rank)
+                k: v.clone() for m in trainer.modules for k, v in m.named_buffers() if "e_score_correction_bias" in k
+            }
             torch.save(
-                {"history": history, "grads": grads, "logging": ctx.is_logging_rank},
+                {
+                    "history": history,
+                    "grads": grads,
+                    "logging": ctx.is_logging_rank,
+                    "biases": biases,
+                    "dp_rank": ctx.dp_rank,
+                    "pp_rank": ctx.rank,
+                },
                 Path(out_dir) / f"cfg{i}_rank{rank}.pt",
             )
             dist.barrier()
@@ -111,16 +129,18 @@ def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir
 
 
 def run_configs(world: int, cfgs: List[DSAFlowConfig], out_dir: Path, prepare=None) -> List[dict]:
-    """`prepare(i, cfg)` (picklable) runs on rank 0 before config i. -> per config: {"losses": [..], "history": [...], "grads": {step: {name: tensor}} (union over ranks)}."""
+    """`prepare(i, cfg)` (picklable) runs on rank 0 before config i. -> per config: {"losses": [..], "history": [...],
+    "grads": {step: {name: tensor}} (union over ranks), "ranks": [{"biases", "dp_rank", "pp_rank"} per rank]}."""
     out_dir.mkdir(parents=True, exist_ok=True)
     mp.start_processes(
         _worker, args=(world, free_port(), cfgs, str(out_dir), prepare), nprocs=world, start_method="spawn"
     )
     results = []
     for i in range(len(cfgs)):
-        merged = {"grads": {}}
+        merged = {"grads": {}, "ranks": []}
         for r in range(world):
             d = torch.load(out_dir / f"cfg{i}_rank{r}.pt", weights_only=False)
+            merged["ranks"].append({k: d[k] for k in ("biases", "dp_rank", "pp_rank")})
             for step, g in d["grads"].items():
                 merged["grads"].setdefault(step, {}).update(g)
             if d["logging"]:

@@ -60,7 +60,8 @@ def check_resume(cfg, plan: Plan, report=None) -> Tuple[int, Path]:
         raise PlanError(
             f"train.resume=true but run_dir={run_dir} was trained with another setup, so its checkpoints cannot be "
             f"loaded: {'; '.join(diffs[:4])}. Fix: resume with the run's own settings (see {run_dir / CONFIG}; "
-            "pipeline.*, layout, index.*, model.*, data.*), or start a new run_dir. Nothing was written."
+            "pipeline.*, layout, index.*, model.*, data.*; parallel.dp may change, since a checkpoint holds whole "
+            "stages), or start a new run_dir. Nothing was written."
         )
     found = newest_good_checkpoint(run_dir, report)
     if found is None:

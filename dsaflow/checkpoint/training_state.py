@@ -117,10 +117,14 @@ def _save_failed(tmp: Path, step: int, exc: BaseException) -> CheckpointError:
     )
 
 
-def save_checkpoint(path: Path, modules, opt, rank: int, step: int, group=None, keep: Optional[int] = None) -> bool:
+def save_checkpoint(
+    path: Path, modules, opt, rank: int, step: int, group=None, keep: Optional[int] = None, state=None
+) -> bool:
     """Collective: every rank of the pipeline calls it with its own stages. Returns False (and writes nothing)
     when a good checkpoint of this run already exists at `path`: a good checkpoint is never rewritten. A folder
-    of this step that is not good (corrupted, another run's) is replaced, and only once the new save verifies."""
+    of this step that is not good (corrupted, another run's) is replaced, and only once the new save verifies.
+    state: the rank's `rank_state` with plain (gathered) tensors, when the caller built it (data parallelism:
+    gathered from the dp shards); None = built here from `modules` and `opt`."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     path = Path(path)
@@ -137,8 +141,9 @@ def save_checkpoint(path: Path, modules, opt, rank: int, step: int, group=None, 
             raise _save_failed(tmp, step, exc) from None
     _barrier(group)
     try:
-        dcp.save(rank_state(modules, opt, rank, step, for_load=False), checkpoint_id=str(tmp), process_group=group)
-        weights = {k: v for m in modules for k, v in m.state_dict().items()}
+        sd = state if state is not None else rank_state(modules, opt, rank, step, for_load=False)
+        dcp.save(sd, checkpoint_id=str(tmp), process_group=group)
+        weights = {k[len("model.") :]: v for k, v in sd.items() if k.startswith("model.")}
         save_file(weights, tmp / f"model-rank{rank}.safetensors", {"step": str(step), "format": "dsaflow-weights"})
     except (OSError, CheckpointException) as exc:
         raise _save_failed(tmp, step, exc) from None
@@ -175,8 +180,13 @@ def load_checkpoint(path: Path, modules, opt, rank: int, group=None) -> int:
     """Collective. Loads model + optimiser + RNG in place; returns the completed step to continue from.
     `path` was verified (manifest, safe metadata) by the caller; the metadata is read safely again here."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     sd = rank_state(modules, opt, rank, 0, for_load=True)
+    # stages sharded over dp (FSDP2): load whole tensors (checkpoints hold whole stages, whatever parallel.dp
+    # wrote them), then keep this rank's shard; gathering the templates is collective over the dp group
+    sharded = {k: v for k, v in sd.items() if isinstance(v, DTensor)}
+    sd.update({k: v.full_tensor() for k, v in sharded.items()})
     try:
         dcp.load(sd, storage_reader=safe_reader(path), process_group=group)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps every failure of any rank
@@ -185,7 +195,12 @@ def load_checkpoint(path: Path, modules, opt, rank: int, group=None) -> int:
             "config.yaml, or start a new run_dir"
         ) from None
     # model.* entries are the modules' own tensors: loaded in place. Optimiser state tensors were installed in
-    # opt.state by the template, also loaded in place. RNG needs an explicit set.
+    # opt.state by the template, also loaded in place. Sharded ones take their shard of the whole tensor read.
+    # RNG needs an explicit set.
+    with torch.no_grad():
+        for k, dt in sharded.items():
+            mine = distribute_tensor(sd[k], dt.device_mesh, dt.placements, src_data_rank=None)
+            dt.to_local().copy_(mine.to_local())
     torch.set_rng_state(sd[f"rng.rank{rank}.cpu"])
     if f"rng.rank{rank}.cuda" in sd:
         torch.cuda.set_rng_state(sd[f"rng.rank{rank}.cuda"])

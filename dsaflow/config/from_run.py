@@ -28,7 +28,19 @@ CONFIG = "config.yaml"
 # Sections each reader takes from the run. `layout` and `index` say the same thing (which layers are F): they are
 # taken, or given, together.
 RUN_SECTIONS = {
-    "resume": ("model", "index", "layout", "pipeline", "graphs", "train", "data", "track", "launch", "extra"),
+    "resume": (
+        "model",
+        "index",
+        "layout",
+        "pipeline",
+        "parallel",
+        "graphs",
+        "train",
+        "data",
+        "track",
+        "launch",
+        "extra",
+    ),
     "serve": ("model", "index", "layout"),
     "search": ("model", "data"),
 }

@@ -22,6 +22,7 @@ from dsaflow.errors import ConfigError
 from .field_checks import check_fields
 from .fields import Choice, make_choice, num
 from .moe_schema import MoEConfig, check_moe
+from .parallel_schema import ParallelConfig
 from .plan_schema import PlanConfig
 from .rope_schema import YarnConfig
 
@@ -287,6 +288,7 @@ class DSAFlowConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     graphs: GraphsConfig = field(default_factory=GraphsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)

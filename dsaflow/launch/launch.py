@@ -68,7 +68,7 @@ def check_track(cfg) -> None:
 def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> None:
     """Everything a worker would otherwise trip over, checked in the parent. Raises PlanError.
     local=False (a run dir prepared for other nodes): skip the checks about this machine's GPUs and memory."""
-    ranks = plan.pipeline.ranks
+    ranks = plan.pipeline.world_size  # pipeline ranks x parallel.dp processes
     device = resolve_device_type(cfg.train.device)
     if device == "cuda" and local:
         import torch
@@ -78,8 +78,9 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
             raise PlanError("train.device=cuda but no CUDA GPU is visible. Fix: train.device=auto (or cpu).")
         if ranks > n_gpu:
             raise PlanError(
-                f"the plan has {ranks} pipeline ranks but this node has {n_gpu} GPUs (one process per GPU). Fix: "
-                f"use pipeline.ranks<={n_gpu} (e.g. pipeline.stages={n_gpu}), or prepare the run dir with "
+                f"the plan has {ranks} ranks ({plan.pipeline.ranks} pipeline ranks x parallel.dp="
+                f"{plan.pipeline.dp}) but this node has {n_gpu} GPUs (one process per GPU). Fix: use fewer ranks "
+                f"(pipeline.ranks x parallel.dp <= {n_gpu}), or prepare the run dir with "
                 "`python -m dsaflow.launch.launch prepare ...` and start it on several nodes with launch/multi_node.sh."
             )
     from .resources import check_resources
@@ -322,7 +323,7 @@ def launch(cfg, plan: Plan, job: str = "train") -> int:
 def _launch_in(cfg, plan: Plan, job: str, run_dir: Path) -> int:
     for stale in run_dir.glob("error-rank*.txt"):
         stale.unlink()  # unlink removes a link itself, never its target
-    cmd = torchrun_command(run_dir, plan.pipeline.ranks, job)
+    cmd = torchrun_command(run_dir, plan.pipeline.world_size, job)
     from .input_watch import changed_inputs, snapshot
     from .pipes import survive_closed_stdout
     from .run_summary import shell_command, train_summary

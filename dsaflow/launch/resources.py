@@ -27,6 +27,7 @@ from dsaflow.errors import ResourceError
 from dsaflow.plan.memory import TRANSIENT, largest_term_fix, train_memory_terms
 from dsaflow.plan.serve_fit import fit_alternatives
 from dsaflow.plan.serve_memory import USABLE_FRACTION, rank_fits, serve_fix, serve_width
+from dsaflow.plan.stage_estimates import dp_shards
 
 GiB = 1 << 30
 HEADROOM = USABLE_FRACTION
@@ -61,6 +62,7 @@ def rank_memory(cfg, plan, rank: int, device_type: str, job: str) -> Dict[str, f
             plan.pipeline.microbatches,
             device_type,
             layer_indices=list(st.layers),
+            shards=dp_shards(plan.pipeline),
         )
         for name, b in terms.items():
             out[name] = out.get(name, 0) + b if name != TRANSIENT else max(out.get(name, 0), b)
@@ -113,7 +115,8 @@ def check_resources(cfg, plan, device_type: str, job: str = "train", local: bool
     against nothing; the sizes' hard bounds live in the schema)."""
     if not local or os.environ.get("DSAFLOW_SKIP_MEMORY_CHECK") == "1":  # the estimate is rough: an escape hatch
         return
-    avail, source = available_memory(device_type, plan.pipeline.ranks)
+    # every process of the world shares one host when the launch is local (a replica's ranks need the same memory)
+    avail, source = available_memory(device_type, plan.pipeline.world_size)
     worst = None
     for r in range(plan.pipeline.ranks):
         need = rank_memory(cfg, plan, r, device_type, job)

@@ -1,7 +1,12 @@
-"""What a worker process knows about itself: config, plan, rank, device, process group, run dir.
+"""What a worker process knows about itself: config, plan, rank, device, process groups, run dir.
 
 Built from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). Training and serving
 (`dsaflow.serve.generate.run_serve(ctx)`) both receive this object.
+
+With data parallelism (parallel.dp > 1) the world is a 2-D DeviceMesh ("dp", "pp"): global rank = dp index x
+pipeline ranks + pipeline rank (`PipelinePlan.global_rank`). `rank` and `group` are then the pipeline rank and the
+replica's pipeline group (its p2p peers are that replica's ranks), `dp_rank` and `dp_group` the replica index and
+the ranks that hold the same stages in every replica (gradients, expert load and metrics reduce there).
 """
 
 from __future__ import annotations
@@ -28,7 +33,14 @@ class RunContext:
     local_rank: int
     device: torch.device
     run_dir: Path
-    group: Optional[dist.ProcessGroup] = None  # None = the default (world) group
+    group: Optional[dist.ProcessGroup] = None  # the replica's pipeline group; None = the default (world) group
+    dp_rank: int = 0  # which replica this process belongs to (parallel.dp)
+    dp_group: Optional[dist.ProcessGroup] = None  # this pipeline rank in every replica; None when dp == 1
+    dp_mesh: Any = None  # the 1-D DeviceMesh of dp_group (FSDP2 shards over it); None when dp == 1
+
+    @property
+    def dp(self) -> int:
+        return self.plan.pipeline.dp
 
     @property
     def stages(self):
@@ -42,7 +54,8 @@ class RunContext:
 
     @property
     def is_logging_rank(self) -> bool:
-        return self.rank == self.logging_rank
+        """The last stage's rank of replica 0: metrics are reduced over dp before it logs them."""
+        return self.rank == self.logging_rank and self.dp_rank == 0
 
     @property
     def is_cuda(self) -> bool:
@@ -56,10 +69,10 @@ def init_distributed(cfg, plan: Plan, run_dir: Path) -> RunContext:
     """Initialise the default process group from torchrun's env: NCCL on GPUs (one per local rank), gloo on CPU."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if world != plan.pipeline.ranks:
+    if world != plan.pipeline.world_size:
         raise RuntimeError(
-            f"WORLD_SIZE={world} but {run_dir}/plan.json has {plan.pipeline.ranks} pipeline ranks: launch exactly "
-            f"{plan.pipeline.ranks} processes (nnodes x nproc-per-node)."
+            f"WORLD_SIZE={world} but {run_dir}/plan.json has {plan.pipeline.world_size} ranks (pipeline ranks x "
+            f"parallel.dp): launch exactly {plan.pipeline.world_size} processes (nnodes x nproc-per-node)."
         )
     if resolve_device_type(cfg.train.device) == "cuda":
         torch.cuda.set_device(local_rank)
@@ -71,4 +84,35 @@ def init_distributed(cfg, plan: Plan, run_dir: Path) -> RunContext:
         torch.set_num_threads(max(1, int(cfg.train.cpu_threads)))
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.launch.timeout_s))
-    return RunContext(cfg, plan, dist.get_rank(), world, local_rank, device, Path(run_dir))
+    return context_in_world(cfg, plan, run_dir, device, local_rank)
+
+
+def context_in_world(cfg, plan: Plan, run_dir, device: torch.device, local_rank: int = 0) -> RunContext:
+    """The RunContext of this process in an initialised default process group of plan.pipeline.world_size ranks.
+    dp == 1: the world is the pipeline. dp > 1: a ("dp", "pp") DeviceMesh; this process's pipeline rank, replica,
+    and the two groups come from it."""
+    world = dist.get_world_size()
+    if world != plan.pipeline.world_size:
+        raise RuntimeError(f"world size {world} but the plan has {plan.pipeline.world_size} ranks")
+    if plan.pipeline.dp == 1:
+        return RunContext(cfg, plan, dist.get_rank(), world, local_rank, device, Path(run_dir))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    p = plan.pipeline
+    mesh = init_device_mesh(device.type, (p.dp, p.ranks), mesh_dim_names=("dp", "pp"))
+    dp_rank, pp_rank = p.mesh_coords(dist.get_rank())
+    if (mesh.get_local_rank("dp"), mesh.get_local_rank("pp")) != (dp_rank, pp_rank):  # the layout the plan prints
+        raise RuntimeError(f"DeviceMesh placed rank {dist.get_rank()} apart from PipelinePlan.global_rank")
+    return RunContext(
+        cfg,
+        plan,
+        pp_rank,
+        world,
+        local_rank,
+        device,
+        Path(run_dir),
+        group=mesh.get_group("pp"),
+        dp_rank=dp_rank,
+        dp_group=mesh.get_group("dp"),
+        dp_mesh=mesh["dp"],
+    )

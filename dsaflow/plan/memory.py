@@ -1,10 +1,14 @@
 """A training stage's peak memory, term by term: what the plan table prints and the pre-launch check refuses on.
 
     weights and AdamW state   fp32 weights and two fp32 moments (12 bytes per parameter), plus the bf16 copies
-                              autocast makes of every matmul weight (2 bytes) and autograd keeps until the backward
+                              autocast makes of every matmul weight (2 bytes) and autograd keeps until the backward;
+                              sharded over dp (parallel.dp_shard, FSDP2): the fp32 shard and its moments, 12 / dp
+                              bytes, plus the whole stage's gathered fp32 weights (4 bytes), which stay gathered for
+                              every microbatch of the pipeline step
     gradients                 fp32 (4 bytes per parameter): all of them once a backward has run while other
                               microbatches are still in flight (1F1B's steady state), else those of the layer being
-                              backpropagated and the head
+                              backpropagated and the head; sharded over dp they are still whole during the step
+                              (reduce-scattered once, after the last microbatch's backward)
     activations               one microbatch's (`estimates.activation_bytes_per_token` under the recompute mode, per
                               layer, + RoPE tables + the stage output or the head's logits), times the microbatches
                               the schedule holds at once on this stage (`schedule.microbatches_in_flight`)
@@ -47,11 +51,12 @@ def train_memory_terms(
     microbatches: int,
     device_type: str = "cuda",
     layer_indices: Sequence[int] | None = None,
+    shards: int = 1,
 ) -> dict[str, int]:
     """{term: bytes} for one training stage holding layers of `roles`, `microbatches` (the plan's) of `tokens`
     tokens each, `in_flight` of them at once (see the module docstring). layer_indices: the layers' global indices,
     which say which are MoE layers (required for a model with `model.moe`); every expert's weights, gradients and
-    AdamW state count."""
+    AdamW state count. shards: the dp ranks the stage's parameters and AdamW state are sharded over (1 = none)."""
     m, t = cfg.model, cfg.train
     width, autocast = compute_dtype(cfg, device_type)
     recompute = str(t.recompute)
@@ -74,8 +79,10 @@ def train_memory_terms(
         ),
         default=0,
     )
+    # sharded: the rank's fp32 shard and moments, plus the gathered weights the whole step computes with
+    weights = 12 * params if shards == 1 else -(-12 * params // shards) + 4 * params
     return {
-        WEIGHTS: 12 * params + copies,
+        WEIGHTS: weights + copies,
         GRADS: grads,
         ACTIVATIONS: per_token * tokens * in_flight,
         TRANSIENT: transient,

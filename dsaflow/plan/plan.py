@@ -7,7 +7,7 @@ Frozen dataclasses that round-trip through `plan.json` (the JSON contract is doc
      "layers": [{"index": i, "stage": s, "declared": "F"|"S", "role": "F"|"S", "promoted": bool, "source": j,
                  "reason": str|null}],
      "graph_blocks": [{"name", "kind", "stages", "layers", "shape_classes"}],
-     "pipeline": {"ranks", "schedule", "microbatches", "stages_per_rank"},
+     "pipeline": {"ranks", "schedule", "microbatches", "stages_per_rank", "dp", "dp_shard"},
      "estimates": {..},
      "index_boundaries": [s, ..]}   # stages whose boundary to the next carries top-k indices (cross-stage)
 
@@ -51,10 +51,27 @@ class GraphBlockPlan:
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    ranks: int
+    ranks: int  # pipeline ranks of one replica
     schedule: str
-    microbatches: int
+    microbatches: int  # per replica and step
     stages_per_rank: int
+    dp: int = 1  # data-parallel replicas of the whole pipeline (parallel.dp)
+    dp_shard: bool = True  # FSDP2-shard each stage over its dp group (parallel.dp_shard); no effect at dp=1
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the run: pipeline ranks x dp."""
+        return self.ranks * self.dp
+
+    def global_rank(self, dp_index: int, pp_rank: int) -> int:
+        """The process of pipeline rank `pp_rank` in replica `dp_index`: the pipeline rank is the inner dimension,
+        so one replica's ranks are contiguous (a pp group stays on one node when nproc-per-node is a multiple of
+        the pipeline ranks)."""
+        return dp_index * self.ranks + pp_rank
+
+    def mesh_coords(self, global_rank: int) -> tuple:
+        """(dp index, pipeline rank) of a global rank."""
+        return divmod(global_rank, self.ranks)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from dsaflow.plan.partition import (
     unconstrained_starts,
 )
 from dsaflow.plan.plan import LayerPlan, Plan, StagePlan
-from dsaflow.plan.schedule import resolve_pipeline, stage_ranks
+from dsaflow.plan.schedule import check_sharded_training, resolve_pipeline, stage_ranks
 from dsaflow.plan.stage_estimates import build_estimates, layer_costs, promotion_costs
 
 
@@ -99,7 +99,8 @@ def index_boundaries(layers: Tuple[LayerPlan, ...], stages) -> Tuple[int, ...]:
 
 def build_plan(cfg, nproc=None) -> Plan:
     """Resolve and check `cfg` (a DSAFlowConfig); raises PlanError on any config or plan mistake.
-    nproc: the process count the command was asked to launch (`dsaflow train --nproc N`); None = pipeline ranks."""
+    nproc: the process count the command was asked to launch (`dsaflow train --nproc N`); None = pipeline ranks x
+    parallel.dp."""
     check_fields(cfg)
     n = cfg.model.num_layers
     cross = bool(cfg.pipeline.cross_stage_indices)
@@ -111,7 +112,15 @@ def build_plan(cfg, nproc=None) -> Plan:
     opening = [0.0] * n if cross else promotion_costs(cfg, roles)
     starts = stage_starts(cfg, layout_starts, costs, opening, roles)
     stage_of = stage_of_layers(starts, n)
-    pipeline = resolve_pipeline(cfg.pipeline, len(starts), mode=cfg.mode, batch_size=cfg.train.batch_size, nproc=nproc)
+    pipeline = resolve_pipeline(
+        cfg.pipeline,
+        len(starts),
+        mode=cfg.mode,
+        batch_size=cfg.train.batch_size,
+        nproc=nproc,
+        parallel=getattr(cfg, "parallel", None),
+    )
+    check_sharded_training(cfg, pipeline)
     ranks = stage_ranks(len(starts), pipeline)
     bounds = list(starts[1:]) + [n]
     stages = tuple(StagePlan(s, ranks[s], tuple(range(starts[s], bounds[s]))) for s in range(len(starts)))

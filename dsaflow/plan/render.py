@@ -103,7 +103,9 @@ def _memory_table(plan: Plan, est) -> Optional[Table]:
     """Training only: each stage's estimated peak on a GPU (bf16 autocast), by term (dsaflow.plan.memory)."""
     if not any(se.get("train_memory_bytes") for se in est["stages"]):
         return None
-    t = Table(title="training memory per stage (GPU, bf16 autocast; GiB)", box=box.SIMPLE_HEAD)
+    p = plan.pipeline
+    sharded = f"; per rank, weights and AdamW state sharded over dp {p.dp}" if p.dp > 1 and p.dp_shard else ""
+    t = Table(title=f"training memory per stage (GPU, bf16 autocast; GiB{sharded})", box=box.SIMPLE_HEAD)
     for col in ("stage", "weights\n+AdamW", "grads", "activations\n(x in flight)", "backward\ntransient", "peak"):
         t.add_column(col, no_wrap=True, justify="right")
     for se in est["stages"]:
@@ -210,6 +212,47 @@ def terminal_width(default: int = 100) -> int:
     return max(60, min(160, shutil.get_terminal_size((default, 24)).columns))
 
 
+def _rank_span(first: int, count: int) -> str:
+    return str(first) if count == 1 else f"{first}-{first + count - 1}"
+
+
+def mesh_text(plan: Plan, cfg) -> str:
+    """The data-parallel mesh: world size, which global ranks form each replica and each dp group, the global
+    batch, and how each stage's state is held."""
+    p = plan.pipeline
+    lines = [
+        f"mesh (dp, pp) = ({p.dp}, {p.ranks}): world size {p.world_size}; global rank = dp index x {p.ranks} + "
+        f"pipeline rank (each replica's pipeline on consecutive ranks)"
+    ]
+    show = range(p.dp) if p.dp <= 8 else (*range(3), p.dp - 1)
+    for d in show:
+        if p.dp > 8 and d == p.dp - 1:
+            lines.append("  ...")
+        lines.append(f"  replica dp={d}: ranks {_rank_span(p.global_rank(d, 0), p.ranks)}")
+    for r in range(min(p.ranks, 8)):
+        members = [p.global_rank(d, r) for d in range(p.dp)]
+        shown = ", ".join(map(str, members[:8])) + (", ..." if len(members) > 8 else "")
+        stages = [s.index for s in plan.stages if s.rank == r]
+        lines.append(f"  dp group of pipeline rank {r} (stages {stages}): ranks {shown}")
+    if p.ranks > 8:
+        lines.append("  ...")
+    how = (
+        "each stage's weights, gradients and AdamW state sharded over its dp group (FSDP2, parallel.dp_shard=true)"
+        if p.dp_shard
+        else "each replica holds whole stages; gradients all-reduced over the dp group once per step "
+        "(parallel.dp_shard=false)"
+    )
+    lines.append(f"  {how}")
+    if cfg.mode == "train":
+        t = cfg.train
+        per_mb = t.batch_size // (p.dp * p.microbatches)
+        lines.append(
+            f"  global batch {t.batch_size} sequences = dp {p.dp} x {p.microbatches} microbatches x {per_mb} "
+            f"sequences of {t.seq_len} tokens"
+        )
+    return "\n".join(lines)
+
+
 def render_table(plan: Plan, cfg, width: Optional[int] = None) -> str:
     """The `dsaflow plan` text: header, stage table, promotions, boundary trade-offs, graph blocks, totals.
     width: columns to fit (default: the terminal's, 60..160); long cells and headers wrap to fit."""
@@ -220,8 +263,12 @@ def render_table(plan: Plan, cfg, width: Optional[int] = None) -> str:
     con.print(
         f"model={m.name}: {plan.num_layers} layers, dim {m.dim}, {m.n_heads} heads, indexer {m.index_n_heads}x"
         f"{m.index_head_dim}, topk {m.index_topk} | {_n(plan.num_stages, 'stage')} on {_n(p.ranks, 'rank')} "
-        f"({p.stages_per_rank} per rank), schedule {p.schedule}, {p.microbatches} microbatches | mode={cfg.mode}"
+        f"({p.stages_per_rank} per rank), schedule {p.schedule}, {p.microbatches} microbatches"
+        + (f" | x dp {p.dp} = {p.world_size} ranks" if p.dp > 1 else "")
+        + f" | mode={cfg.mode}"
     )
+    if p.dp > 1:
+        con.print(mesh_text(plan, cfg))
     if con.width >= 140:
         con.print(_stage_table(plan, est))
     else:  # narrow terminal: roles and estimates side by side would not fit

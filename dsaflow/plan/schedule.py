@@ -19,8 +19,11 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")  # the rest of dsaflow.config.schema.
 ROUND_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 
 
-def resolve_pipeline(pipe, num_stages: int, *, mode: str, batch_size: int, nproc) -> PipelinePlan:
-    """Check the schedule against the stage count; returns ranks, schedule, microbatches and stages per rank."""
+def resolve_pipeline(pipe, num_stages: int, *, mode: str, batch_size: int, nproc, parallel=None) -> PipelinePlan:
+    """Check the schedule against the stage count and the data parallelism (`parallel`: the config's
+    ParallelConfig, None = one replica); returns ranks, schedule, microbatches, stages per rank and dp."""
+    dp = 1 if parallel is None else int(parallel.dp)
+    dp_shard = True if parallel is None else bool(parallel.dp_shard)
     ranks = num_stages if pipe.ranks is None else pipe.ranks
     if num_stages % ranks != 0:
         raise PlanError(
@@ -48,13 +51,65 @@ def resolve_pipeline(pipe, num_stages: int, *, mode: str, batch_size: int, nproc
         )
     mb = num_stages if pipe.microbatches is None else pipe.microbatches
     if mode == "train":  # serving runs no training schedule: only placement matters there
-        _check_training_microbatches(pipe, mb, ranks, num_stages, batch_size)
-    if nproc is not None and nproc != ranks:
+        _check_data_parallel_batch(batch_size, dp, mb)
+        _check_training_microbatches(pipe, mb, ranks, num_stages, batch_size // dp)
+    elif dp > 1:
         raise PlanError(
-            f"--nproc {nproc} but the plan has {ranks} pipeline ranks (one process per rank; no data parallelism). "
-            f"Fix: drop --nproc or use --nproc {ranks}."
+            f"parallel.dp={dp} with mode=serve: data parallelism is a training layout, and serving does not run "
+            "replicas yet (each would need its own share of the requests). Fix: parallel.dp=1 for generate."
         )
-    return PipelinePlan(ranks=ranks, schedule=str(pipe.schedule), microbatches=mb, stages_per_rank=v)
+    world = ranks * dp
+    if nproc is not None and nproc != world:
+        raise PlanError(
+            f"--nproc {nproc} but the plan has {ranks} pipeline rank{'s' * (ranks != 1)} x parallel.dp={dp} = "
+            f"{world} processes (one process per rank of every replica). Fix: drop --nproc or use --nproc {world}"
+            + (f", or parallel.dp={nproc // ranks} for {nproc} processes." if nproc % ranks == 0 else ".")
+        )
+    return PipelinePlan(
+        ranks=ranks, schedule=str(pipe.schedule), microbatches=mb, stages_per_rank=v, dp=dp, dp_shard=dp_shard
+    )
+
+
+# schedules whose backward is split into an input and a weight pass: FSDP2's once-per-step gradient reduction is
+# driven from the full backward's `last_backward` (dsaflow/train/pipeline.py), which they never run
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+def check_sharded_training(cfg, pipeline: PipelinePlan) -> None:
+    """What parallel.dp_shard=true (FSDP2) does not run yet, refused by name with the fix: the split-backward
+    schedules, the dense warm-up (its forward-only step backpropagates outside the schedule) and starting from other
+    weights (train.init_from, model.hf_path: loaded into whole stages)."""
+    if pipeline.dp == 1 or not pipeline.dp_shard or cfg.mode != "train":
+        return
+    t = cfg.train
+    bad = []
+    if pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
+        bad.append(f"pipeline.schedule={pipeline.schedule}")
+    if str(t.dsa_stage) == "dense_warmup" or t.dense_warmup_steps:
+        bad.append("train.dsa_stage=dense_warmup" if str(t.dsa_stage) == "dense_warmup" else "train.dense_warmup_steps")
+    if t.init_from:
+        bad.append("train.init_from")
+    if cfg.model.hf_path:
+        bad.append("model.hf_path")
+    if bad:
+        raise PlanError(
+            f"parallel.dp_shard=true (FSDP2 sharding over parallel.dp={pipeline.dp}) does not run with "
+            f"{', '.join(bad)} yet. Fix: parallel.dp_shard=false (every replica holds whole stages and gradients are "
+            "all-reduced), or drop " + ", ".join(b.split("=")[0] for b in bad) + "."
+        )
+
+
+def _check_data_parallel_batch(batch_size: int, dp: int, mb: int) -> None:
+    """train.batch_size is the global batch: with dp > 1 it must split into dp replicas of `mb` equal
+    microbatches (at dp=1 the microbatch rule alone applies)."""
+    if dp > 1 and batch_size % (dp * mb) != 0:
+        raise PlanError(
+            f"train.batch_size={batch_size} does not split over parallel.dp={dp} replicas of "
+            f"pipeline.microbatches={mb} equal microbatches (train.batch_size is the global batch: each replica "
+            f"trains train.batch_size / parallel.dp sequences per step). Fix: train.batch_size="
+            f"{dp * mb * max(1, batch_size // (dp * mb))} (a multiple of parallel.dp x pipeline.microbatches = "
+            f"{dp * mb}), or fewer replicas or microbatches."
+        )
 
 
 def _check_training_microbatches(pipe, mb: int, ranks: int, num_stages: int, batch_size: int) -> None:
@@ -68,7 +123,7 @@ def _check_training_microbatches(pipe, mb: int, ranks: int, num_stages: int, bat
             f"pipeline.microbatches={mb} is below the {num_stages} stages, which 1F1B rejects. Fix: "
             f"pipeline.microbatches={num_stages} (or more), or pipeline.schedule=GPipe."
         )
-    if batch_size % mb != 0:
+    if batch_size % mb != 0:  # batch_size: one replica's sequences per step (the global batch at dp=1)
         raise PlanError(
             f"train.batch_size={batch_size} does not split into pipeline.microbatches={mb} equal microbatches. "
             f"Fix: make train.batch_size a multiple of {mb} (e.g. train.batch_size={mb * max(1, batch_size // mb)})."

@@ -2,9 +2,10 @@
 
 Contexts: savings at `estimate_context` (default 128K: the long-context case DSA exists for), KV cache at
 `model.max_seq_len` per sequence, activations at one microbatch of train.seq_len tokens
-(train.batch_size / pipeline.microbatches sequences; in serve mode one prefill chunk of serve.prefill_chunk tokens)
-under train.recompute; in train mode each stage's peak training memory by term (dsaflow.plan.memory); in serve mode
-what each stage holds and the KV tokens that fit on plan.device_memory_gib (dsaflow.plan.serve_memory).
+(train.batch_size / (parallel.dp x pipeline.microbatches) sequences; in serve mode one prefill chunk of
+serve.prefill_chunk tokens) under train.recompute; in train mode each stage's peak training memory by term
+(dsaflow.plan.memory); in serve mode what each stage holds and the KV tokens that fit on plan.device_memory_gib
+(dsaflow.plan.serve_memory).
 """
 
 from __future__ import annotations
@@ -44,7 +45,12 @@ def promotion_costs(cfg, roles: Sequence[str]) -> List[float]:
 def microbatch_tokens(cfg, pipeline: PipelinePlan) -> int:
     if cfg.mode == "serve":
         return cfg.serve.prefill_chunk
-    return cfg.train.seq_len * max(1, cfg.train.batch_size // pipeline.microbatches)
+    return cfg.train.seq_len * max(1, cfg.train.batch_size // (pipeline.dp * pipeline.microbatches))
+
+
+def dp_shards(pipeline: PipelinePlan) -> int:
+    """The ranks each stage's parameters and optimiser state are sharded over: dp with parallel.dp_shard, else 1."""
+    return pipeline.dp if pipeline.dp_shard else 1
 
 
 def build_estimates(
@@ -89,6 +95,7 @@ def build_estimates(
                 in_flight,
                 pipeline.microbatches,
                 layer_indices=[l.index for l in ls],
+                shards=dp_shards(pipeline),
             )
             if cfg.mode == "train"
             else {}

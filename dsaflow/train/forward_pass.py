@@ -124,16 +124,20 @@ class ForwardPipeline:
 
     def _hidden_shape(self) -> tuple:
         """[sequences per microbatch, T, dim] of a hidden state (train and eval batches have train.batch_size
-        sequences; the planner requires it to split evenly)."""
+        sequences, train.batch_size / parallel.dp per replica; the planner requires them to split evenly)."""
         t = self.ctx.cfg.train
-        return (t.batch_size // self.plan.pipeline.microbatches, t.seq_len, self.ctx.cfg.model.dim)
+        return (self._microbatch_rows(), t.seq_len, self.ctx.cfg.model.dim)
+
+    def _microbatch_rows(self) -> int:
+        p = self.plan.pipeline
+        return self.ctx.cfg.train.batch_size // (p.dp * p.microbatches)
 
     def _index_shape(self) -> tuple:
         """[sequences per microbatch, T, min(topk, T)]: the int32 indices a stage sends with cross-stage indices
         (`trim_indices`)."""
         t = self.ctx.cfg.train
         topk = min(self.ctx.cfg.model.index_topk, t.seq_len)
-        return (t.batch_size // self.plan.pipeline.microbatches, t.seq_len, topk)
+        return (self._microbatch_rows(), t.seq_len, topk)
 
     def _stage_forward(
         self,

@@ -85,18 +85,20 @@ class StepMetrics:
         self.has_last = any(plan.is_last(index) for index, _, _ in self.stages)
         self.has_answers = loss_fn.num_queries > 0
         peak = peak_tflops_per_rank(t, ctx.device)
-        self.peak_flops = None if peak is None else peak * 1e12 * plan.pipeline.ranks
+        self.peak_flops = None if peak is None else peak * 1e12 * plan.pipeline.world_size
         self.flops_per_token = model_flops_per_token(ctx.cfg.model, plan, t.seq_len, params, embedding_params)
         self.start()
 
     def start(self) -> None:
         """Before a step: its clock starts; timers, indexer losses, accuracy counters and the vector the step
         all-reduces start from zero: [busy per stage | indexer loss per stage | memory per rank | non-finite flag |
-        expert load]."""
+        expert load | LM loss, correct answers, answers (parallel.dp > 1: the last stage of every replica)]."""
         self.t0 = time.perf_counter()
         S, R = self.ctx.plan.num_stages, self.ctx.plan.pipeline.ranks
-        self.vec = torch.zeros(2 * S + R + 1 + self.balance.width(), dtype=torch.float64, device=self.ctx.device)
-        self.expert_load = self.vec[2 * S + R + 1 :]  # the ExpertBalance writes here after the optimizer step
+        width = 2 * S + R + 1 + self.balance.width() + (3 if self.ctx.dp > 1 else 0)
+        self.vec = torch.zeros(width, dtype=torch.float64, device=self.ctx.device)
+        # the ExpertBalance writes here after the optimizer step
+        self.expert_load = self.vec[2 * S + R + 1 : 2 * S + R + 1 + self.balance.width()]
         for _, timer, indexer_losses in self.stages:
             timer.reset()
             indexer_losses.clear()
@@ -118,7 +120,16 @@ class StepMetrics:
                 vec[S + index] = torch.stack(indexer_losses).mean().double()
         stage_losses = [*losses, *(x for _, _, indexer_losses in self.stages for x in indexer_losses)]
         vec[nonfinite_slot] = nonfinite_flag(stage_losses, vec.device)
-        dist.all_reduce(vec, group=ctx.group)
+        dp = ctx.dp
+        if dp > 1 and self.has_last:  # the replica's loss and answer counts, reduced with the rest over the world
+            vec[-3] = torch.stack([l.detach().float() for l in losses]).mean().double()
+            vec[-2], vec[-1] = torch.as_tensor(self.loss_fn.correct), torch.as_tensor(self.loss_fn.total)
+        # dp > 1: over every replica too; per-stage and per-rank entries then hold dp times a replica's value (the
+        # expert load is the same on every replica: reduced over dp before the bias update)
+        dist.all_reduce(vec, group=ctx.group if dp == 1 else None)
+        if dp > 1:
+            vec[:nonfinite_slot].div_(dp)
+            self.expert_load.div_(dp)
         if ctx.is_cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - self.t0
@@ -140,7 +151,11 @@ class StepMetrics:
         m.update(self.balance.metrics(self.expert_load, self.moe_layer_ids))
         if self.peak_flops:
             m["mfu"] = self.flops_per_token * m["tokens_per_s"] / self.peak_flops
-        if self.has_last:
+        if dp > 1 and self.has_last:  # the mean over replicas of equal shares: the global batch's mean
+            m["loss"] = float(vec[-3] / dp)
+            if self.has_answers:
+                m["acc"] = float(vec[-2] / vec[-1]) if vec[-1] > 0 else float("nan")
+        elif self.has_last:
             m["loss"] = float(torch.stack([l.detach().float() for l in losses]).mean())
             if self.has_answers:
                 m["acc"] = self.loss_fn.accuracy()

@@ -107,8 +107,13 @@ def advance(scheds: Sequence[torch.optim.lr_scheduler.LambdaLR]) -> None:
             s.step()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a gradient this rank holds: its shard of a DTensor (parallel.dp_shard), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _sq_norm(params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:
-    grads = [p.grad.detach().float() for p in params if p.grad is not None]
+    grads = [_local(p.grad.detach()).float() for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), device=device)
     return torch.stack([(g * g).sum() for g in grads]).sum().to(device)
@@ -116,7 +121,8 @@ def _sq_norm(params: Sequence[nn.Parameter], device: torch.device) -> torch.Tens
 
 def clip_global(opt: RankOptim, max_norm: float, device: torch.device, group=None) -> Tuple[float, float]:
     """Global grad norms (main, indexer) over every pipeline rank; clips each set to max_norm (0 = no clip).
-    Returns the pre-clip norms."""
+    Returns the pre-clip norms. group: the ranks whose squared norms add up to the model's: the pipeline (each
+    rank its stages), or the world when gradients are sharded over dp (each rank its shards of its stages)."""
     sq = torch.stack([_sq_norm(opt.main_params, device), _sq_norm(opt.indexer_params, device)])
     if dist.is_initialized():
         dist.all_reduce(sq, group=group)
@@ -126,6 +132,6 @@ def clip_global(opt: RankOptim, max_norm: float, device: torch.device, group=Non
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for p in params:
                 if p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.device))
+                    _local(p.grad).mul_(coef.to(p.grad.device))
     n = norms.tolist()
     return n[0], n[1]

@@ -123,7 +123,16 @@ class TimedPipelineStage(PipelineStage):
             self.submod.live = False
 
     def backward_one_chunk(self, *args, **kwargs):
-        return self.timer.run(super().backward_one_chunk, *args, **kwargs)
+        # A stage sharded over dp (dsaflow/train/data_parallel.py) accumulates whole gradients locally and
+        # reduce-scatters them once, in the step's last backward (the schedule says which one that is).
+        sharded = getattr(self.submod.stage, "set_requires_gradient_sync", None)
+        if sharded is None:
+            return self.timer.run(super().backward_one_chunk, *args, **kwargs)
+        sharded(bool(kwargs.get("last_backward", False)))
+        try:
+            return self.timer.run(super().backward_one_chunk, *args, **kwargs)
+        finally:
+            sharded(True)  # outside the schedule (torch's shape inference) a backward reduces at once
 
     def backward_weight_one_chunk(self, *args, **kwargs):
         return self.timer.run(super().backward_weight_one_chunk, *args, **kwargs)
@@ -171,12 +180,16 @@ def build_pipeline_stages(
     return [TimedPipelineStage(m, s, num_stages, device, group=group) for m, s in zip(modules, stage_indices)]
 
 
-def build_schedule(name: str, stages: List[PipelineStage], microbatches: int, loss_fn: Callable):
+def build_schedule(
+    name: str, stages: List[PipelineStage], microbatches: int, loss_fn: Callable, scale_grads: bool = True
+):
     """The torch schedule class `name` (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
-    ZBVZeroBubble, ...). Single-stage schedules take this rank's one stage, multi-stage ones the list."""
+    ZBVZeroBubble, ...). Single-stage schedules take this rank's one stage, multi-stage ones the list.
+    scale_grads=False: the caller turns the microbatch sums into means (stages sharded over dp, whose last
+    gradients reach the shards only when the step's backward is complete: dsaflow/train/data_parallel.py)."""
     cls = get_schedule_class(name)
     if issubclass(cls, PipelineScheduleSingle):
         if len(stages) != 1:
             raise ValueError(f"pipeline.schedule={name} runs one stage per rank, this rank has {len(stages)}.")
-        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
-    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)

@@ -18,9 +18,10 @@ import time
 from typing import Dict, List
 
 import torch
+import torch.distributed as dist
 
 from dsaflow.checkpoint.store import newest_good_checkpoint
-from dsaflow.checkpoint.training_state import load_checkpoint, save_checkpoint
+from dsaflow.checkpoint.training_state import load_checkpoint, rank_state, save_checkpoint
 from dsaflow.checkpoint.weights import WEIGHTLESS_MODEL_FIELDS, load_model_weights
 from dsaflow.data import BatchSource
 from dsaflow.data.hf_tokenizer import checkpoint_tokenizer
@@ -31,6 +32,7 @@ from dsaflow.pipeline.stages import stage_module
 from dsaflow.rundir.folder import checkpoint_dir
 from dsaflow.track import Progress, make_tracker
 
+from .data_parallel import DataParallel, full_tensor, replica_rows
 from .expert_balance import ExpertBalance
 from .forward_pass import ForwardPipeline
 from .metrics import RunRecords, StepMetrics, count_parameters
@@ -79,6 +81,8 @@ class Trainer:
         ]
         for m in self.modules:
             m.recompute, m.recompute_chunk_tokens = str(t.recompute), t.recompute_chunk_tokens
+        # parallel.dp: FSDP2-shards the modules over the dp group (before the optimisers see their parameters)
+        self.dp = DataParallel(ctx, self.modules)
         self.wrappers = [
             TrainStage(m, t.indexer_loss_weight, plan.sends_indices(s.index)) for m, s in zip(self.modules, self.local)
         ]
@@ -89,7 +93,13 @@ class Trainer:
             cfg.data, t.seq_len, t.batch_size, t.seed, cfg.model.vocab_size, checkpoint_tokenizer(cfg.model.hf_path)
         )
         self.loss_fn = LMLoss(cfg.data.num_queries if self.data.has_answers else 0)
-        self.schedule = build_schedule(plan.pipeline.schedule, self.pstages, plan.pipeline.microbatches, self.loss_fn)
+        self.schedule = build_schedule(
+            plan.pipeline.schedule,
+            self.pstages,
+            plan.pipeline.microbatches,
+            self.loss_fn,
+            scale_grads=not self.dp.shard,  # sharded: DataParallel.after_backward divides
+        )
         self.forward_only = ForwardPipeline(
             ctx, self.modules, [s.index for s in self.local], [ps.timer for ps in self.pstages]
         )
@@ -101,7 +111,7 @@ class Trainer:
         self.autocast = (
             (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
         )
-        self.tokens_per_step = t.batch_size * t.seq_len
+        self.tokens_per_step = t.batch_size * t.seq_len  # the global batch: every replica's tokens
         moe = cfg.model.moe
         self.balance = ExpertBalance(self.modules, cfg.model.num_layers, moe.bias_update_rate if moe else 0.0)
         self.params, embedding_params = count_parameters(self.modules, ctx.device, ctx.group)
@@ -117,6 +127,10 @@ class Trainer:
     def dense_phase(self, step: int) -> bool:
         """dense_warmup: dense attention, only the indexers learn (main model frozen)."""
         return self.t.dsa_stage == "dense_warmup" or step < self.t.dense_warmup_steps
+
+    def _replica_batch(self, x, y):
+        """This replica's rows of a global batch (all of it at parallel.dp=1)."""
+        return replica_rows(x, self.ctx.dp, self.ctx.dp_rank), replica_rows(y, self.ctx.dp, self.ctx.dp_rank)
 
     def _run_schedule(self, x, y, losses: list) -> None:
         args = (x.to(self.ctx.device),) if self.has_first else ()
@@ -144,13 +158,15 @@ class Trainer:
         for o in (self.opt.main, self.opt.indexer):
             o.zero_grad(set_to_none=True)
         dense = self.dense_phase(step)
-        x, y = self.data.batch(step)
+        x, y = self._replica_batch(*self.data.batch(step))
         losses: list = []
         if dense:  # frozen main model: each stage backpropagates only its indexer loss (no pipeline backward)
             self._run_forward(x, y, losses, "dense", learn=True)
         else:
             self._run_schedule(x, y, losses)
-        grad_norm, idx_norm = clip_global(self.opt, self.t.grad_clip, self.ctx.device, self.ctx.group)
+        # gradients averaged over the dp group (parallel.dp > 1); sharded: also the microbatch mean
+        self.dp.after_backward(self.ctx.plan.pipeline.microbatches)
+        grad_norm, idx_norm = clip_global(self.opt, self.t.grad_clip, self.ctx.device, self.dp.norm_group)
         lr = self.opt.main.param_groups[0]["lr"]  # this step's lr (the schedulers advance after the updates)
         # A non-finite global norm (the same on every rank) skips that optimiser's update everywhere: one bad
         # batch must not turn the weights into NaN. The skip is logged (`skipped_main`, `skipped_indexer`).
@@ -160,7 +176,9 @@ class Trainer:
         if not skip_idx:
             self.opt.indexer.step()
         # after the optimizer step, model updates that follow the new weights. MoE: each layer's selection bias
-        # moves against the step's expert load (which the metrics report), when the main model was updated
+        # moves against the step's expert load (which the metrics report), when the main model was updated; the
+        # load is the global batch's (summed over dp), so every replica moves its biases alike
+        self.dp.reduce_expert_load()
         self.balance.after_step(self.metrics.expert_load, update=not dense and not skip_main)
         advance(self.scheds)
         update = {
@@ -181,11 +199,19 @@ class Trainer:
         self.loss_fn.reset()
         all_losses: List[torch.Tensor] = []
         for i in range(self.t.eval_batches):
-            x, y = self.data.val_batch(i)
+            x, y = self._replica_batch(*self.data.val_batch(i))
             self._run_forward(x, y, all_losses, attn, learn=False)
+        self.dp.after_forward_only()
         if not self.has_last:
             return {}
-        out = {"eval_loss": float(torch.stack([l.detach().float() for l in all_losses]).mean())}
+        mean_loss = torch.stack([l.detach().float() for l in all_losses]).mean()
+        if self.ctx.dp > 1:  # every replica's share of the held-out rows: the dp group of the last stage's rank
+            counts = (self.loss_fn.correct, self.loss_fn.total)
+            sums = torch.stack([mean_loss.double(), *(torch.as_tensor(c, dtype=torch.float64) for c in counts)])
+            dist.all_reduce(sums, group=self.ctx.dp_group)
+            mean_loss = sums[0] / self.ctx.dp
+            self.loss_fn.correct, self.loss_fn.total = int(sums[1]), int(sums[2])
+        out = {"eval_loss": float(mean_loss)}
         if self.data.bytes:  # byte tokens: nats per byte / ln 2 = bits per byte
             out["eval_bpb"] = out["eval_loss"] / math.log(2)
         if self.data.has_answers:
@@ -248,10 +274,15 @@ class Trainer:
         """The run's header line: parameters, ranks, stages, schedule, microbatches."""
         p = self.ctx.plan
         ranks, stages, mbs = p.pipeline.ranks, p.num_stages, p.pipeline.microbatches
+        dp = p.pipeline.dp
+        replicas = ""
+        if dp > 1:
+            how = "sharded (FSDP2)" if p.pipeline.dp_shard else "replicated"
+            replicas = f" x dp {dp} {how} = {p.pipeline.world_size} ranks"
         return (
-            f"training {self.params:,} parameters on {ranks} rank{'s' * (ranks != 1)} x {self.ctx.device.type}, "
-            f"{stages} stage{'s' * (stages != 1)}, schedule {p.pipeline.schedule}, "
-            f"{mbs} microbatch{'es' * (mbs != 1)}"
+            f"training {self.params:,} parameters on {ranks} rank{'s' * (ranks != 1)}{replicas} x "
+            f"{self.ctx.device.type}, {stages} stage{'s' * (stages != 1)}, schedule {p.pipeline.schedule}, "
+            f"{mbs} microbatch{'es' * (mbs != 1)}{' per replica' if dp > 1 else ''}"
         )
 
     def restore(self, records: RunRecords) -> int:
@@ -267,7 +298,7 @@ class Trainer:
                     f"train.resume=true but {ctx.run_dir}/checkpoints holds no good checkpoint. Fix: "
                     "start a new run_dir, or resume a run that saved one."
                 )
-            start = load_checkpoint(latest[1], self.modules, self.opt, ctx.rank, ctx.group)
+            start = load_checkpoint(latest[1], self.modules, self.opt, ctx.rank, ctx.group)  # every replica reads it
             self.start_at(start)
             records.truncate_after(start)
             records.log(f"resumed from {latest[1]} at step {start}")
@@ -290,14 +321,24 @@ class Trainer:
         return 0
 
     def save(self, step: int) -> None:
-        """A checkpoint of every rank's stages, optimisers and step (train.keep_checkpoints prunes older ones)."""
+        """A checkpoint of every rank's stages, optimisers and step (train.keep_checkpoints prunes older ones).
+        With parallel.dp > 1 replica 0 writes it, once per stage, whole: sharded tensors are gathered over the dp
+        group first (every replica takes part), so the checkpoint is the one a single replica writes and resumes
+        at any parallel.dp."""
         ctx = self.ctx
-        save_checkpoint(
-            checkpoint_dir(ctx.run_dir, step),
-            self.modules,
-            self.opt,
-            ctx.rank,
-            step,
-            ctx.group,
-            self.t.keep_checkpoints,
-        )
+        state = None
+        if ctx.dp > 1:
+            state = {k: full_tensor(v) for k, v in rank_state(self.modules, self.opt, ctx.rank, step, False).items()}
+        if ctx.dp_rank == 0:
+            save_checkpoint(
+                checkpoint_dir(ctx.run_dir, step),
+                self.modules,
+                self.opt,
+                ctx.rank,
+                step,
+                ctx.group,
+                self.t.keep_checkpoints,
+                state=state,
+            )
+        if ctx.dp > 1:  # the other replicas go on once the checkpoint is complete (or its save failed everywhere)
+            dist.barrier()
