@@ -175,8 +175,9 @@ def test_bad_layouts_name_the_field_and_the_fix():
     msg = _plan_error(ppdp_cfg("1F1B", 2), nproc=2)
     assert "--nproc 2" in msg and "4 processes" in msg and "--nproc 4" in msg and "parallel.dp=1" in msg
     serve = ppdp_cfg("1F1B", 2)
-    serve.mode = "serve"
-    assert "parallel.dp=1" in _plan_error(serve)
+    serve.mode = "serve"  # serving replicas (tests/test_serve_replicas.py): a batch that does not split is moot
+    serve.train.batch_size = 6
+    assert build_plan(serve).pipeline.world_size == 4
 
 
 def test_sharding_refuses_what_it_does_not_run():
