@@ -210,3 +210,31 @@ def test_cli_exits_2_with_one_paragraph():
     )
     assert out.returncode == 2, out.stderr
     assert "parallel.dp=3" in out.stderr and "Fix:" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "pipeline,dp,local,ok",
+    [
+        ("pp2", 2, 2, True),  # each node one whole pipeline
+        ("pp2", 2, 4, True),  # each node two
+        ("pp4", 2, 2, True),  # each pipeline two whole nodes
+        ("pp2", 3, 3, False),  # node 0 holds replica 0 and half of replica 1
+        ("pp4", 1, 3, True),  # dp=1: one pipeline over the nodes, as before
+    ],
+)
+def test_worker_refuses_nodes_that_cut_pipelines(monkeypatch, pipeline, dp, local, ok):
+    from dsaflow.worker import check_node_size
+
+    cfg = ppdp_cfg("1F1B", dp)
+    cfg.pipeline.ranks = cfg.pipeline.stages = int(pipeline[2:])
+    cfg.pipeline.microbatches = 4
+    cfg.train.batch_size = 4 * dp
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    plan = build_plan(cfg)
+    if ok:
+        check_node_size(plan)
+        return
+    with pytest.raises(PlanError) as exc:
+        check_node_size(plan)
+    msg = str(exc.value)
+    assert msg.startswith("LOCAL_WORLD_SIZE=3") and "parallel.dp=3" in msg and "a multiple of 2" in msg, msg
