@@ -13,6 +13,9 @@ blocks and raises `ServeError` (a PlanError: one paragraph, exit status 2). Work
     generate (continuous batching, a progress bar on the last stage's rank) -> the last stage's rank prints the
         completions, or writes serve.output_file (JSONL in input order: tokens, num_tokens, ttft_s, tpot_s, or
         error for a rejected request)
+
+With parallel.dp = N > 1 the ranks form N replicas of the pipeline (dsaflow/serve/replicas.py): each serves every
+N-th request, and replica 0's last stage gathers the others' outputs and is the one that prints or writes them.
 """
 
 from __future__ import annotations
