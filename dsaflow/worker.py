@@ -44,6 +44,23 @@ def check_world_size(plan, run_dir: str) -> None:
         )
 
 
+def check_node_size(plan) -> None:
+    """With parallel.dp > 1, each node (torchrun's LOCAL_WORLD_SIZE processes, consecutive global ranks) must hold
+    whole pipelines (nproc-per-node a multiple of the pipeline ranks: only the dp collectives cross nodes), or each
+    pipeline whole nodes (pipeline ranks a multiple of nproc-per-node: a pp8 over two nodes of 4, as at dp=1).
+    Anything else puts parts of two replicas' pipelines on one node, and a pipeline's every-tick transfers cross
+    the network on some replicas only, so the slowest replica sets every step's pace."""
+    ranks, local = plan.pipeline.ranks, int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    if plan.pipeline.dp == 1 or local <= 0 or local % ranks == 0 or ranks % local == 0:
+        return
+    raise PlanError(
+        f"LOCAL_WORLD_SIZE={local}: {local} processes per node would split pipelines of {ranks} ranks across nodes "
+        f"(global rank = dp index x {ranks} + pipeline rank; parallel.dp={plan.pipeline.dp}). Fix: --nproc-per-node "
+        f"(NPROC_PER_NODE) a multiple of {ranks}, e.g. {ranks} with {plan.pipeline.world_size // ranks} nodes, or "
+        f"a pipeline.ranks that is a multiple or a divisor of {local}."
+    )
+
+
 def run_worker(run_dir: str, job: str = "train") -> None:
     """Read the run dir, hold its lock (rank 0 without a dsaflow parent), join the process group (NCCL on GPUs,
     gloo on CPU), run `job` on this rank."""
@@ -54,6 +71,7 @@ def run_worker(run_dir: str, job: str = "train") -> None:
         raise PlanError(f"job={job!r} is not one of {JOBS}. Fix: --job train or --job generate.")
     cfg, plan = read_run_dir(run_dir)
     check_world_size(plan, run_dir)
+    check_node_size(plan)
     with claim_run_dir(run_dir, cfg, job, int(os.environ.get("RANK", 0))):
         _run_job(cfg, plan, run_dir, job)
 
@@ -106,7 +124,8 @@ def main(argv=None) -> None:
 
 def _report_user_error(args, rank: str, msg: str) -> None:
     by_hand = not os.environ.get("DSAFLOW_PARENT")  # else the dsaflow parent prints the first rank's file once
-    every_rank = msg.startswith("WORLD_SIZE=")  # every rank found the same launch mistake: one paragraph is enough
+    # every rank found the same launch mistake: one paragraph is enough
+    every_rank = msg.startswith(("WORLD_SIZE=", "LOCAL_WORLD_SIZE="))
     if by_hand and (rank == "0" or not every_rank):
         print(f"dsaflow {args.job}: error: [rank {rank}] {msg}", file=sys.stderr, flush=True)
     try:

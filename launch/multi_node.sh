@@ -7,7 +7,15 @@
 # 2. On every node:
 #      RUN_DIR=/shared/runs/exp1 NNODES=2 NODE_RANK=<0|1> NPROC_PER_NODE=4 \
 #      MASTER_ADDR=<node 0 hostname> MASTER_PORT=29500 launch/multi_node.sh
-# NNODES x NPROC_PER_NODE must equal the plan's pipeline ranks (the worker checks and says so otherwise).
+# NNODES x NPROC_PER_NODE must equal the plan's pipeline ranks x parallel.dp (the worker checks and says so otherwise).
+#
+# Pipeline x data parallelism: global rank = dp index x pipeline ranks + pipeline rank, and a node's processes are
+# consecutive global ranks, so with NPROC_PER_NODE a multiple of the pipeline ranks every node holds whole pipelines
+# and only the once-per-step dp collectives cross nodes. E.g. two pp2 replicas on 2 nodes of 2 GPUs:
+#      RUN_DIR=$(python -m dsaflow.launch.launch prepare pipeline=pp2 parallel.dp=2 model=small run_dir=/shared/runs/ppdp)
+#      RUN_DIR=/shared/runs/ppdp NNODES=2 NODE_RANK=<0|1> NPROC_PER_NODE=2 MASTER_ADDR=<node 0> launch/multi_node.sh
+# (on 2 nodes of 8 GPUs: pipeline=pp8 parallel.dp=2, NPROC_PER_NODE=8). A pipeline may also span whole nodes
+# (pipeline ranks a multiple of NPROC_PER_NODE); a node size that cuts pipelines otherwise is refused (exit 2).
 # Every wait (the rendezvous of the nodes, each collective or send/receive between ranks) gives up after the run's
 # launch.timeout_s (set it when preparing, e.g. launch.timeout_s=120) with a message naming what it waited for.
 # Rank 0 holds the run dir's lock while the job runs: a second launch on the same run dir is refused. Starting a

@@ -1,7 +1,8 @@
 """Two node agents on 127.0.0.1 with gloo, started through launch/multi_node.sh exactly as on a cluster (one
 process per node, a pipeline of two ranks). Both nodes finish; a node left alone gives up with one clear line
 within launch.timeout_s; starting a finished run dir again is refused (nothing retrained, nothing rewritten), and
-preparing it again with train.resume=true continues it."""
+preparing it again with train.resume=true continues it. Pipeline x data parallelism across the two nodes (pp2 x
+dp2, each node one whole pipeline) trains the losses of the same run on one node of 4 processes."""
 
 from __future__ import annotations
 
@@ -49,9 +50,13 @@ def prepare(run_dir: Path, *overrides: str) -> Path:
     return Path(r.stdout.strip())
 
 
-def start_nodes(run_dir: Path, ranks=(0, 1)):
+def start_nodes(run_dir: Path, ranks=(0, 1), nnodes: int = 2, nproc_per_node: int = 1):
     env = _env(
-        RUN_DIR=str(run_dir), NNODES="2", NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        RUN_DIR=str(run_dir),
+        NNODES=str(nnodes),
+        NPROC_PER_NODE=str(nproc_per_node),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
     )
     return [
         subprocess.Popen(
@@ -122,3 +127,17 @@ def test_a_missing_node_is_a_clear_error_within_the_timeout(tmp_path):
     assert "the rendezvous failed" in lines[-1] and f"giving up after {TIMEOUT_S} s" in lines[-1], err
     assert "Fix:" in lines[-1] and "Traceback" not in err, err
     assert _snapshot(run) == before
+
+
+def test_pp2_x_dp2_over_two_nodes_trains_as_on_one_node(tmp_path):
+    ppdp = ("parallel.dp=2", "train.steps=3")
+    two = prepare(tmp_path / "two", *ppdp)
+    for rc, _out, err in finish(start_nodes(two, nproc_per_node=2), 240):
+        assert rc == 0 and "Traceback" not in err, err[-3000:]
+    one = prepare(tmp_path / "one", *ppdp)
+    for rc, _out, err in finish(start_nodes(one, ranks=(0,), nnodes=1, nproc_per_node=4), 240):
+        assert rc == 0, err[-3000:]
+    losses = [[r["loss"] for r in read_metrics(run)] for run in (two, one)]
+    assert len(losses[0]) == 3 and len(set(losses[0])) == 3, losses  # three steps, and the loss moves
+    assert losses[0] == losses[1], "the same ranks on two nodes must compute what they compute on one"
+    verify_checkpoint(list_checkpoints(two)[0][1])

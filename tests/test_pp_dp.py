@@ -175,8 +175,9 @@ def test_bad_layouts_name_the_field_and_the_fix():
     msg = _plan_error(ppdp_cfg("1F1B", 2), nproc=2)
     assert "--nproc 2" in msg and "4 processes" in msg and "--nproc 4" in msg and "parallel.dp=1" in msg
     serve = ppdp_cfg("1F1B", 2)
-    serve.mode = "serve"
-    assert "parallel.dp=1" in _plan_error(serve)
+    serve.mode = "serve"  # serving replicas (tests/test_serve_replicas.py): a batch that does not split is moot
+    serve.train.batch_size = 6
+    assert build_plan(serve).pipeline.world_size == 4
 
 
 def test_sharding_refuses_what_it_does_not_run():
@@ -209,3 +210,31 @@ def test_cli_exits_2_with_one_paragraph():
     )
     assert out.returncode == 2, out.stderr
     assert "parallel.dp=3" in out.stderr and "Fix:" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "pipeline,dp,local,ok",
+    [
+        ("pp2", 2, 2, True),  # each node one whole pipeline
+        ("pp2", 2, 4, True),  # each node two
+        ("pp4", 2, 2, True),  # each pipeline two whole nodes
+        ("pp2", 3, 3, False),  # node 0 holds replica 0 and half of replica 1
+        ("pp4", 1, 3, True),  # dp=1: one pipeline over the nodes, as before
+    ],
+)
+def test_worker_refuses_nodes_that_cut_pipelines(monkeypatch, pipeline, dp, local, ok):
+    from dsaflow.worker import check_node_size
+
+    cfg = ppdp_cfg("1F1B", dp)
+    cfg.pipeline.ranks = cfg.pipeline.stages = int(pipeline[2:])
+    cfg.pipeline.microbatches = 4
+    cfg.train.batch_size = 4 * dp
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    plan = build_plan(cfg)
+    if ok:
+        check_node_size(plan)
+        return
+    with pytest.raises(PlanError) as exc:
+        check_node_size(plan)
+    msg = str(exc.value)
+    assert msg.startswith("LOCAL_WORLD_SIZE=3") and "parallel.dp=3" in msg and "a multiple of 2" in msg, msg

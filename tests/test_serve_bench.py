@@ -90,6 +90,35 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
     assert any(e.get("name", "").startswith("aten::") for e in events)
 
 
+@pytest.mark.slow
+def test_bench_serve_replicas_report_tokens_per_s_per_replica_and_in_all(tmp_path):
+    """pp2x2: two pp2 replicas (4 processes) serve 5 requests 3 / 2; the row counts every replica's tokens, gives
+    each replica's tokens/s, and a check compares it with pp2's row."""
+    bench = load_script("bench_serve")
+    argv = ["engine", "--device", "cpu", "--pipelines", "pp2,pp2x2", "--workloads", "uniform", "--requests", "5"]
+    argv += ["--max-batch", "2", "--prefill-chunk", "8", "--uniform-prompt", "6", "--uniform-new", "3"]
+    argv += ["--overrides", "none", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    data = json.loads((tmp_path / "bench_serve.json").read_text())
+    rows = {(r["pipeline"], r["microbatches_setting"]): r for r in data["rows"]}
+    for mb in (1, "default"):
+        r = rows[("pp2x2", mb)]
+        assert r["replicas"] == 2 and r["ranks"] == 2 and r["output_tokens"] == 5 * 3
+        assert len(r["replica_tokens_per_s"]) == 2 and len(r["busy_fraction"]) == 4
+        assert r["tokens_per_s"] <= sum(r["replica_tokens_per_s"]) + 1e-9  # all tokens over the slowest wall
+        assert rows[("pp2", mb)]["replicas"] == 1
+    checks = {c["check"] for c in data["checks"]}
+    assert "pp2x2 uniform continuous serve.microbatches=1: 2 replicas vs one" in checks
+    assert "per replica)" in (tmp_path / "bench_serve.md").read_text()
+
+
+def test_replicas_need_a_request_each(capsys):
+    bench = load_script("benches.serve_engine")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--device", "cpu", "--pipelines", "pp2x4", "--requests", "3"])
+    assert exc.value.code == 2 and "Fix: --requests 4" in capsys.readouterr().err
+
+
 def test_an_interrupted_run_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     """A run stopped after `single` (here pp2's launch fails) leaves single's rows in bench_serve.partial.jsonl, one
     JSON object a line, and writes no bench_serve.json; a rerun starts the partial file afresh."""

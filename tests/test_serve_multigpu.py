@@ -96,3 +96,33 @@ def test_nccl_ranks_serve_the_greedy_tokens_of_one_stage(
             assert 0 < captured < replays
         else:
             assert "transfer graphs" not in log
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("transfers", [False, True])
+def test_two_pp2_replicas_serve_the_greedy_tokens_of_one_stage(trained_on_cpu, greedy_reference, tmp_path, transfers):
+    """pipeline=pp2 parallel.dp=2 on 4 GPUs: two NCCL pipelines (global ranks 0-1 and 2-3, graphs captured on each
+    rank's own GPU) serve every other request; the merged output is one stage's greedy tokens in input order."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip(f"pp2 x dp2 needs 4 GPUs, this machine has {torch.cuda.device_count()}")
+    prompts, limits, ref = greedy_reference
+    rows, res = generate_cli(
+        tmp_path,
+        "run",
+        "pp2",
+        trained_on_cpu,
+        prompts,
+        limits,
+        "parallel.dp=2",
+        "serve.dtype=fp32",
+        "graphs=decode_prefill",
+        "graphs.blocks.0.shape_classes=[1,2,4]",
+        "graphs.blocks.1.shape_classes=[8,16]",
+        *(["graphs.transfers=true"] if transfers else []),
+    )
+    assert [r["tokens"] for r in rows] == ref
+    for g in range(4):
+        rep = json.loads((tmp_path / "run" / f"graphs_rank{g}.json").read_text())
+        assert rep["eager"] == 0 and rep["captured"] > 0
+        assert {x["device"] for x in rep["records"]} == {f"cuda:{g}"}
+    assert "replica 1 (ranks 2-3): " in res.stdout and "all 2 replicas: " in res.stdout

@@ -237,7 +237,9 @@ def mesh_text(plan: Plan, cfg) -> str:
     if p.ranks > 8:
         lines.append("  ...")
     how = (
-        "each stage's weights, gradients and AdamW state sharded over its dp group (FSDP2, parallel.dp_shard=true)"
+        "serving replicas: each holds whole stages and serves every dp-th request (round-robin, in input order)"
+        if cfg.mode == "serve"
+        else "each stage's weights, gradients and AdamW state sharded over its dp group (FSDP2, parallel.dp_shard=true)"
         if p.dp_shard
         else "each replica holds whole stages; gradients all-reduced over the dp group once per step "
         "(parallel.dp_shard=false)"

@@ -53,11 +53,7 @@ def resolve_pipeline(pipe, num_stages: int, *, mode: str, batch_size: int, nproc
     if mode == "train":  # serving runs no training schedule: only placement matters there
         _check_data_parallel_batch(batch_size, dp, mb)
         _check_training_microbatches(pipe, mb, ranks, num_stages, batch_size // dp)
-    elif dp > 1:
-        raise PlanError(
-            f"parallel.dp={dp} with mode=serve: data parallelism is a training layout, and serving does not run "
-            "replicas yet (each would need its own share of the requests). Fix: parallel.dp=1 for generate."
-        )
+    # mode=serve: parallel.dp is the number of serving replicas, each a whole pipeline with a share of the requests
     world = ranks * dp
     if nproc is not None and nproc != world:
         raise PlanError(

@@ -64,6 +64,9 @@ class PipelineEngine(GraphBlocks):
     stages: {stage index: StageModule} for the stages this rank owns (already on `device`, in `dtype`, eval mode);
     given every stage of the plan, the engine runs the whole pipeline in this process (tests, one-GPU benchmarks).
     link: a `StageLink` when stages live on other ranks, else None (all stages local).
+    peer: pipeline rank -> global rank, the address `link` sends to (identity by default). With serving replicas
+    (parallel.dp > 1) each replica's pipeline runs on its own global ranks (`RunContext.global_rank`); `rank` stays
+    the pipeline rank, and reports and logs name the global rank.
     """
 
     def __init__(
@@ -79,7 +82,9 @@ class PipelineEngine(GraphBlocks):
         link=None,
         force_eager: bool = False,
         capturer=None,
+        peer: Optional[Callable[[int], int]] = None,
     ):
+        self.peer = peer or (lambda r: r)
         self.model_cfg, self.plan, self.stages, self.serve = model_cfg, plan, stages, serve_cfg
         self.device, self.dtype, self.rank, self.link = torch.device(device), dtype, rank, link
         check_weight_format(serve_cfg)
@@ -100,8 +105,8 @@ class PipelineEngine(GraphBlocks):
             cache=graphs_cfg.cache,
             on_failure=graphs_cfg.on_failure,
             force_eager=force_eager,
-            rank=rank,
             capturer=capturer,
+            rank=self.peer(rank),  # its messages and graphs_rank<r>.json name the global rank
         )
         # prefill graphs have a static row count: prefill passes then run every row of the group (on every rank)
         self.prefill_graphs = any(b.kind == "prefill" for b in plan.graph_blocks)
@@ -254,11 +259,16 @@ class PipelineEngine(GraphBlocks):
 
     # --- generation --------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: List[List[int]], max_new: Optional[List[int]] = None) -> Optional[List[List[int]]]:
+    def generate(
+        self, prompts: List[List[int]], max_new: Optional[List[int]] = None, key_ids: Optional[List[int]] = None
+    ) -> Optional[List[List[int]]]:
         """Token-id prompts (and optional per-request limits, default serve.max_new_tokens) -> generated token ids
         per prompt, in input order, on the last stage's rank (None on the others). Sets `stats` (per-request time to
-        first token and time per output token, per-rank busy fractions) and `timings`."""
+        first token and time per output token, per-rank busy fractions) and `timings`. key_ids: the id each
+        request's sampling is keyed by (default its position here): a serving replica passes the request's index in
+        the whole job, so that sampled tokens do not depend on which replica served it."""
         s = self.serve
+        self.key_ids = list(key_ids) if key_ids is not None else list(range(len(prompts)))
         if not prompts:
             return [] if self.owner[self.last] == self.rank else None
         max_new = list(max_new) if max_new is not None else [s.max_new_tokens] * len(prompts)
@@ -295,6 +305,7 @@ class PipelineEngine(GraphBlocks):
                 self.rank,
                 self.link,
                 self.device,
+                self.peer,
                 carries_extra=self.plan.sends_indices,
                 feedback_ranks=feedback,
                 decode_transfer=self._transfer_graphs(),
@@ -334,7 +345,7 @@ class PipelineEngine(GraphBlocks):
         rows = p.rows
         cols, keys = [0] * rows, [0] * rows
         for r, c, req, k in p.emit:
-            cols[r], keys[r] = c, req * TOKEN_KEY + k
+            cols[r], keys[r] = c, self.key_ids[req] * TOKEN_KEY + k
         p.graph = graph
         if not p.decode_only and "dense" in self.prefill_paths:
             topk, cache_rows = self.model_cfg.index_topk, self.serve.max_context + 1

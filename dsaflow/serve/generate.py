@@ -13,6 +13,9 @@ blocks and raises `ServeError` (a PlanError: one paragraph, exit status 2). Work
     generate (continuous batching, a progress bar on the last stage's rank) -> the last stage's rank prints the
         completions, or writes serve.output_file (JSONL in input order: tokens, num_tokens, ttft_s, tpot_s, or
         error for a rejected request)
+
+With parallel.dp = N > 1 the ranks form N replicas of the pipeline (dsaflow/serve/replicas.py): each serves every
+N-th request, and replica 0's last stage gathers the others' outputs and is the one that prints or writes them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dsaflow.plan.plan import Plan
 from .checks import check_graph_blocks, check_prompts, check_transfers, check_weight_format, fit_problem
 from .engine import PipelineEngine
 from .prompts import load_requests
+from .replicas import ReplicaResult, gather_results, merged, replica_lines, replica_share
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -122,16 +126,25 @@ def build_stage_modules(cfg, plan: Plan, rank: Optional[int], device, dtype) -> 
 
 
 def build_engine(
-    cfg, plan: Plan, rank: int, device, link=None, force_eager: bool = False, capturer=None, all_stages: bool = False
+    cfg,
+    plan: Plan,
+    rank: int,
+    device,
+    link=None,
+    force_eager: bool = False,
+    capturer=None,
+    all_stages: bool = False,
+    peer=None,
 ):
     """This rank's PipelineEngine (stages built, caches allocated; call `.capture()` before generating).
-    all_stages=True: this one process runs every stage of the plan (no p2p)."""
+    all_stages=True: this one process runs every stage of the plan (no p2p). peer: pipeline rank -> global rank
+    (serving replicas; identity by default)."""
     check_weight_format(cfg.serve)  # before any weight is built: an fp8 config must never run bf16 weights
     device = torch.device(device)
     dtype = serve_dtype(cfg.serve.dtype, device)
     stages = build_stage_modules(cfg, plan, None if all_stages else rank, device, dtype)
     return PipelineEngine(
-        cfg.model, plan, stages, cfg.serve, cfg.graphs, device, dtype, rank, link, force_eager, capturer
+        cfg.model, plan, stages, cfg.serve, cfg.graphs, device, dtype, rank, link, force_eager, capturer, peer
     )
 
 
@@ -174,12 +187,10 @@ def accuracy_line(rows: List[dict]) -> Optional[str]:
 
 def serve_requests(engine: PipelineEngine, reqs: Requests) -> Optional[List[dict]]:
     """Generate every served request -> `output_rows` on the last stage's rank (None on the others)."""
-    served = reqs.served
-    outputs = engine.generate([reqs.ids[i] for i in served], [reqs.max_new[i] for i in served])
-    if outputs is None:
+    got = serve_share(engine, reqs, reqs.served)
+    if got is None:
         return None
-    stats = {k: {served[j]: v for j, v in engine.stats[k].items()} for k in ("ttft_s", "tpot_s")}
-    return output_rows(reqs, dict(zip(served, outputs)), stats, engine.model_cfg.hf_path)
+    return output_rows(reqs, got.tokens, {"ttft_s": got.ttft_s, "tpot_s": got.tpot_s}, engine.model_cfg.hf_path)
 
 
 def write_outputs(
@@ -236,69 +247,99 @@ def _log(run_dir, rank: int, text: str) -> None:
 
 def run_serve(ctx) -> None:
     """The worker's generate job (see the module docstring). A ServeError ends the worker with exit status 2 and
-    one paragraph (dsaflow.worker)."""
+    one paragraph (dsaflow.worker). With parallel.dp > 1 this rank belongs to one of the serving replicas
+    (dsaflow.serve.replicas): it serves the replica's share, and replica 0's last stage writes every output."""
     cfg, plan = ctx.cfg, ctx.plan
     reqs = check_serve(cfg, plan, ctx.device.type, hf_headers=False)
+    me = ctx.global_rank(ctx.rank)  # logs and reports are per process: named by the global rank
     link = None
     if ctx.world_size > 1:
         from dsaflow.pipeline.p2p import StageLink
 
         link = StageLink(ctx.device)
         link.warm_up()
-    engine = build_engine(cfg, plan, ctx.rank, ctx.device, link)
+    engine = build_engine(cfg, plan, ctx.rank, ctx.device, link, peer=ctx.global_rank)
     report = engine.capture()
     text = report.render()
     if report.records:  # nothing requested on this rank (CPU, graphs=off): no empty table on the terminal
         print(text, flush=True)
-    _log(ctx.run_dir, ctx.rank, text)
+    _log(ctx.run_dir, me, text)
     report.write_json(str(ctx.run_dir))
-    served = reqs.served
+    share = replica_share(reqs.served, ctx.dp, ctx.dp_rank)
     is_last = engine.owner[engine.last] == ctx.rank
-    if is_last:
-        for _i, why in enumerate(reqs.rejected):
+    writer = is_last and ctx.dp_rank == 0  # the one rank that prints and writes the outputs
+    if writer:
+        for why in reqs.rejected:
             if why is not None:
                 print(f"rejected: {why}", flush=True)
     from dsaflow.track.progress import Progress
 
-    bar = Progress(len(served), enabled=is_last, label="generate", unit="requests done")
-    t0 = time.perf_counter()
-
-    every = max(1, len(served) // 20)  # plain-line mode (not a terminal): about 20 lines per job
-
+    label = "generate" if ctx.dp == 1 else f"generate, replica 0 of {ctx.dp}"
+    bar = Progress(len(share), enabled=writer, label=label, unit="requests done")
+    every = max(1, len(share) // 20)  # plain-line mode (not a terminal): about 20 lines per job
     shown = [0]
 
     def progress(done: int, tokens: int) -> None:
         rate = tokens / max(time.perf_counter() - t0, 1e-9)
-        line = done // every > shown[0] // every or done == len(served)
+        line = done // every > shown[0] // every or done == len(share)
         shown[0] = done if line else shown[0]
         bar.update(done, {"tokens_per_s": rate}, print_line=line)
 
     engine.on_finished = progress
-    rows = serve_requests(engine, reqs)
+    if ctx.dp > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # the replicas start together: the job's wall time is the slowest replica's
+    t0 = time.perf_counter()
+    mine = serve_share(engine, reqs, share, ctx.dp_rank)
     bar.close()
     wall = time.perf_counter() - t0
-    st = engine.stats
+    st = engine.stats if share else {}
     summary = (
-        f"[rank {ctx.rank}] generated {st['tokens']} tokens for {len(served)} requests in {wall:.2f} s "
-        f"({st['tokens'] / max(wall, 1e-9):.1f} tokens/s, {engine.groups} microbatch groups, "
-        f"{'continuous' if engine.continuous else 'fixed'} batching, busy "
-        f"{st['busy_fraction']:.2f} of the time, {st['decode_busy']:.2f} in decode)"
+        f"[rank {me}{f', replica {ctx.dp_rank}' if ctx.dp > 1 else ''}] generated {st.get('tokens', 0)} tokens for "
+        f"{len(share)} requests in {wall:.2f} s ({st.get('tokens', 0) / max(wall, 1e-9):.1f} tokens/s, "
+        f"{engine.groups} microbatch groups, {'continuous' if engine.continuous else 'fixed'} batching, busy "
+        f"{st.get('busy_fraction', 0.0):.2f} of the time, {st.get('decode_busy', 0.0):.2f} in decode)"
     )
     tg = engine.transfers
     if tg is not None:  # graphs.transfers: how this rank's decode ticks posted their transfers
         summary += f"; transfer graphs: {tg.captures} captured, {tg.replays} replays, {tg.eager_ticks} ticks eager"
-    _log(ctx.run_dir, ctx.rank, summary)
-    if rows is not None:
-        write_outputs(reqs.prompts, [], cfg.serve.output_file, rows)
-        print(summary, flush=True)
-        marked = accuracy_line(rows)
-        if marked:
-            print(marked, flush=True)
-            _log(ctx.run_dir, ctx.rank, marked)
-    hint = host_bound_hint(st, engine.groups, ctx.rank)
+    _log(ctx.run_dir, me, summary)
+    if mine is not None:
+        mine.wall_s = wall
+        results = gather_results(ctx, mine)
+        if results is not None:
+            _write_results(ctx, reqs, results, summary)
+    hint = host_bound_hint(st, engine.groups, me)
     if hint:  # on the rank it concerns: every rank's host builds every pass, and any of them can be the late one
         print(hint, flush=True)
-        _log(ctx.run_dir, ctx.rank, hint)
+        _log(ctx.run_dir, me, hint)
+
+
+def serve_share(engine: PipelineEngine, reqs: Requests, share: List[int], replica: int = 0) -> Optional[ReplicaResult]:
+    """Generate the requests `share` (indices into reqs, in input order) -> a ReplicaResult on the last stage's rank
+    (None on the others). An empty share runs nothing (no pass, no transfer)."""
+    outputs = engine.generate([reqs.ids[i] for i in share], [reqs.max_new[i] for i in share], key_ids=share)
+    if outputs is None:
+        return None
+    result = ReplicaResult(replica, dict(zip(share, outputs)))
+    if share:
+        result.ttft_s = {share[j]: v for j, v in engine.stats["ttft_s"].items()}
+        result.tpot_s = {share[j]: v for j, v in engine.stats["tpot_s"].items()}
+        result.output_tokens = int(engine.stats["tokens"])
+    return result
+
+
+def _write_results(ctx, reqs: Requests, results: List[ReplicaResult], summary: str) -> None:
+    """Replica 0's last stage: every replica's outputs -> rows in input order, written once; the summaries."""
+    job = merged(results)
+    rows = output_rows(reqs, job.tokens, {"ttft_s": job.ttft_s, "tpot_s": job.tpot_s}, ctx.cfg.model.hf_path)
+    write_outputs(reqs.prompts, [], ctx.cfg.serve.output_file, rows)
+    lines = [summary] + (replica_lines(results, ctx.plan.pipeline.ranks) if ctx.dp > 1 else [])
+    marked = accuracy_line(rows)
+    for line in lines + ([marked] if marked else []):
+        print(line, flush=True)
+        _log(ctx.run_dir, ctx.global_rank(ctx.rank), line)
 
 
 HOST_LATE_HINT = 0.5  # share of decode passes whose GPU waited on the host above which a run says so

@@ -3,12 +3,16 @@ pipeline splits x microbatch groups x workloads, and continuous against fixed ba
 
     python scripts/bench_serve.py engine --device cpu --pipelines single,pp2 --out bench_out/serve   # ~20 min, 2 cores
     python scripts/bench_serve.py engine --device cuda --pipelines single,pp2,pp4 --out bench_out/serve_gpu
+    python scripts/bench_serve.py engine --device cuda --pipelines pp2,pp2x2 --out bench_out/serve_replicas  # 4 GPUs
 
 Every configuration serves the same requests through `PipelineEngine.generate` (random-init weights; the schedule,
 not the text, is measured). pipeline=single runs in this process; ppN runs N processes under torchrun (gloo on CPU,
 NCCL with one GPU per rank on CUDA; a ppN that needs more GPUs than the machine has is skipped and listed as such,
 never run on a shared GPU). On CPU every process uses one thread (--threads), so pp2 on a 2-core machine is one core
-per rank. Workloads: `mixed` (prompt lengths log-uniform in [--mixed-prompt], max_new_tokens uniform in [--mixed-new])
+per rank. `ppNxR` (e.g. pp2x2) is R serving replicas of ppN (`dsaflow generate parallel.dp=R`): N x R processes,
+replica d serving requests d, d + R, ... (dsaflow.serve.replicas); the replicas start together after a barrier, and
+the row's tokens/s is all their tokens over the slowest replica's wall time, with each replica's own tokens/s in
+`replica_tokens_per_s` (and a check against ppN's row, when both ran). Workloads: `mixed` (prompt lengths log-uniform in [--mixed-prompt], max_new_tokens uniform in [--mixed-new])
 and `uniform` (every prompt --uniform-prompt tokens, --uniform-new new tokens). Each (pipeline, workload) runs with
 serve.microbatches=1 (one group: one batch through the stages at a time) and the default (one group per rank), and
 the mixed workload also with fixed batches (a group takes new requests only once all its rows finished).
@@ -57,6 +61,21 @@ ENTRY = Path(__file__).resolve().parents[1] / "bench_serve.py"  # what torchrun 
 PROG = "bench_serve.py engine"
 
 RANKS = {"single": 1, "pp2": 2, "pp4": 4}
+
+
+def split_of(name: str):
+    """A --pipelines entry -> (pipeline, replicas): "pp2" -> ("pp2", 1), "pp2x2" -> ("pp2", 2); None if unknown."""
+    base, _, count = name.partition("x")
+    if base not in RANKS or (count and (not count.isdigit() or int(count) < 1)):
+        return None
+    return base, int(count or 1)
+
+
+def processes(name: str) -> int:
+    base, replicas = split_of(name)
+    return RANKS[base] * replicas
+
+
 # the CPU default model: tiny (8 layers) at dim 256. At dim 64 a decode pass is ~10 ms of per-op overhead whatever
 # its rows (2-core CPU, one thread), so splitting rows into groups could not show; here the rows cost time.
 CPU_WIDE = "model.dim=256 model.inter_dim=1024 model.q_lora_rank=128 model.kv_lora_rank=64"
@@ -65,7 +84,11 @@ CPU_WIDE = "model.dim=256 model.inter_dim=1024 model.q_lora_rank=128 model.kv_lo
 def parse_args(argv=None, prog: str = PROG):
     """Options -> args with the device's defaults filled in."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    ap.add_argument("--pipelines", default="single,pp2", help="comma separated: single, pp2, pp4")
+    ap.add_argument(
+        "--pipelines",
+        default="single,pp2",
+        help="comma separated: single, pp2, pp4, or ppNxR: R serving replicas of ppN (N x R processes)",
+    )
     add_options(ap)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--pipeline", default="single", help=argparse.SUPPRESS)
@@ -155,7 +178,8 @@ def workload(args, name: str, vocab: int):
     return prompts, limits
 
 
-def make_cfg(args, pipeline: str, microbatches, context: int, continuous: bool = True):
+def make_cfg(args, name: str, microbatches, context: int, continuous: bool = True):
+    pipeline, replicas = split_of(name)
     graphs = ["graphs=decode_prefill"] if args.graphs == "on" else ["graphs=off"]
     cfg = compose(
         [
@@ -163,6 +187,7 @@ def make_cfg(args, pipeline: str, microbatches, context: int, continuous: bool =
             "track=none",
             f"model={args.model}",
             f"pipeline={pipeline}",
+            f"parallel.dp={replicas}",
             *graphs,
             f"serve.max_batch={args.max_batch}",
             f"serve.prefill_chunk={args.prefill_chunk}",
@@ -248,19 +273,23 @@ def keep_row(args, row: dict) -> None:
 def runs_of(args, pipeline: str) -> list:
     """(workload, serve.microbatches or None for the default, continuous) of every row one pipeline split serves."""
     loads = args.workloads.split(",")
-    settings = (None,) if RANKS[pipeline] == 1 else (1, None)  # one rank: the default is one group
+    settings = (None,) if RANKS[split_of(pipeline)[0]] == 1 else (1, None)  # one rank: the default is one group
     return [(w, mb, True) for w in loads for mb in settings] + [("mixed", None, False)] * ("mixed" in loads)
 
 
 def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, every_rank: bool = False) -> list:
-    """Every (workload, groups, batching) of one pipeline split on this rank -> rows (on the last stage's rank, or
-    on this rank with `every_rank`: `bench_serve.py rank` runs one rank alone)."""
+    """Every (workload, groups, batching) of one pipeline split on this rank -> rows (on the last stage's rank of
+    replica 0, or on this rank with `every_rank`: `bench_serve.py rank` runs one rank alone). rank: the global rank
+    (ppNxR: replica rank // N serves every R-th request on pipeline rank rank % N)."""
+    base, replicas = split_of(pipeline)
+    replica, prank = divmod(rank, RANKS[base])
+    first = replica * RANKS[base]  # the replica's global ranks are first .. first + N - 1
     rows = []
     loads = {w: workload(args, w, 256) for w in args.workloads.split(",")}
     context = max(len(p) + m for ps, ms in loads.values() for p, m in zip(ps, ms))
     cfg0, plan0 = make_cfg(args, pipeline, 1, context)
     dtype = serve_dtype("auto", device)
-    stages = build_stage_modules(cfg0, plan0, None if pipeline == "single" else rank, device, dtype)
+    stages = build_stage_modules(cfg0, plan0, None if base == "single" else prank, device, dtype)
     runs = runs_of(args, pipeline)
     for i, (w, mb, continuous) in enumerate(runs):
         label = f"{pipeline} {w} {'continuous' if continuous else 'fixed'} serve.microbatches={mb or 'default'}"
@@ -268,12 +297,15 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
         if loud:
             print(f"[{pipeline} {i + 1}/{len(runs)}] {label}: capture, warm-up, {args.requests} requests", flush=True)
         cfg, plan = make_cfg(args, pipeline, mb, context, continuous)
-        eng = PipelineEngine(cfg.model, plan, stages, cfg.serve, cfg.graphs, device, dtype, rank, link)
+        eng = PipelineEngine(
+            cfg.model, plan, stages, cfg.serve, cfg.graphs, device, dtype, prank, link, peer=lambda r: first + r
+        )
         captured = [r for r in eng.capture().records if r.captured]
         capture = gather(
             (len(captured), sum(r.capture_ms for r in captured) / 1e3, sum(r.pool_bytes for r in captured))
         )
         prompts, limits = loads[w]
+        share = list(range(replica, len(prompts), replicas))  # dsaflow.serve.replicas.replica_share's rule
         # warm-up: first calls allocate and compile; prompts across the workload's lengths, so the timed run
         # meets no new kernel specialisation
         ranked = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -281,11 +313,19 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
         eng.generate([prompts[i] for i in picks], [2] * len(picks))
         timer = PassTimer(eng) if args.profile_passes else None
         captures_before = eng.transfers.captures if eng.transfers is not None else 0
+        if replicas > 1:
+            import torch.distributed as dist
+
+            dist.barrier()  # the replicas start together: the row's wall time is the slowest replica's
         with Heartbeat(label) if loud else contextlib.nullcontext():
             t0 = time.perf_counter()
-            out = eng.generate(prompts, limits)
+            out = eng.generate([prompts[i] for i in share], [limits[i] for i in share], key_ids=share)
             wall = time.perf_counter() - t0
         st = eng.stats
+        # per global rank: (tokens, wall s, TTFTs, TPOTs); latencies are known on each replica's last stage only
+        mine = gather((st["tokens"], wall, list(st["ttft_s"].values()), list(st["tpot_s"].values())))
+        last_ranks = [d * RANKS[base] + RANKS[base] - 1 for d in range(replicas)]
+        per_replica = [mine[g] for g in last_ranks] if not every_rank else [mine[0]]
         if args.trace:
             name = f"trace-{pipeline}-g{eng.groups}-{w}-{'continuous' if continuous else 'fixed'}-rank{rank}"
             write_trace(eng, prompts[:64], limits[:64], Path(args.out) / f"{name}.json.gz")
@@ -308,12 +348,17 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                 st["busy_after_prefill"],
             )
         )
-        if out is not None or every_rank:
-            tokens = st["tokens"]
+        if (out is not None and replica == 0) or every_rank:
+            tokens = sum(t for t, _, _, _ in per_replica)
+            wall = max(w_s for _, w_s, _, _ in per_replica)
+            ttft = [x for _, _, values, _ in per_replica for x in values]
+            tpot = [x for _, _, _, values in per_replica for x in values]
             rows.append(
                 {
                     "pipeline": pipeline,
-                    "ranks": RANKS[pipeline],
+                    "ranks": RANKS[base],
+                    "replicas": replicas,
+                    "replica_tokens_per_s": [t / w_s for t, w_s, _, _ in per_replica],
                     "microbatches": eng.groups,
                     "microbatches_setting": "default" if mb is None else mb,
                     "workload": w,
@@ -322,10 +367,10 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                     "output_tokens": tokens,
                     "wall_s": wall,
                     "tokens_per_s": tokens / wall,
-                    "ttft_p50_s": pct(st["ttft_s"].values(), 0.5),
-                    "ttft_p99_s": pct(st["ttft_s"].values(), 0.99),
-                    "tpot_p50_s": pct(st["tpot_s"].values(), 0.5),
-                    "tpot_p99_s": pct(st["tpot_s"].values(), 0.99),
+                    "ttft_p50_s": pct(ttft, 0.5),
+                    "ttft_p99_s": pct(ttft, 0.99),
+                    "tpot_p50_s": pct(tpot, 0.5),
+                    "tpot_p99_s": pct(tpot, 0.99),
                     "busy_fraction": [b[0] for b in busy],
                     "decode_busy_fraction": [b[1] for b in busy],
                     # per rank: host ms per decode tick by phase (pick, stage, exchange, feedback); on GPU the median
@@ -353,8 +398,13 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
             r = rows[-1]
             keep_row(args, r)
             print(
-                f"{pipeline} groups={r['microbatches']} {w} {r['batching']}: {r['tokens_per_s']:.1f} tokens/s, "
-                f"TTFT p50 {r['ttft_p50_s'] or 0:.3f} s, TPOT p50 {(r['tpot_p50_s'] or 0) * 1e3:.2f} ms, "
+                f"{pipeline} groups={r['microbatches']} {w} {r['batching']}: {r['tokens_per_s']:.1f} tokens/s"
+                + (
+                    f" ({', '.join(f'{x:.1f}' for x in r['replica_tokens_per_s'])} per replica), "
+                    if replicas > 1
+                    else ", "
+                )
+                + f"TTFT p50 {r['ttft_p50_s'] or 0:.3f} s, TPOT p50 {(r['tpot_p50_s'] or 0) * 1e3:.2f} ms, "
                 f"busy {[round(b, 2) for b in r['busy_fraction']]}, decode busy "
                 f"{[round(b, 2) for b in r['decode_busy_fraction']]}, {host_line(r)}, graphs {r['graphs_captured']} "
                 "captured in "
@@ -409,7 +459,7 @@ def run_pipeline(args, pipeline: str) -> list:
     ]
     passed += ["--trace"] * args.trace
     argv = ["engine", *passed, "--worker", f"--pipeline={pipeline}"]
-    return rows_from_ranks(ENTRY, argv, RANKS[pipeline], args.threads if args.device == "cpu" else None)
+    return rows_from_ranks(ENTRY, argv, processes(pipeline), args.threads if args.device == "cpu" else None)
 
 
 def main(argv=None, prog: str = PROG) -> int:
@@ -430,8 +480,11 @@ def run_all(args, argv, prog: str) -> int:
     device = torch.device(args.device)
     pipelines = args.pipelines.split(",")
     for p in pipelines:
-        if p not in RANKS:
-            user_error(prog, f"--pipelines: {p!r} is not one of {', '.join(RANKS)}")
+        if split_of(p) is None:
+            user_error(prog, f"--pipelines: {p!r} is not one of {', '.join(RANKS)}, or ppNxR (e.g. pp2x2)")
+        if split_of(p)[1] > args.requests:
+            user_error(prog, f"--pipelines: {p} has {split_of(p)[1]} replicas for --requests {args.requests}: each "
+                       f"replica needs a request. Fix: --requests {split_of(p)[1]} or more.")  # fmt: skip
     out = out_dir(prog, args.out)
     args.out = str(out)  # the ranks of a ppN split write their traces there too
     total = sum(len(runs_of(args, p)) for p in pipelines)
@@ -442,8 +495,8 @@ def run_all(args, argv, prog: str) -> int:
     load_before = os.getloadavg()[0]
     for p in pipelines:
         n_gpu = torch.cuda.device_count() if args.device == "cuda" else 0
-        if args.device == "cuda" and RANKS[p] > n_gpu:
-            skipped.append(f"{p} needs {RANKS[p]} GPUs, this machine has {n_gpu} (not run on a shared GPU)")
+        if args.device == "cuda" and processes(p) > n_gpu:
+            skipped.append(f"{p} needs {processes(p)} GPUs, this machine has {n_gpu} (not run on a shared GPU)")
             print(f"skipped: {skipped[-1]}", flush=True)
             continue
         if p == "single":

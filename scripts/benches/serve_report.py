@@ -23,7 +23,7 @@ def host_line(row: dict) -> str:
 
 def checks(rows: list) -> list:
     """The comparisons the benchmark exists for: default groups vs one group (tokens/s, decode busy) per pipeline
-    and workload, and continuous vs fixed batches on the mixed workload."""
+    and workload, continuous vs fixed batches on the mixed workload, and ppNxR replicas vs ppN alone."""
     out = []
     key = lambda r: (r["pipeline"], r["workload"], r["microbatches_setting"], r["batching"])  # noqa: E731
     by = {key(r): r for r in rows}
@@ -40,6 +40,17 @@ def checks(rows: list) -> list:
                     "decode_busy_one": one["decode_busy_fraction"],
                 }
             )
+        alone = by.get((p.partition("x")[0], w, mb, b)) if r.get("replicas", 1) > 1 else None
+        if alone is not None:  # ppNxR against ppN: how close R replicas come to R x the tokens/s
+            out.append(
+                {
+                    "check": f"{p} {w} {b} serve.microbatches={mb}: {r['replicas']} replicas vs one",
+                    "pipeline": p,
+                    "workload": w,
+                    "tokens_per_s_ratio": r["tokens_per_s"] / alone["tokens_per_s"],
+                    "replica_tokens_per_s": r["replica_tokens_per_s"],
+                }
+            )
         fixed = by.get((p, w, "default", "fixed"))
         if mb == "default" and b == "continuous" and fixed is not None:
             out.append(
@@ -51,6 +62,13 @@ def checks(rows: list) -> list:
                 }
             )
     return out
+
+
+def per_replica(row: dict) -> str:
+    """' (a + b per replica)' for a row of serving replicas, else ''."""
+    if row.get("replicas", 1) == 1:
+        return ""
+    return f" ({' + '.join(f'{x:.1f}' for x in row['replica_tokens_per_s'])} per replica)"
 
 
 def markdown(rows: list, env: dict, cks: list) -> str:
@@ -78,7 +96,7 @@ def markdown(rows: list, env: dict, cks: list) -> str:
         lines.append(
             f"| {r['pipeline']} | {r['microbatches']} ({r['microbatches_setting']}) | {r['workload']} | "
             f"{r['batching']} | "
-            f"{r['tokens_per_s']:.1f} | {f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | "
+            f"{r['tokens_per_s']:.1f}{per_replica(r)} | {f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | "
             f"{f(ms(r['tpot_p50_s']), '{:.2f}')} | {f(ms(r['tpot_p99_s']), '{:.2f}')} | "
             f"{', '.join(f'{b:.2f}' for b in r['busy_fraction'])} | "
             f"{', '.join(f'{b:.2f}' for b in r['decode_busy_fraction'])} | "
