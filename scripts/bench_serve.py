@@ -5,6 +5,7 @@ CUDA graphs, and the cost of a pipeline tick's transfers.
     python scripts/bench_serve.py rank --device cuda --pipeline pp2 --rank 0
     python scripts/bench_serve.py decode --gpus 1,2,4
     python scripts/bench_serve.py p2p --out bench_out/p2p                                       # 2 GPUs
+    python scripts/bench_serve.py stage --out bench_out          # a DeepSeek-V3.2 pp8 stage, FP8 weights, one H200
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import sys
 
 from bench_lib import family_main
 
-SUBCOMMANDS = {"engine": "serve_engine", "rank": "serve_rank", "decode": "serve_decode", "p2p": "serve_p2p"}
+SUBCOMMANDS = {
+    "engine": "serve_engine",
+    "rank": "serve_rank",
+    "decode": "serve_decode",
+    "p2p": "serve_p2p",
+    "stage": "serve_stage",
+}
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,7 @@
 """Tiny random Hugging Face checkpoints of both DSA families (needs the dev extra: transformers, tokenizers).
 
     python scripts/hf_tiny_checkpoint.py --family glm_moe_dsa --out /tmp/tiny-glm [--fp8 /tmp/tiny-glm-fp8]
+        [--moe-inter 128]
 
 writes a random `GlmMoeDsaForCausalLM` (or `--family deepseek_v32`: `DeepseekV32ForCausalLM`) with save_pretrained in
 bf16, sharded with its index, a small BPE tokenizer.json, and with --fp8 a block-quantized FP8 copy (e4m3 weights,
@@ -93,11 +94,15 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
 
 
-def make_model(family: str, seed: int = 0):
-    """A random transformers model of `family` (deepseek_v32 | glm_moe_dsa), fp32, eager attention, eval mode."""
+def make_model(family: str, seed: int = 0, **config):
+    """A random transformers model of `family` (deepseek_v32 | glm_moe_dsa), fp32, eager attention, eval mode;
+    `config`: config.json fields that replace COMMON's (moe_intermediate_size=128: expert blocks of FP8 copies
+    that serve.weights=fp8 keeps as stored)."""
     from transformers import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 
     cfg = deepseek_config() if family == "deepseek_v32" else glm_config()
+    for key, value in config.items():
+        setattr(cfg, key, value)
     cls = DeepseekV32ForCausalLM if family == "deepseek_v32" else GlmMoeDsaForCausalLM
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -106,9 +111,9 @@ def make_model(family: str, seed: int = 0):
     return model.eval()
 
 
-def save_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
+def save_checkpoint(family: str, folder: Path, seed: int = 0, **config) -> Path:
     """`make_model` saved with save_pretrained in bf16 (sharded, with its index) -> folder."""
-    model = make_model(family, seed).to(torch.bfloat16)
+    model = make_model(family, seed, **config).to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="40KB")
     return Path(folder)
 
@@ -211,8 +216,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="the bf16 checkpoint folder (must not exist)")
     parser.add_argument("--fp8", type=Path, help="also write an FP8 block-quantized copy here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--moe-inter",
+        type=int,
+        default=COMMON["moe_intermediate_size"],
+        help="moe_intermediate_size; a multiple of 128 lets serve.weights=fp8 keep the FP8 copy's experts as stored",
+    )
     args = parser.parse_args(argv)
-    save_checkpoint(args.family, args.out, args.seed)
+    save_checkpoint(args.family, args.out, args.seed, moe_intermediate_size=args.moe_inter)
     save_tokenizer(args.out)
     print(f"wrote {args.family} to {args.out}")
     if args.fp8:

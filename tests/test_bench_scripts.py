@@ -20,7 +20,13 @@ FAMILIES = {
         "stage": "--skip-after-oom",
         "step": "--microbatches",
     },
-    "bench_serve": {"engine": "--pipelines", "rank": "--rank", "decode": "--merge", "p2p": "--compute-ms"},
+    "bench_serve": {
+        "engine": "--pipelines",
+        "rank": "--rank",
+        "decode": "--merge",
+        "p2p": "--compute-ms",
+        "stage": "--decode-context",
+    },
     "bench_topk": {"select": "--keys", "indexer": "--no-sweeps", "decode": "--out"},
 }
 # an option only that script has: its --help is its own, not a neighbour's

@@ -1,6 +1,6 @@
 """The serving-memory view for FP8 weights: the FP8 policy by parameter name against a built model, DeepSeek-V3.2 on
-eight H200s in FP8 (fits) and bf16 (exit 2, naming the weights and the fix), plan.device_memory_gib, bad values, the
-pre-launch check on the same terms, and the serving path refusing fp8 until the FP8 modules land."""
+eight H200s in FP8 (fits) and bf16 (exit 2, naming the weights and the fix), plan.device_memory_gib, bad values and the
+pre-launch check on the same terms. (Serving with FP8 weights: tests/test_fp8_serve.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dsaflow.cli import main
 from dsaflow.config.compose import compose
 from dsaflow.config.fp8_policy import FP8, FP32, SERVE_DTYPE, is_fp8_weight, weight_format
 from dsaflow.config.moe_schema import is_moe_layer
-from dsaflow.errors import ResourceError, ServeError
+from dsaflow.errors import ResourceError
 from dsaflow.launch import resources
 from dsaflow.model import build_model
 from dsaflow.plan import build_plan
@@ -199,19 +199,3 @@ def test_a_stage_holds_the_logits_only_when_it_is_last():
         assert terms["logits"] == (8 * 128 * cfg.model.vocab_size * 4 if st.index == 1 else 0)  # 8 rows x chunk 128
         kv = sum(E.kv_bytes_per_token(cfg.model, plan.layers[i].role) for i in st.layers)
         assert terms[KV] == kv * 8 * 513 and se["serve_kv_bytes_per_token"] == kv
-
-
-def test_serving_refuses_fp8_until_the_fp8_modules_land(capsys, tmp_path):
-    from dsaflow.serve.checks import check_weight_format
-    from dsaflow.serve.generate import build_engine
-
-    cfg = compose(["mode=serve", "serve.weights=fp8", "serve.prompts=[hello]", "track=none"])
-    with pytest.raises(ServeError, match=r"serve.weights=fp8 needs FP8 weight modules.*Fix: serve.weights=bf16"):
-        check_weight_format(cfg.serve)
-    with pytest.raises(ServeError, match="serve.weights=fp8"):
-        build_engine(cfg, build_plan(cfg), 0, "cpu")
-    check_weight_format(compose(["mode=serve"]).serve)  # bf16 serves as before
-    run = tmp_path / "run"
-    assert main(["generate", "serve.weights=fp8", "serve.prompts=[hi]", "track=none", f"run_dir={run}"]) == 2
-    err = capsys.readouterr().err
-    assert "serve.weights=fp8 needs FP8 weight modules" in err and "Traceback" not in err and not run.exists()

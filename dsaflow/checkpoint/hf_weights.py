@@ -7,7 +7,11 @@ memory-mapped (`safetensors.safe_open`) and copies them into the stages:
 - bf16 / fp32 tensors as they are (cast to the stage's dtype by the copy);
 - FP8 e4m3 weights times their 128x128 block scales `<name>_scale_inv` ([ceil(rows/128), ceil(cols/128)] fp32),
   dequantized in fp32 and then cast to the stage's dtype;
-- per-expert tensors stacked into the packed experts (dsaflow/checkpoint/hf_names.py, with the RoPE row orders).
+- per-expert tensors stacked into the packed experts (dsaflow/checkpoint/hf_names.py, with the RoPE row orders);
+- into a stage with FP8 weights (serve.weights=fp8, dsaflow.model.fp8_weights): an FP8 tensor's e4m3 bytes and
+  its scales as stored, only moved (rows permuted, experts stacked; `stored_fp8`), a bf16 one quantized per
+  128x128 block. The model's 128-row blocks must each come from one block of the file: true of every released
+  checkpoint; a packed gate/up whose moe_intermediate_size is not a multiple of 128 is refused (named).
 Tensors of the multi-token-prediction layers (layer index >= num_layers) are skipped, with one line saying so.
 Any problem is a CheckpointError naming the file and the tensor; the stages are untouched then.
 """
@@ -25,6 +29,7 @@ import torch
 
 from dsaflow.config.fp8_policy import FP8_BLOCK
 from dsaflow.errors import CheckpointError
+from dsaflow.ops.fp8_gemm import quantize_blocks_128
 
 from .hf_config import hf_model, read_config_json
 from .hf_names import Source, hf_source, layer_of
@@ -32,6 +37,7 @@ from .hf_names import Source, hf_source, layer_of
 INDEX_JSON = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _FP8 = (torch.float8_e4m3fn,)
+SCALE = "_scale_inv"  # an FP8 weight's block scales: `<weight name>_scale_inv`, in the file and in our FP8 modules
 
 
 @dataclass
@@ -76,8 +82,11 @@ class HFIndex:
     def shape(self, name: str) -> tuple:
         return tuple(self.handle(name).get_slice(name).get_shape())
 
-    def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The tensor `name` in fp32 (FP8 dequantized), then in `dtype`."""
+    def is_fp8(self, name: str) -> bool:
+        return self.handle(name).get_slice(name).get_dtype() == "F8_E4M3"
+
+    def stored(self, name: str) -> torch.Tensor:
+        """The tensor `name` as the file holds it (an FP8 one stays e4m3)."""
         f = self.handle(name)
         try:
             t = f.get_tensor(name)
@@ -87,6 +96,11 @@ class HFIndex:
                 "download that shard again."
             ) from None
         self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor `name` in fp32 (FP8 dequantized), then in `dtype`."""
+        t = self.stored(name)
         if t.dtype in _FP8:
             scale = self.tensor(name + "_scale_inv", torch.float32)
             return dequantize_fp8(t, scale).to(dtype)
@@ -154,6 +168,8 @@ def _sources(stages: Dict[int, torch.nn.Module], folder, model_cfg):
     wanted: Dict[str, torch.Tensor] = {k: v for m in stages.values() for k, v in m.state_dict().items()}
     sources: Dict[str, Source] = {}
     for key, t in wanted.items():
+        if key.endswith(SCALE) and wanted.get(key[: -len(SCALE)], t).dtype in _FP8:
+            continue  # an FP8 weight's scales: read with the weight (`fp8_pair`)
         src = hf_source(key, tuple(t.shape), model_cfg, hf.family)
         if src is None:
             raise CheckpointError(f"{key} has no Hugging Face counterpart in {hf.family}. Fix: a bug; report it.")
@@ -182,10 +198,55 @@ def load_hf_weights(stages: Dict[int, torch.nn.Module], folder, model_cfg, repor
     with torch.no_grad():
         for key, src in sources.items():
             dtype = wanted[key].dtype
+            if dtype in _FP8:
+                loaded[key], loaded[key + SCALE] = fp8_pair(index, key, src)
+                continue
             loaded[key] = src.to_ours([index.tensor(n, torch.float32) for n in src.names]).to(dtype)
         for key, t in loaded.items():  # every tensor read and checked: only now touch the stages
             wanted[key].copy_(t)
     return index.bytes_read
+
+
+def fp8_pair(index: HFIndex, key: str, src: Source) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our FP8 tensor `key` and its scales from the file: e4m3 tensors as stored (`stored_fp8`), bf16 / fp32
+    ones quantized per 128x128 block from their values. Raises CheckpointError for a mix of both."""
+    fp8 = [index.is_fp8(n) for n in src.names]
+    if all(fp8):
+        return stored_fp8(index, key, src)
+    if any(fp8):
+        raise CheckpointError(
+            f"{index.index_file}: {key} gathers {src.names[fp8.index(True)]} (FP8) and {src.names[fp8.index(False)]} "
+            "(not FP8). Fix: a checkpoint whose tensors are all FP8 or all bf16."
+        )
+    return quantize_blocks_128(src.to_ours([index.tensor(n, torch.float32) for n in src.names]))
+
+
+def stored_fp8(index: HFIndex, key: str, src: Source) -> tuple[torch.Tensor, torch.Tensor]:
+    """The e4m3 tensors of `src` moved into our layout bit for bit (rows permuted, experts stacked, as raw bytes),
+    and each of our 128-row blocks' scales taken from the file's block its rows come from. The layouts only move
+    whole rows, so a block's scale carries over exactly when all its rows come from one block of the file."""
+    w8 = src.to_ours([index.stored(n).view(torch.uint8) for n in src.names]).view(torch.float8_e4m3fn)
+    # which file block (numbered over the sources in order) each of our rows comes from: the same layout change
+    # applied to a column of row-block ids
+    ids, offset = [], 0
+    for shape in src.shapes:
+        ids.append((torch.arange(shape[0]) // FP8_BLOCK + offset).unsqueeze(1))
+        offset += math.ceil(shape[0] / FP8_BLOCK)
+    rows = src.to_ours(ids).squeeze(-1)  # [..., N]
+    N = rows.shape[-1]
+    pad = -N % FP8_BLOCK  # a last partial block: its missing rows repeat its last one
+    rows = torch.cat([rows, rows[..., -1:].expand(*rows.shape[:-1], pad)], dim=-1) if pad else rows
+    blocks = rows.view(*rows.shape[:-1], -1, FP8_BLOCK)
+    first = blocks[..., 0]  # [..., NB]
+    if (blocks != first.unsqueeze(-1)).any():
+        raise CheckpointError(
+            f"{index.folder}: {key} packs rows of {src.names[0]} and its neighbours into one 128-row block from "
+            f"different FP8 blocks of the file (shapes {src.shapes[0]}: rows not a multiple of 128), so the "
+            "stored e4m3 values cannot keep their scales. Fix: serve.weights=bf16 for this checkpoint, or its "
+            "bf16 copy with serve.weights=fp8 (quantized at load)."
+        )
+    scales = torch.cat([index.stored(n + "_scale_inv").float() for n in src.names])  # [sum of row blocks, KB]
+    return w8, scales[first]
 
 
 def hf_tensor_names(stages: Dict[int, torch.nn.Module], model_cfg, family: str) -> List[str]:

@@ -48,6 +48,8 @@ import torch.nn.functional as F
 
 from dsaflow.ops.rope import rope_into
 
+from .fp8_weights import matrix_weight
+
 # Masked SDPA's rate over every (query, visible key) pair of its query blocks, as a fraction of the sparse kernel's
 # rate over the top-k: 0.61-0.69 over 4K-16K first chunks in five runs on one H200 (V3.2 attention dims, 512-query
 # blocks, cuDNN's SDPA with a boolean mask against the Hopper sparse kernel; docs/serving.md, "Short-context
@@ -292,7 +294,7 @@ def head_tensors(mla, q: torch.Tensor, kv: torch.Tensor):
     (`scripts/bench_glue.py`, the head_tensors row)."""
     B, S = kv.shape[:2]
     H, N, R, V, C = q.shape[2], mla.nope, mla.rope, mla.v_dim, mla.kv_lora_rank
-    w = mla.wkv_b.weight.view(H, N + V, C)
+    w = matrix_weight(mla.wkv_b, kv.dtype).view(H, N + V, C)  # an FP8 kv_b dequantized per call
     w_uk, w_uv = w[:, :N].transpose(1, 2), w[:, N:].transpose(1, 2)  # [H, C, N], [H, C, V]
     kh = kv.new_empty(B, H, S, N + R)
     vh = kv.new_empty(B, H, S, V)

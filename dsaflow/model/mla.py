@@ -40,6 +40,7 @@ from dsaflow.ops.head_proj import absorb_query, head_output
 from .cache import write_rows
 from .context import ForwardContext, causal_indices
 from .dense_prefill import prefill_attention, rotate_query_pe_, zero_padding
+from .fp8_weights import matrix_weight
 from .indexer import Indexer
 from .indexer_loss import kl_after_attention_replay
 from .norms import RMSNorm
@@ -247,7 +248,7 @@ class MLA(nn.Module):
         H, C = q.shape[2], self.kv_lora_rank
         # The weight in the compute dtype (q's: bf16 under autocast, where einsum would cast it the same way); the
         # cast sits outside the projections so autograd returns the weight gradient in the parameter's dtype.
-        w = self.wkv_b.weight.to(q.dtype).view(H, self.nope + self.v_dim, C)
+        w = matrix_weight(self.wkv_b, q.dtype).view(H, self.nope + self.v_dim, C)  # FP8: dequantized per call
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q_abs = absorb_query(q, w_uk, cos, sin)  # [q_nope @ W_UK | rope(q_pe)], written in place: no cat, one dq
         if recorder is None:

@@ -67,13 +67,20 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts' weights, packed: gate_up_proj [E, 2I, D] (gate rows first), down_proj [E, D, I]."""
+    """The routed experts' weights, packed: gate_up_proj [E, 2I, D] (gate rows first), down_proj [E, D, I].
+    (`dsaflow.model.fp8_weights.FP8Experts` is the same with e4m3 weights and block scales.)"""
 
     def __init__(self, dim: int, moe: MoEConfig):
         super().__init__()
         e, i = moe.n_routed_experts, moe.moe_inter_dim
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, dim))
         self.down_proj = nn.Parameter(torch.empty(e, dim, i))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, D], ids int64 [N, k], weights fp32 [N, k] -> [N, D] in the compute dtype."""
+        # the weights in the compute dtype, as autocast would cast a Linear's (gradients flow back through)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        return moe_experts(x.to(dtype), ids, weights, self.gate_up_proj.to(dtype), self.down_proj.to(dtype))
 
 
 class MoE(nn.Module):
@@ -97,12 +104,7 @@ class MoE(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         ids, weights, scores = self.gate(flat)
-        # the experts' weights in the compute dtype, as autocast would cast a Linear's (gradients flow back through)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        out = moe_experts(
-            flat.to(dtype), ids, weights, self.experts.gate_up_proj.to(dtype), self.experts.down_proj.to(dtype)
-        )
-        out = out.view(B, T, D)
+        out = self.experts(flat, ids, weights).view(B, T, D)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if not (count_load or balance_loss):  # serving and evaluation: nothing to count

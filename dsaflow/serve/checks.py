@@ -1,5 +1,5 @@
 """What a generate job's serve config and requests must satisfy, checked before launch (dsaflow.serve.generate) and
-again by the engine: the weight format, microbatch groups, graph blocks against the cache rows, transfer graphs,
+again by the engine: microbatch groups, graph blocks against the cache rows, transfer graphs,
 prompts and their fit.
 """
 
@@ -15,20 +15,6 @@ from dsaflow.plan.plan import Plan
 from .scheduler import Request, group_ranges
 
 SERVED_KINDS = ("decode", "prefill")
-
-
-def check_weight_format(serve_cfg) -> None:
-    """serve.weights=fp8 (`serve_cfg` is the serve section) needs FP8 weight modules, which the model does not have
-    yet: refuse it rather than serve bf16 weights under an fp8 setting. (`dsaflow plan mode=serve serve.weights=fp8`
-    sizes an FP8 deployment meanwhile.) Delete this check and its callers (check_serve, build_engine, PipelineEngine)
-    when the model's FP8 modules land; they follow dsaflow.config.fp8_policy."""
-    if str(getattr(serve_cfg, "weights", "bf16")) == "fp8":
-        raise ServeError(
-            "serve.weights=fp8 needs FP8 weight modules (e4m3 projections with 128x128 block scales, "
-            "dsaflow/config/fp8_policy.py), which this version of the model does not have: it would serve the "
-            "weights in bf16 instead. Fix: serve.weights=bf16 (with more pipeline stages if the bf16 weights do not "
-            "fit); `dsaflow plan mode=serve serve.weights=fp8` sizes an FP8 deployment without serving it."
-        )
 
 
 def serve_groups(serve_cfg, plan: Plan) -> int:

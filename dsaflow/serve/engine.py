@@ -45,7 +45,7 @@ from dsaflow.pipeline.stages import stage_cache
 from dsaflow.pipeline.transfer_graphs import TransferGraphs
 from dsaflow.plan.plan import Plan
 
-from .checks import check_graph_blocks, check_weight_format, requests_of, serve_groups
+from .checks import check_graph_blocks, requests_of, serve_groups
 from .eos import LateFlags
 from .graph_manager import GraphManager, choose_shape_class, sync_error_guard
 from .report import CaptureReport, run_stats
@@ -87,7 +87,6 @@ class PipelineEngine(GraphBlocks):
         self.peer = peer or (lambda r: r)
         self.model_cfg, self.plan, self.stages, self.serve = model_cfg, plan, stages, serve_cfg
         self.device, self.dtype, self.rank, self.link = torch.device(device), dtype, rank, link
-        check_weight_format(serve_cfg)
         check_graph_blocks(plan, serve_cfg)
         # stage -> rank that runs it; when this process was handed every stage, it runs them all locally
         local_all = len(stages) == plan.num_stages

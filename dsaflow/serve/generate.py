@@ -7,7 +7,8 @@ blocks and raises `ServeError` (a PlanError: one paragraph, exit status 2). Work
         may be a list of token ids) -> the byte tokenizer, or the checkpoint's tokenizer.json with model=hf;
         a request with len + max_new_tokens > serve.max_context is rejected (named) and the rest served
     build this rank's stages (random init from train.seed, serve.checkpoint, or model.hf_path's weights: only this
-        rank's tensors, memory-mapped, the bytes read reported) on ctx.device in serve.dtype
+        rank's tensors, memory-mapped, the bytes read reported) on ctx.device in serve.dtype; serve.weights=fp8:
+        the projections in e4m3 with 128x128 block scales (dsaflow.model.fp8_weights)
     PipelineEngine: preallocated caches split into microbatch groups, graph blocks captured on this device ->
                     capture report (printed, logged, written to <run_dir>/graphs_rank<r>.json)
     generate (continuous batching, a progress bar on the last stage's rank) -> the last stage's rank prints the
@@ -29,13 +30,15 @@ from typing import Dict, List, Optional
 
 import torch
 
+from dsaflow.config.fp8_policy import FP8
 from dsaflow.data.hf_tokenizer import checkpoint_tokenizer
 from dsaflow.errors import ServeError, shown
 from dsaflow.files import atomic_write
+from dsaflow.model.fp8_weights import materialize_, quantize_stage_
 from dsaflow.pipeline.stages import stage_module
 from dsaflow.plan.plan import Plan
 
-from .checks import check_graph_blocks, check_prompts, check_transfers, check_weight_format, fit_problem
+from .checks import check_graph_blocks, check_prompts, check_transfers, fit_problem
 from .engine import PipelineEngine
 from .prompts import load_requests
 from .replicas import ReplicaResult, gather_results, merged, replica_lines, replica_share
@@ -78,7 +81,6 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None, hf_headers: 
     hf_headers: with model.hf_path, check the headers of every tensor the plan needs (the parent; a worker's load
     checks its own stages' again)."""
     s = cfg.serve  # ranges and choices: dsaflow.config.schema (checked at compose); cross-field rules here
-    check_weight_format(s)
     if s.eos_id is not None and not 0 <= s.eos_id < cfg.model.vocab_size:
         raise ServeError(
             f"serve.eos_id={s.eos_id} is outside model.vocab_size={cfg.model.vocab_size}. Fix: a valid id."
@@ -113,8 +115,18 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None, hf_headers: 
 
 def build_stage_modules(cfg, plan: Plan, rank: Optional[int], device, dtype) -> dict:
     """{stage index: StageModule} for the stages of `rank` (every stage when rank is None), weights from
-    serve.checkpoint or seeded random init (train.seed, the same init as training)."""
+    serve.checkpoint, model.hf_path or seeded random init (train.seed, the same init as training), on `device` in
+    `dtype`. serve.weights=fp8: the policy's projections in e4m3 + block scales (dsaflow.model.fp8_weights); an
+    FP8 Hugging Face checkpoint's are kept as stored (the stages are built on the meta device and filled from the
+    file, no bf16 copy anywhere), other weights are quantized one layer at a time as they move to the device."""
     owned = plan.stages if rank is None else plan.stages_of_rank(rank)
+    fp8 = str(cfg.serve.weights) == FP8
+    if fp8 and cfg.model.hf_path and not cfg.serve.checkpoint:
+        with torch.device("meta"):
+            stages = {sp.index: stage_module(cfg.model, plan, sp.index, seed=0) for sp in owned}
+        stages = {s: materialize_(quantize_stage_(m, "meta", dtype), device) for s, m in stages.items()}
+        load_hf_stages(stages, cfg.model, rank)  # every tensor of the stages comes from the file
+        return {s: m.eval() for s, m in stages.items()}
     stages = {sp.index: stage_module(cfg.model, plan, sp.index, seed=cfg.train.seed) for sp in owned}
     if cfg.serve.checkpoint:
         from dsaflow.checkpoint.weights import load_model_weights
@@ -122,6 +134,8 @@ def build_stage_modules(cfg, plan: Plan, rank: Optional[int], device, dtype) -> 
         load_model_weights(stages, cfg.serve.checkpoint, cfg.model)
     elif cfg.model.hf_path:
         load_hf_stages(stages, cfg.model, rank)
+    if fp8:
+        return {s: quantize_stage_(m, device, dtype).eval() for s, m in stages.items()}
     return {s: m.to(device=device, dtype=dtype).eval() for s, m in stages.items()}
 
 
@@ -139,7 +153,6 @@ def build_engine(
     """This rank's PipelineEngine (stages built, caches allocated; call `.capture()` before generating).
     all_stages=True: this one process runs every stage of the plan (no p2p). peer: pipeline rank -> global rank
     (serving replicas; identity by default)."""
-    check_weight_format(cfg.serve)  # before any weight is built: an fp8 config must never run bf16 weights
     device = torch.device(device)
     dtype = serve_dtype(cfg.serve.dtype, device)
     stages = build_stage_modules(cfg, plan, None if all_stages else rank, device, dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fp8_gemm import fp8_grouped_mm
 from ..kernel_table import chosen, describe
 from .dispatch import explain_grouped_mm
 from .function import ExpandSorted, GroupedMM, PermuteRows, SwigluWeighted, UnsortSum
@@ -49,7 +50,12 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 def moe_experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The routed experts' output.
 
@@ -59,19 +65,27 @@ def moe_experts(
         weights: [N, k] each chosen expert's gate weight (fp32 from the router).
         gate_up: [E, 2I, D] each expert's gate (first I rows) and up projections.
         down: [E, D, I] each expert's down projection.
+        scales: FP8 experts (serve.weights=fp8): gate_up and down are float8_e4m3fn and these are their fp32 block
+            scales ([E, ceil(2I/128), ceil(D/128)], [E, ceil(D/128), ceil(I/128)]); both GEMMs run through
+            `fp8_grouped_mm` (inference: no gradient reaches the FP8 weights). None: x's dtype, `grouped_mm`.
 
     Returns:
         [N, D] in x's dtype: sum over slots j of weights[:, j] * down_e(silu(gate_e x) * up_e x), e = ids[:, j].
-        Differentiable in x, weights, gate_up and down.
+        Differentiable in x, weights, gate_up and down (in x and weights with FP8 experts).
     """
     N, k = ids.shape
     order, offsets = sort_by_expert(ids, gate_up.shape[0])
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     rows = ExpandSorted.apply(x, order, inverse, k)  # [N * k, D], each token once per chosen expert
     row_weights = PermuteRows.apply(weights.reshape(-1), order, inverse)  # [N * k], in the rows' order
+
     # the routing weight scales the [N * k, I] activation, not the [N * k, D] output: fewer bytes, one fused pass
-    act = SwigluWeighted.apply(grouped_mm(rows, gate_up, offsets), row_weights)
-    out = grouped_mm(act, down, offsets)  # [N * k, D], still sorted by expert
+    def gemm(a: torch.Tensor, w: torch.Tensor, scale) -> torch.Tensor:
+        return grouped_mm(a, w, offsets) if scale is None else fp8_grouped_mm(a, w, scale, offsets)
+
+    gate_up_scale, down_scale = (None, None) if scales is None else scales
+    act = SwigluWeighted.apply(gemm(rows, gate_up, gate_up_scale), row_weights)
+    out = gemm(act, down, down_scale)  # [N * k, D], still sorted by expert
     return UnsortSum.apply(out, order, inverse, k)
 
 
