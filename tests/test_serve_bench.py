@@ -119,6 +119,26 @@ def test_replicas_need_a_request_each(capsys):
     assert exc.value.code == 2 and "Fix: --requests 4" in capsys.readouterr().err
 
 
+def test_bench_serve_mixed_pass_rows_carry_the_budget_and_the_comparisons(tmp_path):
+    """--max-pass-tokens adds a continuous row with mixed passes per budget, compared with today's continuous and
+    fixed batches (tokens/s, TTFT p99), its budget a column of the table."""
+    bench = load_script("bench_serve")
+    argv = ["engine", "--device", "cpu", "--pipelines", "pp2", "--workloads", "mixed", "--requests", "6"]
+    argv += ["--max-batch", "4", "--prefill-chunk", "8", "--mixed-prompt", "4,24", "--mixed-new", "2,6"]
+    argv += ["--overrides", "none", "--max-pass-tokens", "6,12", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    data = json.loads((tmp_path / "bench_serve.json").read_text())
+    mixed = [r for r in data["rows"] if r["max_pass_tokens"]]
+    assert [r["max_pass_tokens"] for r in mixed] == [6, 12]
+    assert all(r["batching"] == "continuous" and 0 < r["mixed_pass_share"] < 1 for r in mixed)
+    assert len({r["output_tokens"] for r in data["rows"]}) == 1  # the same requests to their own limits
+    cks = [c for c in data["checks"] if c.get("max_pass_tokens")]
+    assert [c["max_pass_tokens"] for c in cks] == [6, 12]
+    assert all(c["tokens_per_s_vs_fixed"] > 0 and c["ttft_p99_ratio"] > 0 for c in cks)
+    md = (tmp_path / "bench_serve.md").read_text()
+    assert "| mixed | continuous | 12 |" in md and "mixed passes (budget 6) vs today's continuous and fixed" in md
+
+
 def test_an_interrupted_run_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     """A run stopped after `single` (here pp2's launch fails) leaves single's rows in bench_serve.partial.jsonl, one
     JSON object a line, and writes no bench_serve.json; a rerun starts the partial file afresh."""

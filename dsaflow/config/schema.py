@@ -245,7 +245,11 @@ class ServeConfig:
     microbatches: Optional[int] = num(None, 1, 4096)
     batching: Batching = Batching.continuous  # continuous (refill finished rows at once) | fixed; docs/serving.md
     max_context: int = num(512, 1, 1 << 22)
-    prefill_chunk: int = num(128, 1, 65536)
+    prefill_chunk: int = num(128, 1, 65536)  # the most prompt tokens of one row in one pass
+    # mixed passes (continuous batching): each pass carries every decoding row's next token and prompt chunks of
+    # joining rows, up to this many tokens in all, token-major (docs/serving.md, "Mixed passes"); None: a pass
+    # either prefills or decodes
+    max_pass_tokens: Optional[int] = num(None, 2, 65536)
     temperature: float = num(0.0, 0, 100)  # 0 = greedy
     top_p: float = num(1.0, 0, 1, lo_open=True)
     seed: int = num(0, 0, 2**63 - 1)

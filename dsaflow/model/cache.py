@@ -97,6 +97,27 @@ def write_rows(buffer: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) ->
     return view
 
 
+def token_slots(slots: torch.Tensor, token_rows: torch.Tensor, max_context: int) -> torch.Tensor:
+    """A token-major pass (its tokens of many cache rows side by side in one batch row): `cache_slots` [B, T, 1] and
+    the cache row of each token, token_rows [B, T] -> int64 [B, T, 1], the slot in the flat view of the rows
+    (`flat_rows`): row x (max_context + 1) + position, a padding token in its row's trash row."""
+    return slots + token_rows.long().unsqueeze(-1) * (max_context + 1)
+
+
+def flat_rows(buffer: torch.Tensor) -> torch.Tensor:
+    """buffer [rows, max_context + 1, D] (contiguous rows) -> the view [1, rows x (max_context + 1), D]: every row's
+    keys side by side, addressed by `token_slots` and `flat_indices`."""
+    return buffer.view(1, -1, buffer.shape[-1])
+
+
+def flat_indices(indices: torch.Tensor, token_rows: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Row-local top-k indices [B, T, K] (key s of the token's own row; -1 = none) -> indices into `flat_rows`
+    (s + row x num_keys), -1 kept. The index slot keeps row-local indices, so S layers and cross-stage indices read
+    what they would read in a [rows, T] pass."""
+    offset = (token_rows.to(indices.dtype) * num_keys).unsqueeze(-1)
+    return torch.where(indices >= 0, indices + offset, indices)
+
+
 @dataclass
 class StageCache:
     """Preallocated serving state of one stage. Build with `StageCache.allocate(...)`; see the module docstring."""

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .cache import IndexSlot, StageCache, cache_slots
+from .cache import IndexSlot, StageCache, cache_slots, token_slots
 
 if TYPE_CHECKING:
     from .dense_prefill import PrefillHint
@@ -41,6 +41,8 @@ class ForwardContext:
     every layer; filled in from positions when not given), else None.
     record_expert_load: a training forward whose MoE layers count their routed tokens (for the bias update) and
     attach their balance loss; off for evaluation, serving and the pipelining runtime's shape inference.
+    token_rows: with a cache, a token-major pass: int64 [B, T], the cache row each token writes and reads (its slots
+    then index the flat view of the rows, `cache.flat_rows`); None: token (b, t) belongs to cache row b.
     """
 
     positions: torch.Tensor
@@ -58,10 +60,13 @@ class ForwardContext:
     prefill: Optional[PrefillHint] = None
     slots: Optional[torch.Tensor] = None
     record_expert_load: bool = False
+    token_rows: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.cache is not None and self.slots is None:
             self.slots = cache_slots(self.positions, self.cache.max_context)
+            if self.token_rows is not None:
+                self.slots = token_slots(self.slots, self.token_rows, self.cache.max_context)
 
 
 RECOMPUTE_MODES = ("none", "attention", "block")

@@ -37,7 +37,7 @@ from dsaflow.config.schema import ModelConfig
 from dsaflow.ops import indexer_topk, sparse_mla
 from dsaflow.ops.head_proj import absorb_query, head_output
 
-from .cache import write_rows
+from .cache import flat_indices, flat_rows, write_rows
 from .context import ForwardContext, causal_indices
 from .dense_prefill import prefill_attention, rotate_query_pe_, zero_padding
 from .fp8_weights import matrix_weight
@@ -94,6 +94,8 @@ class MLA(nn.Module):
         """Write this chunk's latent rows (and, on F layers, indexer keys) at their positions, then attend over the
         cached rows: the top-k keys (sparse) or every causal key (dense). A short prefill chunk (`ctx.prefill`, see
         dsaflow.model.dense_prefill) attends over the non-absorbed heads instead. CUDA-graph safe."""
+        if ctx.token_rows is not None:
+            return self._forward_token_major(x, ctx)
         cos, sin = ctx.rope_mla
         q_latent, q, c_kv, k_pe = self._project(x)
         kv = write_rows(ctx.cache.kv[self.layer_index], ctx.slots, self._latent_rows(c_kv, k_pe, ctx))
@@ -128,6 +130,30 @@ class MLA(nn.Module):
             out = self.wo(prefill_attention(self, q, kv, ctx.positions, hint, indices))
             return zero_padding(out, ctx.positions)
         return self.wo(self._attend(q, kv, indices, cos, sin))
+
+    def _forward_token_major(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """`_forward_cached` of a token-major pass (`ctx.token_rows`: x [B, T, dim] holds tokens of many cache rows):
+        writes go to the flat view of the rows ([1, rows x (max_context + 1), D], `cache.flat_rows`), the indexer
+        scores each query against its own row's keys (`indexer_topk(key_rows=)`), and the row-local indices are
+        offset into the flat view for the attention, so a token sees exactly what it would see in a [rows, T] pass.
+        Sparse or dense attention; no short-prefill hint (StageModule refuses one)."""
+        cos, sin = ctx.rope_mla
+        rows, cache = ctx.token_rows, ctx.cache
+        q_latent, q, c_kv, k_pe = self._project(x)
+        kv = write_rows(flat_rows(cache.kv[self.layer_index]), ctx.slots, self._latent_rows(c_kv, k_pe, ctx))
+        num_keys = cache.max_context + 1  # per row
+        if self.role == "F":
+            q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
+            write_rows(flat_rows(cache.index_k[self.layer_index]), ctx.slots, k_i)
+        if ctx.attn == "dense":
+            indices = causal_indices(ctx.positions, num_keys)
+        elif self.role == "F":
+            keys = cache.index_k[self.layer_index]
+            selected = indexer_topk(q_i, keys, w_i, ctx.positions, self.topk, fp8=self.index_fp8, key_rows=rows)
+            indices = ctx.index_slot.write(self.layer_index, selected)
+        else:
+            indices = ctx.index_slot.read(self.layer_index, self.source)
+        return self.wo(self._attend(q, kv, flat_indices(indices, rows, num_keys), cos, sin))
 
     def _select(self, q_i, k_i, w_i, positions, dense_cols: int) -> torch.Tensor:
         """The top-k [B, T, K] of a serving pass; with dense_cols (a split pass) only columns [dense_cols, T) are

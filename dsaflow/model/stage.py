@@ -92,6 +92,7 @@ class StageModule(nn.Module):
         indices_in: Optional[torch.Tensor] = None,
         prefill: Optional[PrefillHint] = None,
         record_expert_load: bool = False,
+        token_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x: token ids [B, T] int64 on the first stage, hidden [B, T, dim] otherwise.
 
@@ -114,6 +115,9 @@ class StageModule(nn.Module):
         bound every position (the caller knows them; nothing is checked on the device, which would sync).
         record_expert_load: MoE layers count their routed tokens and attach their balance loss (a training forward
         of the pipeline runtime; `dsaflow.model.moe`).
+        token_rows int64 [B, T] (with a cache, no prefill hint): a token-major pass, token (b, t) writes and reads
+        cache row token_rows[b, t] (tokens of many rows side by side, e.g. decode tokens and prefill chunks in one
+        [1, N] batch; `MLA._forward_token_major`). None: token (b, t) is cache row b's.
         """
         if attn not in ATTN_MODES:
             raise ValueError(f"attn={attn!r} is not an attention mode: use one of {ATTN_MODES}.")
@@ -135,6 +139,11 @@ class StageModule(nn.Module):
             raise ValueError(
                 f"prefill={prefill} is a hint for serving prefill chunks (a cache, attn='sparse', T > 1), got "
                 f"cache={cache is not None}, attn={attn!r}, T={T}: leave it None."
+            )
+        if token_rows is not None and (cache is None or prefill is not None or token_rows.shape != (B, T)):
+            raise ValueError(
+                f"token_rows {tuple(token_rows.shape)} addresses cache rows per token: it needs a cache, no prefill "
+                f"hint and the tokens' shape [{B}, {T}], got cache={cache is not None}, prefill={prefill}."
             )
         causal_rows = False  # see ForwardContext.causal_rows (only dense attention reads it)
         no_padding = positions is None
@@ -186,6 +195,7 @@ class StageModule(nn.Module):
             recompute_chunk_tokens=self.recompute_chunk_tokens,
             prefill=prefill,
             record_expert_load=record_expert_load,
+            token_rows=token_rows,
         )
         for layer in self.layers.values():
             h = layer(h, ctx)

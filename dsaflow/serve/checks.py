@@ -122,3 +122,37 @@ def check_transfers(graphs_cfg, plan: Plan, device_type: Optional[str]) -> None:
             "graphs.transfers=true replays the transfers between pipeline ranks, but this plan runs every stage on "
             "one rank. Fix: graphs.transfers=false, or a pipeline of 2 or more ranks (pipeline=pp2)."
         )
+
+
+def check_mixed_passes(serve_cfg, plan: Plan) -> None:
+    """serve.max_pass_tokens (mixed passes, dsaflow.serve.mixed) needs continuous batching, a budget above the rows
+    of one group (every decoding row's token plus some prompt), eager prefill (mixed passes do not replay the prefill
+    graphs) and no short-prefill paths (a mixed pass attends sparsely, token-major)."""
+    budget = getattr(serve_cfg, "max_pass_tokens", None)
+    if budget is None:
+        return
+    rows = max(b - a for a, b in group_ranges(serve_cfg.max_batch, serve_groups(serve_cfg, plan)))
+    problems = []
+    if str(serve_cfg.batching) != "continuous":
+        problems.append(
+            "it mixes joining rows into decode passes, which serve.batching=fixed never has. Fix: "
+            "serve.batching=continuous, or serve.max_pass_tokens=null"
+        )
+    if budget <= rows:
+        problems.append(
+            f"a pass must hold the next token of each of the {rows} rows of a group and at least one "
+            f"prompt token. Fix: serve.max_pass_tokens={rows + 1} or more (or fewer rows per group)"
+        )
+    if any(b.kind == "prefill" for b in plan.graph_blocks):
+        problems.append(
+            "mixed passes run eagerly and would never replay the prefill graphs of "
+            "graphs.blocks. Fix: graphs=decode (decode-only passes keep their graphs), or "
+            "serve.max_pass_tokens=null"
+        )
+    if serve_cfg.short_prefill:
+        problems.append(
+            "the short-prefill paths attend over [rows, T] prefill passes, and every prefill then runs in "
+            "token-major mixed passes. Fix: serve.short_prefill=false, or serve.max_pass_tokens=null"
+        )
+    if problems:
+        raise ServeError(f"serve.max_pass_tokens={budget}: " + "; ".join(problems) + ".")

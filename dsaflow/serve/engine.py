@@ -45,7 +45,7 @@ from dsaflow.pipeline.stages import stage_cache
 from dsaflow.pipeline.transfer_graphs import TransferGraphs
 from dsaflow.plan.plan import Plan
 
-from .checks import check_graph_blocks, requests_of, serve_groups
+from .checks import check_graph_blocks, check_mixed_passes, requests_of, serve_groups
 from .eos import LateFlags
 from .graph_manager import GraphManager, choose_shape_class, sync_error_guard
 from .report import CaptureReport, run_stats
@@ -88,6 +88,7 @@ class PipelineEngine(GraphBlocks):
         self.model_cfg, self.plan, self.stages, self.serve = model_cfg, plan, stages, serve_cfg
         self.device, self.dtype, self.rank, self.link = torch.device(device), dtype, rank, link
         check_graph_blocks(plan, serve_cfg)
+        check_mixed_passes(serve_cfg, plan)
         # stage -> rank that runs it; when this process was handed every stage, it runs them all locally
         local_all = len(stages) == plan.num_stages
         self.owner = {s.index: (rank if local_all else s.rank) for s in plan.stages}
@@ -96,7 +97,12 @@ class PipelineEngine(GraphBlocks):
         self.groups = serve_groups(serve_cfg, plan)
         self.ranges = group_ranges(serve_cfg.max_batch, self.groups)
         self.batch_cap = serve_cfg.max_batch
-        sizes = (serve_cfg.max_batch, serve_cfg.max_context, serve_cfg.prefill_chunk)
+        # the index slot holds one forward's tokens: a prefill chunk's per row, or a mixed pass's (max_pass_tokens)
+        sizes = (
+            serve_cfg.max_batch,
+            serve_cfg.max_context,
+            max(serve_cfg.prefill_chunk, serve_cfg.max_pass_tokens or 0),
+        )
         self.caches = {s: stage_cache(model_cfg, plan, s, *sizes, self.device, dtype) for s in stages}
         self.group_caches = {s: [c.rows(a, b) for a, b in self.ranges] for s, c in self.caches.items()}
         self.graphs = GraphManager(
@@ -171,7 +177,7 @@ class PipelineEngine(GraphBlocks):
         if isinstance(x, tuple):
             x, indices = x
         p: Pass = pass_.payload
-        if x is not None and x.shape[0] != p.rows:  # padded to a transfer class (graphs.transfers)
+        if x is not None and x.shape[0] != p.rows and not p.token_major:  # padded to a transfer class
             x, indices = x[: p.rows], (None if indices is None else indices[: p.rows])
         with self._sync_guard(pass_.decode):
             v = p.dev
@@ -182,6 +188,9 @@ class PipelineEngine(GraphBlocks):
                 last = last[p.row0 : p.row0 + p.rows]
                 if p.decode_only:  # every row decodes or idles (position -1, its token is moot): a view, no copy
                     x = last.view(p.rows, 1)
+                elif p.token_major:  # a mixed pass: the decoding rows' previous tokens go to their columns
+                    x = v["tokens"]
+                    x.view(-1).index_copy_(0, v["swap_cols"], last.index_select(0, v["swap_rows"]))
                 else:  # prompt chunks; the decoding rows of a mixed pass feed their previous token
                     x = v["tokens"]
                     if "decode" in v:
@@ -201,7 +210,8 @@ class PipelineEngine(GraphBlocks):
                 cache.index[:R, :T].copy_(indices)  # outside any graph: the stage's S layers read this buffer
             if name is None:
                 received = self._received(stage, cache, positions)
-                out = self.stages[stage](x, positions, cache, indices_in=received, prefill=p.hint)
+                rows = {"token_rows": v["token_rows"]} if p.token_major else {}
+                out = self.stages[stage](x, positions, cache, indices_in=received, prefill=p.hint, **rows)
             else:
                 n = x.shape[0] if kind == "decode" else x.shape[1]
                 keys = {"keys": v["keys"]} if kind == "decode" and stage == self.last and self.keyed else {}
@@ -219,7 +229,10 @@ class PipelineEngine(GraphBlocks):
             if isinstance(out, tuple):  # sampled inside the decode graph
                 message, picked = out
             else:  # logits [rows, T, V]: each row samples from its own column (a decode pass has one)
-                logits = out[:, 0] if p.T == 1 else out[self.row_ids[: p.rows], v["cols"]]
+                if p.token_major:  # [1, T, V]: row r samples from its column cols[r]
+                    logits = out[0].index_select(0, v["cols"])
+                else:
+                    logits = out[:, 0] if p.T == 1 else out[self.row_ids[: p.rows], v["cols"]]
                 message, picked = self._sample(logits, v.get("keys"))
             if p.emit:
                 tok = message[:, 0]
@@ -280,6 +293,7 @@ class PipelineEngine(GraphBlocks):
             mixed=self.prefill_graphs and not self.continuous,
             narrow=self.continuous,
             chunk_classes=self.chunk_classes,
+            max_pass_tokens=s.max_pass_tokens,
             # groups share ticks only across ranks; eager passes cost their rows x tokens on a CPU (launches on a GPU)
             balance=self.groups > 1 and len(set(self.owner.values())) > 1 and self.device.type == "cpu",
         )
@@ -346,7 +360,7 @@ class PipelineEngine(GraphBlocks):
         for r, c, req, k in p.emit:
             cols[r], keys[r] = c, self.key_ids[req] * TOKEN_KEY + k
         p.graph = graph
-        if not p.decode_only and "dense" in self.prefill_paths:
+        if not p.decode_only and not p.token_major and "dense" in self.prefill_paths:
             topk, cache_rows = self.model_cfg.index_topk, self.serve.max_context + 1
             p.hint = plan_prefill(p.positions, topk, cache_rows, **self.prefill_rule)
             if graph and p.hint is not None and p.hint.path == "masked":
@@ -356,8 +370,9 @@ class PipelineEngine(GraphBlocks):
         p.dev = self.upload(pass_vectors(p, cols, keys, first, last, self.out_width, self.keyed))
         # what travels: with graphs.transfers a decode pass's rows padded to their class (the tick's shapes recur)
         sent = choose_shape_class(self.transfer_classes, rows) if self.transfer_classes and p.decode_only else rows
-        extra = (((sent, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
-        return executor.Pass(p.group, (sent, p.T, self.model_cfg.dim), self.dtype, p, (sent, 2), p.decode_only, extra)
+        batch = 1 if p.token_major else sent  # a mixed pass's activations are [1, T, dim]; its message [rows, 2]
+        extra = (((batch, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
+        return executor.Pass(p.group, (batch, p.T, self.model_cfg.dim), self.dtype, p, (sent, 2), p.decode_only, extra)
 
     def _transfer_graphs(self) -> Optional[TransferGraphs]:
         """The rank's TransferGraphs (graphs.transfers, kept across runs), or None."""

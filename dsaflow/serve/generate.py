@@ -38,7 +38,7 @@ from dsaflow.model.fp8_weights import materialize_, quantize_stage_
 from dsaflow.pipeline.stages import stage_module
 from dsaflow.plan.plan import Plan
 
-from .checks import check_graph_blocks, check_prompts, check_transfers, fit_problem
+from .checks import check_graph_blocks, check_mixed_passes, check_prompts, check_transfers, fit_problem
 from .engine import PipelineEngine
 from .prompts import load_requests
 from .replicas import ReplicaResult, gather_results, merged, replica_lines, replica_share
@@ -92,6 +92,7 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None, hf_headers: 
 
         check_same_model(cfg.model, resolve_checkpoint(s.checkpoint))
     check_graph_blocks(plan, s)
+    check_mixed_passes(s, plan)
     if plan.graph_blocks and device_type == "cpu" and cfg.graphs.on_failure == "error":
         raise ServeError(
             f"graphs={cfg.graphs.name} requests CUDA graph blocks {[b.name for b in plan.graph_blocks]} but the "

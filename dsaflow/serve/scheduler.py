@@ -85,6 +85,13 @@ class Pass:
     dev: Dict[str, Any] = field(default_factory=dict, compare=False)
     hint: Any = field(default=None, compare=False)
     path: str = field(default="sparse", compare=False)
+    # a mixed pass (dsaflow.serve.mixed): token-major, tokens / positions [1][T], token_rows[t] = the group row of
+    # token t; the message is still [rows, 2], row r sampling from its emit column
+    token_rows: List[int] = field(default_factory=list)
+
+    @property
+    def token_major(self) -> bool:
+        return bool(self.token_rows)
 
     def pad_rows(self, rows: int) -> None:
         """Append idle rows (position -1) up to `rows` (for a graph with a static row count)."""
@@ -149,8 +156,14 @@ class Scheduler:
         narrow: bool = False,
         chunk_classes: Sequence[int] = (),
         balance: bool = False,
+        max_pass_tokens: Optional[int] = None,
     ):
         self.queue: Deque[Request] = deque(requests)
+        # serve.max_pass_tokens: mixed token-major passes (dsaflow.serve.mixed) with this token budget; continuous
+        # batching only, and then none of the narrow refills, chunk classes or balanced chunks below
+        self.max_pass_tokens = max_pass_tokens if refill else None
+        if self.max_pass_tokens is not None:
+            narrow, chunk_classes, balance = False, (), False
         self.refill = refill  # False: fixed batches (a group takes requests only once all its rows finished)
         self.mixed = mixed  # prefill passes carry the decoding rows too (see the module docstring)
         self.narrow = narrow and refill and not mixed  # compact on refill, joiners in the top rows (module docstring)
@@ -177,7 +190,12 @@ class Scheduler:
         # prefill together, instead of one narrow prefill pass (and one paused decode step) per finished row
         wanted = min(max(1, int(len(rows) * self.REFILL_FRACTION)), len(self.queue))
         moves: List[Tuple[int, int]] = []
-        if self.narrow and self.queue and free >= max(wanted, 1):
+        if self.max_pass_tokens is not None and self.queue and free:
+            # mixed passes: a joining row costs the decoding rows no paused step, so every free row takes the next
+            # request at once (lowest rows first, no moves); its prompt waits for room in the token budget
+            for i in [i for i, r in enumerate(rows) if r is None][: len(self.queue)]:
+                rows[i] = Row(self.queue.popleft())
+        elif self.narrow and self.queue and free >= max(wanted, 1):
             joining = [Row(self.queue.popleft()) for _ in range(min(free, len(self.queue)))]
             moves = self._compact(rows, joining)
         elif self.narrow and not self.queue and self._sparse(rows):
@@ -227,6 +245,10 @@ class Scheduler:
             return None
         prefilling = [i for i in active if rows[i].offset < len(rows[i].request.prompt)]
         decoding = [i for i in active if i not in set(prefilling)]
+        if prefilling and self.max_pass_tokens is not None:
+            from .mixed import mixed_pass  # mixed.py builds on this module's Pass and Row
+
+            return mixed_pass(group, rows, self.max_pass_tokens, self.chunk)
         if prefilling and self.mixed:
             return self._prefill_pass(group, prefilling, decoding)
         # both kinds waiting: alternate, so decoding rows keep going while a joining request prefills

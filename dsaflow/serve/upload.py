@@ -40,11 +40,14 @@ def pass_vectors(
     sampling is keyed (temperature > 0); `emit_slots` [emitted]: request x out_width + token index, a flat index
     into the output tokens; `emit_rows` [emitted]: the pass rows that sample.
     `fed_from` and `emit_rows` are left out when every row of the pass samples, in order (a full decode step).
+    A mixed pass (`p.token_major`): `positions`, `tokens` and `token_rows` (each token's group row) are [1, T];
+    stage 0 swaps the decoding rows' previous tokens in at `swap_cols` [decoding] from rows `swap_rows`.
     """
     rows, T = p.rows, p.T
-    out: Dict[str, Tuple[List[int], Tuple[int, ...]]] = {
-        "positions": (list(chain.from_iterable(p.positions)), (rows, T))
-    }
+    shape = (1, T) if p.token_major else (rows, T)
+    out: Dict[str, Tuple[List[int], Tuple[int, ...]]] = {"positions": (list(chain.from_iterable(p.positions)), shape)}
+    if p.token_major:
+        out["token_rows"] = (list(p.token_rows), shape)
     if p.moves:
         out["move_from"] = ([a for a, _ in p.moves], (len(p.moves),))
         out["move_to"] = ([b for _, b in p.moves], (len(p.moves),))
@@ -52,8 +55,12 @@ def pass_vectors(
     every_row = emitted == list(range(rows))
     if first:
         if not p.decode_only:
-            out["tokens"] = (list(chain.from_iterable(p.tokens)), (rows, T))
-        if not p.decode_only and any(p.decode):
+            out["tokens"] = (list(chain.from_iterable(p.tokens)), shape)
+        if p.token_major:
+            swaps = [(c, r) for r, c, _, _ in p.emit if p.decode[r]]
+            out["swap_cols"] = ([c for c, _ in swaps], (len(swaps),))
+            out["swap_rows"] = ([r for _, r in swaps], (len(swaps),))
+        elif not p.decode_only and any(p.decode):
             out["decode"] = ([int(d) for d in p.decode], (rows,))
         if not every_row:
             out["fed_from"] = (emitted, (len(emitted),))

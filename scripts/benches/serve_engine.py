@@ -16,6 +16,9 @@ the row's tokens/s is all their tokens over the slowest replica's wall time, wit
 and `uniform` (every prompt --uniform-prompt tokens, --uniform-new new tokens). Each (pipeline, workload) runs with
 serve.microbatches=1 (one group: one batch through the stages at a time) and the default (one group per rank), and
 the mixed workload also with fixed batches (a group takes new requests only once all its rows finished).
+--max-pass-tokens B1,B2 adds, per workload, continuous rows with mixed passes (serve.max_pass_tokens=B: every pass
+carries the decoding rows' tokens and prompt chunks up to B tokens, token-major, eager; decode-only passes keep the
+decode graphs), one per budget, with the budget as a column and the share of passes that were mixed.
 --profile-passes (CUDA, pipeline=single) adds each row's GPU time per pass kind (`pass_profile`: decode / prefill
 calls, ms, mean ms), from CUDA events around every stage call, read once after the run.
 
@@ -119,6 +122,11 @@ def add_options(ap: argparse.ArgumentParser, out: str = "bench_out/serve") -> No
     ap.add_argument("--graphs", default=None, choices=("on", "off"), help="CUDA graphs (default on with CUDA)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
     ap.add_argument(
+        "--max-pass-tokens",
+        default="",
+        help="comma separated serve.max_pass_tokens budgets: a row with mixed passes per budget and workload",
+    )
+    ap.add_argument(
         "--profile-passes",
         action="store_true",
         help="CUDA: time every stage call with CUDA events and record GPU ms per pass kind (decode / prefill)",
@@ -178,7 +186,7 @@ def workload(args, name: str, vocab: int):
     return prompts, limits
 
 
-def make_cfg(args, name: str, microbatches, context: int, continuous: bool = True):
+def make_cfg(args, name: str, microbatches, context: int, continuous: bool = True, budget=None):
     pipeline, replicas = split_of(name)
     graphs = ["graphs=decode_prefill"] if args.graphs == "on" else ["graphs=off"]
     cfg = compose(
@@ -197,12 +205,16 @@ def make_cfg(args, name: str, microbatches, context: int, continuous: bool = Tru
     )
     cfg.serve.microbatches = microbatches
     cfg.serve.batching = "continuous" if continuous else "fixed"  # the engine picks its schedule from it at build
+    if budget is not None:  # mixed passes: sparse and eager, so no short-prefill paths and no prefill graphs
+        cfg.serve.max_pass_tokens, cfg.serve.short_prefill = budget, False
+        cfg.graphs.blocks = [b for b in cfg.graphs.blocks if b.kind == "decode"]
     if args.graphs == "on":
         groups = microbatches or RANKS[pipeline]
         rows = args.max_batch // groups
         cfg.graphs.blocks[0].shape_classes = [c for c in (1, 2, 4, 8, 16, 32, 64) if c < rows] + [rows]
         c = args.prefill_chunk
-        cfg.graphs.blocks[1].shape_classes = sorted({max(c // 8, 1), max(c // 2, 1), c})
+        for b in cfg.graphs.blocks[1:]:  # the prefill block (none with mixed passes)
+            b.shape_classes = sorted({max(c // 8, 1), max(c // 2, 1), c})
         cfg.graphs.max_shape = max(cfg.graphs.max_shape, c, rows)
     return cfg, build_plan(cfg)
 
@@ -244,6 +256,21 @@ class PassTimer:
         return out
 
 
+def count_passes(eng: PipelineEngine) -> dict:
+    """Count the passes the engine prepares by kind (decode, prefill, mixed: token-major with decoding rows) into
+    the returned dict, as the engine runs."""
+    kinds = {"decode": 0, "prefill": 0, "mixed": 0}
+    inner = eng._prepare
+
+    def prepare(p):
+        kind = "decode" if p.decode_only else "mixed" if p.token_major and any(p.decode) else "prefill"
+        kinds[kind] += 1
+        return inner(p)
+
+    eng._prepare = prepare
+    return kinds
+
+
 def write_trace(eng: PipelineEngine, prompts, limits, path: Path) -> None:
     """Serve `prompts` under torch.profiler (host and, on CUDA, kernel activity) -> a gzipped Chrome trace at
     `path` (open it in Perfetto: per rank, where the host and the GPU spend each tick)."""
@@ -270,11 +297,17 @@ def keep_row(args, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def budgets(args) -> list:
+    return [int(b) for b in args.max_pass_tokens.split(",") if b]
+
+
 def runs_of(args, pipeline: str) -> list:
-    """(workload, serve.microbatches or None for the default, continuous) of every row one pipeline split serves."""
+    """(workload, serve.microbatches or None for the default, continuous, serve.max_pass_tokens or None) of every row
+    one pipeline split serves."""
     loads = args.workloads.split(",")
     settings = (None,) if RANKS[split_of(pipeline)[0]] == 1 else (1, None)  # one rank: the default is one group
-    return [(w, mb, True) for w in loads for mb in settings] + [("mixed", None, False)] * ("mixed" in loads)
+    rows = [(w, mb, True, None) for w in loads for mb in settings] + [("mixed", None, False, None)] * ("mixed" in loads)
+    return rows + [(w, None, True, b) for w in loads for b in budgets(args)]
 
 
 def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, every_rank: bool = False) -> list:
@@ -291,15 +324,17 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
     dtype = serve_dtype("auto", device)
     stages = build_stage_modules(cfg0, plan0, None if base == "single" else prank, device, dtype)
     runs = runs_of(args, pipeline)
-    for i, (w, mb, continuous) in enumerate(runs):
+    for i, (w, mb, continuous, budget) in enumerate(runs):
         label = f"{pipeline} {w} {'continuous' if continuous else 'fixed'} serve.microbatches={mb or 'default'}"
+        label += f" serve.max_pass_tokens={budget}" if budget else ""
         loud = rank == 0 or every_rank  # one process speaks for a split
         if loud:
             print(f"[{pipeline} {i + 1}/{len(runs)}] {label}: capture, warm-up, {args.requests} requests", flush=True)
-        cfg, plan = make_cfg(args, pipeline, mb, context, continuous)
+        cfg, plan = make_cfg(args, pipeline, mb, context, continuous, budget)
         eng = PipelineEngine(
             cfg.model, plan, stages, cfg.serve, cfg.graphs, device, dtype, prank, link, peer=lambda r: first + r
         )
+        kinds = count_passes(eng)
         captured = [r for r in eng.capture().records if r.captured]
         capture = gather(
             (len(captured), sum(r.capture_ms for r in captured) / 1e3, sum(r.pool_bytes for r in captured))
@@ -313,6 +348,7 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
         eng.generate([prompts[i] for i in picks], [2] * len(picks))
         timer = PassTimer(eng) if args.profile_passes else None
         captures_before = eng.transfers.captures if eng.transfers is not None else 0
+        kinds.update(dict.fromkeys(kinds, 0))  # count the timed run's passes only
         if replicas > 1:
             import torch.distributed as dist
 
@@ -327,7 +363,8 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
         last_ranks = [d * RANKS[base] + RANKS[base] - 1 for d in range(replicas)]
         per_replica = [mine[g] for g in last_ranks] if not every_rank else [mine[0]]
         if args.trace:
-            name = f"trace-{pipeline}-g{eng.groups}-{w}-{'continuous' if continuous else 'fixed'}-rank{rank}"
+            name = f"trace-{pipeline}-g{eng.groups}-{w}-{'continuous' if continuous else 'fixed'}"
+            name += f"-mixed{budget}-rank{rank}" if budget else f"-rank{rank}"
             write_trace(eng, prompts[:64], limits[:64], Path(args.out) / f"{name}.json.gz")
         busy = gather(
             (
@@ -363,6 +400,8 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                     "microbatches_setting": "default" if mb is None else mb,
                     "workload": w,
                     "batching": "continuous" if continuous else "fixed",
+                    "max_pass_tokens": budget,  # None: a pass prefills or decodes; else mixed passes of this budget
+                    "mixed_pass_share": kinds["mixed"] / max(1, sum(kinds.values())),
                     "requests": len(prompts),
                     "output_tokens": tokens,
                     "wall_s": wall,
@@ -398,13 +437,16 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
             r = rows[-1]
             keep_row(args, r)
             print(
-                f"{pipeline} groups={r['microbatches']} {w} {r['batching']}: {r['tokens_per_s']:.1f} tokens/s"
+                f"{pipeline} groups={r['microbatches']} {w} {r['batching']} budget {budget or '-'}: "
+                f"{r['tokens_per_s']:.1f} tokens/s"
                 + (
                     f" ({', '.join(f'{x:.1f}' for x in r['replica_tokens_per_s'])} per replica), "
                     if replicas > 1
                     else ", "
                 )
-                + f"TTFT p50 {r['ttft_p50_s'] or 0:.3f} s, TPOT p50 {(r['tpot_p50_s'] or 0) * 1e3:.2f} ms, "
+                + f"mixed passes {r['mixed_pass_share']:.2f}, "
+                f"TTFT p50 {r['ttft_p50_s'] or 0:.3f} s p99 {r['ttft_p99_s'] or 0:.3f} s, "
+                f"TPOT p50 {(r['tpot_p50_s'] or 0) * 1e3:.2f} ms p99 {(r['tpot_p99_s'] or 0) * 1e3:.2f} ms, "
                 f"busy {[round(b, 2) for b in r['busy_fraction']]}, decode busy "
                 f"{[round(b, 2) for b in r['decode_busy_fraction']]}, {host_line(r)}, graphs {r['graphs_captured']} "
                 "captured in "
@@ -453,6 +495,7 @@ def run_pipeline(args, pipeline: str) -> list:
             "uniform_new",
             "graphs",
             "threads",
+            "max_pass_tokens",
             "seed",
             "out",
         )
@@ -518,6 +561,7 @@ def run_all(args, argv, prog: str) -> int:
         "uniform_new": args.uniform_new,
         "prefill_chunk": args.prefill_chunk,
         "threads": args.threads,
+        "max_pass_tokens": args.max_pass_tokens,
         "skipped": skipped,
         # other processes on the machine: pp ranks compute at once, so a busy machine slows them most
         "load_average_1min": [load_before, os.getloadavg()[0]],

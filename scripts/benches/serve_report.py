@@ -23,10 +23,32 @@ def host_line(row: dict) -> str:
 
 def checks(rows: list) -> list:
     """The comparisons the benchmark exists for: default groups vs one group (tokens/s, decode busy) per pipeline
-    and workload, continuous vs fixed batches on the mixed workload, and ppNxR replicas vs ppN alone."""
+    and workload, continuous vs fixed batches on the mixed workload, ppNxR replicas vs ppN alone, and mixed passes
+    (each budget) against both batchings: tokens/s, and TTFT p99 against today's continuous batching."""
     out = []
     key = lambda r: (r["pipeline"], r["workload"], r["microbatches_setting"], r["batching"])  # noqa: E731
-    by = {key(r): r for r in rows}
+    by = {key(r): r for r in rows if r.get("max_pass_tokens") is None}
+    for r in rows:
+        budget, p, w = r.get("max_pass_tokens"), r["pipeline"], r["workload"]
+        today = by.get((p, w, "default", "continuous"))
+        if budget is None or today is None:
+            continue
+        fixed = by.get((p, w, "default", "fixed"))
+        out.append(
+            {
+                "check": f"{p} {w}: mixed passes (budget {budget}) vs today's continuous"
+                + (" and fixed" if fixed else ""),
+                "pipeline": p,
+                "workload": w,
+                "max_pass_tokens": budget,
+                "tokens_per_s_ratio": r["tokens_per_s"] / today["tokens_per_s"],
+                "tokens_per_s_vs_fixed": r["tokens_per_s"] / fixed["tokens_per_s"] if fixed else None,
+                "ttft_p99_ratio": r["ttft_p99_s"] / today["ttft_p99_s"]
+                if r["ttft_p99_s"] and today["ttft_p99_s"]
+                else None,
+                "busy_fraction": r["busy_fraction"],
+            }
+        )
     for (p, w, mb, b), r in by.items():
         one = by.get((p, w, 1, "continuous"))
         if mb == "default" and b == "continuous" and one is not None and r["ranks"] > 1:
@@ -87,15 +109,19 @@ def markdown(rows: list, env: dict, cks: list) -> str:
         f"{env['threads']} thread(s) per process on CPU, 1-minute load average {env['load_average_1min'][0]:.1f} "
         f"before and {env['load_average_1min'][1]:.1f} after. Command: `{env['command']}`.",
         "",
-        "| pipeline | groups (serve.microbatches) | workload | batching | tokens/s | TTFT p50 s | TTFT p99 s "
-        "| TPOT p50 ms | TPOT p99 ms | busy per rank | decode busy per rank | host ms per decode tick | host late |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---|---|---|---|",
+        "Budget: serve.max_pass_tokens (mixed passes; - = a pass prefills or decodes); mixed: the share of passes "
+        "that carried decoding rows and prompt chunks together.",
+        "",
+        "| pipeline | groups (serve.microbatches) | workload | batching | budget | mixed | tokens/s | TTFT p50 s "
+        "| TTFT p99 s | TPOT p50 ms | TPOT p99 ms | busy per rank | decode busy per rank | host ms per decode tick "
+        "| host late |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|",
     ]
     for r in rows:
         ms = lambda v: None if v is None else v * 1e3  # noqa: E731
         lines.append(
             f"| {r['pipeline']} | {r['microbatches']} ({r['microbatches_setting']}) | {r['workload']} | "
-            f"{r['batching']} | "
+            f"{r['batching']} | {r.get('max_pass_tokens') or '-'} | {f(r.get('mixed_pass_share'), '{:.2f}')} | "
             f"{r['tokens_per_s']:.1f}{per_replica(r)} | {f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | "
             f"{f(ms(r['tpot_p50_s']), '{:.2f}')} | {f(ms(r['tpot_p99_s']), '{:.2f}')} | "
             f"{', '.join(f'{b:.2f}' for b in r['busy_fraction'])} | "
@@ -106,25 +132,36 @@ def markdown(rows: list, env: dict, cks: list) -> str:
     if cks:
         lines += [
             "",
-            "| comparison | tokens/s ratio | decode busy (default groups) | decode busy (one group) |",
-            "|---|---:|---|---|",
+            "| comparison | tokens/s ratio | vs fixed | TTFT p99 ratio | busy per rank | decode busy (default "
+            "groups) | decode busy (one group) |",
+            "|---|---:|---:|---:|---|---|---|",
         ]
         for c in cks:
             d = ", ".join(f"{b:.2f}" for b in c.get("decode_busy_default", [])) or "-"
             o = ", ".join(f"{b:.2f}" for b in c.get("decode_busy_one", [])) or "-"
-            lines.append(f"| {c['check']} | {c['tokens_per_s_ratio']:.2f}x | {d} | {o} |")
+            busy = ", ".join(f"{b:.2f}" for b in c.get("busy_fraction", [])) or "-"
+            lines.append(
+                f"| {c['check']} | {c['tokens_per_s_ratio']:.2f}x | {f(c.get('tokens_per_s_vs_fixed'), '{:.2f}x')} | "
+                f"{f(c.get('ttft_p99_ratio'), '{:.2f}x')} | {busy} | {d} | {o} |"
+            )
     if env.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(env["skipped"])]
     return "\n".join(lines)
 
 
 def plot(rows: list, plt):
-    """Tokens/s per row and each rank's decode busy fraction -> the figure."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    labels = [f"{r['pipeline']}\n{r['workload']}\ng={r['microbatches']} {r['batching'][:4]}" for r in rows]
+    """Tokens/s per row (mixed-pass rows hatched), each rank's whole-run and decode busy fractions -> the figure."""
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(17, 4.2))
+    labels = [
+        f"{r['pipeline']}\n{r['workload']}\ng={r['microbatches']} {r['batching'][:4]}"
+        + (f"\nmixed {r['max_pass_tokens']}" if r.get("max_pass_tokens") else "")
+        for r in rows
+    ]
     x = range(len(rows))
     colors = ["C0" if r["batching"] == "continuous" else "C7" for r in rows]
-    ax1.bar(x, [r["tokens_per_s"] for r in rows], color=colors)
+    bars = ax1.bar(x, [r["tokens_per_s"] for r in rows], color=colors)
+    for bar, r in zip(bars, rows):
+        bar.set_hatch("//" if r.get("max_pass_tokens") else "")
     ax1.set_xticks(list(x), labels, fontsize=6)
     ax1.set_ylabel("output tokens/s")
     ax1.set_title("throughput")
@@ -141,5 +178,16 @@ def plot(rows: list, plt):
     ax2.set_ylabel("busy fraction in decode")
     ax2.legend(fontsize=7)
     ax2.set_title("per-rank busy fraction (decode ticks)")
+    for k in range(max(r["ranks"] for r in rows)):
+        ax3.bar(
+            [i + k * width for i in x],
+            [r["busy_fraction"][k] if k < r["ranks"] else 0 for r in rows],
+            width,
+            label=f"rank {k}",
+        )
+    ax3.set_xticks([i + 0.4 - width / 2 for i in x], labels, fontsize=6)
+    ax3.set_ylim(0, 1)
+    ax3.set_ylabel("busy fraction, whole run")
+    ax3.set_title("per-rank busy fraction (every tick: prefill, mixed, decode)")
     fig.tight_layout()
     return fig

@@ -16,7 +16,13 @@ from .naive import ascending_keys, indexer_scores_naive, indexer_topk_naive, top
 
 
 def indexer_topk(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int, fp8: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    positions: torch.Tensor,
+    topk: int,
+    fp8: bool = False,
+    key_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-k keys per query by index score I[b,t,s] = sum_j w[b,t,j] * relu(q[b,t,j] . k[b,s]), causal by position.
 
@@ -30,6 +36,8 @@ def indexer_topk(
         fp8: score with q and k rounded to per-row-scaled fp8 e4m3 (`fp8.quantize_rows`, DeepSeek-V3.2's indexer
             precision): on CUDA through fp8 tensor cores (compute capability 8.9+, else ValueError), on CPU through
             the same rounding in fp32.
+        key_rows: None (query (b, t) scores k[b]), or int [B, T]: the row of k [R, S, D_I] (any R) that query (b, t)
+            scores: a token-major serving pass, whose tokens of many cache rows sit side by side in one batch row.
 
     Returns:
         int32 [B, T, topk]: the topk best keys (ties to the lower key index) in ascending key order, -1 after them
@@ -38,10 +46,10 @@ def indexer_topk(
     """
     choice = explain_indexer_topk(q, k, w, positions, topk, fp8)
     if chosen("indexer_topk", choice, describe(q=q, k=k)) == "reference":
-        return indexer_topk_naive(q, k, w, positions, topk, fp8=fp8)
+        return indexer_topk_naive(q, k, w, positions, topk, fp8=fp8, key_rows=key_rows)
     from .triton_indexer import indexer_topk_triton
 
-    return indexer_topk_triton(q, k, w, positions, topk, fp8=fp8)
+    return indexer_topk_triton(q, k, w, positions, topk, fp8=fp8, key_rows=key_rows)
 
 
 __all__ = [

@@ -62,6 +62,7 @@ def indexer_topk_naive(
     topk: int,
     chunk: int | None = None,
     fp8: bool = False,
+    key_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal top-k key selection, chunked over queries.
 
@@ -70,11 +71,26 @@ def indexer_topk_naive(
     chunk: queries per step; default keeps the per-head logits [B, chunk, H, S] near 2^26 elements, so a 128K
     context with 64 index heads never holds more than a few hundred MB at once.
     fp8: score the values q and k take after per-row fp8 e4m3 rounding (`fp8.quantize_rows`), as the CUDA op does.
+    key_rows int [B, T]: query (b, t) scores the keys k[key_rows[b, t]] of a k [R, S, D] with any R (a token-major
+    serving pass); each chunk gathers its queries' key rows.
     """
     if fp8:
         from .fp8 import dequantize_rows, quantize_rows
 
         q, k = dequantize_rows(*quantize_rows(q)), dequantize_rows(*quantize_rows(k))
+    if key_rows is not None:  # every query its own batch row, scored against its gathered key row
+        B, T, H, D = q.shape
+        q, w, positions = q.reshape(B * T, 1, H, D), w.reshape(B * T, 1, H), positions.reshape(B * T, 1)
+        rows = key_rows.reshape(B * T)
+        step = chunk or max(1, min(1024, (1 << 26) // max(1, H * k.shape[1])))
+        out = [
+            topk_from_scores(
+                indexer_scores_naive(q[a : a + step], k[rows[a : a + step]], w[a : a + step], positions[a : a + step]),
+                topk,
+            )
+            for a in range(0, B * T, step)
+        ]
+        return torch.cat(out, dim=0).view(B, T, topk)
     if chunk is None:
         chunk = max(1, min(1024, (1 << 26) // max(1, q.shape[0] * q.shape[2] * k.shape[1])))
     out = []

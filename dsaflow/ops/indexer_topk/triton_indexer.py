@@ -75,7 +75,7 @@ def _indexer_logits_kernel(
 
 @triton.jit
 def _indexer_logits_one_query_kernel(
-    q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, kscale_ptr,
+    q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, kscale_ptr, key_rows_ptr,
     S, H, D,
     s_qb, s_qh,
     s_kb, s_ks, s_ksb,
@@ -83,14 +83,18 @@ def _indexer_logits_one_query_kernel(
     s_pb,
     s_ob,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    WRITE_INVISIBLE: tl.constexpr, DOT_PREC: tl.constexpr, K_SCALED: tl.constexpr,
+    WRITE_INVISIBLE: tl.constexpr, DOT_PREC: tl.constexpr, K_SCALED: tl.constexpr, KEY_ROWS: tl.constexpr,
 ):
     # T == 1 (a decode step): the heads are the rows of one dot [BLOCK_H, D] x [D, BLOCK_S], then relu, times w and
-    # a sum over heads; the per-head loop of the tiled kernel would serialise H short dots behind their loads
+    # a sum over heads; the per-head loop of the tiled kernel would serialise H short dots behind their loads.
+    # KEY_ROWS: query b scores the keys of row key_rows[b] (a token-major serving pass, one query per b)
     pid = tl.program_id(0).to(tl.int64)
     n_s = tl.cdiv(S, BLOCK_S)
     pid_s = pid % n_s
     b = pid // n_s
+    kb = b
+    if KEY_ROWS:
+        kb = tl.load(key_rows_ptr + b).to(tl.int64)
     offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     s_ok = offs_s < S
     offs_h = tl.arange(0, BLOCK_H)
@@ -104,12 +108,12 @@ def _indexer_logits_one_query_kernel(
         q = tl.load(q_ptr + b * s_qb + offs_h[:, None] * s_qh + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :],
                     other=0.0)
         w = tl.load(w_ptr + b * s_wb + offs_h * s_wh, mask=h_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + b * s_kb + offs_s[:, None] * s_ks + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+        k = tl.load(k_ptr + kb * s_kb + offs_s[:, None] * s_ks + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                     other=0.0)
         logits = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_S]
         acc = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
         if K_SCALED:
-            acc = acc * tl.load(kscale_ptr + b * s_ksb + offs_s, mask=s_ok, other=0.0)
+            acc = acc * tl.load(kscale_ptr + kb * s_ksb + offs_s, mask=s_ok, other=0.0)
     acc = tl.where((offs_s <= pos) & s_ok, acc, float("-inf"))
     store_ok = s_ok if WRITE_INVISIBLE else s_ok & (offs_s * 0 + pid_s * BLOCK_S <= pos)
     tl.store(out_ptr + b * s_ob + offs_s, acc, mask=store_ok)
@@ -174,8 +178,12 @@ def logits_config(T: int, S: int, D: int, overrides: dict | None = None) -> dict
 def indexer_logits_triton(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None,
     overrides: dict | None = None, write_invisible: bool = True, k_scale: torch.Tensor | None = None,
+    key_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, T, H, D], k [B, S, D], w [B, T, H], positions [B, T] -> logits [B, T, S] fp32, -inf where invisible.
+
+    key_rows int [B] (T == 1 only): query b scores the keys k[key_rows[b]] of a k [R, S, D] with any R (a
+    token-major serving pass); k_scale is then [R, S].
 
     fp8 q and k (float8_e4m3fn, `fp8.quantize_rows`) need k_scale [B, S] fp32, the keys' scales; the queries' scales
     are folded into w by the caller (w[b, t, h] * q_scale[b, t, h]).
@@ -200,10 +208,14 @@ def indexer_logits_triton(
     ks = k_scale if k_scale is not None else w  # any tensor: K_SCALED=False never reads it
     # fp32 inputs mean fp32 scores (IEEE, not TF32): rounded scores can reorder near-ties and change the top-k
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    if key_rows is not None and (T != 1 or overrides):
+        raise ValueError(f"indexer logits: key_rows needs one query per batch row and the one-query kernel, got T={T} "
+                         f"and overrides={overrides}")
     if T == 1 and not overrides:  # a decode step: heads as the rows of one dot
         block_s = 128
+        rows = key_rows if key_rows is not None else positions  # any tensor: KEY_ROWS=False never reads it
         _indexer_logits_one_query_kernel[(triton.cdiv(S, block_s) * B,)](
-            q, k, w, positions, out, ks,
+            q, k, w, positions, out, ks, rows,
             S, H, D,
             q.stride(0), q.stride(2),
             k.stride(0), k.stride(1), ks.stride(0),
@@ -212,7 +224,7 @@ def indexer_logits_triton(
             out.stride(0),
             BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_S=block_s, BLOCK_D=cfg["BLOCK_D"],
             WRITE_INVISIBLE=write_invisible, DOT_PREC=prec,
-            K_SCALED=k_scale is not None, num_warps=4, num_stages=2,
+            K_SCALED=k_scale is not None, KEY_ROWS=key_rows is not None, num_warps=4, num_stages=2,
         )
         return out
     _indexer_logits_kernel[grid](
@@ -234,6 +246,7 @@ def indexer_logits_triton(
 def indexer_topk_triton(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, topk: int,
     chunk: int | None = None, overrides: dict | None = None, select_overrides: dict | None = None, fp8: bool = False,
+    key_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `dsaflow.ops.indexer_topk.indexer_topk`: q [B, T, H_I, D_I], k [B, S, D_I], w [B, T, H_I],
     positions [B, T] int -> int32 [B, T, topk]: the best keys in ascending key order, -1 after them where fewer
@@ -242,7 +255,8 @@ def indexer_topk_triton(
     config (`triton_select.select_config`).
     fp8=True: q and k rounded to per-row-scaled fp8 e4m3 (`fp8.quantize_rows`) and multiplied on fp8 tensor cores,
     the queries' scales folded into w and the keys' applied after the head sum (compute capability 8.9+, else
-    ValueError)."""
+    ValueError).
+    key_rows int [B, T]: query (b, t) scores the keys of row key_rows[b, t] of a k [R, S, D_I] (`_topk_key_rows`)."""
     if fp8 and (reason := fp8_reason(q)) is not None:
         raise ValueError(f"indexer_topk: {reason}")
     k_scale = None
@@ -258,6 +272,8 @@ def indexer_topk_triton(
     out = torch.empty(B, T, topk, device=q.device, dtype=torch.int32)
     if S == 0 or T == 0:
         return out.fill_(-1)
+    if key_rows is not None:
+        return _topk_key_rows(q, k, w, positions, topk, key_rows, out, k_scale, chunk, select_overrides)
     chunk = chunk or query_chunk(B, T, S)
     rows = min(chunk, T)
     scores = torch.empty(B, rows, S, device=q.device, dtype=torch.float32)
@@ -268,4 +284,25 @@ def indexer_topk_triton(
         buf = scores[:, : t1 - t0]
         indexer_logits_triton(qc, k, wc, pc, buf, overrides, write_invisible=False, k_scale=k_scale)
         radix_topk_triton(buf, pc, topk, out=out[:, t0:t1], scratch=scratch, overrides=select_overrides)
+    return out
+
+
+def _topk_key_rows(q, k, w, positions, topk, key_rows, out, k_scale, chunk, select_overrides) -> torch.Tensor:
+    """`indexer_topk_triton` with per-query key rows: every query becomes a batch row of its own ([B * T, 1]) and
+    runs the one-query logits kernel against its key row, in chunks of queries under the score budget. Its cost: a
+    prefill query reads its key tiles alone (the tiled kernel shares them across 64 queries of one row), so long
+    chunks of a token-major pass pay more key reads than the [rows, T] layout (docs/serving.md, "Mixed passes")."""
+    B, T, H, D = q.shape
+    S, n = k.shape[1], B * T
+    q1, w1 = q.reshape(n, 1, H, D), w.reshape(n, 1, H)
+    p1, r1, o1 = positions.reshape(n, 1), key_rows.reshape(n), out.view(n, 1, topk)
+    step = min(n, chunk or query_chunk(1, n, S))
+    scores = torch.empty(step, 1, S, device=q.device, dtype=torch.float32)
+    scratch = select_scratch(step, S, q.device, (select_overrides or {}).get("programs"))
+    for b0 in range(0, n, step):
+        b1 = min(n, b0 + step)
+        buf = scores[: b1 - b0]
+        indexer_logits_triton(q1[b0:b1], k, w1[b0:b1], p1[b0:b1], buf, None, write_invisible=False, k_scale=k_scale,
+                              key_rows=r1[b0:b1])
+        radix_topk_triton(buf, p1[b0:b1], topk, out=o1[b0:b1], scratch=scratch, overrides=select_overrides)
     return out
