@@ -162,12 +162,13 @@ class Trainer:
         dense = self.dense_phase(step)
         x, y = self._replica_batch(*self.data.batch(step))
         losses: list = []
+        # then the gradients are averaged over the dp group (parallel.dp > 1)
         if dense:  # frozen main model: each stage backpropagates only its indexer loss (no pipeline backward)
             self._run_forward(x, y, losses, "dense", learn=True)
+            self.dp.after_stage_backward()
         else:
             self._run_schedule(x, y, losses)
-        # gradients averaged over the dp group (parallel.dp > 1); sharded: also the microbatch mean
-        self.dp.after_backward(self.ctx.plan.pipeline.microbatches)
+            self.dp.after_backward(self.ctx.plan.pipeline.microbatches)  # sharded: also the microbatch mean
         grad_norm, idx_norm = clip_global(self.opt, self.t.grad_clip, self.ctx.device, self.dp.norm_group)
         lr = self.opt.main.param_groups[0]["lr"]  # this step's lr (the schedulers advance after the updates)
         # A non-finite global norm (the same on every rank) skips that optimiser's update everywhere: one bad
