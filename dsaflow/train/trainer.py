@@ -308,7 +308,9 @@ class Trainer:
         nbytes = load_hf_weights(modules, hf_path, ctx.cfg.model, lines.append)  # this rank's stages' tensors
         # global rank: with parallel.dp > 1 every replica's rank reads its stages' tensors in full
         replica = f" (pp {ctx.rank}, dp {ctx.dp_rank})" if ctx.dp > 1 else ""
-        line = f"[rank {ctx.global_rank}]{replica} model weights from {hf_path}: read {nbytes / 2**20:.2f} MiB"
+        line = (
+            f"[rank {ctx.global_rank(ctx.rank)}]{replica} model weights from {hf_path}: read {nbytes / 2**20:.2f} MiB"
+        )
         sys.stdout.write(line + "\n")  # one write: the ranks share the launcher's stdout, and print() makes two
         sys.stdout.flush()
         return [*lines, line]
