@@ -13,7 +13,8 @@ stages in every replica form the dp group (`RunContext.dp_group`), and there:
                             last accumulates whole gradients locally (`set_requires_gradient_sync(False)`, set by
                             `TimedPipelineStage` from the schedule's `last_backward`), and the last one
                             reduce-scatters their sum once. `after_backward` then frees the gathered weights, so the
-                            next forward gathers the updated ones.
+                            next forward gathers the updated ones. The dense warm-up backpropagates outside the
+                            schedule, unseen by FSDP2's hooks: `after_stage_backward` reduces its gradients.
 
 The schedule's `scale_grads(microbatches)` and the dp average make every gradient the global-batch mean, which is
 what one replica with dp x the microbatches computes. MoE expert-load counts are summed over the dp group before the
