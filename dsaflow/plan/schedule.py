@@ -72,17 +72,18 @@ SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 def check_sharded_training(cfg, pipeline: PipelinePlan) -> None:
     """What parallel.dp_shard=true (FSDP2) does not run yet, refused by name with the fix: the split-backward
-    schedules. Their input-gradient pass runs FSDP2's post-backward hooks (on the stage's inputs), so the last
-    microbatch's reduce-scatter would come before its weight-gradient pass had added its part, and that part would
-    never be reduced."""
+    schedules. FSDP2 reduces gradients from autograd hooks on a stage's inputs, which fire in the input-gradient
+    pass, before the weight gradients exist; the weight pass (torch's stage_backward_weight) runs outside them, so
+    the weight gradients would stay on the gathered weights and never reach the shards."""
     if pipeline.dp == 1 or not pipeline.dp_shard or cfg.mode != "train":
         return
     if pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
         raise PlanError(
             f"pipeline.schedule={pipeline.schedule} splits each backward into an input-gradient and a later "
             f"weight-gradient pass, which parallel.dp_shard=true (FSDP2 sharding over parallel.dp={pipeline.dp}) "
-            "does not run yet: FSDP2 reduce-scatters a stage's gradients when its input gradients are done, before "
-            "the last weight-gradient pass. Fix: parallel.dp_shard=false (whole stages, gradients all-reduced after "
+            "does not run yet: FSDP2 reduce-scatters from hooks that fire in the input-gradient pass, before the "
+            "weight gradients exist, so they would never reach the shards. Fix: parallel.dp_shard=false (whole "
+            "stages, gradients all-reduced after "
             "the schedule), or a schedule without split backward (pipeline.schedule=Interleaved1F1B or 1F1B)."
         )
 
