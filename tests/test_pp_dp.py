@@ -1,6 +1,7 @@
 """Pipeline x data parallelism on CPU (gloo): pp2 x dp2 (4 processes) trains exactly as pp2 x dp1 with twice the
 microbatches (the same global batch, fp32), with FSDP2 sharding on and off, under 1F1B and Interleaved1F1B; a
-checkpoint written at dp2 resumes at dp1 with the uninterrupted run's losses; MoE routing biases stay equal across
+checkpoint written at dp2 resumes at dp1 with the uninterrupted run's losses; sharded runs with the dense
+warm-up and from a checkpoint's weights (train.init_from) match too; MoE routing biases stay equal across
 replicas; and the planner, the launch and resume refuse layouts that do not fit, naming the field and the fix."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from train_harness import GRAD_STEPS, run_configs, tiny_cfg
 
 from dsaflow.errors import PlanError
 from dsaflow.plan import build_plan
+from dsaflow.rundir.folder import checkpoint_dir
 
 STEPS = 3
 # (stages, ranks, schedule, microbatches of one dp1 pipeline): the dp2 runs take half the microbatches each
@@ -32,44 +34,57 @@ def ppdp_cfg(schedule: str, dp: int = 1, shard: bool = True, moe: bool = False, 
     return cfg
 
 
-# dense_warmup_steps=1: step 0 trains only the indexers in the forward-only pass (replicated stages only: FSDP2
-# sharding refuses the dense warm-up, test_sharding_refuses_what_it_does_not_run)
+# dense_warmup_steps=1: step 0 trains only the indexers in the forward-only pass, whose backward runs outside the
+# schedule (sharded: reduced by DataParallel.after_stage_backward, not by FSDP2's hooks)
 DP2_RUNS = {
     "1F1B sharded": ppdp_cfg("1F1B", 2, True),
+    "1F1B sharded, dense warm-up": ppdp_cfg("1F1B", 2, True, dense_warmup_steps=1),
     "1F1B replicated, dense warm-up": ppdp_cfg("1F1B", 2, False, dense_warmup_steps=1),
     "Interleaved1F1B sharded": ppdp_cfg("Interleaved1F1B", 2, True),
     "Interleaved1F1B replicated": ppdp_cfg("Interleaved1F1B", 2, False),
     "MoE 1F1B sharded": ppdp_cfg("1F1B", 2, True, moe=True),
-    # stopped after step 2 with a checkpoint there: resumed at dp1 by `dp1` below
+    # stopped after step 2 with a checkpoint there: resumed at dp1 by `dp1` below, and the weights both
+    # "from a checkpoint" runs start from
     "stopped at step 2": ppdp_cfg("1F1B", 2, True, ckpt_every=2, stop_at_step=2),
+    "1F1B sharded, from a checkpoint": ppdp_cfg("1F1B", 2, True),
 }
 REFERENCE_OF = {
     "1F1B sharded": "1F1B",
+    "1F1B sharded, dense warm-up": "1F1B dense warm-up",
     "1F1B replicated, dense warm-up": "1F1B dense warm-up",
     "Interleaved1F1B sharded": "Interleaved1F1B",
     "Interleaved1F1B replicated": "Interleaved1F1B",
     "MoE 1F1B sharded": "MoE 1F1B",
+    "1F1B sharded, from a checkpoint": "1F1B from a checkpoint",
 }
+
+
+def _init_from(root) -> str:
+    """train.init_from of the "from a checkpoint" runs: the step-2 checkpoint folder itself, since resuming at dp1
+    adds a newer one to that run dir."""
+    return str(checkpoint_dir(root / "resumable", 2))
 
 
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp2")
     cfgs = list(DP2_RUNS.values())
-    cfgs[-1].run_dir = str(root / "resumable")
-    return dict(zip(DP2_RUNS, run_configs(4, cfgs, root / "out"))), cfgs[-1].run_dir
+    DP2_RUNS["stopped at step 2"].run_dir = str(root / "resumable")
+    DP2_RUNS["1F1B sharded, from a checkpoint"].train.init_from = _init_from(root)
+    return dict(zip(DP2_RUNS, run_configs(4, cfgs, root / "out"))), root
 
 
 @pytest.fixture(scope="module")
 def dp1(dp2, tmp_path_factory):
     """The dp1 references (2 processes), and the dp2 checkpoint resumed at dp1."""
     resumed = ppdp_cfg("1F1B", 1, True, ckpt_every=2, resume=True)
-    resumed.run_dir = dp2[1]
+    resumed.run_dir = str(dp2[1] / "resumable")
     runs = {
         "1F1B": ppdp_cfg("1F1B"),
         "1F1B dense warm-up": ppdp_cfg("1F1B", dense_warmup_steps=1),
         "Interleaved1F1B": ppdp_cfg("Interleaved1F1B"),
         "MoE 1F1B": ppdp_cfg("1F1B", moe=True),
+        "1F1B from a checkpoint": ppdp_cfg("1F1B", init_from=_init_from(dp2[1])),
         "resumed at dp1": resumed,
     }
     return dict(zip(runs, run_configs(2, list(runs.values()), tmp_path_factory.mktemp("dp1"))))
@@ -118,6 +133,14 @@ def test_the_comparison_is_not_vacuous(dp1):
     h = dp1["1F1B"]["history"]
     assert len({round(x["loss"], 6) for x in h}) == STEPS  # the loss moves
     assert h[0]["grad_norm"] > 0 and all(x["indexer_loss"] > 0 for x in h)
+
+
+@pytest.mark.slow
+def test_init_from_really_loads_the_checkpoint(dp1, dp2):
+    """The "from a checkpoint" runs start where the stopped run's step 2 left off: their first loss is below a
+    fresh run's, not the random initialisation's (which would make their comparison say nothing about loading)."""
+    fresh, loaded = dp1["1F1B"]["losses"], dp2[0]["1F1B sharded, from a checkpoint"]["losses"]
+    assert loaded[0] < fresh[0] - 0.05, (loaded, fresh)
 
 
 @pytest.mark.slow
@@ -180,15 +203,24 @@ def test_bad_layouts_name_the_field_and_the_fix():
     assert build_plan(serve).pipeline.world_size == 4
 
 
-def test_sharding_refuses_what_it_does_not_run():
-    for schedule, field in (("ZBVZeroBubble", "pipeline.schedule=ZBVZeroBubble"), (None, "train.dense_warmup_steps")):
-        cfg = ppdp_cfg("Interleaved1F1B", 2, dense_warmup_steps=0 if schedule else 1)
-        if schedule:
-            cfg.pipeline.schedule = schedule
-        msg = _plan_error(cfg)
-        assert field in msg and "parallel.dp_shard=false" in msg
-        cfg.parallel.dp_shard = False
-        build_plan(cfg)  # replicated stages run it
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble"])
+def test_sharding_refuses_split_backward_schedules(schedule):
+    cfg = ppdp_cfg("Interleaved1F1B", 2)
+    cfg.pipeline.schedule = schedule
+    msg = _plan_error(cfg)
+    assert f"pipeline.schedule={schedule}" in msg and "weight-gradient pass" in msg, msg
+    assert "Fix: parallel.dp_shard=false" in msg and "pipeline.schedule=Interleaved1F1B" in msg, msg
+    cfg.parallel.dp_shard = False
+    build_plan(cfg)  # replicated stages run it
+
+
+def test_sharding_plans_what_it_now_runs(tmp_path):
+    """The dense warm-up and starting from other weights (train.init_from, model.hf_path) plan sharded."""
+    for field, value in (("dense_warmup_steps", 1), ("dsa_stage", "dense_warmup"), ("init_from", str(tmp_path))):
+        assert build_plan(ppdp_cfg("1F1B", 2, **{field: value})).pipeline.dp_shard, field
+    cfg = ppdp_cfg("1F1B", 2)
+    cfg.model.hf_path = str(tmp_path)
+    assert build_plan(cfg).pipeline.dp_shard
 
 
 def test_worker_refuses_a_world_that_is_not_pp_times_dp(monkeypatch, tmp_path):

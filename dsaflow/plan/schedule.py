@@ -66,32 +66,25 @@ def resolve_pipeline(pipe, num_stages: int, *, mode: str, batch_size: int, nproc
     )
 
 
-# schedules whose backward is split into an input and a weight pass: FSDP2's once-per-step gradient reduction is
-# driven from the full backward's `last_backward` (dsaflow/train/pipeline.py), which they never run
+# schedules whose backward is split into an input and a weight pass (torch's stage_backward_input / _weight)
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 def check_sharded_training(cfg, pipeline: PipelinePlan) -> None:
     """What parallel.dp_shard=true (FSDP2) does not run yet, refused by name with the fix: the split-backward
-    schedules, the dense warm-up (its forward-only step backpropagates outside the schedule) and starting from other
-    weights (train.init_from, model.hf_path: loaded into whole stages)."""
+    schedules. FSDP2 reduces gradients from autograd hooks on a stage's inputs, which fire in the input-gradient
+    pass, before the weight gradients exist; the weight pass (torch's stage_backward_weight) runs outside them, so
+    the weight gradients would stay on the gathered weights and never reach the shards."""
     if pipeline.dp == 1 or not pipeline.dp_shard or cfg.mode != "train":
         return
-    t = cfg.train
-    bad = []
     if pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
-        bad.append(f"pipeline.schedule={pipeline.schedule}")
-    if str(t.dsa_stage) == "dense_warmup" or t.dense_warmup_steps:
-        bad.append("train.dsa_stage=dense_warmup" if str(t.dsa_stage) == "dense_warmup" else "train.dense_warmup_steps")
-    if t.init_from:
-        bad.append("train.init_from")
-    if cfg.model.hf_path:
-        bad.append("model.hf_path")
-    if bad:
         raise PlanError(
-            f"parallel.dp_shard=true (FSDP2 sharding over parallel.dp={pipeline.dp}) does not run with "
-            f"{', '.join(bad)} yet. Fix: parallel.dp_shard=false (every replica holds whole stages and gradients are "
-            "all-reduced), or drop " + ", ".join(b.split("=")[0] for b in bad) + "."
+            f"pipeline.schedule={pipeline.schedule} splits each backward into an input-gradient and a later "
+            f"weight-gradient pass, which parallel.dp_shard=true (FSDP2 sharding over parallel.dp={pipeline.dp}) "
+            "does not run yet: FSDP2 reduce-scatters from hooks that fire in the input-gradient pass, before the "
+            "weight gradients exist, so they would never reach the shards. Fix: parallel.dp_shard=false (whole "
+            "stages, gradients all-reduced after "
+            "the schedule), or a schedule without split backward (pipeline.schedule=Interleaved1F1B or 1F1B)."
         )
 
 

@@ -13,7 +13,8 @@ stages in every replica form the dp group (`RunContext.dp_group`), and there:
                             last accumulates whole gradients locally (`set_requires_gradient_sync(False)`, set by
                             `TimedPipelineStage` from the schedule's `last_backward`), and the last one
                             reduce-scatters their sum once. `after_backward` then frees the gathered weights, so the
-                            next forward gathers the updated ones.
+                            next forward gathers the updated ones. The dense warm-up backpropagates outside the
+                            schedule, unseen by FSDP2's hooks: `after_stage_backward` reduces its gradients.
 
 The schedule's `scale_grads(microbatches)` and the dp average make every gradient the global-batch mean, which is
 what one replica with dp x the microbatches computes. MoE expert-load counts are summed over the dp group before the
@@ -81,7 +82,40 @@ class DataParallel:
                     if p.grad is not None:
                         p.grad.div_(microbatches)
             return
-        grads = [p.grad for m in self.modules for p in m.parameters() if p.grad is not None]
+        self._average([p.grad for m in self.modules for p in m.parameters() if p.grad is not None])
+
+    def after_stage_backward(self) -> None:
+        """Once per dense warm-up step, after the forward-only pass (dsaflow/train/forward_pass.py), whose gradients
+        are microbatch means already. Replicated stages average them over the dp group as after a schedule.
+
+        Sharded stages cannot leave this to FSDP2: it reduce-scatters from autograd hooks on a stage's inputs and
+        outputs, and the warm-up's backward starts from the indexer loss, a side value those hooks never see, so its
+        gradients stay on the gathered weights. Here they are taken off, averaged over the dp group in one
+        all-reduce (the warm-up trains only the indexers, a small part of each stage, so reduce-scattering them
+        would save little) and each rank keeps its dim-0 shard as the sharded parameter's gradient; the gathered
+        weights are freed, as after a schedule."""
+        if self.dp == 1:
+            return
+        if not self.shard:
+            self.after_backward(1)
+            return
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        whole: dict = {}  # (module, parameter name) -> the gradient left on its gathered weight
+        for i, m in enumerate(self.modules):
+            for name, p in m.named_parameters():
+                if p.grad is not None and not isinstance(p, DTensor):
+                    whole[i, name], p.grad = p.grad, None  # None: the next step's reduction must not see it again
+            m.reshard()
+        self._average(list(whole.values()))
+        sharded = [dict(m.named_parameters()) for m in self.modules]
+        for (i, name), g in whole.items():
+            p = sharded[i][name]
+            # every replica holds the same average: each keeps its chunk of it, no communication (src_data_rank=None)
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+
+    def _average(self, grads: Sequence[torch.Tensor]) -> None:
+        """Each tensor replaced in place by its mean over the dp group: one flat all-reduce per dtype."""
         by_dtype: dict = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)

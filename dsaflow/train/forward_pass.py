@@ -54,6 +54,8 @@ class ForwardPipeline:
     ):
         self.ctx, self.plan = ctx, ctx.plan
         self.local: Dict[int, tuple] = {s: (m, t) for s, m, t in zip(stage_indices, modules, timers)}
+        # Sharded stages (parallel.dp_shard): these are the shards; FSDP2 copies their requires_grad to the gathered
+        # weights when it gathers them, at a step's first forward (DataParallel frees them after every step)
         self.main_params = [p for m in modules for n, p in m.named_parameters() if ".attn.indexer." not in n]
         self.link = StageLink(ctx.device) if self.plan.pipeline.ranks > 1 else None
         self.owner = {sp.index: sp.rank for sp in self.plan.stages}

@@ -81,6 +81,8 @@ class Trainer:
         ]
         for m in self.modules:
             m.recompute, m.recompute_chunk_tokens = str(t.recompute), t.recompute_chunk_tokens
+        # train.init_from / model.hf_path: whole weights into whole stages, before the dp sharding below
+        self.init_lines = [] if t.resume else self._load_initial_weights()
         # parallel.dp: FSDP2-shards the modules over the dp group (before the optimisers see their parameters)
         self.dp = DataParallel(ctx, self.modules)
         self.wrappers = [
@@ -160,12 +162,13 @@ class Trainer:
         dense = self.dense_phase(step)
         x, y = self._replica_batch(*self.data.batch(step))
         losses: list = []
+        # then the gradients are averaged over the dp group (parallel.dp > 1)
         if dense:  # frozen main model: each stage backpropagates only its indexer loss (no pipeline backward)
             self._run_forward(x, y, losses, "dense", learn=True)
+            self.dp.after_stage_backward()
         else:
             self._run_schedule(x, y, losses)
-        # gradients averaged over the dp group (parallel.dp > 1); sharded: also the microbatch mean
-        self.dp.after_backward(self.ctx.plan.pipeline.microbatches)
+            self.dp.after_backward(self.ctx.plan.pipeline.microbatches)  # sharded: also the microbatch mean
         grad_norm, idx_norm = clip_global(self.opt, self.t.grad_clip, self.ctx.device, self.dp.norm_group)
         lr = self.opt.main.param_groups[0]["lr"]  # this step's lr (the schedulers advance after the updates)
         # A non-finite global norm (the same on every rank) skips that optimiser's update everywhere: one bad
@@ -285,10 +288,37 @@ class Trainer:
             f"{mbs} microbatch{'es' * (mbs != 1)}{' per replica' if dp > 1 else ''}"
         )
 
+    def _load_initial_weights(self) -> List[str]:
+        """train.init_from: another run's model weights; model=hf: the Hugging Face checkpoint's. Called before
+        `DataParallel` shards the stages, so every rank (each replica too) reads its stages' tensors whole and
+        `fully_shard` then keeps its part. Loading after sharding (`set_model_state_dict` with
+        `broadcast_from_rank0`) would read each tensor once per dp group and hold less, but a stage that trains
+        sharded is first built whole on each rank anyway (stage_module), so reading it whole needs no memory the
+        run does not already use, and the same loaders serve every parallel.dp. -> the lines for train.log."""
+        ctx, t = self.ctx, self.t
+        modules = {s.index: m for s, m in zip(self.local, self.modules)}
+        if t.init_from:  # a new run from another run's model weights (checked in the parent: check_init_from)
+            ckpt = load_model_weights(modules, t.init_from, ctx.cfg.model, "train.init_from", WEIGHTLESS_MODEL_FIELDS)
+            return [f"model weights from {ckpt}; optimiser and schedule start afresh"]
+        if not ctx.cfg.model.hf_path:
+            return []
+        from dsaflow.checkpoint.hf_weights import load_hf_weights
+
+        hf_path, lines = ctx.cfg.model.hf_path, []
+        nbytes = load_hf_weights(modules, hf_path, ctx.cfg.model, lines.append)  # this rank's stages' tensors
+        # global rank: with parallel.dp > 1 every replica's rank reads its stages' tensors in full
+        replica = f" (pp {ctx.rank}, dp {ctx.dp_rank})" if ctx.dp > 1 else ""
+        line = (
+            f"[rank {ctx.global_rank(ctx.rank)}]{replica} model weights from {hf_path}: read {nbytes / 2**20:.2f} MiB"
+        )
+        sys.stdout.write(line + "\n")  # one write: the ranks share the launcher's stdout, and print() makes two
+        sys.stdout.flush()
+        return [*lines, line]
+
     def restore(self, records: RunRecords) -> int:
-        """train.resume: the newest good checkpoint's weights, optimiser and schedule; train.init_from: another
-        run's model weights only; model=hf: the Hugging Face checkpoint's weights. -> the first step to run (0 unless
-        resumed)."""
+        """train.resume: the newest good checkpoint's weights, optimiser and schedule (into the sharded stages with
+        parallel.dp_shard). train.init_from and model=hf were loaded before sharding (`_load_initial_weights`); here
+        their lines reach train.log. -> the first step to run (0 unless resumed)."""
         ctx, t = self.ctx, self.t
         if t.resume:
             # the parent checked the run (dsaflow.checkpoint.resume.check_resume); every rank picks the same checkpoint
@@ -304,19 +334,7 @@ class Trainer:
             records.log(f"resumed from {latest[1]} at step {start}")
             self.resumed_from = latest[1]
             return start
-        if t.init_from:  # a new run from another run's model weights (checked in the parent: check_init_from)
-            modules = {s.index: m for s, m in zip(self.local, self.modules)}
-            ckpt = load_model_weights(modules, t.init_from, ctx.cfg.model, "train.init_from", WEIGHTLESS_MODEL_FIELDS)
-            records.log(f"model weights from {ckpt}; optimiser and schedule start afresh")
-        elif ctx.cfg.model.hf_path:  # model=hf: the checkpoint's own weights, this rank's tensors only
-            from dsaflow.checkpoint.hf_weights import load_hf_weights
-
-            hf_path = ctx.cfg.model.hf_path
-            modules = {s.index: m for s, m in zip(self.local, self.modules)}
-            nbytes = load_hf_weights(modules, hf_path, ctx.cfg.model, records.log)
-            line = f"[rank {ctx.rank}] model weights from {hf_path}: read {nbytes / 2**20:.2f} MiB"
-            sys.stdout.write(line + "\n")  # one write: the ranks share the launcher's stdout, and print() makes two
-            sys.stdout.flush()
+        for line in self.init_lines:
             records.log(line)
         return 0
 
