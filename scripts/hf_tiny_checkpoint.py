@@ -167,7 +167,7 @@ def write_fp8_copy(src: Path, dst: Path, mtp: bool = True) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from dsaflow.checkpoint.hf_weights import quantize_fp8
+    from dsaflow.ops.fp8_gemm import quantize_blocks_128
 
     dst.mkdir(parents=True)
     raw = json.loads((src / "config.json").read_text())
@@ -181,7 +181,7 @@ def write_fp8_copy(src: Path, dst: Path, mtp: bool = True) -> Path:
         if _keeps_precision(name, t):
             out[name] = t
         else:
-            out[name], out[name + "_scale_inv"] = quantize_fp8(t.float())
+            out[name], out[name + "_scale_inv"] = quantize_blocks_128(t.float())
     if mtp:
         n = raw["num_hidden_layers"]
         for name in [k for k in tensors if k.startswith("model.layers.0.")]:

@@ -29,7 +29,7 @@ import torch
 
 from dsaflow.config.fp8_policy import FP8_BLOCK
 from dsaflow.errors import CheckpointError
-from dsaflow.ops.fp8_gemm import quantize_blocks_128
+from dsaflow.ops.fp8_gemm import dequantize_blocks_128, quantize_blocks_128
 
 from .hf_config import hf_model, read_config_json
 from .hf_names import Source, hf_source, layer_of
@@ -103,7 +103,7 @@ class HFIndex:
         t = self.stored(name)
         if t.dtype in _FP8:
             scale = self.tensor(name + "_scale_inv", torch.float32)
-            return dequantize_fp8(t, scale).to(dtype)
+            return dequantize_blocks_128(t, scale).to(dtype)
         return t.to(dtype)
 
 
@@ -118,26 +118,6 @@ def _open(path: Path, name: str = ""):
             f"{path} is not a readable safetensors file{holds}: {exc}; it is truncated or corrupt. Fix: download "
             "it again."
         ) from None
-
-
-def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """w e4m3 [rows, cols], scale_inv fp32 [ceil(rows/128), ceil(cols/128)] -> fp32 [rows, cols]."""
-    rows, cols = w.shape
-    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
-    return w.float() * s
-
-
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [rows, cols] -> (e4m3 [rows, cols], fp32 scale_inv [ceil(rows/128), ceil(cols/128)]): one scale per
-    128x128 block, amax / 448, as DeepSeek's FP8 checkpoints store it (tests write such copies)."""
-    rows, cols = w.shape
-    br, bc = math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK)
-    padded = torch.zeros(br * FP8_BLOCK, bc * FP8_BLOCK, dtype=torch.float32)
-    padded[:rows, :cols] = w.float()
-    blocks = padded.view(br, FP8_BLOCK, bc, FP8_BLOCK)
-    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
-    q = (blocks / scale[:, None, :, None]).view(br * FP8_BLOCK, bc * FP8_BLOCK)[:rows, :cols]
-    return q.to(torch.float8_e4m3fn), scale
 
 
 def _check(index: HFIndex, key: str, src: Source) -> None:
