@@ -13,10 +13,15 @@
 #            kernel compiles beside it builds its passes late and the GPUs wait (decode busy 0.80 instead of 0.95
 #            on pp2). SERVE_STEPS="bench" or "tests" runs one part; PIPELINES replaces the pipelines; BENCH_ARGS adds
 #            options (BENCH_ARGS="--max-batch 256 --trace": larger passes, one Chrome trace per rank and row)
+#   fp8:     one H200: the FP8 GEMM and FP8 serving tests, scripts/bench_fp8.py, then the full-size DeepSeek-V3.2 pp8
+#            stage (scripts/bench_serve.py stage: 8 MoE layers, 256 experts, FP8) and its bf16 comparison on 2 layers
+#   mixed:   mixed prefill/decode passes: their GPU tests (pp2 / pp4 cases with 2 / 4 GPUs), then bench_serve engine on
+#            model=small with a sweep of serve.max_pass_tokens beside today's continuous and fixed batching
+#   replicas: 4 GPUs: two pp2 replicas (parallel.dp=2) against one pp2, greedy tokens and tokens/s
 # Logs, JSON and markdown go to $OUT (default gpu_out/). Each step has its own time limit and keeps going after a
 # failure; the last lines list every step's exit status.
 set -uo pipefail
-PHASE=${1:?usage: gpu_run.sh kernels|model|indexcache|serve|multi}
+PHASE=${1:?usage: gpu_run.sh kernels|model|indexcache|serve|multi|fp8|mixed|replicas}
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; LOG="$OUT/$PHASE.log"; : > "$LOG"
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
@@ -87,6 +92,26 @@ serve)
     tail -qn 1 "$OUT"/tests_*.log
   fi
   cat "$OUT/bench/bench_serve.md" 2>/dev/null ;;
-*) echo "unknown phase $PHASE (kernels|model|indexcache|serve|multi)"; exit 2 ;;
+fp8)
+  step fp8_tests 240 python3 -m pytest -q -m gpu tests/test_fp8_gemm_gpu.py tests/test_fp8_serve_gpu.py
+  summary
+  step bench_fp8 150 python3 scripts/bench_fp8.py --device cuda --out "$OUT/fp8"
+  step stage_fp8 300 python3 scripts/bench_serve.py stage --out "$OUT/stage"
+  step stage_bf16 150 python3 scripts/bench_serve.py stage --weights bf16 --layers 2 --out "$OUT/stage_bf16"
+  cat "$OUT"/fp8/*.md "$OUT"/stage/*.md "$OUT"/stage_bf16/*.md 2>/dev/null ;;
+mixed)
+  step mixed_tests 300 python3 -m pytest -q -m "gpu or multigpu" tests/test_serve_mixed_gpu.py
+  summary
+  STEP_LOG="$OUT/bench.log" step bench_mixed "${BENCH_LIMIT:-480}" python3 scripts/bench_serve.py engine --device cuda \
+    --pipelines "${PIPELINES:-single}" --workloads mixed,uniform --model small --max-pass-tokens "${BUDGETS:-256,512,1024,2048}" \
+    --out "$OUT/bench_mixed" ${BENCH_ARGS:-}
+  cat "$OUT/bench_mixed/bench_serve.md" 2>/dev/null ;;
+replicas)
+  step replica_tests 240 python3 -m pytest -q -m multigpu tests/test_serve_multigpu.py -k replicas
+  summary
+  STEP_LOG="$OUT/bench.log" step bench_replicas 300 python3 scripts/bench_serve.py engine --device cuda \
+    --pipelines pp2,pp2x2 --workloads uniform --requests "${REQUESTS:-512}" --out "$OUT/bench_replicas"
+  cat "$OUT/bench_replicas/bench_serve.md" 2>/dev/null ;;
+*) echo "unknown phase $PHASE (kernels|model|indexcache|serve|multi|fp8|mixed|replicas)"; exit 2 ;;
 esac
 grep -E "^=== .* rc=" "$LOG"
