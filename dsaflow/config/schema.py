@@ -30,7 +30,7 @@ Schedule = make_choice(
     "Schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"], __name__
 )
 Balance = make_choice("Balance", ["cost", "layers"], __name__)
-BlockKind = make_choice("BlockKind", ["decode", "prefill", "head", "layers"], __name__)
+BlockKind = make_choice("BlockKind", ["decode", "prefill", "mixed", "head", "layers"], __name__)
 OnFailure = make_choice("OnFailure", ["error", "eager"], __name__)
 DsaStage = make_choice("DsaStage", ["dense_warmup", "sparse"], __name__)
 TrainDtype = make_choice("TrainDtype", ["auto", "fp32", "bf16"], __name__)
@@ -131,7 +131,8 @@ class PipelineConfig:
 class GraphBlockConfig:
     """A region to capture as a CUDA graph on every device that owns it, once per shape class.
 
-    kind: decode | prefill | head | layers. `layers` = [first, last] (inclusive) for kind=layers."""
+    kind: decode | prefill | mixed | head | layers. `layers` = [first, last] (inclusive) for kind=layers; mixed =
+    serving's token-major mixed passes (serve.max_pass_tokens), one class per padded token count."""
 
     name: str = "decode"
     kind: BlockKind = BlockKind.decode

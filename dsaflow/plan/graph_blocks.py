@@ -1,6 +1,7 @@
 """Graph-block rules: every requested CUDA-graph block must exist on some stage.
 
-decode / prefill: whole-stage blocks, only when mode=serve, captured on every stage.
+decode / prefill / mixed: whole-stage blocks, only when mode=serve, captured on every stage (mixed: the token-major
+                 mixed passes of serve.max_pass_tokens, padded to token-count classes).
 head:            final norm + LM head, only on the last stage.
 layers:          a span [first, last] of layers that exists and sits inside one stage.
 Shape classes are the padded sizes captured per block: strictly increasing, positive, <= graphs.max_shape.
@@ -66,7 +67,7 @@ def plan_graph_blocks(cfg, stage_of: Sequence[int], num_stages: int) -> Tuple[Gr
                 f"{field}.layers={list(b.layers)} is only meaningful for kind=layers (this block is kind={b.kind}). "
                 "Fix: drop `layers`, or set kind=layers."
             )
-        if b.kind in ("decode", "prefill"):
+        if b.kind in ("decode", "prefill", "mixed"):
             if cfg.mode != "serve":
                 raise PlanError(
                     f"{field}: kind={b.kind} exists only when serving, but mode={cfg.mode}. Fix: set mode=serve "

@@ -14,7 +14,7 @@ from dsaflow.plan.plan import Plan
 
 from .scheduler import Request, group_ranges
 
-SERVED_KINDS = ("decode", "prefill")
+SERVED_KINDS = ("decode", "prefill", "mixed")
 
 
 def serve_groups(serve_cfg, plan: Plan) -> int:
@@ -71,9 +71,10 @@ def requests_of(prompts: List[List[int]], max_new: List[int], max_context: int, 
 
 
 def check_graph_blocks(plan: Plan, serve_cfg) -> None:
-    """The plan's graph blocks must fit the serve config: one decode and one prefill block at most; decode classes <=
-    the rows of one group (serve.max_batch / serve.microbatches); the largest prefill class == serve.prefill_chunk
-    (the index cache holds one chunk). The planner already refused every kind serving does not capture."""
+    """The plan's graph blocks must fit the serve config: one block of each kind at most; decode classes <= the rows
+    of one group (serve.max_batch / serve.microbatches); the largest prefill class == serve.prefill_chunk (the index
+    cache holds one chunk); the largest mixed class == serve.max_pass_tokens (every mixed pass pads to a class). The
+    planner already refused every kind serving does not capture."""
     groups = check_groups(serve_cfg, plan)
     rows = min(b - a for a, b in group_ranges(serve_cfg.max_batch, groups))
     for b in plan.graph_blocks:
@@ -94,6 +95,16 @@ def check_graph_blocks(plan: Plan, serve_cfg) -> None:
                 f"graphs.blocks[{b.name}].shape_classes={list(b.shape_classes)}: the largest prefill class must equal "
                 f"serve.prefill_chunk={serve_cfg.prefill_chunk} (every chunk must fit a class, and the index cache "
                 f"holds one chunk). Fix: serve.prefill_chunk={max(b.shape_classes)}, or change the classes."
+            )
+        budget = getattr(serve_cfg, "max_pass_tokens", None)
+        if b.kind == "mixed" and (budget is None or max(b.shape_classes) != budget):
+            fix = f"serve.max_pass_tokens={max(b.shape_classes)}" + (
+                ", or change the classes." if budget is not None else " (mixed passes), or graphs=decode."
+            )
+            raise ServeError(
+                f"graphs.blocks[{b.name}].shape_classes={list(b.shape_classes)}: the largest mixed class must equal "
+                f"serve.max_pass_tokens={budget} (every mixed pass is padded to a class, and the index cache holds "
+                f"one pass). Fix: {fix}"
             )
     kinds = [b.kind for b in plan.graph_blocks]
     for k in SERVED_KINDS:
@@ -126,8 +137,9 @@ def check_transfers(graphs_cfg, plan: Plan, device_type: Optional[str]) -> None:
 
 def check_mixed_passes(serve_cfg, plan: Plan) -> None:
     """serve.max_pass_tokens (mixed passes, dsaflow.serve.mixed) needs continuous batching, a budget above the rows
-    of one group (every decoding row's token plus some prompt), eager prefill (mixed passes do not replay the prefill
-    graphs) and no short-prefill paths (a mixed pass attends sparsely, token-major)."""
+    of one group (every decoding row's token plus some prompt), no prefill graph block (mixed passes replay the mixed
+    block's graphs, graphs=decode_mixed, or run eagerly, never the prefill graphs) and no short-prefill paths (a mixed
+    pass attends sparsely, token-major)."""
     budget = getattr(serve_cfg, "max_pass_tokens", None)
     if budget is None:
         return
@@ -145,8 +157,8 @@ def check_mixed_passes(serve_cfg, plan: Plan) -> None:
         )
     if any(b.kind == "prefill" for b in plan.graph_blocks):
         problems.append(
-            "mixed passes run eagerly and would never replay the prefill graphs of "
-            "graphs.blocks. Fix: graphs=decode (decode-only passes keep their graphs), or "
+            "mixed passes never replay the prefill graphs of graphs.blocks. Fix: graphs=decode (mixed passes "
+            "eager) or graphs=decode_mixed (mixed passes from graphs of token-count classes), or "
             "serve.max_pass_tokens=null"
         )
     if serve_cfg.short_prefill:

@@ -19,7 +19,8 @@ at the end. Which rows emitted EOS (serve.eos_id) reaches the hosts one pass of 
 
 A stage with a decode / prefill graph block runs through the GraphManager: one graph per group and shape class (the
 group's cache rows are baked into its graph), decode passes padded to the smallest class >= the group's active rows,
-prefill passes run at the group's full rows and padded along tokens. The last stage's decode graphs sample too
+prefill passes run at the group's full rows and padded along tokens, mixed passes (serve.max_pass_tokens with a mixed
+block, graphs=decode_mixed) padded along tokens to a token-count class. The last stage's decode graphs sample too
 (their output is the [rows, 2] message). With graphs.transfers, the transfers of decode ticks are replayed from
 graphs of their own (dsaflow/pipeline/transfer_graphs.py), every pass's activations and message padded to the decode
 class of its rows, so that a tick's transfers recur; a stage narrows what it receives back to the pass's rows.
@@ -48,6 +49,7 @@ from dsaflow.plan.plan import Plan
 from .checks import check_graph_blocks, check_mixed_passes, requests_of, serve_groups
 from .eos import LateFlags
 from .graph_manager import GraphManager, choose_shape_class, sync_error_guard
+from .mixed import pad_mixed_pass
 from .report import CaptureReport, run_stats
 from .sampling import TOKEN_KEY, sample_message
 from .scheduler import Pass, Request, Scheduler, group_ranges, prefill_row_classes
@@ -133,6 +135,8 @@ class PipelineEngine(GraphBlocks):
         prefill_blocks = [b for b in plan.graph_blocks if b.kind == "prefill"] if self.row_classes else []
         # the token classes of the prefill graphs: a continuous prefill pass picks one (Scheduler._chunk_for)
         self.chunk_classes = tuple(prefill_blocks[0].shape_classes) if prefill_blocks else ()
+        # the token classes of the mixed graphs: a mixed pass pads to the smallest class that holds it (mixed.py)
+        self.mixed_classes = next((tuple(b.shape_classes) for b in plan.graph_blocks if b.kind == "mixed"), ())
         for s, blocks in self.blocks.items():
             for b in blocks:
                 for g in range(self.groups):
@@ -195,7 +199,7 @@ class PipelineEngine(GraphBlocks):
                     x = v["tokens"]
                     if "decode" in v:
                         x[:, 0] = torch.where(v["decode"].bool(), last, x[:, 0])
-            kind = "decode" if p.decode_only else "prefill"
+            kind = "decode" if p.decode_only else "mixed" if p.token_major else "prefill"
             name = self._block_name(stage, kind, p.group, p.path) if p.graph else None
             cache = self.group_caches[stage][p.group]
             if p.moves:  # a refill compacted the group: its rows move on this stage before the pass
@@ -208,14 +212,14 @@ class PipelineEngine(GraphBlocks):
             R, T = positions.shape
             if self.plan.receives_indices(stage):
                 cache.index[:R, :T].copy_(indices)  # outside any graph: the stage's S layers read this buffer
+            rows = {"token_rows": v["token_rows"]} if p.token_major else {}
             if name is None:
                 received = self._received(stage, cache, positions)
-                rows = {"token_rows": v["token_rows"]} if p.token_major else {}
                 out = self.stages[stage](x, positions, cache, indices_in=received, prefill=p.hint, **rows)
-            else:
+            else:  # a mixed pass arrives padded to its class (`_prepare`), so n is the class and nothing pads here
                 n = x.shape[0] if kind == "decode" else x.shape[1]
                 keys = {"keys": v["keys"]} if kind == "decode" and stage == self.last and self.keyed else {}
-                out = self.graphs.run(name, stage, n, {"x": x, "positions": positions, **keys})
+                out = self.graphs.run(name, stage, n, {"x": x, "positions": positions, **keys, **rows})
             if self.cross_stage and stage != self.last:
                 return out, cache.index[:R, :T]
             return out
@@ -351,7 +355,11 @@ class PipelineEngine(GraphBlocks):
         eager pass of a few rows costs ~30 ms of launches for model=small on an H200); without, it runs eagerly on
         its rows."""
         graph = p.decode_only or self.scheduler.mixed or bool(self.row_classes)
-        if not p.decode_only and self.scheduler.mixed:
+        if p.token_major:  # padded on the host, so every stage, transfer and graph sees the class's [1, c] shapes
+            graph = bool(self.mixed_classes)
+            if graph:
+                pad_mixed_pass(p, choose_shape_class(self.mixed_classes, p.T))
+        elif not p.decode_only and self.scheduler.mixed:
             p.pad_rows(self.ranges[p.group][1] - self.ranges[p.group][0])
         elif not p.decode_only and self.row_classes:  # top-aligned: the smallest class of top rows that holds the pass
             p.pad_front(choose_shape_class(self.row_classes, p.rows))

@@ -67,3 +67,18 @@ def mixed_pass(group: int, rows: List[Optional[Row]], budget: int, chunk: int) -
         advance=advance,
         token_rows=token_rows,
     )
+
+
+def pad_mixed_pass(p: Pass, tokens: int) -> None:
+    """Pad a mixed pass in place to `tokens` tokens (a token-count class of the mixed graph block, >= p.T): its
+    tokens, positions and token_rows [1, T] -> [1, tokens]. Padding tokens sit at position -1 in row 0 of the pass,
+    so each writes only row 0's trash row (`cache_slots`), and their indexer scores and attention read only their
+    own query: no real token's keys, top-k or output depend on them (tokens attend per query; MoE routing is
+    dropless). Nothing they compute is sampled: the emit columns stay where they were."""
+    extra = tokens - p.T
+    if extra < 0:
+        raise ValueError(f"pad_mixed_pass: a pass of {p.T} tokens cannot be padded to {tokens}")
+    p.tokens[0] += [0] * extra
+    p.positions[0] += [-1] * extra
+    p.token_rows += [0] * extra
+    p.T = tokens

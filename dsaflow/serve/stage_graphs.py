@@ -1,10 +1,12 @@
-"""The graph blocks a serving rank registers: for each stage it owns, each group and each decode / prefill block of
-the plan, the static inputs and the callable that the GraphManager captures (dsaflow/serve/graph_manager.py).
+"""The graph blocks a serving rank registers: for each stage it owns, each group and each decode / prefill / mixed
+block of the plan, the static inputs and the callable that the GraphManager captures (dsaflow/serve/graph_manager.py).
 
 Decode blocks: class = rows, one token each; the last stage's decode graphs sample as well, so their output is the
 [rows, 2] message (tokens, EOS flags) with the fp32 logits. Prefill blocks: class = tokens per chunk at the group's
 full rows (and, with continuous batching, over the group's top rows), one block per attention path label
-(dsaflow/model/dense_prefill.py). A stage that opens on S reads the previous stage's indices from the group's static
+(dsaflow/model/dense_prefill.py). Mixed blocks: class = tokens of a token-major mixed pass [1, T] (serve.max_pass_
+tokens), each token's cache row from the static `token_rows` buffer, so one graph serves any split of its tokens into
+decode rows and prompt chunks. A stage that opens on S reads the previous stage's indices from the group's static
 index buffer (`_received`).
 """
 
@@ -46,6 +48,8 @@ class GraphBlocks:
                 return self._sample(out[:, 0], v.get("keys")) if samples else out
 
             self.graphs.register(name, "decode", stage, block.shape_classes, 0, fn, inputs)
+        elif block.kind == "mixed":
+            self._register_mixed(stage, module, cache, name, block.shape_classes)
         else:  # prefill: class = tokens per chunk, rows fixed at the group's rows; one block per graph label
             for path in dense_prefill.graph_labels(self.prefill_paths, top_k, cache.max_context + 1):
                 classes = dense_prefill.graph_classes(path, block.shape_classes, top_k, **self.prefill_rule)
@@ -71,6 +75,25 @@ class GraphBlocks:
             prefill=dense_prefill.graph_hint(path, v["x"].shape[1], topk, cache_rows, self.prefill_rule["max_keys"]),
         )
         self.graphs.register(name, "prefill", stage, classes, 1, fn, inputs)
+
+    def _register_mixed(self, stage: int, module, cache, name: str, classes) -> None:
+        """A mixed graph block: class c = a token-major pass x [1, c] (stage 0: token ids; else [1, c, dim]), its
+        positions and token_rows [1, c] in static buffers that the engine fills before each replay (padding: position
+        -1, row 0; dsaflow.serve.mixed.pad_mixed_pass). The last stage returns logits [1, c, V]: the engine samples the
+        emitting columns outside the graph, as in an eager mixed pass."""
+        top = max(classes)
+        inputs = {
+            "x": self._stage_input(stage, 1, top),
+            "positions": StaticInput((1, top), torch.long, -1),
+            "token_rows": StaticInput((1, top), torch.long, 0),
+        }
+
+        def fn(v):
+            positions = v["positions"].contiguous()
+            received = self._received(stage, cache, positions)
+            return module(v["x"].contiguous(), positions, cache, indices_in=received, token_rows=v["token_rows"])
+
+        self.graphs.register(name, "mixed", stage, classes, 1, fn, inputs)
 
     @staticmethod
     def _path_name(name: str, path: str) -> str:
