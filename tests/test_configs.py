@@ -12,7 +12,7 @@ from dsaflow.plan import build_plan
 
 CONFIG_DIR = default_config_dir()
 GROUP_FILES = sorted(p for p in CONFIG_DIR.glob("*/*.yaml"))
-SERVE_ONLY_KINDS = {"decode", "prefill"}
+SERVE_ONLY_KINDS = {"decode", "prefill", "mixed"}
 
 
 def test_config_dir_is_the_repo_configs_folder():
@@ -39,7 +39,7 @@ def test_root_config_composes_to_the_typed_schema():
 def test_every_group_option_composes_and_plans(path):
     group, option = path.parent.name, path.stem
     cfg = compose([f"{group}={option}"])
-    if {b.kind for b in cfg.graphs.blocks} & SERVE_ONLY_KINDS:  # decode/prefill graphs exist only when serving
+    if {b.kind for b in cfg.graphs.blocks} & SERVE_ONLY_KINDS:  # decode/prefill/mixed graphs exist only when serving
         cfg = compose([f"{group}={option}", "mode=serve"])
     node = getattr(cfg, group)
     assert node.name == option  # each file names itself, so run dirs and logs say which option was used
