@@ -147,8 +147,8 @@ class PipelineEngine(GraphBlocks):
         self.transfers: Optional[TransferGraphs] = None  # built at the first generate on a rank with a link
         self.transfer_capturer = None  # TransferGraphs' capturer (tests inject one; default: CUDA)
         self.record_logits = False
-        # strict_sync: run every decode pass under torch.cuda.set_sync_debug_mode("error") (proof of no host sync;
-        # needs graphs.cache=true, since a fresh capture syncs by design)
+        # strict_sync: run every decode pass and mixed graph pass under torch.cuda.set_sync_debug_mode("error")
+        # (proof of no host sync; needs graphs.cache=true, since a fresh capture syncs by design)
         self.strict_sync = False
         self.logits_log: Dict[int, List[torch.Tensor]] = {}  # last stage, record_logits: request -> [V] per token
         self.timings: Dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
@@ -183,7 +183,7 @@ class PipelineEngine(GraphBlocks):
         p: Pass = pass_.payload
         if x is not None and x.shape[0] != p.rows and not p.token_major:  # padded to a transfer class
             x, indices = x[: p.rows], (None if indices is None else indices[: p.rows])
-        with self._sync_guard(pass_.decode):
+        with self._sync_guard(pass_.decode or p.token_major and p.graph):
             v = p.dev
             if stage == self.first:
                 last = self.last_tokens[p.group]
@@ -228,7 +228,7 @@ class PipelineEngine(GraphBlocks):
         """Last stage: sample every emitting row -> [rows, 2] int64 (tokens, EOS flags). out: the last stage's
         logits [rows, T, V], or what its decode graph sampled (`sample_message`'s pair)."""
         p: Pass = pass_.payload
-        with self._sync_guard(pass_.decode):
+        with self._sync_guard(pass_.decode or p.token_major and p.graph):
             v = p.dev
             if isinstance(out, tuple):  # sampled inside the decode graph
                 message, picked = out
