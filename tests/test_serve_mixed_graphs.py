@@ -93,3 +93,24 @@ def test_mixed_blocks_exist_only_when_serving():
     cfg.graphs.blocks = cfg.graphs.blocks[1:]
     with pytest.raises(PlanError, match=r"graphs.blocks\[mixed\]: kind=mixed exists only when serving"):
         build_plan(cfg)
+
+
+def test_timeline_knows_mixed_ticks():
+    """The timeline counts a mixed run's ticks by kind (decode or mixed: no prefill-only tick, every prompt chunk
+    rides in a mixed pass); its segments tile the run in order and alternate kinds; a run without mixed passes has no
+    mixed tick."""
+    prompts, limits = workload(16, seed=4)
+    eng = engine(None, "pp2", None, mixed(30))
+    eng.generate(prompts, limits)
+    st = eng.stats
+    assert st["tick_kinds"]["mixed"] > 0 and st["tick_kinds"]["decode"] > 0
+    assert st["tick_kinds"]["prefill"] == 0  # every prompt chunk rides in a mixed pass
+    assert sum(st["tick_kinds"].values()) == st["ticks"]
+    segments = st["tick_segments"]
+    assert all(a[1] == b[0] and a[2] != b[2] for a, b in zip(segments, segments[1:]))
+    assert segments[0][0] >= 0 and segments[-1][1] <= st["wall_s"] + 1e-6
+    assert 0 < st["mixed_busy"] <= 1
+    plain = engine(None, "pp2", None, ["serve.short_prefill=false"])
+    plain.generate(prompts, limits)
+    assert plain.stats["tick_kinds"]["mixed"] == 0 and plain.stats["tick_kinds"]["prefill"] > 0
+    assert plain.stats["mixed_busy"] == 0.0

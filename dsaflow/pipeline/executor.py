@@ -47,6 +47,8 @@ class Pass:
     payload: whatever the caller's stage function needs (never read by the executor); serving: the scheduler's
         Pass (dsaflow.serve.scheduler).
     decode: the pass is a decode step (the timeline reports the busy fraction of decode ticks separately).
+    mixed: the pass is a serving mixed pass (decode rows and prompt chunks in one token-major pass): a tick with one
+        in flight is a mixed tick of the timeline (`Timeline.tick_kinds`).
     extra: (shape, dtype) of each tensor that travels with the activation across the boundaries `carries_extra`
         names (cross-stage top-k indices, int32 [rows, tokens, k]); there a stage returns (hidden, *extra) and the
         next stage receives that tuple. Elsewhere a tuple output sends only its hidden state.
@@ -59,8 +61,15 @@ class Pass:
     feedback: Optional[Tuple[int, ...]] = None
     decode: bool = False
     extra: Tuple[Tuple[Tuple[int, ...], torch.dtype], ...] = ()
+    mixed: bool = False
     start: int = -1  # set by the executor: the tick at which segment 0 ran the pass
     finished_at: Any = None  # set on the last stage's rank: the Timeline mark that ends the pass's last span
+
+
+def tick_kind(all_decode: bool, in_flight) -> str:
+    """The kind of a tick from the passes in flight (the same on every rank): decode when every one decodes, mixed
+    when one is a mixed pass, else prefill."""
+    return "decode" if all_decode else "mixed" if any(f.mixed for f in in_flight) else "prefill"
 
 
 def segments_of(owner: Dict[int, int]) -> List[Tuple[int, List[int]]]:
@@ -186,7 +195,7 @@ class PipelineExecutor:
                         *(inbox[(tick, j)] if isinstance(inbox[(tick, j)], tuple) else (inbox[(tick, j)],)),
                         buf,
                     )
-            tl.tick_end(steady)
+            tl.tick_end(steady, tick_kind(tick_decode, started.values()))
             h3 = clock()
             done = started.pop(t - (K - 1), None)
             if done is not None:

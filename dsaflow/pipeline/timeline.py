@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 HOST_PHASES = ("pick", "stage", "exchange", "feedback")  # one tick's host work, in order (Timeline.decode_host)
+TICK_KINDS = ("decode", "prefill", "mixed")  # Timeline.tick_kinds: what the passes in flight during a tick are
 HOST_LATE_S = 50e-6  # a span the GPU starts within this of its issue found the GPU idle (the host was late)
 
 
@@ -25,7 +26,10 @@ class Timeline:
     was in the K-1 ticks before (K: `segments`, the pipeline's; the same ticks on every rank). A prefill pass that
     takes a rank longer than a decode pass holds up its group's next pass until its feedback returns, and the ranks
     downstream wait for that in the first ticks after it leaves the pipeline; those waits belong to the prefill.
-    `busy_after_prefill` reports them: the busy fraction in the 1st, ..., (K-1)th tick after a prefill pass left."""
+    `busy_after_prefill` reports them: the busy fraction in the 1st, ..., (K-1)th tick after a prefill pass left.
+    Each tick also has a kind (`TICK_KINDS`, from the passes in flight: decode, mixed with a mixed pass among them,
+    else prefill): `resolve` counts them, gives the busy fraction of the mixed ticks and the run as segments of
+    consecutive ticks of one kind (what bench_serve's figure draws)."""
 
     def __init__(self, device: torch.device, segments: int = 1):
         self.cuda = torch.device(device).type == "cuda"
@@ -35,6 +39,7 @@ class Timeline:
         self.span_ticks: List[int] = []  # the tick of each span (parallel to `spans`)
         self.spans: List[Tuple[Any, Any, bool]] = []  # (start, end, decode tick) of each compute segment
         self.ticks: List[Tuple[Any, Any, bool]] = []  # (start, end, decode) of every tick
+        self.tick_kinds: List[str] = []  # the kind of every tick (parallel to `ticks`, one of TICK_KINDS)
         self.start = self.end = None
         self.stream = None  # GPU: the stream every mark is recorded on (looked up once, not per mark)
         self.boundary = None  # the mark that ended the previous tick (or the start)
@@ -68,10 +73,12 @@ class Timeline:
         self.after_prefill.append(min(self.calm, self.segments))
         return self.calm >= self.segments
 
-    def tick_end(self, decode: bool) -> None:
-        """Close the current tick: from the previous boundary to now."""
+    def tick_end(self, decode: bool, kind: str = "prefill") -> None:
+        """Close the current tick: from the previous boundary to now. decode: a decode tick (`tick_kind`); kind: one
+        of TICK_KINDS (decode ticks' passes all decode, but the first K-1 after another kind are not decode ticks)."""
         end = self.mark()
         self.ticks.append((self.boundary, end, decode))
+        self.tick_kinds.append(kind)
         self.boundary = end
 
     def span_start(self):
@@ -104,6 +111,7 @@ class Timeline:
                 "decode_busy_s": 0.0,
                 "decode_busy": 0.0,
                 "busy_after_prefill": [],
+                **self._kind_summary(),
                 **self._host_summary(),
             }
         wall = self.seconds(self.start, self.end)
@@ -118,7 +126,33 @@ class Timeline:
             "decode_busy_s": dbusy,
             "decode_busy": dbusy / dwall if dwall > 0 else 0.0,
             "busy_after_prefill": self._after_prefill(),
+            **self._kind_summary(),
             **self._host_summary(),
+        }
+
+    def _kind_summary(self) -> Dict[str, Any]:
+        """tick_kinds: {kind: ticks}; mixed_wall_s and mixed_busy: wall time of the mixed ticks and the share of it
+        this rank computed; tick_segments: [(start s, end s, kind)] of each run of consecutive ticks of one kind,
+        from the run's start. Call from `resolve` (it reads the marks)."""
+        counts = {k: self.tick_kinds.count(k) for k in TICK_KINDS}
+        if self.start is None or not self.ticks:
+            return {"tick_kinds": counts, "mixed_wall_s": 0.0, "mixed_busy": 0.0, "tick_segments": []}
+        mixed = [k == "mixed" for k in self.tick_kinds]
+        mwall = sum(self.seconds(a, b) for (a, b, _), m in zip(self.ticks, mixed) if m)
+        mbusy = sum(
+            self.seconds(a, b) for (a, b, _), i in zip(self.spans, self.span_ticks) if i < len(mixed) and mixed[i]
+        )
+        segments: List[List[Any]] = []
+        for (a, b, _), kind in zip(self.ticks, self.tick_kinds):
+            if segments and segments[-1][2] == kind:
+                segments[-1][1] = self.seconds(self.start, b)
+            else:
+                segments.append([self.seconds(self.start, a), self.seconds(self.start, b), kind])
+        return {
+            "tick_kinds": counts,
+            "mixed_wall_s": mwall,
+            "mixed_busy": mbusy / mwall if mwall > 0 else 0.0,
+            "tick_segments": [tuple(s) for s in segments],
         }
 
     def _after_prefill(self) -> List[Optional[float]]:

@@ -380,7 +380,8 @@ class PipelineEngine(GraphBlocks):
         sent = choose_shape_class(self.transfer_classes, rows) if self.transfer_classes and p.decode_only else rows
         batch = 1 if p.token_major else sent  # a mixed pass's activations are [1, T, dim]; its message [rows, 2]
         extra = (((batch, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
-        return executor.Pass(p.group, (batch, p.T, self.model_cfg.dim), self.dtype, p, (sent, 2), p.decode_only, extra)
+        hidden = (batch, p.T, self.model_cfg.dim)
+        return executor.Pass(p.group, hidden, self.dtype, p, (sent, 2), p.decode_only, extra, mixed=p.token_major)
 
     def _transfer_graphs(self) -> Optional[TransferGraphs]:
         """The rank's TransferGraphs (graphs.transfers, kept across runs), or None."""

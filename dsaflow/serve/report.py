@@ -105,6 +105,9 @@ def run_stats(tl: Dict[str, Any], ticks: int, latencies: Tuple[Dict, Dict], toke
         "busy_fraction": tl["busy_fraction"],
         "decode_busy": tl["decode_busy"],
         "busy_after_prefill": tl["busy_after_prefill"],
+        # ticks by kind (decode / prefill / mixed), the busy fraction of the mixed ticks, and the run as segments of
+        # consecutive ticks of one kind (Timeline._kind_summary)
+        **{k: tl[k] for k in ("tick_kinds", "mixed_busy", "tick_segments")},
         "ttft_s": ttft,
         "tpot_s": tpot,
         "tokens": tokens,
