@@ -1,6 +1,7 @@
 """`scripts/bench_serve.py engine` end to end on CPU at tiny size: one process for `single`, torchrun + gloo for `pp2`; the
 JSON rows carry the fields the docs promise, the comparisons are computed from them, the table and the PNG exist."""
 
+import argparse
 import gzip
 import json
 from pathlib import Path
@@ -136,7 +137,39 @@ def test_bench_serve_mixed_pass_rows_carry_the_budget_and_the_comparisons(tmp_pa
     assert [c["max_pass_tokens"] for c in cks] == [6, 12]
     assert all(c["tokens_per_s_vs_fixed"] > 0 and c["ttft_p99_ratio"] > 0 for c in cks)
     md = (tmp_path / "bench_serve.md").read_text()
-    assert "| mixed | continuous | 12 |" in md and "mixed passes (budget 6) vs today's continuous and fixed" in md
+    assert "| mixed | continuous | 12 | off |" in md and "mixed passes (budget 6) vs today's continuous and fixed" in md
+    # the timeline's tick kinds: mixed rows have mixed ticks, drawn as segments that tile the run
+    assert all(r["mixed_graphs"] == "off" and r["tick_kinds"]["mixed"] > 0 for r in mixed)
+    assert all(r["tick_kinds"]["mixed"] == 0 for r in data["rows"] if not r["max_pass_tokens"])
+    assert all(len(r["mixed_busy_fraction"]) == 2 and r["tick_segments"] for r in mixed)
+    assert any(s[2] == "mixed" for s in mixed[0]["tick_segments"])
+    assert (tmp_path / "bench_serve.png").stat().st_size > 0
+
+
+def test_mixed_graphs_rows_one_per_budget_and_setting(capsys):
+    """--mixed-graphs on,off runs each budget's row twice (graphs, eager), `mixed_graphs` naming which; on CPU, or
+    without budgets, --mixed-graphs on exits 2 naming the fix; the graphs' classes end at the budget."""
+    bench = load_script("benches.serve_engine")
+    args = argparse.Namespace(workloads="mixed", max_pass_tokens="96,1024", mixed_graphs="on,off")
+    runs = [r for r in bench.runs_of(args, "pp2") if r[3]]
+    assert [(r[3], r[4]) for r in runs] == [(96, "on"), (96, "off"), (1024, "on"), (1024, "off")]
+    assert bench.mixed_classes(96) == [64, 96] and bench.mixed_classes(1024) == [64, 128, 256, 512, 1024]
+    for argv in (["--max-pass-tokens", "64", "--mixed-graphs", "on,off"], ["--mixed-graphs", "on"]):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--device", "cpu", *argv])
+        assert e.value.code == 2 and "Fix: --device cuda --graphs on --max-pass-tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--device", "cpu", "--mixed-graphs", "of"])
+    assert e.value.code == 2 and "Fix: --mixed-graphs on,off" in capsys.readouterr().err
+
+
+def test_coarse_segments_keep_few_and_bin_many():
+    report = load_script("benches.serve_report")
+    few = [(0.0, 1.0, "mixed"), (1.0, 3.0, "decode")]
+    assert report.coarse_segments(few) == [[0.0, 1.0, "mixed"], [1.0, 3.0, "decode"]]
+    many = [(i * 0.1, (i + 1) * 0.1, "mixed" if i % 10 < 7 else "decode") for i in range(1000)]
+    coarse = report.coarse_segments(many, bins=10)
+    assert coarse == [[0.0, coarse[-1][1], "mixed"]] and coarse[-1][1] == pytest.approx(100.0)  # mostly mixed bins
 
 
 def test_an_interrupted_run_keeps_the_rows_it_measured(tmp_path, monkeypatch):

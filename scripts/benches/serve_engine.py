@@ -17,8 +17,10 @@ and `uniform` (every prompt --uniform-prompt tokens, --uniform-new new tokens). 
 serve.microbatches=1 (one group: one batch through the stages at a time) and the default (one group per rank), and
 the mixed workload also with fixed batches (a group takes new requests only once all its rows finished).
 --max-pass-tokens B1,B2 adds, per workload, continuous rows with mixed passes (serve.max_pass_tokens=B: every pass
-carries the decoding rows' tokens and prompt chunks up to B tokens, token-major, eager; decode-only passes keep the
-decode graphs), one per budget, with the budget as a column and the share of passes that were mixed.
+carries the decoding rows' tokens and prompt chunks up to B tokens, token-major; decode-only passes keep the decode
+graphs), one per budget, with the budget as a column and the share of passes that were mixed. --mixed-graphs on,off
+(CUDA) runs each of those rows with mixed passes replayed from graphs of padded token-count classes (graphs=
+decode_mixed, classes 64, 128, ... and the budget) and eager (graphs=decode), one row each, `mixed_graphs` a column.
 --profile-passes (CUDA, pipeline=single) adds each row's GPU time per pass kind (`pass_profile`: decode / prefill
 calls, ms, mean ms), from CUDA events around every stage call, read once after the run.
 
@@ -54,7 +56,7 @@ from bench_lib import (
     write_results,
 )
 
-from benches.serve_report import checks, host_line, markdown, plot
+from benches.serve_report import checks, coarse_segments, host_line, markdown, plot
 from dsaflow.config.compose import compose
 from dsaflow.plan import build_plan
 from dsaflow.serve.engine import PipelineEngine
@@ -127,9 +129,15 @@ def add_options(ap: argparse.ArgumentParser, out: str = "bench_out/serve") -> No
         help="comma separated serve.max_pass_tokens budgets: a row with mixed passes per budget and workload",
     )
     ap.add_argument(
+        "--mixed-graphs",
+        default="off",
+        help="comma separated on / off: each --max-pass-tokens row once per setting, mixed passes replayed from "
+        "graphs of padded token-count classes (on, graphs=decode_mixed; needs CUDA graphs) or eager (off)",
+    )
+    ap.add_argument(
         "--profile-passes",
         action="store_true",
-        help="CUDA: time every stage call with CUDA events and record GPU ms per pass kind (decode / prefill)",
+        help="CUDA: time every stage call with CUDA events and record GPU ms per pass kind (decode / prefill / mixed)",
     )
     ap.add_argument(
         "--trace",
@@ -166,6 +174,15 @@ def finish_args(ap: argparse.ArgumentParser, a: argparse.Namespace, prog: str, o
     a.overrides = "" if a.overrides == "none" else a.overrides
     if a.graphs == "on" and cpu:
         ap.error("--graphs on needs --device cuda")
+    settings = a.mixed_graphs.split(",")
+    if any(m not in ("on", "off") for m in settings) or len(set(settings)) < len(settings):
+        ap.error(f"--mixed-graphs {a.mixed_graphs}: list on and/or off once each. Fix: --mixed-graphs on,off")
+    if "on" in settings and (a.graphs != "on" or not a.max_pass_tokens):
+        ap.error(
+            f"--mixed-graphs {a.mixed_graphs} replays the mixed passes of --max-pass-tokens rows from CUDA graphs, "
+            f"but --graphs {a.graphs} and --max-pass-tokens {a.max_pass_tokens or '(none)'}. Fix: --device cuda "
+            "--graphs on --max-pass-tokens B1,B2, or --mixed-graphs off"
+        )
     return a
 
 
@@ -186,9 +203,16 @@ def workload(args, name: str, vocab: int):
     return prompts, limits
 
 
-def make_cfg(args, name: str, microbatches, context: int, continuous: bool = True, budget=None):
+def mixed_classes(budget: int) -> list:
+    """Token-count classes of the mixed graphs for a budget: powers of two from 64 below it, and the budget (a pass
+    pads at most to twice its tokens, or to 64)."""
+    return [c for c in (64, 128, 256, 512, 1024, 2048, 4096, 8192) if c < budget] + [budget]
+
+
+def make_cfg(args, name: str, microbatches, context: int, continuous: bool = True, budget=None, mixed_graphs=False):
     pipeline, replicas = split_of(name)
     graphs = ["graphs=decode_prefill"] if args.graphs == "on" else ["graphs=off"]
+    graphs = ["graphs=decode_mixed"] if mixed_graphs else graphs
     cfg = compose(
         [
             "mode=serve",
@@ -205,17 +229,21 @@ def make_cfg(args, name: str, microbatches, context: int, continuous: bool = Tru
     )
     cfg.serve.microbatches = microbatches
     cfg.serve.batching = "continuous" if continuous else "fixed"  # the engine picks its schedule from it at build
-    if budget is not None:  # mixed passes: sparse and eager, so no short-prefill paths and no prefill graphs
+    if budget is not None:  # mixed passes: sparse, so no short-prefill paths, and no prefill graphs
         cfg.serve.max_pass_tokens, cfg.serve.short_prefill = budget, False
-        cfg.graphs.blocks = [b for b in cfg.graphs.blocks if b.kind == "decode"]
+        cfg.graphs.blocks = [b for b in cfg.graphs.blocks if b.kind in ("decode", "mixed")]
     if args.graphs == "on":
         groups = microbatches or RANKS[pipeline]
         rows = args.max_batch // groups
-        cfg.graphs.blocks[0].shape_classes = [c for c in (1, 2, 4, 8, 16, 32, 64) if c < rows] + [rows]
         c = args.prefill_chunk
-        for b in cfg.graphs.blocks[1:]:  # the prefill block (none with mixed passes)
-            b.shape_classes = sorted({max(c // 8, 1), max(c // 2, 1), c})
-        cfg.graphs.max_shape = max(cfg.graphs.max_shape, c, rows)
+        for b in cfg.graphs.blocks:
+            if b.kind == "decode":
+                b.shape_classes = [c for c in (1, 2, 4, 8, 16, 32, 64) if c < rows] + [rows]
+            elif b.kind == "prefill":
+                b.shape_classes = sorted({max(c // 8, 1), max(c // 2, 1), c})
+            else:  # mixed (--mixed-graphs on)
+                b.shape_classes = mixed_classes(budget)
+        cfg.graphs.max_shape = max(cfg.graphs.max_shape, c, rows, budget or 0)
     return cfg, build_plan(cfg)
 
 
@@ -239,7 +267,8 @@ class PassTimer:
             start.record()
             out = inner(item, index, x)
             end.record()
-            self.marks.append(("decode" if item.payload.decode_only else "prefill", start, end))
+            p = item.payload
+            self.marks.append(("decode" if p.decode_only else "mixed" if p.token_major else "prefill", start, end))
             return out
 
         eng._stage = stage  # the executor looks the stage function up at each generate call
@@ -302,12 +331,14 @@ def budgets(args) -> list:
 
 
 def runs_of(args, pipeline: str) -> list:
-    """(workload, serve.microbatches or None for the default, continuous, serve.max_pass_tokens or None) of every row
-    one pipeline split serves."""
+    """(workload, serve.microbatches or None for the default, continuous, serve.max_pass_tokens or None, mixed graphs
+    "on" / "off" or None without a budget) of every row one pipeline split serves."""
     loads = args.workloads.split(",")
     settings = (None,) if RANKS[split_of(pipeline)[0]] == 1 else (1, None)  # one rank: the default is one group
-    rows = [(w, mb, True, None) for w in loads for mb in settings] + [("mixed", None, False, None)] * ("mixed" in loads)
-    return rows + [(w, None, True, b) for w in loads for b in budgets(args)]
+    rows = [(w, mb, True, None, None) for w in loads for mb in settings]
+    rows += [("mixed", None, False, None, None)] * ("mixed" in loads)
+    graphs = args.mixed_graphs.split(",")
+    return rows + [(w, None, True, b, g) for w in loads for b in budgets(args) for g in graphs]
 
 
 def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, every_rank: bool = False) -> list:
@@ -324,13 +355,13 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
     dtype = serve_dtype("auto", device)
     stages = build_stage_modules(cfg0, plan0, None if base == "single" else prank, device, dtype)
     runs = runs_of(args, pipeline)
-    for i, (w, mb, continuous, budget) in enumerate(runs):
+    for i, (w, mb, continuous, budget, mixed_graphs) in enumerate(runs):
         label = f"{pipeline} {w} {'continuous' if continuous else 'fixed'} serve.microbatches={mb or 'default'}"
-        label += f" serve.max_pass_tokens={budget}" if budget else ""
+        label += f" serve.max_pass_tokens={budget} mixed graphs {mixed_graphs}" if budget else ""
         loud = rank == 0 or every_rank  # one process speaks for a split
         if loud:
             print(f"[{pipeline} {i + 1}/{len(runs)}] {label}: capture, warm-up, {args.requests} requests", flush=True)
-        cfg, plan = make_cfg(args, pipeline, mb, context, continuous, budget)
+        cfg, plan = make_cfg(args, pipeline, mb, context, continuous, budget, mixed_graphs == "on")
         eng = PipelineEngine(
             cfg.model, plan, stages, cfg.serve, cfg.graphs, device, dtype, prank, link, peer=lambda r: first + r
         )
@@ -364,7 +395,7 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
         per_replica = [mine[g] for g in last_ranks] if not every_rank else [mine[0]]
         if args.trace:
             name = f"trace-{pipeline}-g{eng.groups}-{w}-{'continuous' if continuous else 'fixed'}"
-            name += f"-mixed{budget}-rank{rank}" if budget else f"-rank{rank}"
+            name += f"-mixed{budget}-graphs{mixed_graphs}-rank{rank}" if budget else f"-rank{rank}"
             write_trace(eng, prompts[:64], limits[:64], Path(args.out) / f"{name}.json.gz")
         busy = gather(
             (
@@ -383,6 +414,7 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                     eng.transfers.eager_ticks,
                 ),
                 st["busy_after_prefill"],
+                st["mixed_busy"],
             )
         )
         if (out is not None and replica == 0) or every_rank:
@@ -402,6 +434,7 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                     "batching": "continuous" if continuous else "fixed",
                     "max_pass_tokens": budget,  # None: a pass prefills or decodes; else mixed passes of this budget
                     "mixed_pass_share": kinds["mixed"] / max(1, sum(kinds.values())),
+                    "mixed_graphs": mixed_graphs,  # with a budget: on = mixed passes replayed from graphs, off = eager
                     "requests": len(prompts),
                     "output_tokens": tokens,
                     "wall_s": wall,
@@ -422,6 +455,11 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
                     # per rank: busy fraction in the 1st .. (ranks-1)th tick after a prefill pass left the pipeline
                     # (not decode ticks, though every pass in flight decodes: the ranks wait out the prefill)
                     "busy_after_prefill": [b[6] for b in busy],
+                    # per rank: busy fraction of the ticks with a mixed pass in flight; the ticks by kind, and the
+                    # run as (start s, end s, kind) segments of consecutive ticks of one kind (the figure's timeline)
+                    "mixed_busy_fraction": [b[7] for b in busy],
+                    "tick_kinds": st["tick_kinds"],
+                    "tick_segments": coarse_segments(st["tick_segments"]),
                     "ticks": st["ticks"],
                     "graphs": args.graphs,
                     # per rank: graphs captured at setup, their capture time and the graph pools' growth
@@ -437,8 +475,9 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
             r = rows[-1]
             keep_row(args, r)
             print(
-                f"{pipeline} groups={r['microbatches']} {w} {r['batching']} budget {budget or '-'}: "
-                f"{r['tokens_per_s']:.1f} tokens/s"
+                f"{pipeline} groups={r['microbatches']} {w} {r['batching']} budget {budget or '-'}"
+                + (f" mixed graphs {mixed_graphs}: " if budget else ": ")
+                + f"{r['tokens_per_s']:.1f} tokens/s"
                 + (
                     f" ({', '.join(f'{x:.1f}' for x in r['replica_tokens_per_s'])} per replica), "
                     if replicas > 1
@@ -496,6 +535,7 @@ def run_pipeline(args, pipeline: str) -> list:
             "graphs",
             "threads",
             "max_pass_tokens",
+            "mixed_graphs",
             "seed",
             "out",
         )
@@ -562,6 +602,7 @@ def run_all(args, argv, prog: str) -> int:
         "prefill_chunk": args.prefill_chunk,
         "threads": args.threads,
         "max_pass_tokens": args.max_pass_tokens,
+        "mixed_graphs": args.mixed_graphs,
         "skipped": skipped,
         # other processes on the machine: pp ranks compute at once, so a busy machine slows them most
         "load_average_1min": [load_before, os.getloadavg()[0]],
