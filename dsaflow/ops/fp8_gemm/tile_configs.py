@@ -87,7 +87,8 @@ def grouped_config(M: int, E: int, N: int) -> FP8TileConfig:
     return lookup(GROUPED_TABLE, max(1, M // max(1, E)), N)
 
 
-# ---- what the sweep times: (bucket name, the M it is timed at, candidates) per kernel ----
+# ---- what the sweep times, per kernel: (the bucket's bound as a table row takes it, the value it is timed at,
+# candidates); the timed value is M for the dense kernel, M // E for the grouped one ----
 
 SM_FILL = 264  # 2 programs per SM on a 132-SM H100 (H200 has 132 too): split K until the grid is this big
 
@@ -109,9 +110,9 @@ def _rows(block_m: int, configs: tuple) -> tuple:
 
 
 DENSE_CANDIDATES: tuple = (
-    ("M<=16", 16, _rows(16, _DECODE)),
-    ("M<=64", 64, _rows(64, _DECODE)),
-    ("M<=256", 256, (
+    (16, 16, _rows(16, _DECODE)),
+    (64, 64, _rows(64, _DECODE)),
+    (256, 256, (
         C(64, 64, 4, 5), C(64, 128, 4, 4), C(128, 64, 4, 4), C(64, 128, 4, 3, group_m=16),
         C(128, 128, 8, 4), C(64, 64, 4, 4, split_k_programs=SM_FILL), C(64, 128, 4, 4, split_k_programs=SM_FILL),
         C(64, 64, 4, 5, fuse_quant=True),
@@ -121,8 +122,8 @@ DENSE_CANDIDATES: tuple = (
 # the ceiling-bound buckets: the per-K-block scaling waits for each MMA, so hiding it takes a second program on the
 # SM (4 warps, 64-row tiles, shallower rings) or more MMA per wait (128 x 256)
 GROUPED_CANDIDATES: tuple = (
-    ("M/E<=16", 16, (C(16, 128, 4, 4), C(16, 64, 4, 5), C(16, 128, 4, 3), C(16, 256, 4, 3), C(16, 128, 8, 4))),
-    ("M/E<=128", 128, (
+    (16, 16, (C(16, 128, 4, 4), C(16, 64, 4, 5), C(16, 128, 4, 3), C(16, 256, 4, 3), C(16, 128, 8, 4))),
+    (None, 128, (
         C(128, 128, 8, 4), C(128, 128, 8, 3), C(64, 128, 4, 4), C(64, 128, 4, 3), C(64, 256, 4, 3),
         C(128, 256, 8, 3), C(128, 64, 4, 4), C(64, 64, 4, 4), C(128, 128, 4, 3),
     )),
