@@ -14,6 +14,11 @@ that small M is in: the weight bytes a call must read (the touched experts' for 
 device-to-device copy rate. Writes bench_fp8.json, bench_fp8.md and bench_fp8.png (with matplotlib) to --out.
 
     python scripts/bench_fp8.py --device cuda --out bench_out/fp8
+
+`--sweep` times the Triton kernels' candidate tile configs instead and writes the winners as rows of their tables
+(bench_fp8_sweep.py):
+
+    python scripts/bench_fp8.py --device cuda --sweep --out bench_out/fp8_sweep
 """
 
 from __future__ import annotations
@@ -192,8 +197,13 @@ def main(argv=None, prog: str = "bench_fp8.py") -> int:
     p.add_argument("--rows", default="64,256,4096,16384", help="M of the dense GEMMs")
     p.add_argument("--grouped-tokens", default="64,512,4096", help="tokens of the grouped GEMMs (M = tokens x 8)")
     p.add_argument("--out", default="bench_out/fp8", help="folder for bench_fp8.json, .md and .png")
+    p.add_argument("--sweep", action="store_true", help="time the candidate tile configs (bench_fp8_sweep.py)")
     args = p.parse_args(argv)
     need_cuda(prog)  # --device auto or cuda: either way the kernels are CUDA's
+    if args.sweep:
+        from bench_fp8_sweep import run_sweep
+
+        return run_sweep(out_dir(prog, args.out), command_line(prog, argv))
     try:
         rows_list = [int(v) for v in args.rows.split(",")]
         tokens_list = [int(v) for v in args.grouped_tokens.split(",")] if args.grouped_tokens else []

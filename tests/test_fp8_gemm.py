@@ -10,12 +10,6 @@ scale.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -345,62 +339,3 @@ def test_inputs_of_the_wrong_shape_or_dtype_are_refused_with_their_shapes():
     for message, call in cases.items():
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
             call()
-
-
-# ---- the kernels compile for Hopper (ahead of time: no GPU needed) ----
-
-
-def compile_for_sm90(kernel, pointers: dict, constexprs: dict, num_warps: int) -> str:
-    """The PTX of `kernel` compiled for sm_90; the pointer arguments typed by `pointers`, the other runtime ones
-    i32 (an expert stride i64)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {}
-    for name in kernel.arg_names:
-        sig[name] = "constexpr" if name in constexprs else pointers.get(name, "i64" if name == "s_be" else "i32")
-    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
-
-
-def hopper_ptx_facts() -> dict:
-    """What the sm_90 PTX of each kernel shows (run without the interpreter: a compiled kernel is a JITFunction)."""
-    from dsaflow.ops.fp8_gemm import triton_act_quant, triton_fp8_gemm, triton_fp8_grouped
-
-    fp8 = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*fp32", "c_ptr": "*bf16"}
-    quant = compile_for_sm90(
-        triton_act_quant._act_quant_kernel,
-        {"x_ptr": "*bf16", "x8_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
-        {"INV_MAX": 1.0 / 448.0, "UE8M0": True, "BLOCK_ROWS": 32, "BLOCK_K": 128},
-        num_warps=4,
-    )
-    facts = {
-        "quantizer divides with IEEE rounding": "div.rn.f32" in quant and "div.full" not in quant,
-        "quantizer keeps its subnormal rounding (x + 24576) - 24576": "0fC6C00000" in quant,
-    }
-    for block_m, block_n, warps, mma in [(16, 32, 4, "mma.sync"), (128, 128, 8, "wgmma")]:
-        consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "GROUP_M": 8}
-        ptx = compile_for_sm90(triton_fp8_gemm._fp8_gemm_kernel, fp8, consts, num_warps=warps)
-        facts[f"dense {block_m}x{block_n} tiles use {mma}"] = mma in ptx
-    grouped = {**fp8, "tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_rowend_ptr": "*i32"}
-    consts = {"E": 8, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128}
-    ptx = compile_for_sm90(triton_fp8_grouped._fp8_grouped_kernel, grouped, consts, num_warps=4)
-    facts["grouped 64x128 tiles use wgmma"] = "wgmma" in ptx
-    return facts
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile them for the GPU at hand")
-def test_the_kernels_compile_for_hopper():
-    """What the interpreter does not check: each kernel lowers for sm_90 with the installed Triton (fp8 MMA for the
-    narrow decode tiles and the wide ones) and the quantizer's arithmetic survives compilation. In a subprocess
-    without TRITON_INTERPRET, which conftest.py sets for this one."""
-    tests = Path(__file__).parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests)])
-    code = "import json, test_fp8_gemm as t; print(json.dumps(t.hopper_ptx_facts()))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tests)
-    assert r.returncode == 0, r.stderr[-3000:]
-    facts = json.loads(r.stdout.strip().splitlines()[-1])
-    assert all(facts.values()), facts

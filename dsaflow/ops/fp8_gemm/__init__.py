@@ -2,7 +2,7 @@
 128x128 block (e4m3 + fp32 `weight_scale_inv`), fp32 accumulation, output in the activations' dtype.
 
 Layout: `naive.py` (the quantizers and the fp32 references), the kernels (`triton_act_quant.py`: the activations'
-quantization; `triton_fp8_gemm.py`, `triton_fp8_grouped.py`: the GEMMs; `torch_blockwise.py`: torch's cuBLASLt
+quantization; `triton_fp8_gemm.py`, `triton_fp8_grouped.py`: the GEMMs, launched from `tile_configs.py`'s tables; `torch_blockwise.py`: torch's cuBLASLt
 kernel), `dispatch.py` (the table and `explain_fp8_gemm`) and the public functions below. The weights are frozen
 (no gradient), so there is no autograd.Function. Nothing here syncs the host or shapes a tensor by its values, so
 serving graphs capture both GEMMs.
@@ -78,10 +78,9 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, ue8m0: 
         x8, x_scale_t = _quantized_rows(x2, ue8m0, SCALED_MM_PAD_ROWS)
         out = fp8_linear_torch(x8, x_scale_t, w8, w_scale, x2.shape[0])
     else:
-        from .triton_fp8_gemm import fp8_gemm_triton
+        from .triton_fp8_gemm import fp8_linear_triton
 
-        x8, x_scale_t = _quantized_rows(x2, ue8m0, 1)
-        out = fp8_gemm_triton(x8, x_scale_t, w8, w_scale, x2.shape[0], x.dtype)
+        out = fp8_linear_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), w8, w_scale, ue8m0)
     return out.reshape(*x.shape[:-1], N)
 
 
