@@ -1,6 +1,7 @@
 """The continuous-batching scheduler on the host alone (dsaflow.serve.scheduler): no model, only passes."""
 
-from dsaflow.serve.scheduler import Request, Scheduler, group_ranges, prefill_row_classes
+from dsaflow.serve.passes import Request
+from dsaflow.serve.scheduler import Scheduler, group_ranges, prefill_row_classes
 
 
 def requests(lengths, max_new=4):

@@ -12,7 +12,8 @@ from dsaflow.config.compose import compose
 from dsaflow.errors import ServeError
 from dsaflow.plan import build_plan
 from dsaflow.serve.generate import build_engine
-from dsaflow.serve.scheduler import Request, Scheduler
+from dsaflow.serve.passes import Request
+from dsaflow.serve.scheduler import Scheduler
 
 EAGER = ["serve.short_prefill=false"]  # the reference: today's passes, sparse attention only
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsaflow.serve.scheduler import Pass, Request, Scheduler
+from dsaflow.serve.passes import Pass, Request
+from dsaflow.serve.scheduler import Scheduler
 from dsaflow.serve.upload import Uploader, h2d, pass_vectors, upload
 
 

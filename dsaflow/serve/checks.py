@@ -12,7 +12,8 @@ from dsaflow.config.schema import ServeConfig
 from dsaflow.errors import ServeError
 from dsaflow.plan.plan import Plan
 
-from .scheduler import Request, group_ranges
+from .passes import Request
+from .scheduler import group_ranges
 
 SERVED_KINDS = ("decode", "prefill", "mixed")
 

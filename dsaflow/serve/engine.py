@@ -50,9 +50,10 @@ from .checks import check_graph_blocks, check_mixed_passes, requests_of, serve_g
 from .eos import LateFlags
 from .graph_manager import GraphManager, choose_shape_class, sync_error_guard
 from .mixed import pad_mixed_pass
+from .passes import Pass, Request
 from .report import CaptureReport, run_stats
 from .sampling import TOKEN_KEY, sample_message
-from .scheduler import Pass, Request, Scheduler, group_ranges, prefill_row_classes
+from .scheduler import Scheduler, group_ranges, prefill_row_classes
 from .stage_graphs import GraphBlocks
 from .upload import Uploader, pass_vectors
 

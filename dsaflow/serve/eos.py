@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .scheduler import Pass
+from .passes import Pass
 
 
 class LateFlags:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from .scheduler import Pass, Row
+from .passes import Pass, Row
 
 
 def mixed_pass(group: int, rows: List[Optional[Row]], budget: int, chunk: int) -> Pass:

@@ -16,7 +16,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .scheduler import Pass
+from .passes import Pass
 
 
 def h2d(values: Sequence[int], device: torch.device) -> torch.Tensor:
