@@ -16,7 +16,7 @@ device-to-device copy rate. Writes bench_fp8.json, bench_fp8.md and bench_fp8.pn
     python scripts/bench_fp8.py --device cuda --out bench_out/fp8
 
 `--sweep` times the Triton kernels' candidate tile configs instead and writes the winners as rows of their tables
-(bench_fp8_sweep.py):
+(benches/fp8_sweep.py):
 
     python scripts/bench_fp8.py --device cuda --sweep --out bench_out/fp8_sweep
 """
@@ -197,11 +197,11 @@ def main(argv=None, prog: str = "bench_fp8.py") -> int:
     p.add_argument("--rows", default="64,256,4096,16384", help="M of the dense GEMMs")
     p.add_argument("--grouped-tokens", default="64,512,4096", help="tokens of the grouped GEMMs (M = tokens x 8)")
     p.add_argument("--out", default="bench_out/fp8", help="folder for bench_fp8.json, .md and .png")
-    p.add_argument("--sweep", action="store_true", help="time the candidate tile configs (bench_fp8_sweep.py)")
+    p.add_argument("--sweep", action="store_true", help="time the candidate tile configs (benches/fp8_sweep.py)")
     args = p.parse_args(argv)
     need_cuda(prog)  # --device auto or cuda: either way the kernels are CUDA's
     if args.sweep:
-        from bench_fp8_sweep import run_sweep
+        from benches.fp8_sweep import run_sweep
 
         return run_sweep(out_dir(prog, args.out), command_line(prog, argv))
     try:
