@@ -37,6 +37,15 @@ def ntokens(n: int) -> str:
     return str(n)
 
 
+def approx_tokens(n: int) -> str:
+    """A large token count to 3 significant digits: 3822934 -> '3.82M', 45210 -> '45.2K', 812 -> '812'."""
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            v = n / div
+            return f"{v:.3g}{unit}" if v < 1000 else f"{v:.0f}{unit}"
+    return str(n)
+
+
 def nbytes(n: float) -> str:
     return human(n, "B", 1024)
 
@@ -128,23 +137,26 @@ def _serve_memory_table(est) -> Optional[Table]:
         title=f"serving memory per stage (GiB) on a {sv['device_memory_bytes'] / gib:.1f} GiB device "
         f"(plan.device_memory_gib), {sv['usable_fraction']:.0%} usable",
         box=box.SIMPLE_HEAD,
+        collapse_padding=True,  # fits an 80-column terminal with the rank column
     )
-    asked = f"KV asked\n{sv['max_batch']} x {ntokens(sv['max_context'])}"
-    cols = ("stage", "rank", f"weights\n{sv['weights']}", f"KV bytes\n/token {caches}", "work\nbuffers", asked, "total")
-    for col in (*cols, "KV tokens\nthat fit", "rows of\nmax_context"):
+    asked = f"KV asked\n{sv['max_batch']}x{ntokens(sv['max_context'])}"
+    # short headers: the table fits an 80-column terminal (a truncated header would hide what a column is)
+    shared = len({se["rank"] for se in est["stages"]}) < len(est["stages"])  # a rank column only where it says more
+    cols = ("stage", *(("rank",) if shared else ()), f"weights\n{sv['weights']}", f"KV B/tok\n{caches}", "work\nbufs")
+    for col in (*cols, asked, "total", "KV tokens\nthat fit", "rows of\nmax_ctx"):
         t.add_column(col, no_wrap=True, justify="right")
     for se in est["stages"]:
         terms, fit = se["serve_memory_bytes"], se["serve_kv_tokens_fit"]
         t.add_row(
             str(se["index"]),
-            str(se["rank"]),
+            *((str(se["rank"]),) if shared else ()),
             f"{se['serve_weight_bytes'] / gib:.1f}",
             f"{se['serve_kv_bytes_per_token']:,}",
             f"{se['serve_work_buffer_bytes'] / gib:.1f}",
             f"{terms['KV and indexer-key caches'] / gib:.1f}",
             f"{sum(terms.values()) / gib:.1f}" + ("" if se["serve_fits"] else " !"),
-            f"{fit:,}" if fit >= 0 else "none",
-            str(max(fit, 0) // (sv["max_context"] + 1)),
+            approx_tokens(fit) if fit >= 0 else "none",  # plan.json has the exact count
+            approx_tokens(max(fit, 0) // (sv["max_context"] + 1)),
         )
     return t
 
