@@ -4,6 +4,7 @@ processes (sequentially, sharing the process group), and collect per-step losses
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 from typing import List
@@ -61,9 +62,21 @@ def stop_and_resume_cfgs(root: Path, stages: int, ranks: int, schedule: str, sto
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port for a rendezvous, below the kernel's ephemeral range (32768 and up on Linux): a port the OS
+    hands out (bind to 0) can be taken, before the store binds it, by an outgoing connection of another test's gloo
+    ranks running beside this one (pytest-xdist). Each xdist worker searches its own block of 1000 ports."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    base = 20000 + 1000 * (int(worker[2:]) % 12 if worker[2:].isdigit() else 0)
+    start = random.randrange(1000)
+    for i in range(1000):
+        port = base + (start + i) % 1000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{base}, {base + 1000})")
 
 
 GRAD_STEPS = (0, 1)  # the gradients of these steps are captured (step 0 is dense_warmup in the tests, 1 sparse)
