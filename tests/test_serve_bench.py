@@ -149,11 +149,11 @@ def test_bench_serve_mixed_pass_rows_carry_the_budget_and_the_comparisons(tmp_pa
 def test_mixed_graphs_rows_one_per_budget_and_setting(capsys):
     """--mixed-graphs on,off runs each budget's row twice (graphs, eager), `mixed_graphs` naming which; on CPU, or
     without budgets, --mixed-graphs on exits 2 naming the fix; the graphs' classes end at the budget."""
-    bench = load_script("benches.serve_engine")
+    bench, setup = load_script("benches.serve_engine"), load_script("benches.serve_setup")
     args = argparse.Namespace(workloads="mixed", max_pass_tokens="96,1024", mixed_graphs="on,off")
-    runs = [r for r in bench.runs_of(args, "pp2") if r[3]]
+    runs = [r for r in setup.runs_of(args, "pp2") if r[3]]
     assert [(r[3], r[4]) for r in runs] == [(96, "on"), (96, "off"), (1024, "on"), (1024, "off")]
-    assert bench.mixed_classes(96) == [64, 96] and bench.mixed_classes(1024) == [64, 128, 256, 512, 1024]
+    assert setup.mixed_classes(96) == [64, 96] and setup.mixed_classes(1024) == [64, 128, 256, 512, 1024]
     for argv in (["--max-pass-tokens", "64", "--mixed-graphs", "on,off"], ["--mixed-graphs", "on"]):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--device", "cpu", *argv])

@@ -18,7 +18,7 @@ import argparse
 import torch
 from bench_lib import command_line, out_dir, user_error, write_results
 
-from benches import serve_engine
+from benches import serve_engine, serve_setup
 
 
 class LoopbackLink:
@@ -47,15 +47,15 @@ class LoopbackLink:
 
 def parse_args(argv=None, prog: str = "bench_serve.py rank") -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    ap.add_argument("--pipeline", default="pp2", choices=[p for p, n in serve_engine.RANKS.items() if n > 1])
+    ap.add_argument("--pipeline", default="pp2", choices=[p for p, n in serve_setup.RANKS.items() if n > 1])
     ap.add_argument("--rank", type=int, default=0, help="which rank of the split runs here (default 0)")
-    serve_engine.add_options(ap, out="bench_out/serve_rank")
+    serve_setup.add_options(ap, out="bench_out/serve_rank")
     a = ap.parse_args(argv)
-    ranks = serve_engine.RANKS[a.pipeline]
+    ranks = serve_setup.RANKS[a.pipeline]
     if not 0 <= a.rank < ranks:
         user_error(prog, f"--rank {a.rank}: {a.pipeline} has ranks 0..{ranks - 1}")
     a.pipelines = a.pipeline
-    return serve_engine.finish_args(ap, a, prog, one_process=True)
+    return serve_setup.finish_args(ap, a, prog, one_process=True)
 
 
 def main(argv=None, prog: str = "bench_serve.py rank") -> int:
