@@ -71,7 +71,8 @@ def dense_facts(config, even_k: bool = True) -> dict:
 def grouped_facts(config, even_k: bool = True) -> dict:
     from dsaflow.ops.fp8_gemm import triton_fp8_grouped
 
-    consts = {"E": 8, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": 128, "EVEN_K": even_k}
+    consts = {"E": 8, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": 128, "EVEN_K": even_k,
+              "GROUP_M": config.group_m}  # fmt: skip
     kernel = triton_fp8_grouped._fp8_grouped_kernel
     return pipelining(compile_for_sm90(kernel, GROUPED_POINTERS, consts, config.num_warps, config.num_stages))
 

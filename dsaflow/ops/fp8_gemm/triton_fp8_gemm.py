@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..moe.triton_grouped import swizzled_tile
 from .naive import BLOCK, E4M3_MAX
 from .tile_configs import FP8TileConfig, dense_config
 from .triton_act_quant import _pow2_ceil, _round_to_e4m3, quantize_rows_1x128_triton
@@ -106,13 +107,7 @@ def _fp8_gemm_kernel(
     C[split] (split stride s_cs; one split: C itself)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_rows
-    pid_n = (pid % (GROUP_M * tiles_n)) // group_rows
+    pid_m, pid_n = swizzled_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)

@@ -6,7 +6,8 @@ of slots, each mapped to (expert, first row, end row) on the device), so nothing
 capture the launch. The table is built over E + 1 groups, the last one being the rows past offsets[-1]: its tiles
 write zeros (an early exit, so the K loop of the expert tiles runs unbranched and is software-pipelined), so every
 output row is written whatever the routing. Rows and columns are clamped into the tile rather than masked, and K
-is unmasked when K % 128 == 0, as in the dense kernel. The launch is `tile_configs.grouped_config` (a table).
+is unmasked when K % 128 == 0, as in the dense kernel. Programs walk (slot, column tile) in groups of GROUP_M
+slots (`swizzled_tile`), so the programs running together share activation rows and expert weights in L2. The launch is `tile_configs.grouped_config` (a table).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..moe.triton_grouped import tile_table
+from ..moe.triton_grouped import swizzled_tile, tile_table
 from .naive import BLOCK
 from .tile_configs import FP8TileConfig, grouped_config
 from .triton_fp8_gemm import fp8_block_dot
@@ -27,11 +28,12 @@ def _fp8_grouped_kernel(
     N, K,
     s_am, s_ask, s_be, s_bn, s_bse, s_bsn, s_bsk, s_cm, s_cn,
     E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """C[m] = A[m] . B[e(m)]^T for the rows of one tile of expert e; zeros for a tile of group E (rows past the
     last expert); nothing for a slot past the last tile (group E + 1)."""
-    tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tile, pid_n = swizzled_tile(tl.program_id(0), tl.num_programs(0) // tiles_n, tiles_n, GROUP_M)
     e = tl.load(tile_expert_ptr + tile)
     if e > E:
         return
@@ -81,12 +83,12 @@ def fp8_grouped_mm_triton(
     block_m, block_n = config.block_m, config.block_n
     ends = torch.cat([offsets.to(torch.int32), offsets.new_full((1,), M, dtype=torch.int32)])
     expert, row0, row_end = tile_table(ends, M, block_m)
-    grid = (expert.numel(), triton.cdiv(N, block_n))
+    grid = (expert.numel() * triton.cdiv(N, block_n),)
     _fp8_grouped_kernel[grid](
         x8, x_scale_t, w8, w_scale, out, expert, row0, row_end, N, K,
         x8.stride(0), x_scale_t.stride(0), w8.stride(0), w8.stride(1),
         w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), out.stride(0), out.stride(1),
-        E=E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, EVEN_K=K % BLOCK == 0,
+        E=E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, EVEN_K=K % BLOCK == 0, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

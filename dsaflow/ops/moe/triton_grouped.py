@@ -15,15 +15,28 @@ import triton.language as tl
 
 
 @triton.jit
+def swizzled_tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid in a 1-D grid of tiles_m x tiles_n output tiles, walked GROUP_M row
+    tiles at a time across all column tiles, so programs that run together share row and column tiles in L2."""
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
 def _grouped_rows_kernel(
     a_ptr, b_ptr, c_ptr, tile_expert_ptr, tile_row0_ptr, tile_rowend_ptr,
     N, K,
     s_am, s_ak, s_be, s_bk, s_bn, s_cm, s_cn,
     E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """C[m, n] = sum_k A[m, k] * B[e(m), k, n] for the rows m of one tile of expert e."""
-    tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tile, pid_n = swizzled_tile(tl.program_id(0), tl.num_programs(0) // tiles_n, tiles_n, GROUP_M)
     e = tl.load(tile_expert_ptr + tile)
     if e >= E:
         return
@@ -120,11 +133,11 @@ def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> 
     block_m = row_block(M, E)
     block_n, block_k = (64, 32) if a.dtype == torch.float32 else (128, 64)
     expert, row0, rowend = tile_table(offsets, M, block_m)
-    grid = (expert.numel(), triton.cdiv(N, block_n))
+    grid = (expert.numel() * triton.cdiv(N, block_n),)
     _grouped_rows_kernel[grid](
         a, b, c, expert, row0, rowend, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        E=E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=_ieee(a, b),
+        E=E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=_ieee(a, b), GROUP_M=8,
         num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3,
     )  # fmt: skip
     return c
