@@ -264,8 +264,8 @@ def hopper(monkeypatch):
     return monkeypatch
 
 
-def cuda_inputs(N=256, K=512, dtype=torch.bfloat16):
-    return FakeCuda(torch.zeros(4, K, dtype=dtype)), torch.zeros(N, K, dtype=torch.float8_e4m3fn)
+def cuda_inputs(N=256, K=512, dtype=torch.bfloat16, rows=128):
+    return FakeCuda(torch.zeros(rows, K, dtype=dtype)), torch.zeros(N, K, dtype=torch.float8_e4m3fn)
 
 
 def refusal(choice: Choice, kernel: str) -> str:
@@ -281,6 +281,7 @@ def test_hopper_runs_torch_scaled_mm_where_its_rule_holds(hopper):
         "multiples of 128": cuda_inputs(N=576),
         "K 200 and N 256": cuda_inputs(K=200),
         "bf16 activations only": cuda_inputs(dtype=torch.float16),
+        "64 rows <= 64: Triton's split-K": cuda_inputs(rows=64),
     }
     for reason, (x, w8) in reasons.items():
         choice = explain_fp8_gemm(x, w8)

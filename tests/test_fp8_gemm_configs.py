@@ -34,8 +34,9 @@ def test_the_tables_end_unbounded_and_pick_by_rows_and_width():
     for table in (tile_configs.DENSE_TABLE, tile_configs.GROUPED_TABLE):
         assert table[-1][:2] == (None, None), "the last row must take every shape"
     assert dense_config(1, 24576).block_m == 16 and dense_config(64, 24576).block_n == 64
-    assert dense_config(64, 7168).block_n == 32 and dense_config(65, 7168).block_m == 128
-    assert grouped_config(32768 * 8, 256, 4096).block_m == 128 and grouped_config(512, 256, 4096).block_m == 16
+    assert dense_config(32, 7168).block_n == 32 and dense_config(32, 24576).block_n == 64
+    assert dense_config(64, 7168).split_k_programs and dense_config(65, 7168).block_m == 128
+    assert grouped_config(32768 * 8, 256, 4096).block_m == 64 and grouped_config(512, 256, 4096).block_m == 16
     with pytest.raises(ValueError, match="unbounded"):
         lookup(((16, None, C(16, 32, 4, 4)),), 17, 1)
 

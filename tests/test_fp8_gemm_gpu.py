@@ -202,11 +202,11 @@ def test_grouped_replays_from_a_cuda_graph_bit_equal_with_no_host_sync():
 
 
 def test_hopper_takes_the_torch_row():
-    """On sm_90 with this torch (2.11 on the GPU machines) a bf16 call at block-aligned widths runs torch's
+    """On sm_90 with this torch (2.11 on the GPU machines) a bf16 call of more than 64 rows at block-aligned widths runs torch's
     cuBLASLt kernel; the refusal says why where it does not."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("torch's block-scaled scaled_mm runs on sm_90 only")
-    x = torch.zeros(4, 7168, device="cuda", dtype=torch.bfloat16)
+    x = torch.zeros(128, 7168, device="cuda", dtype=torch.bfloat16)
     choice = explain_fp8_gemm(x, weight(2048, 7168, seed=3)[0])
     assert choice.kernel == "torch_scaled_mm", str(choice)
 

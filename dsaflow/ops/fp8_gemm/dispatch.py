@@ -4,8 +4,8 @@ form, walked by `explain_fp8_gemm`.
 | kernel            | runs when                                                                                     |
 |-------------------|-----------------------------------------------------------------------------------------------|
 | `reference`       | CPU tensors (`naive.py`); on CUDA only when forced (DSAFLOW_FP8_GEMM=reference)                |
-| `torch_scaled_mm` | dense, bf16, sm_90, K and N multiples of 128, w8 contiguous, and a torch whose                 |
-|                   | `torch.nn.functional.scaled_mm` takes BlockWise1x128 / BlockWise128x128 scales (2.10+, CUDA 12.9+) |
+| `torch_scaled_mm` | dense, bf16, sm_90, more than 64 rows, K and N multiples of 128, w8 contiguous, and a torch    |
+|                   | whose `torch.nn.functional.scaled_mm` takes BlockWise1x128 / BlockWise128x128 scales (2.10+, CUDA 12.9+) |
 | `triton`          | any other CUDA call on fp8 tensor cores (compute capability 8.9+), bf16/fp16/fp32 activations     |
 
 `torch_scaled_mm` is cuBLASLt's kernel for DeepSeek's recipe (`torch_blockwise.py`); torch refuses it off sm_90.
@@ -27,6 +27,11 @@ from ..kernel_table import Choice, walk
 from .torch_blockwise import torch_support_reason
 
 ENV_KERNEL = "DSAFLOW_FP8_GEMM"
+# Up to this many rows a dense call is decode-like: the weight's bytes bound it, and Triton's split-K launches read
+# them faster than cuBLASLt (bench_fp8.py --sweep on an H200: 16 rows 0.082 ms against 0.098 ms over V3.2's four
+# dense weights, 64 rows 0.098 against 0.104); from 256 rows on cuBLASLt is faster (0.131 against 0.218 ms). A
+# preference, not a capability: DSAFLOW_FP8_GEMM=torch_scaled_mm still runs cuBLASLt on few rows.
+TRITON_MAX_DECODE_ROWS = 64
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -57,6 +62,8 @@ def _torch_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
         return f"K {K} and N {N} must be multiples of 128"
     if not w8.is_contiguous():
         return "w8 must be contiguous (cuBLASLt reads w8.t() column-major)"
+    if _forced() == "auto" and (rows := x.numel() // max(1, K)) <= TRITON_MAX_DECODE_ROWS:
+        return f"{rows} rows <= {TRITON_MAX_DECODE_ROWS}: Triton's split-K launch streams the weight faster"
     return None
 
 

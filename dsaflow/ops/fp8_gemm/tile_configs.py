@@ -5,8 +5,9 @@ Each table is a tuple of rows (largest bucket value, largest N, config), walked 
 bounds hold (None: no bound) is the launch, and the last row has none. The dense table is keyed by M, the grouped
 one by the mean rows per expert (M // E: what sets the ragged tiles' waste).
 `CANDIDATES` lists, per kernel and bucket, what `scripts/bench_fp8.py --sweep` times on a GPU; the sweep prints
-the winners as rows of these tables, ready to paste. The rows below are the configurations measured before the
-sweep existed (docs/kernels.md, "FP8 block-scaled GEMMs"), not sweep results.
+the winners as rows of these tables, ready to paste. The rows for M <= 16, <= 64 and <= 256 (dense) and for
+M // E <= 16 and the last row (grouped) are the winners of that sweep on an H200 (docs/kernels.md, "Tile configs
+and the sweep"); the 32-row buckets were not swept and keep their earlier hand-picked launches.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ class FP8TileConfig:
 
     block_m x block_n: the output tile of one program (BLOCK_K is always 128, the scales' block).
     num_warps, num_stages: Triton's; num_stages is the depth of the software-pipelined K loop (shared-memory ring).
-    group_m: row tiles walked together so neighbouring programs share weight tiles in L2 (dense only).
+    group_m: row tiles (the grouped kernel: tile slots) walked together across all column tiles, so the programs
+        running together share activation and weight tiles in L2.
     split_k_programs: dense only; 0 = no split. Otherwise K's blocks are split over enough programs that the grid
         has at least this many (fp32 partials, summed by a second kernel): for few rows, where the output tiles
         alone leave SMs idle while the weight streams.
@@ -46,26 +48,26 @@ class FP8TileConfig:
 
 
 C = FP8TileConfig
+SM_FILL = 264  # 2 programs per SM on a 132-SM H100 (H200 has 132 too): split K until the grid is this big
 
 # dense (`triton_fp8_gemm`), by M. Decode rows read the weight once and are bound by its bytes: narrow column tiles
 # give more programs to stream it. Many rows are bound by the tensor cores.
 DENSE_TABLE: tuple = (
-    (16, 8191, C(16, 32, 4, 5)),
-    (16, None, C(16, 64, 4, 5)),
+    (16, None, C(16, 64, 4, 4, split_k_programs=SM_FILL)),
     (32, 8191, C(32, 32, 4, 5)),
     (32, None, C(32, 64, 4, 5)),
-    (64, 8191, C(64, 32, 4, 5)),
-    (64, None, C(64, 64, 4, 5)),
+    (64, None, C(64, 64, 4, 4, split_k_programs=SM_FILL)),
+    (256, None, C(128, 64, 4, 4)),
     (None, None, C(128, 128, 8, 4)),
 )
 
 # grouped (`triton_fp8_grouped`), by mean rows per expert; block_m is also the tile table's row block, so tiles
 # near the mean waste less on each expert's ragged last tile.
 GROUPED_TABLE: tuple = (
-    (16, None, C(16, 128, 4, 4)),
+    (16, None, C(16, 256, 4, 3)),
     (32, None, C(32, 128, 4, 4)),
     (64, None, C(64, 128, 4, 4)),
-    (None, None, C(128, 128, 8, 4)),
+    (None, None, C(64, 128, 4, 4, group_m=16)),
 )
 
 
@@ -90,7 +92,6 @@ def grouped_config(M: int, E: int, N: int) -> FP8TileConfig:
 # ---- what the sweep times, per kernel: (the bucket's bound as a table row takes it, the value it is timed at,
 # candidates); the timed value is M for the dense kernel, M // E for the grouped one ----
 
-SM_FILL = 264  # 2 programs per SM on a 132-SM H100 (H200 has 132 too): split K until the grid is this big
 
 _DECODE = (
     C(16, 64, 4, 5),
@@ -124,7 +125,8 @@ DENSE_CANDIDATES: tuple = (
 GROUPED_CANDIDATES: tuple = (
     (16, 16, (C(16, 128, 4, 4), C(16, 64, 4, 5), C(16, 128, 4, 3), C(16, 256, 4, 3), C(16, 128, 8, 4))),
     (None, 128, (
-        C(128, 128, 8, 4), C(128, 128, 8, 3), C(64, 128, 4, 4), C(64, 128, 4, 3), C(64, 256, 4, 3),
-        C(128, 256, 8, 3), C(128, 64, 4, 4), C(64, 64, 4, 4), C(128, 128, 4, 3),
+        C(128, 128, 8, 4), C(128, 128, 8, 3), C(64, 128, 4, 4), C(64, 128, 4, 3), C(64, 128, 4, 5),
+        C(64, 256, 8, 3), C(128, 256, 8, 3), C(128, 64, 4, 4), C(64, 64, 4, 4),
+        C(64, 128, 4, 4, group_m=16), C(128, 128, 8, 4, group_m=4),
     )),
 )  # fmt: skip
