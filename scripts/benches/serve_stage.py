@@ -17,6 +17,8 @@ Rows (one cache per row, sized as the planner sizes it: serve.max_batch x (serve
            chunk (default 8192, serve.prefill_chunk) at positions C - chunk .. C - 1 on the sparse path, the keys
            before it in the cache; tokens/s = chunk / time (the rate of the chunk that ends the prompt)
   decode   --decode-rows rows (default 64, 256), one token each at position --decode-context (default 8192) - 1
+Decode rows also report weight_bytes_read (every weight of the stage but the routed experts, plus the experts the
+routers picked for these rows) and of_weight_bound: those bytes over the copy rate, as a fraction of the pass's time.
 Each row reports peak_gib (torch.cuda.max_memory_allocated from the stage's build through the row) against
 plan_gib (dsaflow.plan.serve_memory: weights + KV and index caches + work buffers for that serve config) and
 plan_error. The `gemms` rows time each GEMM family alone on the row's token count: attention projections (wq_a,
@@ -131,8 +133,13 @@ def run_row(args, stage, specs, device, dtype, kind: str, batch: int, context: i
             with torch.no_grad():
                 stage(x, positions, cache)
 
+        if kind == "decode":
+            row["weight_bytes_read"] = decode_weight_bytes(stage, step)
         ms = time_ms(graphed(step, device), device, args.reps)
         row.update(time_ms=ms, tokens_per_s=batch * T / ms * 1e3)
+        if kind == "decode" and CEIL.get("copy_tbps"):
+            bound_ms = row["weight_bytes_read"] / (CEIL["copy_tbps"] * 1e12) * 1e3
+            row.update(weight_bound_ms=bound_ms, of_weight_bound=bound_ms / ms)
         if torch.device(device).type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row["plan_gib"] = plan_bytes(cfg, specs) / 2**30
@@ -148,6 +155,26 @@ def run_row(args, stage, specs, device, dtype, kind: str, batch: int, context: i
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     return row
+
+
+def decode_weight_bytes(stage, step) -> int:
+    """The weight bytes one decode pass must read: every tensor of the stage except the routed experts' stacks, plus,
+    per MoE layer, the experts its router picked for these rows in one eager run of `step` (an expert no row picked
+    is not read). Over the copy rate this is the decode pass's bound."""
+    picked, hooks = {}, []
+    for name, layer in stage.layers.items():
+        if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate"):
+            hooks.append(layer.mlp.gate.register_forward_hook(
+                lambda mod, inp, out, name=name: picked.__setitem__(name, out[0].unique().numel())))  # fmt: skip
+    step()
+    for h in hooks:
+        h.remove()
+    total = sum(t.numel() * t.element_size() for t in stage.state_dict().values())
+    for name, n_picked in picked.items():
+        experts = stage.layers[name].mlp.experts
+        stacks = sum(t.numel() * t.element_size() for t in experts.state_dict().values())
+        total -= stacks - stacks * n_picked // experts.gate_up_proj.shape[0]
+    return total
 
 
 FAMILIES = {
@@ -200,13 +227,14 @@ def markdown(rows: list, env: dict, args) -> str:
         f"{args.first_layer + args.layers - 1} of {args.model}, {args.weights} weights, graphs "
         f"{'on' if env['graphs'] else 'off (CPU)'}; ceilings {env['ceilings']}.",
         "",
-        "| pass | rows | context | tokens/s | ms | peak | plan | plan error | GEMM families (TFLOP/s, of ceiling) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| pass | rows | context | tokens/s | ms | of weight-read bound | peak | plan | plan error | GEMM families "
+        "(TFLOP/s, of ceiling) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         head = f"| {r['kind']} | {r['rows']} | {r['context']:,} |"
         if "error" in r:
-            lines.append(f"{head} {r['error']} | | | | | |")
+            lines.append(f"{head} {r['error']} | | | | | | |")
             continue
         fams = "; ".join(
             f"{k}: {v['tflops']:.1f}" + (f" ({100 * v['frac_ceiling']:.0f} %)" if v["frac_ceiling"] else "")
@@ -214,9 +242,14 @@ def markdown(rows: list, env: dict, args) -> str:
         )
         peak = f"{r['peak_gib']:.1f} GiB" if "peak_gib" in r else "-"
         err = f"{100 * r['plan_error']:+.1f} %" if "plan_error" in r else "-"
+        bound = (
+            f"{100 * r['of_weight_bound']:.0f} % ({r['weight_bytes_read'] / 2**30:.1f} GiB)"
+            if "of_weight_bound" in r
+            else "-"
+        )
         lines.append(
-            f"{head} {r['tokens_per_s']:,.0f} | {r['time_ms']:.2f} | {peak} | {r['plan_gib']:.1f} GiB | {err} | "
-            f"{fams} |"
+            f"{head} {r['tokens_per_s']:,.0f} | {r['time_ms']:.2f} | {bound} | {peak} | {r['plan_gib']:.1f} GiB | "
+            f"{err} | {fams} |"
         )
     return "\n".join(lines) + "\n"
 
