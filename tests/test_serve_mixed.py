@@ -5,12 +5,16 @@ hold pass by pass; bad settings fail with the field, the value and the fix."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 from test_serve_pipelined import engine, generate_cli, train_checkpoint, workload
 
 from dsaflow.config.compose import compose
 from dsaflow.errors import ServeError
 from dsaflow.plan import build_plan
+from dsaflow.serve.engine import PipelineEngine
 from dsaflow.serve.generate import build_engine
 from dsaflow.serve.passes import Request
 from dsaflow.serve.scheduler import Scheduler
@@ -50,6 +54,36 @@ def test_mixed_passes_equal_serving_each_request_alone(pipeline, budget):
     assert any(p.token_major and any(p.decode) for p in seen)  # decoding rows rode along with prompt chunks
     assert any(p.decode_only for p in seen)  # and decode-only passes stayed what they were
     assert all(p.T <= budget for p in seen)
+
+
+@pytest.mark.parametrize("pipeline,extra", [("single", mixed(40)), ("pp2", EAGER)])
+def test_online_arrivals_keep_the_tokens_and_start_no_request_before_it_arrives(pipeline, extra):
+    """Requests arriving over time (generate's arrivals, spaced wider than the whole offline run) get the offline
+    run's tokens, and each one's time to first token, counted from its arrival, is positive: a scheduler that let
+    them in early would finish the late ones before they arrive."""
+    prompts, limits = workload(12, seed=7)
+    eng = engine(None, pipeline, None, extra)
+    t0 = time.perf_counter()
+    offline = eng.generate(prompts, limits)
+    gap = (time.perf_counter() - t0) / 4 + 0.01
+    arrivals = [gap * i for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    assert eng.generate(prompts, limits, arrivals=arrivals) == offline
+    assert time.perf_counter() - t0 >= arrivals[-1]
+    ttft = eng.stats["ttft_s"]
+    assert sorted(ttft) == list(range(len(prompts))) and min(ttft.values()) > 0, ttft
+
+
+def test_bad_arrivals_name_the_fix():
+    prompts, limits = workload(3, seed=7)
+    eng = engine(None, "single")
+    with pytest.raises(ValueError, match="3 prompts; give one per prompt"):
+        eng.generate(prompts, limits, arrivals=[0.0])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        eng.generate(prompts, limits, arrivals=[0.0, 0.2, 0.1])
+    ranks = SimpleNamespace(owner={0: 0, 1: 1})  # stage -> rank: a pipeline across two processes
+    with pytest.raises(ValueError, match="every stage in this process"):
+        PipelineEngine._check_arrivals(ranks, [0.0, 0.1], 2)
 
 
 def test_every_pass_keeps_the_budget_and_every_decoding_row_its_token():

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -277,19 +278,29 @@ class PipelineEngine(GraphBlocks):
     # --- generation --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(
-        self, prompts: List[List[int]], max_new: Optional[List[int]] = None, key_ids: Optional[List[int]] = None
+        self,
+        prompts: List[List[int]],
+        max_new: Optional[List[int]] = None,
+        key_ids: Optional[List[int]] = None,
+        arrivals: Optional[List[float]] = None,
     ) -> Optional[List[List[int]]]:
         """Token-id prompts (and optional per-request limits, default serve.max_new_tokens) -> generated token ids
         per prompt, in input order, on the last stage's rank (None on the others). Sets `stats` (per-request time to
         first token and time per output token, per-rank busy fractions) and `timings`. key_ids: the id each
         request's sampling is keyed by (default its position here): a serving replica passes the request's index in
-        the whole job, so that sampled tokens do not depend on which replica served it."""
+        the whole job, so that sampled tokens do not depend on which replica served it.
+
+        arrivals: online serving, for an engine that runs every stage in this process: request i may start only
+        arrivals[i] seconds (non-decreasing in input order) after the run starts, and its time to first token counts
+        from then. Default: every request is there at the start (offline). The tokens do not depend on it."""
         s = self.serve
         self.key_ids = list(key_ids) if key_ids is not None else list(range(len(prompts)))
         if not prompts:
             return [] if self.owner[self.last] == self.rank else None
         max_new = list(max_new) if max_new is not None else [s.max_new_tokens] * len(prompts)
         requests = requests_of(prompts, max_new, s.max_context, self.model_cfg.vocab_size)
+        self.arrivals = self._check_arrivals(arrivals, len(prompts))
+        start = [time.perf_counter()]
         self.scheduler = Scheduler(
             requests,
             self.ranges,
@@ -301,6 +312,8 @@ class PipelineEngine(GraphBlocks):
             max_pass_tokens=s.max_pass_tokens,
             # groups share ticks only across ranks; eager passes cost their rows x tokens on a CPU (launches on a GPU)
             balance=self.groups > 1 and len(set(self.owner.values())) > 1 and self.device.type == "cpu",
+            arrivals=self.arrivals,
+            clock=lambda: time.perf_counter() - start[0],
         )
         self.logits_log, self.first_mark, self.last_mark = {}, {}, {}
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
@@ -332,15 +345,21 @@ class PipelineEngine(GraphBlocks):
             rr = [0]
 
             def pick(free):
-                for k in range(self.groups):
-                    g = (rr[0] + k) % self.groups
-                    if free(g) and self.scheduler.has_work(g):
-                        p = self.scheduler.next_pass(g)
-                        if p is not None:
-                            rr[0] = g + 1
-                            return self._prepare(p)
-                return None
+                while True:
+                    for k in range(self.groups):
+                        g = (rr[0] + k) % self.groups
+                        if free(g) and self.scheduler.has_work(g):
+                            p = self.scheduler.next_pass(g)
+                            if p is not None:
+                                rr[0] = g + 1
+                                return self._prepare(p)
+                    due = self.scheduler.next_arrival()
+                    if due is None or not all(free(g) for g in range(self.groups)):
+                        return None  # the end, or a bubble while passes are in flight
+                    # nothing in flight and nothing to run before the next request arrives: wait for it
+                    time.sleep(max(0.0, due - (time.perf_counter() - start[0])))
 
+            start[0] = time.perf_counter()
             ticks = self.executor.run(pick, self._stage, self._finish, self._feedback)
             tl = self.executor.timeline.resolve()
         self._summarise(tl, ticks, requests)
@@ -394,5 +413,24 @@ class PipelineEngine(GraphBlocks):
         self.timings["prefill_s"] = tl["wall_s"] - tl["decode_wall_s"]
         self.timings["decode_s"] = tl["decode_wall_s"]
         done = {r.index: self.scheduler.generated[r.index] for r in requests}
-        latencies = self.executor.timeline.latencies(self.first_mark, self.last_mark, done)
-        self.stats = run_stats(tl, ticks, latencies, int(self.timings["tokens"]))
+        ttft, tpot = self.executor.timeline.latencies(self.first_mark, self.last_mark, done)
+        if self.arrivals is not None:  # online: from each request's arrival, not from the start
+            ttft = {r: v - self.arrivals[r] for r, v in ttft.items()}
+        self.stats = run_stats(tl, ticks, (ttft, tpot), int(self.timings["tokens"]))
+
+    def _check_arrivals(self, arrivals: Optional[List[float]], n: int) -> Optional[List[float]]:
+        """arrivals as floats, or ValueError naming what is wrong with them."""
+        if arrivals is None:
+            return None
+        arrivals = [float(a) for a in arrivals]
+        if len(arrivals) != n:
+            raise ValueError(f"arrivals: {len(arrivals)} times for {n} prompts; give one per prompt")
+        if any(a < 0 for a in arrivals) or any(b < a for a, b in zip(arrivals, arrivals[1:])):
+            raise ValueError("arrivals must be seconds >= 0, non-decreasing in input order (requests join in order)")
+        if len(set(self.owner.values())) > 1:
+            raise ValueError(
+                "arrivals need every stage in this process: ranks decide admissions each on its own, from their "
+                "inputs alone, and wall-clock arrivals would make them disagree; serve online arrivals with "
+                "all_stages=True or pipeline=single"
+            )
+        return arrivals

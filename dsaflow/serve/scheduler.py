@@ -38,7 +38,7 @@ prompts of a refill end in a short pass instead of being padded to the longest o
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, List, Optional, Sequence, Tuple
 
 from .mixed import mixed_pass
 from .passes import Pass, Request, Row
@@ -86,8 +86,16 @@ class Scheduler:
         chunk_classes: Sequence[int] = (),
         balance: bool = False,
         max_pass_tokens: Optional[int] = None,
+        arrivals: Optional[Sequence[float]] = None,
+        clock: Optional[Callable[[], float]] = None,
     ):
         self.queue: Deque[Request] = deque(requests)
+        # online arrivals: request i joins the queue once clock() reaches arrivals[i] (seconds, non-decreasing in
+        # input order); until then it is pending
+        self.pending: Deque[Tuple[float, Request]] = deque()
+        if arrivals is not None:
+            self.pending, self.queue = deque(zip(arrivals, requests)), deque()
+        self.clock = clock
         # serve.max_pass_tokens: mixed token-major passes (dsaflow.serve.mixed) with this token budget; continuous
         # batching only, and then none of the narrow refills, chunk classes or balanced chunks below
         self.max_pass_tokens = max_pass_tokens if refill else None
@@ -110,9 +118,22 @@ class Scheduler:
         self.finished = 0
 
     def has_work(self, group: int) -> bool:
-        return bool(self.queue) or any(r is not None for r in self.rows[group])
+        self._arrive()
+        return bool(self.queue) or bool(self.pending) or any(r is not None for r in self.rows[group])
+
+    def next_arrival(self) -> Optional[float]:
+        """When the next pending request arrives (clock seconds), or None when none is pending."""
+        return self.pending[0][0] if self.pending else None
+
+    def _arrive(self) -> None:
+        """Pending requests whose arrival time has come join the queue, in input order."""
+        if self.pending:
+            now = self.clock()
+            while self.pending and self.pending[0][0] <= now:
+                self.queue.append(self.pending.popleft()[1])
 
     def next_pass(self, group: int) -> Optional[Pass]:
+        self._arrive()
         rows = self.rows[group]
         free = sum(r is None for r in rows)
         # refill once REFILL_FRACTION of the group is free (or every waiting request fits): the joining requests

@@ -65,7 +65,7 @@ def pass_vectors(
         if not every_row:
             out["fed_from"] = (emitted, (len(emitted),))
     if last:
-        if T > 1:
+        if T > 1 or p.token_major:  # a mixed pass of one token still samples through cols
             out["cols"] = (list(sample_cols), (rows,))
         if keyed:
             out["keys"] = (list(keys), (rows,))

@@ -55,7 +55,17 @@ from bench_lib import (
 )
 
 from benches.serve_report import checks, coarse_segments, host_line, markdown, plot
-from benches.serve_setup import RANKS, add_options, finish_args, make_cfg, processes, runs_of, split_of, workload
+from benches.serve_setup import (
+    RANKS,
+    add_options,
+    arrival_times,
+    finish_args,
+    make_cfg,
+    processes,
+    runs_of,
+    split_of,
+    workload,
+)
 from dsaflow.serve.engine import PipelineEngine
 from dsaflow.serve.generate import build_stage_modules, serve_dtype
 
@@ -202,7 +212,10 @@ def measure(args, pipeline: str, rank: int, device: torch.device, link, gather, 
             dist.barrier()  # the replicas start together: the row's wall time is the slowest replica's
         with Heartbeat(label) if loud else contextlib.nullcontext():
             t0 = time.perf_counter()
-            out = eng.generate([prompts[i] for i in share], [limits[i] for i in share], key_ids=share)
+            arrivals = arrival_times(args, len(share)) if args.arrival_rate else None
+            out = eng.generate(
+                [prompts[i] for i in share], [limits[i] for i in share], key_ids=share, arrivals=arrivals
+            )
             wall = time.perf_counter() - t0
         st = eng.stats
         # per global rank: (tokens, wall s, TTFTs, TPOTs); latencies are known on each replica's last stage only
@@ -419,6 +432,7 @@ def run_all(args, argv, prog: str) -> int:
         "threads": args.threads,
         "max_pass_tokens": args.max_pass_tokens,
         "mixed_graphs": args.mixed_graphs,
+        "arrival_rate": args.arrival_rate,
         "skipped": skipped,
         # other processes on the machine: pp ranks compute at once, so a busy machine slows them most
         "load_average_1min": [load_before, os.getloadavg()[0]],

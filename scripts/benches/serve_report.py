@@ -163,7 +163,12 @@ def markdown(rows: list, env: dict, cks: list) -> str:
         f"serve.max_batch {env['max_batch']}, {env['requests']} requests per workload (mixed: prompts "
         f"{env['mixed_prompt']} log-uniform, new {env['mixed_new']}; uniform: {env['uniform_prompt']} + "
         f"{env['uniform_new']}), "
-        f"{env['threads']} thread(s) per process on CPU, 1-minute load average {env['load_average_1min'][0]:.1f} "
+        + (
+            f"arriving at {env['arrival_rate']:g} per second (Poisson; TTFT from each arrival), "
+            if env.get("arrival_rate")
+            else "all there at the start (TTFT includes the wait for a cache row), "
+        )
+        + f"{env['threads']} thread(s) per process on CPU, 1-minute load average {env['load_average_1min'][0]:.1f} "
         f"before and {env['load_average_1min'][1]:.1f} after. Command: `{env['command']}`.",
         "",
         "Budget: serve.max_pass_tokens (mixed passes; - = a pass prefills or decodes); mixed: the share of passes "

@@ -79,6 +79,14 @@ def add_options(ap: argparse.ArgumentParser, out: str = "bench_out/serve") -> No
         help="after each timed run, serve the workload's first 64 requests again under torch.profiler and write "
         "one Chrome trace per rank (<out>/trace-<pipeline>-g<groups>-<workload>-<batching>-rank<r>.json.gz)",
     )
+    ap.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=0.0,
+        help="online serving: requests arrive as a Poisson process of this many per second (seeded), each row's "
+        "time to first token counted from its arrival; --pipelines single only. 0 (default): every request is there "
+        "at the start, so TTFT includes the wait for a cache row",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=out, help=f"results folder (default {out}, printed when the run starts)")
 
@@ -117,7 +125,24 @@ def finish_args(ap: argparse.ArgumentParser, a: argparse.Namespace, prog: str, o
             f"but --graphs {a.graphs} and --max-pass-tokens {a.max_pass_tokens or '(none)'}. Fix: --device cuda "
             "--graphs on --max-pass-tokens B1,B2, or --mixed-graphs off"
         )
+    if a.arrival_rate < 0:
+        ap.error(f"--arrival-rate {a.arrival_rate}: requests per second must be >= 0 (0: all at the start)")
+    if a.arrival_rate and (getattr(a, "pipelines", "single") != "single" or one_process):
+        ap.error(
+            f"--arrival-rate {a.arrival_rate} needs every stage in one process (ranks schedule on their own, and "
+            "wall-clock arrivals would make them disagree). Fix: --pipelines single, or --arrival-rate 0"
+        )
     return a
+
+
+def arrival_times(args, n: int) -> list:
+    """Seconds after the start at which the n requests arrive: a Poisson process of --arrival-rate per second."""
+    rng = random.Random(f"{args.seed}-arrivals")
+    times, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(args.arrival_rate)
+        times.append(t)
+    return times
 
 
 def workload(args, name: str, vocab: int):
