@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_indexer_fp8 import assert_selection_within
 from test_serve_pipelined import MODEL, generate_cli, train_checkpoint, workload
 
 from dsaflow.config.compose import compose
@@ -85,7 +86,8 @@ def test_moe_mixed_passes_equal_serving_alone(tmp_path_factory):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_token_major_indexer_kernel_equals_naive_v32_shapes(fp8):
     """64 index heads x 128, topk 2048, 4 rows of 8192 keys, 300 queries of mixed rows (bf16 in): the key-rows kernel
-    selects what the naive op selects from the same rounded inputs."""
+    selects what the naive op selects from the same rounded inputs (fp8: every pick at or above the reference's cut
+    on its own row's keys, within the fp8 MMA's summation error, as tests/test_indexer_fp8.py holds the fp8 op)."""
     if fp8 and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs sm_89+")
     from dsaflow.ops.indexer_topk.triton_indexer import indexer_topk_triton
@@ -98,6 +100,11 @@ def test_token_major_indexer_kernel_equals_naive_v32_shapes(fp8):
     rows = torch.randint(0, R, (1, N), device="cuda", generator=g)
     pos = torch.randint(-1, S, (1, N), device="cuda", generator=g)
     got = indexer_topk_triton(q, k, w, pos, 2048, fp8=fp8, key_rows=rows)
+    if fp8:  # the fp8 MMA sums otherwise than the reference: ties at the cut are many, so hold the picks to the cut
+        for r in range(R):
+            mine = rows[0] == r
+            assert_selection_within(got[:, mine], q[:, mine], k[r : r + 1], w[:, mine], pos[:, mine], 2048)
+        return
     want = indexer_topk_naive(q, k, w, pos, 2048, fp8=fp8, key_rows=rows)
     same = (got.sort(-1).values == want.sort(-1).values).float().mean()
     assert same > 0.999  # fp32 sums in another order may swap a near-tie at the cut, nothing more
