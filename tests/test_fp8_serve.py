@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import random
 
 import pytest
 import torch
@@ -72,9 +73,24 @@ def test_a_moved_fp8_module_keeps_its_bytes():
     assert torch.equal(fp8.weight.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(fp8.weight_scale_inv, s)
 
 
+PASSAGE_BYTES = 256  # the passage the model learns by heart
+
+
+def passage() -> bytes:
+    """The first PASSAGE_BYTES of docs/training.md, as ASCII."""
+    return bytes(b if b < 128 else 32 for b in open(os.path.join(REPO, "docs", "training.md"), "rb").read())[
+        :PASSAGE_BYTES
+    ]
+
+
 @pytest.fixture(scope="module")
 def trained_moe(tmp_path_factory):
-    return train_checkpoint(tmp_path_factory.mktemp("trained_moe_fp8") / "run", "model=tiny_moe")
+    """tiny_moe trained (150 steps, as the other serving tests train) on one passage repeated, which it learns by
+    heart (loss about 0.08): it continues the passage with clear margins between its top two logits, as a trained
+    language model does on most tokens, so FP8 rounding meets few near-ties."""
+    root = tmp_path_factory.mktemp("trained_moe_fp8")
+    (root / "passage.txt").write_bytes(passage() * 80)
+    return train_checkpoint(root / "run", "model=tiny_moe", f"data.path={root / 'passage.txt'}")
 
 
 def _serve_cfg(run, weights, pipeline="single"):
@@ -113,11 +129,14 @@ def test_a_converted_stage_matches_the_unconverted_one(trained_moe):
 
 
 def test_greedy_tokens_with_fp8_weights_equal_full_precision(trained_moe):
-    """The issue asks for 30 of 32 prompts equal. This tiny model (150 steps, byte loss about 1.9) has near-ties: on
-    CPU 27 to 29 of 32 agree over runs (28 after 400 steps), and every prompt that differs first differs where the fp32 weights'
-    top two logits are closer than the FP8 logits' error there (a tie broken the other way, not a wrong
-    computation); that is what this test holds, with 26 of 32 as a regression floor."""
-    prompts, _ = workload(32, seed=1)
+    """32 prompts cut from the learned passage (16 to 48 bytes), 8 new tokens each: FP8 weights give the fp32
+    weights' greedy tokens on at least 30 (on CPU: all 32, the smallest top-2 margin about 3 logits), and next-token
+    logits with cosine similarity above 0.999. A prompt that differs may only differ at a near-tie: where the fp32
+    weights' top two logits are closer than twice the FP8 logits' largest error there."""
+    rng = random.Random(1)
+    text = passage()
+    starts = [(rng.randint(16, 48), rng.random()) for _ in range(32)]
+    prompts = [list(text[int(u * (len(text) - n)) :][:n]) for n, u in starts]
     limits = [8] * len(prompts)
     runs = {}
     for weights in ("bf16", "fp8"):
@@ -145,7 +164,7 @@ def test_greedy_tokens_with_fp8_weights_equal_full_precision(trained_moe):
         + ", ".join(f"({m:.3f}, {e:.3f})" for m, e in ties)
     )
     print(msg)
-    assert same >= 26 and cos.mean() > 0.999, msg
+    assert same >= 30 and cos.mean() > 0.999, msg
     assert all(m <= 2 * e for m, e in ties), msg
 
 
