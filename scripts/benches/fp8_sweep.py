@@ -22,6 +22,7 @@ from bench_lib import CEIL, bench, bench_graph, environment, write_results
 DENSE = {"q_b": (24576, 1536), "o_proj": (7168, 16384), "shared gate_up": (4096, 7168), "shared down": (7168, 2048)}
 GROUPED = {"experts gate_up": (4096, 7168), "experts down": (7168, 2048)}
 EXPERTS, TOP_K = 256, 8
+DECODE_ROWS_PER_EXPERT = 16  # grouped buckets up to this many rows per expert are rated against the copy rate
 
 
 def _time(fn, graph: bool) -> tuple[float | None, str | None]:
@@ -100,6 +101,7 @@ def sweep_grouped(results: list) -> None:
             M = per_expert * EXPERTS
             ids = torch.rand(M // TOP_K, EXPERTS, device="cuda", generator=g).topk(TOP_K, dim=-1).indices
             _, offsets = sort_by_expert(ids, EXPERTS)
+            picked = int((torch.diff(offsets, prepend=offsets.new_zeros(1)) > 0).sum())  # experts with a row
             x8, x_scale_t = quantize_rows_1x128_triton(
                 torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
             )
@@ -107,7 +109,9 @@ def sweep_grouped(results: list) -> None:
             for label, config in entries:
                 key = (bound, label)
                 row = rows.setdefault(key, {"kernel": "grouped", "bound": bound, "timed_at": M, "config": label,
-                                            "fields": _fields(config) if label != "table now" else None, "ms": {}})  # fmt: skip
+                                            "fields": _fields(config) if label != "table now" else None, "ms": {},
+                                            "weight_bytes": {}})  # fmt: skip
+                row["weight_bytes"][op] = picked * N * K
                 fn = lambda: fp8_grouped_mm_triton(x8, x_scale_t, w8, w_scale, offsets, M, torch.bfloat16, config)  # noqa: E731
                 row["ms"][op], err = _time(fn, graph=False)
                 if err:
@@ -137,6 +141,8 @@ def rates(row: dict) -> None:
         N, K = shapes[op]
         if row["kernel"] == "dense":
             row["of_bound"][op] = round(N * K / ms / 1e9 / CEIL["copy_tbps"], 3)
+        elif M // EXPERTS <= DECODE_ROWS_PER_EXPERT:  # decode: the experts' weight bytes bound it
+            row["of_bound"][op] = round(row["weight_bytes"][op] / ms / 1e9 / CEIL["copy_tbps"], 3)
         else:
             row["of_bound"][op] = round(2 * M * N * K / ms / 1e9 / CEIL["fp8_tflops"], 3)
     complete = len(row["ms"]) == len(shapes) and None not in row["ms"].values() and "error" not in row
@@ -172,7 +178,8 @@ def markdown(results: list, best: dict, env: dict) -> str:
     lines = [f"FP8 tile sweep on {env['device_name']} (torch {env['torch']}, triton {env.get('triton', '-')}). Fp8 "
              f"ceiling {CEIL['fp8_tflops']} TFLOP/s, copy {CEIL['copy_tbps']} TB/s, measured in this process. Dense: "
              "CUDA-graph replays, `of bound` = weight bytes / ms against the copy rate. Grouped: eager, `of bound` = "
-             "TFLOP/s against the fp8 ceiling.", ""]  # fmt: skip
+             f"TFLOP/s against the fp8 ceiling, or, up to {DECODE_ROWS_PER_EXPERT} rows per expert, the weight bytes "
+             "of the experts that got a row / ms against the copy rate.", ""]  # fmt: skip
     for kernel in ("dense", "grouped"):
         shapes = DENSE if kernel == "dense" else GROUPED
         for bound in dict.fromkeys(r["bound"] for r in results if r["kernel"] == kernel):

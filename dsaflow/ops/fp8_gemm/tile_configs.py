@@ -123,6 +123,8 @@ DENSE_CANDIDATES: tuple = (
 # the ceiling-bound buckets: the per-K-block scaling waits for each MMA, so hiding it takes a second program on the
 # SM (4 warps, 64-row tiles, shallower rings) or more MMA per wait (128 x 256)
 GROUPED_CANDIDATES: tuple = (
+    # decode: 64 rows x 8 experts over 256 is 2 rows per expert; every expert a row picks is read whole
+    (4, 2, (C(16, 256, 4, 3), C(16, 128, 4, 4), C(16, 64, 4, 5), C(16, 128, 8, 4))),
     (16, 16, (C(16, 128, 4, 4), C(16, 64, 4, 5), C(16, 128, 4, 3), C(16, 256, 4, 3), C(16, 128, 8, 4))),
     (None, 128, (
         C(128, 128, 8, 4), C(128, 128, 8, 3), C(64, 128, 4, 4), C(64, 128, 4, 3), C(64, 128, 4, 5),
