@@ -83,14 +83,25 @@ def passage() -> bytes:
     ]
 
 
-@pytest.fixture(scope="module")
-def trained_moe(tmp_path_factory):
+def train_on_passage(root):
     """tiny_moe trained (150 steps, as the other serving tests train) on one passage repeated, which it learns by
     heart (loss about 0.08): it continues the passage with clear margins between its top two logits, as a trained
-    language model does on most tokens, so FP8 rounding meets few near-ties."""
-    root = tmp_path_factory.mktemp("trained_moe_fp8")
+    language model does on most tokens, so FP8 rounding meets few near-ties -> the run dir."""
     (root / "passage.txt").write_bytes(passage() * 80)
     return train_checkpoint(root / "run", "model=tiny_moe", f"data.path={root / 'passage.txt'}")
+
+
+def passage_prompts(n: int = 32, seed: int = 1) -> list:
+    """n prompts of 16 to 48 bytes cut from the passage at seeded random places."""
+    rng = random.Random(seed)
+    text = passage()
+    starts = [(rng.randint(16, 48), rng.random()) for _ in range(n)]
+    return [list(text[int(u * (len(text) - k)) :][:k]) for k, u in starts]
+
+
+@pytest.fixture(scope="module")
+def trained_moe(tmp_path_factory):
+    return train_on_passage(tmp_path_factory.mktemp("trained_moe_fp8"))
 
 
 def _serve_cfg(run, weights, pipeline="single"):
@@ -133,10 +144,7 @@ def test_greedy_tokens_with_fp8_weights_equal_full_precision(trained_moe):
     weights' greedy tokens on at least 30 (on CPU: all 32, the smallest top-2 margin about 3 logits), and next-token
     logits with cosine similarity above 0.999. A prompt that differs may only differ at a near-tie: where the fp32
     weights' top two logits are closer than twice the FP8 logits' largest error there."""
-    rng = random.Random(1)
-    text = passage()
-    starts = [(rng.randint(16, 48), rng.random()) for _ in range(32)]
-    prompts = [list(text[int(u * (len(text) - n)) :][:n]) for n, u in starts]
+    prompts = passage_prompts()
     limits = [8] * len(prompts)
     runs = {}
     for weights in ("bf16", "fp8"):

@@ -7,14 +7,13 @@ layer replayed from a CUDA graph bit-equal to eager. Run on a GPU machine:
 
 import pytest
 import torch
+from test_fp8_serve import passage_prompts, train_on_passage
+from test_moe_gpu import assert_replays_bit_equal_and_sync_nothing, small_moe_layer
 from test_moe_serve import MOE_MODEL
-from test_serve_pipelined import train_checkpoint, workload
 from test_serve_pipelined_gpu import SERVE as GPU_SERVE
 
 from dsaflow.config.compose import compose
-from dsaflow.config.moe_schema import MoEConfig
 from dsaflow.model.fp8_weights import FP8, quantize_stage_
-from dsaflow.model.moe import MoE
 from dsaflow.plan import build_plan
 from dsaflow.serve.generate import build_engine
 
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def trained_moe_gpu(tmp_path_factory):
-    return train_checkpoint(tmp_path_factory.mktemp("trained_moe_fp8_gpu") / "run", "model=tiny_moe")
+    return train_on_passage(tmp_path_factory.mktemp("trained_moe_fp8_gpu"))
 
 
 def fp8_engine(run, weights):
@@ -39,7 +38,7 @@ def fp8_engine(run, weights):
 
 
 def test_fp8_greedy_tokens_with_graphs_match_bf16(trained_moe_gpu):
-    prompts, _ = workload(32, seed=1)
+    prompts = passage_prompts()
     limits = [8] * len(prompts)
     eng = fp8_engine(trained_moe_gpu, "fp8")
     assert eng.stages[0].layers["1"].mlp.experts.gate_up_proj.dtype == FP8
@@ -47,8 +46,8 @@ def test_fp8_greedy_tokens_with_graphs_match_bf16(trained_moe_gpu):
     bf16 = fp8_engine(trained_moe_gpu, "bf16").generate(prompts, limits)
     same = sum(a == b for a, b in zip(fp8, bf16))
     print(f"FP8 vs bf16 weights, graphs on: {same} of 32 prompts' greedy tokens equal")
-    # both round (bf16 weights and activations too): the CPU test explains the near-ties of this tiny model
-    assert same >= 24, same
+    # the model learned its passage (tests/test_fp8_serve.py): on CPU all 32 agree with top-2 margins of 3+ logits
+    assert same >= 30, same
 
 
 def test_a_converted_moe_layer_replays_from_a_graph_bit_equal_and_syncs_nothing():
@@ -57,30 +56,7 @@ def test_a_converted_moe_layer_replays_from_a_graph_bit_equal_and_syncs_nothing(
             super().__init__()
             self.layers = torch.nn.ModuleDict({"1": torch.nn.ModuleDict({"mlp": mlp})})
 
-    layer = MoE(256, MoEConfig(n_routed_experts=16, num_experts_per_tok=4, moe_inter_dim=128, n_group=4, topk_group=2))
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    holder = quantize_stage_(Holder(layer), "cuda", torch.bfloat16)
+    holder = quantize_stage_(Holder(small_moe_layer()), "cuda", torch.bfloat16)
     layer = holder.layers["1"]["mlp"]
     assert layer.experts.gate_up_proj.dtype == FP8 and layer.shared_experts.w1.weight.dtype == FP8
-    static_x = torch.randn(8, 1, 256, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(side):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(2):
-                layer(static_x)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        static_out = layer(static_x)
-    for seed in range(3):
-        g = torch.Generator("cuda").manual_seed(seed)
-        x = torch.randn(8, 1, 256, device="cuda", dtype=torch.bfloat16, generator=g)
-        static_x.copy_(x)
-        graph.replay()
-        with torch.no_grad():
-            assert torch.equal(static_out, layer(x)), seed
+    assert_replays_bit_equal_and_sync_nothing(layer)

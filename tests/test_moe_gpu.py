@@ -71,12 +71,18 @@ def test_each_kernel_matches_the_per_expert_loop(monkeypatch, dtype, kernel, tol
         assert e < tol, f"gradient of {name}: relative error {e:.2e}"
 
 
-def test_a_moe_layer_replays_from_a_cuda_graph_bit_equal_and_syncs_nothing():
+def small_moe_layer() -> MoE:
+    """A 256-wide MoE layer (16 experts, 4 per token, grouped routing), weights ~ N(0, 0.05), on the CPU in fp32."""
     layer = MoE(256, MoEConfig(n_routed_experts=16, num_experts_per_tok=4, moe_inter_dim=128, n_group=4, topk_group=2))
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.05)
-    layer = layer.cuda().to(torch.bfloat16)
-    static_x = torch.randn(8, 1, 256, device="cuda", dtype=torch.bfloat16)
+    return layer
+
+
+def assert_replays_bit_equal_and_sync_nothing(layer, shape=(8, 1, 256)) -> None:
+    """Warm `layer` up on a side stream with host syncs made errors, capture it in a CUDA graph, then replay it on
+    three fresh bf16 inputs of `shape`: each replay must equal an eager call bit for bit."""
+    static_x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.no_grad(), torch.cuda.stream(side):
@@ -91,13 +97,16 @@ def test_a_moe_layer_replays_from_a_cuda_graph_bit_equal_and_syncs_nothing():
     with torch.no_grad(), torch.cuda.graph(graph):
         static_out = layer(static_x)
     for seed in range(3):
-        x = torch.randn(
-            8, 1, 256, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(seed)
-        )
+        g = torch.Generator("cuda").manual_seed(seed)
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
         static_x.copy_(x)
         graph.replay()
         with torch.no_grad():
             assert torch.equal(static_out, layer(x)), seed
+
+
+def test_a_moe_layer_replays_from_a_cuda_graph_bit_equal_and_syncs_nothing():
+    assert_replays_bit_equal_and_sync_nothing(small_moe_layer().cuda().to(torch.bfloat16))
 
 
 @pytest.fixture(scope="module")

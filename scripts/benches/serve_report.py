@@ -233,33 +233,26 @@ def plot(rows: list, plt):
     ax1.set_xticks(list(x), labels, fontsize=6)
     ax1.set_ylabel("output tokens/s")
     ax1.set_title("throughput")
-    width = 0.8 / max(r["ranks"] for r in rows)
-    for k in range(max(r["ranks"] for r in rows)):
-        ax2.bar(
-            [i + k * width for i in x],
-            [r["decode_busy_fraction"][k] if k < r["ranks"] else 0 for r in rows],
-            width,
-            label=f"rank {k}",
-        )
-    ax2.set_xticks([i + 0.4 - width / 2 for i in x], labels, fontsize=6)
-    ax2.set_ylim(0, 1)
-    ax2.set_ylabel("busy fraction in decode")
+    per_rank_bars(ax2, rows, labels, "decode_busy_fraction", "busy fraction in decode")
     ax2.legend(fontsize=7)
     ax2.set_title("per-rank busy fraction (decode ticks)")
-    for k in range(max(r["ranks"] for r in rows)):
-        ax3.bar(
-            [i + k * width for i in x],
-            [r["busy_fraction"][k] if k < r["ranks"] else 0 for r in rows],
-            width,
-            label=f"rank {k}",
-        )
-    ax3.set_xticks([i + 0.4 - width / 2 for i in x], labels, fontsize=6)
-    ax3.set_ylim(0, 1)
-    ax3.set_ylabel("busy fraction, whole run")
+    per_rank_bars(ax3, rows, labels, "busy_fraction", "busy fraction, whole run")
     ax3.set_title("per-rank busy fraction (every tick: prefill, mixed, decode)")
     tick_timeline(ax4, rows, labels)
     fig.tight_layout()
     return fig
+
+
+def per_rank_bars(ax, rows: list, labels: list, key: str, ylabel: str) -> None:
+    """One bar per rank per row of the fraction rows[i][key][rank], grouped by row, on a 0-1 axis."""
+    ranks = max(r["ranks"] for r in rows)
+    width = 0.8 / ranks
+    x = range(len(rows))
+    for k in range(ranks):
+        ax.bar([i + k * width for i in x], [r[key][k] if k < r["ranks"] else 0 for r in rows], width, label=f"rank {k}")
+    ax.set_xticks([i + 0.4 - width / 2 for i in x], labels, fontsize=6)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel(ylabel)
 
 
 def tick_timeline(ax, rows: list, labels: list) -> None:
