@@ -13,10 +13,12 @@
 #            kernel compiles beside it builds its passes late and the GPUs wait (decode busy 0.80 instead of 0.95
 #            on pp2). SERVE_STEPS="bench" or "tests" runs one part; PIPELINES replaces the pipelines; BENCH_ARGS adds
 #            options (BENCH_ARGS="--max-batch 256 --trace": larger passes, one Chrome trace per rank and row)
-#   fp8:     one H200: the FP8 GEMM and FP8 serving tests, scripts/bench_fp8.py, then the full-size DeepSeek-V3.2 pp8
-#            stage (scripts/bench_serve.py stage: 8 MoE layers, 256 experts, FP8) and its bf16 comparison on 2 layers
+#   fp8:     one H200: the FP8 GEMM and FP8 serving tests, the tile sweep (scripts/bench_fp8.py --sweep), then the
+#            full-size DeepSeek-V3.2 pp8 stage (scripts/bench_serve.py stage: 8 MoE layers, 256 experts, FP8) and its
+#            bf16 comparison on 2 layers
 #   mixed:   mixed prefill/decode passes: their GPU tests (pp2 / pp4 cases with 2 / 4 GPUs), then bench_serve engine on
-#            model=small with a sweep of serve.max_pass_tokens beside today's continuous and fixed batching
+#            model=small with a sweep of serve.max_pass_tokens beside today's continuous and fixed batching, all
+#            requests at the start and then arriving at RATES per second (default 120,170; --pipelines single)
 #   replicas: 4 GPUs: two pp2 replicas (parallel.dp=2) against one pp2, greedy tokens and tokens/s
 # Logs, JSON and markdown go to $OUT (default gpu_out/). Each step has its own time limit and keeps going after a
 # failure; the last lines list every step's exit status.
@@ -95,17 +97,25 @@ serve)
 fp8)
   step fp8_tests 240 python3 -m pytest -q -m gpu tests/test_fp8_gemm_gpu.py tests/test_fp8_serve_gpu.py
   summary
+  step sweep_fp8 200 python3 scripts/bench_fp8.py --device cuda --sweep --out "$OUT/sweep"
   step bench_fp8 150 python3 scripts/bench_fp8.py --device cuda --out "$OUT/fp8"
   step stage_fp8 300 python3 scripts/bench_serve.py stage --out "$OUT/stage"
   step stage_bf16 150 python3 scripts/bench_serve.py stage --weights bf16 --layers 2 --out "$OUT/stage_bf16"
-  cat "$OUT"/fp8/*.md "$OUT"/stage/*.md "$OUT"/stage_bf16/*.md 2>/dev/null ;;
+  cat "$OUT"/sweep/*.md "$OUT"/fp8/*.md "$OUT"/stage/*.md "$OUT"/stage_bf16/*.md 2>/dev/null ;;
 mixed)
-  step mixed_tests 300 python3 -m pytest -q -m "gpu or multigpu" tests/test_serve_mixed_gpu.py
+  step mixed_tests 300 python3 -m pytest -q -m "gpu or multigpu" tests/test_serve_mixed_gpu.py \
+    tests/test_serve_mixed_graphs_gpu.py
   summary
+  # mixed passes from graphs: eager ones of model=small serve a tenth of the tokens/s (docs/serving.md)
   STEP_LOG="$OUT/bench.log" step bench_mixed "${BENCH_LIMIT:-480}" python3 scripts/bench_serve.py engine --device cuda \
-    --pipelines "${PIPELINES:-single}" --workloads mixed,uniform --model small --max-pass-tokens "${BUDGETS:-256,512,1024,2048}" \
-    --out "$OUT/bench_mixed" ${BENCH_ARGS:-}
-  cat "$OUT/bench_mixed/bench_serve.md" 2>/dev/null ;;
+    --pipelines "${PIPELINES:-single}" --workloads mixed,uniform --model small --max-pass-tokens "${BUDGETS:-1024,2048,4096}" \
+    --mixed-graphs on --out "$OUT/bench_mixed" ${BENCH_ARGS:-}
+  for rate in $(echo "${RATES:-120,170}" | tr , ' '); do
+    STEP_LOG="$OUT/bench.log" step bench_mixed_arrivals_$rate 240 python3 scripts/bench_serve.py engine --device cuda \
+      --pipelines single --workloads mixed --model small --max-pass-tokens "${BUDGETS:-1024,2048,4096}" \
+      --mixed-graphs on --arrival-rate "$rate" --out "$OUT/bench_mixed_$rate"
+  done
+  cat "$OUT/bench_mixed/bench_serve.md" "$OUT"/bench_mixed_*/bench_serve.md 2>/dev/null ;;
 replicas)
   step replica_tests 240 python3 -m pytest -q -m multigpu tests/test_serve_multigpu.py -k replicas
   summary
