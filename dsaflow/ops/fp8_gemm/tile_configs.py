@@ -29,6 +29,10 @@ class FP8TileConfig:
     fuse_quant: dense only; the GEMM quantizes its activation tile itself (bit-equal to `triton_act_quant`)
         instead of a separate quantization launch: for few rows, where that launch and its round trip are a
         noticeable part of the call.
+    prefetch_scales: the K loop loads each block's fp32 scales two blocks ahead and forms their product one block
+        ahead, instead of loading them in the iteration that applies them, where the MMA's issue waits on that
+        global load (bit-identical results). Tiles at most 128 columns wide (one weight scale per K block); not
+        with fuse_quant (that loop computes its activation scales itself).
     """
 
     block_m: int
@@ -38,13 +42,18 @@ class FP8TileConfig:
     group_m: int = 8
     split_k_programs: int = 0
     fuse_quant: bool = False
+    prefetch_scales: bool = False
+
+    def __post_init__(self):
+        if self.prefetch_scales and (128 % self.block_n or self.fuse_quant):
+            raise ValueError(f"prefetch_scales needs block_n dividing 128 and no fuse_quant: {self}")
 
     def name(self) -> str:
-        """A short label: 64x128 w4 s3 g8 [splitk>=264] [fused]."""
+        """A short label: 64x128 w4 s3 g8 [splitk>=264] [fused] [prefetch]."""
         label = f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages} g{self.group_m}"
         if self.split_k_programs:
             label += f" splitk>={self.split_k_programs}"
-        return label + (" fused" if self.fuse_quant else "")
+        return label + (" fused" if self.fuse_quant else "") + (" prefetch" if self.prefetch_scales else "")
 
 
 C = FP8TileConfig
@@ -116,12 +125,13 @@ DENSE_CANDIDATES: tuple = (
     (256, 256, (
         C(64, 64, 4, 5), C(64, 128, 4, 4), C(128, 64, 4, 4), C(64, 128, 4, 3, group_m=16),
         C(128, 128, 8, 4), C(64, 64, 4, 4, split_k_programs=SM_FILL), C(64, 128, 4, 4, split_k_programs=SM_FILL),
-        C(64, 64, 4, 5, fuse_quant=True),
+        C(64, 64, 4, 5, fuse_quant=True), C(128, 64, 4, 4, prefetch_scales=True),
     )),
 )  # fmt: skip
 
 # the ceiling-bound buckets: the per-K-block scaling waits for each MMA, so hiding it takes a second program on the
-# SM (4 warps, 64-row tiles, shallower rings) or more MMA per wait (128 x 256)
+# SM (4 warps, 64-row tiles, shallower rings) or more MMA per wait (128 x 256); prefetch_scales takes the scales'
+# global loads off the path to each MMA
 GROUPED_CANDIDATES: tuple = (
     # decode: 64 rows x 8 experts over 256 is 2 rows per expert; every expert a row picks is read whole
     (4, 2, (C(16, 256, 4, 3), C(16, 128, 4, 4), C(16, 64, 4, 5), C(16, 128, 8, 4))),
@@ -130,5 +140,7 @@ GROUPED_CANDIDATES: tuple = (
         C(128, 128, 8, 4), C(128, 128, 8, 3), C(64, 128, 4, 4), C(64, 128, 4, 3), C(64, 128, 4, 5),
         C(64, 256, 8, 3), C(128, 256, 8, 3), C(128, 64, 4, 4), C(64, 64, 4, 4),
         C(64, 128, 4, 4, group_m=16), C(128, 128, 8, 4, group_m=4),
+        C(64, 128, 4, 4, prefetch_scales=True), C(64, 128, 4, 4, group_m=16, prefetch_scales=True),
+        C(128, 128, 8, 4, prefetch_scales=True),
     )),
 )  # fmt: skip

@@ -32,14 +32,60 @@ from .triton_act_quant import _pow2_ceil, _round_to_e4m3, quantize_rows_1x128_tr
 @triton.jit
 def fp8_block_dot(
     acc, a_ptrs, b_ptrs, a_scale_ptrs, b_scale_ptrs, K, kb_lo, kb_hi, s_ask, s_bsk,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_B_SCALE: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_B_SCALE: tl.constexpr, PREFETCH_SCALES: tl.constexpr = False,
 ):  # fmt: skip
     """acc + sum over K blocks kb_lo <= kb < kb_hi of (A tile . B tile)(kb) * a_scale[:, kb] b_scale[:, kb]. The
     pointers address K block 0 at rows and columns already clamped into range: A tile [BM, BK], B tile [BK, BN],
-    a_scale [BM], b_scale [BN] (a scalar pointer when ONE_B_SCALE)."""
+    a_scale [BM], b_scale [BN] (a scalar pointer when ONE_B_SCALE).
+
+    PREFETCH_SCALES (needs ONE_B_SCALE): the same sums in the same order, with each block's scales loaded two blocks
+    ahead and their product formed one block ahead, so no iteration waits on a global load before its MMA."""
     ks = tl.arange(0, BLOCK_K)
     a_ptrs += kb_lo * BLOCK_K
     b_ptrs += kb_lo * BLOCK_K
+    if PREFETCH_SCALES:
+        tl.static_assert(ONE_B_SCALE, "prefetched scales need a tile in one weight-scale block")
+        acc = _prefetched_block_dot(
+            acc, a_ptrs, b_ptrs, a_scale_ptrs, b_scale_ptrs, K, kb_lo, kb_hi, s_ask, s_bsk, BLOCK_K, EVEN_K
+        )
+    else:
+        for kb in range(kb_lo, kb_hi):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = ks < K - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            a_s = tl.load(a_scale_ptrs + kb * s_ask)
+            b_s = tl.load(b_scale_ptrs + kb * s_bsk)
+            if ONE_B_SCALE:
+                acc += tl.dot(a, b) * (a_s * b_s)[:, None]
+            else:
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _prefetched_block_dot(
+    acc, a_ptrs, b_ptrs, a_scale_ptrs, b_scale_ptrs, K, kb_lo, kb_hi, s_ask, s_bsk,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """`fp8_block_dot`'s loop for a scalar weight scale, with the scales off the MMA's critical path: a scale
+    loaded in the iteration that uses it leaves the MMA's issue waiting on a global load (the compiler forms the
+    scale product ahead of the MMA), which is most of the K loop's time at prefill shapes. Here block kb + 2's
+    scales are loaded in iteration kb (indices clamped to the last block: extra loads, never read), and block kb +
+    1's product a_scale * b_scale is formed at its end from the loads of iteration kb - 1. The products and the
+    accumulation order are today's, so the result is bit-identical. (Carrying the raw scales two iterations
+    instead would be a loop-carried distance of 2, which Triton's software pipeliner does not handle: it then
+    drops the cp.async ring altogether.) Needs kb_lo < kb_hi: the launchers never start a K loop without blocks."""
+    ks = tl.arange(0, BLOCK_K)
+    s = tl.load(a_scale_ptrs + kb_lo * s_ask) * tl.load(b_scale_ptrs + kb_lo * s_bsk)
+    k1 = tl.minimum(kb_lo + 1, kb_hi - 1)
+    a_s1 = tl.load(a_scale_ptrs + k1 * s_ask)
+    b_s1 = tl.load(b_scale_ptrs + k1 * s_bsk)
     for kb in range(kb_lo, kb_hi):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -48,12 +94,13 @@ def fp8_block_dot(
             k_ok = ks < K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        a_s = tl.load(a_scale_ptrs + kb * s_ask)
-        b_s = tl.load(b_scale_ptrs + kb * s_bsk)
-        if ONE_B_SCALE:
-            acc += tl.dot(a, b) * (a_s * b_s)[:, None]
-        else:
-            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        k2 = tl.minimum(kb + 2, kb_hi - 1)
+        a_s2 = tl.load(a_scale_ptrs + k2 * s_ask)
+        b_s2 = tl.load(b_scale_ptrs + k2 * s_bsk)
+        acc += tl.dot(a, b) * s[:, None]
+        s = a_s1 * b_s1
+        a_s1 = a_s2
+        b_s1 = b_s2
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     return acc
@@ -100,6 +147,7 @@ def _fp8_gemm_kernel(
     s_am, s_ask, s_bn, s_bsn, s_bsk, s_cs, s_cm, s_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, FUSE_QUANT: tl.constexpr, UE8M0: tl.constexpr, INV_MAX: tl.constexpr,
+    PREFETCH_SCALES: tl.constexpr = False,
 ):  # fmt: skip
     """A [M, K] (unit K stride): fp8 with a_scale K-block-major (row stride 1, K-block stride s_ask), or, when
     FUSE_QUANT, the unquantized activations (a_scale unused). B [N, K] fp8 (unit K stride), b_scale [ceil(N / 128),
@@ -125,7 +173,7 @@ def _fp8_gemm_kernel(
     if FUSE_QUANT:
         acc = _quantized_block_dot(acc, a_ptrs, b_ptrs, b_scale_ptrs, K, kb_lo, kb_hi, s_bsk, INV_MAX, UE8M0, BLOCK_K, EVEN_K, BLOCK_K % BLOCK_N == 0)
     else:
-        acc = fp8_block_dot(acc, a_ptrs, b_ptrs, a_scale_ptr + rows_in, b_scale_ptrs, K, kb_lo, kb_hi, s_ask, s_bsk, BLOCK_K, EVEN_K, BLOCK_K % BLOCK_N == 0)
+        acc = fp8_block_dot(acc, a_ptrs, b_ptrs, a_scale_ptr + rows_in, b_scale_ptrs, K, kb_lo, kb_hi, s_ask, s_bsk, BLOCK_K, EVEN_K, BLOCK_K % BLOCK_N == 0, PREFETCH_SCALES)
     c_ptrs = c_ptr + split.to(tl.int64) * s_cs + rows[:, None].to(tl.int64) * s_cm + cols[None, :] * s_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
@@ -170,6 +218,7 @@ def _launch(a, a_scale_t, w8, w_scale, M, out_dtype, config, fuse_quant, ue8m0):
         w_scale.stride(1), target.stride(0) if split > 1 else 0, target.stride(-2), target.stride(-1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK, GROUP_M=config.group_m,
         EVEN_K=K % BLOCK == 0, FUSE_QUANT=fuse_quant, UE8M0=ue8m0, INV_MAX=1.0 / E4M3_MAX,
+        PREFETCH_SCALES=config.prefetch_scales and not fuse_quant,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split > 1:

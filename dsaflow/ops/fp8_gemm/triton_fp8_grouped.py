@@ -28,7 +28,7 @@ def _fp8_grouped_kernel(
     N, K,
     s_am, s_ask, s_be, s_bn, s_bse, s_bsn, s_bsk, s_cm, s_cn,
     E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, PREFETCH_SCALES: tl.constexpr = False,
 ):
     """C[m] = A[m] . B[e(m)]^T for the rows of one tile of expert e; zeros for a tile of group E (rows past the
     last expert); nothing for a slot past the last tile (group E + 1)."""
@@ -57,7 +57,7 @@ def _fp8_grouped_kernel(
     else:
         b_scale_ptrs = b_scale_ptr + e.to(tl.int64) * s_bse + (cols_in // BLOCK_K) * s_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = fp8_block_dot(acc, a_ptrs, b_ptrs, a_scale_ptr + rows_in, b_scale_ptrs, K, 0, tl.cdiv(K, BLOCK_K), s_ask, s_bsk, BLOCK_K, EVEN_K, BLOCK_K % BLOCK_N == 0)
+    acc = fp8_block_dot(acc, a_ptrs, b_ptrs, a_scale_ptr + rows_in, b_scale_ptrs, K, 0, tl.cdiv(K, BLOCK_K), s_ask, s_bsk, BLOCK_K, EVEN_K, BLOCK_K % BLOCK_N == 0, PREFETCH_SCALES)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
@@ -79,6 +79,8 @@ def fp8_grouped_mm_triton(
     out = torch.empty(M, N, device=x8.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return out
+    if K == 0:  # no K blocks: all zeros (and a K loop never starts empty)
+        return out.zero_()
     config = config or grouped_config(M, E, N)
     block_m, block_n = config.block_m, config.block_n
     ends = torch.cat([offsets.to(torch.int32), offsets.new_full((1,), M, dtype=torch.int32)])
@@ -89,6 +91,6 @@ def fp8_grouped_mm_triton(
         x8.stride(0), x_scale_t.stride(0), w8.stride(0), w8.stride(1),
         w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), out.stride(0), out.stride(1),
         E=E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, EVEN_K=K % BLOCK == 0, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PREFETCH_SCALES=config.prefetch_scales, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
