@@ -6,7 +6,6 @@ hold pass by pass; bad settings fail with the field, the value and the fix."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 from test_serve_pipelined import engine, generate_cli, train_checkpoint, workload
@@ -14,10 +13,9 @@ from test_serve_pipelined import engine, generate_cli, train_checkpoint, workloa
 from dsaflow.config.compose import compose
 from dsaflow.errors import ServeError
 from dsaflow.plan import build_plan
-from dsaflow.serve.engine import PipelineEngine
 from dsaflow.serve.generate import build_engine
 from dsaflow.serve.passes import Request
-from dsaflow.serve.scheduler import Scheduler
+from dsaflow.serve.scheduler import Scheduler, online_arrivals
 
 EAGER = ["serve.short_prefill=false"]  # the reference: today's passes, sparse attention only
 
@@ -81,9 +79,8 @@ def test_bad_arrivals_name_the_fix():
         eng.generate(prompts, limits, arrivals=[0.0])
     with pytest.raises(ValueError, match="non-decreasing"):
         eng.generate(prompts, limits, arrivals=[0.0, 0.2, 0.1])
-    ranks = SimpleNamespace(owner={0: 0, 1: 1})  # stage -> rank: a pipeline across two processes
     with pytest.raises(ValueError, match="every stage in this process"):
-        PipelineEngine._check_arrivals(ranks, [0.0, 0.1], 2)
+        online_arrivals([0.0, 0.1], 2, one_process=False)  # a pipeline across processes
 
 
 def test_every_pass_keeps_the_budget_and_every_decoding_row_its_token():

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -54,7 +53,7 @@ from .mixed import pad_mixed_pass
 from .passes import Pass, Request
 from .report import CaptureReport, run_stats
 from .sampling import TOKEN_KEY, sample_message
-from .scheduler import Scheduler, group_ranges, prefill_row_classes
+from .scheduler import Scheduler, group_ranges, online_arrivals, prefill_row_classes
 from .stage_graphs import GraphBlocks
 from .upload import Uploader, pass_vectors
 
@@ -288,19 +287,16 @@ class PipelineEngine(GraphBlocks):
         per prompt, in input order, on the last stage's rank (None on the others). Sets `stats` (per-request time to
         first token and time per output token, per-rank busy fractions) and `timings`. key_ids: the id each
         request's sampling is keyed by (default its position here): a serving replica passes the request's index in
-        the whole job, so that sampled tokens do not depend on which replica served it.
-
-        arrivals: online serving, for an engine that runs every stage in this process: request i may start only
-        arrivals[i] seconds (non-decreasing in input order) after the run starts, and its time to first token counts
-        from then. Default: every request is there at the start (offline). The tokens do not depend on it."""
+        the whole job, so that sampled tokens do not depend on which replica served it. arrivals: online serving
+        (`scheduler.online_arrivals`), request i joins arrivals[i] s after the start and its TTFT counts from then;
+        default: all at the start. The tokens do not depend on it."""
         s = self.serve
         self.key_ids = list(key_ids) if key_ids is not None else list(range(len(prompts)))
         if not prompts:
             return [] if self.owner[self.last] == self.rank else None
         max_new = list(max_new) if max_new is not None else [s.max_new_tokens] * len(prompts)
         requests = requests_of(prompts, max_new, s.max_context, self.model_cfg.vocab_size)
-        self.arrivals = self._check_arrivals(arrivals, len(prompts))
-        start = [time.perf_counter()]
+        self.arrivals = online_arrivals(arrivals, len(prompts), len(set(self.owner.values())) == 1)
         self.scheduler = Scheduler(
             requests,
             self.ranges,
@@ -313,7 +309,6 @@ class PipelineEngine(GraphBlocks):
             # groups share ticks only across ranks; eager passes cost their rows x tokens on a CPU (launches on a GPU)
             balance=self.groups > 1 and len(set(self.owner.values())) > 1 and self.device.type == "cpu",
             arrivals=self.arrivals,
-            clock=lambda: time.perf_counter() - start[0],
         )
         self.logits_log, self.first_mark, self.last_mark = {}, {}, {}
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
@@ -342,24 +337,12 @@ class PipelineEngine(GraphBlocks):
                 decode_transfer=self._transfer_graphs(),
             )
             self.late_eos = LateFlags(self.device, [b - a for a, b in self.ranges]) if s.eos_id is not None else None
-            rr = [0]
 
             def pick(free):
-                while True:
-                    for k in range(self.groups):
-                        g = (rr[0] + k) % self.groups
-                        if free(g) and self.scheduler.has_work(g):
-                            p = self.scheduler.next_pass(g)
-                            if p is not None:
-                                rr[0] = g + 1
-                                return self._prepare(p)
-                    due = self.scheduler.next_arrival()
-                    if due is None or not all(free(g) for g in range(self.groups)):
-                        return None  # the end, or a bubble while passes are in flight
-                    # nothing in flight and nothing to run before the next request arrives: wait for it
-                    time.sleep(max(0.0, due - (time.perf_counter() - start[0])))
+                p = self.scheduler.pick(free)
+                return None if p is None else self._prepare(p)
 
-            start[0] = time.perf_counter()
+            self.scheduler.start_clock()
             ticks = self.executor.run(pick, self._stage, self._finish, self._feedback)
             tl = self.executor.timeline.resolve()
         self._summarise(tl, ticks, requests)
@@ -414,23 +397,4 @@ class PipelineEngine(GraphBlocks):
         self.timings["decode_s"] = tl["decode_wall_s"]
         done = {r.index: self.scheduler.generated[r.index] for r in requests}
         ttft, tpot = self.executor.timeline.latencies(self.first_mark, self.last_mark, done)
-        if self.arrivals is not None:  # online: from each request's arrival, not from the start
-            ttft = {r: v - self.arrivals[r] for r, v in ttft.items()}
-        self.stats = run_stats(tl, ticks, (ttft, tpot), int(self.timings["tokens"]))
-
-    def _check_arrivals(self, arrivals: Optional[List[float]], n: int) -> Optional[List[float]]:
-        """arrivals as floats, or ValueError naming what is wrong with them."""
-        if arrivals is None:
-            return None
-        arrivals = [float(a) for a in arrivals]
-        if len(arrivals) != n:
-            raise ValueError(f"arrivals: {len(arrivals)} times for {n} prompts; give one per prompt")
-        if any(a < 0 for a in arrivals) or any(b < a for a, b in zip(arrivals, arrivals[1:])):
-            raise ValueError("arrivals must be seconds >= 0, non-decreasing in input order (requests join in order)")
-        if len(set(self.owner.values())) > 1:
-            raise ValueError(
-                "arrivals need every stage in this process: ranks decide admissions each on its own, from their "
-                "inputs alone, and wall-clock arrivals would make them disagree; serve online arrivals with "
-                "all_stages=True or pipeline=single"
-            )
-        return arrivals
+        self.stats = run_stats(tl, ticks, (self.scheduler.from_arrival(ttft), tpot), int(self.timings["tokens"]))

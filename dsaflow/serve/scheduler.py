@@ -37,8 +37,9 @@ prompts of a refill end in a short pass instead of being padded to the longest o
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from typing import Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .mixed import mixed_pass
 from .passes import Pass, Request, Row
@@ -49,6 +50,26 @@ def prefill_row_classes(group_rows: int) -> Tuple[int, ...]:
     of them, ascending; a refill of n requests prefills at the cost of the smallest class >= n. The small classes
     matter once the refill share is 1/4: a pass's last chunks often hold a few long prompts only."""
     return tuple(sorted({max(1, group_rows // d) for d in (32, 16, 8, 4, 2, 1)}))
+
+
+def online_arrivals(arrivals: Optional[Sequence[float]], n: int, one_process: bool) -> Optional[List[float]]:
+    """The arrival times of n requests (seconds after the run starts) as floats, or ValueError naming what is wrong:
+    one per request, >= 0, non-decreasing in input order (requests join in order), and every stage in this process
+    (the ranks of a pipeline decide admissions each on its own, and wall-clock arrivals would make them disagree)."""
+    if arrivals is None:
+        return None
+    arrivals = [float(a) for a in arrivals]
+    if len(arrivals) != n:
+        raise ValueError(f"arrivals: {len(arrivals)} times for {n} prompts; give one per prompt")
+    if any(a < 0 for a in arrivals) or any(b < a for a, b in zip(arrivals, arrivals[1:])):
+        raise ValueError("arrivals must be seconds >= 0, non-decreasing in input order (requests join in order)")
+    if not one_process:
+        raise ValueError(
+            "arrivals need every stage in this process: ranks decide admissions each on its own, from their inputs "
+            "alone, and wall-clock arrivals would make them disagree; serve online arrivals with all_stages=True or "
+            "pipeline=single"
+        )
+    return arrivals
 
 
 def group_ranges(max_batch: int, groups: int) -> List[Tuple[int, int]]:
@@ -87,15 +108,16 @@ class Scheduler:
         balance: bool = False,
         max_pass_tokens: Optional[int] = None,
         arrivals: Optional[Sequence[float]] = None,
-        clock: Optional[Callable[[], float]] = None,
     ):
         self.queue: Deque[Request] = deque(requests)
-        # online arrivals: request i joins the queue once clock() reaches arrivals[i] (seconds, non-decreasing in
-        # input order); until then it is pending
+        # online arrivals (`online_arrivals`): request i joins the queue once clock() reaches arrivals[i]; until then
+        # it is pending
         self.pending: Deque[Tuple[float, Request]] = deque()
+        self.arrivals = arrivals
         if arrivals is not None:
             self.pending, self.queue = deque(zip(arrivals, requests)), deque()
-        self.clock = clock
+        self.started = time.perf_counter()  # clock() counts from here; `start_clock` resets it as the run starts
+        self.turn_group = 0  # `pick`'s round robin over the groups
         # serve.max_pass_tokens: mixed token-major passes (dsaflow.serve.mixed) with this token budget; continuous
         # batching only, and then none of the narrow refills, chunk classes or balanced chunks below
         self.max_pass_tokens = max_pass_tokens if refill else None
@@ -121,9 +143,33 @@ class Scheduler:
         self._arrive()
         return bool(self.queue) or bool(self.pending) or any(r is not None for r in self.rows[group])
 
-    def next_arrival(self) -> Optional[float]:
-        """When the next pending request arrives (clock seconds), or None when none is pending."""
-        return self.pending[0][0] if self.pending else None
+    def start_clock(self) -> None:
+        self.started = time.perf_counter()
+
+    def clock(self) -> float:
+        """Seconds since the run started (`start_clock`): the time arrivals are given in."""
+        return time.perf_counter() - self.started
+
+    def pick(self, free: Callable[[int], bool]) -> Optional[Pass]:
+        """The next pass of the groups in turn (round robin) whose previous pass is done (free(group)), or None when
+        none has one. With requests still to arrive and nothing in flight, first waits for the next one."""
+        groups = len(self.ranges)
+        while True:
+            for k in range(groups):
+                g = (self.turn_group + k) % groups
+                if free(g) and self.has_work(g):
+                    p = self.next_pass(g)
+                    if p is not None:
+                        self.turn_group = g + 1
+                        return p
+            due = self.pending[0][0] if self.pending else None
+            if due is None or not all(free(g) for g in range(groups)):
+                return None  # the end, or a bubble while passes are in flight
+            time.sleep(max(0.0, due - self.clock()))  # nothing to run or in flight until the next request arrives
+
+    def from_arrival(self, ttft: Dict[int, float]) -> Dict[int, float]:
+        """{request: time to first token from the start} -> from each request's arrival (online; else as it is)."""
+        return ttft if self.arrivals is None else {r: v - self.arrivals[r] for r, v in ttft.items()}
 
     def _arrive(self) -> None:
         """Pending requests whose arrival time has come join the queue, in input order."""

@@ -84,8 +84,8 @@ def add_options(ap: argparse.ArgumentParser, out: str = "bench_out/serve") -> No
         type=float,
         default=0.0,
         help="online serving: requests arrive as a Poisson process of this many per second (seeded), each row's "
-        "time to first token counted from its arrival; --pipelines single only. 0 (default): every request is there "
-        "at the start, so TTFT includes the wait for a cache row",
+        "time to first token counted from its arrival; the single pipeline only (one process runs every stage). 0 "
+        "(default): every request is there at the start, so TTFT includes the wait for a cache row",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=out, help=f"results folder (default {out}, printed when the run starts)")
