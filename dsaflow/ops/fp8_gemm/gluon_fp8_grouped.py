@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..moe.triton_grouped import tile_table
 from ..sparse_mla.hopper_common import GLUON_ERROR, gluon_reason, kernel_config
 from .naive import BLOCK, FP8
 
@@ -290,6 +289,8 @@ def fp8_grouped_mm_gluon(
         return out.zero_()
     assert x_scale_t.stride(1) == 1, "x_scale_t needs a unit stride along M"
     from triton.experimental.gluon import language as gl
+
+    from ..moe.triton_grouped import tile_table  # here: dsaflow.ops.moe imports this package
 
     ends = torch.cat([offsets.to(torch.int32), offsets.new_full((1,), M, dtype=torch.int32)])
     expert, row0, row_end = tile_table(ends, M, BLOCK_M)
