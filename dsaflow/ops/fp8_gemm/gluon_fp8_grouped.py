@@ -279,6 +279,8 @@ def fp8_grouped_mm_gluon(
     past offsets[-1] zero. config: knobs of `GLUON_CFG`. Raises ValueError with `gluon_support_reason`'s answer when
     it refuses the inputs (the Triton kernel takes every shape)."""
     c = kernel_config(GLUON_CFG, config, "fp8 grouped Gluon GEMM")
+    if c["STAGES"] < 2:  # a consumer holds two slots (the block it promotes and the one in flight)
+        raise ValueError(f"fp8_grouped_mm_gluon: STAGES must be at least 2, got {c['STAGES']}")
     if (reason := gluon_support_reason(x8, w8)) is not None:
         raise ValueError(f"fp8_grouped_mm_gluon: {reason}")
     E, N, K = w8.shape
