@@ -7,8 +7,10 @@ or fused where the candidate says so) on the four dense weights of bench_fp8.py,
 serving step pays: launches captured); a bucket's winner has the least total time over the four, and each shape's
 own winner is listed too. Grouped buckets (256 experts, 8 per token): each candidate runs `fp8_grouped_mm_triton` on
 the experts' gate_up and down (random fp8 weights: the timing does not depend on the values), least total time wins.
-The table's current config and, for dense bf16, torch's scaled_mm row are timed beside them. A candidate that fails
-to compile or run is reported and skipped. Writes bench_fp8_sweep.json and .md to --out.
+The table's current config and, for dense bf16, torch's scaled_mm row are timed beside them, and in each grouped
+bucket the Gluon kernel (`gluon_fp8_grouped.py`: the next K block's MMA overlapped with the last one's scaling) where
+its rule takes the call (sm_90): baselines, never a table row. A candidate that fails to compile or run is reported and
+skipped. Writes bench_fp8_sweep.json and .md to --out.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ DENSE = {"q_b": (24576, 1536), "o_proj": (7168, 16384), "shared gate_up": (4096,
 GROUPED = {"experts gate_up": (4096, 7168), "experts down": (7168, 2048)}
 EXPERTS, TOP_K = 256, 8
 DECODE_ROWS_PER_EXPERT = 16  # grouped buckets up to this many rows per expert are rated against the copy rate
+GLUON = "gluon 128x128 overlap"  # the Gluon grouped kernel's baseline row
+BASELINES = ("table now", GLUON)
 
 
 def _time(fn, graph: bool) -> tuple[float | None, str | None]:
@@ -89,6 +93,7 @@ def random_experts(N: int, K: int, g):
 
 def sweep_grouped(results: list) -> None:
     from dsaflow.ops.fp8_gemm import tile_configs
+    from dsaflow.ops.fp8_gemm.gluon_fp8_grouped import fp8_grouped_mm_gluon, gluon_support_reason
     from dsaflow.ops.fp8_gemm.triton_act_quant import quantize_rows_1x128_triton
     from dsaflow.ops.fp8_gemm.triton_fp8_grouped import fp8_grouped_mm_triton
     from dsaflow.ops.moe import sort_by_expert
@@ -106,13 +111,18 @@ def sweep_grouped(results: list) -> None:
                 torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
             )
             entries = [(c.name(), c) for c in candidates] + [("table now", tile_configs.grouped_config(M, EXPERTS, N))]
+            if gluon_support_reason(x8, w8) is None:
+                entries.append((GLUON, None))
             for label, config in entries:
                 key = (bound, label)
                 row = rows.setdefault(key, {"kernel": "grouped", "bound": bound, "timed_at": M, "config": label,
-                                            "fields": _fields(config) if label != "table now" else None, "ms": {},
+                                            "fields": _fields(config) if label not in BASELINES else None, "ms": {},
                                             "weight_bytes": {}})  # fmt: skip
                 row["weight_bytes"][op] = picked * N * K
-                fn = lambda: fp8_grouped_mm_triton(x8, x_scale_t, w8, w_scale, offsets, M, torch.bfloat16, config)  # noqa: E731
+                if label == GLUON:
+                    fn = lambda: fp8_grouped_mm_gluon(x8, x_scale_t, w8, w_scale, offsets, M, torch.bfloat16)  # noqa: E731
+                else:
+                    fn = lambda: fp8_grouped_mm_triton(x8, x_scale_t, w8, w_scale, offsets, M, torch.bfloat16, config)  # noqa: E731
                 row["ms"][op], err = _time(fn, graph=False)
                 if err:
                     row["error"] = err

@@ -3,7 +3,8 @@
 
 Layout: `naive.py` (the quantizers and the fp32 references), the kernels (`triton_act_quant.py`: the activations'
 quantization; `triton_fp8_gemm.py`, `triton_fp8_grouped.py`: the GEMMs, launched from `tile_configs.py`'s tables; `torch_blockwise.py`: torch's cuBLASLt
-kernel), `dispatch.py` (the table and `explain_fp8_gemm`) and the public functions below. The weights are frozen
+kernel; `gluon_fp8_grouped.py`: a Gluon grouped GEMM for sm_90 that overlaps each K block's MMA with the previous
+block's scaling, timed by the sweep and not yet in the table), `dispatch.py` (the table and `explain_fp8_gemm`) and the public functions below. The weights are frozen
 (no gradient), so there is no autograd.Function. Nothing here syncs the host or shapes a tensor by its values, so
 serving graphs capture both GEMMs.
 """
@@ -14,6 +15,7 @@ import torch
 
 from ..kernel_table import chosen, describe
 from .dispatch import explain_fp8_gemm
+from .gluon_fp8_grouped import fp8_grouped_mm_gluon, gluon_support_reason  # noqa: F401 - measured before dispatch
 from .naive import (
     FP8,
     blocks,

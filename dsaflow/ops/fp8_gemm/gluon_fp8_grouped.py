@@ -1,0 +1,310 @@
+"""The grouped block-scaled FP8 GEMM for Hopper (sm_90), written in Gluon: the contract of `triton_fp8_grouped`
+(rows sorted by expert, x8 [M_pad, K] e4m3 with scales x_scale_t [ceil(K / 128), M_pad], w8 [E, N, K] e4m3 with
+w_scale [E, ceil(N / 128), ceil(K / 128)], offsets int32 [E] -> [M, N], rows past offsets[-1] zero), with the tensor
+cores' MMA of K block kb + 1 running while the CUDA cores scale K block kb, as DeepGEMM does.
+
+Why: each K block's product must be scaled by a_scale[rows, kb] x w_scale[e, n // 128, kb] and added to the fp32
+accumulator on the CUDA cores (the recipe's promotion). Triton waits for every block's MMA before that scaling
+(`wgmma.wait_group 0`: its pipeliner keeps an MMA in flight only when the product feeds the next MMA's
+accumulator), so the tensor cores idle during each block's promotion; that kernel reaches about a third of the fp8
+peak at DeepSeek-V3.2's prefill shapes. Here every K block's MMA is issued before the previous one is retired
+(`warpgroup_mma_wait(num_outstanding=1)`), so one MMA group is always in flight while the last one is promoted.
+
+Roles, per output tile of 128 rows (one row tile of `moe.triton_grouped.tile_table`) x 128 columns (one weight-scale
+block, so the weight scale is one scalar per K block):
+  producer   (one warp) copies each K block's operands with TMA into a STAGES-deep shared-memory ring: A as two
+             [64, 128] boxes at rows row0 and row0 + 64 of x8 (any row: the rows past the tile's end belong to the
+             next expert or lie past M_pad, where TMA fills zeros; they are never stored), B as one [128, 128] box
+             of w8 viewed as [E * N, K] at row e * N + n0. K and N past the tensor are zero-filled by TMA, so partial
+             blocks need no mask. Each slot has a ready mbarrier (TMA's byte count) and an empty one (both
+             consumers' arrivals).
+  consumer c (c = 0, 1: two warpgroups, rows 64 c .. 64 c + 63 of the tile) issues block kb + 1's MMA into a dead
+             register tile (use_acc=False), retires block kb's, releases its slot, and adds it times its scales into
+             the fp32 accumulator. Registers: the accumulator, the product being promoted and the one in flight,
+             64 fp32 each per thread. Each block's scales are loaded one block ahead (off the MMA's path).
+Tiles of the group past the last expert (the table's group E) write zeros; slots past the last tile exit at once.
+The grid and the buffers depend on shapes only, so CUDA graphs capture the launch and nothing syncs the host.
+Requires K % 16 == 0 (TMA's 16-byte row pitch): `gluon_support_reason` says why a call cannot run here. Not in
+`dispatch.py`'s table until the sweep (`scripts/benches/fp8_sweep.py`) measures it against the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..sparse_mla.hopper_common import GLUON_ERROR, gluon_reason, kernel_config
+from .naive import BLOCK, FP8
+
+# STAGES: shared-memory ring slots (32 KB each); GROUP_M: row tiles walked together across the column tiles (L2)
+GLUON_CFG = dict(STAGES=5, GROUP_M=8, CONSUMER_REGS=232, PRODUCER_REGS=40)
+BLOCK_M = 128  # rows per tile: two consumer warpgroups of 64 (the table's row block)
+HALF_M = 64
+BLOCK_N = 128  # one weight-scale block
+
+TMA_ERROR = GLUON_ERROR
+if GLUON_ERROR is None:
+    try:  # the TMA names: triton 3.6 has async_copy_global_to_shared, later releases async_load
+        from triton.experimental.gluon.language.nvidia.hopper import tma as _tma_mod
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        if not (hasattr(_tma_mod, "async_load") or hasattr(_tma_mod, "async_copy_global_to_shared")):
+            raise ImportError("no TMA load (async_load / async_copy_global_to_shared)")
+    except Exception as e:  # pragma: no cover - depends on the installed triton
+        TMA_ERROR = f"triton {triton.__version__} has no usable Gluon TMA ({type(e).__name__}: {e})"
+
+if TMA_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+    _BM = gl.constexpr(BLOCK_M)
+    _HM = gl.constexpr(HALF_M)
+    _BN = gl.constexpr(BLOCK_N)
+    _BK = gl.constexpr(BLOCK)
+    # one consumer warpgroup's accumulator [64, 128] (fp8 wgmma: K 32 per instruction)
+    _ACC_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32]))
+    # the output's stores: 16 bytes (bf16) per thread, a 128-column row per 16 threads
+    _OUT_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+
+    if hasattr(tma, "async_load"):
+
+        @gluon.jit
+        def _tma_load(desc, row, col, bar, smem):
+            """One box of desc at (row, col) into smem, counted on bar."""
+            tma.async_load(desc, [row, col], bar, smem)
+
+    else:  # triton 3.6
+
+        @gluon.jit
+        def _tma_load(desc, row, col, bar, smem):
+            """One box of desc at (row, col) into smem, counted on bar."""
+            tma.async_copy_global_to_shared(desc, [row, col], bar, smem)
+
+    if hasattr(gl, "thread_barrier"):  # triton 3.6
+
+        @gluon.jit
+        def _sync():
+            """A barrier over this partition's (or before warp_specialize the CTA's) threads."""
+            gl.thread_barrier()
+
+    else:  # later releases call it barrier
+
+        @gluon.jit
+        def _sync():
+            """A barrier over this partition's (or before warp_specialize the CTA's) threads."""
+            gl.barrier()
+
+    @gluon.jit
+    def _release(bar):
+        """Every thread of this warpgroup is done with a ring slot (its MMA waits): one arrival on bar."""
+        _sync()
+        mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
+    def _swizzled_tile(pid, tiles_m, tiles_n, GROUP_M: gl.constexpr):
+        """`moe.triton_grouped.swizzled_tile` in Gluon: (row tile, column tile) of program pid, GROUP_M row tiles
+        walked together across all column tiles."""
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = gl.minimum(tiles_m - first_m, GROUP_M)
+        return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+    @gluon.jit
+    def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, row0, b_row, n_kb, STAGES: gl.constexpr):
+        """Each K block's A rows (two [64, 128] boxes) and B rows ([128, 128]) into the next ring slot, once both
+        consumers released it."""
+        nbytes: gl.constexpr = _BM * _BK + _BN * _BK  # fp8: one byte an element; TMA counts zero-filled bytes too
+        for kb in range(n_kb):
+            s = kb % STAGES
+            mbarrier.wait(empty.index(s), ((kb // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+            mbarrier.expect(ready.index(s), nbytes)
+            k0 = kb * _BK
+            _tma_load(a_desc, row0, k0, ready.index(s), a_smem.index(2 * s))
+            _tma_load(a_desc, row0 + _HM, k0, ready.index(s), a_smem.index(2 * s + 1))
+            _tma_load(b_desc, b_row, k0, ready.index(s), b_smem.index(s))
+
+    @gluon.jit
+    def _block_scale(a_sc, b_sc, kb, s_ask, s_bsk):
+        """a_scale[rows, kb] * w_scale[e, n // 128, kb]: K block kb's promotion factors for this warpgroup's rows."""
+        return gl.load(a_sc + kb * s_ask) * gl.load(b_sc + kb * s_bsk)
+
+    @gluon.jit
+    def _free_after(dead, acc):
+        """dead's registers (tied: nothing is emitted), available only once acc is computed. Without it LLVM moves
+        a block's promotion (acc += p * scale, which reads p) below the next MMA that reuses p's registers, so it
+        copies p, and ptxas, seeing registers of an MMA in flight copied, serializes every wgmma of the kernel."""
+        return gl.inline_asm_elementwise("", "=r,0,r", [dead, acc], dtype=gl.float32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _issue(a_smem, b_smem, ready, c, kb, dead, STAGES: gl.constexpr):
+        """Wait for K block kb's slot, start its MMA into the registers of `dead` (use_acc=False): one async group."""
+        s = kb % STAGES
+        mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
+        return warpgroup_mma(a_smem.index(2 * s + c), b_smem.index(s).permute((1, 0)), dead, use_acc=False,
+                             is_async=True)
+
+    @gluon.jit
+    def _consumer(c, a_smem, b_smem, ready, empty, a_scale_ptr, b_sc, c_ptr, row0, row_end, n0, N, n_kb,
+                  s_ask, s_bsk, s_cm, STAGES: gl.constexpr):
+        """Rows row0 + 64 c .. + 63 of the tile: block kb + 1's MMA in flight while block kb is scaled and added.
+
+        Two register tiles X, Y take the even and the odd K blocks, and the loop runs two blocks an iteration, so
+        each product stays in its registers from the MMA through the promotion: a loop rotating one tile into
+        another makes the compiler copy registers of an MMA in flight, and ptxas then serializes every wgmma.
+        Block kb's scales are loaded at least a block before its promotion."""
+        rows = row0 + c * _HM + gl.arange(0, _HM, layout=gl.SliceLayout(1, _ACC_L))
+        a_sc = a_scale_ptr + gl.minimum(rows, row_end - 1)  # clamped: a row past the tile is computed, not stored
+        last = n_kb - 1
+        acc = gl.zeros([_HM, _BN], gl.float32, _ACC_L)
+        px = gl.zeros([_HM, _BN], gl.float32, _ACC_L)  # X: the even blocks' products
+        py = gl.zeros([_HM, _BN], gl.float32, _ACC_L)  # Y: the odd blocks'
+        sx = _block_scale(a_sc, b_sc, 0, s_ask, s_bsk)
+        sy = _block_scale(a_sc, b_sc, gl.minimum(1, last), s_ask, s_bsk)
+        tok_x = _issue(a_smem, b_smem, ready, c, 0, px, STAGES)
+        for j in range(last // 2):  # blocks kb = 2 j + 1 (Y) and kb + 1 (X); block kb - 1 (X) is in flight
+            kb = 2 * j + 1
+            nx = _block_scale(a_sc, b_sc, gl.minimum(kb + 1, last), s_ask, s_bsk)
+            ny = _block_scale(a_sc, b_sc, gl.minimum(kb + 2, last), s_ask, s_bsk)
+            tok_y = _issue(a_smem, b_smem, ready, c, kb, py, STAGES)
+            px = warpgroup_mma_wait(num_outstanding=1, deps=(tok_x,))  # block kb - 1 done, block kb runs
+            _release(empty.index((kb - 1) % STAGES))  # both warpgroups' arrivals free the slot
+            acc += px * sx[:, None]
+            tok_x = _issue(a_smem, b_smem, ready, c, kb + 1, _free_after(px, acc), STAGES)
+            py = warpgroup_mma_wait(num_outstanding=1, deps=(tok_y,))  # block kb done, block kb + 1 runs
+            _release(empty.index(kb % STAGES))
+            acc += py * sy[:, None]
+            py = _free_after(py, acc)
+            sx = nx
+            sy = ny
+        if n_kb % 2 == 0:  # the last block is odd: Y
+            tok_y = _issue(a_smem, b_smem, ready, c, last, py, STAGES)
+            px = warpgroup_mma_wait(num_outstanding=1, deps=(tok_x,))
+            acc += px * sx[:, None]
+            py = warpgroup_mma_wait(num_outstanding=0, deps=(tok_y,))
+            acc += py * sy[:, None]
+        else:
+            px = warpgroup_mma_wait(num_outstanding=0, deps=(tok_x,))
+            acc += px * sx[:, None]
+        out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), _OUT_L)
+        o_rows = row0 + c * _HM + gl.arange(0, _HM, layout=gl.SliceLayout(1, _OUT_L))
+        o_cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, _OUT_L))
+        ptrs = c_ptr + o_rows.to(gl.int64)[:, None] * s_cm + o_cols[None, :]
+        gl.store(ptrs, out, mask=(o_rows < row_end)[:, None] & (o_cols < N)[None, :])
+
+    @gluon.jit
+    def _fp8_grouped_gluon_kernel(
+        a_desc, b_desc, a_scale_ptr, b_scale_ptr, c_ptr, tile_expert_ptr, tile_row0_ptr, tile_rowend_ptr,
+        N, K, s_ask, s_bse, s_bsn, s_bsk, s_cm,
+        E: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        """One 128 x 128 output tile of expert e; zeros for a tile of group E (rows past the last expert); nothing
+        for a slot past the last tile (group E + 1)."""
+        tiles_n = gl.cdiv(N, _BN)
+        tile, pid_n = _swizzled_tile(gl.program_id(0), gl.num_programs(0) // tiles_n, tiles_n, GROUP_M)
+        e = gl.load(tile_expert_ptr + tile)
+        row0 = gl.load(tile_row0_ptr + tile)
+        row_end = gl.load(tile_rowend_ptr + tile)
+        n0 = pid_n * _BN
+        if e == E:  # the rows past offsets[-1]: zeros, no K loop
+            z_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+            rows = row0 + gl.arange(0, _BM, layout=gl.SliceLayout(1, z_l))
+            cols = n0 + gl.arange(0, _BN, layout=gl.SliceLayout(0, z_l))
+            ptrs = c_ptr + rows.to(gl.int64)[:, None] * s_cm + cols[None, :]
+            gl.store(ptrs, gl.zeros([_BM, _BN], c_ptr.dtype.element_ty, z_l),
+                     mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+        elif e < E:
+            n_kb = gl.cdiv(K, _BK)
+            a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, _HM, _BK], a_desc.layout)
+            b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, _BN, _BK], b_desc.layout)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(ready.index(i), count=1)
+                mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+            _sync()
+            b_sc = b_scale_ptr + e.to(gl.int64) * s_bse + pid_n * s_bsn  # BLOCK_N == 128: one weight-scale block
+            # (argument tuples written out: a tuple bound to a name first turns its constexprs into tensors)
+            gl.warp_specialize(
+                [
+                    (_consumer, (0, a_smem, b_smem, ready, empty, a_scale_ptr, b_sc, c_ptr, row0, row_end, n0, N,
+                                 n_kb, s_ask, s_bsk, s_cm, STAGES)),
+                    (_consumer, (1, a_smem, b_smem, ready, empty, a_scale_ptr, b_sc, c_ptr, row0, row_end, n0, N,
+                                 n_kb, s_ask, s_bsk, s_cm, STAGES)),
+                    (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, row0, e * N + n0, n_kb, STAGES)),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )
+
+
+def gluon_support_reason(x8: torch.Tensor, w8: torch.Tensor) -> str | None:
+    """None if `fp8_grouped_mm_gluon` runs x8 [M_pad, K] times w8 [E, N, K] here, else why not (no GPU needed to
+    ask: CPU tensors and faked capabilities are answered too)."""
+    if x8.device.type != "cuda":
+        return f"device {x8.device.type} (the Gluon FP8 kernel runs on CUDA sm_90 only)"
+    major, minor = torch.cuda.get_device_capability(x8.device)
+    if (major, minor) != (9, 0):
+        return f"compute capability {major}.{minor} (wgmma, TMA and setmaxnreg as written need sm_90)"
+    if TMA_ERROR is not None:
+        return TMA_ERROR
+    if (reason := gluon_reason()) is not None:
+        return reason
+    K = w8.shape[-1]
+    if K % 16:
+        return f"K {K} is not a multiple of 16 (TMA needs 16-byte row pitches; the Triton kernel takes it)"
+    if x8.dtype != FP8 or w8.dtype != FP8 or w8.dim() != 3:
+        return f"x8 and w8 must be float8_e4m3fn, w8 [E, N, K]; got {x8.dtype}, {w8.dtype} {tuple(w8.shape)}"
+    if x8.dim() != 2 or x8.stride(1) != 1 or x8.stride(0) % 16 or x8.data_ptr() % 16:
+        return "x8 must be [M_pad, K] with a unit K stride, 16-byte aligned rows and base (TMA)"
+    if not w8.is_contiguous() or w8.data_ptr() % 16:
+        return "w8 must be contiguous and 16-byte aligned (TMA reads it as [E * N, K])"
+    return None
+
+
+def fp8_grouped_mm_gluon(
+    x8: torch.Tensor,
+    x_scale_t: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    offsets: torch.Tensor,
+    M: int,
+    out_dtype: torch.dtype,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """`triton_fp8_grouped.fp8_grouped_mm_triton`'s contract: the first M rows of x8 [M_pad, K] (sorted by expert;
+    scales x_scale_t [ceil(K / 128), M_pad], unit stride along M) times their experts' w8 [E, N, K]^T (scales
+    w_scale [E, ceil(N / 128), ceil(K / 128)]); offsets int32 [E] cumulative row ends -> [M, N] in out_dtype, rows
+    past offsets[-1] zero. config: knobs of `GLUON_CFG`. Raises ValueError with `gluon_support_reason`'s answer when
+    it refuses the inputs (the Triton kernel takes every shape)."""
+    c = kernel_config(GLUON_CFG, config, "fp8 grouped Gluon GEMM")
+    if c["STAGES"] < 2:  # a consumer holds two slots (the block it promotes and the one in flight)
+        raise ValueError(f"fp8_grouped_mm_gluon: STAGES must be at least 2, got {c['STAGES']}")
+    if (reason := gluon_support_reason(x8, w8)) is not None:
+        raise ValueError(f"fp8_grouped_mm_gluon: {reason}")
+    E, N, K = w8.shape
+    out = torch.empty(M, N, device=x8.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:  # no K blocks: all zeros (the consumers' K loop starts with a block)
+        return out.zero_()
+    assert x_scale_t.stride(1) == 1, "x_scale_t needs a unit stride along M"
+    from triton.experimental.gluon import language as gl
+
+    from ..moe.triton_grouped import tile_table  # here: dsaflow.ops.moe imports this package
+
+    ends = torch.cat([offsets.to(torch.int32), offsets.new_full((1,), M, dtype=torch.int32)])
+    expert, row0, row_end = tile_table(ends, M, BLOCK_M)
+    a_layout = gl.NVMMASharedLayout.get_default_for([HALF_M, BLOCK], gl.float8e4nv)
+    b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK], gl.float8e4nv)
+    a_desc = TensorDescriptor.from_tensor(x8, [HALF_M, BLOCK], a_layout)
+    b_desc = TensorDescriptor.from_tensor(w8.view(E * N, K), [BLOCK_N, BLOCK], b_layout)
+    grid = (expert.numel() * triton.cdiv(N, BLOCK_N),)
+    _fp8_grouped_gluon_kernel[grid](
+        a_desc, b_desc, x_scale_t, w_scale, out, expert, row0, row_end, N, K,
+        x_scale_t.stride(0), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), out.stride(0),
+        E=E, GROUP_M=c["GROUP_M"], STAGES=c["STAGES"], CONSUMER_REGS=c["CONSUMER_REGS"],
+        PRODUCER_REGS=c["PRODUCER_REGS"], num_warps=4,
+    )  # fmt: skip
+    return out
