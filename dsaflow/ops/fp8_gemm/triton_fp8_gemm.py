@@ -30,6 +30,16 @@ from .triton_act_quant import _pow2_ceil, _round_to_e4m3, quantize_rows_1x128_tr
 
 
 @triton.jit
+def _promote(acc, product, a_s, b_s, ONE_B_SCALE: tl.constexpr):
+    """One K block's promotion: acc + product [BM, BN] x a_s [BM] x b_s (a scalar when ONE_B_SCALE, else [BN])."""
+    if ONE_B_SCALE:
+        acc += product * (a_s * b_s)[:, None]
+    else:
+        acc += product * (a_s[:, None] * b_s[None, :])
+    return acc
+
+
+@triton.jit
 def fp8_block_dot(
     acc, a_ptrs, b_ptrs, a_scale_ptrs, b_scale_ptrs, K, kb_lo, kb_hi, s_ask, s_bsk,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_B_SCALE: tl.constexpr, PREFETCH_SCALES: tl.constexpr = False,
@@ -59,10 +69,7 @@ def fp8_block_dot(
                 b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
             a_s = tl.load(a_scale_ptrs + kb * s_ask)
             b_s = tl.load(b_scale_ptrs + kb * s_bsk)
-            if ONE_B_SCALE:
-                acc += tl.dot(a, b) * (a_s * b_s)[:, None]
-            else:
-                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            acc = _promote(acc, tl.dot(a, b), a_s, b_s, ONE_B_SCALE)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
     return acc
@@ -131,10 +138,7 @@ def _quantized_block_dot(
             a_s = _pow2_ceil(a_s)
         a = _round_to_e4m3(tl.math.div_rn(x, tl.broadcast_to(a_s[:, None], x.shape))).to(tl.float8e4nv)
         b_s = tl.load(b_scale_ptrs + kb * s_bsk)
-        if ONE_B_SCALE:
-            acc += tl.dot(a, b) * (a_s * b_s)[:, None]
-        else:
-            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        acc = _promote(acc, tl.dot(a, b), a_s, b_s, ONE_B_SCALE)
         x_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     return acc
