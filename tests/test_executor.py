@@ -377,3 +377,40 @@ def test_stage_link_posts_a_tick_in_one_coalescing_block(monkeypatch):
     assert calls == [("start", "cpu"), ("send", 1, (3,)), ("recv", 2), "end", "wait"]
     assert got.tolist() == [7, 7]
     assert p2p.StageLink("cpu")._group is None  # no process group: nothing coalesces
+
+
+def test_max_ticks_ahead_must_be_positive():
+    with pytest.raises(ValueError, match="max_ticks_ahead=0"):
+        PipelineExecutor({0: 0}, 0, max_ticks_ahead=0)
+
+
+def _ticks_queued_at_each_pick(max_ticks_ahead, passes: int = 24):
+    """Run `passes` one-stage passes whose GPU work (a ~1 ms spin) far outlasts the host's; at every pick, count the
+    earlier ticks the GPU has not finished yet (their end events not yet done)."""
+    ex = PipelineExecutor({0: 0}, 0, device="cuda", max_ticks_ahead=max_ticks_ahead)
+    todo = [Pass(m, (1, 1, 1), torch.float32) for m in range(passes)]
+    queued = []
+
+    def pick(free):
+        queued.append(sum(not end.query() for _, end, _ in ex.timeline.ticks))
+        return todo.pop(0) if todo else None
+
+    def stage(pass_, s, x):
+        torch.cuda._sleep(2_000_000)  # GPU clock cycles: about a millisecond on an H100 / H200
+        return torch.zeros(1, device="cuda")
+
+    with torch.cuda.device(0):
+        ex.run(pick, stage)
+    torch.cuda.synchronize()
+    return queued, ex.timeline
+
+
+@pytest.mark.gpu
+def test_host_stays_max_ticks_ahead_of_its_gpu():
+    """With max_ticks_ahead=L the host picks tick t only after the GPU finished tick t - L, so at most L - 1 ticks
+    are queued at any pick; unbounded, the host (microseconds per tick) runs far ahead of the GPU (a millisecond)."""
+    bounded, tl = _ticks_queued_at_each_pick(2)
+    assert max(bounded) <= 1 and tl.held_s > 0
+    assert tl.resolve()["host_held_s"] == tl.held_s
+    unbounded, tl = _ticks_queued_at_each_pick(None)
+    assert max(unbounded) >= 8 and tl.held_s == 0

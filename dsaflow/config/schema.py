@@ -251,6 +251,10 @@ class ServeConfig:
     # joining rows, up to this many tokens in all, token-major (docs/serving.md, "Mixed passes"); None: a pass
     # either prefills or decodes
     max_pass_tokens: Optional[int] = num(None, 2, 65536)
+    # on a GPU, the host builds a pass only once its GPU has finished the pass this many ticks earlier: a request
+    # that arrives joins a pass that runs soon, not one behind a queue of launched ones (docs/serving.md, "Run-ahead");
+    # None: the host runs as far ahead as its launch ring (64 passes) allows
+    max_ticks_ahead: Optional[int] = num(3, 1, 64)
     temperature: float = num(0.0, 0, 100)  # 0 = greedy
     top_p: float = num(1.0, 0, 1, lo_open=True)
     seed: int = num(0, 0, 2**63 - 1)

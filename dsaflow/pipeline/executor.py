@@ -91,7 +91,10 @@ class PipelineExecutor:
     host time each tick, so a message nobody reads is not sent. decode_transfer(ops) -> received tensors: how the
     transfers of a decode tick (every pass in flight decodes; the same ticks on every rank) are posted, e.g. replayed
     from CUDA graphs (`TransferGraphs`); other ticks, and all by default, post eagerly on the link (`post_eagerly`).
-    A send travels at its pass's declared shape (`hidden`, `extra`, `feedback`): an output with fewer rows is padded."""
+    A send travels at its pass's declared shape (`hidden`, `extra`, `feedback`): an output with fewer rows is padded.
+    max_ticks_ahead: on a GPU, a tick starts only once the GPU has finished the tick this many before it
+    (`Timeline.hold_back`); None: the host runs as far ahead as its launches queue. What a pass carries is decided
+    when it is picked, so the further the host runs ahead, the later a request that arrives joins one."""
 
     def __init__(
         self,
@@ -103,7 +106,11 @@ class PipelineExecutor:
         carries_extra: Optional[Callable[[int], bool]] = None,
         feedback_ranks: Optional[Sequence[int]] = None,
         decode_transfer: Optional[Callable[[list], List[torch.Tensor]]] = None,
+        max_ticks_ahead: Optional[int] = None,
     ):
+        if max_ticks_ahead is not None and max_ticks_ahead < 1:
+            raise ValueError(f"PipelineExecutor: max_ticks_ahead={max_ticks_ahead} must be 1 or more (or None).")
+        self.max_ticks_ahead = max_ticks_ahead
         self.segments = segments_of(owner)
         self.carries_extra = carries_extra or (lambda stage: False)
         self.rank, self.link, self.device = rank, link, torch.device(device)
@@ -147,6 +154,8 @@ class PipelineExecutor:
         tl.begin()
         clock = time.perf_counter
         while True:
+            if self.max_ticks_ahead is not None:
+                tl.hold_back(self.max_ticks_ahead)  # before pick: what it schedules sees the latest arrivals
             h0 = clock()
             new = pick(lambda k: k not in busy_keys)
             if new is None and not started:

@@ -14,6 +14,7 @@ import torch
 HOST_PHASES = ("pick", "stage", "exchange", "feedback")  # one tick's host work, in order (Timeline.decode_host)
 TICK_KINDS = ("decode", "prefill", "mixed")  # Timeline.tick_kinds: what the passes in flight during a tick are
 HOST_LATE_S = 50e-6  # a span the GPU starts within this of its issue found the GPU idle (the host was late)
+HOLD_POLL_S = 20e-6  # `hold_back` polls its event this often: a spin of query() would take a core from the host
 
 
 class Timeline:
@@ -50,6 +51,7 @@ class Timeline:
         self.host_start: Optional[float] = None
         self.decode_host = dict.fromkeys(HOST_PHASES, 0.0)
         self.decode_ticks = 0
+        self.held_s = 0.0  # host seconds spent in `hold_back` waiting for its GPU
 
     def begin(self) -> None:
         """Mark the start of a run. On GPU it first waits for the device to go idle (setup, not a step), so the start
@@ -66,6 +68,21 @@ class Timeline:
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(self.stream)
         return ev
+
+    def hold_back(self, ticks_ahead: int) -> None:
+        """GPU: return once the GPU has finished the tick `ticks_ahead` ticks before the one about to start, so the
+        host never has more than ticks_ahead - 1 ticks queued on it. Polls the tick's end event (`query` does not
+        synchronise the device or the stream) and adds the wait to `held_s`. CPU: nothing (every tick has run by
+        the time the next one starts)."""
+        if not self.cuda or len(self.ticks) < ticks_ahead:
+            return
+        done = self.ticks[-ticks_ahead][1]
+        if done.query():
+            return
+        t0 = time.perf_counter()
+        while not done.query():
+            time.sleep(HOLD_POLL_S)
+        self.held_s += time.perf_counter() - t0
 
     def tick_kind(self, all_decode: bool) -> bool:
         """Start a tick in which every pass in flight is a decode step (or not) -> whether it is a decode tick."""
@@ -167,12 +184,14 @@ class Timeline:
         return [busy[d] / wall[d] if wall[d] > 0 else None for d in range(1, self.segments)]
 
     def _host_summary(self) -> Dict[str, Any]:
-        """decode_host_ms_per_tick: {phase: host ms per decode tick}; decode_lead_p50_ms: median of how long each
+        """decode_host_ms_per_tick: {phase: host ms per decode tick}; host_held_s: host seconds held back from running
+        further ahead of its GPU (`hold_back`); decode_lead_p50_ms: median of how long each
         decode span waited on the GPU after its host issued it, and decode_host_late: the share of decode spans that
         waited less than HOST_LATE_S (the GPU had run dry and waited on the host; GPU only, else None)."""
         ticks = max(self.decode_ticks, 1)
         out: Dict[str, Any] = {
             "decode_host_ms_per_tick": {k: v * 1e3 / ticks for k, v in self.decode_host.items()},
+            "host_held_s": self.held_s,
             "decode_lead_p50_ms": None,
             "decode_host_late": None,
         }

@@ -335,6 +335,7 @@ class PipelineEngine(GraphBlocks):
                 carries_extra=self.plan.sends_indices,
                 feedback_ranks=feedback,
                 decode_transfer=self._transfer_graphs(),
+                max_ticks_ahead=s.max_ticks_ahead,
             )
             self.late_eos = LateFlags(self.device, [b - a for a, b in self.ranges]) if s.eos_id is not None else None
 
