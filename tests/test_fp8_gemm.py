@@ -291,7 +291,33 @@ def test_hopper_runs_torch_scaled_mm_where_its_rule_holds(hopper):
     assert choice.kernel is None and "contiguous" in refusal(choice, "torch_scaled_mm")
     assert "unit stride along K" in refusal(choice, "triton")
     grouped = explain_fp8_gemm(x, w8.unsqueeze(0), torch.zeros(1, dtype=torch.int32))
-    assert grouped.kernel == "triton" and "scaled_grouped_mm" in refusal(grouped, "torch_scaled_mm")
+    assert grouped.kernel != "torch_scaled_mm" and "scaled_grouped_mm" in refusal(grouped, "torch_scaled_mm")
+
+
+def test_grouped_calls_with_many_rows_per_expert_run_gluon_on_hopper(hopper):
+    """The Gluon grouped kernel above 64 rows per expert, Triton at or below (and for every dense call); a forced
+    gluon takes few rows too, and K off TMA's 16-byte pitch goes to Triton either way."""
+    from dsaflow.ops.fp8_gemm import gluon_fp8_grouped
+
+    if gluon_fp8_grouped.TMA_ERROR is not None:
+        pytest.skip(gluon_fp8_grouped.TMA_ERROR)
+    E = 4
+    offsets = torch.zeros(E, dtype=torch.int32)
+    x, w8 = cuda_inputs(rows=65 * E)
+    assert explain_fp8_gemm(x, w8.expand(E, -1, -1).contiguous(), offsets).kernel == "gluon"
+    assert "dense" in refusal(explain_fp8_gemm(*cuda_inputs(rows=64)), "gluon")
+    x, w8 = cuda_inputs(rows=64 * E)
+    few = explain_fp8_gemm(x, w8.expand(E, -1, -1).contiguous(), offsets)
+    assert few.kernel == "triton" and "64 rows per expert < 65" in refusal(few, "gluon")
+    hopper.setenv(dispatch.ENV_KERNEL, "gluon")
+    assert explain_fp8_gemm(x, w8.expand(E, -1, -1).contiguous(), offsets).kernel == "gluon"
+    hopper.delenv(dispatch.ENV_KERNEL)
+    x, w8 = cuda_inputs(K=200, rows=128 * E)
+    odd = explain_fp8_gemm(x, w8.expand(E, -1, -1).contiguous(), offsets)
+    assert odd.kernel == "triton" and "not a multiple of 16" in refusal(odd, "gluon")
+    hopper.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    x, w8 = cuda_inputs(rows=128 * E)
+    assert "need sm_90" in refusal(explain_fp8_gemm(x, w8.expand(E, -1, -1).contiguous(), offsets), "gluon")
 
 
 def test_the_torch_row_reads_the_torch_build_and_the_gpu(hopper):

@@ -4,7 +4,7 @@
 Layout: `naive.py` (the quantizers and the fp32 references), the kernels (`triton_act_quant.py`: the activations'
 quantization; `triton_fp8_gemm.py`, `triton_fp8_grouped.py`: the GEMMs, launched from `tile_configs.py`'s tables; `torch_blockwise.py`: torch's cuBLASLt
 kernel; `gluon_fp8_grouped.py`: a Gluon grouped GEMM for sm_90 that overlaps each K block's MMA with the previous
-block's scaling, timed by the sweep and not yet in the table), `dispatch.py` (the table and `explain_fp8_gemm`) and the public functions below. The weights are frozen
+block's scaling, for many rows per expert), `dispatch.py` (the table and `explain_fp8_gemm`) and the public functions below. The weights are frozen
 (no gradient), so there is no autograd.Function. Nothing here syncs the host or shapes a tensor by its values, so
 serving graphs capture both GEMMs.
 """
@@ -15,7 +15,7 @@ import torch
 
 from ..kernel_table import chosen, describe
 from .dispatch import explain_fp8_gemm
-from .gluon_fp8_grouped import fp8_grouped_mm_gluon, gluon_support_reason  # noqa: F401 - measured before dispatch
+from .gluon_fp8_grouped import fp8_grouped_mm_gluon, gluon_support_reason  # noqa: F401 - gluon_support_reason: tests
 from .naive import (
     FP8,
     blocks,
@@ -111,9 +111,11 @@ def fp8_grouped_mm(
     kernel = chosen("fp8_grouped_mm", explain_fp8_gemm(a, w8, offsets), describe(a=a, w8=w8))
     if kernel == "reference":
         return fp8_grouped_mm_naive(a, w8, w_scale, offsets, ue8m0)
+    x8, x_scale_t = _quantized_rows(a, ue8m0, 1)
+    if kernel == "gluon":
+        return fp8_grouped_mm_gluon(x8, x_scale_t, w8, w_scale, offsets, a.shape[0], a.dtype)
     from .triton_fp8_grouped import fp8_grouped_mm_triton
 
-    x8, x_scale_t = _quantized_rows(a, ue8m0, 1)
     return fp8_grouped_mm_triton(x8, x_scale_t, w8, w_scale, offsets, a.shape[0], a.dtype)
 
 

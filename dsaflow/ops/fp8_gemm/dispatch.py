@@ -6,14 +6,17 @@ form, walked by `explain_fp8_gemm`.
 | `reference`       | CPU tensors (`naive.py`); on CUDA only when forced (DSAFLOW_FP8_GEMM=reference)                |
 | `torch_scaled_mm` | dense, bf16, sm_90, more than 64 rows, K and N multiples of 128, w8 contiguous, and a torch    |
 |                   | whose `torch.nn.functional.scaled_mm` takes BlockWise1x128 / BlockWise128x128 scales (2.10+, CUDA 12.9+) |
+| `gluon`           | grouped, sm_90, more than 64 rows per expert on average, K a multiple of 16, w8 contiguous, and a  |
+|                   | triton with Gluon's Hopper TMA and wgmma (`gluon_fp8_grouped.py`)                              |
 | `triton`          | any other CUDA call on fp8 tensor cores (compute capability 8.9+), bf16/fp16/fp32 activations     |
 
 `torch_scaled_mm` is cuBLASLt's kernel for DeepSeek's recipe (`torch_blockwise.py`); torch refuses it off sm_90.
 K and N are held to whole 128-blocks because that is what torch's own tests cover; partial blocks run on Triton.
-torch has no grouped form of these scales, so grouped calls go to `triton` (`triton_fp8_grouped.py`). Either way the
-activations are first quantized by `triton_act_quant.py`.
+torch has no grouped form of these scales, so grouped calls go to the Gluon kernel where it is faster (prefill: many
+rows per expert) and to `triton` (`triton_fp8_grouped.py`) otherwise. Either way the activations are first quantized
+by `triton_act_quant.py`.
 
-`DSAFLOW_FP8_GEMM` (auto | reference | torch_scaled_mm | triton; read at each call) restricts the table to one
+`DSAFLOW_FP8_GEMM` (auto | reference | torch_scaled_mm | gluon | triton; read at each call) restricts the table to one
 kernel, for benchmarks and tests; a call the forced kernel refuses raises with its reason.
 """
 
@@ -32,6 +35,11 @@ ENV_KERNEL = "DSAFLOW_FP8_GEMM"
 # dense weights, 64 rows 0.098 against 0.104); from 256 rows on cuBLASLt is faster (0.131 against 0.218 ms). A
 # preference, not a capability: DSAFLOW_FP8_GEMM=torch_scaled_mm still runs cuBLASLt on few rows.
 TRITON_MAX_DECODE_ROWS = 64
+# Above this many rows per expert (mean) a grouped call on sm_90 runs the Gluon kernel: bench_fp8.py --sweep on an
+# H200 at 128 rows per expert, V3.2's experts: 5.31 ms against 5.95 for the best Triton launch (gate_up + down); at
+# 16 rows per expert and fewer, where the weight's bytes bound the call, Triton's narrow tiles are faster (3.11
+# against 3.68 ms). A preference: DSAFLOW_FP8_GEMM=gluon runs Gluon on any grouped call it supports.
+GLUON_MIN_ROWS_PER_EXPERT = 65
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -67,6 +75,21 @@ def _torch_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
     return None
 
 
+def _gluon_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
+    from .gluon_fp8_grouped import gluon_weight_reason
+
+    if offsets is None:
+        return "dense: the Gluon kernel is the grouped GEMM only"
+    if x.dtype not in ACTIVATION_DTYPES:
+        return f"activations must be bf16, fp16 or fp32, not {x.dtype}"
+    if (reason := gluon_weight_reason(x.device, w8)) is not None:
+        return reason
+    per_expert = x.shape[0] // max(1, w8.shape[0])
+    if _forced() == "auto" and per_expert < GLUON_MIN_ROWS_PER_EXPERT:
+        return f"{per_expert} rows per expert < {GLUON_MIN_ROWS_PER_EXPERT}: Triton's narrow tiles read the weights faster"
+    return None
+
+
 def _triton_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
     if not x.is_cuda:
         return f"device {x.device.type} has no Triton kernels"
@@ -80,7 +103,12 @@ def _triton_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
     return None
 
 
-KERNELS = (("reference", _reference_rule), ("torch_scaled_mm", _torch_rule), ("triton", _triton_rule))
+KERNELS = (
+    ("reference", _reference_rule),
+    ("torch_scaled_mm", _torch_rule),
+    ("gluon", _gluon_rule),
+    ("triton", _triton_rule),
+)
 
 
 def explain_fp8_gemm(x: torch.Tensor, w8: torch.Tensor, offsets: torch.Tensor | None = None) -> Choice:

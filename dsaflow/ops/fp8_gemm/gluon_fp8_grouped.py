@@ -239,12 +239,12 @@ if TMA_ERROR is None:
             )
 
 
-def gluon_support_reason(x8: torch.Tensor, w8: torch.Tensor) -> str | None:
-    """None if `fp8_grouped_mm_gluon` runs x8 [M_pad, K] times w8 [E, N, K] here, else why not (no GPU needed to
-    ask: CPU tensors and faked capabilities are answered too)."""
-    if x8.device.type != "cuda":
-        return f"device {x8.device.type} (the Gluon FP8 kernel runs on CUDA sm_90 only)"
-    major, minor = torch.cuda.get_device_capability(x8.device)
+def gluon_weight_reason(device: torch.device, w8: torch.Tensor) -> str | None:
+    """None if `fp8_grouped_mm_gluon` runs on `device` with weights w8 [E, N, K] (whatever the activations, as
+    `triton_act_quant` lays them out), else why not. The dispatch asks this before quantizing anything."""
+    if device.type != "cuda":
+        return f"device {device.type} (the Gluon FP8 kernel runs on CUDA sm_90 only)"
+    major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         return f"compute capability {major}.{minor} (wgmma, TMA and setmaxnreg as written need sm_90)"
     if TMA_ERROR is not None:
@@ -254,12 +254,22 @@ def gluon_support_reason(x8: torch.Tensor, w8: torch.Tensor) -> str | None:
     K = w8.shape[-1]
     if K % 16:
         return f"K {K} is not a multiple of 16 (TMA needs 16-byte row pitches; the Triton kernel takes it)"
-    if x8.dtype != FP8 or w8.dtype != FP8 or w8.dim() != 3:
-        return f"x8 and w8 must be float8_e4m3fn, w8 [E, N, K]; got {x8.dtype}, {w8.dtype} {tuple(w8.shape)}"
-    if x8.dim() != 2 or x8.stride(1) != 1 or x8.stride(0) % 16 or x8.data_ptr() % 16:
-        return "x8 must be [M_pad, K] with a unit K stride, 16-byte aligned rows and base (TMA)"
+    if w8.dtype != FP8 or w8.dim() != 3:
+        return f"w8 must be float8_e4m3fn [E, N, K]; got {w8.dtype} {tuple(w8.shape)}"
     if not w8.is_contiguous() or w8.data_ptr() % 16:
         return "w8 must be contiguous and 16-byte aligned (TMA reads it as [E * N, K])"
+    return None
+
+
+def gluon_support_reason(x8: torch.Tensor, w8: torch.Tensor) -> str | None:
+    """None if `fp8_grouped_mm_gluon` runs x8 [M_pad, K] times w8 [E, N, K] here, else why not (no GPU needed to
+    ask: CPU tensors and faked capabilities are answered too)."""
+    if (reason := gluon_weight_reason(x8.device, w8)) is not None:
+        return reason
+    if x8.dtype != FP8:
+        return f"x8 must be float8_e4m3fn, got {x8.dtype}"
+    if x8.dim() != 2 or x8.stride(1) != 1 or x8.stride(0) % 16 or x8.data_ptr() % 16:
+        return "x8 must be [M_pad, K] with a unit K stride, 16-byte aligned rows and base (TMA)"
     return None
 
 

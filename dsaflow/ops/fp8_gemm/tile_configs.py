@@ -6,7 +6,7 @@ bounds hold (None: no bound) is the launch, and the last row has none. The dense
 one by the mean rows per expert (M // E: what sets the ragged tiles' waste).
 `CANDIDATES` lists, per kernel and bucket, what `scripts/bench_fp8.py --sweep` times on a GPU; the sweep prints
 the winners as rows of these tables, ready to paste. The rows for M <= 16, <= 64 and <= 256 (dense) and for
-M // E <= 16 and the last row (grouped) are the winners of that sweep on an H200 (docs/kernels.md, "Tile configs
+M // E <= 4, <= 16 and the last row (grouped) are the winners of that sweep on an H200 (docs/kernels.md, "Tile configs
 and the sweep"); the 32-row buckets were not swept and keep their earlier hand-picked launches.
 """
 
@@ -66,17 +66,18 @@ DENSE_TABLE: tuple = (
     (32, 8191, C(32, 32, 4, 5)),
     (32, None, C(32, 64, 4, 5)),
     (64, None, C(64, 64, 4, 4, split_k_programs=SM_FILL)),
-    (256, None, C(128, 64, 4, 4)),
+    (256, None, C(128, 64, 4, 4, prefetch_scales=True)),
     (None, None, C(128, 128, 8, 4)),
 )
 
 # grouped (`triton_fp8_grouped`), by mean rows per expert; block_m is also the tile table's row block, so tiles
 # near the mean waste less on each expert's ragged last tile.
 GROUPED_TABLE: tuple = (
+    (4, None, C(16, 64, 4, 5)),
     (16, None, C(16, 256, 4, 3)),
     (32, None, C(32, 128, 4, 4)),
     (64, None, C(64, 128, 4, 4)),
-    (None, None, C(64, 128, 4, 4, group_m=16)),
+    (None, None, C(64, 128, 4, 4, group_m=16, prefetch_scales=True)),
 )
 
 
