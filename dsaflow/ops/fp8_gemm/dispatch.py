@@ -86,7 +86,9 @@ def _gluon_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
         return reason
     per_expert = x.shape[0] // max(1, w8.shape[0])
     if _forced() == "auto" and per_expert < GLUON_MIN_ROWS_PER_EXPERT:
-        return f"{per_expert} rows per expert < {GLUON_MIN_ROWS_PER_EXPERT}: Triton's narrow tiles read the weights faster"
+        return (
+            f"{per_expert} rows per expert < {GLUON_MIN_ROWS_PER_EXPERT}: Triton's narrow tiles read the weights faster"
+        )
     return None
 
 
