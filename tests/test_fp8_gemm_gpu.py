@@ -31,6 +31,7 @@ from dsaflow.ops.fp8_gemm import (
     quantize_rows_1x128,
     torch_blockwise,
 )
+from dsaflow.ops.fp8_gemm.gluon_fp8_grouped import gluon_weight_reason
 from dsaflow.ops.fp8_gemm.triton_act_quant import quantize_rows_1x128_triton
 
 pytestmark = pytest.mark.gpu
@@ -123,14 +124,28 @@ def ragged_offsets(M: int, E: int, seed: int) -> torch.Tensor:
     return torch.cumsum(counts, 0).to(torch.int32).cuda()
 
 
-@pytest.mark.parametrize("N,K", [(4096, 7168), (7168, 2048), (576, 200)])
-@pytest.mark.parametrize("M", [7, 301, 2000])
-def test_the_grouped_kernel_matches_the_reference_over_ragged_experts(M, N, K):
+GROUPED_CASES = [
+    (kernel, M, N, K)
+    for M in (7, 301, 2000)
+    for N, K in ((4096, 7168), (7168, 2048), (576, 200))
+    for kernel in ("triton", "gluon")
+    if kernel == "triton" or K % 16 == 0  # the Gluon kernel's TMA needs 16-byte rows
+]
+
+
+@pytest.mark.parametrize("kernel,M,N,K", GROUPED_CASES)
+def test_the_grouped_kernel_matches_the_reference_over_ragged_experts(monkeypatch, kernel, M, N, K):
+    """Each grouped kernel, forced, and what the dispatch picks unforced (Gluon from 65 rows per expert on sm_90)."""
     E = 16
     a = torch.randn(M, K, device="cuda", generator=gen(M + K)).bfloat16()
     w8, w_scale = weight(E, N, K, seed=N)
     offsets = ragged_offsets(M, E, seed=M)
-    assert explain_fp8_gemm(a, w8, offsets).kernel == "triton"
+    auto = explain_fp8_gemm(a, w8, offsets).kernel
+    gluon_runs = gluon_weight_reason(a.device, w8) is None
+    assert auto == ("gluon" if gluon_runs and M // E > 64 else "triton")
+    monkeypatch.setenv(dispatch.ENV_KERNEL, kernel)
+    if explain_fp8_gemm(a, w8, offsets).kernel is None:
+        pytest.skip(f"{kernel} does not run here: {explain_fp8_gemm(a, w8, offsets)}")
     poison_free_memory()
     out = fp8_grouped_mm(a, w8, w_scale, offsets)
     assert out.shape == (M, N) and out.dtype == torch.bfloat16
