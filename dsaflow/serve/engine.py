@@ -6,11 +6,10 @@ the pipeline, the groups, the refills and the CUDA graphs.
 
 The cache rows [0, serve.max_batch) are split into serve.microbatches groups (default: the number of pipeline ranks),
 each a contiguous row range with its own slice of every stage's caches and its own index slot. A pass is one forward
-of one group through every stage (dsaflow.serve.scheduler builds it: prefill chunks and decode steps mixed row by
-row), and the pipelined executor (dsaflow.pipeline.executor) moves passes through the stages in ticks: stage s runs
-group g while stage s+1 runs group g-1. The last stage samples the group's next tokens and sends them, with one EOS
-flag per row ([rows, 2] int64), to stage 0's rank, which feeds them into the group's next pass, and with serve.eos_id
-set to every rank.
+of one group through every stage (built by dsaflow.serve.scheduler), and the pipelined executor
+(dsaflow.pipeline.executor) moves passes through the stages in ticks: stage s runs group g while stage s+1 runs group
+g-1. The last stage samples the group's next tokens and sends them, with one EOS flag per row ([rows, 2] int64), to
+stage 0's rank, which feeds them into the group's next pass, and with serve.eos_id set to every rank.
 
 Every rank runs the same scheduler over the same requests, so all ranks build the same passes. Per pass no host sync:
 positions and prompt tokens are host-known (copied from pinned memory), decode tokens are swapped in on the device,
