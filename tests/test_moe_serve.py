@@ -2,7 +2,7 @@
 serve.microbatches=1 / the default (routed experts and the shared expert in every prefill and decode pass)."""
 
 import pytest
-from test_serve_pipelined import MODEL, PIPELINES, SERVE, train_checkpoint, workload
+from test_serve_pipelined import MODEL, PIPELINES, SERVE, shared_checkpoint, workload
 
 from dsaflow.config.compose import compose
 from dsaflow.model import moe_layers
@@ -14,7 +14,7 @@ MOE_MODEL = ["model=tiny_moe", *MODEL]
 
 @pytest.fixture(scope="module")
 def trained_moe(tmp_path_factory):
-    return train_checkpoint(tmp_path_factory.mktemp("trained_moe") / "run", "model=tiny_moe")
+    return shared_checkpoint(tmp_path_factory, "model=tiny_moe")
 
 
 def moe_engine(run, pipeline, microbatches=None):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_serve_pipelined import engine, generate_cli, train_checkpoint, workload
+from test_serve_pipelined import engine, generate_cli, shared_checkpoint, workload
 
 from dsaflow.config.compose import compose
 from dsaflow.errors import ServeError
@@ -142,7 +142,7 @@ def test_bad_mixed_settings_name_the_fix(overrides, match):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    return train_checkpoint(tmp_path_factory.mktemp("trained") / "run")
+    return shared_checkpoint(tmp_path_factory)
 
 
 @pytest.mark.slow
@@ -163,7 +163,7 @@ def test_trained_torchrun_pp2_gloo_mixed_passes(trained, tmp_path):
 
 @pytest.mark.slow
 def test_trained_moe_64_prompts_equal_serving_alone(tmp_path_factory):
-    run = train_checkpoint(tmp_path_factory.mktemp("moe") / "run", "model=tiny_moe")
+    run = shared_checkpoint(tmp_path_factory, "model=tiny_moe")
     prompts, limits = workload()
     want = alone(run, prompts, limits, ["model=tiny_moe"])
     for pipeline in ("single", "pp2"):

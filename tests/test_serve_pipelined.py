@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -49,6 +50,25 @@ def train_checkpoint(run, *extra):
     return run
 
 
+def shared_checkpoint(tmp_path_factory, *extra):
+    """`train_checkpoint(run, *extra)` once per test session: the test files that serve the same briefly trained
+    model (this one, test_serve_mixed.py, test_moe_serve.py) share its run dir across xdist workers, under a file
+    lock in their common temp root, instead of each training it again (a minute or two each on a 2-core CPU). The
+    run dir is only read by the tests that take it."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    folder = root / ("trained-" + "-".join(e.replace("=", "_").replace("/", "_") for e in extra or ("default",)))
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / "done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            train_checkpoint(folder / "run", *extra)
+            (folder / "done").touch()
+    return folder / "run"
+
+
 def generate_cli(tmp_path, name, pipeline, checkpoint, prompts, limits, *overrides):
     """`dsaflow generate pipeline=<pipeline>` of `prompts` (each with its max_new_tokens, from a JSONL file) with the
     tiny model of `checkpoint`, run dir tmp_path/name -> (output rows, the finished process)."""
@@ -74,7 +94,7 @@ def generate_cli(tmp_path, name, pipeline, checkpoint, prompts, limits, *overrid
 def trained(tmp_path_factory):
     """A tiny model trained briefly on a doc of the repo (bytes, loss about 2.5): its greedy continuations differ from
     prompt to prompt and its next-token distributions are peaked, unlike the random init's near-ties."""
-    return train_checkpoint(tmp_path_factory.mktemp("trained") / "run")
+    return shared_checkpoint(tmp_path_factory)
 
 
 def workload(n=64, seed=0):
