@@ -289,7 +289,11 @@ def test_the_stage_benchmark_runs_small_on_cpu(tmp_path):
 
     argv = ["stage", "--device", "cpu", "--model", "tiny_moe", "--first-layer", "1", "--layers", "2"]
     argv += ["--prefill", "64", "--decode-rows", "2", "--decode-context", "32", "--chunk", "32", "--reps", "1"]
-    assert load_script("bench_serve").main([*argv, "--out", str(tmp_path)]) == 0
+    assert load_script("bench_serve").main([*argv, "--kernels", "4", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_serve_stage.json").read_text())["rows"]
     assert [r["kind"] for r in rows] == ["prefill", "decode"] and all(r["tokens_per_s"] > 0 for r in rows)
+    top = rows[1]["kernels"]  # on CPU the aten ops of the pass, most expensive first
+    assert "kernels" not in rows[0] and 1 <= len(top) <= 4 and all(k["calls"] >= 1 for k in top)
+    assert [k["ms"] for k in top] == sorted((k["ms"] for k in top), reverse=True) and top[0]["ms"] > 0
+    assert "Top kernels of the 2-row decode pass" in (tmp_path / "bench_serve_stage.md").read_text()
     assert set(rows[0]["gemms"]) == {"attention projections", "indexer projections", "shared expert", "routed experts"}

@@ -24,7 +24,9 @@ plan_gib (dsaflow.plan.serve_memory: weights + KV and index caches + work buffer
 plan_error. The `gemms` rows time each GEMM family alone on the row's token count: attention projections (wq_a,
 wq_b, wkv_a, wo), indexer projections (wq_b, wk), shared expert (w1, w3, w2) and routed experts (both grouped GEMMs,
 uniform random routing), as TFLOP/s and a fraction of the fp8 ceiling (bench_fp8.py's `torch._scaled_mm` 8192^3) or,
-with bf16 weights, of the bf16 matmul ceiling. Writes bench_serve_stage.json and .md into --out.
+with bf16 weights, of the bf16 matmul ceiling. `--kernels N` adds to each decode row its N most expensive kernels
+per pass (torch.profiler over the graph's replays): where the time beyond the weight bytes goes. Writes
+bench_serve_stage.json and .md into --out.
 """
 
 from __future__ import annotations
@@ -135,7 +137,10 @@ def run_row(args, stage, specs, device, dtype, kind: str, batch: int, context: i
 
         if kind == "decode":
             row["weight_bytes_read"] = decode_weight_bytes(stage, step)
-        ms = time_ms(graphed(step, device), device, args.reps)
+        replay = graphed(step, device)
+        ms = time_ms(replay, device, args.reps)
+        if kind == "decode" and args.kernels:
+            row["kernels"] = kernel_table(replay, device, args.kernels)
         row.update(time_ms=ms, tokens_per_s=batch * T / ms * 1e3)
         if kind == "decode" and CEIL.get("copy_tbps"):
             bound_ms = row["weight_bytes_read"] / (CEIL["copy_tbps"] * 1e12) * 1e3
@@ -155,6 +160,29 @@ def run_row(args, stage, specs, device, dtype, kind: str, batch: int, context: i
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     return row
+
+
+def kernel_table(replay, device, top: int, passes: int = 5) -> list:
+    """The `top` kernels of a pass by time: [{name, ms (per pass), calls (per pass)}], from torch.profiler over
+    `passes` replays (GPU: the kernels the graph replays; CPU: the aten ops of the eager pass). Where a decode
+    pass's time goes beyond its weight bytes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    replay()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(passes):
+            replay()
+        if cuda:
+            torch.cuda.synchronize()
+    totals: dict = {}
+    for e in prof.events():
+        if cuda != (e.device_type.name == "CUDA") or (not cuda and not e.name.startswith("aten::")):
+            continue
+        t, n = totals.get(e.name, (0.0, 0))
+        totals[e.name] = (t + (e.device_time if cuda else e.self_cpu_time_total), n + 1)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": k[:120], "ms": t / passes / 1e3, "calls": n / passes} for k, (t, n) in ranked]
 
 
 def decode_weight_bytes(stage, step) -> int:
@@ -251,6 +279,11 @@ def markdown(rows: list, env: dict, args) -> str:
             f"{head} {r['tokens_per_s']:,.0f} | {r['time_ms']:.2f} | {bound} | {peak} | {r['plan_gib']:.1f} GiB | "
             f"{err} | {fams} |"
         )
+    for r in rows:
+        if r.get("kernels"):
+            lines += ["", f"Top kernels of the {r['rows']}-row decode pass (torch.profiler over 5 replays):", "",
+                      "| kernel | ms per pass | calls per pass |", "|---|---:|---:|"]  # fmt: skip
+            lines += [f"| `{k['name'][:80]}` | {k['ms']:.4f} | {k['calls']:g} |" for k in r["kernels"]]
     return "\n".join(lines) + "\n"
 
 
@@ -267,6 +300,7 @@ def main(argv=None, prog="bench_serve.py stage") -> int:
     ap.add_argument("--decode-rows", default="64,256", help="decode batch sizes, comma-separated")
     ap.add_argument("--decode-context", type=int, default=8192, help="each decode row's context")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kernels", type=int, default=0, help="decode rows: list the top N kernels of a pass (profiler)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args(argv)
     device = resolve_device(prog, args.device)
