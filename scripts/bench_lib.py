@@ -136,6 +136,26 @@ def wall_seconds(fn, device, repeats: int = 1, warmup: bool = True) -> float:
 
 
 # ---- ceilings and rates ----
+def kernel_times(fn, device, passes: int = 1) -> list:
+    """[(name, ms per pass, calls per pass)], most expensive first, of what `passes` calls of fn run: on a GPU its
+    CUDA kernels (torch.profiler's device time; graph replays list the kernels they replay), on CPU its aten ops
+    (self CPU time). Call fn once before, so one-time work (compiles, allocations) is not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(passes):
+            fn()
+        sync(device)
+    rows = []
+    for e in prof.key_averages():
+        if cuda != (e.device_type.name == "CUDA") or (not cuda and not e.key.startswith("aten::")):
+            continue
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        rows.append((e.key, us / passes / 1e3, e.count / passes))
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def measure_ceilings(device="cuda") -> dict:
     """The device's bf16 matmul rate (8192^3, TFLOP/s) and copy rate (512 MiB read + written, TB/s), measured in
     this process; every row's fraction is of these. On CPU (smoke runs) at small sizes."""

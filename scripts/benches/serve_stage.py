@@ -163,26 +163,14 @@ def run_row(args, stage, specs, device, dtype, kind: str, batch: int, context: i
 
 
 def kernel_table(replay, device, top: int, passes: int = 5) -> list:
-    """The `top` kernels of a pass by time: [{name, ms (per pass), calls (per pass)}], from torch.profiler over
-    `passes` replays (GPU: the kernels the graph replays; CPU: the aten ops of the eager pass). Where a decode
-    pass's time goes beyond its weight bytes."""
-    from torch.profiler import ProfilerActivity, profile
+    """The `top` kernels of a pass by time, [{name, ms (per pass), calls (per pass)}], over `passes` replays
+    (`bench_lib.kernel_times`: on CPU the aten ops of the eager pass): where a decode pass's time goes beyond its
+    weight bytes."""
+    from bench_lib import kernel_times
 
-    cuda = torch.device(device).type == "cuda"
     replay()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        for _ in range(passes):
-            replay()
-        if cuda:
-            torch.cuda.synchronize()
-    totals: dict = {}
-    for e in prof.events():
-        if cuda != (e.device_type.name == "CUDA") or (not cuda and not e.name.startswith("aten::")):
-            continue
-        t, n = totals.get(e.name, (0.0, 0))
-        totals[e.name] = (t + (e.device_time if cuda else e.self_cpu_time_total), n + 1)
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
-    return [{"name": k[:120], "ms": t / passes / 1e3, "calls": n / passes} for k, (t, n) in ranked]
+    rows = kernel_times(replay, device, passes)[:top]
+    return [{"name": name[:120], "ms": ms, "calls": calls} for name, ms, calls in rows]
 
 
 def decode_weight_bytes(stage, step) -> int:

@@ -56,13 +56,10 @@ def count_kernels(tr, step: int, device: torch.device) -> tuple:
     """(kernels launched, their summed GPU ms) in one profiled step; (None, None) on CPU."""
     if device.type != "cuda":
         return None, None
-    from torch.profiler import ProfilerActivity, profile
+    from bench_lib import kernel_times
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        tr.step(step)
-        sync(device)
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    return sum(e.count for e in events), sum(e.self_device_time_total for e in events) / 1e3
+    rows = kernel_times(lambda: tr.step(step), device)
+    return int(sum(calls for _, _, calls in rows)), sum(ms for _, ms, _ in rows)
 
 
 def bench_row(overrides: list, mb: int, a, device: torch.device) -> dict:
