@@ -30,6 +30,7 @@ from dsaflow.ops.fp8_gemm import (
 )
 from dsaflow.ops.fp8_gemm.naive import E4M3_MAX, blocks
 from dsaflow.ops.fp8_gemm.triton_act_quant import quantize_rows_1x128_triton
+from dsaflow.ops.fp8_gemm.triton_dequant import dequantize_blocks_128_triton
 from dsaflow.ops.fp8_gemm.triton_fp8_gemm import fp8_gemm_triton
 from dsaflow.ops.fp8_gemm.triton_fp8_grouped import fp8_grouped_mm_triton
 from dsaflow.ops.kernel_table import Choice
@@ -191,6 +192,22 @@ def test_the_grouped_kernel_matches_the_reference_with_empty_experts_and_a_tail(
     out = fp8_grouped_mm_triton(x8, x_scale_t, w8, w_scale, offsets, a.shape[0], torch.float32)
     torch.testing.assert_close(out, fp8_grouped_mm_naive(a, w8, w_scale, offsets), rtol=1e-5, atol=1e-5)
     assert (out[33:] == 0).all()
+
+
+@interpreter
+@pytest.mark.parametrize("shape", [(256, 384), (130, 200), (2, 129, 130)])
+def test_the_dequantization_kernel_equals_the_reference_bit_for_bit(shape):
+    w8, scale = quantize_blocks_128(wide_range(*shape, seed=shape[-1]).clamp(-1e4, 1e4))
+    for dtype in (torch.bfloat16, torch.float32):
+        out = dequantize_blocks_128_triton(w8, scale, dtype)
+        assert out.dtype == dtype and out.shape == w8.shape
+        assert torch.equal(out.view(torch.uint8), dequantize_blocks_128(w8, scale).to(dtype).view(torch.uint8)), dtype
+
+
+def test_the_dequantization_kernel_refuses_a_wrong_scale_shape():
+    w8, scale = quantize_blocks_128(torch.randn(130, 200))
+    with pytest.raises(ValueError, match=r"scale must be fp32 \(2, 2\)"):
+        dequantize_blocks_128_triton(w8, scale[:1], torch.bfloat16)
 
 
 @interpreter

@@ -21,6 +21,7 @@ import torch
 from dsaflow.ops.fp8_gemm import (
     dequantize_blocks_128,
     dequantize_rows_1x128,
+    dequantize_weight,
     dispatch,
     explain_fp8_gemm,
     fp8_grouped_mm,
@@ -217,6 +218,29 @@ def test_grouped_replays_from_a_cuda_graph_bit_equal_with_no_host_sync():
         offsets.copy_(ragged_offsets(M, E, seed=seed + 1))
 
     replay_equals_eager(graph, out, lambda: fp8_grouped_mm(a, w8, w_scale, offsets), refill, "grouped")
+
+
+@pytest.mark.parametrize("shape", [(32768, 512), (200, 576), (3, 130, 257)])
+def test_the_dequantization_kernel_equals_the_reference_bit_for_bit(shape):
+    """kv_b at V3.2's shape (what absorbed attention dequantizes per call), partial blocks, an expert stack; every
+    output element written (poisoned memory), in bf16 and fp32, and from a CUDA graph with no host sync."""
+    w8, scale = quantize_blocks_128(
+        torch.randn(*shape, device="cuda", generator=gen(3)) * torch.logspace(-3, 2, shape[-1], device="cuda")
+    )
+    for dtype in (torch.bfloat16, torch.float32):
+        ref = dequantize_blocks_128(w8, scale).to(dtype)
+        poison_free_memory()
+        out = dequantize_weight(w8, scale, dtype)
+        assert out.dtype == dtype and out.shape == w8.shape
+        assert torch.equal(out.view(-1).view(torch.uint8), ref.view(-1).view(torch.uint8)), (shape, dtype)
+    graph, out = capture(lambda: dequantize_weight(w8, scale, torch.bfloat16))
+
+    def refill(seed):
+        fresh8, fresh_scale = weight(*shape, seed=seed + 10)
+        w8.copy_(fresh8)
+        scale.copy_(fresh_scale)
+
+    replay_equals_eager(graph, out, lambda: dequantize_weight(w8, scale, torch.bfloat16), refill, "dequantize")
 
 
 def test_hopper_takes_the_torch_row():

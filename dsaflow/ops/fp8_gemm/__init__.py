@@ -2,11 +2,12 @@
 128x128 block (e4m3 + fp32 `weight_scale_inv`), fp32 accumulation, output in the activations' dtype.
 
 Layout: `naive.py` (the quantizers and the fp32 references), the kernels (`triton_act_quant.py`: the activations'
-quantization; `triton_fp8_gemm.py`, `triton_fp8_grouped.py`: the GEMMs, launched from `tile_configs.py`'s tables; `torch_blockwise.py`: torch's cuBLASLt
-kernel; `gluon_fp8_grouped.py`: a Gluon grouped GEMM for sm_90 that overlaps each K block's MMA with the previous
-block's scaling, for many rows per expert), `dispatch.py` (the table and `explain_fp8_gemm`) and the public functions below. The weights are frozen
-(no gradient), so there is no autograd.Function. Nothing here syncs the host or shapes a tensor by its values, so
-serving graphs capture both GEMMs.
+quantization; `triton_dequant.py`: a weight back to a plain matrix; `triton_fp8_gemm.py`, `triton_fp8_grouped.py`:
+the GEMMs, launched from `tile_configs.py`'s tables; `torch_blockwise.py`: torch's cuBLASLt kernel;
+`gluon_fp8_grouped.py`: a Gluon grouped GEMM for sm_90 that overlaps each K block's MMA with the previous block's
+scaling, for many rows per expert), `dispatch.py` (the table and `explain_fp8_gemm`) and the public functions below.
+The weights are frozen (no gradient), so there is no autograd.Function. Nothing here syncs the host or shapes a
+tensor by its values, so serving graphs capture both GEMMs.
 """
 
 from __future__ import annotations
@@ -119,8 +120,28 @@ def fp8_grouped_mm(
     return fp8_grouped_mm_triton(x8, x_scale_t, w8, w_scale, offsets, a.shape[0], a.dtype)
 
 
+def dequantize_weight(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A block-quantized weight as a plain matrix.
+
+    Args:
+        w8: float8_e4m3fn [..., N, K] (one weight or an expert stack; last dim contiguous).
+        scale: fp32 [..., ceil(N / 128), ceil(K / 128)] its block scales.
+        dtype: the output's dtype.
+
+    Returns:
+        a new [..., N, K] in `dtype`, bit-equal to `dequantize_blocks_128(w8, scale).to(dtype)`: one Triton pass on
+        CUDA (`triton_dequant.py`; graph-safe), the reference on CPU.
+    """
+    if not w8.is_cuda:
+        return dequantize_blocks_128(w8, scale).to(dtype)
+    from .triton_dequant import dequantize_blocks_128_triton
+
+    return dequantize_blocks_128_triton(w8, scale, dtype)
+
+
 __all__ = [
     "dequantize_blocks_128",
+    "dequantize_weight",
     "dequantize_rows_1x128",
     "explain_fp8_gemm",
     "fp8_grouped_mm",
