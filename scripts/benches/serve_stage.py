@@ -17,6 +17,7 @@ Rows (one cache per row, sized as the planner sizes it: serve.max_batch x (serve
            chunk (default 8192, serve.prefill_chunk) at positions C - chunk .. C - 1 on the sparse path, the keys
            before it in the cache; tokens/s = chunk / time (the rate of the chunk that ends the prompt)
   decode   --decode-rows rows (default 64, 256), one token each at position --decode-context (default 8192) - 1
+The cache's earlier rows are random (`fill_context_`), as a prefill of distinct tokens leaves them.
 Decode rows also report weight_bytes_read (every weight of the stage but the routed experts, plus the experts the
 routers picked for these rows) and of_weight_bound: those bytes over the copy rate, as a fraction of the pass's time.
 Each row reports peak_gib (torch.cuda.max_memory_allocated from the stage's build through the row) against
@@ -118,6 +119,15 @@ def time_ms(fn, device, reps: int) -> float:
     return timed_slow(fn, reps, device)
 
 
+def fill_context_(cache, seed: int = 0) -> None:
+    """Every cached latent row and indexer key standard normal, as a prefill of distinct tokens leaves them (kv_norm
+    and the indexer's LayerNorm give rows of about unit scale). A zero cache would make every score tie: the top-k
+    select's worst case (every key a candidate), not a served context's."""
+    g = torch.Generator(device=next(iter(cache.kv.values())).device).manual_seed(seed)
+    for t in (*cache.kv.values(), *cache.index_k.values()):
+        t.normal_(generator=g)
+
+
 def run_row(args, stage, specs, device, dtype, kind: str, batch: int, context: int, chunk: int) -> dict:
     """One prefill or decode row: a cache for (batch, context), the pass at the end of the context, timed."""
     from dsaflow.model.cache import StageCache
@@ -128,6 +138,7 @@ def run_row(args, stage, specs, device, dtype, kind: str, batch: int, context: i
     cache = None
     try:
         cache = StageCache.allocate(cfg.model, specs, batch, context, batch * chunk, device, dtype)
+        fill_context_(cache)
         x = torch.randn(batch, T, cfg.model.dim, device=device, dtype=dtype)
         positions = torch.arange(context - T, context, device=device).expand(batch, T).contiguous()
 
