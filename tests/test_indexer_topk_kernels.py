@@ -18,7 +18,7 @@ from ops_helpers import FakeCuda
 from dsaflow.ops.indexer_topk import indexer_topk_naive, topk_from_scores
 from dsaflow.ops.indexer_topk.dispatch import explain_indexer_topk
 from dsaflow.ops.indexer_topk.triton_indexer import indexer_logits_triton, indexer_topk_triton, query_chunk
-from dsaflow.ops.indexer_topk.triton_select import radix_topk_triton
+from dsaflow.ops.indexer_topk.triton_select import radix_topk_triton, select_config
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = -12345
@@ -203,6 +203,12 @@ def test_explain_walks_the_table(monkeypatch):
 def test_select_config_and_query_chunk_are_shape_only():
     with pytest.raises(ValueError, match=r"unknown config keys \['algo'\]"):
         radix_topk_triton(torch.zeros(1, 1, 8), torch.zeros(1, 1, dtype=torch.long), 2, overrides=dict(algo="scan"))
+    few, many = select_config(8192, rows=64), select_config(8192, rows=2048)
+    assert (few["BLOCK_FINISH"], few["warps_finish"]) == (1024, 8) and (many["BLOCK_FINISH"], many["warps_finish"]) == (
+        512,
+        4,
+    )
+    assert select_config(100, rows=1)["BLOCK_FINISH"] == 128  # never wider than the row
     assert query_chunk(1, 16384, 131200) % 64 == 0 and query_chunk(1, 16384, 65664) % 64 == 0
     assert query_chunk(1, 5, 100) == 5 and query_chunk(1, 10**6, 2**27) == 2
 

@@ -202,15 +202,23 @@ def _finish_kernel(x_ptr, pos_ptr, count_ptr, cand_ptr, out_ptr, S, TOPK, ROWS_P
         tl.store(o_row + p0 + offs, -1, mask=p0 + offs < TOPK)
 
 
-def select_config(S: int, overrides: dict | None = None) -> dict:
+# Up to this many rows (decode steps) a row's finish runs 8 warps over 1024-key blocks: with fewer programs than
+# about two per SM, one row's latency sets the kernel's time (bench on an H200, 64 rows at 8K / 32K / 128K keys,
+# top-2048: 15.2 / 23.7 / 38.4 us against 19.9 / 30.5 / 50.1 for the many-row default below).
+FEW_ROWS = 256
+
+
+def select_config(S: int, overrides: dict | None = None, rows: int | None = None) -> dict:
     """Shape-only defaults. BLOCK: the compaction's block; BLOCK_FINISH: the finish's; SAMPLE: the floor's sample;
     whole_row=True skips the floor (every visible key is a candidate: the path a missed sample takes, for tests and
     benchmarks); programs: the compaction's target program count (None: 4 per SM). Unknown keys are refused.
     A one-warp compaction (its prefix sum needs no barrier across warps) of 512-key blocks, SAMPLE 1024 and a
-    4-warp finish of 512-key blocks were the fastest on an H200 at 8K-128K keys (docs/kernels.md)."""
+    4-warp finish of 512-key blocks were the fastest on an H200 at 8K-128K keys (docs/kernels.md); up to FEW_ROWS
+    `rows` the finish takes 8 warps over 1024-key blocks."""
     p2 = max(16, triton.next_power_of_2(S))
-    cfg = dict(BLOCK=min(512, p2), BLOCK_FINISH=min(512, p2), SAMPLE=min(1024, p2), whole_row=False, warps_floor=4,
-               warps_compact=1, warps_finish=4, programs=None)
+    few = rows is not None and rows <= FEW_ROWS
+    cfg = dict(BLOCK=min(512, p2), BLOCK_FINISH=min(1024 if few else 512, p2), SAMPLE=min(1024, p2),
+               whole_row=False, warps_floor=4, warps_compact=1, warps_finish=8 if few else 4, programs=None)
     unknown = set(overrides or {}) - set(cfg)
     if unknown:
         raise ValueError(f"radix_topk_triton: unknown config keys {sorted(unknown)} (known: {sorted(cfg)})")
@@ -256,7 +264,7 @@ def radix_topk_triton(
                          f"strides {scores.stride()}")
     if S >= 2**31 - 1 or topk < 1:
         raise ValueError(f"radix_topk_triton: S={S} must fit the int32 key index and topk={topk} be >= 1")
-    cfg = select_config(S, overrides)
+    cfg = select_config(S, overrides, B * T)
     if out is None:
         out = torch.empty(B, T, topk, device=scores.device, dtype=torch.int32)
     rows = B * T
