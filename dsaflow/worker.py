@@ -164,4 +164,10 @@ def _lost_peer(exc: BaseException) -> bool:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from dsaflow.launch.lifecycle import exit_now
+
+    try:
+        main(sys.argv[1:])
+    except SystemExit as done:  # the statuses main() chose; a bug's traceback still ends the usual way
+        exit_now(0 if done.code is None else done.code if isinstance(done.code, int) else 1)
+    exit_now(0)  # the job is done: skip the interpreter's teardown

@@ -79,4 +79,6 @@ def _rendezvous_line(args) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .lifecycle import exit_now
+
+    exit_now(main())
