@@ -226,6 +226,34 @@ def test_the_public_functions_run_the_triton_path(monkeypatch):
     out = fp8_grouped_mm(a.half(), w8, w_scale, offsets)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out, fp8_grouped_mm_naive(a.half(), w8, w_scale, offsets), rtol=1e-3, atol=1e-3)
+    # tokens quantized once and gathered into expert order: bit-equal to the gathered rows quantized
+    gather = torch.randint(0, 11, (a.shape[0],), generator=g)
+    tokens = torch.randn(11, a.shape[1], generator=g).clamp(-6e4, 6e4).half()
+    got = fp8_grouped_mm(tokens, w8, w_scale, offsets, gather=gather)
+    assert torch.equal(got, fp8_grouped_mm(tokens.index_select(0, gather), w8, w_scale, offsets))
+    with pytest.raises(ValueError, match="gather must be int64"):
+        fp8_grouped_mm(tokens, w8, w_scale, offsets, gather=gather.int())
+
+
+def test_gathered_calls_choose_the_kernel_by_the_gemms_rows(monkeypatch):
+    """With gather, the GEMM has gather.numel() rows (k per token): the dispatch's rows-per-expert rule must see
+    those, not the T tokens (at a prefill chunk: 65,536 rows, Gluon's range, against 8,192 tokens, Triton's)."""
+    import dsaflow.ops.fp8_gemm as ops
+
+    seen = []
+    real = ops.explain_fp8_gemm
+    monkeypatch.setattr(ops, "explain_fp8_gemm", lambda x, *rest: seen.append(x.shape) or real(x, *rest))
+    a, w8, w_scale, offsets = grouped_inputs()
+    fp8_grouped_mm(torch.randn(5, a.shape[1]), w8, w_scale, offsets, gather=torch.zeros(37, dtype=torch.int64))
+    assert seen == [(37, a.shape[1])]
+
+
+def test_the_reference_path_takes_gathered_rows_too():
+    a, w8, w_scale, offsets = grouped_inputs()
+    gather = torch.randint(0, 5, (a.shape[0],), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randn(5, a.shape[1])
+    want = fp8_grouped_mm_naive(tokens.index_select(0, gather), w8, w_scale, offsets)
+    assert torch.equal(fp8_grouped_mm(tokens, w8, w_scale, offsets, gather=gather), want)
 
 
 # ---- torch's scaled_mm row: the layouts it is handed ----

@@ -164,6 +164,22 @@ def test_the_grouped_kernel_matches_the_reference_over_ragged_experts(monkeypatc
     assert (out[start:] == 0).all(), "rows past offsets[-1] must be zero"
 
 
+@pytest.mark.parametrize("kernel,rows_per_expert", [("triton", 2), ("triton", 100), ("gluon", 100)])
+def test_gathered_token_rows_equal_the_gathered_rows_quantized(monkeypatch, kernel, rows_per_expert):
+    """moe_experts' inference path: T tokens quantized once, their e4m3 rows and scales gathered into expert order
+    (`gather`), bit-equal to quantizing the T x k gathered rows, ragged experts included."""
+    E, T, k, N, K = 16, rows_per_expert * 2, 8, 512, 7168
+    M = T * k
+    tokens = torch.randn(T, K, device="cuda", generator=gen(5)).bfloat16()
+    gather = torch.randint(0, T, (M,), device="cuda", generator=gen(6))
+    w8, w_scale = weight(E, N, K, seed=7)
+    offsets = ragged_offsets(M, E, seed=3)
+    forced(monkeypatch, kernel, tokens.index_select(0, gather), w8, offsets)
+    want = fp8_grouped_mm(tokens.index_select(0, gather), w8, w_scale, offsets)
+    poison_free_memory()
+    assert torch.equal(fp8_grouped_mm(tokens, w8, w_scale, offsets, gather=gather), want)
+
+
 def capture(fn):
     """fn() run twice on a side stream with host syncs made errors, then captured into a CUDA graph: (graph, its
     static output)."""

@@ -226,6 +226,27 @@ def test_fused_weighted_swiglu_matches_torch_under_the_interpreter(monkeypatch):
     torch.testing.assert_close(got_w, want_w)
 
 
+def test_fused_unsort_sum_matches_torch_under_the_interpreter(monkeypatch):
+    """Each token's k rows gathered from expert order and summed, against the gather-and-sum it replaces; D = 40
+    leaves a ragged column block, and the output is poisoned first (every element written)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from dsaflow.ops.moe import sort_by_expert, triton_unsort
+
+    g = torch.Generator().manual_seed(3)
+    N, k, E, D = 9, 3, 5, 40
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    order, _ = sort_by_expert(ids, E)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    out = torch.randn(N * k, D, generator=g)
+    want = out.index_select(0, inverse).view(N, k, D).sum(dim=1)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    got = triton_unsort.unsort_sum_triton(out, inverse, k)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="do not fit k=4"):
+        triton_unsort.unsort_sum_triton(out, inverse, 4)
+
+
 def test_the_whole_layer_matches_the_references_with_router_gradients():
     """MoE layer (router, routed experts, shared expert) against route_naive + moe_experts_naive + a plain SwiGLU:
     the output and the gradients of the input, the router gate, the experts and the shared expert."""

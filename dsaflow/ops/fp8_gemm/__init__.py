@@ -88,16 +88,25 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, ue8m0: 
 
 
 def fp8_grouped_mm(
-    a: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, offsets: torch.Tensor, ue8m0: bool = False
+    a: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    offsets: torch.Tensor,
+    ue8m0: bool = False,
+    gather: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row times its expert's block-quantized weight, transposed: the MoE experts' GEMM with FP8 weights.
 
     Args:
-        a: [M, K] rows sorted by expert (`dsaflow.ops.moe.sort_by_expert`), quantized per 1x128 on the fly.
+        a: [M, K] rows sorted by expert (`dsaflow.ops.moe.sort_by_expert`), quantized per 1x128 on the fly; with
+            `gather`, [T, K] one row per token instead.
         w8: float8_e4m3fn [E, N, K] one weight per expert (`quantize_blocks_128` of the [E, N, K] stack).
         w_scale: fp32 [E, ceil(N / 128), ceil(K / 128)] each expert's block scales.
         offsets: int32 [E] where each expert's rows end (cumulative; the layout of `dsaflow.ops.moe.grouped_mm`).
         ue8m0: power-of-two activation scales.
+        gather: None, or int64 [M]: row m of the GEMM is a[gather[m]]. The T token rows are quantized once and
+            their e4m3 rows and scales gathered into expert order, bit-equal to quantizing the gathered rows (the
+            quantization is per row) with k = M / T times fewer rows quantized and half the bytes gathered.
 
     Returns:
         [M, N] in a's dtype: row m = quantized a[m] times expert e(m)'s dequantized weight, transposed, fp32
@@ -109,15 +118,26 @@ def fp8_grouped_mm(
             f"fp8_grouped_mm: a must be [M, K] and offsets int32 [{w8.shape[0]}] on a's device, got a "
             f"{tuple(a.shape)}, offsets {offsets.dtype} {tuple(offsets.shape)} on {offsets.device}"
         )
-    kernel = chosen("fp8_grouped_mm", explain_fp8_gemm(a, w8, offsets), describe(a=a, w8=w8))
+    if gather is not None and (gather.dim() != 1 or gather.dtype != torch.int64 or gather.device != a.device):
+        raise ValueError(f"fp8_grouped_mm: gather must be int64 [M] on a's device, got {gather.dtype} "
+                         f"{tuple(gather.shape)} on {gather.device}")  # fmt: skip
+    # the kernel is chosen for the GEMM's rows (with gather: M of them, not the T tokens): a view of that shape
+    rows_shape = a if gather is None else a[:1].expand(gather.numel(), -1)
+    kernel = chosen("fp8_grouped_mm", explain_fp8_gemm(rows_shape, w8, offsets), describe(a=rows_shape, w8=w8))
     if kernel == "reference":
-        return fp8_grouped_mm_naive(a, w8, w_scale, offsets, ue8m0)
+        rows = a if gather is None else a.index_select(0, gather)
+        return fp8_grouped_mm_naive(rows, w8, w_scale, offsets, ue8m0)
     x8, x_scale_t = _quantized_rows(a, ue8m0, 1)
+    M = a.shape[0]
+    if gather is not None:  # e4m3 rows through a same-width integer view (index_select takes no float8 on CPU)
+        x8 = x8[:M].view(torch.uint8).index_select(0, gather).view(FP8)
+        x_scale_t = x_scale_t.index_select(1, gather)
+        M = gather.numel()
     if kernel == "gluon":
-        return fp8_grouped_mm_gluon(x8, x_scale_t, w8, w_scale, offsets, a.shape[0], a.dtype)
+        return fp8_grouped_mm_gluon(x8, x_scale_t, w8, w_scale, offsets, M, a.dtype)
     from .triton_fp8_grouped import fp8_grouped_mm_triton
 
-    return fp8_grouped_mm_triton(x8, x_scale_t, w8, w_scale, offsets, a.shape[0], a.dtype)
+    return fp8_grouped_mm_triton(x8, x_scale_t, w8, w_scale, offsets, M, a.dtype)
 
 
 def dequantize_weight(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

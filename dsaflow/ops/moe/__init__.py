@@ -76,7 +76,6 @@ def moe_experts(
     N, k = ids.shape
     order, offsets = sort_by_expert(ids, gate_up.shape[0])
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    rows = ExpandSorted.apply(x, order, inverse, k)  # [N * k, D], each token once per chosen expert
     row_weights = PermuteRows.apply(weights.reshape(-1), order, inverse)  # [N * k], in the rows' order
 
     # the routing weight scales the [N * k, I] activation, not the [N * k, D] output: fewer bytes, one fused pass
@@ -84,7 +83,12 @@ def moe_experts(
         return grouped_mm(a, w, offsets) if scale is None else fp8_grouped_mm(a, w, scale, offsets)
 
     gate_up_scale, down_scale = (None, None) if scales is None else scales
-    act = SwigluWeighted.apply(gemm(rows, gate_up, gate_up_scale), row_weights)
+    if gate_up_scale is not None and not (torch.is_grad_enabled() and x.requires_grad):
+        # FP8 without a gradient to x: quantize the N tokens once and gather their e4m3 rows, not k copies of x
+        h = fp8_grouped_mm(x, gate_up, gate_up_scale, offsets, gather=order // k)
+    else:
+        h = gemm(ExpandSorted.apply(x, order, inverse, k), gate_up, gate_up_scale)  # each token once per expert
+    act = SwigluWeighted.apply(h, row_weights)
     out = gemm(act, down, down_scale)  # [N * k, D], still sorted by expert
     return UnsortSum.apply(out, order, inverse, k)
 

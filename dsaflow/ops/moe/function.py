@@ -112,13 +112,17 @@ class SwigluWeighted(torch.autograd.Function):
 
 class UnsortSum(torch.autograd.Function):
     """out [N * k, D] rows sorted by expert -> [N, D], each token's k rows summed (row r of token t is
-    out[inverse[t * k + j]]). The backward hands each sorted row its token's gradient, one gather of [N * k, D]
-    with no [N, k, D] intermediate."""
+    out[inverse[t * k + j]]); CUDA tensors in one Triton pass with fp32 sums (`triton_unsort.py`). The backward
+    hands each sorted row its token's gradient, one gather of [N * k, D] with no [N, k, D] intermediate."""
 
     @staticmethod
     def forward(ctx, out, order, inverse, k: int):
         ctx.save_for_backward(order)
         ctx.k = k
+        if out.is_cuda:  # one pass (`triton_unsort.py`): no [N * k, D] copy in token order
+            from .triton_unsort import unsort_sum_triton
+
+            return unsort_sum_triton(out.contiguous(), inverse, k)
         return out.index_select(0, inverse).view(-1, k, out.shape[-1]).sum(dim=1)
 
     @staticmethod
