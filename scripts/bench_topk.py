@@ -4,6 +4,7 @@ logits at decode steps.
     python scripts/bench_topk.py select --out bench_out/topk_select
     python scripts/bench_topk.py indexer --out bench_out --no-sweeps
     python scripts/bench_topk.py decode --out bench_out
+    python scripts/bench_topk.py finish --out bench_out
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 from bench_lib import family_main
 
-SUBCOMMANDS = {"select": "topk_select", "indexer": "topk_indexer", "decode": "topk_decode"}
+SUBCOMMANDS = {"select": "topk_select", "indexer": "topk_indexer", "decode": "topk_decode", "finish": "topk_finish"}
 
 
 def main(argv=None) -> int:

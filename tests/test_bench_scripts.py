@@ -27,7 +27,7 @@ FAMILIES = {
         "p2p": "--compute-ms",
         "stage": "--decode-context",
     },
-    "bench_topk": {"select": "--keys", "indexer": "--no-sweeps", "decode": "--out"},
+    "bench_topk": {"select": "--keys", "indexer": "--no-sweeps", "decode": "--out", "finish": "--out"},
 }
 # an option only that script has: its --help is its own, not a neighbour's
 OWN_OPTION = {
