@@ -18,6 +18,7 @@ from ops_helpers import FakeCuda
 from dsaflow.ops.fp8_gemm import (
     dequantize_blocks_128,
     dequantize_rows_1x128,
+    dequantize_weight,
     dispatch,
     explain_fp8_gemm,
     fp8_grouped_mm,
@@ -202,6 +203,16 @@ def test_the_dequantization_kernel_equals_the_reference_bit_for_bit(shape):
         out = dequantize_blocks_128_triton(w8, scale, dtype)
         assert out.dtype == dtype and out.shape == w8.shape
         assert torch.equal(out.view(torch.uint8), dequantize_blocks_128(w8, scale).to(dtype).view(torch.uint8)), dtype
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (130, 200), (2, 128, 256)])
+def test_dequantize_weight_on_cpu_equals_the_reference_bit_for_bit(shape):
+    """The CPU path (whole blocks broadcast their scales; partial blocks take the reference) as `matrix_weight`
+    uses it for MLA's kv_b."""
+    w8, scale = quantize_blocks_128(wide_range(*shape, seed=shape[0]).clamp(-1e4, 1e4))
+    for dtype in (torch.bfloat16, torch.float32):
+        want = dequantize_blocks_128(w8, scale).to(dtype)
+        assert torch.equal(dequantize_weight(w8, scale, dtype).view(torch.uint8), want.view(torch.uint8)), dtype
 
 
 def test_the_dequantization_kernel_refuses_a_wrong_scale_shape():

@@ -14,8 +14,8 @@ checkpoint loads into them as stored (dsaflow.checkpoint.hf_weights).
 
 MLA's kv_b projection is also used as two matrices (q absorption, the output up-projection, the non-absorbed
 prefill's per-head keys and values): `matrix_weight(module, dtype)` gives those paths the weight in `dtype`,
-dequantized per call from its FP8 form (one Triton pass on CUDA) (a transient of one layer's kv_b: 32 MiB in bf16 at DeepSeek-V3.2's shapes),
-as DeepSeek's own inference code does; the stage keeps only the FP8 copy, which is what the planner counts.
+dequantized per call from its FP8 form by `dequantize_weight` (one Triton pass on CUDA; a transient of one layer's
+kv_b: 32 MiB in bf16 at DeepSeek-V3.2's shapes), as DeepSeek's own inference code does; the stage keeps only the FP8 copy, which is what the planner counts.
 
 Inference only: the FP8 tensors are buffers, not parameters, and nothing differentiates through them. A moved or
 cast module keeps its e4m3 weights and fp32 scales bit for bit (`.to(dtype)` moves them, never converts them).
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from dsaflow.config.fp8_policy import is_fp8_weight
-from dsaflow.ops.fp8_gemm import dequantize_blocks_128, dequantize_weight, fp8_linear, quantize_blocks_128
+from dsaflow.ops.fp8_gemm import dequantize_weight, fp8_linear, quantize_blocks_128
 from dsaflow.ops.moe import moe_experts
 
 from .moe import Experts
@@ -139,22 +139,8 @@ def matrix_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     dequantized (a fresh transient), a bf16/fp32 one cast (a view when the dtype already matches; gradients flow
     to the parameter)."""
     if isinstance(linear, FP8Linear):
-        return dequantize_to(linear.weight, linear.weight_scale_inv, dtype)
+        return dequantize_weight(linear.weight, linear.weight_scale_inv, dtype)
     return linear.weight.to(dtype)
-
-
-def dequantize_to(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """e4m3 [..., N, K] with scales [..., ceil(N/128), ceil(K/128)] -> [..., N, K] in `dtype`. On CUDA one Triton
-    pass (`dequantize_weight`: a decode step pays this per layer, and the torch expression's three passes cost
-    about 7x its bytes); on CPU whole blocks broadcast the scales without materialising them per element and
-    partial blocks take the reference path (the same values, bit for bit)."""
-    if w8.is_cuda:
-        return dequantize_weight(w8, scale, dtype)
-    N, K = w8.shape[-2:]
-    if N % BLOCK or K % BLOCK:
-        return dequantize_blocks_128(w8, scale).to(dtype)
-    blocked = w8.view(*w8.shape[:-2], N // BLOCK, BLOCK, K // BLOCK, BLOCK).to(torch.float32)
-    return (blocked * scale[..., :, None, :, None]).to(dtype).view(w8.shape)
 
 
 def _convert_children(module: nn.Module, prefix: str, device) -> int:

@@ -18,6 +18,7 @@ from ..kernel_table import chosen, describe
 from .dispatch import explain_fp8_gemm
 from .gluon_fp8_grouped import fp8_grouped_mm_gluon, gluon_support_reason  # noqa: F401 - gluon_support_reason: tests
 from .naive import (
+    BLOCK,
     FP8,
     blocks,
     dequantize_blocks_128,
@@ -150,10 +151,15 @@ def dequantize_weight(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
 
     Returns:
         a new [..., N, K] in `dtype`, bit-equal to `dequantize_blocks_128(w8, scale).to(dtype)`: one Triton pass on
-        CUDA (`triton_dequant.py`; graph-safe), the reference on CPU.
+        CUDA (`triton_dequant.py`; graph-safe); on CPU whole blocks broadcast their scales (the same products, none
+        materialised per element) and partial blocks take the reference.
     """
     if not w8.is_cuda:
-        return dequantize_blocks_128(w8, scale).to(dtype)
+        N, K = w8.shape[-2:]
+        if N % BLOCK or K % BLOCK:
+            return dequantize_blocks_128(w8, scale).to(dtype)
+        blocked = w8.view(*w8.shape[:-2], N // BLOCK, BLOCK, K // BLOCK, BLOCK).to(torch.float32)
+        return (blocked * scale[..., :, None, :, None]).to(dtype).view(w8.shape)
     from .triton_dequant import dequantize_blocks_128_triton
 
     return dequantize_blocks_128_triton(w8, scale, dtype)
