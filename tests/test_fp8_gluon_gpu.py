@@ -80,6 +80,23 @@ def test_every_row_in_one_expert_and_all_rows_past_the_last():
         check_against_reference(out, a, w8, w_scale, offsets, f"offsets {offsets.tolist()[:3]}...")
 
 
+@pytest.mark.parametrize("K", [512, 640])  # an even and an odd count of K blocks
+def test_half_empty_tiles_and_several_tiles_per_program(K):
+    """Experts whose last tile holds 1, 63 or 64 rows (the second warpgroup's half is empty: it issues no MMA and
+    only frees the ring's slots) or 65, 127, 128 rows, and more tiles than SMs, so each persistent program runs
+    several and its ring runs on from one tile into the next (with 5 % of rows past the last expert: zero tiles)."""
+    counts = [1, 63, 64, 0, 65, 127, 128, 129, 191, 192, 193, 0, 255, 256, 257, 320]
+    E, N = len(counts), 2048
+    M = sum(counts) + 100
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    a = torch.randn(M, K, device="cuda", generator=gen(K + 7)).bfloat16()
+    w8, w_scale = weight(E, N, K, seed=K + 7)
+    poison_free_memory()
+    out = run_gluon(a, w8, w_scale, offsets)
+    check_against_reference(out, a, w8, w_scale, offsets, f"half tiles K={K}")
+    assert torch.equal(run_gluon(a, w8, w_scale, offsets, {"STAGES": 2}), out)
+
+
 @pytest.mark.parametrize("K", [128, 256, 384, 640])  # 1, 2, 3, 5 K blocks: the loop's odd / even tails
 def test_short_k_loops(K):
     M, E, N = 300, 4, 256
