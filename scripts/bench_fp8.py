@@ -5,7 +5,8 @@ Dense, `fp8_linear` (activation quantization + GEMM, what a layer pays) for M ro
 down; each kernel of the table that takes the shape (DSAFLOW_FP8_GEMM forces it), the quantization kernel alone, and
 torch's bf16 matmul of the same shape.
 Grouped, `fp8_grouped_mm` over 256 experts with 8 per token (M = tokens x 8; --grouped-tokens, default 64, 512,
-4096) for the routed experts' gate_up (4096 x 7168) and down (7168 x 2048), random uniform routing, against torch's
+4096) for the routed experts' gate_up (4096 x 7168) and down (7168 x 2048), random uniform routing, each kernel that
+takes the shape (the Gluon kernel above 64 rows per expert on sm_90, the Triton one everywhere), against torch's
 bf16 grouped_mm (dsaflow.ops.moe.grouped_mm, DSAFLOW_MOE_GEMM=torch_grouped).
 
 Rates: TFLOP/s (2 M N K) as a fraction of the fp8 ceiling (`torch._scaled_mm`, per-tensor scales, 8192^3) for the
@@ -134,7 +135,7 @@ def grouped_rows(tokens_list, skip: set) -> None:
                 ms = bench(lambda: grouped_mm(a, w_bf16, offsets))
             record(op, "torch bf16 grouped_mm", f"{shape} M={M}", ms, flops=flops, nbytes=2 * touched * N * K, M=M,
                    shape=shape, tokens=tokens, experts_read=touched)  # fmt: skip
-            for kernel in FP8_KERNELS:
+            for kernel in ("gluon", *FP8_KERNELS):
                 forced(kernel)
                 choice = explain_fp8_gemm(a, w8, offsets)
                 if choice.kernel != kernel:
