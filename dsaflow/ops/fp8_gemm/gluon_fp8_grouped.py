@@ -5,10 +5,8 @@ cores' MMA of K block kb + 1 running while the CUDA cores scale K block kb, as D
 
 Why: each K block's product must be scaled by a_scale[rows, kb] x w_scale[e, n // 128, kb] and added to the fp32
 accumulator on the CUDA cores (the recipe's promotion). Triton waits for every block's MMA before that scaling
-(`wgmma.wait_group 0`: its pipeliner keeps an MMA in flight only when the product feeds the next MMA's
-accumulator), so the tensor cores idle during each block's promotion; that kernel reaches about a third of the fp8
-peak at DeepSeek-V3.2's prefill shapes. Here every K block's MMA is issued before the previous one is retired
-(`warpgroup_mma_wait(num_outstanding=1)`), so one MMA group is always in flight while the last one is promoted.
+(`wgmma.wait_group 0`), so the tensor cores idle during each promotion. Here every K block's MMA is issued before the
+previous one is retired (`warpgroup_mma_wait(num_outstanding=1)`): one MMA group is always in flight.
 
 Roles, per output tile of 128 rows (one row tile of `moe.triton_grouped.tile_table`) x 128 columns (one weight-scale
 block, so the weight scale is one scalar per K block):
@@ -27,14 +25,12 @@ has one) is split by columns instead, warpgroup c taking its 64 rows times colum
 half a tile; a warpgroup is bound by its own chain of MMA and promotion, so one warpgroup alone on the 64 rows
 would take as long as a full tile. The K loop and the accumulation order are the same, so results are too.
 Persistent programs (K at most `PERSISTENT_MAX_K`): one program per SM walks the tile slots (program_id,
-+ num_programs, ...) and the ring runs on from one tile into the next, so the next tile's first K blocks load while
-the last one's products are scaled and stored; that pays at the down projection's 16 K blocks and costs at gate_up's
-56, where the programs drift apart and share fewer operand tiles in L2 than the hardware's in-order launch of one
-program per tile does.
-Tiles of the group past the last expert (the table's group E) write zeros; slots past the last tile are skipped.
++ num_programs, ...), the ring running on from one tile into the next: that pays at the down projection's 16 K
+blocks and costs at gate_up's 56, where the programs drift apart and share fewer operand tiles in L2 than the
+hardware's in-order launch of one program per tile. Tiles of the group past the last expert (the table's group E)
+write zeros; slots past the last tile are skipped.
 The grid and the buffers depend on shapes only, so CUDA graphs capture the launch and nothing syncs the host.
-Requires K % 16 == 0 (TMA's 16-byte row pitch): `gluon_support_reason` says why a call cannot run here. Not in
-`dispatch.py`'s table until the sweep (`scripts/benches/fp8_sweep.py`) measures it against the Triton kernel.
+Requires K % 16 == 0 (TMA's 16-byte row pitch): `gluon_support_reason` says why a call cannot run here.
 """
 
 from __future__ import annotations
