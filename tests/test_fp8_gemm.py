@@ -333,8 +333,10 @@ def test_hopper_runs_torch_scaled_mm_where_its_rule_holds(hopper):
     assert explain_fp8_gemm(x, w8) == Choice(
         "torch_scaled_mm", (("reference", "device cuda runs the kernels (DSAFLOW_FP8_GEMM=reference runs it there)"),)
     )
+    x, w8 = cuda_inputs(N=576)  # MLA's wkv_a: a partial last 128-block, which cuBLASLt's block scaling takes
+    assert explain_fp8_gemm(x, w8).kernel == "torch_scaled_mm"
     reasons = {
-        "multiples of 128": cuda_inputs(N=576),
+        "multiples of 16": cuda_inputs(N=200),
         "K 200 and N 256": cuda_inputs(K=200),
         "bf16 activations only": cuda_inputs(dtype=torch.float16),
         "64 rows <= 64: Triton's split-K": cuda_inputs(rows=64),
