@@ -29,8 +29,8 @@ from dsaflow.ops.fp8_gemm import (
     fp8_linear,
     fp8_linear_naive,
     quantize_blocks_128,
+    quantize_once,
     quantize_rows_1x128,
-    torch_blockwise,
 )
 from dsaflow.ops.fp8_gemm.gluon_fp8_grouped import gluon_weight_reason
 from dsaflow.ops.fp8_gemm.triton_act_quant import quantize_rows_1x128_triton
@@ -180,6 +180,57 @@ def test_gathered_token_rows_equal_the_gathered_rows_quantized(monkeypatch, kern
     assert torch.equal(fp8_grouped_mm(tokens, w8, w_scale, offsets, gather=gather), want)
 
 
+def count_quantizations(monkeypatch) -> list:
+    """Counts launches of the activation quantization kernel, wherever the GEMMs call it from."""
+    from dsaflow.ops.fp8_gemm import triton_act_quant, triton_fp8_gemm
+
+    calls, real = [], triton_act_quant.quantize_rows_1x128_triton
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_act_quant, "quantize_rows_1x128_triton", counted)
+    monkeypatch.setattr(triton_fp8_gemm, "quantize_rows_1x128_triton", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kernel", ["triton", "torch_scaled_mm", "auto"])
+def test_gemms_inside_quantize_once_share_one_quantization_bit_equal(monkeypatch, kernel):
+    """A layer's input read by three dense projections and the routed experts (gather path) inside `quantize_once`:
+    one quantization launch in all, outputs bit-equal to the calls made alone; an in-place write between two
+    GEMMs makes the next one quantize the new values."""
+    E, N_e, K = 8, 256, 7168
+    x = torch.randn(2, 65, K, device="cuda", generator=gen(11)).bfloat16()  # 130 rows: no fused-quant launch
+    weights = [weight(n, K, seed=20 + n) for n in (1536, 128, 2048)]
+    experts = weight(E, N_e, K, seed=12)
+    gather = torch.randint(0, 130, (130 * 4,), device="cuda", generator=gen(13))
+    offsets = ragged_offsets(gather.numel(), E, seed=4)
+    if kernel != "auto":
+        forced(monkeypatch, kernel, x, weights[0][0])
+
+    def layer():
+        monkeypatch.setenv(dispatch.ENV_KERNEL, kernel)
+        dense = [fp8_linear(x, w8, s) for w8, s in weights]
+        monkeypatch.setenv(dispatch.ENV_KERNEL, "auto")  # 65 rows per expert: the Gluon kernel on sm_90
+        return [*dense, fp8_grouped_mm(x.view(130, K), *experts, offsets, gather=gather)]
+
+    alone = layer()
+    calls = count_quantizations(monkeypatch)
+    poison_free_memory()
+    with quantize_once(x):
+        shared = layer()
+        assert len(calls) == 1, f"{len(calls)} quantizations of one shared input"
+        x.mul_(-0.5)
+        monkeypatch.setenv(dispatch.ENV_KERNEL, kernel)
+        written = fp8_linear(x, *weights[1])
+    assert len(calls) == 2
+    for a, b in zip(alone, shared):
+        assert torch.equal(a, b)
+    assert torch.equal(written, fp8_linear(x, *weights[1]))
+    assert len(calls) == 3  # outside the block every GEMM quantizes for itself again
+
+
 def capture(fn):
     """fn() run twice on a side stream with host syncs made errors, then captured into a CUDA graph: (graph, its
     static output)."""
@@ -267,19 +318,3 @@ def test_hopper_takes_the_torch_row():
     x = torch.zeros(128, 7168, device="cuda", dtype=torch.bfloat16)
     choice = explain_fp8_gemm(x, weight(2048, 7168, seed=3)[0])
     assert choice.kernel == "torch_scaled_mm", str(choice)
-
-
-@pytest.mark.xfail(strict=False, reason="probe: whether cuBLASLt's block scaling takes partial 128-blocks")
-@pytest.mark.parametrize("N,K", [(576, 7168), (7168, 576)])
-def test_probe_torch_scaled_mm_on_partial_blocks(N, K):
-    """Not a requirement: the torch row refuses N or K off a multiple of 128. An XPASS here says torch's kernel
-    gets partial blocks right and the rule could be widened."""
-    if torch.cuda.get_device_capability() != (9, 0) or torch_blockwise.torch_support_reason():
-        pytest.skip("torch's block-scaled scaled_mm is not available here")
-    x = torch.randn(130, K, device="cuda", generator=gen(K)).bfloat16()
-    w8, w_scale = weight(N, K, seed=N)
-    x8, x_scale_t = quantize_rows_1x128_triton(x, pad_rows=torch_blockwise.SCALED_MM_PAD_ROWS)
-    out = torch_blockwise.fp8_linear_torch(x8, x_scale_t, w8, w_scale, 130)
-    ref = fp8_linear_naive(x.float(), w8, w_scale)
-    absprod = dequantize_rows_1x128(*quantize_rows_1x128(x)).abs() @ dequantize_blocks_128(w8, w_scale).abs().t()
-    assert_within_bound(out, ref, absprod, f"partial blocks N={N} K={K}")

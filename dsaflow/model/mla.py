@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from dsaflow.config.rope_schema import softmax_mscale
 from dsaflow.config.schema import ModelConfig
 from dsaflow.ops import indexer_topk, sparse_mla
+from dsaflow.ops.fp8_gemm import quantize_once
 from dsaflow.ops.head_proj import absorb_query, head_output
 
 from .cache import flat_indices, flat_rows, write_rows
@@ -68,12 +69,14 @@ class MLA(nn.Module):
         self.indexer = Indexer(cfg) if role == "F" else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """x [B, T, dim] (already attn_norm'ed) -> [B, T, dim]. One of three paths, each read top to bottom."""
-        if ctx.cache is not None:
-            return self._forward_cached(x, ctx)
-        if ctx.attn == "dense":
-            return self._forward_dense(x, ctx)
-        return self._forward_sparse(x, ctx)
+        """x [B, T, dim] (already attn_norm'ed) -> [B, T, dim]. One of three paths, each read top to bottom. With FP8
+        weights, wq_a, wkv_a and the indexer's wk read one quantization of x."""
+        with quantize_once(x):
+            if ctx.cache is not None:
+                return self._forward_cached(x, ctx)
+            if ctx.attn == "dense":
+                return self._forward_dense(x, ctx)
+            return self._forward_sparse(x, ctx)
 
     def _project(self, x: torch.Tensor):
         """x [B, T, dim] -> q_latent [B, T, q_lora], q [B, T, H, N + R] (q_pe not rotated), c_kv [B, T, C],

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsaflow.config.moe_schema import MoEConfig
+from dsaflow.ops.fp8_gemm import quantize_once
 from dsaflow.ops.moe import moe_experts
 
 from .aux_loss import attach_aux_loss
@@ -104,9 +105,10 @@ class MoE(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         ids, weights, scores = self.gate(flat)
-        out = self.experts(flat, ids, weights).view(B, T, D)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        with quantize_once(x):  # FP8 experts: the routed and the shared GEMMs read one quantization of x
+            out = self.experts(flat, ids, weights).view(B, T, D)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x)
         if not (count_load or balance_loss):  # serving and evaluation: nothing to count
             return out
         real = torch.ones(B, T, dtype=torch.bool, device=x.device) if real is None else real

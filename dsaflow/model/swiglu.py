@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsaflow.ops.fp8_gemm import quantize_once
+
 
 class SwiGLU(nn.Module):
     """w2(silu(w1 x) * w3 x): x [..., dim] -> [..., dim] with hidden size inter_dim."""
@@ -17,4 +19,5 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(inter_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        with quantize_once(x):  # FP8 weights: w1 and w3 read one quantization of x
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))

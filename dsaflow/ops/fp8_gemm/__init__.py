@@ -28,6 +28,7 @@ from .naive import (
     quantize_blocks_128,
     quantize_rows_1x128,
 )
+from .shared_input import quantize_once, shared_quantization, shared_quantization_applies
 
 
 def _check_weight(op: str, x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, dims: int) -> None:
@@ -49,9 +50,13 @@ def _check_weight(op: str, x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
 
 
 def _quantized_rows(x2: torch.Tensor, ue8m0: bool, pad_rows: int):
+    """x2 [M, K] quantized per 1x128 (rows padded to a multiple of pad_rows): the copy an enclosing `quantize_once`
+    shares, or a fresh one."""
     from .triton_act_quant import quantize_rows_1x128_triton
 
-    return quantize_rows_1x128_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), ue8m0, pad_rows)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    shared = shared_quantization(x2, ue8m0, pad_rows, quantize_rows_1x128_triton)
+    return shared if shared is not None else quantize_rows_1x128_triton(x2, ue8m0, pad_rows)
 
 
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
@@ -82,9 +87,14 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, ue8m0: 
         x8, x_scale_t = _quantized_rows(x2, ue8m0, SCALED_MM_PAD_ROWS)
         out = fp8_linear_torch(x8, x_scale_t, w8, w_scale, x2.shape[0])
     else:
-        from .triton_fp8_gemm import fp8_linear_triton
+        from .triton_fp8_gemm import dense_config, fp8_gemm_triton, fp8_linear_triton
 
-        out = fp8_linear_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), w8, w_scale, ue8m0)
+        config = dense_config(x2.shape[0], N)
+        if config.fuse_quant or not shared_quantization_applies(x2):  # the launch quantizes, or x2 is not shared
+            out = fp8_linear_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), w8, w_scale, ue8m0, config)
+        else:
+            x8, x_scale_t = _quantized_rows(x2, ue8m0, 1)
+            out = fp8_gemm_triton(x8, x_scale_t, w8, w_scale, x2.shape[0], x.dtype, config)
     return out.reshape(*x.shape[:-1], N)
 
 
@@ -175,5 +185,6 @@ __all__ = [
     "fp8_linear",
     "fp8_linear_naive",
     "quantize_blocks_128",
+    "quantize_once",
     "quantize_rows_1x128",
 ]
