@@ -296,4 +296,6 @@ def test_the_stage_benchmark_runs_small_on_cpu(tmp_path):
     assert "kernels" not in rows[0] and 1 <= len(top) <= 4 and all(k["calls"] >= 1 for k in top)
     assert [k["ms"] for k in top] == sorted((k["ms"] for k in top), reverse=True) and top[0]["ms"] > 0
     assert "Top kernels of the 2-row decode pass" in (tmp_path / "bench_serve_stage.md").read_text()
-    assert set(rows[0]["gemms"]) == {"attention projections", "indexer projections", "shared expert", "routed experts"}
+    families = {"attention projections", "indexer projections", "shared expert", "routed experts"}
+    assert set(rows[0]["gemms"]) == families | {"all GEMMs of the layer"}
+    assert all(rows[0]["gemms"][f]["tflops"] > 0 for f in families | {"all GEMMs of the layer"})

@@ -23,11 +23,12 @@ routers picked for these rows) and of_weight_bound: those bytes over the copy ra
 Each row reports peak_gib (torch.cuda.max_memory_allocated from the stage's build through the row) against
 plan_gib (dsaflow.plan.serve_memory: weights + KV and index caches + work buffers for that serve config) and
 plan_error. The `gemms` rows time each GEMM family alone on the row's token count: attention projections (wq_a,
-wq_b, wkv_a, wo), indexer projections (wq_b, wk), shared expert (w1, w3, w2) and routed experts (both grouped GEMMs,
-uniform random routing), as TFLOP/s and a fraction of the fp8 ceiling (bench_fp8.py's `torch._scaled_mm` 8192^3) or,
-with bf16 weights, of the bf16 matmul ceiling. `--kernels N` adds to each decode row its N most expensive kernels
-per pass (torch.profiler over the graph's replays): where the time beyond the weight bytes goes. Writes
-bench_serve_stage.json and .md into --out.
+wq_b, wkv_a, wo), indexer projections (wq_b, wk), shared expert (w1, w3, w2) and routed experts (both grouped GEMMs
+with their routing glue, uniform random routing), then all of them together as the layer runs them (one
+quantization of each input the projections share), as TFLOP/s and a fraction of the fp8 ceiling (bench_fp8.py's
+`torch._scaled_mm` 8192^3) or, with bf16 weights, of the bf16 matmul ceiling. `--kernels N` adds to each decode
+row its N most expensive kernels per pass (torch.profiler over the graph's replays): where the time beyond the weight
+bytes goes. Writes bench_serve_stage.json and .md into --out.
 """
 
 from __future__ import annotations
@@ -212,26 +213,60 @@ FAMILIES = {
 
 
 def gemm_rows(stage, cfg, M: int, device, dtype, args) -> dict:
-    """{family: {time_ms, tflops, frac}} of one layer's GEMMs at M tokens (the first layer of the stage)."""
+    """{family: {time_ms, tflops, frac}} of one layer's GEMMs at M tokens (the first layer of the stage), each family
+    alone, and "all GEMMs of the layer" run together as the layer runs them: the attention input x read by wq_a,
+    wkv_a and the indexer's wk, the MLP input by the shared and the routed experts, each quantized once
+    (`quantize_once`); every other projection reads an input of its own width."""
+    from dsaflow.ops.fp8_gemm import quantize_once
+
     layer = next(iter(stage.layers.values()))
-    out = {}
+    D = cfg.model.dim
+    x_attn, x_mlp = (torch.randn(M, D, device=device, dtype=dtype) for _ in range(2))
+    other = {}  # one activation per other input width (q_latent, the attention output, the shared hidden)
+
+    def run(mods, x):
+        with quantize_once(x):
+            for m in mods:
+                m(x if m.in_features == D else other.setdefault(m.in_features, torch.randn(
+                    M, m.in_features, device=device, dtype=dtype)))  # fmt: skip
+
+    out, runs, total_flops = {}, [], 0
     for family, names in FAMILIES.items():
         mods = [layer.get_submodule(n) for n in names if _has(layer, n)]
         if not mods:
             continue
-        xs = [torch.randn(M, m.in_features, device=device, dtype=dtype) for m in mods]
+        x = x_mlp if family == "shared expert" else x_attn
+        run(mods, x)  # the inputs exist before timing
         flops = sum(2 * M * m.in_features * m.out_features for m in mods)
-        ms = time_ms(lambda: [m(x) for m, x in zip(mods, xs)], device, args.reps)
-        out[family] = _rate(ms, flops, args)
+        out[family] = _rate(time_ms(lambda mods=mods, x=x: run(mods, x), device, args.reps), flops, args)
+        runs.append((mods, x))
+        total_flops += flops
     moe = cfg.model.moe
+    routed = None
     if moe is not None and _has(layer, "mlp.experts"):
-        e, k, inter, D = moe.n_routed_experts, moe.num_experts_per_tok, moe.moe_inter_dim, cfg.model.dim
+        e, k, inter = moe.n_routed_experts, moe.num_experts_per_tok, moe.moe_inter_dim
         g = torch.Generator(device=device).manual_seed(0)
         ids = torch.rand(M, e, device=device, generator=g).topk(k, dim=-1).indices
         weights = torch.full((M, k), 1.0 / k, device=device)
-        x = torch.randn(M, D, device=device, dtype=dtype)
-        ms = time_ms(lambda: layer.mlp.experts(x, ids, weights), device, args.reps)
-        out["routed experts"] = _rate(ms, 2 * M * k * 3 * inter * D, args)
+        flops = 2 * M * k * 3 * inter * D
+
+        def routed():
+            with quantize_once(x_mlp):
+                layer.mlp.experts(x_mlp, ids, weights)
+
+        out["routed experts"] = _rate(time_ms(routed, device, args.reps), flops, args)
+        total_flops += flops
+
+    def every_gemm():
+        attn = [m for mods, x in runs if x is x_attn for m in mods]
+        mlp = [m for mods, x in runs if x is x_mlp for m in mods]
+        with quantize_once(x_mlp):  # the routed experts and the shared expert read one quantization of x_mlp
+            if routed is not None:
+                routed()
+            run(mlp, x_mlp)
+        run(attn, x_attn)
+
+    out["all GEMMs of the layer"] = _rate(time_ms(every_gemm, device, args.reps), total_flops, args)
     return out
 
 
