@@ -1,9 +1,11 @@
 """FP8 block-scaled GEMMs (dsaflow.ops.fp8_gemm) at DeepSeek-V3.2 shapes, against torch's bf16 GEMMs (CUDA).
 
 Dense, `fp8_linear` (activation quantization + GEMM, what a layer pays) for M rows (--rows, default 64, 256, 4096,
-16384) at (N, K) = (24576, 1536) q_b, (7168, 16384) o_proj, (4096, 7168) a shared expert's gate_up, (7168, 2048) its
-down; each kernel of the table that takes the shape (DSAFLOW_FP8_GEMM forces it), the quantization kernel alone, and
-torch's bf16 matmul of the same shape.
+16384) at (N, K) = (24576, 1536) q_b, (576, 7168) kv_a, (7168, 16384) o_proj, (4096, 7168) a shared expert's
+gate_up, (7168, 2048) its down; each kernel of the table that takes the shape (DSAFLOW_FP8_GEMM forces it), the
+quantization kernel alone, and torch's bf16 matmul of the same shape. Then the projections that share one input
+(the attention input's q_a, kv_a and indexer k; the MLP input's w1 and w3), each quantizing x against all inside
+`quantize_once(x)`. Dense calls are timed as CUDA-graph replays, as serving runs them (no host launch gaps).
 Grouped, `fp8_grouped_mm` over 256 experts with 8 per token (M = tokens x 8; --grouped-tokens, default 64, 512,
 4096) for the routed experts' gate_up (4096 x 7168) and down (7168 x 2048), random uniform routing, each kernel that
 takes the shape (the Gluon kernel above 64 rows per expert on sm_90, the Triton one everywhere), against torch's
@@ -33,6 +35,7 @@ from bench_lib import (
     CEIL,
     ROWS,
     bench,
+    bench_graph,
     command_line,
     environment,
     measure_ceilings,
@@ -43,7 +46,11 @@ from bench_lib import (
     write_results,
 )
 
-DENSE = {"q_b": (24576, 1536), "o_proj": (7168, 16384), "shared gate_up": (4096, 7168), "shared down": (7168, 2048)}
+DENSE = {"q_b": (24576, 1536), "kv_a": (576, 7168), "o_proj": (7168, 16384), "shared gate_up": (4096, 7168),
+         "shared down": (7168, 2048)}  # fmt: skip
+# projections that read one input, timed as the layer runs them: each quantizing x, and inside quantize_once(x)
+SHARED = {"attention input (q_a, kv_a, indexer k)": ((1536, 7168), (576, 7168), (128, 7168)),
+          "MLP input (shared w1, w3)": ((2048, 7168), (2048, 7168))}  # fmt: skip
 GROUPED = {"experts gate_up": (4096, 7168), "experts down": (7168, 2048)}
 EXPERTS, TOP_K = 256, 8
 FP8_KERNELS = ("triton", "torch_scaled_mm")
@@ -83,7 +90,7 @@ def dense_rows(rows_list, skip: set) -> None:
         for M in rows_list:
             x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
             flops = 2 * M * N * K
-            record(op, "torch bf16 matmul", f"{shape} M={M}", bench(lambda: x @ w.t()), flops=flops,
+            record(op, "torch bf16 matmul", f"{shape} M={M}", bench_graph(lambda: x @ w.t()), flops=flops,
                    nbytes=2 * N * K, M=M, shape=shape)  # fmt: skip
             for kernel in FP8_KERNELS:
                 forced(kernel)
@@ -91,9 +98,10 @@ def dense_rows(rows_list, skip: set) -> None:
                 if choice.kernel != kernel:
                     skip.add(f"{kernel} at {op}: {dict(choice.refused)[kernel]}")
                     continue
-                ms = bench(lambda: fp8_linear(x, w8, w_scale))
+                ms = bench_graph(lambda: fp8_linear(x, w8, w_scale))
                 fp8_row(op, shape, M, f"fp8 {kernel}", ms, flops, N * K + w_scale.numel() * 4)
-            ms = bench(lambda: quantize_rows_1x128_triton(x))
+            forced("auto")
+            ms = bench_graph(lambda: quantize_rows_1x128_triton(x))
             record(op, "quantize x (1x128)", f"{shape} M={M}", ms, nbytes=M * K * 3, M=M, shape=shape)
             del x
         del w, w8, w_scale
@@ -113,6 +121,31 @@ def expert_weights(N: int, K: int, g):
         )
     w_bf16 = torch.randn(EXPERTS, N, K, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
     return w8, w_scale, w_bf16
+
+
+def shared_rows(rows_list) -> None:
+    """Each SHARED group at M rows (the table's kernels): every projection quantizing x itself, then all inside
+    `quantize_once(x)`, which quantizes it once for all of them."""
+    from dsaflow.ops.fp8_gemm import fp8_linear, quantize_blocks_128, quantize_once
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for op, shapes in SHARED.items():
+        weights = [quantize_blocks_128(torch.randn(N, K, device="cuda", generator=g) * 0.02) for N, K in shapes]
+        K = shapes[0][1]
+        for M in rows_list:
+            x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.bfloat16)
+            flops = sum(2 * M * N * K for N, _ in shapes)
+            nbytes = sum(w8.numel() + 4 * s.numel() for w8, s in weights)
+
+            def each():
+                return [fp8_linear(x, *w) for w in weights]
+
+            def once():
+                with quantize_once(x):
+                    return each()
+
+            for impl, fn in (("fp8, each quantizing x", each), ("fp8, quantize_once(x)", once)):
+                fp8_row(op, "+".join(f"{N}x{K}" for N, K in shapes), M, impl, bench_graph(fn), flops, nbytes)
 
 
 def grouped_rows(tokens_list, skip: set) -> None:
@@ -175,8 +208,8 @@ def table(rows: list, skip: set, env: dict) -> str:
 
 def plot(rows: list):
     def draw(plt):
-        ops = list(DENSE) + list(GROUPED)
-        fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+        ops = list(DENSE) + list(GROUPED) + list(SHARED)
+        fig, axes = plt.subplots(3, 3, figsize=(15, 12))
         for ax, op in zip(axes.flat, ops):
             mine = [r for r in rows if r["kernel"] == op and "tflops" in r]
             for impl in dict.fromkeys(r["impl"] for r in mine):
@@ -216,6 +249,7 @@ def main(argv=None, prog: str = "bench_fp8.py") -> int:
     print("fp8 ceiling", CEIL["fp8_tflops"], "TFLOP/s", flush=True)
     skip: set = set()
     dense_rows(rows_list, skip)
+    shared_rows(rows_list)
     grouped_rows(tokens_list, skip)
     env = environment(command=command_line(prog, argv))
     data = {"environment": env, "ceilings": CEIL, "not_run": sorted(skip), "rows": ROWS}
