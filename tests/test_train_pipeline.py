@@ -23,8 +23,28 @@ COMMON = dict(steps=STEPS, dense_warmup_steps=1)  # step 0 dense_warmup (indexer
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run_configs(1, [tiny_cfg(1, None, "1F1B", **COMMON)], tmp_path_factory.mktemp("pp1"))[0]
+def references(tmp_path_factory):
+    """The PP=1 runs, without and with train.recompute=block (BLOCK, below), in one spawned process."""
+    cfgs = [tiny_cfg(1, None, "1F1B", **COMMON), tiny_cfg(1, None, "1F1B", **BLOCK)]
+    return run_configs(1, cfgs, tmp_path_factory.mktemp("pp1"))
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references[0]
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    """Every LAYOUTS_2 and LAYOUTS_4 run, without and with train.recompute=block: one spawn of 2 processes and one
+    of 4 (each spawn costs seconds of imports per rank) -> {(recompute, stages, ranks, schedule): result}."""
+    root = tmp_path_factory.mktemp("pipelined")
+    out = {}
+    for world, layouts in ((2, LAYOUTS_2), (4, LAYOUTS_4)):
+        keys = [(rc, *lay) for rc in ("none", "block") for lay in layouts]
+        cfgs = [tiny_cfg(s, r, sched, **(BLOCK if rc == "block" else COMMON)) for rc, s, r, sched in keys]
+        out.update(zip(keys, run_configs(world, cfgs, root / f"pp{world}")))
+    return out
 
 
 def _assert_same(ref, got, label):
@@ -57,17 +77,15 @@ def test_split_keeps_roles():
 
 
 @pytest.mark.slow
-def test_pp2_every_schedule_matches_pp1(reference, tmp_path):
-    cfgs = [tiny_cfg(s, r, sched, **COMMON) for s, r, sched in LAYOUTS_2]
-    for (s, r, sched), got in zip(LAYOUTS_2, run_configs(2, cfgs, tmp_path)):
-        _assert_same(reference, got, f"{sched} {s} stages / {r} ranks")
+def test_pp2_every_schedule_matches_pp1(reference, pipelined):
+    for s, r, sched in LAYOUTS_2:
+        _assert_same(reference, pipelined["none", s, r, sched], f"{sched} {s} stages / {r} ranks")
 
 
 @pytest.mark.slow
-def test_pp4_matches_pp1(reference, tmp_path):
-    cfgs = [tiny_cfg(s, r, sched, **COMMON) for s, r, sched in LAYOUTS_4]
-    for (s, r, sched), got in zip(LAYOUTS_4, run_configs(4, cfgs, tmp_path)):
-        _assert_same(reference, got, f"{sched} {s} stages / {r} ranks")
+def test_pp4_matches_pp1(reference, pipelined):
+    for s, r, sched in LAYOUTS_4:
+        _assert_same(reference, pipelined["none", s, r, sched], f"{sched} {s} stages / {r} ranks")
 
 
 def test_losses_move(reference):
@@ -84,8 +102,8 @@ BLOCK = dict(COMMON, recompute="block")
 
 
 @pytest.fixture(scope="module")
-def block_reference(tmp_path_factory):
-    return run_configs(1, [tiny_cfg(1, None, "1F1B", **BLOCK)], tmp_path_factory.mktemp("pp1_block"))[0]
+def block_reference(references):
+    return references[1]
 
 
 def test_block_recompute_gives_the_losses_of_no_recompute(reference, block_reference):
@@ -103,9 +121,7 @@ def test_block_recompute_gives_the_losses_of_no_recompute(reference, block_refer
 
 
 @pytest.mark.slow
-def test_block_recompute_every_schedule_matches_pp1(block_reference, tmp_path):
-    layouts = LAYOUTS_2 + LAYOUTS_4
-    got2 = run_configs(2, [tiny_cfg(s, r, sched, **BLOCK) for s, r, sched in LAYOUTS_2], tmp_path / "pp2")
-    got4 = run_configs(4, [tiny_cfg(s, r, sched, **BLOCK) for s, r, sched in LAYOUTS_4], tmp_path / "pp4")
-    for (s, r, sched), got in zip(layouts, got2 + got4):
+def test_block_recompute_every_schedule_matches_pp1(block_reference, pipelined):
+    for s, r, sched in LAYOUTS_2 + LAYOUTS_4:
+        got = pipelined["block", s, r, sched]
         _assert_same(block_reference, got, f"recompute=block {sched} {s} stages / {r} ranks")
