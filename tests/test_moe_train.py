@@ -64,20 +64,41 @@ def test_moe_training_moves_the_loss_and_logs_expert_load(moe_reference):
     assert routed and all(grads[k].abs().sum() > 0 for k in routed)
 
 
-@pytest.mark.slow
-def test_moe_pp2_every_schedule_matches_pp1(moe_reference, tmp_path):
+def resume_cfgs(root):
+    """(uninterrupted, stopped after step 3, resumed) runs of test_a_resumed_moe_run_carries_its_expert_biases."""
+    common = dict(steps=5, ckpt_every=2, dense_warmup_steps=1, eval_every=0)
+    cfgs = stop_and_resume_cfgs(root, 2, 2, "1F1B", 3, **common)
+    for cfg in cfgs:
+        cfg.model.moe = dataclasses.replace(MOE, bias_update_rate=0.05)  # large steps: a lost bias would show
+    return cfgs
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every 2-rank run of this file in one spawn of 2 processes (each spawn costs seconds of imports per rank):
+    the LAYOUTS_2 runs, 1F1B with train.recompute=block, then the stop-and-resume triple -> (results of the
+    first two groups, the resume configs, whose run dirs the test reads)."""
+    root = tmp_path_factory.mktemp("moe_pp2")
     cfgs = [moe_cfg(s, r, sched, **COMMON) for s, r, sched in LAYOUTS_2]
-    for (s, r, sched), got in zip(LAYOUTS_2, run_configs(2, cfgs, tmp_path)):
+    cfgs.append(moe_cfg(2, 2, "1F1B", recompute="block", **COMMON))
+    resume = resume_cfgs(root)
+    got = run_configs(2, [*cfgs, *resume], root / "out")
+    return got[: len(cfgs)], resume
+
+
+@pytest.mark.slow
+def test_moe_pp2_every_schedule_matches_pp1(moe_reference, two_ranks):
+    for (s, r, sched), got in zip(LAYOUTS_2, two_ranks[0]):
         _assert_same(moe_reference, got, f"MoE {sched} {s} stages / {r} ranks")
         _assert_same_balance(moe_reference, got, f"MoE {sched}")
 
 
 @pytest.mark.slow
-def test_moe_pp4_and_block_recompute_match_pp1(moe_reference, tmp_path):
+def test_moe_pp4_and_block_recompute_match_pp1(moe_reference, two_ranks, tmp_path):
     layouts = LAYOUTS_4 + [(2, 2, "1F1B")]
     cfgs4 = [moe_cfg(s, r, sched, **COMMON) for s, r, sched in LAYOUTS_4]
-    block = [moe_cfg(2, 2, "1F1B", recompute="block", **COMMON)]
-    got = run_configs(4, cfgs4, tmp_path / "pp4") + run_configs(2, block, tmp_path / "block")
+    got = run_configs(4, cfgs4, tmp_path / "pp4") + two_ranks[0][len(LAYOUTS_2) :]
+    assert len(got) == len(layouts)
     for (s, r, sched), g in zip(layouts, got):
         _assert_same(moe_reference, g, f"MoE {sched} {s} stages / {r} ranks")
         _assert_same_balance(moe_reference, g, f"MoE {sched}")
@@ -116,14 +137,11 @@ def test_the_bias_update_balances_a_skewed_router_and_training_alone_does_not():
 
 
 @pytest.mark.slow
-def test_a_resumed_moe_run_carries_its_expert_biases(tmp_path):
+def test_a_resumed_moe_run_carries_its_expert_biases(two_ranks):
     """Stop after step 3, resume from the step-2 checkpoint: the losses and expert loads equal the uninterrupted
-    run's, which needs the selection biases the bias update had moved (they live in the checkpoint)."""
-    common = dict(steps=5, ckpt_every=2, dense_warmup_steps=1, eval_every=0)
-    full, stopped, resumed = stop_and_resume_cfgs(tmp_path, 2, 2, "1F1B", 3, **common)
-    for cfg in (full, stopped, resumed):
-        cfg.model.moe = dataclasses.replace(MOE, bias_update_rate=0.05)  # large steps: a lost bias would show
-    run_configs(2, [full, stopped, resumed], tmp_path / "out")
+    run's, which needs the selection biases the bias update had moved (they live in the checkpoint). The three runs
+    are the last of the `two_ranks` spawn (resume_cfgs)."""
+    full, stopped, _ = two_ranks[1]
     want, got = read_metrics(full.run_dir), read_metrics(stopped.run_dir)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
