@@ -25,10 +25,10 @@ plan_gib (dsaflow.plan.serve_memory: weights + KV and index caches + work buffer
 plan_error. The `gemms` rows time each GEMM family alone on the row's token count: attention projections (wq_a,
 wq_b, wkv_a, wo), indexer projections (wq_b, wk), shared expert (w1, w3, w2) and routed experts (both grouped GEMMs
 with their routing glue, uniform random routing), then all of them together as the layer runs them (one
-quantization of each input the projections share), as TFLOP/s and a fraction of the fp8 ceiling (bench_fp8.py's
-`torch._scaled_mm` 8192^3) or, with bf16 weights, of the bf16 matmul ceiling. `--kernels N` adds to each decode
-row its N most expensive kernels per pass (torch.profiler over the graph's replays): where the time beyond the weight
-bytes goes. Writes bench_serve_stage.json and .md into --out.
+quantization of each input the projections share), each replayed from a CUDA graph, as TFLOP/s and a fraction of
+the fp8 ceiling (bench_fp8.py's `torch._scaled_mm` 8192^3) or, with bf16 weights, of the bf16 matmul ceiling.
+`--kernels N` adds to each decode row its N most expensive kernels per pass (torch.profiler over the graph's
+replays): where the time beyond the weight bytes goes. Writes bench_serve_stage.json and .md into --out.
 """
 
 from __future__ import annotations
@@ -118,6 +118,17 @@ def time_ms(fn, device, reps: int) -> float:
     from bench_lib import timed_slow
 
     return timed_slow(fn, reps, device)
+
+
+def gemm_ms(fn, device, reps: int) -> float:
+    """Milliseconds of fn() replayed from a CUDA graph, as the stage's passes run (eager timing would add the host's
+    launch latency before the first kernel, a visible part of a family that takes a fraction of a millisecond); on
+    CPU: `time_ms`."""
+    if torch.device(device).type != "cuda":
+        return time_ms(fn, device, reps)
+    from bench_lib import bench_graph
+
+    return bench_graph(fn)
 
 
 def fill_context_(cache, seed: int = 0) -> None:
@@ -238,7 +249,7 @@ def gemm_rows(stage, cfg, M: int, device, dtype, args) -> dict:
         x = x_mlp if family == "shared expert" else x_attn
         run(mods, x)  # the inputs exist before timing
         flops = sum(2 * M * m.in_features * m.out_features for m in mods)
-        out[family] = _rate(time_ms(lambda mods=mods, x=x: run(mods, x), device, args.reps), flops, args)
+        out[family] = _rate(gemm_ms(lambda mods=mods, x=x: run(mods, x), device, args.reps), flops, args)
         runs.append((mods, x))
         total_flops += flops
     moe = cfg.model.moe
@@ -254,7 +265,7 @@ def gemm_rows(stage, cfg, M: int, device, dtype, args) -> dict:
             with quantize_once(x_mlp):
                 layer.mlp.experts(x_mlp, ids, weights)
 
-        out["routed experts"] = _rate(time_ms(routed, device, args.reps), flops, args)
+        out["routed experts"] = _rate(gemm_ms(routed, device, args.reps), flops, args)
         total_flops += flops
 
     def every_gemm():
@@ -266,7 +277,7 @@ def gemm_rows(stage, cfg, M: int, device, dtype, args) -> dict:
             run(mlp, x_mlp)
         run(attn, x_attn)
 
-    out["all GEMMs of the layer"] = _rate(time_ms(every_gemm, device, args.reps), total_flops, args)
+    out["all GEMMs of the layer"] = _rate(gemm_ms(every_gemm, device, args.reps), total_flops, args)
     return out
 
 
