@@ -145,18 +145,24 @@ def trained(tmp_path_factory):
     return shared_checkpoint(tmp_path_factory)
 
 
-@pytest.mark.slow
-def test_trained_64_prompts_single_pp2_pp4_equal_serving_alone(trained):
+@pytest.fixture(scope="module")
+def trained_alone(trained):
+    """64 prompts and each one's tokens served alone by the trained model (64 one-row runs, the slow part): the
+    reference of both tests below, computed once."""
     prompts, limits = workload()
-    want = alone(trained, prompts, limits)
+    return prompts, limits, alone(trained, prompts, limits)
+
+
+@pytest.mark.slow
+def test_trained_64_prompts_single_pp2_pp4_equal_serving_alone(trained, trained_alone):
+    prompts, limits, want = trained_alone
     for pipeline in ("single", "pp2", "pp4"):
         assert engine(trained, pipeline, None, mixed(48)).generate(prompts, limits) == want, pipeline
 
 
 @pytest.mark.slow
-def test_trained_torchrun_pp2_gloo_mixed_passes(trained, tmp_path):
-    prompts, limits = workload(64, seed=1)
-    want = alone(trained, prompts, limits)
+def test_trained_torchrun_pp2_gloo_mixed_passes(trained, trained_alone, tmp_path):
+    prompts, limits, want = trained_alone
     rows, _ = generate_cli(tmp_path, "pp2-mixed", "pp2", trained, prompts, limits, *mixed(48))
     assert [r["tokens"] for r in rows] == want
 
