@@ -12,8 +12,8 @@ form, walked by `explain_fp8_gemm`.
 
 `torch_scaled_mm` is cuBLASLt's kernel for DeepSeek's recipe (`torch_blockwise.py`); torch refuses it off sm_90.
 K and N need only cuBLASLt's 16-byte alignment: its block scaling takes a partial last 128-block (MLA's wkv_a, N = 576:
-checked against the reference in tests/test_fp8_gemm_gpu.py, and on an H200 71 us at 8192 rows against Triton's
-144 us); other widths run on Triton.
+checked against the reference in tests/test_fp8_gemm_gpu.py; faster than Triton there, docs/kernels.md has the
+numbers); other widths run on Triton.
 torch has no grouped form of these scales, so grouped calls go to the Gluon kernel where it is faster (prefill: many
 rows per expert) and to `triton` (`triton_fp8_grouped.py`) otherwise. Either way the activations are first quantized
 by `triton_act_quant.py`.

@@ -1,8 +1,8 @@
 """One activation quantization for every FP8 GEMM that reads the same input.
 
 A DSA layer feeds one normed hidden state to several projections: wq_a, wkv_a and the indexer's wk in attention,
-the shared expert's w1 and w3 and the routed experts in a MoE layer; and MLA's q_latent to wq_b and the indexer's
-wq_b. With FP8 weights each of those GEMMs would quantize its input per 1x128 on its own: at 8192 prefill tokens of
+the shared expert's w1 and w3 and the routed experts in a MoE layer (MLA, MoE and SwiGLU open a block around
+them; MLA's q_latent, read by wq_b and the indexer's wq_b, is not shared yet). With FP8 weights each of those GEMMs would quantize its input per 1x128 on its own: at 8192 prefill tokens of
 DeepSeek-V3.2 one pass over [8192, 7168] bf16 takes about as long as the indexer's wk GEMM itself. Inside
 `quantize_once(x, ...)`, the first GEMM on x (or on a view of it with the same rows) quantizes it and the others
 reuse those e4m3 rows and scales.
@@ -64,7 +64,7 @@ def shared_quantization(x2: torch.Tensor, ue8m0: bool, pad_rows: int, quantize: 
             continue
         if SHARED_PAD_ROWS % pad_rows:
             return None
-        held, version, by_format = entry
+        _held, version, by_format = entry
         if version != x2._version:  # written in place since: quantize afresh
             by_format.clear()
             entry[1] = x2._version
