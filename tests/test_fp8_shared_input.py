@@ -10,7 +10,7 @@ import weakref
 import torch
 
 from dsaflow.ops.fp8_gemm import quantize_once, quantize_rows_1x128
-from dsaflow.ops.fp8_gemm.shared_input import SHARED_PAD_ROWS, shared_quantization, shared_quantization_applies
+from dsaflow.ops.fp8_gemm.shared_input import SHARED_PAD_ROWS, shared_quantization
 
 
 class CountingQuantizer:
@@ -30,7 +30,7 @@ def rows(x):
 def test_outside_a_block_nothing_is_shared():
     q = CountingQuantizer()
     x = torch.randn(6, 256)
-    assert shared_quantization(x, False, 1, q) is None and not shared_quantization_applies(x)
+    assert shared_quantization(x, False, 1, q) is None
     assert q.calls == []
 
 
@@ -72,7 +72,7 @@ def test_blocks_nest_and_let_go_of_their_activations():
         with quantize_once(inner):
             assert shared_quantization(outer, False, 1, q) is shared  # the outer block's entry, seen from inside
             assert shared_quantization(inner, False, 1, q) is not None
-        assert shared_quantization(inner, False, 1, q) is None and shared_quantization_applies(outer)
+        assert shared_quantization(inner, False, 1, q) is None and shared_quantization(outer, False, 1, q) is shared
     assert len(q.calls) == 2
     alive = weakref.ref(inner)
     del inner

@@ -28,7 +28,7 @@ from .naive import (
     quantize_blocks_128,
     quantize_rows_1x128,
 )
-from .shared_input import quantize_once, shared_quantization, shared_quantization_applies
+from .shared_input import quantize_once, shared_quantization
 
 
 def _check_weight(op: str, x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, dims: int) -> None:
@@ -49,12 +49,16 @@ def _check_weight(op: str, x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
         raise ValueError(f"{op}: x, w8 and w_scale must share a device, got {x.device}, {w8.device}, {w_scale.device}")
 
 
+def _row_major(x2: torch.Tensor) -> torch.Tensor:
+    """x2 [M, K] with a contiguous last dim (the quantizers and the fused launch read rows): itself, or a copy."""
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def _quantized_rows(x2: torch.Tensor, ue8m0: bool, pad_rows: int):
-    """x2 [M, K] quantized per 1x128 (rows padded to a multiple of pad_rows): the copy an enclosing `quantize_once`
-    shares, or a fresh one."""
+    """x2 [M, K] (row-major) quantized per 1x128, rows padded to a multiple of pad_rows: the copy an enclosing
+    `quantize_once` shares, or a fresh one."""
     from .triton_act_quant import quantize_rows_1x128_triton
 
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     shared = shared_quantization(x2, ue8m0, pad_rows, quantize_rows_1x128_triton)
     return shared if shared is not None else quantize_rows_1x128_triton(x2, ue8m0, pad_rows)
 
@@ -80,21 +84,23 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, ue8m0: 
     if kernel == "reference":
         return fp8_linear_naive(x, w8, w_scale, ue8m0)
     N, K = w8.shape
-    x2 = x.reshape(-1, K)
+    x2 = _row_major(x.reshape(-1, K))
     if kernel == "torch_scaled_mm":
         from .torch_blockwise import SCALED_MM_PAD_ROWS, fp8_linear_torch
 
         x8, x_scale_t = _quantized_rows(x2, ue8m0, SCALED_MM_PAD_ROWS)
         out = fp8_linear_torch(x8, x_scale_t, w8, w_scale, x2.shape[0])
     else:
+        from .triton_act_quant import quantize_rows_1x128_triton
         from .triton_fp8_gemm import dense_config, fp8_gemm_triton, fp8_linear_triton
 
         config = dense_config(x2.shape[0], N)
-        if config.fuse_quant or not shared_quantization_applies(x2):  # the launch quantizes, or x2 is not shared
-            out = fp8_linear_triton(x2 if x2.stride(-1) == 1 else x2.contiguous(), w8, w_scale, ue8m0, config)
+        # a fused launch quantizes inside the GEMM; otherwise take the shared copy when a quantize_once block has one
+        shared = None if config.fuse_quant else shared_quantization(x2, ue8m0, 1, quantize_rows_1x128_triton)
+        if shared is None:
+            out = fp8_linear_triton(x2, w8, w_scale, ue8m0, config)
         else:
-            x8, x_scale_t = _quantized_rows(x2, ue8m0, 1)
-            out = fp8_gemm_triton(x8, x_scale_t, w8, w_scale, x2.shape[0], x.dtype, config)
+            out = fp8_gemm_triton(*shared, w8, w_scale, x2.shape[0], x.dtype, config)
     return out.reshape(*x.shape[:-1], N)
 
 
@@ -138,7 +144,7 @@ def fp8_grouped_mm(
     if kernel == "reference":
         rows = a if gather is None else a.index_select(0, gather)
         return fp8_grouped_mm_naive(rows, w8, w_scale, offsets, ue8m0)
-    x8, x_scale_t = _quantized_rows(a, ue8m0, 1)
+    x8, x_scale_t = _quantized_rows(_row_major(a), ue8m0, 1)
     M = a.shape[0]
     if gather is not None:  # e4m3 rows through a same-width integer view (index_select takes no float8 on CPU)
         x8 = x8[:M].view(torch.uint8).index_select(0, gather).view(FP8)

@@ -72,9 +72,3 @@ def shared_quantization(x2: torch.Tensor, ue8m0: bool, pad_rows: int, quantize: 
             by_format[ue8m0] = quantize(x2, ue8m0, SHARED_PAD_ROWS)
         return by_format[ue8m0]
     return None
-
-
-def shared_quantization_applies(x2: torch.Tensor) -> bool:
-    """Whether an enclosing `quantize_once` shares x2 [M, K] (asked before choosing a launch that quantizes on its
-    own)."""
-    return any(_key(x2) in frame for frame in _local.__dict__.get("frames", ()))
