@@ -123,7 +123,7 @@ if TMA_ERROR is None:
 
     @gluon.jit
     def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, tile_expert_ptr, tile_row0_ptr, tile_rowend_ptr,
-                  N, n_kb, tiles_m, tiles_n, E: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip  # fmt: skip
+                  N, n_kb, tiles_m, tiles_n, E: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
         """Each of this program's tiles in turn: each K block's A rows (two [64, 128] boxes; the second only when
         the tile has rows past its first 64) and B rows ([128, 128]) into the next ring slot, once both consumers
         released it. The ring runs on across tiles (position `i`), so the next tile's first blocks load while
