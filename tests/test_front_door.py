@@ -250,14 +250,24 @@ def test_readme_generate_prompts_are_the_held_out_task_and_the_readme_lists_thei
     assert f"in order `{' '.join(r['answer'] for r in rows)}`" in (REPO / "README.md").read_text()
 
 
-@pytest.mark.slow
-def test_every_readme_example_runs_verbatim_in_a_fresh_folder(tmp_path):
-    """The README's examples, pasted into bash as written, in a folder holding only the repository's docs/: each
-    exits 0. A 5-step `dsaflow train` stands in for the main job whose run dir the last ones use."""
+def readme_examples() -> list:
+    """The command lines of README.md's "Examples that run as written" block (continuation lines joined)."""
     text = (REPO / "README.md").read_text()
     block = text.split("Examples that run as written", 1)[1].split("```", 2)[1]
     lines = list(_command_lines(block))
     assert len(lines) >= 8 and any(line.startswith("dsaflow generate") for line in lines)
+    return lines
+
+
+def standalone_training(line: str) -> bool:
+    """A README example that trains on its own (not on the main job's run dir): tests/test_readme_training.py runs
+    these, test_the_readme_examples_on_the_main_jobs_run_dir_run_verbatim every other one."""
+    return line.startswith("dsaflow train ") and "runs/" not in line
+
+
+def run_verbatim(lines, tmp_path: Path) -> None:
+    """Each line pasted into bash as written, one after the other, in a fresh folder holding only the repository's
+    docs/: each exits 0."""
     shim = tmp_path / "bin" / "dsaflow"
     shim.parent.mkdir()
     shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m dsaflow.cli "$@"\n')
@@ -266,6 +276,19 @@ def test_every_readme_example_runs_verbatim_in_a_fresh_folder(tmp_path):
     work.mkdir()
     (work / "docs").symlink_to(REPO / "docs")
     env = {**ENV, "PATH": f"{shim.parent}:{os.environ['PATH']}", "WANDB_MODE": "offline"}
-    for line in ["dsaflow train train.steps=5 track=none", *lines]:
+    for line in lines:
         res = subprocess.run(["bash", "-c", line], cwd=work, env=env, capture_output=True, text=True, timeout=900)
         assert res.returncode == 0, f"{line}\n{res.stdout[-1500:]}\n{res.stderr[-1500:]}"
+
+
+@pytest.mark.slow
+def test_the_readme_examples_on_the_main_jobs_run_dir_run_verbatim(tmp_path):
+    """The README's examples other than the standalone trainings (the plans, generate and search on the main job's
+    run dir), pasted into bash as written in a fresh folder: each exits 0. A 2-step `dsaflow train` stands in for
+    the main job whose run dir the last ones use; the standalone trainings run in tests/test_readme_training.py
+    (another file, so that pytest-xdist can run the two halves at once)."""
+    lines = [line for line in readme_examples() if not standalone_training(line)]
+    assert any("runs/*-tiny-retrieval" in line for line in lines) and any(
+        line.startswith("dsaflow plan") for line in lines
+    )
+    run_verbatim(["dsaflow train train.steps=2 track=none", *lines], tmp_path)

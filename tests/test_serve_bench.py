@@ -38,7 +38,6 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
         "none",
         "--out",
         str(tmp_path),
-        "--trace",
     ]
     assert bench.main(argv) == 0
     data = json.loads((tmp_path / "bench_serve.json").read_text())
@@ -83,12 +82,28 @@ def test_bench_serve_cpu_single_and_pp2(tmp_path):
     assert (tmp_path / "bench_serve.png").stat().st_size > 1000
     assert not (tmp_path / "bench_serve.partial.jsonl").exists()  # the full results replace it
     assert data["env"]["overrides"] == "" and len(data["env"]["load_average_1min"]) == 2
-    # --trace: one Chrome trace per rank of every row, holding the engine's stage calls
+    assert not list(tmp_path.glob("trace-*")), "no traces without --trace"
+
+
+@pytest.mark.slow
+def test_bench_serve_trace_writes_one_chrome_trace_per_rank_of_every_row(tmp_path):
+    """--trace, in this process (single) and on every torchrun rank (pp2): one Chrome trace per rank of every row,
+    holding the engine's stage calls. The uniform workload alone: a trace costs seconds to write on CPU, and the
+    rows' own fields are checked without it above."""
+    bench = load_script("bench_serve")
+    argv = ["engine", "--device", "cpu", "--pipelines", "single,pp2", "--workloads", "uniform", "--requests", "6"]
+    argv += ["--max-batch", "4", "--prefill-chunk", "8", "--uniform-prompt", "8", "--uniform-new", "4"]
+    argv += ["--overrides", "none", "--out", str(tmp_path), "--trace"]
+    assert bench.main(argv) == 0
+    rows = json.loads((tmp_path / "bench_serve.json").read_text())["rows"]
+    assert {(r["pipeline"], r["microbatches"]) for r in rows} == {("single", 1), ("pp2", 1), ("pp2", 2)}
     traces = sorted(p.name for p in tmp_path.glob("trace-*.json.gz"))
     assert len(traces) == sum(r["ranks"] for r in rows)
+    assert "trace-single-g1-uniform-continuous-rank0.json.gz" in traces
     assert "trace-pp2-g2-uniform-continuous-rank1.json.gz" in traces
-    events = json.loads(gzip.decompress((tmp_path / traces[0]).read_bytes()))["traceEvents"]
-    assert any(e.get("name", "").startswith("aten::") for e in events)
+    for name in (traces[0], traces[-1]):  # a pp2 rank's and the single process's
+        events = json.loads(gzip.decompress((tmp_path / name).read_bytes()))["traceEvents"]
+        assert any(e.get("name", "").startswith("aten::") for e in events)
 
 
 @pytest.mark.slow
