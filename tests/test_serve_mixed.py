@@ -42,13 +42,21 @@ def alone(run, prompts, limits, extra=()):
     return [eng.generate([p], [m])[0] for p, m in zip(prompts, limits)]
 
 
-@pytest.mark.parametrize("pipeline,budget", [("single", 24), ("pp2", 40), ("pp2", 200)])
-def test_mixed_passes_equal_serving_each_request_alone(pipeline, budget):
+@pytest.fixture(scope="module")
+def alone_24():
+    """workload(24, seed=6) and each request served alone by the seeded random init: the reference of every case
+    below, computed once (24 one-row runs)."""
     prompts, limits = workload(24, seed=6)
+    return prompts, limits, alone(None, prompts, limits)
+
+
+@pytest.mark.parametrize("pipeline,budget", [("single", 24), ("pp2", 40), ("pp2", 200)])
+def test_mixed_passes_equal_serving_each_request_alone(pipeline, budget, alone_24):
+    prompts, limits, want = alone_24
     eng = engine(None, pipeline, None, mixed(budget))
     seen = spy_passes(eng)
     got = eng.generate(prompts, limits)
-    assert got == alone(None, prompts, limits)
+    assert got == want
     assert any(p.token_major and any(p.decode) for p in seen)  # decoding rows rode along with prompt chunks
     assert any(p.decode_only for p in seen)  # and decode-only passes stayed what they were
     assert all(p.T <= budget for p in seen)

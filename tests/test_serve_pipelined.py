@@ -29,14 +29,14 @@ def cli(*args, timeout=600):
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def train_checkpoint(run, *extra):
+def train_checkpoint(run, *extra, steps=150):
     """Train the tiny model briefly into `run` (a run dir) -> run; `extra`: more overrides (train.device=cpu)."""
     res = cli(
         "train",
         *MODEL,
         "data=text",
         f"data.path={REPO}/docs/serving.md",
-        "train.steps=150",
+        f"train.steps={steps}",
         "train.seq_len=64",
         "train.batch_size=16",
         "train.eval_every=0",
@@ -48,6 +48,12 @@ def train_checkpoint(run, *extra):
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return run
+
+
+# The shared checkpoint's steps: enough for what its tests need of a trained model (workload()'s 64 greedy outputs hold
+# 41 distinct ones, dense, and 42, MoE, where the tests ask for more than 32; a space byte ends about 50 of them early,
+# where the EOS tests ask for 16), at half the cost of 150 steps (loss about 2.85 instead of 2.6).
+SHARED_STEPS = 80
 
 
 def shared_checkpoint(tmp_path_factory, *extra):
@@ -64,7 +70,7 @@ def shared_checkpoint(tmp_path_factory, *extra):
         if not (folder / "done").exists():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
-            train_checkpoint(folder / "run", *extra)
+            train_checkpoint(folder / "run", *extra, steps=SHARED_STEPS)
             (folder / "done").touch()
     return folder / "run"
 
@@ -92,9 +98,17 @@ def generate_cli(tmp_path, name, pipeline, checkpoint, prompts, limits, *overrid
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A tiny model trained briefly on a doc of the repo (bytes, loss about 2.5): its greedy continuations differ from
+    """A tiny model trained briefly on a doc of the repo (bytes, loss about 2.85): its greedy continuations differ from
     prompt to prompt and its next-token distributions are peaked, unlike the random init's near-ties."""
     return shared_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def trained_ref(trained):
+    """workload()'s 64 prompts and the trained model's greedy tokens for them, one process, one group: the reference
+    of the two tests below, computed once."""
+    prompts, limits = workload()
+    return prompts, limits, engine(trained, "single", 1).generate(prompts, limits)
 
 
 def workload(n=64, seed=0):
@@ -130,10 +144,8 @@ def engine(run, pipeline, microbatches=None, extra=()):
 
 
 @pytest.mark.slow
-def test_greedy_tokens_identical_across_pipelines_and_groups(trained):
-    prompts, limits = workload()
-    ref_eng = engine(trained, "single", 1)
-    ref = ref_eng.generate(prompts, limits)
+def test_greedy_tokens_identical_across_pipelines_and_groups(trained, trained_ref):
+    prompts, limits, ref = trained_ref
     assert [len(o) for o in ref] == limits
     assert len({tuple(o) for o in ref}) > 32  # the trained model does not say one thing to everyone
     for pipeline in PIPELINES:
@@ -144,12 +156,11 @@ def test_greedy_tokens_identical_across_pipelines_and_groups(trained):
 
 
 @pytest.mark.slow
-def test_eos_ends_rows_one_pass_late_and_keeps_the_tokens(trained):
+def test_eos_ends_rows_one_pass_late_and_keeps_the_tokens(trained, trained_ref):
     """serve.eos_id: the flags are applied one pass of the group late (Scheduler.end), so a row that emitted EOS runs
     once more and refills later; the output of every request is still its greedy tokens up to and with its first
     EOS, in every pipeline and group count."""
-    prompts, limits = workload()
-    ref = engine(trained, "single", 1).generate(prompts, limits)
+    prompts, limits, ref = trained_ref
     eos, cut = eos_cut(ref, 16)
     for pipeline, mb in (("single", 1), ("pp2", None), ("pp4", None)):
         eng = engine(trained, pipeline, mb, [f"serve.eos_id={eos}"])
@@ -254,8 +265,18 @@ def test_eager_refills_rearrange_rows_and_keep_every_token():
     assert got == [alone.generate([p], [m])[0] for p, m in zip(prompts, limits)]
 
 
+@pytest.fixture(scope="module")
+def alone_24_seed5():
+    """workload(24, seed=5) with limits 1 + 5i mod 12, and each request served alone (one row, no graphs) by the
+    seeded random init: the reference of both pipelines below, computed once (24 one-row runs)."""
+    prompts, _ = workload(24, seed=5)
+    limits = [1 + (5 * i) % 12 for i in range(24)]
+    alone = engine(None, "single", 1, ["serve.max_batch=1"])
+    return prompts, limits, [alone.generate([p], [m])[0] for p, m in zip(prompts, limits)]
+
+
 @pytest.mark.parametrize("pipeline", ["single", "pp2"])
-def test_continuous_batching_with_prefill_graphs_prefills_the_top_rows(pipeline):
+def test_continuous_batching_with_prefill_graphs_prefills_the_top_rows(pipeline, alone_24_seed5):
     """Continuous batching with prefill graphs (a fake capturer, which replays like a graph): refills rearrange the
     rows (their cached rows on every stage, decoding rows down, prefilling ones up), joiners prefill through graphs
     over the group's top rows, and every request's tokens equal serving it alone."""
@@ -263,8 +284,7 @@ def test_continuous_batching_with_prefill_graphs_prefills_the_top_rows(pipeline)
 
     from dsaflow.model.cache import StageCache
 
-    prompts, _ = workload(24, seed=5)
-    limits = [1 + (5 * i) % 12 for i in range(24)]
+    prompts, limits, want = alone_24_seed5
     graphs = [
         "graphs=decode_prefill",
         "graphs.blocks.0.shape_classes=[1,2,4,8]",
@@ -297,8 +317,7 @@ def test_continuous_batching_with_prefill_graphs_prefills_the_top_rows(pipeline)
         StageCache.move_rows = real_move
     assert moves and all(len(set(dst)) == len(dst) and set(src) != set(dst) for src, dst in moves)
     assert any("/r" in n for n in names)  # some prefill replayed a graph over fewer rows than the group
-    alone = engine(None, "single", 1, ["serve.max_batch=1"])
-    assert got == [alone.generate([p], [m])[0] for p, m in zip(prompts, limits)]
+    assert got == want
 
 
 @pytest.mark.parametrize("pipeline", ["single", "pp2"])
