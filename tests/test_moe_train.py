@@ -30,7 +30,7 @@ MOE = MoEConfig(
     bias_update_rate=0.01,
     aux_loss_weight=0.01,
 )
-COMMON = dict(steps=STEPS, dense_warmup_steps=1)
+COMMON = dict(steps=STEPS, dense_warmup_steps=1, final_ckpt=False)  # no comparison reads a final checkpoint
 
 
 def moe_cfg(stages, ranks, schedule, **train):
@@ -75,9 +75,9 @@ def resume_cfgs(root):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """Every 2-rank run of this file in one spawn of 2 processes (each spawn costs seconds of imports per rank):
-    the LAYOUTS_2 runs, 1F1B with train.recompute=block, then the stop-and-resume triple -> (results of the
-    first two groups, the resume configs, whose run dirs the test reads)."""
+    """Every 2-rank run of this file in one start of 2 processes (each start costs a rendezvous and a first-run
+    warm-up per rank): the LAYOUTS_2 runs, 1F1B with train.recompute=block, then the stop-and-resume triple ->
+    (results of the first two groups, the resume configs, whose run dirs the test reads)."""
     root = tmp_path_factory.mktemp("moe_pp2")
     cfgs = [moe_cfg(s, r, sched, **COMMON) for s, r, sched in LAYOUTS_2]
     cfgs.append(moe_cfg(2, 2, "1F1B", recompute="block", **COMMON))

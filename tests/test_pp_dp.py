@@ -26,7 +26,8 @@ SCHEDULES = {"1F1B": (2, 2, "1F1B", 4), "Interleaved1F1B": (4, 2, "Interleaved1F
 
 def ppdp_cfg(schedule: str, dp: int = 1, shard: bool = True, moe: bool = False, **train):
     stages, ranks, sched, microbatches = SCHEDULES[schedule]
-    cfg = tiny_cfg(stages, ranks, sched, **{"steps": STEPS, **train})
+    # final_ckpt: only the step-2 checkpoint (ckpt_every=2) is read, by the resume and the "from a checkpoint" runs
+    cfg = tiny_cfg(stages, ranks, sched, **{"steps": STEPS, "final_ckpt": False, **train})
     cfg.pipeline.microbatches = microbatches // dp  # same global batch (8) and microbatch size (2) at any dp
     cfg.parallel.dp, cfg.parallel.dp_shard = dp, shard
     if moe:

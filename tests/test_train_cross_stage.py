@@ -26,7 +26,7 @@ LAYOUTS_2 = [
 ]
 LAYOUTS_4 = [(4, 4, "1F1B"), (4, 4, "GPipe")]
 STEPS = 3
-COMMON = {"steps": STEPS, "dense_warmup_steps": 1, "indexer_lr": 0.0}
+COMMON = {"steps": STEPS, "dense_warmup_steps": 1, "indexer_lr": 0.0, "final_ckpt": False}  # none is read
 LOCAL_TO_ONE_STAGE = {2: ("layers.0.", "layers.5.")}  # F layers whose whole group is on one stage of the split
 
 

@@ -1,8 +1,14 @@
-"""Multi-process gloo harness for the training tests: run several training configs in one spawn of `world` CPU
-processes (sequentially, sharing the process group), and collect per-step losses and final gradients."""
+"""Multi-process gloo harness for the training tests: run several training configs in one start of `world` CPU
+processes (sequentially, sharing the process group), and collect per-step losses and final gradients.
+
+The processes are forked from a forkserver that has imported torch and dsaflow's trainer once (per pytest process):
+a fresh interpreter spends seconds importing them, once per rank and per start. Each rank still is its own process
+with its own gloo process group, and takes the test process's environment at the time of the start, as a spawned
+one would."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import socket
@@ -79,6 +85,16 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in [{base}, {base + 1000})")
 
 
+# what every rank imports, imported once in the forkserver the ranks are forked from (a module that fails to import
+# there is skipped: the rank then imports it itself)
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "dsaflow.plan",
+    "dsaflow.pipeline.run_context",
+    "dsaflow.train.trainer",
+]
+
 GRAD_STEPS = (0, 1)  # the gradients of these steps are captured (step 0 is dense_warmup in the tests, 1 sparse)
 
 
@@ -99,8 +115,9 @@ def _capture_grads(tr, out: dict, steps) -> None:
     out["trainer"] = tr  # for the buffers after the run (popped before saving)
 
 
-def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir: str, prepare=None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir: str, prepare, env: dict) -> None:
+    os.environ.clear()  # the forkserver's environment is the one of its own start: take the test's, as spawn does
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from dsaflow.pipeline.run_context import RunContext, context_in_world
@@ -145,9 +162,10 @@ def run_configs(world: int, cfgs: List[DSAFlowConfig], out_dir: Path, prepare=No
     """`prepare(i, cfg)` (picklable) runs on rank 0 before config i. -> per config: {"losses": [..], "history": [...],
     "grads": {step: {name: tensor}} (union over ranks), "ranks": [{"biases", "dp_rank", "pp_rank"} per rank]}."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(
-        _worker, args=(world, free_port(), cfgs, str(out_dir), prepare), nprocs=world, start_method="spawn"
-    )
+    # no effect once this process's forkserver runs (it then has these imports already)
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    args = (world, free_port(), cfgs, str(out_dir), prepare, dict(os.environ))
+    mp.start_processes(_worker, args=args, nprocs=world, start_method="forkserver")
     results = []
     for i in range(len(cfgs)):
         merged = {"grads": {}, "ranks": []}
