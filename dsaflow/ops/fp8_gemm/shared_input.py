@@ -3,10 +3,10 @@
 A DSA layer feeds one normed hidden state to several projections: wq_a, wkv_a and the indexer's wk in attention,
 the shared expert's w1 and w3 and the routed experts in a MoE layer (MLA, MoE and SwiGLU open a block around
 them; MLA's q_latent, read by wq_b and the indexer's wq_b, is not shared: its second quantization reads [tokens,
-1536], a fifth of the hidden state's bytes). With FP8 weights each of those GEMMs would quantize its input per 1x128 on its own: at 8192 prefill tokens of
-DeepSeek-V3.2 one pass over [8192, 7168] bf16 takes about as long as the indexer's wk GEMM itself. Inside
-`quantize_once(x, ...)`, the first GEMM on x (or on a view of it with the same rows) quantizes it and the others
-reuse those e4m3 rows and scales.
+1536], a fifth of the hidden state's bytes). With FP8 weights each of those GEMMs would quantize its input per
+1x128 on its own: at 8192 prefill tokens of DeepSeek-V3.2 one pass over [8192, 7168] bf16 takes about as long as
+the indexer's wk GEMM itself. Inside `quantize_once(x, ...)`, the first GEMM on x (or on a view of it with the same
+rows) quantizes it and the others reuse those e4m3 rows and scales.
 
 Reuse is safe because the quantization is a function of x's values alone, and a cached entry is valid only while
 x's version counter is unchanged: an in-place write to x between two GEMMs makes the next one quantize afresh. The
