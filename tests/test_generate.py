@@ -133,7 +133,7 @@ def test_graph_cache_bypass_is_bit_identical():
 def test_batch_composition_does_not_change_a_prompt():
     cfg, plan = setup(["serve.max_batch=2"])
     together, eng = run(cfg, plan, PROMPTS[:3])  # 3 prompts in batches of 2 and 1
-    assert eng.batch_cap == 2
+    assert eng.serve.max_batch == 2
     alone, _ = run(cfg, plan, [PROMPTS[1], PROMPTS[0], PROMPTS[2]], record=False)  # other partners, other order
     assert [alone[1], alone[0], alone[2]] == together
 

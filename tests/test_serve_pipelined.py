@@ -214,16 +214,16 @@ def test_s_layers_read_only_their_groups_indices(monkeypatch):
         return got
 
     monkeypatch.setattr(IndexSlot, "read", checked_read)
-    inner = eng._stage
+    inner = eng._forward
 
     def poisoned(item, stage, x):
-        a, b = eng.ranges[item.key]
+        a, b = eng.ranges[item.group]
         full = eng.caches[stage].index
         full[:a].fill_(10**6)  # out of range: reading it would fail or change the output
         full[b:].fill_(10**6)
         return inner(item, stage, x)
 
-    eng._stage = poisoned
+    eng._forward = poisoned
     assert eng.generate(prompts, limits) == clean
     assert {a for _, a in reads} == {0, 4}  # both groups' S layers read, each from its own rows
 
@@ -358,7 +358,7 @@ def test_decode_transfers_replayed_from_graphs_serve_the_same_tokens():
     indices travel with the activations) equal one process serving both stages."""
     import queue
 
-    from test_executor import QueueLink, RecordingCapturer, run_ranks
+    from test_schedule import QueueLink, RecordingCapturer, run_ranks
     from test_graphs_cpu import FakeCapturer
 
     prompts, _ = workload(16, seed=13)

@@ -5,9 +5,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsaflow.serve.passes import Pass, Request
+from dsaflow.serve.engine import Uploader, h2d, pass_vectors
+from dsaflow.serve.passes import Pass, PassInputs, Request
+from dsaflow.serve.sampling import TOKEN_KEY
 from dsaflow.serve.scheduler import Scheduler
-from dsaflow.serve.upload import Uploader, h2d, pass_vectors, upload
+
+
+def upload(vectors, device) -> dict:
+    """The pass's vectors through an uploader whose slots hold them all -> {name: device view}."""
+    return Uploader(device, 1 << 12)(vectors)
+
+
+KEY_IDS = {7: 3, 4: 1}  # request -> the id its sampling is keyed by
+
+
+def vectors_of(p: Pass, first: bool, last: bool, out_width: int, keyed: bool):
+    return pass_vectors(p, first, last, KEY_IDS, out_width, keyed)
+
+
+def names(vectors) -> set:
+    return {name for name, _, _ in vectors}
 
 
 def _prefill_pass() -> Pass:
@@ -29,17 +46,16 @@ def _prefill_pass() -> Pass:
 
 def test_views_of_a_mixed_pass_hold_the_host_lists():
     p = _prefill_pass()
-    v = upload(
-        pass_vectors(p, [2, 0, 0], [11, 12, 13], first=True, last=True, out_width=16, keyed=True), torch.device("cpu")
-    )
+    v = upload(vectors_of(p, first=True, last=True, out_width=16, keyed=True), torch.device("cpu"))
     assert torch.equal(v["positions"], torch.tensor(p.positions))
     assert torch.equal(v["tokens"], torch.tensor(p.tokens))
     assert v["decode"].tolist() == [0, 0, 1]
-    assert v["cols"].tolist() == [2, 0, 0] and v["keys"].tolist() == [11, 12, 13]
+    assert v["cols"].tolist() == [2, 0, 0] and v["keys"].tolist() == [3 * TOKEN_KEY, 0, 1 * TOKEN_KEY + 5]
     assert v["move_from"].tolist() == [1, 0] and v["move_to"].tolist() == [3, 2]
     # rows 0 and 2 sample: their pass rows, and their output slots request x width + token index
     assert v["fed_from"].tolist() == [0, 2] and v["emit_rows"].tolist() == [0, 2]
     assert v["emit_slots"].tolist() == [7 * 16 + 0, 4 * 16 + 5]
+    assert PassInputs(**v).emit_slots is v["emit_slots"]  # the typed views are these
     # every view lies in one buffer: one host-to-device copy per pass
     assert len({t.untyped_storage().data_ptr() for t in v.values()}) == 1
 
@@ -50,7 +66,7 @@ def test_a_full_decode_step_uploads_only_positions_and_slots():
     sched.finish(sched.next_pass(0))  # the prefill pass
     p = sched.next_pass(0)
     assert p.decode_only and [e[0] for e in p.emit] == [0, 1, 2, 3]
-    v = upload(pass_vectors(p, [0] * 4, [0] * 4, first=True, last=True, out_width=4, keyed=False), torch.device("cpu"))
+    v = upload(vectors_of(p, first=True, last=True, out_width=4, keyed=False), torch.device("cpu"))
     # stage 0 feeds the previous tokens (no token upload); every row samples in order (no row lists); greedy (no keys)
     assert set(v) == {"positions", "emit_slots"}
     assert v["positions"].tolist() == [[3]] * 4
@@ -60,16 +76,16 @@ def test_a_full_decode_step_uploads_only_positions_and_slots():
 
 def test_each_rank_uploads_only_what_its_stages_read():
     p = _prefill_pass()
-    middle = pass_vectors(p, [2, 0, 0], [0] * 3, first=False, last=False, out_width=16, keyed=False)
-    assert set(middle) == {"positions", "move_from", "move_to"}
-    last = pass_vectors(p, [2, 0, 0], [0] * 3, first=False, last=True, out_width=16, keyed=False)
-    assert "tokens" not in last and "fed_from" not in last and "cols" in last
+    middle = vectors_of(p, first=False, last=False, out_width=16, keyed=False)
+    assert names(middle) == {"positions", "move_from", "move_to"}
+    last = vectors_of(p, first=False, last=True, out_width=16, keyed=False)
+    assert "tokens" not in names(last) and "fed_from" not in names(last) and "cols" in names(last)
 
 
 @pytest.mark.gpu
 def test_upload_to_the_gpu_needs_no_host_sync():
     p = _prefill_pass()
-    vec = pass_vectors(p, [2, 0, 0], [11, 12, 13], first=True, last=True, out_width=16, keyed=True)
+    vec = vectors_of(p, first=True, last=True, out_width=16, keyed=True)
     torch.cuda.set_sync_debug_mode("error")
     try:
         v = upload(vec, torch.device("cuda"))
@@ -79,9 +95,10 @@ def test_upload_to_the_gpu_needs_no_host_sync():
     assert h2d([], torch.device("cuda")).numel() == 0
 
 
-def test_uploader_on_cpu_is_upload_and_checks_its_ring():
-    vec = pass_vectors(_prefill_pass(), [2, 0, 0], [11, 12, 13], first=True, last=True, out_width=16, keyed=True)
-    got, want = Uploader(torch.device("cpu"), 64)(vec), upload(vec, torch.device("cpu"))
+def test_uploader_views_equal_each_vector_made_alone_and_it_checks_its_ring():
+    vec = vectors_of(_prefill_pass(), first=True, last=True, out_width=16, keyed=True)
+    got = Uploader(torch.device("cpu"), 64)(vec)
+    want = {name: torch.tensor(values, dtype=torch.long).view(shape) for name, values, shape in vec}
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     with pytest.raises(ValueError, match="slots"):
         Uploader(torch.device("cpu"), 64, slots=4, stages=4)
@@ -101,7 +118,7 @@ def test_uploader_ring_wraps_and_every_pass_reads_its_own_ints():
         for i in range(13):
             n = 20 if i == 5 else 1 + i % 8  # pass 5 does not fit a slot: its own pinned buffer
             values = [1000 * i + k for k in range(n)]
-            v = up({"positions": (values, (n,))})
+            v = up([("positions", values, (n,))])
             sums.append(v["positions"].sum())  # read on the stream, before later uploads reuse the slot
             want.append(sum(values))
     finally:

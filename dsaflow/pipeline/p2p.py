@@ -85,6 +85,28 @@ class StageLink:
             req.wait()
 
 
+def post_tick(link, ops: Sequence[Tuple[str, object, int]], device) -> List[torch.Tensor]:
+    """One tick's ops, [("send", tensor, peer, declared shape) | ("recv", (shape, dtype), peer)] in posting order
+    (`PipelineSchedule.transfers`), posted eagerly on `link` (a send shorter than its declared shape is padded with
+    zeros; `TransferGraphs` replays the same ops from CUDA graphs) -> the received tensors, in order."""
+    posted, received = [], []
+    for op in ops:
+        kind, what, peer = op[0], op[1], op[2]
+        if kind == "send":
+            shape = tuple(op[3])
+            if tuple(what.shape) != shape:
+                padded = what.new_zeros(shape)
+                padded.narrow(0, 0, what.shape[0]).copy_(what)
+                what = padded
+            posted.append(("send", what.contiguous(), peer))
+        else:
+            buf = torch.empty(what[0], dtype=what[1], device=device)
+            received.append(buf)
+            posted.append(("recv", buf, peer))
+    link.exchange(posted)
+    return received
+
+
 @contextmanager
 def torchrun_rank(device_type: str, threads: Optional[int] = None) -> Iterator[Tuple[torch.device, StageLink]]:
     """Join torchrun's process group as this process's rank and yield `(device, link)`, the link warmed up.

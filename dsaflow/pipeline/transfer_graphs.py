@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from dsaflow.pipeline.capture_guard import gc_paused
-from dsaflow.pipeline.p2p import release_before_teardown
+from dsaflow.pipeline.p2p import post_tick, release_before_teardown
 
 Signature = Tuple[Tuple[str, Tuple[int, ...], torch.dtype, int], ...]
 
@@ -82,7 +82,7 @@ class TransferGraphs:
         entry = self.graphs.get(signature)
         if entry is None and len(self.graphs) >= self.max_graphs:
             self.eager_ticks += 1
-            return post_eagerly(self.link, ops, self.device)
+            return post_tick(self.link, ops, self.device)
         if entry is None:
             entry = self.graphs[signature] = self._capture(signature)
         graph, buffers = entry
@@ -117,24 +117,3 @@ def signature_of(ops) -> Signature:
         ("send", tuple(op[3]), op[1].dtype, op[2]) if op[0] == "send" else ("recv", tuple(op[1][0]), op[1][1], op[2])
         for op in ops
     )
-
-
-def post_eagerly(link, ops: Sequence[Tuple[str, object, int]], device) -> List[torch.Tensor]:
-    """The ops of `TransferGraphs.__call__` posted as they are (a send shorter than its declared shape is padded
-    with zeros) -> the received tensors, in order."""
-    posted, received = [], []
-    for op in ops:
-        kind, what, peer = op[0], op[1], op[2]
-        if kind == "send":
-            shape = tuple(op[3])
-            if tuple(what.shape) != shape:
-                padded = what.new_zeros(shape)
-                padded.narrow(0, 0, what.shape[0]).copy_(what)
-                what = padded
-            posted.append(("send", what.contiguous(), peer))
-        else:
-            buf = torch.empty(what[0], dtype=what[1], device=device)
-            received.append(buf)
-            posted.append(("recv", buf, peer))
-    link.exchange(posted)
-    return received

@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dsaflow.model import dense_prefill
 from dsaflow.pipeline.capture_guard import gc_paused
 
 from .report import CaptureRecord, CaptureReport, check_complete
@@ -292,3 +293,142 @@ class GraphManager:
         if isinstance(out, tuple):
             return tuple(o.narrow(block.class_dim, 0, n) for o in out)
         return out.narrow(block.class_dim, 0, n)
+
+
+@dataclass(frozen=True)
+class StageGraphSpec:
+    """What a serving stage's graph blocks need to know besides its module and caches.
+
+    first / last: the stage is the pipeline's first (its input is token ids [rows, T]) / last (its decode graphs
+    sample too: -> (message [rows, 2], fp32 logits [rows, V])); dim, dtype: the hidden state's between stages;
+    sample(logits, keys): the last stage's sampling; keyed: sampling reads each row's key (temperature > 0);
+    receives_indices: the stage opens on S layers that read an earlier stage's indices (cross-stage indices), from
+    the cache's static index buffer, which the engine fills before each pass; prefill_paths / prefill_rule: the
+    attention paths of prefill passes (`dense_prefill.PATHS`, serve.short_prefill) and the rule that picks them;
+    row_classes: the top-row counts of continuous batching's prefill graphs (() when none); groups: microbatch
+    groups (a graph per group: its cache rows are baked in)."""
+
+    first: bool
+    last: bool
+    dim: int
+    dtype: torch.dtype
+    sample: Callable
+    keyed: bool
+    receives_indices: bool
+    prefill_paths: Tuple[str, ...]
+    prefill_rule: Dict[str, int]
+    row_classes: Tuple[int, ...]
+    groups: int
+
+
+def graph_block_name(block_name: str, group: int, groups: int, path: str = "sparse") -> str:
+    """The graph of a configured block for one group and one prefill attention path: the configured name for group
+    0 of one group and the sparse path, else `<name>/g<group>` and `+<path>` appended."""
+    name = block_name if groups == 1 else f"{block_name}/g{group}"
+    return name if path == "sparse" else f"{name}+{path}"
+
+
+def register_stage_graphs(graphs: GraphManager, stage: int, module, group_caches, blocks, spec: StageGraphSpec):
+    """Register every (block, group) graph of one serving stage with `graphs` -> {(kind, group, path): graph name},
+    what the engine replays each pass through. Decode blocks: class = rows, one token each. Prefill blocks: class =
+    tokens per chunk at the group's full rows (and, with row classes, over the group's top rows: `<name>/r<c>`), one
+    block per attention path label (dsaflow/model/dense_prefill.py). Mixed blocks: class = tokens of a token-major
+    pass [1, T], each token's cache row from the static `token_rows` buffer."""
+    names: Dict[Tuple[str, int, str], str] = {}
+    for block in blocks:
+        for g, cache in enumerate(group_caches):
+            if block.kind == "decode":
+                name = graph_block_name(block.name, g, spec.groups)
+                _register_decode(graphs, stage, module, cache, name, block.shape_classes, spec)
+                names[("decode", g, "sparse")] = name
+            elif block.kind == "mixed":
+                name = graph_block_name(block.name, g, spec.groups)
+                _register_mixed(graphs, stage, module, cache, name, block.shape_classes, spec)
+                names[("mixed", g, "sparse")] = name
+            else:
+                for path, name in _register_prefill_paths(graphs, stage, module, cache, block, g, spec):
+                    names[("prefill", g, path)] = name
+    return names
+
+
+def _stage_input(spec: StageGraphSpec, rows: int, tokens: int) -> StaticInput:
+    if spec.first:
+        return StaticInput((rows, tokens), torch.long, 0)
+    return StaticInput((rows, tokens, spec.dim), spec.dtype, 0)
+
+
+def _received(spec: StageGraphSpec, cache, positions: torch.Tensor) -> Optional[torch.Tensor]:
+    """Cross-stage indices for a stage that opens on S: the [R, T] view of the cache's static index buffer, into
+    which the engine copied what the previous stage sent (static memory, so a captured graph reads each pass's
+    copy); None for every other stage."""
+    if not spec.receives_indices:
+        return None
+    R, T = positions.shape
+    return cache.index[:R, :T]
+
+
+def _register_decode(graphs, stage, module, cache, name, classes, spec: StageGraphSpec) -> None:
+    top = max(classes)
+    inputs = {"x": _stage_input(spec, top, 1), "positions": StaticInput((top, 1), torch.long, -1)}
+    if spec.last and spec.keyed:
+        inputs["keys"] = StaticInput((top,), torch.long, 0)
+
+    def fn(v):
+        out = module.forward_decode(v["x"], v["positions"], cache, indices_in=_received(spec, cache, v["positions"]))
+        return spec.sample(out[:, 0], v.get("keys")) if spec.last else out
+
+    graphs.register(name, "decode", stage, classes, 0, fn, inputs)
+
+
+def _register_prefill_paths(graphs, stage, module, cache, block, group, spec: StageGraphSpec):
+    """A prefill block's graphs, one per attention path label with classes it can use -> [(path, graph name)]."""
+    topk, cache_rows = module.cfg.index_topk, cache.max_context + 1
+    out = []
+    for path in dense_prefill.graph_labels(spec.prefill_paths, topk, cache_rows):
+        classes = dense_prefill.graph_classes(path, block.shape_classes, topk, **spec.prefill_rule)
+        if not classes:
+            continue
+        name = graph_block_name(block.name, group, spec.groups, path)
+        _register_prefill(graphs, stage, module, cache, name, path, classes, spec)
+        for c in spec.row_classes[:-1]:  # the top c rows of the group (the last class is the whole group)
+            top_rows = cache.rows(cache.max_batch - c, cache.max_batch)
+            _register_prefill(graphs, stage, module, top_rows, f"{name}/r{c}", path, classes, spec)
+        out.append((path, name))
+    return out
+
+
+def _register_prefill(graphs, stage, module, cache, name, path, classes, spec: StageGraphSpec) -> None:
+    """A prefill graph block of one attention path: each class replays the path's static hint
+    (`dense_prefill.graph_hint`), so a captured graph never depends on the positions of the pass."""
+    rows, top = cache.max_batch, max(classes)
+    topk, cache_rows = module.cfg.index_topk, cache.max_context + 1
+    inputs = {"x": _stage_input(spec, rows, top), "positions": StaticInput((rows, top), torch.long, -1)}
+
+    def fn(v):
+        x, positions = v["x"].contiguous(), v["positions"].contiguous()
+        hint = dense_prefill.graph_hint(path, x.shape[1], topk, cache_rows, spec.prefill_rule["max_keys"])
+        return module.forward_prefill(x, positions, cache, indices_in=_received(spec, cache, positions), hint=hint)
+
+    graphs.register(name, "prefill", stage, classes, 1, fn, inputs)
+
+
+def _register_mixed(graphs, stage, module, cache, name, classes, spec: StageGraphSpec) -> None:
+    """A mixed graph block: class c = a token-major pass x [1, c] (stage 0: token ids; else [1, c, dim]), its
+    positions and token_rows [1, c] in static buffers that the engine fills before each replay (padding: position
+    -1, row 0; dsaflow.serve.mixed.pad_mixed_pass). The last stage returns logits [1, c, V]: the engine samples the
+    emitting columns outside the graph, as in an eager mixed pass."""
+    top = max(classes)
+    inputs = {
+        "x": _stage_input(spec, 1, top),
+        "positions": StaticInput((1, top), torch.long, -1),
+        "token_rows": StaticInput((1, top), torch.long, 0),
+    }
+
+    def fn(v):
+        positions = v["positions"].contiguous()
+        received = _received(spec, cache, positions)
+        return module.forward_prefill(
+            v["x"].contiguous(), positions, cache, indices_in=received, token_rows=v["token_rows"]
+        )
+
+    graphs.register(name, "mixed", stage, classes, 1, fn, inputs)

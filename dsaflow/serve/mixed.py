@@ -66,6 +66,7 @@ def mixed_pass(group: int, rows: List[Optional[Row]], budget: int, chunk: int) -
         emit=emit,
         advance=advance,
         token_rows=token_rows,
+        token_major=True,
     )
 
 

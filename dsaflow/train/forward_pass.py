@@ -9,22 +9,24 @@ indexer's small graph, and backpropagates its own `indexer_loss_weight * indexer
 gradients equal the ones the schedule's backward produced (the same per-microbatch seeds, summed, then divided by
 the number of microbatches as the schedule's `scale_grads` does).
 
-The microbatches move through the stages with the pipelined forward executor (dsaflow.pipeline.executor), the one that
-serving uses: stage s runs microbatch m while stage s+1 runs m-1, each stage sees the microbatches in order, and the
-moves of one tick are posted together. Hidden states travel in fp32 (the residual stream's dtype under autocast).
+The microbatches move through the stages on the pipeline schedule that serving uses (dsaflow.pipeline.schedule), in
+a straight loop of their own: stage s runs microbatch m while stage s+1 runs m-1, each stage sees the microbatches in
+order, and the moves of one tick are posted together. Hidden states travel in fp32 (the residual stream's dtype under
+autocast).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from dsaflow.model import StageModule, trim_indices
-from dsaflow.pipeline.executor import Pass, PipelineExecutor, run_passes
-from dsaflow.pipeline.p2p import StageLink
+from dsaflow.pipeline.p2p import StageLink, post_tick
 from dsaflow.pipeline.run_context import RunContext
+from dsaflow.pipeline.schedule import PipelineSchedule
 
 from .pipeline import ChunkTimer
 
@@ -40,6 +42,22 @@ def frozen(params: Sequence[torch.nn.Parameter]):
     finally:
         for p, w in zip(params, was):
             p.requires_grad_(w)
+
+
+@dataclass
+class Microbatch:
+    """One microbatch's forward through every stage, as the pipeline schedule moves it (dsaflow.pipeline.schedule):
+    group = its index; hidden [rows, T, dim] / hidden_dtype, the activation between stages; extra, the (shape,
+    dtype) of the cross-stage indices that travel with it. No feedback: nothing returns to stage 0."""
+
+    group: int
+    hidden: tuple
+    hidden_dtype: torch.dtype
+    extra: tuple = ()
+    feedback: Optional[tuple] = None
+    decode_only: bool = False
+    token_major: bool = False
+    start: int = -1
 
 
 class ForwardPipeline:
@@ -81,11 +99,10 @@ class ForwardPipeline:
         xs = x.to(self.ctx.device).tensor_split(n_mb) if x is not None else None
         ys = y.to(self.ctx.device).tensor_split(n_mb) if y is not None else None
 
-        def stage_fn(pass_: Pass, s: int, inp):
+        def stage_fn(m: int, s: int, inp):
             """-> the stage's output, or (output, indices) where the boundary after it carries cross-stage indices
             (the previous stage's tuple arrives likewise)."""
             module, timer = self.local[s]
-            m = pass_.key
             indices = None
             if isinstance(inp, tuple):
                 inp, indices = inp
@@ -107,22 +124,31 @@ class ForwardPipeline:
                 return out, trim_indices(sent)
             return out
 
-        extra = ((self._index_shape(), torch.int32),) if self.plan.index_boundaries else ()
-        executor = PipelineExecutor(
-            self.owner,
-            self.ctx.rank,
-            self.link,
-            self.ctx.device,
-            self.ctx.global_rank,
-            carries_extra=self.plan.sends_indices,
-        )
-        passes = [Pass(m, self._hidden_shape(), torch.float32, extra=extra) for m in range(n_mb)]
-        run_passes(executor, passes, stage_fn)
+        self._run_microbatches(n_mb, stage_fn)
         if learn:
             for module, _ in self.local.values():
                 for p in module.indexer_parameters():
                     if p.grad is not None:
                         p.grad.div_(n_mb)
+
+    def _run_microbatches(self, n_mb: int, stage_fn: Callable) -> None:
+        """Every microbatch through this rank's stages, in order, one start per tick: at tick t segment j runs
+        microbatch t - j, then the tick's activations move to the next segments' ranks in one batch."""
+        extra = ((self._index_shape(), torch.int32),) if self.plan.index_boundaries else ()
+        schedule = PipelineSchedule(self.owner, self.ctx.rank, self.ctx.global_rank, carries=self.plan.sends_indices)
+        for t in range(n_mb + schedule.K - 1):
+            if t < n_mb:
+                schedule.start(t, Microbatch(t, self._hidden_shape(), torch.float32, extra))
+            outputs = []
+            for j, mb in schedule.running(t):
+                x = schedule.input_of(j, mb)
+                for s in schedule.segments[j][1]:
+                    x = stage_fn(mb.group, s, x)
+                outputs.append((j, mb, x))
+            ops, keys = schedule.transfers(t, outputs, None)
+            if ops:
+                schedule.deliver(keys, post_tick(self.link, ops, self.ctx.device))
+            schedule.leave(t)
 
     def _hidden_shape(self) -> tuple:
         """[sequences per microbatch, T, dim] of a hidden state (train and eval batches have train.batch_size

@@ -101,18 +101,17 @@ class PassTimer:
 
     def __init__(self, eng: PipelineEngine):
         self.marks = []
-        inner = eng._stage
+        inner = eng._forward
 
-        def stage(item, index, x):
+        def stage(p, index, x):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = inner(item, index, x)
+            out = inner(p, index, x)
             end.record()
-            p = item.payload
             self.marks.append(("decode" if p.decode_only else "mixed" if p.token_major else "prefill", start, end))
             return out
 
-        eng._stage = stage  # the executor looks the stage function up at each generate call
+        eng._forward = stage  # the tick looks the stage forward up on every call
 
     def summary(self) -> dict:
         torch.cuda.synchronize()

@@ -1,17 +1,90 @@
-"""The pipelined forward executor's schedule, with two ranks as threads joined by an in-memory link (FIFO per pair,
-so a send and a receive that were posted in different orders on the two sides would mismatch and fail)."""
+"""The pipeline schedule (dsaflow/pipeline/schedule.py) driven by a straight tick loop like the serving engine's, with
+ranks as threads joined by an in-memory link (FIFO per pair, so a send and a receive that were posted in different
+orders on the two sides would mismatch and fail)."""
 
 import contextlib
 import gc
 import queue
 import threading
 import types
+from dataclasses import dataclass
+from typing import Optional
 
 import pytest
 import torch
 
-from dsaflow.pipeline.executor import Pass, PipelineExecutor, run_passes, segments_of
+from dsaflow.pipeline.p2p import post_tick
+from dsaflow.pipeline.schedule import PipelineSchedule, Timeline, segments_of
 from dsaflow.pipeline.transfer_graphs import TransferGraphs
+
+
+@dataclass
+class Pass:
+    """What the schedule moves: group (key), activation and feedback shapes, decode flag, a payload for the test."""
+
+    group: int
+    hidden: tuple
+    hidden_dtype: torch.dtype
+    payload: object = None
+    feedback: Optional[tuple] = None
+    decode_only: bool = False
+    extra: tuple = ()
+    token_major: bool = False
+    start: int = -1
+    finished_at: object = None
+
+
+class TickLoop:
+    """The engine's tick in a few lines over the schedule, a timeline and a link: pick, run my segments, finish on
+    the last one, exchange, hand the leaving pass to on_feedback."""
+
+    def __init__(self, owner, rank, link=None, device="cpu", feedback_ranks=None, transfer=None, ticks_ahead=None):
+        self.schedule = PipelineSchedule(owner, rank, feedback_ranks=feedback_ranks)
+        self.timeline = Timeline(torch.device(device), self.schedule.K)
+        self.link, self.device, self.transfer, self.ticks_ahead = link, torch.device(device), transfer, ticks_ahead
+
+    def run(self, pick, stage_fn, finish=None, on_feedback=None) -> int:
+        sc, tl, t = self.schedule, self.timeline, 0
+        tl.begin()
+        while True:
+            if self.ticks_ahead is not None:
+                tl.hold_back(self.ticks_ahead)
+            p = pick(sc.idle)
+            if p is None and not sc.in_flight:
+                break
+            if p is not None:
+                sc.start(t, p)
+            decode = tl.tick_start(sc.all_decode())
+            outputs, message = [], None
+            for j, q in sc.running(t):
+                x, span = sc.input_of(j, q), tl.span_start()
+                for s in sc.segments[j][1]:
+                    x = stage_fn(q, s, x)
+                if j == sc.K - 1 and finish is not None:
+                    x = message = finish(q, x)
+                end = tl.span_end(span, decode)
+                if j == sc.K - 1:
+                    q.finished_at = end
+                outputs.append((j, q, x))
+            ops, keys = sc.transfers(t, outputs, message)
+            if ops:
+                post = self.transfer if decode and self.transfer is not None else None
+                received = post(ops) if post else post_tick(self.link, ops, self.device)
+                message = sc.deliver(keys, received, message)
+            tl.tick_end(decode, "decode" if decode else "prefill")
+            done = sc.leave(t)
+            if done is not None and on_feedback is not None and done.feedback is not None:
+                on_feedback(done, message)
+            if decode:
+                tl.count_host(0.0, 1e-6, 2e-6, 3e-6, 4e-6)
+            t += 1
+        tl.end = tl.mark()
+        return t
+
+
+def run_passes(loop: TickLoop, passes, stage_fn) -> int:
+    queue_ = list(passes)
+    return loop.run(lambda free: queue_.pop(0) if queue_ else None, stage_fn)
 
 
 class RecordingCapturer:
@@ -82,7 +155,7 @@ def serve_like(owner, groups, passes, feedback_ranks=None, leftovers=None, graph
         transfer = None
         if graphs is not None:
             transfer = graphs[rank] = TransferGraphs(link, "cpu", capturer=RecordingCapturer())
-        ex = PipelineExecutor(owner, rank, link, feedback_ranks=feedback_ranks, decode_transfer=transfer)
+        ex = TickLoop(owner, rank, link, feedback_ranks=feedback_ranks, transfer=transfer)
         done = {g: 0 for g in range(groups)}
         value = {g: float(g) for g in range(groups)}
         log, fed = [], []
@@ -94,11 +167,11 @@ def serve_like(owner, groups, passes, feedback_ranks=None, leftovers=None, graph
                 g = (state["rr"] + k) % groups
                 if free(g) and done[g] < passes:
                     state["rr"] = g + 1
-                    return Pass(g, (1, 1, 2), torch.float32, payload=value[g], feedback=(2, 1), decode=decode)
+                    return Pass(g, (1, 1, 2), torch.float32, payload=value[g], feedback=(2, 1), decode_only=decode)
             return None
 
         def stage_fn(pass_, s, x):
-            log.append((state["tick"], s, pass_.key))
+            log.append((state["tick"], s, pass_.group))
             base = torch.full((1, 1, 2), pass_.payload) if s == 0 else x
             return base + 10**s
 
@@ -106,12 +179,12 @@ def serve_like(owner, groups, passes, feedback_ranks=None, leftovers=None, graph
             return torch.tensor([[int(out[0, 0, 0])], [0]])
 
         def on_feedback(pass_, msg):
-            done[pass_.key] += 1
+            done[pass_.group] += 1
             if msg is None:
-                fed.append((pass_.key, None))
+                fed.append((pass_.group, None))
                 return
-            value[pass_.key] = float(msg[0, 0])
-            fed.append((pass_.key, int(msg[0, 0])))
+            value[pass_.group] = float(msg[0, 0])
+            fed.append((pass_.group, int(msg[0, 0])))
 
         ticks = ex.run(pick, stage_fn, finish, on_feedback)
         results[rank] = (ticks, log, fed)
@@ -218,7 +291,7 @@ def test_feedback_goes_only_to_the_ranks_that_read_it():
     assert res[1][2] == [(k, None) for k, _ in everyone[1][2]]  # the middle rank advances, without a message
     assert [r[0] for r in res.values()] == [r[0] for r in everyone.values()]  # the same ticks
     with pytest.raises(ValueError, match="feedback_ranks"):
-        PipelineExecutor(owner, 0, object(), feedback_ranks=[5])
+        PipelineSchedule(owner, 0, feedback_ranks=[5])
 
 
 def test_interleaved_stages_and_one_rank_agree():
@@ -230,19 +303,19 @@ def test_interleaved_stages_and_one_rank_agree():
     assert res[0][0] == 4 * 3 + 3  # four segments, four groups: full from the start, 3 ticks of drain
 
 
-def test_run_passeswithout_feedback_keeps_microbatch_order():
+def test_passes_without_feedback_keep_microbatch_order():
     seen = []
-    ex = PipelineExecutor({0: 0, 1: 0}, 0)
+    ex = TickLoop({0: 0, 1: 0}, 0)
     passes = [Pass(m, (1, 1, 1), torch.float32) for m in range(4)]
-    ticks = run_passes(ex, passes, lambda pass_, s, x: seen.append((s, pass_.key)) or torch.zeros(1))
+    ticks = run_passes(ex, passes, lambda pass_, s, x: seen.append((s, pass_.group)) or torch.zeros(1))
     assert ticks == 4 and seen == [(s, m) for m in range(4) for s in (0, 1)]
 
 
 def test_timeline_ticks_tile_the_run_and_host_phases_are_counted():
     """Ticks share their boundaries (no gap between one tick's end and the next one's start), the last stage's span
     end is the pass's `finished_at`, and the host time of decode ticks is split by phase."""
-    ex = PipelineExecutor({0: 0, 1: 0}, 0)
-    passes = [Pass(m, (1, 1, 1), torch.float32, feedback=(2, 1), decode=True) for m in range(3)]
+    ex = TickLoop({0: 0, 1: 0}, 0)
+    passes = [Pass(m, (1, 1, 1), torch.float32, feedback=(2, 1), decode_only=True) for m in range(3)]
     queue_ = list(passes)
     ex.run(
         lambda free: queue_.pop(0) if queue_ else None,
@@ -272,11 +345,11 @@ def test_decode_ticks_begin_k_minus_1_ticks_after_a_prefill_leaves():
     seen = {}
 
     def rank_main(rank):
-        ex = PipelineExecutor(owner, rank, QueueLink(rank, queues))
+        ex = TickLoop(owner, rank, QueueLink(rank, queues))
         todo = list(range(len(decode)))
 
         def pick(free):
-            return Pass(todo[0], (1, 1, 1), torch.float32, decode=decode[todo.pop(0)]) if todo else None
+            return Pass(todo[0], (1, 1, 1), torch.float32, decode_only=decode[todo.pop(0)]) if todo else None
 
         ticks = ex.run(pick, lambda pass_, s, x: torch.zeros(1, 1, 1) if x is None else x + 1)
         tl = ex.timeline
@@ -379,15 +452,10 @@ def test_stage_link_posts_a_tick_in_one_coalescing_block(monkeypatch):
     assert p2p.StageLink("cpu")._group is None  # no process group: nothing coalesces
 
 
-def test_max_ticks_ahead_must_be_positive():
-    with pytest.raises(ValueError, match="max_ticks_ahead=0"):
-        PipelineExecutor({0: 0}, 0, max_ticks_ahead=0)
-
-
 def _ticks_queued_at_each_pick(max_ticks_ahead, passes: int = 24):
     """Run `passes` one-stage passes whose GPU work (a ~1 ms spin) far outlasts the host's; at every pick, count the
     earlier ticks the GPU has not finished yet (their end events not yet done)."""
-    ex = PipelineExecutor({0: 0}, 0, device="cuda", max_ticks_ahead=max_ticks_ahead)
+    ex = TickLoop({0: 0}, 0, device="cuda", ticks_ahead=max_ticks_ahead)
     todo = [Pass(m, (1, 1, 1), torch.float32) for m in range(passes)]
     queued = []
 

@@ -1,15 +1,178 @@
-"""Per-rank compute and wall time of a pipelined run (`PipelineExecutor`), with no host sync while it runs.
+"""The ticks of a pipelined forward: which segment runs which pass at tick t, what moves between ranks after it,
+and how long each rank computed (the `Timeline`).
 
-Busy fractions (whole run and decode ticks), where the host's time goes per decode tick, whether the GPU waited on
-its host, and per-request time to first token and per output token.
+Used by the serving engine (dsaflow/serve/engine.py), evaluation and the dense warm-up
+(dsaflow/train/forward_pass.py), each with a straight loop of its own; the training schedules (forward + backward)
+are torch.distributed.pipelining's, not this.
+
+The stages are cut into *segments*: maximal runs of consecutive stages owned by one rank (a rank running every stage
+has one segment; pp2 has two; an interleaved pp2 with four stages has four). Every rank walks the same ticks:
+
+    tick t:  segment j runs the pass that started at tick t - j (one pass per segment per tick)
+             then one batch of point-to-point ops: each segment's output to the next segment's rank, and the last
+             segment's feedback (serving: the sampled tokens + EOS flags) to the ranks that read it, all posted
+             together with the receives of the next tick (`PipelineSchedule.transfers`), so sends around a ring
+             never deadlock
+
+A pass belongs to a *group*: a pass whose group is still in flight cannot start (serving: its first stage needs the
+tokens its group's previous pass sampled on the last stage). With G groups and K segments, G >= K keeps every
+segment busy every tick in steady state, and G = 1 leaves each rank idle (K-1)/K of the time.
+
+`PipelineSchedule` is pure bookkeeping over host-known facts: every rank builds the same passes in the same ticks,
+so every rank posts matching operations without talking. A pass is any object with these attributes:
+`group`, `start` (set here), `hidden` / `hidden_dtype` (the activation between segments, [rows, tokens, dim]),
+`extra` ((shape, dtype) of each tensor that travels with it where `carries(stage)` says so: cross-stage indices),
+`feedback` (the int64 message the last segment sends back, or None), `decode_only`, `token_major`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+Segment = Tuple[int, List[int]]  # (rank, its consecutive stages)
+TransferKey = Tuple[int, int, int]  # (start tick of the pass, receiving segment or -1 for feedback, part)
+
+
+def segments_of(owner: Dict[int, int]) -> List[Segment]:
+    """{stage: rank} -> [(rank, [stages])] runs of consecutive stages on one rank, in stage order."""
+    segs: List[Segment] = []
+    for s in sorted(owner):
+        if segs and segs[-1][0] == owner[s]:
+            segs[-1][1].append(s)
+        else:
+            segs.append((owner[s], [s]))
+    return segs
+
+
+class PipelineSchedule:
+    """The passes in flight on this rank's view of the pipeline, keyed by the tick they started.
+
+    owner: {stage: pipeline rank}; rank: this process's pipeline rank; peer: pipeline rank -> global rank, the
+    address of a transfer (identity by default); carries(stage): whether the boundary after `stage` carries each
+    pass's `extra` tensors (default: none does); feedback_ranks: the pipeline ranks that receive each pass's feedback
+    (default: every rank; the last segment's rank always has it). A message nobody reads is not sent: a transfer
+    costs every rank on its path host time each tick."""
+
+    def __init__(
+        self,
+        owner: Dict[int, int],
+        rank: int,
+        peer: Optional[Callable[[int], int]] = None,
+        carries: Optional[Callable[[int], bool]] = None,
+        feedback_ranks: Optional[Sequence[int]] = None,
+    ):
+        self.segments = segments_of(owner)
+        self.K = len(self.segments)
+        self.rank = rank
+        self.mine = [j for j, (r, _) in enumerate(self.segments) if r == rank]
+        self.last_rank = self.segments[-1][0]
+        ranks = sorted({r for r, _ in self.segments})
+        self.feedback_ranks = sorted(set(ranks if feedback_ranks is None else feedback_ranks) | {self.last_rank})
+        unknown = set(self.feedback_ranks) - set(ranks)
+        if unknown:
+            raise ValueError(f"PipelineSchedule: feedback_ranks {sorted(unknown)} run no stage.")
+        peer = peer or (lambda r: r)
+        carries = carries or (lambda stage: False)
+        # per segment, fixed for the run: where its output goes, whether that boundary carries `extra`, whence its
+        # input comes
+        self.next_peer = [peer(self.segments[j + 1][0]) if j + 1 < self.K else None for j in range(self.K)]
+        self.prev_peer = [peer(self.segments[j - 1][0]) if j > 0 else None for j in range(self.K)]
+        self.carries = [carries(stages[-1]) for _, stages in self.segments]
+        self.feedback_peers = [peer(r) for r in self.feedback_ranks if r != rank]
+        self.reads_feedback = rank != self.last_rank and rank in self.feedback_ranks
+        self.last_peer = peer(self.last_rank)
+        self.in_flight: Dict[int, Any] = {}  # start tick -> pass
+        self.busy_groups: set = set()
+        self.inbox: Dict[Tuple[int, int], Any] = {}  # (start tick, segment) -> the input it received (`deliver`)
+
+    def idle(self, group: int) -> bool:
+        """Whether `group` has no pass in flight (its next pass may start)."""
+        return group not in self.busy_groups
+
+    def start(self, t: int, p) -> None:
+        """Pass p starts at tick t (segment 0 runs it now)."""
+        p.start = t
+        self.in_flight[t] = p
+        self.busy_groups.add(p.group)
+
+    def running(self, t: int) -> List[Tuple[int, Any]]:
+        """[(segment, pass)] of this rank's segments at tick t, in segment order."""
+        return [(j, self.in_flight[t - j]) for j in self.mine if (t - j) in self.in_flight]
+
+    def input_of(self, j: int, p):
+        """What segment j received for pass p (a tensor, or (hidden, *extra)); None for segment 0."""
+        return self.inbox.pop((p.start, j), None) if j > 0 else None
+
+    def deliver(self, keys: Sequence[TransferKey], received: Sequence[torch.Tensor], message=None):
+        """File one tick's received tensors (in the order of `transfers`' keys) as the inputs of this rank's
+        segments -> the feedback message received this tick, else `message` (the last segment's own)."""
+        for (start, j, part), buf in zip(keys, received):
+            if j == -1:
+                message = buf
+            elif part == 0:
+                self.inbox[(start, j)] = buf
+            else:  # extra tensors follow their activation, in part order
+                prev = self.inbox[(start, j)]
+                self.inbox[(start, j)] = (*(prev if isinstance(prev, tuple) else (prev,)), buf)
+        return message
+
+    def all_decode(self) -> bool:
+        """Every pass in flight is a decode step (the same on every rank)."""
+        return all(p.decode_only for p in self.in_flight.values())
+
+    def any_token_major(self) -> bool:
+        return any(p.token_major for p in self.in_flight.values())
+
+    def leave(self, t: int):
+        """The pass that left the pipeline at tick t (its last segment ran now), or None; its group is free again."""
+        p = self.in_flight.pop(t - (self.K - 1), None)
+        if p is not None:
+            self.busy_groups.discard(p.group)
+        return p
+
+    def transfers(self, t: int, outputs: List[Tuple[int, Any, Any]], message) -> Tuple[list, List[TransferKey]]:
+        """One tick's point-to-point operations, in the canonical order both sides of every pair build alike (start
+        tick, then activations before feedback, each activation followed by its extra tensors) -> (ops, the key of
+        each receive in op order).
+
+        outputs: [(segment, pass, output)] of this rank's segments this tick; an output is a tensor, or a tuple
+        (hidden, *extra) where the boundary carries extras; the last segment's output is not sent (its `message`
+        goes to the feedback ranks). ops: ("send", tensor, global rank, declared shape) | ("recv", (shape, dtype),
+        global rank), the format of `p2p.post_tick` and `TransferGraphs`."""
+        ops: List[Tuple[Tuple[int, int, int], tuple]] = []
+        for j, p, out in outputs:
+            if j + 1 < self.K:
+                parts = out if isinstance(out, tuple) else (out,)
+                dst = self.next_peer[j]
+                ops.append(((p.start, 0, 0), ("send", parts[0].to(p.hidden_dtype), dst, p.hidden)))
+                if self.carries[j] and p.extra:
+                    for e, (part, (shape, _)) in enumerate(zip(parts[1:], p.extra), start=1):
+                        ops.append(((p.start, 0, e), ("send", part, dst, shape)))
+            elif message is not None and p.feedback is not None:
+                for dst in self.feedback_peers:
+                    ops.append(((p.start, 1, 0), ("send", message, dst, p.feedback)))
+        keys: List[Tuple[Tuple[int, int, int], TransferKey]] = []
+        for j in self.mine:  # inputs of my segments for tick t + 1
+            p = self.in_flight.get(t + 1 - j) if j > 0 else None
+            if p is not None:
+                src = self.prev_peer[j]
+                ops.append(((p.start, 0, 0), ("recv", (p.hidden, p.hidden_dtype), src)))
+                keys.append(((p.start, 0, 0), (p.start, j, 0)))
+                if self.carries[j - 1] and p.extra:
+                    for e, (shape, dtype) in enumerate(p.extra, start=1):
+                        ops.append(((p.start, 0, e), ("recv", (shape, dtype), src)))
+                        keys.append(((p.start, 0, e), (p.start, j, e)))
+        p = self.in_flight.get(t - (self.K - 1))
+        if p is not None and p.feedback is not None and self.reads_feedback:
+            ops.append(((p.start, 1, 0), ("recv", (p.feedback, torch.long), self.last_peer)))
+            keys.append(((p.start, 1, 0), (p.start, -1, 0)))
+        order = sorted(range(len(ops)), key=lambda i: ops[i][0])  # stable: sends before receives of one key
+        recv_order = sorted(range(len(keys)), key=lambda i: keys[i][0])
+        return [ops[i][1] for i in order], [keys[i][1] for i in recv_order]
+
 
 HOST_PHASES = ("pick", "stage", "exchange", "feedback")  # one tick's host work, in order (Timeline.decode_host)
 TICK_KINDS = ("decode", "prefill", "mixed")  # Timeline.tick_kinds: what the passes in flight during a tick are
@@ -18,7 +181,9 @@ HOLD_POLL_S = 20e-6  # `hold_back` polls its event this often: a spin of query()
 
 
 class Timeline:
-    """Compute and wall time of one rank, resolved once at the end (no host sync while running).
+    """Compute and wall time of one rank over the ticks of a `PipelineSchedule`, resolved once at the end (no host
+    sync while running). A tick: `tick_start`, then `span_start` / `span_end` around each segment it computes, then
+    `tick_end`; `count_host` adds a decode tick's host phases.
 
     `mark()` is a CUDA event recorded on the stream current at `begin()` (GPU) or perf_counter (CPU). Consecutive
     ticks share their boundary mark, so a tick costs three marks (its boundary, its span's start and end): on a
@@ -84,7 +249,7 @@ class Timeline:
             time.sleep(HOLD_POLL_S)
         self.held_s += time.perf_counter() - t0
 
-    def tick_kind(self, all_decode: bool) -> bool:
+    def tick_start(self, all_decode: bool) -> bool:
         """Start a tick in which every pass in flight is a decode step (or not) -> whether it is a decode tick."""
         self.calm = self.calm + 1 if all_decode else 0
         self.after_prefill.append(min(self.calm, self.segments))
@@ -103,6 +268,21 @@ class Timeline:
         self.issued.append(time.perf_counter())
         self.span_ticks.append(len(self.ticks))
         return self.mark()
+
+    def span_end(self, start, decode: bool):
+        """Close a compute span opened by `span_start` -> its end mark."""
+        end = self.mark()
+        self.spans.append((start, end, decode))
+        return end
+
+    def count_host(self, h0: float, h1: float, h2: float, h3: float, h4: float) -> None:
+        """A decode tick's host phases (`HOST_PHASES`) from the perf_counter readings that bound them."""
+        self.decode_ticks += 1
+        phases = self.decode_host
+        phases["pick"] += h1 - h0
+        phases["stage"] += h2 - h1
+        phases["exchange"] += h3 - h2
+        phases["feedback"] += h4 - h3
 
     def seconds(self, a, b) -> float:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
