@@ -37,7 +37,16 @@ import argparse
 import gc
 
 import torch
-from bench_lib import CEIL, command_line, environment, measure_ceilings, out_dir, resolve_device, write_results
+from bench_lib import (
+    CEIL,
+    command_line,
+    environment,
+    fp8_ceiling,
+    measure_ceilings,
+    out_dir,
+    resolve_device,
+    write_results,
+)
 
 FP8 = torch.float8_e4m3fn
 
@@ -353,8 +362,6 @@ def main(argv=None, prog="bench_serve.py stage") -> int:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     measure_ceilings(device)
     if device == "cuda" and args.weights == "fp8":
-        from bench_fp8 import fp8_ceiling
-
         CEIL["fp8_tflops"] = fp8_ceiling()
     torch.manual_seed(0)
     cfg = compose_cfg(args, 1, args.decode_context, args.chunk)
