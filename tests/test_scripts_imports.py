@@ -97,3 +97,16 @@ def test_the_graph_sees_the_scripts_modules():
 
 def test_scripts_have_no_import_cycle():
     assert find_cycle(scripts_import_graph()) is None
+
+
+def test_every_bench_uses_the_one_harness():
+    """Every `bench_*.py` entry script and every family subcommand module (a module with `main`) imports bench_lib
+    (timing, ceilings, results, user errors)."""
+    graph = scripts_import_graph()
+    benches = [n for n in graph if n.startswith("bench_") and n != "bench_lib"]
+    for path in sorted((SCRIPTS / "benches").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body):
+            benches.append(module_name(path))
+    assert len(benches) > 20
+    assert [n for n in benches if "bench_lib" not in graph[n]] == []
