@@ -3,7 +3,7 @@
 1. One dense-phase training step of a V3.2-attention model (model=dsv32, byte vocab, 2048-wide MLP, 1-2 layers,
    one sequence, bf16 autocast) as the trainer runs it: forward with the main weights frozen and the dense indexer
    loss, then the indexer-loss backward (what the indexers learn from); step time and peak memory per context. One
-   row at the largest context adds the LM-loss backward that earlier versions of the trainer also ran.
+   row at the largest context adds the LM-loss backward through trainable weights: what freezing them saves.
 2. The dense indexer KL op alone at V3.2 shapes (128 heads x 192 for the target, 64 x 128 indexer): time of the
    attention-lse pass, the KL forward and the backward kernels, causal FLOPs and the rate against the measured bf16
    matmul ceiling; the chunked torch reference (the CPU path, the strongest O(T)-memory baseline) where it is fast
@@ -72,7 +72,7 @@ def save(out, quiet: bool = True) -> None:
 
 def model_step(layout: str, T: int, reps: int, frozen: bool = True) -> dict:
     """frozen=True: main weights requires_grad=False and no LM backward (the trainer's dense step,
-    dsaflow/train/forward_pass.py); False: also the LM backward through trainable weights (the earlier trainer)."""
+    dsaflow/train/forward_pass.py); False: also the LM backward through trainable weights."""
     from dsaflow.config.compose import compose
     from dsaflow.pipeline.stages import stage_module
     from dsaflow.plan import build_plan
@@ -109,7 +109,7 @@ def model_step(layout: str, T: int, reps: int, frozen: bool = True) -> dict:
         idx_loss.backward()  # each stage backpropagates its own indexer loss
         ev[2].record()
         if not frozen:
-            F.cross_entropy(logits.view(T, -1), y.view(-1)).backward()  # the LM backward the trainer no longer runs
+            F.cross_entropy(logits.view(T, -1), y.view(-1)).backward()  # the LM backward the trainer skips
         ev[3].record()
         torch.cuda.synchronize()
         times.append([ev[j].elapsed_time(ev[j + 1]) for j in range(3)])
@@ -118,7 +118,7 @@ def model_step(layout: str, T: int, reps: int, frozen: bool = True) -> dict:
     del stage
     torch.cuda.empty_cache()
     return dict(
-        layout=layout + ("" if frozen else " + LM backward (earlier trainer)"),
+        layout=layout + ("" if frozen else " + LM backward"),
         context=T,
         step_ms=fwd + ib + lb,
         fwd_ms=fwd,
@@ -141,10 +141,10 @@ def op_inputs(L: int, T: int, seed: int = 0):
     return q, k, q_i, k_i, w, pos
 
 
-def op_rows(L: int, T: int, chunked_max: int, overrides: dict | None = None) -> None:
+def op_rows(L: int, T: int, chunked_max: int) -> None:
     q, k, q_i, k_i, w, pos = op_inputs(L, T)
     scale = D**-0.5
-    cfg = _config(T, T, D, D_I, overrides)
+    cfg = _config(T, T, D, D_I, None)
     pairs = T * (T + 1) / 2  # causal (query, key) pairs
     att, idx = 2 * pairs * L * H * D, 2 * pairs * H_I * D_I  # one q.k pass over the target / one indexer dot pass
     lse = attn_lse_triton(q, k, pos, scale, cfg)
@@ -167,7 +167,7 @@ def op_rows(L: int, T: int, chunked_max: int, overrides: dict | None = None) -> 
             dict(
                 L=L,
                 context=T,
-                part=name + (f" {overrides}" if overrides else ""),
+                part=name,
                 time_ms=ms,
                 flops=fl,
                 tflops=fl / ms / 1e9,
@@ -178,7 +178,7 @@ def op_rows(L: int, T: int, chunked_max: int, overrides: dict | None = None) -> 
         dict(
             L=L,
             context=T,
-            part="Triton total (fwd + bwd)" + (f" {overrides}" if overrides else ""),
+            part="Triton total (fwd + bwd)",
             time_ms=total_ms,
             flops=total_fl,
             tflops=total_fl / total_ms / 1e9,
@@ -186,7 +186,7 @@ def op_rows(L: int, T: int, chunked_max: int, overrides: dict | None = None) -> 
         )
     )
     OUT["op"][-1]["loss"] = float(kl.sum() / T)
-    if T <= chunked_max and not overrides:  # the torch baseline: the chunked reference, forward + backward
+    if T <= chunked_max:  # the torch baseline: the chunked reference, forward + backward
         qi, ki, wi = (t.detach().requires_grad_(True) for t in (q_i, k_i, w))
 
         def ref():
@@ -231,9 +231,7 @@ def main(argv=None, prog: str = "bench_dense_warmup.py") -> int:
     jobs += [("op", int(L), T) for L in a.op_layers.split(",") for T in contexts]
     jobs.sort(key=lambda j: (j[2] != max(contexts), j[0] != "step"))  # the 16K bar first, then the rest
     jobs.insert(len(a.layouts.split(",")), ("with_lm_bwd", a.layouts.split(",")[0], max(contexts)))
-    # Last, if time remains: two other block shapes for the KL kernels at 8K (the table above uses the default).
-    jobs += [("op", 1, 8192, dict(BLOCK_T=128, BLOCK_S=64)), ("op", 1, 8192, dict(BLOCK_T=64, BLOCK_S=128))]
-    for kind, arg, T, *extra in jobs:
+    for kind, arg, T in jobs:
         if time.time() - t_start > a.budget_s:
             OUT["errors"].append(f"skipped {kind} {arg} {T}: past --budget-s")
             continue
@@ -241,7 +239,7 @@ def main(argv=None, prog: str = "bench_dense_warmup.py") -> int:
             if kind in ("step", "with_lm_bwd"):
                 OUT["steps"].append(model_step(arg, T, a.reps, frozen=kind == "step"))
             else:
-                op_rows(arg, T, a.chunked_max, *extra)
+                op_rows(arg, T, a.chunked_max)
         except Exception as e:  # keep what was measured (one call to the device): record and go on
             OUT["errors"].append(f"{kind} {arg} {T}: {type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc()

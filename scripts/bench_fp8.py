@@ -38,6 +38,7 @@ from bench_lib import (
     bench_graph,
     command_line,
     environment,
+    fp8_ceiling,
     measure_ceilings,
     need_cuda,
     out_dir,
@@ -54,17 +55,6 @@ SHARED = {"attention input (q_a, kv_a, indexer k)": ((1536, 7168), (576, 7168), 
 GROUPED = {"experts gate_up": (4096, 7168), "experts down": (7168, 2048)}
 EXPERTS, TOP_K = 256, 8
 FP8_KERNELS = ("triton", "torch_scaled_mm")
-
-
-def fp8_ceiling(n: int = 8192) -> float:
-    """TFLOP/s of torch._scaled_mm on n^3 e4m3 operands with per-tensor scales (bf16 out): the fp8 tensor cores'
-    rate without block scaling."""
-    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
-    ms = bench(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), rep_ms=300)
-    del a, b
-    return float(f"{2 * n**3 / ms / 1e9:.4g}")
 
 
 def fp8_row(op, shape, M, impl, ms, flops, weight_bytes, **extra):

@@ -3,7 +3,6 @@
     python3 scripts/bench_indexcache.py --out bench_out/indexcache              # V3.2 attention, 8 layers, 8K..128K
     python3 scripts/bench_indexcache.py --device cpu --model tiny --layers 4 --contexts 48,96 --prefill-chunk 32 \
         --decode-steps 2 --extra "" --out /tmp/ic                                # CPU smoke test (no graphs)
-    python3 scripts/bench_indexcache.py --part short --out bench_out/indexcache_short   # short-context rows only
 
 Model: `model=dsv32` attention (128 heads, MLA 512 + 64, indexer 64 x 128, topk 2048) with --layers layers, a
 2048-wide MLP and a 256-token vocab (--extra), bf16, one sequence, one process, one stage. Weights are random
@@ -22,25 +21,6 @@ minutes at this size). For every index config (index=all_full / every2 / every4)
   causal SDPA over the non-absorbed heads, no indexer), the like-for-like baseline; and causal SDPA alone (H heads,
   qk nope + rope, v head dim: 128 / 192 / 128 for V3.2) at L queries over L keys, times the number of layers.
 
---part short (or all) adds the short-context rows (--short contexts, default 2K..32K), one layer at a time:
-
-* DSA layer prefill = a --short-layers stage (all-F: FFFF, 1/4-F: FSSS) prefilling L tokens in --prefill-chunk
-  chunks through its serving cache, per layer (stage time / layers), on the old sparse path (top-k indices through
-  sparse_mla) and on the short path (dsaflow.model.dense_prefill, forced: dense where L <= top-k, else masked, whatever
-  the crossover; above top-k the first chunk splits with every column after the first top-k masked); `auto` names
-  what the engine's rule picks (masked up to `masked_max_keys`);
-* dense layer = an independent layer in plain torch (`DenseLayer` below, nothing from dsaflow): the same
-  projections (MLA, non-absorbed heads 192 / 128, causal SDPA) and SwiGLU MLP, one forward of L tokens;
-* indexer = its projections plus the scores / top-k op over the same chunks; key projection = the indexer's key
-  (wk, LayerNorm, RoPE) alone, all that a dense-path F layer adds;
-* bar = dense layer + (F layers / layers) x (indexer, or the key projection on the dense path): the short path
-  should stay under it; crossover = the largest context up to which the forced short path beats the sparse one;
-  masked rate = masked SDPA (the split's query blocks) against sparse_mla over the same top-k, per context above
-  top-k, in FLOP/s of what each form does: the value for MASKED_RATE (docs/serving.md); the chunk sweep (all-F,
-  --short-chunks at --short-chunk-contexts) gives the smallest chunk from which the short path wins, the value for
-  MIN_PREFILL_TOKENS.
-It writes indexcache_short.json and indexcache_short.md (the --part long outputs are unchanged).
-
 Writes indexcache.json, indexcache.md and (matplotlib permitting) indexcache.png with the IndexCache paper's 1/4-F
 ratios beside ours. The paper (H100, a 30B DSA model): prefill 1.27 / 1.31 / 1.51 / 1.82x and decode 1.24 / 1.33 /
 1.40 / 1.48x at 10K / 60K / 120K / 200K; the indexer's share of prefill 27 % -> 81 %.
@@ -54,9 +34,8 @@ import statistics
 import sys
 from pathlib import Path
 
-import indexcache_short as short_prefill
 import torch
-from bench_lib import out_dir, resolve_device, wall_seconds, write_results
+from bench_lib import environment, out_dir, resolve_device, wall_seconds, write_results
 
 import dsaflow.model.stage as stage_mod
 from dsaflow.config.compose import compose
@@ -91,12 +70,6 @@ def parse_args(argv=None, prog: str = "bench_indexcache.py"):
     ap.add_argument("--sdpa-repeats", type=int, default=3)
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     ap.add_argument("--out", default="bench_out/indexcache")
-    ap.add_argument("--part", default="long", choices=("long", "short", "all"), help="long: the table above")
-    ap.add_argument("--short", default="2048,4096,8192,16384,32768", help="contexts of the short-context rows")
-    ap.add_argument("--short-layers", type=int, default=4, help="layers of the short rows' stage (FFFF / FSSS)")
-    ap.add_argument("--short-repeats", type=int, default=10)
-    ap.add_argument("--short-chunks", default="128,256,512,1024", help="chunk sizes of the all-F chunk sweep")
-    ap.add_argument("--short-chunk-contexts", default="2048,8192", help="contexts of the chunk sweep ('' = none)")
     a = ap.parse_args(argv)
     a.device = resolve_device(prog, a.device)
     return a
@@ -253,7 +226,18 @@ def result(a, rows: list, device, dtype) -> dict:
         r["decode_speedup_vs_all_f"] = r["decode_tokens_per_s"] / f["decode_tokens_per_s"] if f else None
         r["vs_dense_sdpa"] = r["dense_sdpa_ms"] / r["prefill_ms"]
         r["vs_dense_model"] = r["dense_model_ms"] / r["prefill_ms"]
-    env = short_prefill.bench_env(a, device, dtype, a.layers, a.repeats, decode_steps=a.decode_steps, batch=1)
+    env = dict(
+        device=environment(device)["device_name"],
+        torch=torch.__version__,
+        model=a.model,
+        extra=a.extra,
+        layers=a.layers,
+        prefill_chunk=a.prefill_chunk,
+        repeats=a.repeats,
+        dtype=str(dtype),
+        decode_steps=a.decode_steps,
+        batch=1,
+    )
     return dict(env=env, rows=rows, paper=PAPER)
 
 
@@ -332,11 +316,7 @@ def plot(res: dict, plt):
 
 def main(argv=None, prog: str = "bench_indexcache.py") -> int:
     a = parse_args(argv, prog)
-    out = out_dir(prog, a.out)
-    if a.part in ("long", "all"):
-        save(run(a), out)
-    if a.part in ("short", "all"):
-        short_prefill.save(short_prefill.run(a, make_cfg, build_stage, indexer_op_seconds, timed), out)
+    save(run(a), out_dir(prog, a.out))
     return 0
 
 

@@ -174,6 +174,17 @@ def measure_ceilings(device="cuda") -> dict:
     return dict(CEIL)
 
 
+def fp8_ceiling(n: int = 8192) -> float:
+    """TFLOP/s of torch._scaled_mm on n^3 e4m3 operands with per-tensor scales (bf16 out): the fp8 tensor cores'
+    rate without block scaling."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    ms = bench(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), rep_ms=300)
+    del a, b
+    return float(f"{2 * n**3 / ms / 1e9:.4g}")
+
+
 def add_rates(row: dict, ms: float, ceil: dict, flops=None, nbytes=None) -> dict:
     """A row timed at `ms` gains its TFLOP/s (given flops) and TB/s (given bytes), each also as a fraction of the
     ceilings in `ceil` (`matmul_tflops`, `copy_tbps`)."""

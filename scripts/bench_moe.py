@@ -26,7 +26,17 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_lib import CEIL, bench, describe_device, measure_ceilings, need_cuda, out_dir, timed_slow, write_results
+from bench_lib import (
+    CEIL,
+    bench,
+    describe_device,
+    kernel_times,
+    measure_ceilings,
+    need_cuda,
+    out_dir,
+    timed_slow,
+    write_results,
+)
 
 from dsaflow.config.moe_schema import MoEConfig
 from dsaflow.model.moe import MoE
@@ -74,21 +84,14 @@ def loop_experts(x, ids, weights, gate_up, down):
 
 
 def profile_step(tokens: int, kernel: str) -> None:
-    """The 15 costliest CUDA kernels of one forward + backward (torch profiler), to see where a step goes."""
+    """Print the 15 costliest CUDA kernels of one forward + backward of `tokens` tokens: where a step goes."""
     layer = moe_layer(kernel, False)
     x = torch.randn(1, tokens, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    for _ in range(2):
-        layer(x).sum().backward()
-    torch.cuda.synchronize()
     grad = torch.randn_like(x)
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
-        layer(x).backward(grad)
-        torch.cuda.synchronize()
-    table = prof.key_averages(group_by_input_shape=True).table(
-        sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=40, max_shapes_column_width=70
-    )
-    print(table, flush=True)
+    step = lambda: layer(x).backward(grad)  # noqa: E731
+    step()
+    for name, ms, calls in kernel_times(step, "cuda")[:15]:
+        print(f"{ms:9.3f} ms {calls:6.0f} calls  {name}", flush=True)
 
 
 def train_rows(tokens: int, kernels, skew: bool, loop: bool) -> list[dict]:

@@ -48,7 +48,6 @@ from bench_lib import (
     write_results,
 )
 from benches.ops_peers import PEERS, bench_backward_peers, peers_markdown
-from topk_sort_baseline import logits_as_keys, topk_from_keys
 
 from dsaflow.ops.indexer_topk.naive import topk_from_scores
 from dsaflow.ops.indexer_topk.triton_indexer import (
@@ -210,7 +209,8 @@ def torch_indexer(q, k, w, pos, topk):
 
 
 def unsorted_topk_then_sort(scores, topk):
-    """Candidate replacement for topk_from_scores: unsorted radix select, then sort only the topk survivors."""
+    """torch.topk without a tie rule beside topk_from_scores' stable sort: unsorted select, then a sort of the topk
+    survivors."""
     vals, idx = scores.topk(topk, dim=-1, sorted=False)
     vals, order = vals.sort(dim=-1, descending=True)
     idx = torch.gather(idx, -1, order)
@@ -255,18 +255,6 @@ def bench_indexer(contexts, do_sweep):
             queries=chunk,
             config=cfg,
         )
-        keys = torch.empty(1, chunk, ctx, device="cuda", dtype=torch.int64)
-        ms = bench(lambda: logits_as_keys(qc, k, wc, pc, keys, cfg))
-        record(
-            "indexer_logits (int64 keys)",
-            "triton",
-            ctx,
-            ms,
-            flops=2 * H_I * D_I * chunk_pairs,
-            nbytes=chunk * ctx * 8,
-            queries=chunk,
-            config=cfg,
-        )
         ms = bench(lambda: topk_from_scores(buf, TOPK))
         record("indexer_topk_only", "naive stable sort", ctx, ms, nbytes=chunk * ctx * 4, queries=chunk)
         ms = bench(lambda: unsorted_topk_then_sort(buf, TOPK))
@@ -278,13 +266,8 @@ def bench_indexer(contexts, do_sweep):
             nbytes=chunk * ctx * 4,
             queries=chunk,
         )
-        ms = bench(lambda: topk_from_keys(keys, TOPK))
-        record(
-            "indexer_topk_only", "int64 keys topk(sorted=False)+sort", ctx, ms, nbytes=chunk * ctx * 8, queries=chunk
-        )
-        del keys
         ms = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, overrides=cfg), rep_ms=300)
-        record("indexer_logits+topk", "triton+torch.topk", ctx, ms, flops=flops, queries=n_q)
+        record("indexer_logits+topk", "triton logits + radix select", ctx, ms, flops=flops, queries=n_q)
         ms = timed_slow(lambda: torch_indexer(q, k, w, pos, TOPK))
         record("indexer_logits+topk", "torch", ctx, ms, flops=flops, queries=n_q)
         del q, k, w, pos, buf

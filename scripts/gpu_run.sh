@@ -41,11 +41,10 @@ kernels)
   summary
   step bench_ops 150 python3 scripts/bench_ops.py --out "$OUT" --only mla,decode --no-sweep
   step bench_topk 150 python3 scripts/bench_topk.py indexer --out "$OUT"
-  step bench_causal 60 python3 scripts/bench_sparse_mla_causal.py --seq 4096 --out "$OUT/causal"
   step train_layer 240 python3 scripts/bench_train.py layer --seq 4096,16384 --layers 4 --out "$OUT"
   step train_128k 90 python3 scripts/bench_train.py layer --seq 131072 --layers 2 --index all_full --impls fused \
     --no-profile --reps 1 --recompute attention --out "$OUT/k128"
-  cat "$OUT/bench_ops.md" "$OUT"/indexer_topk.md "$OUT"/causal/*.md "$OUT/bench_train_layer.md" \
+  cat "$OUT/bench_ops.md" "$OUT"/indexer_topk.md "$OUT/bench_train_layer.md" \
     "$OUT/k128/bench_train_layer.md" 2>/dev/null ;;
 model)
   step model_tests 200 python3 -m pytest -q -m gpu tests/test_graphs_gpu.py tests/test_train_gpu.py \

@@ -11,6 +11,8 @@ import pytest
 import torch
 from script_helpers import load_script
 
+from dsaflow.ops.indexer_topk.naive import indexer_topk_naive
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 BENCH_SCRIPTS = sorted(p.stem for p in SCRIPTS.glob("bench_*.py") if p.stem != "bench_lib")
 FAMILIES = {
@@ -32,12 +34,9 @@ FAMILIES = {
 # an option only that script has: its --help is its own, not a neighbour's
 OWN_OPTION = {
     "bench_ops": "--only",
-    "bench_hopper": "--variant",
-    "bench_sparse_mla_causal": "--seq",
     "bench_indexer_loss": "--layouts",
     "bench_dense_warmup": "--op-layers",
-    "bench_glue": "--smoke",
-    "bench_indexcache": "--short-chunks",
+    "bench_indexcache": "--sdpa-repeats",
     "bench_moe": "--decode-rows",
     "bench_fp8": "--grouped-tokens",
 }
@@ -108,3 +107,33 @@ def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(argv, tmp_path):
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--device cuda" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_the_topk_baseline_selects_what_the_reference_op_selects():
+    """bench_topk's baseline (the op's logits kernel, in the Triton interpreter here, + torch.topk) against the naive
+    op: the same keys in the op's order, -1 where fewer than top-k keys are visible."""
+    select = load_script("benches.topk_select")
+    g = torch.Generator().manual_seed(0)
+    q, k, w = (
+        torch.randn(2, 5, 2, 16, generator=g),
+        torch.randn(2, 40, 16, generator=g),
+        torch.randn(2, 5, 2, generator=g),
+    )
+    pos = torch.tensor([[3, 10, 20, 30, 39], [0, 1, 2, 5, 6]])
+    got = select.torch_topk_indexer(q, k, w, pos, 8)
+    ref = indexer_topk_naive(q, k, w, pos, 8)
+    assert torch.equal(got, ref) and (got[1] == -1).sum() == 7 + 6 + 5 + 2 + 1
+    assert select.same_selection(got, ref, select.indexer_logits(q, k, w, pos))
+    inf = float("-inf")
+    assert torch.equal(
+        select.torch_topk_select(torch.tensor([[[0.5, inf, 2.0]]]), 4), torch.tensor([[[0, 2, -1, -1]]]).int()
+    )
+
+
+def test_same_selection_accepts_other_tied_keys_and_rejects_other_scores():
+    select = load_script("benches.topk_select")
+    scores = torch.tensor([[[1.0, 1.0, 0.0, 1.0]]])
+    pick = lambda *keys: torch.tensor([[list(keys)]], dtype=torch.int32)  # noqa: E731
+    assert select.same_selection(pick(0, 1), pick(1, 3), scores)
+    assert not select.same_selection(pick(0, 1), pick(0, 2), scores)
+    assert not select.same_selection(pick(0, 1), pick(0, -1), scores)

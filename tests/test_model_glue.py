@@ -66,22 +66,3 @@ def test_gpu_stage_with_kernels_equals_references_fp32(monkeypatch, attn):
 @pytest.mark.gpu
 def test_gpu_stage_with_kernels_equals_references_bf16_autocast(monkeypatch):
     compare("cuda", True, monkeypatch, 3e-2)
-
-
-def test_bench_glue_smoke(tmp_path):
-    """scripts/bench_glue.py's logic on CPU at 16 tokens (the timings are meaningless there)."""
-    import json
-
-    from script_helpers import load_script
-
-    assert load_script("bench_glue").main(["--smoke", "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "bench_glue.json").read_text())["rows"]
-    assert [r["op"].split()[0] for r in rows] == [
-        "rms_norm",
-        "rms_norm",
-        "rope",
-        "absorb_query",
-        "head_output",
-        "head_tensors",
-    ]
-    assert (tmp_path / "bench_glue.md").read_text().count("\n| ") == 7

@@ -19,7 +19,7 @@ import os
 import time
 
 import torch
-from bench_lib import CEIL, bench, bench_graph, environment, write_results
+from bench_lib import CEIL, bench, bench_graph, environment, fp8_ceiling, measure_ceilings, write_results
 
 DENSE = {"q_b": (24576, 1536), "o_proj": (7168, 16384), "shared gate_up": (4096, 7168), "shared down": (7168, 2048)}
 GROUPED = {"experts gate_up": (4096, 7168), "experts down": (7168, 2048)}
@@ -213,9 +213,6 @@ def markdown(results: list, best: dict, env: dict) -> str:
 
 
 def run_sweep(out, command: str) -> int:
-    from bench_fp8 import fp8_ceiling
-    from bench_lib import measure_ceilings
-
     start = time.time()
     measure_ceilings()
     CEIL["fp8_tflops"] = fp8_ceiling()

@@ -37,7 +37,19 @@ import argparse
 import gc
 
 import torch
-from bench_lib import CEIL, command_line, environment, measure_ceilings, out_dir, resolve_device, write_results
+from bench_lib import (
+    CEIL,
+    bench_graph,
+    command_line,
+    environment,
+    fp8_ceiling,
+    kernel_times,
+    measure_ceilings,
+    out_dir,
+    resolve_device,
+    timed_slow,
+    write_results,
+)
 
 FP8 = torch.float8_e4m3fn
 
@@ -115,8 +127,6 @@ def plan_bytes(cfg, specs) -> int:
 
 
 def time_ms(fn, device, reps: int) -> float:
-    from bench_lib import timed_slow
-
     return timed_slow(fn, reps, device)
 
 
@@ -126,8 +136,6 @@ def gemm_ms(fn, device, reps: int) -> float:
     CPU: `time_ms`."""
     if torch.device(device).type != "cuda":
         return time_ms(fn, device, reps)
-    from bench_lib import bench_graph
-
     return bench_graph(fn)
 
 
@@ -189,8 +197,6 @@ def kernel_table(replay, device, top: int, passes: int = 5) -> list:
     """The `top` kernels of a pass by time, [{name, ms (per pass), calls (per pass)}], over `passes` replays
     (`bench_lib.kernel_times`: on CPU the aten ops of the eager pass): where a decode pass's time goes beyond its
     weight bytes."""
-    from bench_lib import kernel_times
-
     replay()
     rows = kernel_times(replay, device, passes)[:top]
     return [{"name": name[:120], "ms": ms, "calls": calls} for name, ms, calls in rows]
@@ -353,8 +359,6 @@ def main(argv=None, prog="bench_serve.py stage") -> int:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     measure_ceilings(device)
     if device == "cuda" and args.weights == "fp8":
-        from bench_fp8 import fp8_ceiling
-
         CEIL["fp8_tflops"] = fp8_ceiling()
     torch.manual_seed(0)
     cfg = compose_cfg(args, 1, args.decode_context, args.chunk)

@@ -1,10 +1,10 @@
-"""Benchmark the lightning indexer op: logits + radix-select top-k vs the int64-key torch.topk path.
+"""Benchmark the lightning indexer op: logits + radix-select top-k vs the same logits + torch.topk.
 
 Shapes: DeepSeek-V3.2 indexer (64 heads x 128, topk 2048, bf16), one sequence; by default the last 4096 queries of an
 8K / 32K / 128K context (the same queries as `bench_ops.py`), plus one whole causal prefill (every query of a 32K
 context, chunked). Rows: the whole op with each selector, its parts (fp32 logits with invisible tiles unwritten,
-radix select alone on those scores, int64 keys + torch.topk + sort alone, the fp8 logits and the fp8 rounding of q and
-k), the whole op with fp8 logits (`model.index_fp8`, with the share of the bf16 selection it keeps), and at the
+radix select alone on those scores, torch.topk + sort alone, the fp8 logits and the fp8 rounding of q and k), the
+whole op with fp8 logits (`model.index_fp8`, with the share of the bf16 selection it keeps), and at the
 largest context a sweep of the select kernels (block sizes, warps, sample size, no floor), of the logits kernel's
 tile, and decode-like row counts (--no-sweeps skips them). Writes indexer_topk.json and indexer_topk.md to --out.
 
@@ -19,8 +19,8 @@ import argparse
 import torch
 from bench_lib import bench as harness_bench
 from bench_lib import environment, need_cuda, out_dir, write_results
-from topk_sort_baseline import indexer_topk_sort, logits_as_keys, topk_from_keys
 
+from benches.topk_select import indexer_logits, same_selection, torch_topk_indexer, torch_topk_select
 from dsaflow.ops.indexer_topk.fp8 import quantize_rows
 from dsaflow.ops.indexer_topk.triton_indexer import (
     indexer_logits_triton,
@@ -68,41 +68,40 @@ def run(contexts, n_queries, prefill_ctx, out, sweeps=True):
         q, k, w, pos = inputs(S, T)
         visible = int((pos + 1).clamp(max=S).sum())
         flops = 2 * H_I * D_I * visible
-        old = indexer_topk_sort(q, k, w, pos, TOPK)
-        new = indexer_topk_triton(q, k, w, pos, TOPK)
-        same = bool(torch.equal(old, new))
-        new8 = indexer_topk_triton(q, k, w, pos, TOPK, fp8=True)
-        same8 = bool(torch.equal(indexer_topk_sort(q, k, w, pos, TOPK, fp8=True), new8))
-        ms_old = bench(lambda: indexer_topk_sort(q, k, w, pos, TOPK))
+        new, new8 = indexer_topk_triton(q, k, w, pos, TOPK), indexer_topk_triton(q, k, w, pos, TOPK, fp8=True)
+        same = same_selection(new, torch_topk_indexer(q, k, w, pos, TOPK), indexer_logits(q, k, w, pos))
+        same8 = same_selection(
+            new8, torch_topk_indexer(q, k, w, pos, TOPK, fp8=True), indexer_logits(q, k, w, pos, True)
+        )
+        ms_torch = bench(lambda: torch_topk_indexer(q, k, w, pos, TOPK))
         ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK))
         ms_auto = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK))
         ms_fp8 = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK, fp8=True))
-        record("op: logits + int64 keys + torch.topk + sort (before)", S, T, ms_old)
+        record("op: logits + torch.topk + sort", S, T, ms_torch)
         record(
             "op: logits + select kernels",
             S,
             T,
             ms_new,
-            speedup=round(ms_old / ms_new, 2),
-            same_indices=same,
+            speedup=round(ms_torch / ms_new, 2),
+            same_selection=same,
             tflops=round(flops / ms_new / 1e9, 1),
         )
-        record("op: default (select=auto)", S, T, ms_auto, speedup=round(ms_old / ms_auto, 2))
+        record("op: default (select=auto)", S, T, ms_auto, speedup=round(ms_torch / ms_auto, 2))
         record(
             "op: fp8 logits + default select (model.index_fp8=true)",
             S,
             T,
             ms_fp8,
-            speedup=round(ms_old / ms_fp8, 2),
-            same_as_fp8_sort_path=same8,
+            speedup=round(ms_torch / ms_fp8, 2),
+            same_selection_as_fp8_torch_topk=same8,
             recall_of_bf16_selection=round(selection_recall(new8, new), 4),
             tflops=round(flops / ms_fp8 / 1e9, 1),
         )
-        del old, new, new8
+        del new, new8
         chunk = query_chunk(1, T, S)
         qc, wc, pc = q[:, :chunk], w[:, :chunk], pos[:, :chunk]
         scores = torch.empty(1, chunk, S, device="cuda")
-        keys = torch.empty(1, chunk, S, device="cuda", dtype=torch.int64)
         scratch = select_scratch(chunk, S, "cuda")
         chunk_flops = 2 * H_I * D_I * int((pc + 1).sum())
         ms = bench(lambda: indexer_logits_triton(qc, k, wc, pc, scores, write_invisible=False))
@@ -143,9 +142,9 @@ def run(contexts, n_queries, prefill_ctx, out, sweeps=True):
                 record(f"sweep: fp8 logits {name}", S, chunk, ms, tflops=round(chunk_flops / ms / 1e9, 1))
         del q8, k8, w8
         indexer_logits_triton(qc, k, wc, pc, scores, write_invisible=False)  # the select parts read bf16 scores
-        logits_as_keys(qc, k, wc, pc, keys)
-        ms = bench(lambda: topk_from_keys(keys, TOPK))
-        record("part: int64 keys torch.topk + sort", S, chunk, ms)
+        full_scores = indexer_logits_triton(qc, k, wc, pc)  # torch.topk reads every key, the invisible ones -inf
+        ms = bench(lambda: torch_topk_select(full_scores, TOPK))
+        record("part: torch.topk + sort", S, chunk, ms)
         ms = bench(lambda: radix_topk_triton(scores, pc, TOPK, scratch=scratch))
         record("part: radix select", S, chunk, ms, tbps_one_read=round(4 * int((pc + 1).sum()) / ms / 1e9, 3))
         sweep = []
@@ -161,25 +160,27 @@ def run(contexts, n_queries, prefill_ctx, out, sweeps=True):
             for n_rows in (1, 8, 64):  # decode-like: a few rows of the longest context
                 ms = bench(lambda: radix_topk_triton(scores[:, :n_rows], pc[:, :n_rows], TOPK, scratch=scratch))
                 record(f"decode-like: select, {n_rows} rows", S, n_rows, ms)
-                ms = bench(lambda: topk_from_keys(keys[:, :n_rows], TOPK))
-                record(f"decode-like: int64 keys torch.topk + sort, {n_rows} rows", S, n_rows, ms)
-        del scores, keys, scratch
+                ms = bench(lambda: torch_topk_select(full_scores[:, :n_rows], TOPK))
+                record(f"decode-like: torch.topk + sort, {n_rows} rows", S, n_rows, ms)
+        del scores, full_scores, scratch
     if prefill_ctx:
         S = prefill_ctx
         q, k, w, pos = inputs(S, S)
-        old = indexer_topk_sort(q, k, w, pos, TOPK)
-        same = bool(torch.equal(old, indexer_topk_triton(q, k, w, pos, TOPK)))
-        del old
-        ms_old = bench(lambda: indexer_topk_sort(q, k, w, pos, TOPK), rep_ms=300)
+        same = same_selection(
+            indexer_topk_triton(q, k, w, pos, TOPK),
+            torch_topk_indexer(q, k, w, pos, TOPK),
+            indexer_logits(q, k, w, pos),
+        )
+        ms_torch = bench(lambda: torch_topk_indexer(q, k, w, pos, TOPK), rep_ms=300)
         ms_new = bench(lambda: indexer_topk_triton(q, k, w, pos, TOPK), rep_ms=300)
-        record("whole causal prefill: before", S, S, ms_old)
+        record("whole causal prefill: logits + torch.topk", S, S, ms_torch)
         record(
-            "whole causal prefill: after",
+            "whole causal prefill: logits + select kernels",
             S,
             S,
             ms_new,
-            speedup=round(ms_old / ms_new, 2),
-            same_indices=same,
+            speedup=round(ms_torch / ms_new, 2),
+            same_selection=same,
             tflops=round(2 * H_I * D_I * S * (S + 1) / 2 / ms_new / 1e9, 1),
         )
     e = environment()

@@ -9,8 +9,8 @@ topk 2048) with a 2048-wide MLP and a byte vocabulary, `--layers` layers in one 
 `--index` roles (default every4 = FSSS...). One step = forward + backward of one sequence (one microbatch) under bf16
 autocast + both AdamW updates. For each sequence length and indexer-loss implementation (`fused`: what the trainer
 runs: the KL kernels inside the backward, on the target the sparse-attention backward fills; `fused_forward`: the
-same kernels with the target recomputed in the forward by its own kernel, the trainer's path before; `naive`: the
-fp32 PyTorch reference in the forward, the path before the kernels existed):
+same kernels with the target recomputed in the forward by its own kernel; `naive`: the fp32 PyTorch reference in the
+forward, the baseline without kernels):
 
   step_ms, tokens_per_s        median wall time of a step (CUDA-synchronised) and seq / step time
   no_loss_ms, indexer_loss_ms  the same step without the indexer loss, and the difference (the loss's cost)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_lib import environment, out_dir, resolve_device, sync, write_results
+from bench_lib import environment, kernel_times, out_dir, resolve_device, sync, write_results
 
 
 def parse_args(argv=None, prog="bench_train.py step") -> argparse.Namespace:
@@ -56,8 +56,6 @@ def count_kernels(tr, step: int, device: torch.device) -> tuple:
     """(kernels launched, their summed GPU ms) in one profiled step; (None, None) on CPU."""
     if device.type != "cuda":
         return None, None
-    from bench_lib import kernel_times
-
     rows = kernel_times(lambda: tr.step(step), device)
     return int(sum(calls for _, _, calls in rows)), sum(ms for _, ms, _ in rows)
 
