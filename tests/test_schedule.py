@@ -49,15 +49,14 @@ class TickLoop:
         while True:
             if self.ticks_ahead is not None:
                 tl.hold_back(self.ticks_ahead)
-            p = pick(sc.idle)
+            p = pick(lambda g: g not in sc.busy_groups)
             if p is None and not sc.in_flight:
                 break
-            if p is not None:
-                sc.start(t, p)
-            decode = tl.tick_start(sc.all_decode())
+            work = sc.begin(t, p)
+            decode = tl.tick_start(sc.decoding)
             outputs, message = [], None
-            for j, q in sc.running(t):
-                x, span = sc.input_of(j, q), tl.span_start()
+            for j, q, x in work:
+                span = tl.span_start()
                 for s in sc.segments[j][1]:
                     x = stage_fn(q, s, x)
                 if j == sc.K - 1 and finish is not None:

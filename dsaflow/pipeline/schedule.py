@@ -85,26 +85,21 @@ class PipelineSchedule:
         self.reads_feedback = rank != self.last_rank and rank in self.feedback_ranks
         self.last_peer = peer(self.last_rank)
         self.in_flight: Dict[int, Any] = {}  # start tick -> pass
-        self.busy_groups: set = set()
+        self.busy_groups: set = set()  # groups with a pass in flight: their next pass waits
+        self.decoding = False  # every pass in flight this tick is a decode step (`begin`)
         self.inbox: Dict[Tuple[int, int], Any] = {}  # (start tick, segment) -> the input it received (`deliver`)
 
-    def idle(self, group: int) -> bool:
-        """Whether `group` has no pass in flight (its next pass may start)."""
-        return group not in self.busy_groups
-
-    def start(self, t: int, p) -> None:
-        """Pass p starts at tick t (segment 0 runs it now)."""
-        p.start = t
-        self.in_flight[t] = p
-        self.busy_groups.add(p.group)
-
-    def running(self, t: int) -> List[Tuple[int, Any]]:
-        """[(segment, pass)] of this rank's segments at tick t, in segment order."""
-        return [(j, self.in_flight[t - j]) for j in self.mine if (t - j) in self.in_flight]
-
-    def input_of(self, j: int, p):
-        """What segment j received for pass p (a tensor, or (hidden, *extra)); None for segment 0."""
-        return self.inbox.pop((p.start, j), None) if j > 0 else None
+    def begin(self, t: int, p=None) -> List[Tuple[int, Any, Any]]:
+        """Tick t: pass p (if any) starts on segment 0 -> [(segment, pass, what it received)] of this rank's
+        segments now, in segment order; what segment 0 receives is None (it reads its own input)."""
+        if p is not None:
+            p.start = t
+            self.in_flight[t] = p
+            self.busy_groups.add(p.group)
+        self.decoding = all(q.decode_only for q in self.in_flight.values())  # the same on every rank
+        return [
+            (j, self.in_flight[t - j], self.inbox.pop((t - j, j), None)) for j in self.mine if (t - j) in self.in_flight
+        ]
 
     def deliver(self, keys: Sequence[TransferKey], received: Sequence[torch.Tensor], message=None):
         """File one tick's received tensors (in the order of `transfers`' keys) as the inputs of this rank's
@@ -118,10 +113,6 @@ class PipelineSchedule:
                 prev = self.inbox[(start, j)]
                 self.inbox[(start, j)] = (*(prev if isinstance(prev, tuple) else (prev,)), buf)
         return message
-
-    def all_decode(self) -> bool:
-        """Every pass in flight is a decode step (the same on every rank)."""
-        return all(p.decode_only for p in self.in_flight.values())
 
     def any_token_major(self) -> bool:
         return any(p.token_major for p in self.in_flight.values())
@@ -217,6 +208,9 @@ class Timeline:
         self.decode_host = dict.fromkeys(HOST_PHASES, 0.0)
         self.decode_ticks = 0
         self.held_s = 0.0  # host seconds spent in `hold_back` waiting for its GPU
+        self._resolved = False  # `resolve` turned the marks into seconds from the start
+        if not self.cuda:
+            self.mark = time.perf_counter  # a tick costs three marks: no wrapper around the clock
 
     def begin(self) -> None:
         """Mark the start of a run. On GPU it first waits for the device to go idle (setup, not a step), so the start
@@ -228,8 +222,7 @@ class Timeline:
         self.host_start = time.perf_counter()
 
     def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
+        """A CUDA event recorded now on the timeline's stream (on CPU `mark` is time.perf_counter itself)."""
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(self.stream)
         return ev
@@ -285,14 +278,44 @@ class Timeline:
         phases["feedback"] += h4 - h3
 
     def seconds(self, a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+        """Seconds between two marks (events on GPU; after `resolve`, floats on both devices)."""
+        return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
 
     def latencies(self, first: Dict[int, Any], last: Dict[int, Any], counts: Dict[int, int]):
         """Marks of each request's first and last token, and its token count -> ({request: seconds from the start
         to its first token}, {request: mean seconds per later token, None for one token}); call after `resolve`."""
-        ttft = {r: self.seconds(self.start, m) for r, m in first.items()}
-        tpot = {r: self.seconds(m, last[r]) / (counts[r] - 1) if counts[r] > 1 else None for r, m in first.items()}
+        at = self.mark_seconds
+        ttft = {r: at(m) for r, m in first.items()}
+        tpot = {r: (at(last[r]) - at(m)) / (counts[r] - 1) if counts[r] > 1 else None for r, m in first.items()}
         return ttft, tpot
+
+    def mark_seconds(self, mark) -> float:
+        """A mark recorded during the run -> its seconds from the start; call after `resolve`."""
+        return self._event_seconds[id(mark)] if self.cuda else mark - self._start_clock
+
+    def _to_seconds(self) -> None:
+        """Once, at `resolve`: every tick and span mark becomes its seconds from the start (GPU: one elapsed_time
+        per event, after the synchronise), so what follows is arithmetic on floats on both devices."""
+        if self._resolved:
+            return
+        self._resolved = True
+        start = self._start_clock = self.start
+        if self.cuda:
+            events = [
+                self.end,
+                *(m for tick in self.ticks for m in tick[:2]),
+                *(m for sp in self.spans for m in sp[:2]),
+            ]
+            self._event_seconds = {id(ev): start.elapsed_time(ev) / 1e3 for ev in events}
+            self._event_seconds[id(start)] = 0.0
+            sec = self._event_seconds
+            self.ticks = [(sec[id(a)], sec[id(b)], d) for a, b, d in self.ticks]
+            self.spans = [(sec[id(a)], sec[id(b)], d) for a, b, d in self.spans]
+            self.start, self.end = 0.0, sec[id(self.end)]
+        else:
+            self.ticks = [(a - start, b - start, d) for a, b, d in self.ticks]
+            self.spans = [(a - start, b - start, d) for a, b, d in self.spans]
+            self.start, self.end = 0.0, self.end - start
 
     def resolve(self) -> Dict[str, Any]:
         """Synchronises once, then -> wall_s, busy_s, busy_fraction, decode_wall_s, decode_busy_s, decode_busy,
@@ -311,10 +334,11 @@ class Timeline:
                 **self._kind_summary(),
                 **self._host_summary(),
             }
-        wall = self.seconds(self.start, self.end)
-        busy = sum(self.seconds(a, b) for a, b, _ in self.spans)
-        dwall = sum(self.seconds(a, b) for a, b, d in self.ticks if d)
-        dbusy = sum(self.seconds(a, b) for a, b, d in self.spans if d)
+        self._to_seconds()
+        wall = self.end - self.start
+        busy = sum(b - a for a, b, _ in self.spans)
+        dwall = sum(b - a for a, b, d in self.ticks if d)
+        dbusy = sum(b - a for a, b, d in self.spans if d)
         return {
             "wall_s": wall,
             "busy_s": busy,
@@ -330,21 +354,19 @@ class Timeline:
     def _kind_summary(self) -> Dict[str, Any]:
         """tick_kinds: {kind: ticks}; mixed_wall_s and mixed_busy: wall time of the mixed ticks and the share of it
         this rank computed; tick_segments: [(start s, end s, kind)] of each run of consecutive ticks of one kind,
-        from the run's start. Call from `resolve` (it reads the marks)."""
+        from the run's start. Call from `resolve` (after `_to_seconds`)."""
         counts = {k: self.tick_kinds.count(k) for k in TICK_KINDS}
         if self.start is None or not self.ticks:
             return {"tick_kinds": counts, "mixed_wall_s": 0.0, "mixed_busy": 0.0, "tick_segments": []}
         mixed = [k == "mixed" for k in self.tick_kinds]
-        mwall = sum(self.seconds(a, b) for (a, b, _), m in zip(self.ticks, mixed) if m)
-        mbusy = sum(
-            self.seconds(a, b) for (a, b, _), i in zip(self.spans, self.span_ticks) if i < len(mixed) and mixed[i]
-        )
+        mwall = sum(b - a for (a, b, _), m in zip(self.ticks, mixed) if m)
+        mbusy = sum(b - a for (a, b, _), i in zip(self.spans, self.span_ticks) if i < len(mixed) and mixed[i])
         segments: List[List[Any]] = []
         for (a, b, _), kind in zip(self.ticks, self.tick_kinds):
             if segments and segments[-1][2] == kind:
-                segments[-1][1] = self.seconds(self.start, b)
+                segments[-1][1] = b
             else:
-                segments.append([self.seconds(self.start, a), self.seconds(self.start, b), kind])
+                segments.append([a, b, kind])
         return {
             "tick_kinds": counts,
             "mixed_wall_s": mwall,
@@ -354,13 +376,13 @@ class Timeline:
 
     def _after_prefill(self) -> List[Optional[float]]:
         """[busy fraction of the ticks that came d ticks after a prefill pass left, for d = 1 .. K-1] (None: no such
-        tick); call from `resolve`."""
+        tick); call from `resolve` (after `_to_seconds`)."""
         wall, busy = [0.0] * (self.segments + 1), [0.0] * (self.segments + 1)
         for (a, b, _), d in zip(self.ticks, self.after_prefill):
-            wall[d] += self.seconds(a, b)
+            wall[d] += b - a
         for (a, b, _), i in zip(self.spans, self.span_ticks):
             if i < len(self.ticks):
-                busy[self.after_prefill[i]] += self.seconds(a, b)
+                busy[self.after_prefill[i]] += b - a
         return [busy[d] / wall[d] if wall[d] > 0 else None for d in range(1, self.segments)]
 
     def _host_summary(self) -> Dict[str, Any]:
@@ -377,11 +399,7 @@ class Timeline:
         }
         if not self.cuda or self.host_start is None:
             return out
-        leads = sorted(
-            self.seconds(self.start, a) - (issued - self.host_start)
-            for (a, _, d), issued in zip(self.spans, self.issued)
-            if d
-        )
+        leads = sorted(a - (issued - self.host_start) for (a, _, d), issued in zip(self.spans, self.issued) if d)
         if leads:
             out["decode_lead_p50_ms"] = leads[len(leads) // 2] * 1e3
             out["decode_host_late"] = sum(x < HOST_LATE_S for x in leads) / len(leads)

@@ -61,6 +61,7 @@ from .report import CaptureReport, run_stats
 from .sampling import TOKEN_KEY, sample_message
 from .scheduler import Scheduler, group_ranges, online_arrivals, prefill_row_classes
 
+NO_GUARD = contextlib.nullcontext()
 plan_prefill = dense_prefill.plan_prefill  # the engine's one call into the short-prefill rule (tests spy on it)
 assert HOST_PHASES == ("pick", "stage", "exchange", "feedback")  # the order `Timeline.count_host` adds them in
 
@@ -271,6 +272,8 @@ class PipelineEngine:
         self.late_eos = LateFlags(self.device, [b - a for a, b in self.ranges]) if s.eos_id is not None else None
         self.hold_ticks = s.max_ticks_ahead if self.device.type == "cuda" else None  # `Timeline.hold_back`
         self.first_here, self.last_here = self.first in self.stages, self.last in self.stages
+        self._post = functools.partial(post_tick, self.link, device=self.device)  # a tick's transfers, eagerly
+        self.sync_checked = self.strict_sync and self.device.type == "cuda"
 
     # --- one tick ----------------------------------------------------------------------------------------------
     def _tick(self, t: int) -> bool:
@@ -280,27 +283,33 @@ class PipelineEngine:
         if self.hold_ticks is not None:
             timeline.hold_back(self.hold_ticks)  # before picking: what it schedules sees the latest arrivals
         h0 = clock()
-        p = self.scheduler.pick(schedule.idle)  # which rows, which tokens: host-known, the same on every rank
+        p = self.scheduler.pick(schedule.busy_groups)  # which rows, which tokens: host-known, the same on every rank
         if p is None and not schedule.in_flight:
             return False
-        if p is not None:
-            schedule.start(t, self._prepare(p))
+        work = schedule.begin(t, None if p is None else self._prepare(p))  # which pass each of my segments runs now
         h1 = clock()
-        decode = timeline.tick_start(schedule.all_decode())
+        decode = timeline.tick_start(schedule.decoding)
         outputs, message = [], None
-        for j, q in schedule.running(t):
-            x = schedule.input_of(j, q)  # None on stage 0: it reads its tokens
+        for j, q, x in work:  # x: what the segment received, None on stage 0 (it reads its tokens)
             span = timeline.span_start()
-            for stage in schedule.segments[j][1]:
-                x = self._forward(q, stage, x)
+            # decode passes and mixed graph passes run with host syncs raising, under `strict_sync` on a GPU
+            checked = self.sync_checked and (q.decode_only or q.token_major and q.graph)
+            with sync_error_guard(True) if checked else NO_GUARD:
+                for stage in schedule.segments[j][1]:
+                    x = self._forward(q, stage, x)
+                if j == schedule.K - 1:
+                    x = message = self._sample(q, x)
+            end = timeline.span_end(span, decode)
             if j == schedule.K - 1:
-                x = message = self._sample(q, x)
-                q.finished_at = timeline.span_end(span, decode)
-            else:
-                timeline.span_end(span, decode)
+                q.finished_at = end
             outputs.append((j, q, x))
         h2 = clock()
-        message = self._exchange(t, outputs, message, decode)
+        # activations to the next segments' ranks and the last stage's message to the ranks that read it, posted
+        # together with the receives of the next tick (decode ticks replay them from graphs with graphs.transfers)
+        ops, keys = schedule.transfers(t, outputs, message)
+        if ops:
+            post = self.transfers if decode and self.transfers is not None else self._post
+            message = schedule.deliver(keys, post(ops), message)
         kind = "decode" if decode else "mixed" if schedule.any_token_major() else "prefill"
         timeline.tick_end(decode, kind)
         h3 = clock()
@@ -321,37 +330,36 @@ class PipelineEngine:
         if x is not None and x.shape[0] != p.rows and not p.token_major:  # padded to a transfer class
             x, indices = x[: p.rows], (None if indices is None else indices[: p.rows])
         v, cache = p.inputs, self.group_caches[stage][p.group]
-        with self._sync_guard(p):
-            if stage == self.first:
-                x = self._first_input(p, v)
-            if p.moves:  # a refill compacted the group: its rows move on this stage before the pass
-                cache.move_rows(v.move_from, v.move_to, p.move_len)
-            kind = "decode" if p.decode_only else "mixed" if p.token_major else "prefill"
-            name = self.graph_names[stage].get((kind, p.group, p.path)) if p.graph else None
-            if name is not None and kind == "prefill" and self.row_classes and p.rows < cache.max_batch:
-                name = f"{name}/r{p.rows}"  # the graph over the group's top p.rows rows
-            if p.row0 > 0:  # a pass over some rows of the group: a view of just those rows
-                cache = cache.rows(p.row0, p.row0 + p.rows)
-            R, T = v.positions.shape
-            received = None
-            if self.receives[stage]:
-                received = cache.index[:R, :T]
-                received.copy_(indices)  # outside any graph: the stage's S layers read this buffer
-            module = self.stages[stage]
-            if name is not None:  # a mixed pass arrives padded to its class (`_prepare`), so n is the class
-                n = x.shape[0] if kind == "decode" else x.shape[1]
-                keys = {"keys": v.keys} if kind == "decode" and stage == self.last and self.keyed else {}
-                rows = {"token_rows": v.token_rows} if p.token_major else {}
-                out = self.graphs.run(name, stage, n, {"x": x, "positions": v.positions, **keys, **rows})
-            elif p.decode_only:
-                out = module.forward_decode(x, v.positions, cache, indices_in=received)
-            else:
-                out = module.forward_prefill(
-                    x, v.positions, cache, indices_in=received, hint=p.hint, token_rows=v.token_rows
-                )
-            if self.cross_stage and stage != self.last:
-                return out, cache.index[:R, :T]
-            return out
+        if stage == self.first:
+            x = self._first_input(p, v)
+        if p.moves:  # a refill compacted the group: its rows move on this stage before the pass
+            cache.move_rows(v.move_from, v.move_to, p.move_len)
+        kind = "decode" if p.decode_only else "mixed" if p.token_major else "prefill"
+        name = self.graph_names[stage].get((kind, p.group, p.path)) if p.graph else None
+        if name is not None and kind == "prefill" and self.row_classes and p.rows < cache.max_batch:
+            name = f"{name}/r{p.rows}"  # the graph over the group's top p.rows rows
+        if p.row0 > 0:  # a pass over some rows of the group: a view of just those rows
+            cache = cache.rows(p.row0, p.row0 + p.rows)
+        R, T = v.positions.shape
+        received = None
+        if self.receives[stage]:
+            received = cache.index[:R, :T]
+            received.copy_(indices)  # outside any graph: the stage's S layers read this buffer
+        module = self.stages[stage]
+        if name is not None:  # a mixed pass arrives padded to its class (`_prepare`), so n is the class
+            n = x.shape[0] if kind == "decode" else x.shape[1]
+            keys = {"keys": v.keys} if kind == "decode" and stage == self.last and self.keyed else {}
+            rows = {"token_rows": v.token_rows} if p.token_major else {}
+            out = self.graphs.run(name, stage, n, {"x": x, "positions": v.positions, **keys, **rows})
+        elif p.decode_only:
+            out = module.forward_decode(x, v.positions, cache, indices_in=received)
+        else:
+            out = module.forward_prefill(
+                x, v.positions, cache, indices_in=received, hint=p.hint, token_rows=v.token_rows
+            )
+        if self.cross_stage and stage != self.last:
+            return out, cache.index[:R, :T]
+        return out
 
     def _first_input(self, p: Pass, v: PassInputs) -> torch.Tensor:
         """Stage 0's input: the pass's token ids, each decoding row's previous sampled token swapped in on the
@@ -373,36 +381,22 @@ class PipelineEngine:
         """Last stage: sample every emitting row -> [rows, 2] int64 (tokens, EOS flags). out: the last stage's
         logits [rows, T, V], or what its decode graph sampled (`sample_message`'s pair)."""
         v = p.inputs
-        with self._sync_guard(p):
-            if isinstance(out, tuple):  # sampled inside the decode graph
-                message, picked = out
-            else:  # logits [rows, T, V]: each row samples from its own column (a decode pass has one)
-                if p.token_major:  # [1, T, V]: row r samples from its column cols[r]
-                    logits = out[0].index_select(0, v.cols)
-                else:
-                    logits = out[:, 0] if p.T == 1 else out[self.row_ids[: p.rows], v.cols]
-                message, picked = self._sample_logits(logits, v.keys)
-            if p.emit:
-                tok = message[:, 0]
-                emitted = tok.index_select(0, v.emit_rows) if v.emit_rows is not None else tok
-                self.out_tokens.view(-1).index_copy_(0, v.emit_slots, emitted)
-            if self.record_logits:
-                for r, _, req, _ in p.emit:
-                    self.logits_log.setdefault(req, []).append(picked[r].clone())
-            return message
-
-    def _exchange(self, t: int, outputs, message, decode: bool):
-        """Post this tick's transfers (activations to the next segments' ranks, the last stage's message to the
-        ranks that read it) with the receives of the next tick, in one batch -> the message of the pass leaving
-        the pipeline now, as this rank knows it (None on a rank that does not read it)."""
-        ops, keys = self.schedule.transfers(t, outputs, message)
-        if not ops:
-            return message
-        if decode and self.transfers is not None:
-            received = self.transfers(ops)
-        else:
-            received = post_tick(self.link, ops, self.device)
-        return self.schedule.deliver(keys, received, message)
+        if isinstance(out, tuple):  # sampled inside the decode graph
+            message, picked = out
+        else:  # logits [rows, T, V]: each row samples from its own column (a decode pass has one)
+            if p.token_major:  # [1, T, V]: row r samples from its column cols[r]
+                logits = out[0].index_select(0, v.cols)
+            else:
+                logits = out[:, 0] if p.T == 1 else out[self.row_ids[: p.rows], v.cols]
+            message, picked = self._sample_logits(logits, v.keys)
+        if p.emit:
+            tok = message[:, 0]
+            emitted = tok.index_select(0, v.emit_rows) if v.emit_rows is not None else tok
+            self.out_tokens.view(-1).index_copy_(0, v.emit_slots, emitted)
+        if self.record_logits:
+            for r, _, req, _ in p.emit:
+                self.logits_log.setdefault(req, []).append(picked[r].clone())
+        return message
 
     def _finish(self, p: Pass, message: Optional[torch.Tensor]) -> None:
         """Every rank: the pass is through. Stage 0's rank keeps the tokens; everyone advances the scheduler. message
@@ -428,11 +422,6 @@ class PipelineEngine:
         self.timings["decode_steps"] += int(p.decode_only)
         if done and self.on_finished is not None and self.owner[self.last] == self.rank:
             self.on_finished(self.scheduler.finished, int(self.timings["tokens"]))
-
-    def _sync_guard(self, p: Pass):
-        """Decode passes and mixed graph passes run with host syncs raising, under `strict_sync` on a GPU."""
-        on = self.strict_sync and (p.decode_only or p.token_major and p.graph) and self.device.type == "cuda"
-        return sync_error_guard(on)
 
     # --- a pass, ready to run ----------------------------------------------------------------------------------
     def _prepare(self, p: Pass) -> Pass:
@@ -500,7 +489,15 @@ def pass_vectors(
     emitted = [e[0] for e in p.emit]
     every_row = emitted == list(range(rows))
     if first:
-        vectors += _first_stage_vectors(p, shape, emitted, every_row)
+        if not p.decode_only:
+            vectors.append(("tokens", list(chain.from_iterable(p.tokens)), shape))
+        if p.token_major:
+            swaps = [(c, r) for r, c, _, _ in p.emit if p.decode[r]]
+            vectors += [("swap_cols", [c for c, _ in swaps], (-1,)), ("swap_rows", [r for _, r in swaps], (-1,))]
+        elif not p.decode_only and any(p.decode):
+            vectors.append(("decode", [int(d) for d in p.decode], (-1,)))
+        if not every_row:
+            vectors.append(("fed_from", emitted, (-1,)))
     if last:
         if T > 1 or p.token_major:  # a mixed pass of one token still samples through cols
             cols = [0] * rows
@@ -516,21 +513,6 @@ def pass_vectors(
             vectors.append(("emit_rows", emitted, (-1,)))
         vectors.append(("emit_slots", [req * out_width + k for _, _, req, k in p.emit], (-1,)))
     return vectors
-
-
-def _first_stage_vectors(p: Pass, shape, emitted: List[int], every_row: bool) -> list:
-    """What stage 0's rank reads of a pass besides its positions (`PassInputs`)."""
-    out = []
-    if not p.decode_only:
-        out.append(("tokens", list(chain.from_iterable(p.tokens)), shape))
-    if p.token_major:
-        swaps = [(c, r) for r, c, _, _ in p.emit if p.decode[r]]
-        out += [("swap_cols", [c for c, _ in swaps], (-1,)), ("swap_rows", [r for _, r in swaps], (-1,))]
-    elif not p.decode_only and any(p.decode):
-        out.append(("decode", [int(d) for d in p.decode], (-1,)))
-    if not every_row:
-        out.append(("fed_from", emitted, (-1,)))
-    return out
 
 
 def h2d(values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -577,7 +559,9 @@ class Uploader:
             spans.append((name, len(flat), len(values), shape))
             flat.extend(values)
         n = len(flat)
-        if not self.cuda or n > self.slot_ints or n == 0:
+        if not self.cuda:
+            buf = torch.tensor(flat, dtype=torch.long)
+        elif n > self.slot_ints or n == 0:
             buf = h2d(flat, self.device)
         else:
             i = self.next

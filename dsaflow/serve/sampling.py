@@ -95,6 +95,7 @@ def sample_message(
     [rows, 2] int64: tokens, EOS flags (0 without an eos_id); the fp32 logits [rows, V]). Fixed-shape ops only, so
     the last stage's decode graphs run it inside the graph."""
     picked = logits.float()
-    tok = sample_keyed(picked, temperature, top_p, seed, keys)
+    # greedy: the argmax (what the race gives at temperature 0), without its call chain on every pass
+    tok = picked.argmax(dim=-1) if temperature == 0 else sample_keyed(picked, temperature, top_p, seed, keys)
     flags = (tok == eos_id).long() if eos_id is not None else torch.zeros_like(tok)
     return torch.stack([tok, flags], dim=1), picked

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Container, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .mixed import mixed_pass
 from .passes import Pass, Request, Row
@@ -150,20 +150,22 @@ class Scheduler:
         """Seconds since the run started (`start_clock`): the time arrivals are given in."""
         return time.perf_counter() - self.started
 
-    def pick(self, free: Callable[[int], bool]) -> Optional[Pass]:
-        """The next pass of the groups in turn (round robin) whose previous pass is done (free(group)), or None when
-        none has one. With requests still to arrive and nothing in flight, first waits for the next one."""
+    def pick(self, busy: Container[int]) -> Optional[Pass]:
+        """The next pass of the groups in turn (round robin) whose previous pass is done (not in `busy`), or None
+        when none has one. With requests still to arrive and nothing in flight, first waits for the next one."""
         groups = len(self.ranges)
         while True:
+            self._arrive()
             for k in range(groups):
                 g = (self.turn_group + k) % groups
-                if free(g) and self.has_work(g):
-                    p = self.next_pass(g)
-                    if p is not None:
-                        self.turn_group = g + 1
-                        return p
+                if g in busy or not (self.queue or self.pending or any(r is not None for r in self.rows[g])):
+                    continue
+                p = self.next_pass(g)
+                if p is not None:
+                    self.turn_group = g + 1
+                    return p
             due = self.pending[0][0] if self.pending else None
-            if due is None or not all(free(g) for g in range(groups)):
+            if due is None or any(g in busy for g in range(groups)):
                 return None  # the end, or a bubble while passes are in flight
             time.sleep(max(0.0, due - self.clock()))  # nothing to run or in flight until the next request arrives
 
@@ -186,6 +188,8 @@ class Scheduler:
         # prefill together, instead of one narrow prefill pass (and one paused decode step) per finished row
         wanted = min(max(1, int(len(rows) * self.REFILL_FRACTION)), len(self.queue))
         moves: List[Tuple[int, int]] = []
+        active = [i for i, r in enumerate(rows) if r is not None] if self.narrow else []
+        sparse_holes = max(1, int((active[-1] + 1) * self.REFILL_FRACTION)) if active else 0
         if self.max_pass_tokens is not None and self.queue and free:
             # mixed passes: a joining row costs the decoding rows no paused step, so every free row takes the next
             # request at once (lowest rows first, no moves); its prompt waits for room in the token budget
@@ -194,7 +198,11 @@ class Scheduler:
         elif self.narrow and self.queue and free >= max(wanted, 1):
             joining = [Row(self.queue.popleft()) for _ in range(min(free, len(self.queue)))]
             moves = self._compact(rows, joining)
-        elif self.narrow and not self.queue and self._sparse(rows):
+        elif self.narrow and not self.queue and active and active[-1] + 1 - len(active) >= sparse_holes:
+            # REFILL_FRACTION or more of a decode pass's span (rows up to the last active one) is idle. Narrow
+            # refills place rows by prompt length, not by when they finish, so once the queue is empty finished
+            # rows leave holes that every later decode pass still computes; compacting at this density bounds the
+            # waste at 1 / (1 - REFILL_FRACTION) of the active rows, in a few moves as the group drains.
             moves = self._compact(rows, [])  # nothing left to join: close the holes a decode pass would compute
         elif (self.refill and free >= max(wanted, 1)) or free == len(rows):
             slots = [i for i, r in enumerate(rows) if r is None][: len(self.queue)]
@@ -209,14 +217,6 @@ class Scheduler:
             p.moves = moves
             p.move_len = max(rows[k].offset + rows[k].generated for _, k in moves)
         return p
-
-    def _sparse(self, rows: List[Optional[Row]]) -> bool:
-        """Whether REFILL_FRACTION or more of the span a decode pass covers (rows up to the last active one) is
-        idle. Narrow refills place rows by prompt length, not by when they finish, so once the queue is empty,
-        finished rows would leave holes that every later decode pass still computes; compacting at this density
-        bounds the waste at 1 / (1 - REFILL_FRACTION) of the active rows, in a few moves as the group drains."""
-        active = [i for i, r in enumerate(rows) if r is not None]
-        return bool(active) and active[-1] + 1 - len(active) >= max(1, int((active[-1] + 1) * self.REFILL_FRACTION))
 
     @staticmethod
     def _compact(rows: List[Optional[Row]], joining: List[Row]) -> List[Tuple[int, int]]:

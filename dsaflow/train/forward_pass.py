@@ -137,11 +137,9 @@ class ForwardPipeline:
         extra = ((self._index_shape(), torch.int32),) if self.plan.index_boundaries else ()
         schedule = PipelineSchedule(self.owner, self.ctx.rank, self.ctx.global_rank, carries=self.plan.sends_indices)
         for t in range(n_mb + schedule.K - 1):
-            if t < n_mb:
-                schedule.start(t, Microbatch(t, self._hidden_shape(), torch.float32, extra))
+            new = Microbatch(t, self._hidden_shape(), torch.float32, extra) if t < n_mb else None
             outputs = []
-            for j, mb in schedule.running(t):
-                x = schedule.input_of(j, mb)
+            for j, mb, x in schedule.begin(t, new):
                 for s in schedule.segments[j][1]:
                     x = stage_fn(mb.group, s, x)
                 outputs.append((j, mb, x))
