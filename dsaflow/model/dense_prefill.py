@@ -291,7 +291,7 @@ def head_tensors(mla, q: torch.Tensor, kv: torch.Tensor):
     The up-projections write straight into k's and v's buffers: one batched GEMM per sequence for each, over the heads
     (W_UK c into k's first N dims through a strided output, W_UV c), then k's last R dims take the rope key, shared by
     every head. One W_UKV GEMM followed by strided copies of q, k_nope and the rope key cost twice the time
-    (`scripts/bench_glue.py`, the head_tensors row)."""
+    (`scripts/bench_glue.py` of commit 7881c5d, the head_tensors row)."""
     B, S = kv.shape[:2]
     H, N, R, V, C = q.shape[2], mla.nope, mla.rope, mla.v_dim, mla.kv_lora_rank
     w = matrix_weight(mla.wkv_b, kv.dtype).view(H, N + V, C)  # an FP8 kv_b dequantized per call

@@ -88,7 +88,7 @@ def kernel_supports(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_
 def no_grad_takes_hopper_forward(q: torch.Tensor, indices: torch.Tensor, d_v: int) -> bool:
     """Without grad, the Hopper forward (one work item per query and 64-head block, whole key range) runs when its
     items cover at least half the SMs, i.e. where the split-K kernel would take at most 2 splits; below that the
-    split-K kernel's extra programs win (`scripts/bench_hopper.py --part decode`, docs/kernels.md)."""
+    split-K kernel's extra programs win (`scripts/bench_hopper.py --part decode` of commit 7881c5d, docs/kernels.md)."""
     cfg = fwd_config(q, d_v, q.shape[-1] - d_v, indices.shape[2])
     return choose_num_splits(q, indices.shape[2], cfg["BLOCK_H"], cfg["BLOCK_K"]) <= 2
 
