@@ -7,8 +7,9 @@ takes about as long as the indexer's wk GEMM itself. So the layer quantizes the 
 hands the result, an `Fp8Activation`, to each of those GEMMs (`fp8_linear`, `fp8_grouped_mm`) in place of x.
 
 `shared_fp8_input` quantizes only when some GEMM would read a separately quantized input: not for bf16 weights,
-not where the reference kernel runs (it quantizes inside its fp32 computation), and not where every dense GEMM is a
-Triton launch that fuses the quantization into its activation loads (decode). A CUDA-graph capture records the one
+not where the reference kernel runs (it quantizes inside its fp32 computation), and not where every GEMM is a dense
+Triton launch that fuses the quantization into its activation loads (`tile_configs` may pick such launches for few
+rows); those launches, handed an Fp8Activation, read its source. A CUDA-graph capture records the one
 quantization kernel and the GEMMs reading its output, so replays share it the same way.
 """
 
