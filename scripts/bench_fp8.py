@@ -4,8 +4,8 @@ Dense, `fp8_linear` (activation quantization + GEMM, what a layer pays) for M ro
 16384) at (N, K) = (24576, 1536) q_b, (576, 7168) kv_a, (7168, 16384) o_proj, (4096, 7168) a shared expert's
 gate_up, (7168, 2048) its down; each kernel of the table that takes the shape (DSAFLOW_FP8_GEMM forces it), the
 quantization kernel alone, and torch's bf16 matmul of the same shape. Then the projections that share one input
-(the attention input's q_a, kv_a and indexer k; the MLP input's w1 and w3), each quantizing x against all inside
-`quantize_once(x)`. Dense calls are timed as CUDA-graph replays, as serving runs them (no host launch gaps).
+(the attention input's q_a, kv_a and indexer k; the MLP input's w1 and w3), each quantizing x against all reading
+one `shared_fp8_input(x)`. Dense calls are timed as CUDA-graph replays, as serving runs them (no host launch gaps).
 Grouped, `fp8_grouped_mm` over 256 experts with 8 per token (M = tokens x 8; --grouped-tokens, default 64, 512,
 4096) for the routed experts' gate_up (4096 x 7168) and down (7168 x 2048), random uniform routing, each kernel that
 takes the shape (the Gluon kernel above 64 rows per expert on sm_90, the Triton one everywhere), against torch's
@@ -49,7 +49,7 @@ from bench_lib import (
 
 DENSE = {"q_b": (24576, 1536), "kv_a": (576, 7168), "o_proj": (7168, 16384), "shared gate_up": (4096, 7168),
          "shared down": (7168, 2048)}  # fmt: skip
-# projections that read one input, timed as the layer runs them: each quantizing x, and inside quantize_once(x)
+# projections that read one input, timed as the layer runs them: each quantizing x, and reading shared_fp8_input(x)
 SHARED = {"attention input (q_a, kv_a, indexer k)": ((1536, 7168), (576, 7168), (128, 7168)),
           "MLP input (shared w1, w3)": ((2048, 7168), (2048, 7168))}  # fmt: skip
 GROUPED = {"experts gate_up": (4096, 7168), "experts down": (7168, 2048)}
@@ -114,9 +114,9 @@ def expert_weights(N: int, K: int, g):
 
 
 def shared_rows(rows_list) -> None:
-    """Each SHARED group at M rows (the table's kernels): every projection quantizing x itself, then all inside
-    `quantize_once(x)`, which quantizes it once for all of them."""
-    from dsaflow.ops.fp8_gemm import fp8_linear, quantize_blocks_128, quantize_once
+    """Each SHARED group at M rows (the table's kernels): every projection quantizing x itself, then all reading
+    `shared_fp8_input(x)`, which quantizes it once for all of them."""
+    from dsaflow.ops.fp8_gemm import fp8_linear, quantize_blocks_128, shared_fp8_input
 
     g = torch.Generator(device="cuda").manual_seed(2)
     for op, shapes in SHARED.items():
@@ -131,10 +131,10 @@ def shared_rows(rows_list) -> None:
                 return [fp8_linear(x, *w) for w in weights]
 
             def once():
-                with quantize_once(x):
-                    return each()
+                x_fp8 = shared_fp8_input(x, *(w8 for w8, _ in weights))
+                return [fp8_linear(x if x_fp8 is None else x_fp8, *w) for w in weights]
 
-            for impl, fn in (("fp8, each quantizing x", each), ("fp8, quantize_once(x)", once)):
+            for impl, fn in (("fp8, each quantizing x", each), ("fp8, shared_fp8_input(x)", once)):
                 fp8_row(op, "+".join(f"{N}x{K}" for N, K in shapes), M, impl, bench_graph(fn), flops, nbytes)
 
 

@@ -424,3 +424,14 @@ def test_inputs_of_the_wrong_shape_or_dtype_are_refused_with_their_shapes():
     for message, call in cases.items():
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
             call()
+
+
+def test_importing_the_public_functions_loads_no_kernel_module():
+    """dsaflow.ops.fp8_gemm imports its Triton and Gluon kernel files where a kernel runs, not at import."""
+    import subprocess
+    import sys
+
+    code = "import sys, dsaflow.ops.fp8_gemm; print(*sorted(m for m in sys.modules if 'fp8_gemm.' in m))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "dsaflow.ops.fp8_gemm.activation" in loaded
+    assert [m for m in loaded if m.rsplit(".", 1)[1].startswith(("triton", "gluon"))] == []

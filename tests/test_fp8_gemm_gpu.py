@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dsaflow.ops.fp8_gemm import (
+    Fp8Activation,
     dequantize_blocks_128,
     dequantize_rows_1x128,
     dequantize_weight,
@@ -28,9 +29,10 @@ from dsaflow.ops.fp8_gemm import (
     fp8_grouped_mm_naive,
     fp8_linear,
     fp8_linear_naive,
+    quantize_activation,
     quantize_blocks_128,
-    quantize_once,
     quantize_rows_1x128,
+    shared_fp8_input,
 )
 from dsaflow.ops.fp8_gemm.gluon_fp8_grouped import gluon_weight_reason
 from dsaflow.ops.fp8_gemm.triton_act_quant import quantize_rows_1x128_triton
@@ -196,10 +198,10 @@ def count_quantizations(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("kernel", ["triton", "torch_scaled_mm", "auto"])
-def test_gemms_inside_quantize_once_share_one_quantization_bit_equal(monkeypatch, kernel):
-    """A layer's input read by three dense projections and the routed experts (gather path) inside `quantize_once`:
-    one quantization launch in all, outputs bit-equal to the calls made alone; an in-place write between two
-    GEMMs makes the next one quantize the new values."""
+def test_gemms_handed_one_quantize_activation_share_it_bit_equal(monkeypatch, kernel):
+    """A layer's input read by three dense projections and the routed experts (gather path), all handed one
+    `quantize_activation(x)`: one quantization launch in all, outputs bit-equal to the calls given x, and
+    `shared_fp8_input` asks for it; after an in-place write to x the shared value is refused."""
     E, N_e, K = 8, 256, 7168
     x = torch.randn(2, 65, K, device="cuda", generator=gen(11)).bfloat16()  # 130 rows: no fused-quant launch
     weights = [weight(n, K, seed=20 + n) for n in (1536, 128, 2048)]
@@ -209,26 +211,49 @@ def test_gemms_inside_quantize_once_share_one_quantization_bit_equal(monkeypatch
     if kernel != "auto":
         forced(monkeypatch, kernel, x, weights[0][0])
 
-    def layer():
+    def layer(inp):
         monkeypatch.setenv(dispatch.ENV_KERNEL, kernel)
-        dense = [fp8_linear(x, w8, s) for w8, s in weights]
+        dense = [fp8_linear(inp, w8, s) for w8, s in weights]
         monkeypatch.setenv(dispatch.ENV_KERNEL, "auto")  # 65 rows per expert: the Gluon kernel on sm_90
-        return [*dense, fp8_grouped_mm(x.view(130, K), *experts, offsets, gather=gather)]
+        rows = inp if isinstance(inp, Fp8Activation) else inp.view(130, K)
+        return [*dense, fp8_grouped_mm(rows, *experts, offsets, gather=gather)]
 
-    alone = layer()
+    alone = layer(x)
     calls = count_quantizations(monkeypatch)
     poison_free_memory()
-    with quantize_once(x):
-        shared = layer()
-        assert len(calls) == 1, f"{len(calls)} quantizations of one shared input"
-        x.mul_(-0.5)
-        monkeypatch.setenv(dispatch.ENV_KERNEL, kernel)
-        written = fp8_linear(x, *weights[1])
-    assert len(calls) == 2
+    monkeypatch.setenv(dispatch.ENV_KERNEL, kernel)  # as the dense GEMMs run: their kernels read a quantization
+    x_fp8 = shared_fp8_input(x, *(w8 for w8, _ in weights))
+    assert isinstance(x_fp8, Fp8Activation) and len(calls) == 1
+    shared = layer(x_fp8)
+    assert len(calls) == 1, f"{len(calls)} quantizations of one shared input"
     for a, b in zip(alone, shared):
         assert torch.equal(a, b)
-    assert torch.equal(written, fp8_linear(x, *weights[1]))
-    assert len(calls) == 3  # outside the block every GEMM quantizes for itself again
+    x.mul_(-0.5)
+    with pytest.raises(ValueError, match="written in place after quantize_activation"):
+        fp8_linear(x_fp8, *weights[1])
+    assert torch.equal(fp8_linear(quantize_activation(x), *weights[1]), fp8_linear(x, *weights[1]))
+
+
+def test_decode_rows_with_fused_launches_quantize_nothing_apart(monkeypatch):
+    """Where every dense launch fuses the quantization (a table of fused decode launches), `shared_fp8_input`
+    quantizes nothing for dense projections, and one shared copy for the grouped experts, whose kernels read it;
+    a fused launch handed the Fp8Activation reads x, bit-equal to one handed x."""
+    from dsaflow.ops.fp8_gemm import tile_configs
+
+    fused = tile_configs.FP8TileConfig(16, 64, 4, 4, split_k_programs=tile_configs.SM_FILL, fuse_quant=True)
+    monkeypatch.setattr(tile_configs, "DENSE_TABLE", ((None, None, fused),))
+    monkeypatch.setenv(dispatch.ENV_KERNEL, "triton")
+    K = 7168
+    x = torch.randn(4, K, device="cuda", generator=gen(14)).bfloat16()
+    weights = [weight(n, K, seed=30 + n) for n in (1536, 576)]
+    experts = weight(8, 256, K, seed=15)
+    calls = count_quantizations(monkeypatch)
+    assert shared_fp8_input(x, *(w8 for w8, _ in weights)) is None and calls == []
+    x_fp8 = shared_fp8_input(x, *(w8 for w8, _ in weights), experts[0])
+    assert isinstance(x_fp8, Fp8Activation) and len(calls) == 1
+    for w8, s in weights:
+        assert torch.equal(fp8_linear(x_fp8, w8, s), fp8_linear(x, w8, s))
+    assert len(calls) == 1
 
 
 def capture(fn):

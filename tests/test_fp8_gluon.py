@@ -22,7 +22,7 @@ import torch
 from ops_helpers import FakeCuda
 
 from dsaflow.ops.fp8_gemm import gluon_fp8_grouped as g
-from dsaflow.ops.fp8_gemm import gluon_support_reason
+from dsaflow.ops.fp8_gemm.gluon_fp8_grouped import gluon_support_reason
 
 FP8 = torch.float8_e4m3fn
 POINTERS = {"a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "c_ptr": "*bf16", "tile_expert_ptr": "*i32",

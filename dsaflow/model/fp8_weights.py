@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from dsaflow.config.fp8_policy import is_fp8_weight
-from dsaflow.ops.fp8_gemm import dequantize_weight, fp8_linear, quantize_blocks_128
+from dsaflow.ops.fp8_gemm import Fp8Activation, dequantize_weight, fp8_linear, quantize_blocks_128
 from dsaflow.ops.moe import moe_experts
 
 from .moe import Experts
@@ -97,7 +97,9 @@ class FP8Linear(_StoredFormats):
             out.weight, out.weight_scale_inv = quantize_to(w.detach(), device)
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        """x [..., in_features], or its `Fp8Activation` when the layer quantized it once for several projections
+        (`shared_fp8_input`) -> [..., out_features], bit-equal either way."""
         return fp8_linear(x, self.weight, self.weight_scale_inv)
 
     def extra_repr(self) -> str:
@@ -128,10 +130,13 @@ class FP8Experts(_StoredFormats):
             out.down_proj, out.down_proj_scale_inv = quantize_to(experts.down_proj.detach(), device)
         return out
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, D] in the serve dtype, ids int64 [N, k], weights fp32 [N, k] -> [N, D] in x's dtype."""
+    def forward(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, x_fp8: Fp8Activation | None = None
+    ) -> torch.Tensor:
+        """x [N, D] in the serve dtype, ids int64 [N, k], weights fp32 [N, k] -> [N, D] in x's dtype. x_fp8: x's
+        rows already quantized, shared with the shared expert (`shared_fp8_input`); None: quantized here."""
         scales = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv)
-        return moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, scales=scales)
+        return moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, scales=scales, x_fp8=x_fp8)
 
 
 def matrix_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:

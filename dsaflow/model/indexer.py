@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dsaflow.config.schema import ModelConfig
+from dsaflow.ops.fp8_gemm import Fp8Activation
 
 from .rope import apply_rope_prefix
 
@@ -31,22 +32,30 @@ class Indexer(nn.Module):
         self.weight_scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, q_latent: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x_fp8: Fp8Activation | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, dim], q_latent [B, T, q_lora] (both detached here), rope (cos, sin) [B, T, rope_dim // 2]
-        -> q_I [B, T, n_I, d_I], k_I [B, T, d_I], w [B, T, n_I]."""
+        -> q_I [B, T, n_I, d_I], k_I [B, T, d_I], w [B, T, n_I]. x_fp8: x's FP8 quantization, shared with MLA's
+        projections, for an FP8 wk (`keys`)."""
         x, q_latent = x.detach(), q_latent.detach()
         B, T, _ = x.shape
         cos, sin = rope
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)
         q = apply_rope_prefix(q, cos, sin, self.rope_dim)
         # LayerNorm runs in fp32 under autocast; keep q and k in one dtype for the kernels.
-        k = self.keys(x, rope).to(q.dtype)
+        k = self.keys(x, rope, x_fp8).to(q.dtype)
         w = self.weights_proj(x) * self.weight_scale
         return q, k, w
 
-    def keys(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def keys(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], x_fp8: Fp8Activation | None = None
+    ) -> torch.Tensor:
         """x [B, T, dim] -> k_I [B, T, d_I] alone: what a serving cache keeps for decode when a short prefill
-        chunk needs no top-k (dsaflow.model.dense_prefill)."""
+        chunk needs no top-k (dsaflow.model.dense_prefill). x_fp8: x quantized for an FP8 wk (no gradient)."""
         cos, sin = rope
-        return apply_rope_prefix(self.k_norm(self.wk(x.detach())), cos, sin, self.rope_dim)
+        k = self.wk(x.detach() if x_fp8 is None else x_fp8)
+        return apply_rope_prefix(self.k_norm(k), cos, sin, self.rope_dim)

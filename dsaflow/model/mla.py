@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from dsaflow.config.rope_schema import softmax_mscale
 from dsaflow.config.schema import ModelConfig
 from dsaflow.ops import indexer_topk, sparse_mla
-from dsaflow.ops.fp8_gemm import quantize_once
+from dsaflow.ops.fp8_gemm import Fp8Activation, shared_fp8_input
 from dsaflow.ops.head_proj import absorb_query, head_output
 
 from .cache import flat_indices, flat_rows, write_rows
@@ -70,21 +70,28 @@ class MLA(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [B, T, dim] (already attn_norm'ed) -> [B, T, dim]. One of three paths, each read top to bottom. With FP8
-        weights, wq_a, wkv_a and the indexer's wk read one quantization of x."""
-        with quantize_once(x):
-            if ctx.cache is not None:
-                return self._forward_cached(x, ctx)
-            if ctx.attn == "dense":
-                return self._forward_dense(x, ctx)
-            return self._forward_sparse(x, ctx)
+        weights, wq_a, wkv_a and the indexer's wk read one quantization of x, x_fp8 (`shared_fp8_input`; None where
+        no GEMM reads a separate one: bf16 weights, the CPU reference, decode's fused launches)."""
+        x_fp8 = shared_fp8_input(x, *self._reads_x())
+        if ctx.cache is not None:
+            return self._forward_cached(x, x_fp8, ctx)
+        if ctx.attn == "dense":
+            return self._forward_dense(x, x_fp8, ctx)
+        return self._forward_sparse(x, x_fp8, ctx)
 
-    def _project(self, x: torch.Tensor):
-        """x [B, T, dim] -> q_latent [B, T, q_lora], q [B, T, H, N + R] (q_pe not rotated), c_kv [B, T, C],
-        k_pe [B, T, R] (neither normed nor rotated)."""
+    def _reads_x(self) -> list[torch.Tensor]:
+        """The weights of the projections whose input is the layer's x: wq_a, wkv_a and, on F layers, the
+        indexer's wk (the indexer's weights_proj is never FP8)."""
+        return [self.wq_a.weight, self.wkv_a.weight, *(() if self.indexer is None else (self.indexer.wk.weight,))]
+
+    def _project(self, x: torch.Tensor, x_fp8: Fp8Activation | None):
+        """x [B, T, dim] (or its quantization x_fp8) -> q_latent [B, T, q_lora], q [B, T, H, N + R] (q_pe not
+        rotated), c_kv [B, T, C], k_pe [B, T, R] (neither normed nor rotated)."""
         B, T, _ = x.shape
-        q_latent = self.q_norm(self.wq_a(x))
+        gemm_input = x if x_fp8 is None else x_fp8
+        q_latent = self.q_norm(self.wq_a(gemm_input))
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.nope + self.rope)
-        c_kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        c_kv, k_pe = self.wkv_a(gemm_input).split([self.kv_lora_rank, self.rope], dim=-1)
         return q_latent, q, c_kv, k_pe
 
     def _latent_rows(self, c_kv: torch.Tensor, k_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -93,24 +100,24 @@ class MLA(nn.Module):
         return torch.cat([self.kv_norm(c_kv), apply_rope(k_pe, cos, sin)], dim=-1)
 
     # ---- serving: a cache, no gradient, no indexer loss ----
-    def _forward_cached(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _forward_cached(self, x: torch.Tensor, x_fp8: Fp8Activation | None, ctx: ForwardContext) -> torch.Tensor:
         """Write this chunk's latent rows (and, on F layers, indexer keys) at their positions, then attend over the
         cached rows: the top-k keys (sparse) or every causal key (dense). A short prefill chunk (`ctx.prefill`, see
         dsaflow.model.dense_prefill) attends over the non-absorbed heads instead. CUDA-graph safe."""
         if ctx.token_rows is not None:
-            return self._forward_token_major(x, ctx)
+            return self._forward_token_major(x, x_fp8, ctx)
         cos, sin = ctx.rope_mla
-        q_latent, q, c_kv, k_pe = self._project(x)
+        q_latent, q, c_kv, k_pe = self._project(x, x_fp8)
         kv = write_rows(ctx.cache.kv[self.layer_index], ctx.slots, self._latent_rows(c_kv, k_pe, ctx))
         num_keys = kv.shape[1]  # max_context + 1
         hint = ctx.prefill
         if hint is not None and hint.path == "dense":  # the top-k would select every visible key: none is computed
             if self.role == "F":  # decode reads these keys
-                write_rows(ctx.cache.index_k[self.layer_index], ctx.slots, self.indexer.keys(x, ctx.rope_index))
+                write_rows(ctx.cache.index_k[self.layer_index], ctx.slots, self.indexer.keys(x, ctx.rope_index, x_fp8))
             q = rotate_query_pe_(q, cos, sin, self.nope)
             return zero_padding(self.wo(prefill_attention(self, q, kv, ctx.positions, hint)), ctx.positions)
         if self.role == "F":  # F layers keep their indexer keys current, whatever the attention mode
-            q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
+            q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index, x_fp8)
             k_i = write_rows(ctx.cache.index_k[self.layer_index], ctx.slots, k_i)
         if ctx.attn == "dense":
             indices = causal_indices(ctx.positions, num_keys)
@@ -134,7 +141,7 @@ class MLA(nn.Module):
             return zero_padding(out, ctx.positions)
         return self.wo(self._attend(q, kv, indices, cos, sin))
 
-    def _forward_token_major(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _forward_token_major(self, x: torch.Tensor, x_fp8: Fp8Activation | None, ctx: ForwardContext) -> torch.Tensor:
         """`_forward_cached` of a token-major pass (`ctx.token_rows`: x [B, T, dim] holds tokens of many cache rows):
         writes go to the flat view of the rows ([1, rows x (max_context + 1), D], `cache.flat_rows`), the indexer
         scores each query against its own row's keys (`indexer_topk(key_rows=)`), and the row-local indices are
@@ -142,11 +149,11 @@ class MLA(nn.Module):
         Sparse or dense attention; no short-prefill hint (StageModule refuses one)."""
         cos, sin = ctx.rope_mla
         rows, cache = ctx.token_rows, ctx.cache
-        q_latent, q, c_kv, k_pe = self._project(x)
+        q_latent, q, c_kv, k_pe = self._project(x, x_fp8)
         kv = write_rows(flat_rows(cache.kv[self.layer_index]), ctx.slots, self._latent_rows(c_kv, k_pe, ctx))
         num_keys = cache.max_context + 1  # per row
         if self.role == "F":
-            q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
+            q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index, x_fp8)
             write_rows(flat_rows(cache.index_k[self.layer_index]), ctx.slots, k_i)
         if ctx.attn == "dense":
             indices = causal_indices(ctx.positions, num_keys)
@@ -170,7 +177,7 @@ class MLA(nn.Module):
         return torch.cat([tail.new_full((tail.shape[0], D, tail.shape[2]), -1), tail], dim=1)
 
     # ---- training / full-sequence forward, sparse attention ----
-    def _forward_sparse(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _forward_sparse(self, x: torch.Tensor, x_fp8: Fp8Activation | None, ctx: ForwardContext) -> torch.Tensor:
         """Top-k sparse attention over the T tokens themselves. F layers run the indexer and write the stage's
         indices; S layers read them. With a recorder the indexer loss is fed: F layers hand over their indexer
         outputs, every layer its attention (in the forward, or through `probs_into` in the backward).
@@ -181,10 +188,10 @@ class MLA(nn.Module):
         cos, sin = ctx.rope_mla
         replaying = ctx.replay is not None and ctx.replay.replaying
         recorder = None if replaying else ctx.recorder
-        q_latent, q, c_kv, k_pe = self._project(x)
+        q_latent, q, c_kv, k_pe = self._project(x, x_fp8)
         kv = self._latent_rows(c_kv, k_pe, ctx)
         if self.role == "F":
-            q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
+            q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index, x_fp8)
             if replaying:
                 indices = ctx.replay.indices
             else:
@@ -206,7 +213,7 @@ class MLA(nn.Module):
         return self.wo(self._attend_training(q, kv, indices, cos, sin, recorder, ctx))
 
     # ---- training / full-sequence forward, dense attention (the dense warm-up) ----
-    def _forward_dense(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _forward_dense(self, x: torch.Tensor, x_fp8: Fp8Activation | None, ctx: ForwardContext) -> torch.Tensor:
         """Every causal key, non-absorbed, per head: q = [q_nope | rope(q_pe)] (N + R), k = [W_UK c | rope(k_pe)]
         (N + R), v = W_UV c (V). With a recorder, F layers hand over their indexer outputs and every layer its
         per-head q and k (the dense indexer loss streams over them). Causal rows run causal SDPA (FlashAttention on
@@ -216,7 +223,7 @@ class MLA(nn.Module):
         cos, sin = ctx.rope_mla
         replaying = ctx.replay is not None and ctx.replay.replaying
         recorder = None if replaying else ctx.recorder
-        q_latent, q, c_kv, k_pe = self._project(x)
+        q_latent, q, c_kv, k_pe = self._project(x, x_fp8)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         q_pe, c_kv_normed, k_pe_rot = apply_rope(q_pe, cos, sin), self.kv_norm(c_kv), apply_rope(k_pe, cos, sin)
         kvb = self.wkv_b(c_kv_normed).view(B, T, H, self.nope + self.v_dim)  # wkv_b.weight is [H, N + V, C]
@@ -225,7 +232,7 @@ class MLA(nn.Module):
         k_heads = torch.cat([k_nope, k_pe_rot.to(k_nope.dtype).unsqueeze(2).expand(B, T, H, self.rope)], dim=-1)
         if ctx.recorder is not None:
             if self.role == "F":
-                q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index)
+                q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index, x_fp8)
                 if recorder is not None:
                     recorder.record_dense_index(self.layer_index, q_i, k_i, w_i, ctx.positions)
             if recorder is not None:

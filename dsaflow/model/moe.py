@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsaflow.config.moe_schema import MoEConfig
-from dsaflow.ops.fp8_gemm import quantize_once
+from dsaflow.ops.fp8_gemm import shared_fp8_input
 from dsaflow.ops.moe import moe_experts
 
 from .aux_loss import attach_aux_loss
@@ -95,6 +95,12 @@ class MoE(nn.Module):
         shared = moe.n_shared_experts * moe.moe_inter_dim
         self.shared_experts = SwiGLU(dim, shared) if shared else None
 
+    def _reads_x(self) -> list[torch.Tensor]:
+        """The weights of the GEMMs whose input is the layer's x: the routed experts' gate/up projection and the
+        shared experts' w1 and w3."""
+        shared = self.shared_experts
+        return [self.experts.gate_up_proj, *(() if shared is None else (shared.w1.weight, shared.w3.weight))]
+
     def forward(
         self, x: torch.Tensor, count_load: bool = False, balance_loss: bool = False, real: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
@@ -105,10 +111,14 @@ class MoE(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         ids, weights, scores = self.gate(flat)
-        with quantize_once(x):  # FP8 experts: the routed and the shared GEMMs read one quantization of x
+        # FP8 experts: the routed and the shared experts' GEMMs read one quantization of x
+        x_fp8 = shared_fp8_input(x, *self._reads_x())
+        if x_fp8 is None:
             out = self.experts(flat, ids, weights).view(B, T, D)
-            if self.shared_experts is not None:
-                out = out + self.shared_experts(x)
+        else:
+            out = self.experts(flat, ids, weights, x_fp8).view(B, T, D)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x, x_fp8)
         if not (count_load or balance_loss):  # serving and evaluation: nothing to count
             return out
         real = torch.ones(B, T, dtype=torch.bool, device=x.device) if real is None else real

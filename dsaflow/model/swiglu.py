@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsaflow.ops.fp8_gemm import quantize_once
+from dsaflow.ops.fp8_gemm import Fp8Activation, shared_fp8_input
 
 
 class SwiGLU(nn.Module):
@@ -18,6 +18,10 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(dim, inter_dim, bias=False)
         self.w2 = nn.Linear(inter_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with quantize_once(x):  # FP8 weights: w1 and w3 read one quantization of x
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Activation | None = None) -> torch.Tensor:
+        """x [..., dim] -> [..., dim]. With FP8 weights w1 and w3 read one quantization of x: x_fp8 when the
+        caller shares it with other GEMMs (a MoE layer's routed experts), else made here where a GEMM needs it."""
+        if x_fp8 is None:
+            x_fp8 = shared_fp8_input(x, self.w1.weight, self.w3.weight)
+        gemm_input = x if x_fp8 is None else x_fp8
+        return self.w2(F.silu(self.w1(gemm_input)) * self.w3(gemm_input))

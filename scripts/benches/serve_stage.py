@@ -233,19 +233,20 @@ def gemm_rows(stage, cfg, M: int, device, dtype, args) -> dict:
     """{family: {time_ms, tflops, frac}} of one layer's GEMMs at M tokens (the first layer of the stage), each family
     alone, and "all GEMMs of the layer" run together as the layer runs them: the attention input x read by wq_a,
     wkv_a and the indexer's wk, the MLP input by the shared and the routed experts, each quantized once
-    (`quantize_once`); every other projection reads an input of its own width."""
-    from dsaflow.ops.fp8_gemm import quantize_once
+    (`shared_fp8_input`); every other projection reads an input of its own width."""
+    from dsaflow.ops.fp8_gemm import shared_fp8_input
 
     layer = next(iter(stage.layers.values()))
     D = cfg.model.dim
     x_attn, x_mlp = (torch.randn(M, D, device=device, dtype=dtype) for _ in range(2))
     other = {}  # one activation per other input width (q_latent, the attention output, the shared hidden)
 
-    def run(mods, x):
-        with quantize_once(x):
-            for m in mods:
-                m(x if m.in_features == D else other.setdefault(m.in_features, torch.randn(
-                    M, m.in_features, device=device, dtype=dtype)))  # fmt: skip
+    def run(mods, x, x_fp8=None):
+        if x_fp8 is None:
+            x_fp8 = shared_fp8_input(x, *(m.weight for m in mods if m.in_features == D))
+        for m in mods:
+            m((x if x_fp8 is None else x_fp8) if m.in_features == D else other.setdefault(m.in_features, torch.randn(
+                M, m.in_features, device=device, dtype=dtype)))  # fmt: skip
 
     out, runs, total_flops = {}, [], 0
     for family, names in FAMILIES.items():
@@ -267,9 +268,8 @@ def gemm_rows(stage, cfg, M: int, device, dtype, args) -> dict:
         weights = torch.full((M, k), 1.0 / k, device=device)
         flops = 2 * M * k * 3 * inter * D
 
-        def routed():
-            with quantize_once(x_mlp):
-                layer.mlp.experts(x_mlp, ids, weights)
+        def routed(x_fp8=None):
+            layer.mlp.experts(x_mlp, ids, weights, *(() if x_fp8 is None else (x_fp8,)))
 
         out["routed experts"] = _rate(gemm_ms(routed, device, args.reps), flops, args)
         total_flops += flops
@@ -277,10 +277,12 @@ def gemm_rows(stage, cfg, M: int, device, dtype, args) -> dict:
     def every_gemm():
         attn = [m for mods, x in runs if x is x_attn for m in mods]
         mlp = [m for mods, x in runs if x is x_mlp for m in mods]
-        with quantize_once(x_mlp):  # the routed experts and the shared expert read one quantization of x_mlp
-            if routed is not None:
-                routed()
-            run(mlp, x_mlp)
+        # the routed experts and the shared expert read one quantization of x_mlp
+        gate_up = [] if routed is None else [layer.mlp.experts.gate_up_proj]
+        x_fp8 = shared_fp8_input(x_mlp, *gate_up, *(m.weight for m in mlp))
+        if routed is not None:
+            routed(x_fp8)
+        run(mlp, x_mlp, x_fp8)
         run(attn, x_attn)
 
     out["all GEMMs of the layer"] = _rate(gemm_ms(every_gemm, device, args.reps), total_flops, args)

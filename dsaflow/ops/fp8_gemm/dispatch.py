@@ -28,7 +28,8 @@ import os
 
 import torch
 
-from ..kernel_table import Choice, walk
+from ..kernel_table import Choice, chosen, describe, walk
+from .tile_configs import dense_config
 from .torch_blockwise import torch_support_reason
 
 ENV_KERNEL = "DSAFLOW_FP8_GEMM"
@@ -49,16 +50,16 @@ def _forced() -> str:
     return os.environ.get(ENV_KERNEL, "auto")
 
 
-def _reference_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
+def _reference_rule(x: torch.Tensor, w8: torch.Tensor, grouped: bool) -> str | None:
     if x.is_cuda and _forced() != "reference":
         return f"device cuda runs the kernels ({ENV_KERNEL}=reference runs it there)"
     return None
 
 
-def _torch_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
+def _torch_rule(x: torch.Tensor, w8: torch.Tensor, grouped: bool) -> str | None:
     if not x.is_cuda:
         return f"device {x.device.type}: torch's block-scaled GEMM is cuBLASLt's (CUDA)"
-    if offsets is not None:
+    if grouped:
         return "grouped: torch.nn.functional.scaled_grouped_mm takes no 1x128 / 128x128 block scales"
     if (reason := torch_support_reason()) is not None:
         return reason
@@ -77,10 +78,10 @@ def _torch_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
     return None
 
 
-def _gluon_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
+def _gluon_rule(x: torch.Tensor, w8: torch.Tensor, grouped: bool) -> str | None:
     from .gluon_fp8_grouped import gluon_weight_reason
 
-    if offsets is None:
+    if not grouped:
         return "dense: the Gluon kernel is the grouped GEMM only"
     if x.dtype not in ACTIVATION_DTYPES:
         return f"activations must be bf16, fp16 or fp32, not {x.dtype}"
@@ -94,7 +95,7 @@ def _gluon_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
     return None
 
 
-def _triton_rule(x: torch.Tensor, w8: torch.Tensor, offsets) -> str | None:
+def _triton_rule(x: torch.Tensor, w8: torch.Tensor, grouped: bool) -> str | None:
     if not x.is_cuda:
         return f"device {x.device.type} has no Triton kernels"
     major, minor = torch.cuda.get_device_capability(x.device)
@@ -119,9 +120,26 @@ def explain_fp8_gemm(x: torch.Tensor, w8: torch.Tensor, offsets: torch.Tensor | 
     """The kernel for activations x [..., K] times fp8 weights w8 [N, K] (`fp8_linear`) or, given offsets, rows x
     [M, K] sorted by expert times w8 [E, N, K] (`fp8_grouped_mm`), and why earlier ones were refused. Runs
     nothing; the rules read shapes, dtypes, the device, torch's version and DSAFLOW_FP8_GEMM."""
+    return _choose(x, w8, grouped=offsets is not None)
+
+
+def _choose(x: torch.Tensor, w8: torch.Tensor, grouped: bool) -> Choice:
     forced = _forced()
     names = [name for name, _ in KERNELS]
     if forced not in ("auto", *names):
         raise ValueError(f"{ENV_KERNEL}={forced!r} is not an fp8 GEMM kernel: use auto or one of {', '.join(names)}.")
     allowed = None if forced == "auto" else frozenset([forced])
-    return walk(KERNELS, x, w8, offsets, allowed=allowed, excluded_by=f"{ENV_KERNEL}={forced}")
+    return walk(KERNELS, x, w8, grouped, allowed=allowed, excluded_by=f"{ENV_KERNEL}={forced}")
+
+
+def reads_quantized_input(x: torch.Tensor, w8: torch.Tensor) -> bool:
+    """Whether the FP8 GEMM of activations x [..., K] by w8 reads x's 1x128 quantization as a tensor quantized
+    before it (`activation.quantize_activation` can then hand it over): every kernel but the reference, which
+    quantizes inside its fp32 computation, and the dense Triton launches whose `dense_config` fuses the quantization
+    into the GEMM (few rows). A grouped w8 [E, N, K] is asked about x's rows, a dense w8 [N, K] about x."""
+    grouped = w8.dim() == 3
+    rows = x.numel() // max(1, x.shape[-1])
+    kernel = chosen("fp8 GEMM", _choose(x, w8, grouped), describe(x=x, w8=w8))
+    if kernel == "reference":
+        return False
+    return grouped or kernel != "triton" or not dense_config(rows, w8.shape[0]).fuse_quant

@@ -94,9 +94,16 @@ def dequantize_blocks_128(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 def fp8_linear_naive(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: x quantized per 1x128 (`quantize_rows_1x128`), both operands
     dequantized, one fp32 matmul with w8 [N, K] (scales w_scale [ceil(N / 128), ceil(K / 128)]) transposed."""
-    x8, x_scale = quantize_rows_1x128(x, ue8m0)
+    return fp8_linear_quantized_naive(*quantize_rows_1x128(x, ue8m0), w8, w_scale, x.dtype)
+
+
+def fp8_linear_quantized_naive(
+    x8: torch.Tensor, x_scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """`fp8_linear_naive` of activations already quantized: x8 e4m3 [..., K] with scales [..., ceil(K / 128)]
+    (`quantize_rows_1x128`'s pair) -> [..., N] in out_dtype."""
     xq = dequantize_rows_1x128(x8, x_scale)
-    return (xq @ dequantize_blocks_128(w8, w_scale).t()).to(x.dtype)
+    return (xq @ dequantize_blocks_128(w8, w_scale).t()).to(out_dtype)
 
 
 def fp8_grouped_mm_naive(
@@ -105,12 +112,24 @@ def fp8_grouped_mm_naive(
     """a [M, K] (rows sorted by expert), w8 [E, N, K] with scales [E, ceil(N / 128), ceil(K / 128)], offsets int32
     [E] (cumulative row ends) -> [M, N] in a's dtype: row m of expert e is `fp8_linear_naive(a[m], w8[e], ...)`;
     rows past offsets[-1] belong to no expert and are zero. One expert at a time (the ends are read on the host)."""
-    x8, x_scale = quantize_rows_1x128(a, ue8m0)
+    return fp8_grouped_mm_quantized_naive(*quantize_rows_1x128(a, ue8m0), w8, w_scale, offsets, a.dtype)
+
+
+def fp8_grouped_mm_quantized_naive(
+    x8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale: torch.Tensor,
+    offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`fp8_grouped_mm_naive` of rows already quantized: x8 e4m3 [M, K] with scales [M, ceil(K / 128)] -> [M, N]
+    in out_dtype."""
     aq = dequantize_rows_1x128(x8, x_scale)
-    out = torch.zeros(a.shape[0], w8.shape[1], device=a.device)
+    out = torch.zeros(x8.shape[0], w8.shape[1], device=x8.device)
     start = 0
     for e, end in enumerate(offsets.tolist()):
         if end > start:
             out[start:end] = aq[start:end] @ dequantize_blocks_128(w8[e], w_scale[e]).t()
         start = end
-    return out.to(a.dtype)
+    return out.to(out_dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8_gemm import fp8_grouped_mm
+from ..fp8_gemm import Fp8Activation, fp8_grouped_mm
 from ..kernel_table import chosen, describe
 from .dispatch import explain_grouped_mm
 from .function import ExpandSorted, GroupedMM, PermuteRows, SwigluWeighted, UnsortSum
@@ -56,6 +56,7 @@ def moe_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x_fp8: Fp8Activation | None = None,
 ) -> torch.Tensor:
     """The routed experts' output.
 
@@ -68,6 +69,8 @@ def moe_experts(
         scales: FP8 experts (serve.weights=fp8): gate_up and down are float8_e4m3fn and these are their fp32 block
             scales ([E, ceil(2I/128), ceil(D/128)], [E, ceil(D/128), ceil(I/128)]); both GEMMs run through
             `fp8_grouped_mm` (inference: no gradient reaches the FP8 weights). None: x's dtype, `grouped_mm`.
+        x_fp8: with FP8 experts, x already quantized (`quantize_activation(x)`, shared with the layer's other FP8
+            GEMMs on x); the gate/up GEMM reads its rows instead of quantizing x. None: quantized here.
 
     Returns:
         [N, D] in x's dtype: sum over slots j of weights[:, j] * down_e(silu(gate_e x) * up_e x), e = ids[:, j].
@@ -83,10 +86,14 @@ def moe_experts(
         return grouped_mm(a, w, offsets) if scale is None else fp8_grouped_mm(a, w, scale, offsets)
 
     gate_up_scale, down_scale = (None, None) if scales is None else scales
+    if x_fp8 is not None and x_fp8.rows != N:
+        raise ValueError(f"moe_experts: x_fp8 holds {x_fp8.rows} rows, x {N}: pass the quantization of this x")
     if gate_up_scale is not None and not (torch.is_grad_enabled() and x.requires_grad):
         # FP8 without a gradient to x: quantize the N tokens once and gather their e4m3 rows, not k copies of x
-        h = fp8_grouped_mm(x, gate_up, gate_up_scale, offsets, gather=order // k)
+        h = fp8_grouped_mm(x if x_fp8 is None else x_fp8, gate_up, gate_up_scale, offsets, gather=order // k)
     else:
+        if x_fp8 is not None:
+            raise ValueError("moe_experts: x_fp8 is for FP8 experts without a gradient to x; pass x alone")
         h = gemm(ExpandSorted.apply(x, order, inverse, k), gate_up, gate_up_scale)  # each token once per expert
     act = SwigluWeighted.apply(h, row_weights)
     out = gemm(act, down, down_scale)  # [N * k, D], still sorted by expert
