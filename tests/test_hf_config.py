@@ -73,10 +73,10 @@ def _edited(tmp_path, src, **changes):
 @pytest.mark.parametrize(
     "changes, needle",
     [
-        ({"model_type": "llama"}, "model_type='llama' is not a family dsaflow reads"),
-        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ({"model_type": "llama"}, 'model_type="llama" is not a family dsaflow reads'),
+        ({"hidden_act": "gelu"}, 'hidden_act="gelu" is not supported'),
         ({"fancy_new_knob": 3}, "fancy_new_knob=3 is not supported"),
-        ({"rope_scaling": {"type": "llama3", "factor": 8}}, "rope_type='llama3' is not supported"),
+        ({"rope_scaling": {"type": "llama3", "factor": 8}}, 'rope_type="llama3" is not supported'),
     ],
 )
 def test_unsupported_config_json_exits_2_naming_the_field(tmp_path, capsys, changes, needle):

@@ -132,7 +132,7 @@ def break_model_type(folder):
     raw = json.loads((folder / "config.json").read_text())
     raw["model_type"] = "mixtral"
     (folder / "config.json").write_text(json.dumps(raw))
-    return ["config.json", "model_type='mixtral'"]
+    return ["config.json", 'model_type="mixtral"']
 
 
 BREAKS = [break_missing_shard, break_missing_tensor, break_shape, break_truncated, break_fp8_scale, break_model_type]
