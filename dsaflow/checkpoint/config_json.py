@@ -55,9 +55,11 @@ class ConfigJson:
     def __init__(self, raw: dict, path, prefix: str = ""):
         self.raw, self.path, self.prefix = raw, path, prefix
 
-    def error(self, key: str, value, allowed: str, fix: str = "") -> ConfigError:
-        fix = fix or "correct config.json (a published checkpoint's config.json reads as it is)"
-        return ConfigError(f"{self.path}: {self.prefix}{key}={show(value)} is not allowed: {allowed}. Fix: {fix}.")
+    def error(self, key: str, value, allowed: str) -> ConfigError:
+        return ConfigError(
+            f"{self.path}: {self.prefix}{key}={show(value)} is not allowed: {allowed}. Fix: set {self.prefix}{key} "
+            "to that in config.json, or restore the checkpoint's config.json as published."
+        )
 
     def has(self, key: str) -> bool:
         return self.raw.get(key) is not None

@@ -168,7 +168,10 @@ def _rope(cj: ConfigJson) -> tuple[float, Optional[YarnConfig]]:
     if extra:
         raise _refuse(cj.path, f"{params.prefix}{extra[0]}", params.raw[extra[0]], "not a YaRN field dsaflow knows")
     if "factor" not in params.raw:
-        raise params.error("factor", None, "YaRN needs its factor (transformers refuses a YaRN config without one)")
+        raise ConfigError(
+            f"{cj.path}: {params.prefix}factor is missing: YaRN needs it (transformers refuses a YaRN config without "
+            f"one). Fix: add {params.prefix}factor (the ratio of the extended to the original context, e.g. 40)."
+        )
     positions = cj.schema_number("max_position_embeddings", ModelConfig, "max_seq_len", ModelConfig.max_seq_len)
     yarn = YarnConfig(
         original_max_position_embeddings=params.schema_number(
