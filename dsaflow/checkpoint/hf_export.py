@@ -12,6 +12,7 @@ A model transformers' classes cannot express is refused (ConfigError, exit 2) na
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -197,14 +198,8 @@ def claim_out_dir(out: Path) -> bool:
     Returns whether `out` was created here."""
     if out.is_symlink():
         raise ConfigError(f"export.out_dir={out} is a symbolic link. Fix: name a new folder.")
-    created = False
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.mkdir(out)
-            created = True
-        except FileExistsError:
-            pass
+        created = _make_folder(out)
         fd = os.open(out / CLAIM, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
     except FileExistsError:
         raise ConfigError(
@@ -222,6 +217,20 @@ def claim_out_dir(out: Path) -> bool:
         os.unlink(out / CLAIM)
         raise ConfigError(f"export.out_dir={out} is not empty (it holds {others[0]}). Fix: name a new folder.")
     return created
+
+
+def _make_folder(out: Path) -> bool:
+    """mkdir `out` (and its missing parents); True when created here, False when it is a folder already."""
+    try:
+        os.mkdir(out)
+        return True
+    except FileNotFoundError:
+        os.makedirs(out.parent, exist_ok=True)
+        return _make_folder(out)
+    except FileExistsError:
+        if not out.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder") from None
+        return False
 
 
 def _remove(out: Path, written: List[Path], created: bool) -> None:

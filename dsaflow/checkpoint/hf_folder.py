@@ -51,7 +51,7 @@ def checkpoint_file(folder, name, what: str = "file", required: bool = True) -> 
     checked against the rule. A missing file: CheckpointError when `required`, else None."""
     if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name):
         raise CheckpointError(
-            f"{folder}: the {what} {shown(name) if isinstance(name, str) else repr(name)[:80]} is not a file name "
+            f"{folder}: the {what} {shown(name, 300) if isinstance(name, str) else repr(name)[:80]} is not a file name "
             f"relative to the checkpoint folder; {RULE}. Fix: restore the checkpoint as published."
         )
     root = checkpoint_root(folder)

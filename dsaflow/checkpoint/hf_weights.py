@@ -80,7 +80,9 @@ class HFIndex:
         for name, file in weight_map.items():
             given = folder / file
             if given not in found.real:
-                found.real[given] = checkpoint_file(folder, file, f"shard of tensor {name}", required=False)
+                found.real[given] = checkpoint_file(
+                    folder, file, f"shard of tensor {name} in {INDEX_JSON}", required=False
+                )
             found.where[name] = given
         return found
 
