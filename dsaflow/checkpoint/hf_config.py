@@ -13,7 +13,9 @@
   max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0 (defaults 1 and 2); DeepSeek-V3.2: all F.
   Shared layers carry no indexer weights, so a model with any implies `index.promote=false`.
 A field whose value dsaflow cannot honour (another activation, attention bias, another RoPE type, an unknown key)
-is a ConfigError naming it: silently ignoring it would compute another model.
+is a ConfigError naming it: silently ignoring it would compute another model. Every field is read through the
+typed reader (config_json.py: JSON type and the schema's range, or a ConfigError naming file, key, value and what
+is allowed), and num_hidden_layers is read and bounded (MAX_LAYERS) before any per-layer list is built.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@
 - a model with layers that carry none (S layers trained with index sharing) -> `glm_moe_dsa`, those layers marked
   "shared" in `indexer_types` (transformers' GLM reuses the previous full layer's top-k there, as our S layers do).
 Tensor names and RoPE row orders are hf_names.py's, run backwards; tensors keep the dtype they were stored in.
+The tokenizer files are read under the checkpoint folder rule (hf_folder.py): one that leads outside model.hf_path
+is refused, never copied. out_dir is claimed atomically (created, or taken empty, then CLAIM created exclusively
+in it), so of two exports into one folder the second exits 2; everything is checked before out_dir is touched,
+and a failure while writing removes what the export wrote.
 A model transformers' classes cannot express is refused (ConfigError, exit 2) naming the field: a dense MLP model
 (no family has one), an indexer rotary width other than MLA's.
 """

@@ -1,9 +1,17 @@
 """Weights in from a Hugging Face checkpoint folder: each rank reads only its stages' tensors.
 
 `load_hf_weights(stages, folder, model_cfg)` finds every tensor the stages need through
-`model.safetensors.index.json` (or the one `model.safetensors`), checks them all before reading any (the shard
-exists and opens, the name is there, the shape is config.json's, an FP8 weight has its scale), then reads them
-memory-mapped (`safetensors.safe_open`) and copies them into the stages:
+`model.safetensors.index.json` (or the one `model.safetensors`), checks them all before reading any, then reads
+them memory-mapped (`safetensors.safe_open`) and copies them into the stages. The checks (`check_hf_weights`, run
+by the parent before any worker starts; headers and FP8 scales only):
+- every file, the index's shards included, obeys the checkpoint folder rule (hf_folder.py);
+- every weight_map value is a file name; each shard's header is well formed (safetensors_io.read_header) and holds
+  the tensors the index puts in it;
+- each tensor has config.json's shape and a dtype the model reads: BF16, F16 or F32 (cast, the same number), or,
+  in a checkpoint with an FP8 quantization_config, a 2-D F8_E4M3 weight whose `<name>_scale_inv` is a float
+  [ceil(rows/128), ceil(cols/128)] of finite, positive values (an integer, e5m2 or unscaled e4m3 tensor would load
+  as other numbers).
+The loads:
 - bf16 / fp32 tensors as they are (cast to the stage's dtype by the copy);
 - FP8 e4m3 weights times their 128x128 block scales `<name>_scale_inv` ([ceil(rows/128), ceil(cols/128)] fp32),
   dequantized in fp32 and then cast to the stage's dtype;
