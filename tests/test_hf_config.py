@@ -107,3 +107,12 @@ def test_planning_an_hf_model_reads_no_weight_and_imports_no_torch(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert r.stdout.strip().splitlines()[-1] == "NO-TORCH 0", r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("model", [[], ["model=tiny"], ["model=tiny_moe"], ["model=hf", "model.name=mine"]])
+def test_hf_path_without_model_hf_is_refused_naming_the_fix(tmp_path, capsys, model):
+    """model.hf_path under another model would compute the checkpoint's model while the run says another."""
+    assert main(["plan", *model, f"model.hf_path={DSV32}", f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"model.hf_path={DSV32} is set with model.name=" in err and "Fix: add model=hf" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()

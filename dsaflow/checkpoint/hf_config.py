@@ -112,7 +112,7 @@ _MOE = {  # config.json key -> MoEConfig field
     "topk_group": "topk_group", "routed_scaling_factor": "routed_scaling_factor",
 }  # fmt: skip
 # fields a user may still override on top of config.json (everything else would describe another model)
-OVERRIDABLE = ("name", "hf_path", "max_seq_len", "index_topk", "index_fp8", "init_std")
+OVERRIDABLE = ("hf_path", "max_seq_len", "index_topk", "index_fp8", "init_std")
 
 
 @dataclass
@@ -303,6 +303,13 @@ def apply_hf_model(cfg) -> None:
         if cfg.model.name == "hf":
             raise ConfigError("model=hf needs model.hf_path. Fix: add model.hf_path=DIR (a Hugging Face checkpoint).")
         return
+    if cfg.model.name != "hf":
+        raise ConfigError(
+            f"model.hf_path={path} is set with model.name={cfg.model.name}: only model=hf takes its architecture "
+            "and weights from a Hugging Face checkpoint, and the run (its folder name and config.yaml) would say "
+            f"{cfg.model.name} while computing the checkpoint's model. Fix: add model=hf (name the run with "
+            "track.run_name=...), or drop model.hf_path."
+        )
     hf = hf_model(read_config_json(path), Path(path) / CONFIG_JSON, name=cfg.model.name)
     default = ModelConfig()
     for f in dataclasses.fields(ModelConfig):
