@@ -386,3 +386,83 @@ def test_a_failure_while_writing_leaves_nothing_and_an_unwritable_out_dir_exits_
     monkeypatch.undo()
     with pytest.raises(ConfigError, match="export.out_dir=/dev/null/x has a file where a folder should be"):
         write_hf_checkpoint(state, cfg, "/dev/null/x", report=lambda m: None)
+
+
+# --- export against the run's checkpoint rotation -------------------------------------------------------------------
+
+
+@pytest.fixture
+def run_with_two_checkpoints(tmp_path):
+    """A tiny_moe run dir with checkpoints step 1 (weights of seed 1) and step 2 (seed 2)."""
+    from dsaflow.checkpoint.training_state import save_checkpoint
+    from dsaflow.pipeline.stages import stage_module
+    from dsaflow.plan import build_plan, render_table
+    from dsaflow.rundir.folder import checkpoint_dir, write_run_dir
+
+    run = tmp_path / "run"
+    cfg = compose(["model=tiny_moe", "track=none", f"run_dir={run}"])
+    plan = build_plan(cfg)
+    write_run_dir(cfg, plan, render_table(plan, cfg))
+    embeds = {}
+    for step in (1, 2):
+        module = stage_module(cfg.model, plan, 0, seed=step)
+        assert save_checkpoint(checkpoint_dir(run, step), [module], None, 0, step)
+        embeds[step] = module.state_dict()["embed.weight"].clone()
+    return run, embeds
+
+
+def _prune_after_resolving(monkeypatch):
+    """Rotation striking between export's choice of a checkpoint and its pin: the first one resolved is removed."""
+    from dsaflow.checkpoint import export_run
+    from dsaflow.checkpoint.store import remove_checkpoint
+
+    real, pruned = export_run.resolve_checkpoint, []
+
+    def resolve_then_prune(path, **kw):
+        found = real(path, **kw)
+        if not pruned:
+            pruned.append(found)
+            assert remove_checkpoint(found)
+        return found
+
+    monkeypatch.setattr(export_run, "resolve_checkpoint", resolve_then_prune)
+    return pruned
+
+
+def test_export_of_a_run_takes_the_next_checkpoint_when_rotation_prunes_the_newest(
+    run_with_two_checkpoints, tmp_path, monkeypatch
+):
+    from dsaflow.checkpoint.export_run import export_hf
+    from dsaflow.rundir.folder import checkpoint_dir
+
+    run, embeds = run_with_two_checkpoints
+    pruned = _prune_after_resolving(monkeypatch)
+    export_hf(str(run), str(tmp_path / "hf"))
+    assert pruned == [checkpoint_dir(run, 2)] and not pruned[0].exists()
+    with safe_open(str(tmp_path / "hf" / weight_map(tmp_path / "hf")["model.embed_tokens.weight"]), "pt") as f:
+        assert torch.equal(f.get_tensor("model.embed_tokens.weight"), embeds[1])  # step 1's weights, whole
+
+
+def test_export_of_a_checkpoint_folder_pruned_while_opened_exits_2(run_with_two_checkpoints, tmp_path, monkeypatch):
+    from dsaflow.checkpoint.export_run import export_hf
+    from dsaflow.rundir.folder import checkpoint_dir
+
+    run, _ = run_with_two_checkpoints
+    _prune_after_resolving(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"export.checkpoint=.*step-000001: checkpoint .* was removed \(pruned\)"):
+        export_hf(str(checkpoint_dir(run, 1)), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
+
+
+def test_pinning_a_checkpoint_removed_under_the_lock_is_refused(run_with_two_checkpoints, tmp_path):
+    from dsaflow.checkpoint.store import CheckpointGone, pinned
+    from dsaflow.rundir.folder import checkpoint_dir
+
+    run, _ = run_with_two_checkpoints
+    ckpt = checkpoint_dir(run, 2)
+    with pinned(ckpt):
+        pass  # a checkpoint in place pins
+    os.rename(ckpt, tmp_path / "moved")  # what pruning does before deleting
+    with pytest.raises(CheckpointGone, match="was removed"):
+        with pinned(ckpt):
+            pass
