@@ -73,10 +73,10 @@ def _edited(tmp_path, src, **changes):
 @pytest.mark.parametrize(
     "changes, needle",
     [
-        ({"model_type": "llama"}, "model_type='llama' is not a family dsaflow reads"),
-        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ({"model_type": "llama"}, 'model_type="llama" is not a family dsaflow reads'),
+        ({"hidden_act": "gelu"}, 'hidden_act="gelu" is not supported'),
         ({"fancy_new_knob": 3}, "fancy_new_knob=3 is not supported"),
-        ({"rope_scaling": {"type": "llama3", "factor": 8}}, "rope_type='llama3' is not supported"),
+        ({"rope_scaling": {"type": "llama3", "factor": 8}}, 'rope_type="llama3" is not supported'),
     ],
 )
 def test_unsupported_config_json_exits_2_naming_the_field(tmp_path, capsys, changes, needle):
@@ -107,3 +107,12 @@ def test_planning_an_hf_model_reads_no_weight_and_imports_no_torch(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert r.stdout.strip().splitlines()[-1] == "NO-TORCH 0", r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("model", [[], ["model=tiny"], ["model=tiny_moe"], ["model=hf", "model.name=mine"]])
+def test_hf_path_without_model_hf_is_refused_naming_the_fix(tmp_path, capsys, model):
+    """model.hf_path under another model would compute the checkpoint's model while the run says another."""
+    assert main(["plan", *model, f"model.hf_path={DSV32}", f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"model.hf_path={DSV32} is set with model.name=" in err and "Fix: add model=hf" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()

@@ -132,10 +132,42 @@ def break_model_type(folder):
     raw = json.loads((folder / "config.json").read_text())
     raw["model_type"] = "mixtral"
     (folder / "config.json").write_text(json.dumps(raw))
-    return ["config.json", "model_type='mixtral'"]
+    return ["config.json", 'model_type="mixtral"']
 
 
-BREAKS = [break_missing_shard, break_missing_tensor, break_shape, break_truncated, break_fp8_scale, break_model_type]
+def break_outside(folder):
+    """The index names a shard by absolute path outside the folder (a good copy of the shard lives there)."""
+    wm = _weight_map(folder)
+    shard = wm["model.layers.2.self_attn.o_proj.weight"]
+    outside = folder.parent / "outside"
+    outside.mkdir()
+    os.replace(folder / shard, outside / shard)
+    _set_weight_map(folder, {k: str(outside / v) if v == shard else v for k, v in wm.items()})
+    return ["model.safetensors.index.json", "not a file name relative to the checkpoint folder"]
+
+
+def break_nan_scale(folder):
+    from safetensors.torch import save_file
+
+    name = "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"
+    shard = folder / _weight_map(folder)[name]
+    with safe_open(str(shard), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return [shard.name, name, "holds nan", "finite and positive"]
+
+
+BREAKS = [
+    break_missing_shard,
+    break_missing_tensor,
+    break_shape,
+    break_truncated,
+    break_fp8_scale,
+    break_model_type,
+    break_outside,
+    break_nan_scale,
+]
 
 
 @pytest.mark.parametrize("damage", BREAKS, ids=lambda f: f.__name__[6:])
@@ -155,7 +187,11 @@ def test_bad_checkpoint_is_refused_naming_file_and_tensor_with_nothing_loaded(fp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", [break_truncated, break_model_type], ids=["truncated", "model_type"])
+@pytest.mark.parametrize(
+    "damage",
+    [break_truncated, break_model_type, break_outside, break_nan_scale],
+    ids=["truncated", "model_type", "outside", "nan_scale"],
+)
 def test_generate_exits_2_on_a_bad_checkpoint_before_any_worker(fp8, tmp_path, damage):
     folder = _copy(fp8, tmp_path / "bad")
     needle = damage(folder)

@@ -6,4 +6,6 @@
 - `resume.py`: whether `train.resume=true` can continue a run dir;
 - `weights.py`: load model weights only (serving, search, `train.init_from`) and export them to one file;
 - `safetensors_io.py`: the safetensors format, checked against our bounds before the package reads it;
+- Hugging Face checkpoints: `hf_folder.py` (what a checkpoint folder may contain), `config_json.py` (the typed
+  config.json reader), `hf_config.py` (config.json -> model), `hf_weights.py` (weights in), `hf_export.py` (out);
 - `indexer_weights.py`: which layers carry indexer weights, and the plan that follows for serving or resuming."""

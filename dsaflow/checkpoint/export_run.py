@@ -1,7 +1,9 @@
 """`dsaflow export export.checkpoint=RUN_DIR export.out_dir=OUT`: a trained run's model as a Hugging Face checkpoint.
 
 The weights are the run's newest good checkpoint (or the checkpoint folder given), read from its weights-only
-safetensors (dsaflow.checkpoint.weights: manifest checked, nothing unpickled); the model is the run dir's config.yaml.
+safetensors (dsaflow.checkpoint.weights: manifest checked, nothing unpickled) while the checkpoint is pinned, so a
+training run's rotation cannot delete it mid-read (one it pruned first is replaced by the next newest); the model is
+the run dir's config.yaml.
 dsaflow.checkpoint.hf_export writes config.json, the sharded safetensors and the index (and the tokenizer of
 model.hf_path, if the run started from a Hugging Face checkpoint).
 """
@@ -14,13 +16,14 @@ from typing import List
 
 from dsaflow.checkpoint.hf_export import write_hf_checkpoint
 from dsaflow.checkpoint.safetensors_io import load_tensors
-from dsaflow.checkpoint.store import pinned
+from dsaflow.checkpoint.store import CheckpointGone, pinned
 from dsaflow.checkpoint.weights import resolve_checkpoint, weight_files
-from dsaflow.errors import ConfigError
+from dsaflow.errors import CheckpointError, ConfigError
 from dsaflow.outputs import check_output_dir
 from dsaflow.rundir.folder import CONFIG
 
 KEYS = ("export.checkpoint", "export.out_dir")
+ROTATION_RETRIES = 3  # a run dir whose newest checkpoint is pruned while being opened: take the next newest
 
 
 def parse_export_args(args: List[str]) -> dict:
@@ -41,23 +44,40 @@ def parse_export_args(args: List[str]) -> dict:
 
 def export_hf(checkpoint: str, out_dir: str) -> Path:
     """Write the model of `checkpoint` (a run dir or one of its checkpoint folders) to `out_dir`."""
+    check_output_dir("export.out_dir", out_dir)  # never into a run dir or a checkpoint (dsaflow.outputs)
+    for attempt in range(ROTATION_RETRIES + 1):
+        ckpt = resolve_checkpoint(checkpoint, field="export.checkpoint")
+        try:
+            model_cfg, tensors = _read_pinned(checkpoint, ckpt, out_dir)
+            break
+        except CheckpointGone as exc:
+            if Path(checkpoint) == ckpt or attempt == ROTATION_RETRIES:  # a folder named itself: nothing newer
+                raise CheckpointError(
+                    f"export.checkpoint={checkpoint}: {exc}. Fix: export a checkpoint the run keeps (train.keep), "
+                    "or export the run dir once it has stopped."
+                ) from None
+    return write_hf_checkpoint(tensors, model_cfg, out_dir)
+
+
+def _read_pinned(checkpoint: str, ckpt: Path, out_dir: str):
+    """(model config, {dsaflow key: tensor}) of checkpoint folder `ckpt`, read while it is pinned, so the run's
+    rotation cannot remove it mid-read (CheckpointGone when it already did)."""
     from dsaflow.config.compose import load_config
 
-    check_output_dir("export.out_dir", out_dir)  # never into a run dir or a checkpoint (dsaflow.outputs)
-    ckpt = resolve_checkpoint(checkpoint, field="export.checkpoint")
-    config = ckpt.parent.parent / CONFIG
-    if not os.path.lexists(config):
-        raise ConfigError(
-            f"export.checkpoint={checkpoint}: {config} is missing, so the model the weights belong to is unknown. "
-            "Fix: export from inside the training run dir (RUN_DIR/checkpoints/step-N)."
-        )
-    model_cfg = load_config(config).model
-    check_output_dir("export.out_dir", out_dir, {"export.checkpoint": str(ckpt), "model.hf_path": model_cfg.hf_path})
-    tensors = {}
     with pinned(ckpt):
+        config = ckpt.parent.parent / CONFIG
+        if not os.path.lexists(config):
+            raise ConfigError(
+                f"export.checkpoint={checkpoint}: {config} is missing, so the model the weights belong to is "
+                "unknown. Fix: export from inside the training run dir (RUN_DIR/checkpoints/step-N)."
+            )
+        model_cfg = load_config(config).model
+        inputs = {"export.checkpoint": str(ckpt), "model.hf_path": model_cfg.hf_path}
+        check_output_dir("export.out_dir", out_dir, inputs)
+        tensors = {}
         for f in sorted(set(weight_files(ckpt, "export.checkpoint").values())):
             tensors.update(load_tensors(f))
-    return write_hf_checkpoint(tensors, model_cfg, out_dir)
+    return model_cfg, tensors
 
 
 def main(args: List[str]) -> int:

@@ -13,13 +13,14 @@
   max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0 (defaults 1 and 2); DeepSeek-V3.2: all F.
   Shared layers carry no indexer weights, so a model with any implies `index.promote=false`.
 A field whose value dsaflow cannot honour (another activation, attention bias, another RoPE type, an unknown key)
-is a ConfigError naming it: silently ignoring it would compute another model.
+is a ConfigError naming it: silently ignoring it would compute another model. Every field is read through the
+typed reader (config_json.py: JSON type and the schema's range, or a ConfigError naming file, key, value and what
+is allowed), and num_hidden_layers is read and bounded (MAX_LAYERS) before any per-layer list is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +30,23 @@ from dsaflow.config.moe_schema import MoEConfig
 from dsaflow.config.rope_schema import YarnConfig
 from dsaflow.config.schema import ModelConfig
 from dsaflow.errors import ConfigError
+from dsaflow.files import UnsafeFile, read_json
+
+from .config_json import REQUIRED, ConfigJson, schema_range, show
+from .hf_folder import checkpoint_file
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 CONFIG_JSON = "config.json"
 # eps of transformers' q_a_layernorm / kv_a_layernorm (RMSNorm default) and of the indexer's k_norm (LayerNorm)
 HF_LATENT_NORM_EPS = 1e-6
 HF_INDEX_NORM_EPS = 1e-6
+MAX_CONFIG_BYTES = 1 << 20  # published config.json files are a few KiB
+# The schema's bound on model.num_layers: far above every public model (DeepSeek-V3.2 has 61 layers, GLM-5 78), and
+# read before any per-layer list is built, so `num_hidden_layers: 1000000000` is an error, not a hang.
+MAX_LAYERS = schema_range(ModelConfig, "num_layers")[1]
+LAYERS_WHY = (
+    f" (dsaflow plans at most {MAX_LAYERS} layers, far above every public model: DeepSeek-V3.2 has 61, GLM-5 78)"
+)
 
 # Keys that change nothing we compute (metadata, generation, training-only or serving-only knobs).
 _IGNORED = {
@@ -100,7 +112,7 @@ _MOE = {  # config.json key -> MoEConfig field
     "topk_group": "topk_group", "routed_scaling_factor": "routed_scaling_factor",
 }  # fmt: skip
 # fields a user may still override on top of config.json (everything else would describe another model)
-OVERRIDABLE = ("name", "hf_path", "max_seq_len", "index_topk", "index_fp8", "init_std")
+OVERRIDABLE = ("hf_path", "max_seq_len", "index_topk", "index_fp8", "init_std")
 
 
 @dataclass
@@ -116,16 +128,17 @@ class HFModel:
 
 
 def read_config_json(folder) -> Dict[str, Any]:
-    path = Path(folder) / CONFIG_JSON
-    if not path.is_file():
+    """DIR/config.json as a dict: read under the checkpoint folder rule (hf_folder.py), bounded in size and nesting."""
+    path = checkpoint_file(folder, CONFIG_JSON, "config.json", required=False)
+    if path is None:
         raise ConfigError(
-            f"model.hf_path={folder}: {path} does not exist. Fix: point model.hf_path at a Hugging Face checkpoint "
-            "folder (config.json, model.safetensors.index.json and its shards)."
+            f"model.hf_path={folder}: {Path(folder) / CONFIG_JSON} does not exist. Fix: point model.hf_path at a "
+            "Hugging Face checkpoint folder (config.json, model.safetensors.index.json and its shards)."
         )
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc}). Fix: restore the checkpoint's config.json.") from None
+        data = read_json(path, max_bytes=MAX_CONFIG_BYTES)
+    except UnsafeFile as exc:
+        raise ConfigError(f"{exc}. Fix: restore the checkpoint's config.json.") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} is not a JSON object. Fix: restore the checkpoint's config.json.")
     return data
@@ -133,120 +146,152 @@ def read_config_json(folder) -> Dict[str, Any]:
 
 def _refuse(path, key, value, why: str) -> ConfigError:
     return ConfigError(
-        f"{path}: {key}={value!r} is not supported: {why}. Fix: use a DeepSeek-V3.2 or GLM-5.x checkpoint as "
+        f"{path}: {key}={show(value)} is not supported: {why}. Fix: use a DeepSeek-V3.2 or GLM-5.x checkpoint as "
         "published, or remove the field if it does not change the model."
     )
 
 
-def _rope(path, raw: dict) -> tuple[float, Optional[YarnConfig]]:
-    params = raw.get("rope_parameters") or dict(raw.get("rope_scaling") or {})
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
+def _rope(cj: ConfigJson) -> tuple[float, Optional[YarnConfig]]:
+    """(rope_theta, YaRN or None) from rope_parameters, else rope_scaling + rope_theta."""
+    params = cj.section("rope_parameters") or cj.section("rope_scaling") or ConfigJson({}, cj.path, "rope_parameters.")
+    theta_range = schema_range(ModelConfig, "rope_theta")
+    theta = params.number("rope_theta", *theta_range[:2], None, *theta_range[2:])
+    if theta is None:
+        theta = cj.number("rope_theta", *theta_range[:2], 10000.0, *theta_range[2:])
+    kind = params.value("rope_type", None) or params.value("type", "default")
+    if not isinstance(kind, str):
+        raise params.error("rope_type", kind, "'default' or 'yarn'")
     if kind == "default":
-        return float(theta), None
+        return theta, None
     if kind != "yarn":
-        raise _refuse(path, "rope_type", kind, "dsaflow implements plain RoPE and YaRN")
+        raise _refuse(cj.path, "rope_type", kind, "dsaflow implements plain RoPE and YaRN")
     known = {f.name for f in dataclasses.fields(YarnConfig)} | {"rope_type", "type", "rope_theta"}
-    extra = sorted(set(params) - known)
+    extra = sorted(set(params.raw) - known)
     if extra:
-        raise _refuse(path, f"rope_parameters.{extra[0]}", params[extra[0]], "not a YaRN field dsaflow knows")
-    yarn = YarnConfig(**{k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")})
-    if yarn.factor is None:  # DeepSeek's convention: the ratio of the context lengths
-        yarn.factor = raw["max_position_embeddings"] / yarn.original_max_position_embeddings
-    return float(theta), yarn
+        raise _refuse(cj.path, f"{params.prefix}{extra[0]}", params.raw[extra[0]], "not a YaRN field dsaflow knows")
+    if "factor" not in params.raw:
+        raise ConfigError(
+            f"{cj.path}: {params.prefix}factor is missing: YaRN needs it (transformers refuses a YaRN config without "
+            f"one). Fix: add {params.prefix}factor (the ratio of the extended to the original context, e.g. 40)."
+        )
+    positions = cj.schema_number("max_position_embeddings", ModelConfig, "max_seq_len", ModelConfig.max_seq_len)
+    yarn = YarnConfig(
+        original_max_position_embeddings=params.schema_number(
+            "original_max_position_embeddings", YarnConfig, "original_max_position_embeddings", positions
+        ),
+        truncate=params.flag("truncate", True),
+    )
+    for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+        setattr(yarn, name, params.schema_number(name, YarnConfig, name, getattr(yarn, name)))
+    yarn.factor = params.schema_number("factor", YarnConfig, "factor", None)
+    if yarn.factor is None:  # "factor": null is DeepSeek's convention for the ratio of the context lengths
+        yarn.factor = positions / yarn.original_max_position_embeddings
+    return theta, yarn
 
 
-def indexer_roles(family: str, raw: dict, num_layers: int) -> str:
-    """One F/S letter per layer, by transformers' rules (see the module docstring)."""
+def indexer_roles(family: str, cj: ConfigJson, num_layers: int) -> str:
+    """One F/S letter per layer, by transformers' rules (see the module docstring). `num_layers` is bounded."""
     if family == "deepseek_v32":
         return "F" * num_layers
-    types = raw.get("indexer_types")
+    types = cj.words("indexer_types", ("full", "shared"), num_layers)
     if types is not None:
-        bad = [t for t in types if t not in ("full", "shared")]
-        if bad or len(types) != num_layers:
-            raise ConfigError(
-                f"indexer_types={types}: needs {num_layers} entries, each 'full' or 'shared'. Fix: correct config.json."
-            )
         return "".join("F" if t == "full" else "S" for t in types)
-    pattern = raw.get("index_topk_pattern")
+    pattern = cj.value("index_topk_pattern", None)
     if pattern is not None:
-        roles = "".join(pattern) if not isinstance(pattern, str) else pattern
-        if len(roles) != num_layers or set(roles) - {"F", "S"}:
-            raise ConfigError(
-                f"index_topk_pattern={pattern!r}: needs {num_layers} letters F or S. Fix: correct config.json."
-            )
-        return roles
-    freq = max(int(raw.get("index_topk_freq", 1) or 1), 1)
-    offset = int(raw.get("index_skip_topk_offset", 2))
+        letters = list(pattern) if isinstance(pattern, str) else pattern
+        if not isinstance(letters, list) or len(letters) != num_layers or not all(x in ("F", "S") for x in letters):
+            raise cj.error("index_topk_pattern", pattern, f"{num_layers} letters, each 'F' or 'S' (a string or list)")
+        return "".join(letters)
+    freq = cj.integer("index_topk_freq", 1, MAX_LAYERS, 1)
+    offset = cj.integer("index_skip_topk_offset", 0, MAX_LAYERS, 2)
     return "".join("F" if max(i - offset + 1, 0) % freq == 0 else "S" for i in range(num_layers))
 
 
 def hf_model(raw: dict, path="config.json", name: str = "hf") -> HFModel:
-    """A parsed config.json -> HFModel; ConfigError naming any field dsaflow cannot honour."""
+    """A parsed config.json -> HFModel; ConfigError naming any field of the wrong type, out of range, or one dsaflow
+    cannot honour. The layer count is read and bounded first, before anything is built per layer."""
+    cj = ConfigJson(raw, path)
     family = raw.get("model_type")
-    if family not in FAMILIES:
+    if not isinstance(family, str) or family not in FAMILIES:
         raise ConfigError(
-            f"{path}: model_type={family!r} is not a family dsaflow reads. Fix: use a checkpoint of "
+            f"{path}: model_type={show(family)} is not a family dsaflow reads. Fix: use a checkpoint of "
             f"{' or '.join(FAMILIES)} (DeepSeek-V3.2, GLM-5.x)."
         )
     unknown = sorted(set(raw) - _IGNORED - set(_SHAPES) - set(_MOE))
     if unknown:
         raise _refuse(path, unknown[0], raw[unknown[0]], "dsaflow does not know this field, so cannot honour it")
-    for key, want in (
-        ("hidden_act", "silu"),
-        ("attention_bias", False),
-        ("mlp_bias", False),
-        ("scoring_func", "sigmoid"),
-    ):
-        if key in raw and raw[key] != want:
-            raise _refuse(path, key, raw[key], f"the model dsaflow computes has {key}={want!r}")
-    if raw.get("q_lora_rank") is None:
-        raise _refuse(path, "q_lora_rank", None, "the indexer reads MLA's compressed query, so q_lora_rank is needed")
-    heads, kv_heads = raw.get("num_attention_heads"), raw.get("num_key_value_heads", raw.get("num_attention_heads"))
-    if kv_heads != heads:
-        raise _refuse(path, "num_key_value_heads", kv_heads, f"MLA expands one latent to all {heads} heads")
-    missing = [k for k in _SHAPES if k not in raw and k != "rms_norm_eps"]
-    if missing:
-        raise ConfigError(f"{path} has no {missing[0]}. Fix: restore the checkpoint's config.json.")
-    theta, yarn = _rope(path, raw)
-    fields = {field: raw[key] for key, field in _SHAPES.items() if key in raw}
+    layers = cj.integer("num_hidden_layers", 1, MAX_LAYERS, why=LAYERS_WHY)
+    _check_fixed(cj)
+    fields = {
+        field: cj.schema_number(
+            key, ModelConfig, field, getattr(ModelConfig, field) if key == "rms_norm_eps" else REQUIRED
+        )
+        for key, field in _SHAPES.items()
+    }
+    heads = fields["n_heads"]
+    if cj.integer("num_key_value_heads", 1, None, heads) != heads:
+        raise _refuse(
+            path, "num_key_value_heads", raw["num_key_value_heads"], f"MLA expands one latent to all {heads} heads"
+        )
+    theta, yarn = _rope(cj)
     model = ModelConfig(
         name=name,
         **fields,
-        index_rope_head_dim=raw["qk_rope_head_dim"],
-        max_seq_len=int(raw.get("max_position_embeddings", ModelConfig.max_seq_len)),
+        index_rope_head_dim=fields["qk_rope_head_dim"],
+        max_seq_len=cj.schema_number("max_position_embeddings", ModelConfig, "max_seq_len", ModelConfig.max_seq_len),
         rope_theta=theta,
         rope_scaling=yarn,
         latent_norm_eps=HF_LATENT_NORM_EPS,
         index_norm_eps=HF_INDEX_NORM_EPS,
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        moe=_moe(raw),
+        tie_embeddings=cj.flag("tie_word_embeddings", False),
+        moe=_moe(cj, layers),
     )
-    quant = raw.get("quantization_config")
-    fp8_block = None
-    if quant is not None:
-        if quant.get("quant_method") != "fp8" or list(quant.get("weight_block_size") or []) != [128, 128]:
-            raise _refuse(path, "quantization_config", quant, "dsaflow reads FP8 e4m3 with 128x128 block scales")
-        fp8_block = [128, 128]
-    return HFModel(family, model, indexer_roles(family, raw, model.num_layers), _mtp(raw), fp8_block)
+    mtp = cj.integer("num_nextn_predict_layers", 0, MAX_LAYERS, 0)
+    return HFModel(family, model, indexer_roles(family, cj, layers), mtp, _fp8_block(cj))
 
 
-def _moe(raw: dict) -> Optional[MoEConfig]:
-    if not raw.get("n_routed_experts"):
+def _check_fixed(cj: ConfigJson) -> None:
+    """Fields whose only value dsaflow computes (another would compute another model)."""
+    for key, want in (("hidden_act", "silu"), ("scoring_func", "sigmoid")):
+        if cj.has(key) and cj.raw[key] != want:
+            raise _refuse(cj.path, key, cj.raw[key], f"the model dsaflow computes has {key}={want!r}")
+    for key in ("attention_bias", "mlp_bias"):
+        if cj.flag(key, False):
+            raise _refuse(cj.path, key, True, f"the model dsaflow computes has {key}=false")
+    if not cj.has("q_lora_rank"):
+        raise _refuse(
+            cj.path, "q_lora_rank", None, "the indexer reads MLA's compressed query, so q_lora_rank is needed"
+        )
+
+
+def _fp8_block(cj: ConfigJson) -> Optional[List[int]]:
+    """[128, 128] for DeepSeek's block-quantized FP8 e4m3 (quantization_config), None without one."""
+    quant = cj.section("quantization_config")
+    if quant is None:
         return None
-    n = raw["num_hidden_layers"]
-    moe = MoEConfig(**{field: raw[key] for key, field in _MOE.items() if key in raw})
-    moe.norm_topk_prob = bool(raw.get("norm_topk_prob", True))
-    types = raw.get("mlp_layer_types")
+    why = "dsaflow reads FP8 e4m3 with 128x128 block scales and dynamic activation scaling"
+    quant.text("quant_method", ("fp8",))
+    quant.text("fmt", ("e4m3",), "e4m3")
+    quant.text("activation_scheme", ("dynamic",), "dynamic")
+    block = quant.value("weight_block_size")
+    if block != [128, 128] or not all(type(b) is int for b in block):
+        raise quant.error("weight_block_size", block, f"[128, 128] ({why})")
+    return [128, 128]
+
+
+def _moe(cj: ConfigJson, layers: int) -> Optional[MoEConfig]:
+    if not cj.integer("n_routed_experts", 0, schema_range(MoEConfig, "n_routed_experts")[1], 0):
+        return None
+    moe = MoEConfig(
+        **{field: cj.schema_number(key, MoEConfig, field, getattr(MoEConfig, field)) for key, field in _MOE.items()}
+    )
+    moe.norm_topk_prob = cj.flag("norm_topk_prob", True)
+    types = cj.words("mlp_layer_types", ("dense", "sparse"), layers)
     if types is not None:
         moe.dense_layers = [i for i, t in enumerate(types) if t == "dense"]
     else:
-        moe.first_k_dense = min(int(raw.get("first_k_dense_replace", 0)), n)
+        moe.first_k_dense = min(cj.integer("first_k_dense_replace", 0, None, 0), layers)
     return moe
-
-
-def _mtp(raw: dict) -> int:
-    return int(raw.get("num_nextn_predict_layers", 0) or 0)
 
 
 def apply_hf_model(cfg) -> None:
@@ -258,6 +303,13 @@ def apply_hf_model(cfg) -> None:
         if cfg.model.name == "hf":
             raise ConfigError("model=hf needs model.hf_path. Fix: add model.hf_path=DIR (a Hugging Face checkpoint).")
         return
+    if cfg.model.name != "hf":
+        raise ConfigError(
+            f"model.hf_path={path} is set with model.name={cfg.model.name}: only model=hf takes its architecture "
+            "and weights from a Hugging Face checkpoint, and the run (its folder name and config.yaml) would say "
+            f"{cfg.model.name} while computing the checkpoint's model. Fix: add model=hf (name the run with "
+            "track.run_name=...), or drop model.hf_path."
+        )
     hf = hf_model(read_config_json(path), Path(path) / CONFIG_JSON, name=cfg.model.name)
     default = ModelConfig()
     for f in dataclasses.fields(ModelConfig):

@@ -6,15 +6,20 @@
 - a model with layers that carry none (S layers trained with index sharing) -> `glm_moe_dsa`, those layers marked
   "shared" in `indexer_types` (transformers' GLM reuses the previous full layer's top-k there, as our S layers do).
 Tensor names and RoPE row orders are hf_names.py's, run backwards; tensors keep the dtype they were stored in.
+The tokenizer files are read under the checkpoint folder rule (hf_folder.py): one that leads outside model.hf_path
+is refused, never copied. out_dir is claimed atomically (created, or taken empty, then CLAIM created exclusively
+in it), so of two exports into one folder the second exits 2; everything is checked before out_dir is touched,
+and a failure while writing removes what the export wrote.
 A model transformers' classes cannot express is refused (ConfigError, exit 2) naming the field: a dense MLP model
 (no family has one), an indexer rotary width other than MLA's.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Dict, List
@@ -23,12 +28,18 @@ import torch
 
 from dsaflow.config.moe_schema import is_moe_layer
 from dsaflow.config.rope_schema import YarnConfig
-from dsaflow.errors import ConfigError
+from dsaflow.errors import CheckpointError, ConfigError
+from dsaflow.files import UnsafeFile, atomic_write, explain_os_error, read_bytes
 
 from .hf_config import HF_INDEX_NORM_EPS, HF_LATENT_NORM_EPS, hf_model, read_config_json
+from .hf_folder import checkpoint_file
 from .hf_names import hf_source
+from .safetensors_io import save_file
 
 SHARD_BYTES = 2 << 30
+MAX_TOKENIZER_BYTES = 256 << 20  # tokenizer.json of the largest vocabularies is tens of MB
+CLAIM = ".dsaflow-export-in-progress"  # created exclusively in out_dir while an export writes it
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 ARCHITECTURES = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 _INDEXER = re.compile(r"^layers\.(\d+)\.attn\.indexer\.")
@@ -123,10 +134,10 @@ def _norm_notes(model_cfg) -> List[str]:
 
 
 def write_hf_checkpoint(state_dict: Dict[str, torch.Tensor], model_cfg, out_dir, report=None) -> Path:
-    """state_dict: the whole model's (dsaflow keys) -> out_dir (created; must not exist or be empty)."""
+    """state_dict: the whole model's (dsaflow keys) -> out_dir (created, or an empty folder; claimed atomically, so
+    a second export into it exits 2). Everything is checked and gathered before out_dir is touched; a failure while
+    writing removes what this export wrote."""
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"export.out_dir={out} is not empty. Fix: name a new folder.")
     full = indexer_layers(state_dict)
     family = export_family(model_cfg, full)
     config = hf_config_json(model_cfg, family, full)
@@ -139,23 +150,23 @@ def write_hf_checkpoint(state_dict: Dict[str, torch.Tensor], model_cfg, out_dir,
             raise ConfigError(f"{key} has no Hugging Face counterpart in {family}. Fix: a bug; report it.")
         for name, part in zip(src.names, src.to_theirs(t.detach().cpu())):
             tensors[name] = part.contiguous()
-    out.mkdir(parents=True, exist_ok=True)
-    weight_map = _write_shards(tensors, out)
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps(
-            {
-                "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                "weight_map": weight_map,
-            },
-            indent=2,
-        )  # fmt: skip
-    )
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    if model_cfg.hf_path:
-        for name in TOKENIZER_FILES:
-            if (Path(model_cfg.hf_path) / name).is_file():
-                shutil.copy(Path(model_cfg.hf_path) / name, out / name)
     say = report or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    extras = tokenizer_files(model_cfg.hf_path, say)
+    created = claim_out_dir(out)
+    written: List[Path] = []
+    try:
+        weight_map = _write_shards(tensors, out, written)
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}}
+        index["weight_map"] = weight_map
+        extras = {"model.safetensors.index.json": json.dumps(index, indent=2).encode(), **extras}
+        extras["config.json"] = json.dumps(config, indent=2).encode()
+        for name, data in extras.items():
+            written.append(out / name)
+            atomic_write(out / name, data)
+    except BaseException:
+        _remove(out, written, created)
+        raise
+    os.unlink(out / CLAIM)
     notes = _norm_notes(model_cfg)
     if notes:
         say(f"dsaflow: export: transformers builds these norms with its own eps: {'; '.join(notes)}.")
@@ -163,9 +174,84 @@ def write_hf_checkpoint(state_dict: Dict[str, torch.Tensor], model_cfg, out_dir,
     return out
 
 
-def _write_shards(tensors: Dict[str, torch.Tensor], out: Path) -> Dict[str, str]:
-    from safetensors.torch import save_file
+def tokenizer_files(hf_path, say) -> Dict[str, bytes]:
+    """{name: bytes} of the tokenizer files of `hf_path` (none without one), each read under the checkpoint folder
+    rule (hf_folder.py): a file that leads outside the folder is refused, never copied."""
+    if not hf_path:
+        return {}
+    if not os.path.isdir(hf_path):
+        say(
+            f"dsaflow: export: model.hf_path={hf_path} is not a folder on this machine, so the export has no "
+            "tokenizer files. Fix: copy tokenizer.json (and tokenizer_config.json) from the original checkpoint."
+        )
+        return {}
+    found = {}
+    for name in TOKENIZER_FILES:
+        path = checkpoint_file(hf_path, name, "tokenizer file", required=False)
+        if path is not None:
+            try:
+                found[name] = read_bytes(path, max_bytes=MAX_TOKENIZER_BYTES)
+            except UnsafeFile as exc:
+                raise CheckpointError(f"model.hf_path={hf_path}: {exc}. Fix: restore {name}.") from None
+    return found
 
+
+def claim_out_dir(out: Path) -> bool:
+    """Make `out` this export's, atomically: create it (or take it empty), create CLAIM in it exclusively, then
+    check it holds nothing else. A second export racing for the same folder fails one of these steps and exits 2.
+    Returns whether `out` was created here."""
+    if out.is_symlink():
+        raise ConfigError(f"export.out_dir={out} is a symbolic link. Fix: name a new folder.")
+    try:
+        created = _make_folder(out)
+        fd = os.open(out / CLAIM, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644)
+    except FileExistsError:
+        raise ConfigError(
+            f"export.out_dir={out} is being written by another export (it holds {CLAIM}). Fix: name a new folder "
+            f"(or, if no export is running, remove {out / CLAIM})."
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"export.out_dir={out} {explain_os_error(exc)}. Fix: name a new folder you can write."
+        ) from None
+    os.write(fd, f"{os.getpid()}\n".encode())
+    os.close(fd)
+    others = sorted(n for n in os.listdir(out) if n != CLAIM)
+    if others:
+        os.unlink(out / CLAIM)
+        raise ConfigError(f"export.out_dir={out} is not empty (it holds {others[0]}). Fix: name a new folder.")
+    return created
+
+
+def _make_folder(out: Path) -> bool:
+    """mkdir `out` (and its missing parents); True when created here, False when it is a folder already."""
+    try:
+        os.mkdir(out)
+        return True
+    except FileNotFoundError:
+        os.makedirs(out.parent, exist_ok=True)
+        return _make_folder(out)
+    except FileExistsError:
+        if not out.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder") from None
+        return False
+
+
+def _remove(out: Path, written: List[Path], created: bool) -> None:
+    """Undo a failed export: the files it wrote, its claim, and `out` itself when it made it."""
+    for path in [*written, out / CLAIM]:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    if created:
+        try:
+            os.rmdir(out)
+        except OSError:
+            pass
+
+
+def _write_shards(tensors: Dict[str, torch.Tensor], out: Path, written: List[Path]) -> Dict[str, str]:
     shards: List[List[str]] = [[]]
     size = 0
     for name in sorted(tensors):
@@ -178,6 +264,7 @@ def _write_shards(tensors: Dict[str, torch.Tensor], out: Path) -> Dict[str, str]
     weight_map = {}
     for i, names in enumerate(shards, start=1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in names}, str(out / file), metadata={"format": "pt"})
+        written.append(out / file)
+        save_file({n: tensors[n] for n in names}, out / file, metadata={"format": "pt"})
         weight_map.update({n: file for n in names})
     return weight_map

@@ -1,9 +1,17 @@
 """Weights in from a Hugging Face checkpoint folder: each rank reads only its stages' tensors.
 
 `load_hf_weights(stages, folder, model_cfg)` finds every tensor the stages need through
-`model.safetensors.index.json` (or the one `model.safetensors`), checks them all before reading any (the shard
-exists and opens, the name is there, the shape is config.json's, an FP8 weight has its scale), then reads them
-memory-mapped (`safetensors.safe_open`) and copies them into the stages:
+`model.safetensors.index.json` (or the one `model.safetensors`), checks them all before reading any, then reads
+them memory-mapped (`safetensors.safe_open`) and copies them into the stages. The checks (`check_hf_weights`, run
+by the parent before any worker starts; headers and FP8 scales only):
+- every file, the index's shards included, obeys the checkpoint folder rule (hf_folder.py);
+- every weight_map value is a file name; each shard's header is well formed (safetensors_io.read_header) and holds
+  the tensors the index puts in it;
+- each tensor has config.json's shape and a dtype the model reads: BF16, F16 or F32 (cast, the same number), or,
+  in a checkpoint with an FP8 quantization_config, a 2-D F8_E4M3 weight whose `<name>_scale_inv` is a float
+  [ceil(rows/128), ceil(cols/128)] of finite, positive values (an integer, e5m2 or unscaled e4m3 tensor would load
+  as other numbers).
+The loads:
 - bf16 / fp32 tensors as they are (cast to the stage's dtype by the copy);
 - FP8 e4m3 weights times their 128x128 block scales `<name>_scale_inv` ([ceil(rows/128), ceil(cols/128)] fp32),
   dequantized in fp32 and then cast to the stage's dtype;
@@ -18,75 +26,124 @@ Any problem is a CheckpointError naming the file and the tensor; the stages are 
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 from dsaflow.config.fp8_policy import FP8_BLOCK
 from dsaflow.errors import CheckpointError
+from dsaflow.files import UnsafeFile, read_json
 from dsaflow.ops.fp8_gemm import dequantize_blocks_128, quantize_blocks_128
 
+from .config_json import show
 from .hf_config import hf_model, read_config_json
+from .hf_folder import checkpoint_file
 from .hf_names import Source, hf_source, layer_of
+from .safetensors_io import HF_DTYPES, read_header
 
 INDEX_JSON = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _FP8 = (torch.float8_e4m3fn,)
+FLOAT_CODES = ("BF16", "F16", "F32")  # tensors the model reads by casting: any of these is the same number
+MAX_INDEX_BYTES = 256 << 20  # an index of a 671B model is about 9 MB
 SCALE = "_scale_inv"  # an FP8 weight's block scales: `<weight name>_scale_inv`, in the file and in our FP8 modules
 
 
 @dataclass
 class HFIndex:
-    """Where each tensor of a checkpoint lives: name -> shard path."""
+    """Where each tensor of a checkpoint lives (name -> shard path as the folder names it) and, per shard, the
+    path it resolves to under the folder rule (hf_folder.py; None for a shard that is missing)."""
 
     folder: Path
     where: Dict[str, Path]
     index_file: Path
+    real: Dict[Path, Optional[Path]] = field(default_factory=dict)
     bytes_read: int = 0
     _open: Dict[Path, object] = field(default_factory=dict)
+    _headers: Dict[Path, dict] = field(default_factory=dict)
 
     @classmethod
     def read(cls, folder) -> HFIndex:
         folder = Path(folder)
-        index = folder / INDEX_JSON
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index} is not a safetensors index ({exc}). Fix: restore the file.") from None
-            return cls(folder, {k: folder / v for k, v in weight_map.items()}, index)
-        single = folder / SINGLE_FILE
-        if single.is_file():
-            return cls(folder, {k: single for k in _open(single).keys()}, single)
+        index = checkpoint_file(folder, INDEX_JSON, "safetensors index", required=False)
+        if index is not None:
+            return cls._from_weight_map(folder, _weight_map(folder / INDEX_JSON, index))
+        single = checkpoint_file(folder, SINGLE_FILE, "weights", required=False)
+        if single is not None:
+            found = cls(folder, {}, folder / SINGLE_FILE, {folder / SINGLE_FILE: single})
+            found.where = {k: folder / SINGLE_FILE for k in found.header(folder / SINGLE_FILE)}
+            return found
         raise CheckpointError(
             f"{folder} holds neither {INDEX_JSON} nor {SINGLE_FILE}. Fix: point at a Hugging Face checkpoint folder."
         )
 
+    @classmethod
+    def _from_weight_map(cls, folder: Path, weight_map: Dict[str, str]) -> HFIndex:
+        """Every shard the index names is checked against the folder rule here, before anything is opened."""
+        found = cls(folder, {}, folder / INDEX_JSON)
+        for name, file in weight_map.items():
+            given = folder / file
+            if given not in found.real:
+                found.real[given] = checkpoint_file(
+                    folder, file, f"shard of tensor {name} in {INDEX_JSON}", required=False
+                )
+            found.where[name] = given
+        return found
+
+    def shard(self, name: str) -> Path:
+        """The resolved path of the shard holding tensor `name` (CheckpointError when the shard is missing)."""
+        given = self.where[name]
+        if self.real.get(given) is None:
+            raise CheckpointError(
+                f"{self.index_file} puts tensor {name} in the shard {given.name}, which is missing from "
+                f"{self.folder}. Fix: download the whole checkpoint again."
+            )
+        return self.real[given]
+
+    def header(self, given: Path, name: str = "") -> dict:
+        """{tensor: {"dtype", "shape", "data_offsets"}} of the shard `given` (read for tensor `name`), checked by
+        read_header."""
+        if given not in self._headers:
+            try:
+                self._headers[given] = read_header(self.real[given], HF_DTYPES)[0]
+            except CheckpointError as exc:
+                holds = f", which holds tensor {name}" if name else ""
+                raise CheckpointError(
+                    f"{exc} (the shard {given.name}{holds}); the file is truncated, corrupt or not safetensors. Fix: "
+                    "download it again."
+                ) from None
+        return self._headers[given]
+
+    def entry(self, name: str) -> dict:
+        """Tensor `name`'s header entry; CheckpointError when its shard lacks it."""
+        self.shard(name)
+        entry = self.header(self.where[name], name).get(name)
+        if entry is None:
+            raise CheckpointError(
+                f"{self.index_file} lists tensor {name} in {self.where[name]}, which holds no such tensor. Fix: "
+                "download the whole checkpoint again (index and shards from the same revision)."
+            )
+        return entry
+
     def handle(self, name: str):
         """The open shard that holds tensor `name`."""
-        path = self.where[name]
+        path = self.shard(name)
         if path not in self._open:
-            if not path.is_file():
-                raise CheckpointError(
-                    f"{self.index_file} puts tensor {name} in the shard {path.name}, which is missing from "
-                    f"{self.folder}. Fix: download the whole checkpoint again."
-                )
             self._open[path] = _open(path, name)
         return self._open[path]
 
     def shape(self, name: str) -> tuple:
-        return tuple(self.handle(name).get_slice(name).get_shape())
+        return tuple(self.entry(name)["shape"])
 
     def is_fp8(self, name: str) -> bool:
-        return self.handle(name).get_slice(name).get_dtype() == "F8_E4M3"
+        return self.entry(name)["dtype"] == "F8_E4M3"
 
-    def stored(self, name: str) -> torch.Tensor:
-        """The tensor `name` as the file holds it (an FP8 one stays e4m3)."""
+    def stored(self, name: str, count: bool = True) -> torch.Tensor:
+        """The tensor `name` as the file holds it (an FP8 one stays e4m3); `count`: add its bytes to bytes_read."""
         f = self.handle(name)
         try:
             t = f.get_tensor(name)
@@ -95,16 +152,38 @@ class HFIndex:
                 f"{self.where[name]}: tensor {name} cannot be read ({exc}); the file is truncated or corrupt. Fix: "
                 "download that shard again."
             ) from None
-        self.bytes_read += t.numel() * t.element_size()
+        if count:
+            self.bytes_read += t.numel() * t.element_size()
         return t
 
     def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The tensor `name` in fp32 (FP8 dequantized), then in `dtype`."""
         t = self.stored(name)
         if t.dtype in _FP8:
-            scale = self.tensor(name + "_scale_inv", torch.float32)
+            scale = self.tensor(name + SCALE, torch.float32)
             return dequantize_blocks_128(t, scale).to(dtype)
         return t.to(dtype)
+
+
+def _weight_map(shown_path: Path, path: Path) -> Dict[str, str]:
+    """The index's weight_map {tensor name: shard file name}, every key and value a string."""
+    try:
+        raw = read_json(path, max_bytes=MAX_INDEX_BYTES)
+    except UnsafeFile as exc:
+        raise CheckpointError(f"{shown_path}: {exc}. Fix: restore the checkpoint's {INDEX_JSON}.") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{shown_path} has no weight_map object (found {show(weight_map)}). Fix: restore the checkpoint's "
+            f"{INDEX_JSON}."
+        )
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise CheckpointError(
+                f"{shown_path}: weight_map[{show(name)}]={show(file)} is not a shard file name (a string such as "
+                '"model-00001-of-00002.safetensors"). Fix: restore the checkpoint\'s index.'
+            )
+    return weight_map
 
 
 def _open(path: Path, name: str = ""):
@@ -120,7 +199,9 @@ def _open(path: Path, name: str = ""):
         ) from None
 
 
-def _check(index: HFIndex, key: str, src: Source) -> None:
+def _check(index: HFIndex, key: str, src: Source, fp8_checkpoint: bool) -> None:
+    """Each tensor of `src` is in its shard with config.json's shape and a dtype the model reads (FP8 ones with
+    block scales of the right shape, dtype and finite positive values): headers and scales only."""
     for name, shape in zip(src.names, src.shapes):
         if name not in index.where:
             raise CheckpointError(
@@ -133,17 +214,52 @@ def _check(index: HFIndex, key: str, src: Source) -> None:
                 f"{index.where[name]}: tensor {name} is {list(have)} but config.json implies {list(shape)}. Fix: "
                 "use the config.json that came with these weights."
             )
-        f = index.handle(name)
-        if f.get_slice(name).get_dtype() == "F8_E4M3" and name + "_scale_inv" not in index.where:
+        dtype = index.entry(name)["dtype"]
+        fp8_ok = fp8_checkpoint and len(shape) == 2
+        if dtype not in FLOAT_CODES and not (dtype == "F8_E4M3" and fp8_ok):
+            expected = "BF16, F16 or F32" + (", or F8_E4M3 with 128x128 block scales" if fp8_ok else "")
+            if dtype == "F8_E4M3" and not fp8_checkpoint:
+                expected += " (F8_E4M3 needs config.json's quantization_config, which this checkpoint lacks)"
             raise CheckpointError(
-                f"{index.where[name]}: FP8 tensor {name} has no {name}_scale_inv in {index.index_file}. Fix: "
-                "download the whole checkpoint again (FP8 weights need their block scales)."
+                f"{index.where[name]}: tensor {name} is stored as {dtype}, but the model reads it as {expected}; "
+                f"its bytes would load as other numbers. Fix: use the checkpoint as published (bf16, or DeepSeek's "
+                "FP8 e4m3 release with its config.json)."
             )
+        if dtype == "F8_E4M3":
+            _check_scale(index, name, have)
+
+
+def _check_scale(index: HFIndex, name: str, weight_shape: tuple) -> None:
+    """The block scales of FP8 weight `name` [rows, cols]: [ceil(rows/128), ceil(cols/128)], floating, finite, > 0."""
+    scale = name + SCALE
+    if scale not in index.where:
+        raise CheckpointError(
+            f"{index.where[name]}: FP8 tensor {name} has no {scale} in {index.index_file}. Fix: download the whole "
+            "checkpoint again (FP8 weights need their block scales)."
+        )
+    want = [math.ceil(n / FP8_BLOCK) for n in weight_shape]
+    entry = index.entry(scale)
+    if entry["dtype"] not in FLOAT_CODES or entry["shape"] != want:
+        raise CheckpointError(
+            f"{index.where[scale]}: {scale} is {entry['dtype']} {entry['shape']}, but the block scales of "
+            f"{name} {list(weight_shape)} are F32 (or BF16 / F16) {want}: one per 128x128 block. Fix: use the "
+            "checkpoint as published."
+        )
+    values = index.stored(scale, count=False).float()
+    bad = ~(torch.isfinite(values) & (values > 0))
+    if bad.any():
+        at = [int(i) for i in bad.nonzero()[0]]
+        raise CheckpointError(
+            f"{index.where[scale]}: {scale} holds {values[tuple(at)].item()} at block {at}; block scales must be "
+            "finite and positive (a NaN, inf, zero or negative scale makes its block's weights NaN, inf or 0). "
+            "Fix: use the checkpoint as published."
+        )
 
 
 def _sources(stages: Dict[int, torch.nn.Module], folder, model_cfg):
     """(index, {key: Source}, {key: stage tensor}) after checking every tensor's presence, shape and scale."""
     hf = hf_model(read_config_json(folder), Path(folder) / "config.json")
+    fp8_checkpoint = hf.fp8_block is not None
     index = HFIndex.read(folder)
     wanted: Dict[str, torch.Tensor] = {k: v for m in stages.values() for k, v in m.state_dict().items()}
     sources: Dict[str, Source] = {}
@@ -153,7 +269,7 @@ def _sources(stages: Dict[int, torch.nn.Module], folder, model_cfg):
         src = hf_source(key, tuple(t.shape), model_cfg, hf.family)
         if src is None:
             raise CheckpointError(f"{key} has no Hugging Face counterpart in {hf.family}. Fix: a bug; report it.")
-        _check(index, key, src)
+        _check(index, key, src, fp8_checkpoint)
         sources[key] = src
     return index, sources, wanted
 

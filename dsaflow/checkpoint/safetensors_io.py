@@ -35,6 +35,9 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+# Hugging Face checkpoints add FP8: e4m3 weights with block scales; e5m2 is named here only so that a checkpoint
+# holding it is refused by what it is (hf_weights.py checks each tensor's dtype against the model)
+HF_DTYPES = {**DTYPES, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 MAX_HEADER = 100 << 20
 MAX_DIMS = 8
 MAX_ENTRIES = 1_000_000
@@ -62,8 +65,9 @@ def save_file(
     atomic_write_with(path, lambda tmp: _package_save_file(host, str(tmp), metadata=dict(metadata or {})))
 
 
-def read_header(path: str | os.PathLike) -> Tuple[Dict[str, dict], int]:
-    """-> ({name: {"dtype", "shape", "data_offsets"}}, byte offset where the data starts). Checks every entry."""
+def read_header(path: str | os.PathLike, dtypes: Mapping[str, torch.dtype] = DTYPES) -> Tuple[Dict[str, dict], int]:
+    """-> ({name: {"dtype", "shape", "data_offsets"}}, byte offset where the data starts). Checks every entry;
+    `dtypes`: the dtype codes accepted (HF_DTYPES for a Hugging Face checkpoint)."""
     path = Path(path)
     try:
         fd = open_regular(path, inside=path.parent, max_bytes=None)
@@ -92,7 +96,7 @@ def read_header(path: str | os.PathLike) -> Tuple[Dict[str, dict], int]:
     for name, e in header.items():
         ok = (
             isinstance(e, dict)
-            and e.get("dtype") in DTYPES
+            and e.get("dtype") in dtypes
             and isinstance(e.get("shape"), list)
             and len(e["shape"]) <= MAX_DIMS
             and all(type(s) is int and 0 <= s < 1 << 48 for s in e["shape"])
@@ -102,14 +106,14 @@ def read_header(path: str | os.PathLike) -> Tuple[Dict[str, dict], int]:
         )
         if not ok:
             raise SafetensorsError(
-                f"{path}: entry {name[:80]!r} is malformed (dtype one of {sorted(DTYPES)}, at most "
+                f"{path}: entry {name[:80]!r} is malformed (dtype one of {sorted(dtypes)}, at most "
                 f"{MAX_DIMS} non-negative dimensions, two integer offsets)"
             )
         numel = 1
         for s in e["shape"]:
             numel *= s
         begin, end = e["data_offsets"]
-        if not (0 <= begin <= end <= data_len) or end - begin != numel * DTYPES[e["dtype"]].itemsize:
+        if not (0 <= begin <= end <= data_len) or end - begin != numel * dtypes[e["dtype"]].itemsize:
             raise SafetensorsError(
                 f"{path}: entry {name[:80]!r} has offsets [{begin}, {end}] that do not match its "
                 f"shape {e['shape']} or the file size"

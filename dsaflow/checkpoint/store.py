@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 from dsaflow.errors import CheckpointError
-from dsaflow.files import UnsafeFile, atomic_write, open_regular, read_bytes, read_json, read_text
+from dsaflow.files import MissingFile, UnsafeFile, atomic_write, open_regular, read_bytes, read_json, read_text
 from dsaflow.rundir.folder import CKPT, MANIFEST, list_checkpoints
 
 METADATA, RUN_ID = ".metadata", "run_id"
@@ -221,15 +221,30 @@ def report_stderr(msg: str) -> None:
     print(f"dsaflow: {msg}", file=sys.stderr, flush=True)
 
 
+class CheckpointGone(CheckpointError):
+    """The checkpoint was removed (pruning by its run's rotation) before a reader could pin it."""
+
+
 @contextmanager
 def pinned(folder: Path):
-    """Hold a shared lock on a checkpoint's manifest while reading it: pruning skips a pinned checkpoint."""
+    """Hold a shared lock on a checkpoint's manifest while reading it: pruning skips a pinned checkpoint. Raises
+    CheckpointGone when the checkpoint is no longer there once locked (pruning renames it away while holding its
+    own exclusive lock, so a lock taken after that is on a removed file)."""
+    path = Path(folder) / MANIFEST
     try:
-        fd = open_regular(Path(folder) / MANIFEST, inside=folder, max_bytes=MAX_MANIFEST_BYTES)
+        fd = open_regular(path, inside=folder, max_bytes=MAX_MANIFEST_BYTES)
     except UnsafeFile as exc:
+        if isinstance(exc, MissingFile) or not os.path.lexists(path):  # the folder itself is gone too
+            raise CheckpointGone(f"checkpoint {folder} was removed (pruned) before it could be read") from None
         raise CheckpointError(f"checkpoint {folder}: {exc}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            still_there = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+        except OSError:
+            still_there = False
+        if not still_there:
+            raise CheckpointGone(f"checkpoint {folder} was removed (pruned) while it was being opened")
         yield
     finally:
         os.close(fd)
