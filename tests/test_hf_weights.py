@@ -202,6 +202,19 @@ def test_generate_exits_2_on_a_bad_checkpoint_before_any_worker(fp8, tmp_path, d
     assert all(n in res.stderr for n in needle) and "Traceback" not in res.stderr
 
 
+def test_train_exits_2_on_a_bad_checkpoint_before_any_worker(fp8, tmp_path):
+    """The same header check as generate's runs before `dsaflow train` starts a worker."""
+    folder = _copy(fp8, tmp_path / "bad")
+    needle = break_nan_scale(folder)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-c", "from dsaflow.cli import main; main()", "train", "model=hf", "train.steps=1"]
+    cmd += [f"model.hf_path={folder}", "track=none", f"run_dir={run}"]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert all(n in res.stderr for n in needle) and "Traceback" not in res.stderr
+    assert not run.exists()  # nothing written
+
+
 def test_fp8_tensors_are_e4m3_with_block_scales(fp8):
     wm = _weight_map(fp8)
     name = "model.layers.1.mlp.experts.0.gate_proj.weight"

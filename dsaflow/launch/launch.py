@@ -102,6 +102,10 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
             )
         if t.init_from:
             check_init_from(cfg)
+        if cfg.model.hf_path:  # the checkpoint's headers against the plan's stages, before any worker starts
+            from dsaflow.pipeline.stages import check_hf_checkpoint
+
+            check_hf_checkpoint(cfg, plan)
         if t.stop_at_step is not None and t.stop_at_step > t.steps:
             raise PlanError(
                 f"train.stop_at_step={t.stop_at_step}: must lie in 1..train.steps={t.steps}. Fix: adjust it or drop it."

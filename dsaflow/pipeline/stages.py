@@ -50,3 +50,18 @@ def stage_cache(
 ) -> StageCache:
     """Preallocated serving caches of stage `stage` (see dsaflow.model.cache)."""
     return StageCache.allocate(model_cfg, stage_layers(plan, stage), max_batch, max_context, max_tokens, device, dtype)
+
+
+def check_hf_checkpoint(cfg, plan: Plan, error=None) -> None:
+    """Every tensor the plan's stages need is in model.hf_path with its shape and dtype (headers only, stages built
+    on the meta device): a bad checkpoint stops the job before any process starts. Raises `error` (a PlanError
+    type; default CheckpointError) naming model.hf_path."""
+    from dsaflow.checkpoint.hf_weights import check_hf_weights
+    from dsaflow.errors import CheckpointError
+
+    with torch.device("meta"):
+        stages = {sp.index: stage_module(cfg.model, plan, sp.index, seed=0) for sp in plan.stages}
+    try:
+        check_hf_weights(stages, cfg.model.hf_path, cfg.model)
+    except CheckpointError as exc:
+        raise (error or CheckpointError)(f"model.hf_path={cfg.model.hf_path}: {exc}") from None

@@ -35,7 +35,7 @@ from dsaflow.data.hf_tokenizer import checkpoint_tokenizer
 from dsaflow.errors import ServeError, shown
 from dsaflow.files import atomic_write
 from dsaflow.model.fp8_weights import materialize_, quantize_stage_
-from dsaflow.pipeline.stages import stage_module
+from dsaflow.pipeline.stages import check_hf_checkpoint, stage_module
 from dsaflow.plan.plan import Plan
 
 from .checks import check_graph_blocks, check_mixed_passes, check_prompts, check_transfers, fit_problem
@@ -100,7 +100,7 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None, hf_headers: 
         )
     check_transfers(cfg.graphs, plan, device_type)
     if hf_headers and not s.checkpoint and cfg.model.hf_path:  # the workers' loads check their own tensors again
-        check_hf_checkpoint(cfg, plan)
+        check_hf_checkpoint(cfg, plan, ServeError)
     tok = checkpoint_tokenizer(cfg.model.hf_path)
     answers: List[Optional[str]] = []
     loaded = load_requests(s, answers)
@@ -225,20 +225,6 @@ def write_outputs(
             f"--- [{i}] {shown(r['prompt'], 200)}\n{r.get('completion', 'REJECTED: ' + str(r.get('error')))}{mark}",
             flush=True,
         )
-
-
-def check_hf_checkpoint(cfg, plan: Plan) -> None:
-    """Every tensor the plan's stages need is in model.hf_path with its shape (headers only, stages built on the
-    meta device): a bad checkpoint stops the job before any process starts."""
-    from dsaflow.checkpoint.hf_weights import check_hf_weights
-    from dsaflow.errors import CheckpointError
-
-    with torch.device("meta"):
-        stages = {sp.index: stage_module(cfg.model, plan, sp.index, seed=0) for sp in plan.stages}
-    try:
-        check_hf_weights(stages, cfg.model.hf_path, cfg.model)
-    except CheckpointError as exc:
-        raise ServeError(f"model.hf_path={cfg.model.hf_path}: {exc}") from None
 
 
 def load_hf_stages(stages: dict, model_cfg, rank: Optional[int]) -> None:
