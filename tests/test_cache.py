@@ -165,3 +165,49 @@ def test_forward_with_cache_has_no_host_sync_and_static_shapes():
                 run(stages, caches, x, torch.tensor(pos))
             traces.append(rec.trace)
         assert traces[0] == traces[1] and len(traces[0]) > 50
+
+
+def _chained(stages, forward, x, positions=None, caches=None, **kw):
+    """x through `forward(stage)` of every stage in order, cross-stage indices handed on: called as (x, positions,
+    cache, indices_in=, **kw) with caches, else as (x, indices_in=, **kw)."""
+    indices = None
+    for i, s in enumerate(stages):
+        received = indices if s.incoming_source is not None else None
+        args = () if caches is None else (positions, caches[i])
+        x = forward(s)(x, *args, indices_in=received, **kw)
+        indices = s.take_indices(x)
+    return x
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "tiny_moe"])
+@torch.no_grad()
+def test_the_three_forwards_agree_where_their_jobs_overlap(model_name):
+    """forward_prefill of a 9-token prompt, then forward_decode of its next two tokens: the logits equal
+    forward_train's over the 11 tokens at every position, across two stages whose second one opens on S layers
+    (cross-stage indices; top-k 4 < 9, so the selection matters). A token-major forward_prefill of the prompt gives
+    the same logits, and the serving engine's compatibility call `stage(x, positions, cache)` routes to the same
+    computations (bit-identical)."""
+    model, plan = planned_sharp(
+        "FSS|SSFSS", f"model={model_name}", "model.index_topk=4", "pipeline.cross_stage_indices=true"
+    )
+    stages = [s.eval() for s in build_stages(model, plan, seed=1)]
+    assert stages[1].incoming_source == 0
+    seq = torch.randint(0, V, (1, 11), generator=torch.Generator().manual_seed(5))
+    train = _chained(stages, lambda s: s.forward_train, seq)[0]  # [11, V]
+
+    def serve(prefill, decode, **kw):
+        caches = allocate(model, plan, max_batch=1, max_context=16, max_tokens=9)
+        outs = [_chained(stages, prefill, seq[:, :9], torch.arange(9).view(1, 9), caches, **kw)[0]]
+        for t in (9, 10):
+            outs.append(_chained(stages, decode, seq[:, t : t + 1], torch.tensor([[t]]), caches)[0])
+        return torch.cat(outs)
+
+    got = serve(lambda s: s.forward_prefill, lambda s: s.forward_decode)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, train, rtol=1e-4, atol=1e-4)
+    rows = torch.zeros(1, 9, dtype=torch.long)  # a token-major pass of one row's tokens
+    major = serve(lambda s: s.forward_prefill, lambda s: s.forward_decode, token_rows=rows)
+    torch.testing.assert_close(major, train, rtol=1e-4, atol=1e-4)
+    assert torch.equal(serve(lambda s: s, lambda s: s), got)  # `forward` with a cache -> `forward_cached`
+    with pytest.raises(ValueError, match="forward_decode runs one token per row"):
+        stages[0].forward_decode(seq[:, :2], torch.arange(2).view(1, 2), allocate(model, plan, 1, 16, 9)[0])
