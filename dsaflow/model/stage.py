@@ -82,12 +82,6 @@ class StageModule(nn.Module):
         """Per-layer seeded init: stages built separately get exactly the PP=1 weights for the same seed."""
         init_stage_weights(self, seed, self.cfg.init_std)
 
-    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None, cache=None, **kwargs) -> torch.Tensor:
-        """`forward_train`: what `module(x)` runs (torch.distributed.pipelining calls the stage so)."""
-        if cache is not None:  # compatibility path: the serving engine's calls with a cache (see `forward_cached`)
-            return self.forward_cached(x, positions, cache, **kwargs)
-        return self.forward_train(x, positions, **kwargs)
-
     def forward_train(
         self,
         x: torch.Tensor,
@@ -143,6 +137,8 @@ class StageModule(nn.Module):
         out = self._run_layers(h, ctx)
         self.indexer_loss = recorder.loss() if recorder is not None else None
         return out
+
+    forward = forward_train  # what `module(x)` runs (torch.distributed.pipelining calls the stage so)
 
     def _wants_indexer_loss(self, attn: str, compute: Optional[bool], in_backward) -> bool:
         """Whether a forward without a cache computes the indexer loss (`forward_train`'s arguments)."""
@@ -214,14 +210,6 @@ class StageModule(nn.Module):
                 f"tokens through forward_prefill."
             )
         return self._run_cached(x, positions, cache, attn, indices_in)
-
-    # Compatibility path: dsaflow/serve/engine.py and stage_graphs.py still call `stage(x, positions, cache, ...)`.
-    # Once they call forward_prefill / forward_decode, delete this method and the cache branch of `forward`.
-    def forward_cached(self, x, positions, cache, indices_in=None, prefill=None, token_rows=None) -> torch.Tensor:
-        """A prefill hint, token rows or T > 1 -> `forward_prefill`, else `forward_decode`."""
-        if prefill is None and token_rows is None and x.shape[1] == 1:
-            return self.forward_decode(x, positions, cache, indices_in=indices_in)
-        return self.forward_prefill(x, positions, cache, indices_in=indices_in, hint=prefill, token_rows=token_rows)
 
     def _check_attn_and_indices(self, attn: str, indices_in: Optional[torch.Tensor]) -> None:
         if attn not in ATTN_MODES:
