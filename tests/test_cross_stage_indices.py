@@ -14,10 +14,16 @@ CROSS = "pipeline.cross_stage_indices=true"
 
 
 def chained(stages, x, pos=None, caches=None, attn="sparse"):
+    """The stages in order, each handing its indices on: `forward_with_indices`, or with caches a serving pass."""
     indices = None
     for i, s in enumerate(stages):
-        kw = {} if caches is None else {"positions": pos, "cache": caches[i]}
-        x, indices = s.forward_with_indices(x, indices if s.incoming_source is not None else None, attn=attn, **kw)
+        received = indices if s.incoming_source is not None else None
+        if caches is None:
+            x, indices = s.forward_with_indices(x, received, attn=attn)
+        else:
+            run = s.forward_decode if x.shape[1] == 1 else s.forward_prefill
+            x = run(x, pos, caches[i], indices_in=received, attn=attn)
+            indices = s.take_indices(x)
     return x
 
 
@@ -62,7 +68,8 @@ def test_serving_caches_copy_received_indices_and_match_one_stage():
     for t0, t1 in [(0, 4), (4, 8), (8, 9), (9, 10), (10, 11)]:
         pos = torch.arange(t0, t1).expand(2, -1)
         got = chained(stages, x[:, t0:t1], pos, caches)
-        want = ref[0](x[:, t0:t1], pos, ref_caches[0])
+        run = ref[0].forward_decode if t1 - t0 == 1 else ref[0].forward_prefill
+        want = run(x[:, t0:t1], pos, ref_caches[0])
         assert torch.equal(got, want), (t0, t1)
         # stages 2 and 3 (no F before their S layers) read layer 4's indices, copied into their own static buffers
         n = t1 - t0

@@ -258,14 +258,17 @@ def _caches(model, plan, device="cpu", dtype=torch.float32, rows=3, context=32, 
     return caches
 
 
-def _run(stages, caches, x, pos, hint):
-    """One pass through every stage (cross-stage indices handed on) -> last stage's logits."""
+def _run(stages, caches, x, pos, hint, decode=False):
+    """One prefill pass (or decode step) through every stage (cross-stage indices handed on) -> last stage's logits."""
     idx = None
     for s, c in zip(stages, caches):
         given = idx if s.incoming_source is not None else None
-        if s is stages[-1]:
-            return s(x, pos, c, indices_in=given, prefill=hint)
-        x, idx = s.forward_with_indices(x, given, positions=pos, cache=c, prefill=hint)
+        if decode:
+            x = s.forward_decode(x, pos, c, indices_in=given)
+        else:
+            x = s.forward_prefill(x, pos, c, indices_in=given, hint=hint)
+        idx = s.take_indices(x)
+    return x
 
 
 def _prefill_then_decode(stages, caches, seqs, prompts, chunk, hints, topk, max_keys):
@@ -283,7 +286,7 @@ def _prefill_then_decode(stages, caches, seqs, prompts, chunk, hints, topk, max_
     for k in range(3):
         x = torch.stack([s[P + k : P + k + 1] for s, P in zip(seqs, prompts)] + [seqs[0][:1] * 0])
         pos = torch.tensor([[P + k] for P in prompts] + [[-1]], device=dev)
-        outs.append(("decode", _run(stages, caches, x, pos, None), pos))
+        outs.append(("decode", _run(stages, caches, x, pos, None, decode=True), pos))
     return outs
 
 
@@ -329,12 +332,17 @@ def test_stage_prefill_paths_equal_the_sparse_path_then_decode(topk, max_keys, c
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=path)
 
 
-def test_hint_outside_a_serving_prefill_is_refused():
+@torch.no_grad()
+def test_hint_outside_a_sparse_prefill_of_several_tokens_is_refused():
     model, plan = planned_sharp("FS", "model.num_layers=2")
     (stage,) = build_stages(model, plan, seed=1)
+    cache = stage_cache(model, plan, 0, 1, 16, 4)
     hint = PrefillHint("dense", 4, (16,))
-    with pytest.raises(ValueError, match="prefill="):
-        stage(torch.zeros(1, 4, dtype=torch.long), prefill=hint)
+    x, pos = torch.zeros(1, 4, dtype=torch.long), torch.arange(4).view(1, 4)
+    with pytest.raises(ValueError, match="hint=.*attn='dense', T=4"):
+        stage.forward_prefill(x, pos, cache, hint=hint, attn="dense")
+    with pytest.raises(ValueError, match="hint=.*attn='sparse', T=1"):
+        stage.forward_prefill(x[:, :1], pos[:, :1], cache, hint=hint)
 
 
 # ---- the engine ----

@@ -8,7 +8,7 @@ from model_helpers import planned, tokens
 
 from dsaflow.config.schema import ModelConfig
 from dsaflow.model import DSABlock, IndexSlot, LayerSpec, StageModule, build_model, full_state_dict
-from dsaflow.model.context import ForwardContext, causal_indices
+from dsaflow.model.context import TrainContext, causal_indices
 from dsaflow.model.rope import apply_rope, rope_angles
 from dsaflow.pipeline.stages import build_stages, stage_module
 from dsaflow.plan.estimates import layer_params
@@ -103,8 +103,8 @@ def test_absorbed_mla_equals_textbook_mla_attention():
     )
     x = torch.randn(B, T, model.dim)
     pos = torch.arange(T).expand(B, T)
-    ctx = ForwardContext(
-        pos, rope_angles(pos, R, model.rope_theta), rope_angles(pos, 8, model.rope_theta), "dense", None, IndexSlot()
+    ctx = TrainContext(
+        pos, rope_angles(pos, R, model.rope_theta), rope_angles(pos, 8, model.rope_theta), "dense", IndexSlot()
     )
     got = block.attn(x, ctx)
 
@@ -147,8 +147,8 @@ def test_s_layer_given_source_indices_equals_f_layer_recomputing_them():
     pos = torch.arange(11).expand(2, 11)
 
     def ctx(slot):
-        return ForwardContext(
-            pos, rope_angles(pos, 8, model.rope_theta), rope_angles(pos, 8, model.rope_theta), "sparse", None, slot
+        return TrainContext(
+            pos, rope_angles(pos, 8, model.rope_theta), rope_angles(pos, 8, model.rope_theta), "sparse", slot
         )
 
     slot = IndexSlot()

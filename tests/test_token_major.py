@@ -82,14 +82,14 @@ def test_token_major_pass_equals_the_padded_rows_pass(attn):
     pos0 = torch.tensor([[t if t < n else -1 for t in range(20)] for n in lengths])
     with torch.no_grad():
         for cache in (padded, major):
-            model(first, pos0, cache, attn=attn)
+            model.forward_prefill(first, pos0, cache, attn=attn)
         # the next pass: (row, positions) of its real tokens
         segments = [(0, [12]), (2, list(range(3, 8))), (3, list(range(20, 29)))]
         toks = torch.randint(0, 256, (4, 9), generator=g)
         pos = torch.full((4, 9), -1)
         for r, ps in segments:
             pos[r, : len(ps)] = torch.tensor(ps)
-        want = model(toks, pos, padded, attn=attn)
+        want = model.forward_prefill(toks, pos, padded, attn=attn)
         want_idx = padded.index.clone()
         flat_tok, flat_pos, flat_rows, where = [], [], [], []
         for r, ps in segments:
@@ -98,7 +98,7 @@ def test_token_major_pass_equals_the_padded_rows_pass(attn):
         flat_tok += [0, 0]  # padding at the end of a static buffer
         flat_pos += [-1, -1]
         flat_rows += [0, 0]
-        got = model(
+        got = model.forward_prefill(
             torch.tensor([flat_tok]), torch.tensor([flat_pos]), major, attn=attn, token_rows=torch.tensor([flat_rows])
         )
     for n, (r, c) in enumerate(where):
@@ -114,7 +114,7 @@ def test_token_major_pass_equals_the_padded_rows_pass(attn):
 def test_token_rows_refuse_a_prefill_hint_and_a_wrong_shape():
     model, (cache, _) = stage_and_caches()
     with pytest.raises(ValueError, match="token_rows"):
-        model(
+        model.forward_prefill(
             torch.zeros(1, 4, dtype=torch.long),
             torch.zeros(1, 4, dtype=torch.long),
             cache,

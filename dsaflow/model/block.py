@@ -47,25 +47,24 @@ class DSABlock(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """h [B, T, dim] -> [B, T, dim]."""
-        if ctx.recompute == "block" and self._main_path_learns(h, ctx):
+        if not ctx.cached and ctx.recompute == "block" and self._main_path_learns(h):
             replay = LayerReplay()
             out = checkpoint(self._forward, h, dataclasses.replace(ctx, replay=replay), use_reentrant=False)
             replay.replaying = True  # from here on, only the backward's recomputation runs `_forward` again
             return out
         return self._forward(h, ctx)
 
-    def _main_path_learns(self, h: torch.Tensor, ctx: ForwardContext) -> bool:
-        """A training forward whose backward runs through this block (its input or its weights need gradient).
-        The dense warm-up freezes the main weights and feeds inputs without gradient: autograd then saves nothing
-        of the block but the indexer's small graph, so there is nothing to recompute."""
-        return (
-            ctx.cache is None and torch.is_grad_enabled() and (h.requires_grad or self.attn_norm.weight.requires_grad)
-        )
+    def _main_path_learns(self, h: torch.Tensor) -> bool:
+        """A forward without a cache whose backward runs through this block (its input or its weights need
+        gradient). The dense warm-up freezes the main weights and feeds inputs without gradient: autograd then saves
+        nothing of the block but the indexer's small graph, so there is nothing to recompute."""
+        return torch.is_grad_enabled() and (h.requires_grad or self.attn_norm.weight.requires_grad)
 
     def _forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), ctx)
         if isinstance(self.mlp, MoE):  # a recomputation in backward must not count the tokens twice
-            count = ctx.record_expert_load and (ctx.replay is None or not ctx.replay.replaying)
-            real = ctx.positions >= 0 if ctx.record_expert_load else None
-            return h + self.mlp(self.ffn_norm(h), count, ctx.record_expert_load, real)
+            record = not ctx.cached and ctx.record_expert_load
+            count = record and (ctx.replay is None or not ctx.replay.replaying)
+            real = ctx.positions >= 0 if record else None
+            return h + self.mlp(self.ffn_norm(h), count, record, real)
         return h + self.mlp(self.ffn_norm(h))

@@ -73,7 +73,7 @@ class IndexSlot:
             raise IndexCacheError(
                 f"S layer {layer} reads the index cache of its planned source F layer {source}, but in this forward "
                 f"{wrote}. An S layer may only reuse indices written by its source on the same stage during the same "
-                f"forward: run the stage as a whole (StageModule.forward), not single layers, and build it from the "
+                f"forward: run the stage as a whole (a StageModule forward), not single layers, and build it from the "
                 f"plan that assigned layer {layer} -> source {source}."
             )
         return self.indices

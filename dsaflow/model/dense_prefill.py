@@ -33,9 +33,9 @@ their queries can see. The sparse path is the same function in exact arithmetic 
 (W_UK^T q_nope) . c), so the two agree to rounding.
 
 The decision is host-side: the serving engine builds a `PrefillHint` from its host lists of positions
-(`plan_prefill`) and passes it through `StageModule.forward(prefill=...)`; nothing reads the device. Captured prefill
-graphs take a static hint per (label, token class) (`graph_labels`, `graph_hint`, `graph_classes`): one label per
-path, and dense ones per key class (`dense_key_classes`), so the graph key holds the path and the keys attended.
+(`plan_prefill`) and passes it through `StageModule.forward_prefill(hint=...)`; nothing reads the device. Captured
+prefill graphs take a static hint per (label, token class) (`graph_labels`, `graph_hint`, `graph_classes`): one label
+per path, and dense ones per key class (`dense_key_classes`), so the graph key holds the path and the keys attended.
 """
 
 from __future__ import annotations

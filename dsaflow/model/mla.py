@@ -73,7 +73,7 @@ class MLA(nn.Module):
         weights, wq_a, wkv_a and the indexer's wk read one quantization of x, x_fp8 (`shared_fp8_input`; None where
         no GEMM reads a separate one: bf16 weights, the CPU reference, decode's fused launches)."""
         x_fp8 = shared_fp8_input(x, *self._reads_x())
-        if ctx.cache is not None:
+        if ctx.cached:
             return self._forward_cached(x, x_fp8, ctx)
         if ctx.attn == "dense":
             return self._forward_dense(x, x_fp8, ctx)

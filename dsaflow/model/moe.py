@@ -8,7 +8,7 @@ sync). State-dict names follow transformers' DeepSeek-V3.2 modules: `mlp.gate.we
 `mlp.gate.e_score_correction_bias`, `mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I],
 `mlp.shared_experts.{w1,w2,w3}`.
 
-Balancing state: a training forward that asks for it (`count_load`, from `ForwardContext.record_expert_load`) adds each expert's token
+Balancing state: a training forward that asks for it (`count_load`, from `TrainContext.record_expert_load`) adds each expert's token
 count to the router's non-persistent buffer `expert_load`; `update_expert_bias` (after the optimizer step) moves the bias by
 rate * sign(mean load - load) and clears the counts. With `aux_loss_weight > 0` the sequence-wise balance loss is
 attached to the layer's output (`attach_aux_loss`), so the pipeline schedule still carries only the LM loss.

@@ -21,6 +21,7 @@ from dsaflow.config.rope_schema import YarnConfig, rope_attention_factor, yarn_r
 from dsaflow.ops.rope import rope
 
 _INV_FREQ: dict = {}  # (dim, theta, device, yarn fields) -> the frequencies [dim // 2], fp32 on the device
+_TABLES: dict = {}  # (mla dim, index dim, theta, yarn fields) -> its `RopeTables`
 
 
 def inv_freq(dim: int, theta: float, yarn: Optional[YarnConfig] = None, device=None) -> torch.Tensor:
@@ -47,23 +48,59 @@ def _inv_freq(dim: int, theta: float, device: torch.device, yarn: Optional[YarnC
     return freq
 
 
-def rope_angles(
-    positions: torch.Tensor, dim: int, theta: float, yarn: Optional[YarnConfig] = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [B, T] int -> (cos, sin) each [B, T, dim // 2] fp32. Negative (padding) positions use 0."""
-    ang = positions.clamp(min=0).float().unsqueeze(-1) * _inv_freq(dim, theta, positions.device, yarn)
-    factor = rope_attention_factor(yarn)
+def _angles(positions: torch.Tensor, freq: torch.Tensor, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] int, freq [dim // 2] -> (cos, sin) each [B, T, dim // 2] fp32, times `factor` (YaRN)."""
+    ang = positions.clamp(min=0).float().unsqueeze(-1) * freq
     if factor != 1.0:
         return ang.cos() * factor, ang.sin() * factor
     return ang.cos(), ang.sin()
 
 
-def rope_tables(positions: torch.Tensor, mla_dim: int, index_dim: int, theta: float, yarn=None):
-    """(MLA tables, indexer tables) of one forward (`rope_angles` each); computed once when the two rotary dims
-    agree (64 and 64 at V3.2's dims). `yarn`: `model.rope_scaling`. Read-only: the layers slice them, never write
-    them."""
-    mla = rope_angles(positions, mla_dim, theta, yarn)
-    return mla, (mla if index_dim == mla_dim else rope_angles(positions, index_dim, theta, yarn))
+def rope_angles(
+    positions: torch.Tensor, dim: int, theta: float, yarn: Optional[YarnConfig] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] int -> (cos, sin) each [B, T, dim // 2] fp32. Negative (padding) positions use 0."""
+    return _angles(positions, _inv_freq(dim, theta, positions.device, yarn), rope_attention_factor(yarn))
+
+
+class RopeTables:
+    """The rotary tables of one model config (`model.qk_rope_head_dim`, `index_rope_head_dim`, `rope_theta`,
+    `rope_scaling`). Its constants are computed when it is built (the YaRN attention factor) or on first use per
+    device (the frequencies), so a forward only turns its positions into angles. StageModule keeps `of(cfg)`."""
+
+    def __init__(self, mla_dim: int, index_dim: int, theta: float, yarn: Optional[YarnConfig] = None):
+        self.mla_dim, self.index_dim, self.theta, self.yarn = mla_dim, index_dim, theta, yarn
+        self.factor = rope_attention_factor(yarn)
+        self._freq: dict = {}  # (dim, device) -> `inv_freq` [dim // 2] fp32 on that device
+
+    @classmethod
+    def of(cls, model_cfg) -> RopeTables:
+        """The tables of a `ModelConfig`, one instance per distinct rotary config: every stage of a model shares
+        its frequencies, so a stage first run inside a CUDA-graph capture finds them made by an earlier one."""
+        c = model_cfg
+        yarn = c.rope_scaling
+        key = (c.qk_rope_head_dim, c.index_rope_head_dim, float(c.rope_theta), yarn and dataclasses.astuple(yarn))
+        if key not in _TABLES:
+            _TABLES[key] = cls(c.qk_rope_head_dim, c.index_rope_head_dim, c.rope_theta, yarn)
+        return _TABLES[key]
+
+    def _frequencies(self, dim: int, device: torch.device) -> torch.Tensor:
+        """Not kept when first made inside a CUDA-graph capture (its memory belongs to the graph's pool)."""
+        freq = self._freq.get((dim, device))
+        if freq is None:
+            freq = inv_freq(dim, self.theta, self.yarn, device)
+            if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+                self._freq[(dim, device)] = freq
+        return freq
+
+    def __call__(self, positions: torch.Tensor):
+        """positions [B, T] int -> (MLA (cos, sin), indexer (cos, sin)), each [B, T, rotary dim // 2] fp32, as
+        `rope_angles` computes them; one pair when the two rotary dims agree (64 and 64 at V3.2's dims). Read-only:
+        the layers slice them, never write them."""
+        mla = _angles(positions, self._frequencies(self.mla_dim, positions.device), self.factor)
+        if self.index_dim == self.mla_dim:
+            return mla, mla
+        return mla, _angles(positions, self._frequencies(self.index_dim, positions.device), self.factor)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -21,13 +21,13 @@ from dsaflow.config.schema import ModelConfig, TrainConfig
 
 from .block import DSABlock
 from .cache import IndexSlot, StageCache
-from .context import ATTN_MODES, RECOMPUTE_MODES, ForwardContext
+from .context import ATTN_MODES, RECOMPUTE_MODES, CachedContext, ForwardContext, TrainContext
 from .dense_prefill import PrefillHint
 from .indexer_loss import IndexerLossInBackward, IndexerLossRecorder
 from .init import init_stage_weights
 from .layer_spec import LayerSpec
 from .norms import RMSNorm
-from .rope import rope_tables
+from .rope import RopeTables
 
 
 class StageModule(nn.Module):
@@ -43,7 +43,7 @@ class StageModule(nn.Module):
     ):
         """layers: LayerSpec-like objects (index, role, source) of a contiguous span, in order. `name` only labels
         error messages (e.g. "stage 1"). receives_indices: the S layers that open the span read the top-k indices
-        of an F layer on an earlier stage (cross-stage indices), handed to `forward(indices_in=...)`."""
+        of an F layer on an earlier stage (cross-stage indices), handed to each forward's `indices_in`."""
         super().__init__()
         self.cfg, self.is_first, self.is_last = model_cfg, is_first, is_last
         self.incoming_source = _incoming_source(layers, name) if receives_indices else None
@@ -70,59 +70,150 @@ class StageModule(nn.Module):
             self.head.weight = self.embed.weight
         # Training-time indexer KL loss (see dsaflow.model.indexer_loss); the forward kwarg overrides the attribute.
         self.compute_indexer_loss = False
-        # train.recompute: "none" | "attention" | "block" (see ForwardContext.recompute); the trainer sets it.
+        # train.recompute: "none" | "attention" | "block" (see TrainContext.recompute); the trainer sets it.
         self.recompute = "none"
         self.recompute_chunk_tokens = TrainConfig.recompute_chunk_tokens  # queries per recomputed attention chunk
         self.indexer_loss: Optional[torch.Tensor] = None
         self.indices_out: Optional[torch.Tensor] = None
+        self.rope_tables = RopeTables.of(model_cfg)  # the rotary constants, computed once, not per forward
         self.init_weights(seed)
 
     def init_weights(self, seed: int) -> None:
         """Per-layer seeded init: stages built separately get exactly the PP=1 weights for the same seed."""
         init_stage_weights(self, seed, self.cfg.init_std)
 
-    def forward(
+    def forward_train(
         self,
         x: torch.Tensor,
         positions: Optional[torch.Tensor] = None,
-        cache: Optional[StageCache] = None,
+        *,
         attn: str = "sparse",
+        indices_in: Optional[torch.Tensor] = None,
         compute_indexer_loss: Optional[bool] = None,
         indexer_loss_in_backward: Optional[IndexerLossInBackward] = None,
-        indices_in: Optional[torch.Tensor] = None,
-        prefill: Optional[PrefillHint] = None,
         record_expert_load: bool = False,
-        token_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """x: token ids [B, T] int64 on the first stage, hidden [B, T, dim] otherwise.
+        """A forward without a cache (training, evaluation, the dense warm-up): the keys are the T tokens themselves.
 
-        positions [B, T] int64 absolute positions (< 0 = padding query). Without a cache the keys are the T tokens
-        themselves, token t at position t (default positions = arange(T)); with a cache positions are required and
-        each token's rows are written at its position, then every query attends over the cached rows.
-        attn: "sparse" (indexer top-k) | "dense" (all causal keys).
-        Returns hidden [B, T, dim], or fp32 logits [B, T, vocab] on the last stage. Sets `self.indexer_loss`
-        (scalar, graph only through indexer weights) when training with the indexer loss on, else None.
-        indexer_loss_in_backward (training, sparse attention, grad enabled; implies compute_indexer_loss): the loss
+        x: token ids [B, T] int64 on the first stage, hidden [B, T, dim] otherwise. positions [B, T] int64 (< 0 =
+        padding query; default arange(T): token t at position t). attn: "sparse" (indexer top-k) | "dense" (every
+        causal key). indices_in: see `_begin_slot`. Returns hidden [B, T, dim], or fp32 logits [B, T, vocab] on the
+        last stage. Sets `self.indexer_loss` (scalar, graph only through indexer weights) when training with the
+        indexer loss on (`compute_indexer_loss`, default the attribute of that name), else None.
+        indexer_loss_in_backward (train mode, grad enabled, sparse attention; implies compute_indexer_loss): the loss
         runs inside this forward's backward instead (dsaflow.model.indexer_loss): the attention's backward fills its
         target, `self.indexer_loss` stays None, and the values go to `indexer_loss_in_backward.values`.
-        With a cache: CUDA-graph safe (no host sync, static shapes given x.shape); run it under torch.no_grad().
-        indices_in int32 [B, T, topk] (no gradient): the top-k indices of `self.incoming_source`, an F layer of an
-        earlier stage, for a stage built with receives_indices (required with sparse attention; dense attention
-        reads none). With a cache they are copied into the stage's static index buffer. After the forward,
-        `self.indices_out` holds what the next stage reads (see `forward_with_indices`).
-        prefill (with a cache, sparse attention, T > 1): a `PrefillHint` from `dense_prefill.plan_prefill` over the
-        host-known positions: this chunk attends over the non-absorbed heads (dense, or masked by the top-k). It must
-        bound every position (the caller knows them; nothing is checked on the device, which would sync).
         record_expert_load: MoE layers count their routed tokens and attach their balance loss (a training forward
-        of the pipeline runtime; `dsaflow.model.moe`).
-        token_rows int64 [B, T] (with a cache, no prefill hint): a token-major pass, token (b, t) writes and reads
-        cache row token_rows[b, t] (tokens of many rows side by side, e.g. decode tokens and prefill chunks in one
-        [1, N] batch; `MLA._forward_token_major`). None: token (b, t) is cache row b's.
-        """
-        if attn not in ATTN_MODES:
-            raise ValueError(f"attn={attn!r} is not an attention mode: use one of {ATTN_MODES}.")
+        of the pipeline runtime; `dsaflow.model.moe`)."""
+        self._check_attn_and_indices(attn, indices_in)
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={self.recompute!r} is not a recompute mode: use one of {RECOMPUTE_MODES}.")
+        want_loss = self._wants_indexer_loss(attn, compute_indexer_loss, indexer_loss_in_backward)
+        h = self.embed(x) if self.embed is not None else x
+        B, T = h.shape[:2]
+        causal_rows = no_padding = positions is None  # see TrainContext.causal_rows (only dense attention reads it)
+        if positions is None:
+            positions = torch.arange(T, device=h.device).expand(B, T)
+        elif attn == "dense":  # caller-given positions (padding): one host sync, a rare path
+            row = torch.arange(T, device=positions.device)
+            causal_rows = bool(((positions == row) | (positions < 0)).all())
+        # Distillation is stage-local: S layers reading an earlier stage's indices add nothing to any target here.
+        own = [(layer, src) for layer, src in self.sources() if src != self.incoming_source]
+        recorder = IndexerLossRecorder(own, indexer_loss_in_backward) if want_loss and self.training else None
+        rope_mla, rope_index = self.rope_tables(positions)
+        ctx = TrainContext(
+            positions,
+            rope_mla,
+            rope_index,
+            attn,
+            self._begin_slot(IndexSlot(), indices_in, attn),
+            recorder=recorder,
+            causal_rows=causal_rows,
+            no_padding=no_padding,
+            recompute=self.recompute,
+            recompute_chunk_tokens=self.recompute_chunk_tokens,
+            record_expert_load=record_expert_load,
+        )
+        out = self._run_layers(h, ctx)
+        self.indexer_loss = recorder.loss() if recorder is not None else None
+        return out
+
+    forward = forward_train  # what `module(x)` runs (torch.distributed.pipelining calls the stage so)
+
+    def _wants_indexer_loss(self, attn: str, compute: Optional[bool], in_backward) -> bool:
+        """Whether a forward without a cache computes the indexer loss (`forward_train`'s arguments)."""
+        if in_backward is None:
+            return self.compute_indexer_loss if compute is None else compute
+        if attn != "sparse" or not (self.training and torch.is_grad_enabled()):
+            raise ValueError(
+                f"indexer_loss_in_backward needs a training forward (train mode, grad enabled) with sparse "
+                f"attention, got attn={attn!r}, training={self.training}, grad={torch.is_grad_enabled()}: leave "
+                f"it None and read `indexer_loss` after the forward."
+            )
+        return True
+
+    def forward_prefill(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: StageCache,
+        *,
+        indices_in: Optional[torch.Tensor] = None,
+        hint: Optional[PrefillHint] = None,
+        token_rows: Optional[torch.Tensor] = None,
+        attn: str = "sparse",
+    ) -> torch.Tensor:
+        """A serving pass of prompt chunks over `cache`: each token's rows are written at its position, then every
+        query attends over the cached rows. Run it under torch.no_grad(); CUDA-graph safe (no host sync, static
+        shapes given x.shape).
+
+        x: token ids [B, T] int64 on the first stage, hidden [B, T, dim] otherwise; positions [B, T] int64 (< 0 =
+        padding). indices_in: see `_begin_slot`. Returns hidden [B, T, dim], or fp32 logits [B, T, vocab].
+        hint (sparse attention, T > 1): a `PrefillHint` from `dense_prefill.plan_prefill` over the host-known
+        positions: the chunk attends over the non-absorbed heads (dense, or masked by the top-k). It must bound every
+        position (the caller knows them; nothing is checked on the device, which would sync).
+        token_rows int64 [B, T] (no hint): a token-major pass, token (b, t) writes and reads cache row token_rows[b, t]
+        (tokens of many rows side by side, e.g. decode tokens and prefill chunks in one [1, N] batch;
+        `MLA._forward_token_major`). None: token (b, t) is cache row b's.
+        attn: "sparse" (indexer top-k) | "dense" (every causal key, a reference path)."""
+        self._check_cached(positions, attn, indices_in, "forward_prefill")
+        B, T = x.shape[:2]
+        if hint is not None and (attn != "sparse" or T < 2):
+            raise ValueError(
+                f"hint={hint} is a hint for serving prefill chunks (attn='sparse', T > 1), got attn={attn!r}, T={T}: "
+                f"leave it None."
+            )
+        if token_rows is not None and (hint is not None or token_rows.shape != (B, T)):
+            raise ValueError(
+                f"token_rows {tuple(token_rows.shape)} addresses cache rows per token: it needs no prefill hint and "
+                f"the tokens' shape [{B}, {T}], got hint={hint}."
+            )
+        return self._run_cached(x, positions, cache, attn, indices_in, hint, token_rows)
+
+    def forward_decode(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: StageCache,
+        *,
+        indices_in: Optional[torch.Tensor] = None,
+        attn: str = "sparse",
+    ) -> torch.Tensor:
+        """One serving decode step over `cache`: x [B, 1] token ids (first stage) or hidden [B, 1, dim], positions
+        [B, 1] int64 (< 0 = an idle row). Writes each token's rows at its position and attends over the cached rows.
+        Run it under torch.no_grad(); CUDA-graph safe. indices_in: see `_begin_slot`. Returns hidden [B, 1, dim], or
+        fp32 logits [B, 1, vocab]."""
+        self._check_cached(positions, attn, indices_in, "forward_decode")
+        if x.shape[1] != 1:
+            raise ValueError(
+                f"forward_decode runs one token per row, got x of shape {tuple(x.shape)}: send chunks of several "
+                f"tokens through forward_prefill."
+            )
+        return self._run_cached(x, positions, cache, attn, indices_in)
+
+    def _check_attn_and_indices(self, attn: str, indices_in: Optional[torch.Tensor]) -> None:
+        if attn not in ATTN_MODES:
+            raise ValueError(f"attn={attn!r} is not an attention mode: use one of {ATTN_MODES}.")
         if indices_in is not None and self.incoming_source is None:
             raise ValueError(
                 "indices_in was given, but no S layer of this stage reads an earlier stage's indices "
@@ -133,89 +224,60 @@ class StageModule(nn.Module):
                 f"S layers of this stage read the indices of layer {self.incoming_source} on an earlier "
                 f"stage: pass them as indices_in [B, T, topk] int32."
             )
-        h = self.embed(x) if self.embed is not None else x
-        B, T = h.shape[:2]
-        if prefill is not None and (cache is None or attn != "sparse" or T < 2):
-            raise ValueError(
-                f"prefill={prefill} is a hint for serving prefill chunks (a cache, attn='sparse', T > 1), got "
-                f"cache={cache is not None}, attn={attn!r}, T={T}: leave it None."
-            )
-        if token_rows is not None and (cache is None or prefill is not None or token_rows.shape != (B, T)):
-            raise ValueError(
-                f"token_rows {tuple(token_rows.shape)} addresses cache rows per token: it needs a cache, no prefill "
-                f"hint and the tokens' shape [{B}, {T}], got cache={cache is not None}, prefill={prefill}."
-            )
-        causal_rows = False  # see ForwardContext.causal_rows (only dense attention reads it)
-        no_padding = positions is None
+
+    def _check_cached(self, positions, attn: str, indices_in: Optional[torch.Tensor], method: str) -> None:
+        self._check_attn_and_indices(attn, indices_in)
         if positions is None:
-            if cache is not None:
-                raise ValueError("StageModule.forward with a cache needs positions [B, T] (absolute, < 0 = padding).")
-            positions = torch.arange(T, device=h.device).expand(B, T)
-            causal_rows = True
-        elif cache is None and attn == "dense":  # caller-given positions (padding): one host sync, a rare path
-            row = torch.arange(T, device=positions.device)
-            causal_rows = bool(((positions == row) | (positions < 0)).all())
-        want_loss = self.compute_indexer_loss if compute_indexer_loss is None else compute_indexer_loss
-        if indexer_loss_in_backward is not None:
-            if attn != "sparse" or cache is not None or not (self.training and torch.is_grad_enabled()):
-                raise ValueError(
-                    f"indexer_loss_in_backward needs a training forward (train mode, grad enabled, no cache) with "
-                    f"sparse attention, got attn={attn!r}, cache={cache is not None}, training={self.training}, "
-                    f"grad={torch.is_grad_enabled()}: leave it None and read `indexer_loss` after the forward."
-                )
-            want_loss = True
-        # Distillation is stage-local: S layers reading an earlier stage's indices add nothing to any target here.
-        own = [(layer, src) for layer, src in self.sources() if src != self.incoming_source]
-        recorder = (
-            IndexerLossRecorder(own, indexer_loss_in_backward)
-            if (want_loss and self.training and cache is None)
-            else None
-        )
-        slot = cache.index_slot if cache is not None else IndexSlot()
+            raise ValueError(f"StageModule.{method} needs positions [B, T] (absolute, < 0 = padding).")
+
+    def _begin_slot(self, slot: IndexSlot, indices_in: Optional[torch.Tensor], attn: str) -> IndexSlot:
+        """`slot` begun for a new forward. indices_in int32 [B, T, topk] (no gradient), or trimmed to fewer columns
+        (`trim_indices`): the top-k indices of `self.incoming_source`, an F layer of an earlier stage, for a stage
+        built with receives_indices (required with sparse attention; dense attention reads none). The slot then
+        holds them (a serving cache's slot copies them into its static buffer)."""
         slot.begin()
-        c = self.cfg
         if indices_in is not None and attn == "sparse":
-            if indices_in.shape[-1] < c.index_topk:  # sent trimmed (`trim_indices`): the cut columns were -1
-                indices_in = F.pad(indices_in, (0, c.index_topk - indices_in.shape[-1]), value=-1)
+            topk = self.cfg.index_topk
+            if indices_in.shape[-1] < topk:  # sent trimmed (`trim_indices`): the cut columns were -1
+                indices_in = F.pad(indices_in, (0, topk - indices_in.shape[-1]), value=-1)
             slot.write(self.incoming_source, indices_in.detach())
-        rope_mla, rope_index = rope_tables(
-            positions, c.qk_rope_head_dim, c.index_rope_head_dim, c.rope_theta, c.rope_scaling
-        )
-        ctx = ForwardContext(
-            positions=positions,
-            rope_mla=rope_mla,
-            rope_index=rope_index,
-            attn=attn,
-            cache=cache,
-            index_slot=slot,
-            recorder=recorder,
-            causal_rows=causal_rows,
-            no_padding=no_padding,
-            recompute=self.recompute,
-            recompute_chunk_tokens=self.recompute_chunk_tokens,
-            prefill=prefill,
-            record_expert_load=record_expert_load,
-            token_rows=token_rows,
-        )
+        return slot
+
+    def _run_cached(self, x, positions, cache: StageCache, attn: str, indices_in, hint=None, token_rows=None):
+        """The serving forwards' common part: the context over `cache`, then the block loop."""
+        h = self.embed(x) if self.embed is not None else x
+        slot = self._begin_slot(cache.index_slot, indices_in, attn)
+        rope_mla, rope_index = self.rope_tables(positions)
+        ctx = CachedContext(positions, rope_mla, rope_index, attn, slot, cache, prefill=hint, token_rows=token_rows)
+        self.indexer_loss = None
+        return self._run_layers(h, ctx)
+
+    def _run_layers(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The block loop of every forward: h [B, T, dim] through the stage's layers over `ctx`, then norm and LM
+        head on the last stage (fp32 logits [B, T, vocab]). Leaves the next stage's indices in `indices_out`."""
         for layer in self.layers.values():
             h = layer(h, ctx)
-        self.indices_out = slot.indices if attn == "sparse" else None
-        self.indexer_loss = recorder.loss() if recorder is not None else None
+        self.indices_out = ctx.index_slot.indices if ctx.attn == "sparse" else None
         if self.head is not None:
             return self.head(self.norm(h)).float()
         return h
 
     def forward_with_indices(self, x: torch.Tensor, indices_in: Optional[torch.Tensor] = None, **kwargs):
-        """`forward` -> (its output, indices_out int32 [B, T, topk]): the indices the next stage's opening S layers
-        read (those of this stage's last F layer, or the incoming ones if it has none). Dense attention writes no
-        indices: indices_out is then -1 everywhere (same shape, so pipeline buffers keep one shape)."""
-        out = self.forward(x, indices_in=indices_in, **kwargs)
+        """`forward_train` -> (its output, `take_indices`): what the pipeline runtime sends on."""
+        out = self.forward_train(x, indices_in=indices_in, **kwargs)
+        return out, self.take_indices(out)
+
+    def take_indices(self, out: torch.Tensor) -> torch.Tensor:
+        """After a forward that returned `out` [B, T, ...]: int32 [B, T, topk], the indices the next stage's opening
+        S layers read (those of this stage's last F layer, or the incoming ones if it has none). Dense attention
+        writes no indices: they are then -1 everywhere (same shape, so pipeline buffers keep one shape). Clears
+        `indices_out`."""
         idx = self.indices_out
         if idx is None:
-            B, T = x.shape[:2]
+            B, T = out.shape[:2]
             idx = torch.full((B, T, self.cfg.index_topk), -1, dtype=torch.int32, device=out.device)
         self.indices_out = None
-        return out, idx
+        return idx
 
     def sources(self) -> List[tuple[int, int]]:
         """(layer, source) for every layer of the stage (source = itself for F layers)."""

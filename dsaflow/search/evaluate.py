@@ -17,9 +17,8 @@ import torch.nn.functional as F
 
 from dsaflow.data.batches import IGNORE
 from dsaflow.model.cache import IndexSlot
-from dsaflow.model.context import ForwardContext
+from dsaflow.model.context import TrainContext
 from dsaflow.model.roles import set_roles
-from dsaflow.model.rope import rope_tables
 from dsaflow.model.stage import StageModule
 
 Roles = Tuple[str, ...]
@@ -66,10 +65,7 @@ class PatternEvaluator:
         slot writer) from the prefix cache (ignored when start == 0). capture: filled with that state per layer."""
         B, T = x.shape
         positions = torch.arange(T, device=x.device).expand(B, T)
-        c = self.stages[0].cfg
-        rope_mla, rope_index = rope_tables(
-            positions, c.qk_rope_head_dim, c.index_rope_head_dim, c.rope_theta, c.rope_scaling
-        )
+        rope_mla, rope_index = self.stages[0].rope_tables(positions)
         h = self.stages[0].embed(x) if start == 0 else state[0]
         slot = IndexSlot()
         for stage, ids in zip(self.stages, self.layer_ids):
@@ -80,14 +76,8 @@ class PatternEvaluator:
             if 0 < start and ids[0] <= start and (start > ids[0] or self.cross_stage):  # resume where `start` lies:
                 # the slot holds what the base prefix wrote (with crossing, also what earlier stages wrote)
                 slot.indices, slot.writer = state[1], state[2]
-            ctx = ForwardContext(
-                positions=positions,
-                rope_mla=rope_mla,
-                rope_index=rope_index,
-                attn="sparse",
-                cache=None,
-                index_slot=slot,
-                recorder=None,
+            ctx = TrainContext(
+                positions=positions, rope_mla=rope_mla, rope_index=rope_index, attn="sparse", index_slot=slot
             )
             for i in ids:
                 if i < start:

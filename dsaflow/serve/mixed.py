@@ -2,8 +2,8 @@
 prompt tokens of joining rows as fit the token budget.
 
 A mixed pass of a group is a batch of one row, [1, N], each token addressed by its cache row (`Pass.token_rows`) and
-position (`StageModule.forward(token_rows=...)`, `MLA._forward_token_major`): no row is padded to another's length,
-so a pass costs its N tokens, not rows x longest chunk. Its tokens, in order:
+position (`StageModule.forward_prefill(token_rows=...)`, `MLA._forward_token_major`): no row is padded to another's
+length, so a pass costs its N tokens, not rows x longest chunk. Its tokens, in order:
 
 1. one token for every decoding row (ascending rows): its previous sampled token, swapped in on stage 0, at position
    len(prompt) + generated - 1. Decode rows are never starved: they take their tokens first, and the budget is

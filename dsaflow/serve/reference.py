@@ -49,11 +49,14 @@ def allocate_caches(stages: Stages, batch: int, max_context: int, max_tokens: in
 
 def forward(stages: Stages, caches: Caches, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """tokens [B, T] int64, positions [B, T] int64 (-1 = padding) -> fp32 logits [B, T, vocab]. Every stage writes
-    its cache rows at the given positions, then attends over what its cache holds."""
+    its cache rows at the given positions, then attends over what its cache holds: a decode step when T == 1, else
+    a prefill pass."""
     h, indices = tokens, None
     for s, stage in stages.items():
         received = indices if stage.incoming_source is not None else None  # cross-stage indices, if it reads them
-        h, indices = stage.forward_with_indices(h, received, positions=positions, cache=caches[s])
+        run = stage.forward_decode if tokens.shape[1] == 1 else stage.forward_prefill
+        h = run(h, positions, caches[s], indices_in=received)
+        indices = stage.take_indices(h)
     return h
 
 

@@ -1,7 +1,7 @@
 """Auxiliary-loss-free expert balancing across a rank's stages, and the expert-load metrics.
 
 During a step, every training microbatch forward adds its routed-token counts to its MoE layers' `expert_load`
-(`ForwardContext.record_expert_load`, set by `TrainStage` for real microbatches only). After the optimizer step each
+(`TrainContext.record_expert_load`, set by `TrainStage` for real microbatches only). After the optimizer step each
 layer's selection bias moves by `model.moe.bias_update_rate * sign(mean load - load)` over the whole step's counts
 (DeepSeek-V3), and the counts clear. The load balance of the step, max / mean and min / mean per MoE layer, rides
 the step's one metrics all-reduce: no extra host sync.

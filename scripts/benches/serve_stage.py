@@ -162,9 +162,11 @@ def run_row(args, stage, specs, device, dtype, kind: str, batch: int, context: i
         x = torch.randn(batch, T, cfg.model.dim, device=device, dtype=dtype)
         positions = torch.arange(context - T, context, device=device).expand(batch, T).contiguous()
 
+        run = stage.forward_prefill if kind == "prefill" else stage.forward_decode
+
         def step():
             with torch.no_grad():
-                stage(x, positions, cache)
+                run(x, positions, cache)
 
         if kind == "decode":
             row["weight_bytes_read"] = decode_weight_bytes(stage, step)
