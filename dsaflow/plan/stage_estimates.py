@@ -53,138 +53,137 @@ def dp_shards(pipeline: PipelinePlan) -> int:
     return pipeline.dp if pipeline.dp_shard else 1
 
 
-def build_estimates(
-    cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan], pipeline: PipelinePlan
+def _stage_estimate(
+    cfg, ls: Sequence[LayerPlan], st: StagePlan, is_last: bool, pipeline: PipelinePlan, tokens: int
 ) -> Dict[str, Any]:
-    m = cfg.model
-    L_save, L_kv = cfg.estimate_context, m.max_seq_len
-    seq = cfg.train.seq_len if cfg.mode == "train" else cfg.serve.prefill_chunk
-    tokens = microbatch_tokens(cfg, pipeline)
-    seqs_per_mb = max(1, tokens // seq)
-    ctx = cost_context(cfg)
+    """One stage's entry of `stages`: its layers `ls`, parameters, FLOPs, KV cache, activations and memory."""
+    m, L_save = cfg.model, cfg.estimate_context
+    roles, indices = [l.role for l in ls], [l.index for l in ls]
+    is_first = st.index == 0
+    n_f = roles.count("F")
+    n_s = len(ls) - n_f
+    moe = [is_moe_layer(m, i) for i in indices]
+    params = sum(E.layer_params(m, r, x) for r, x in zip(roles, moe))
+    active = sum(E.layer_params(m, r, x, active=True) for r, x in zip(roles, moe))
+    cost = sum(E.layer_forward_flops_per_token(m, r, cost_context(cfg), x) for r, x in zip(roles, moe))
     recompute = str(cfg.train.recompute) if cfg.mode == "train" else "none"
-    last = len(stages) - 1
-    per_stage: List[Dict[str, Any]] = []
-    for st in stages:
-        ls = [layers[i] for i in st.layers]
-        n_f = sum(l.role == "F" for l in ls)
-        n_s = len(ls) - n_f
-        moe = [is_moe_layer(m, l.index) for l in ls]
-        params = sum(E.layer_params(m, l.role, x) for l, x in zip(ls, moe))
-        active = sum(E.layer_params(m, l.role, x, active=True) for l, x in zip(ls, moe))
-        cost = sum(E.layer_forward_flops_per_token(m, l.role, ctx, x) for l, x in zip(ls, moe))
-        act = sum(E.activation_bytes_per_token(m, l.role, recompute, moe=x) for l, x in zip(ls, moe))
-        act += E.rope_table_bytes_per_token(m)
-        act += E.head_activation_bytes_per_token(m) if st.index == last else E.stage_output_bytes_per_token(m)
-        act *= tokens
-        if st.index == 0:
-            params += E.embed_params(m)
-            active += E.embed_params(m)
-        if st.index == last:
-            params += E.head_params(m)
-            active += E.head_params(m)
-            cost += E.head_forward_flops_per_token(m)
-        in_flight = microbatches_in_flight(st.index, st.rank, pipeline)
-        memory = (
-            train_memory_terms(
-                cfg,
-                [l.role for l in ls],
-                st.index == 0,
-                st.index == last,
-                tokens,
-                in_flight,
-                pipeline.microbatches,
-                layer_indices=[l.index for l in ls],
-                shards=dp_shards(pipeline),
-            )
-            if cfg.mode == "train"
-            else {}
+    act = sum(E.activation_bytes_per_token(m, r, recompute, moe=x) for r, x in zip(roles, moe))
+    act += E.rope_table_bytes_per_token(m)
+    act += E.head_activation_bytes_per_token(m) if is_last else E.stage_output_bytes_per_token(m)
+    act *= tokens
+    ends = (E.embed_params(m) if is_first else 0) + (E.head_params(m) if is_last else 0)
+    params, active = params + ends, active + ends
+    cost += E.head_forward_flops_per_token(m) if is_last else 0
+    in_flight = microbatches_in_flight(st.index, st.rank, pipeline)
+    memory = {}
+    if cfg.mode == "train":
+        memory = train_memory_terms(
+            cfg,
+            roles,
+            is_first,
+            is_last,
+            tokens,
+            in_flight,
+            pipeline.microbatches,
+            layer_indices=indices,
+            shards=dp_shards(pipeline),
         )
-        per_stage.append(
-            {
-                "index": st.index,
-                "rank": st.rank,
-                "num_layers": len(ls),
-                "f_layers": n_f,
-                "s_layers": n_s,
-                "promoted": sum(l.promoted for l in ls),
-                "params": params,
-                # the parameters one token runs (a MoE layer's chosen experts only), embedding and head included
-                "active_params": active,
-                "moe_layers": sum(moe),
-                "indexer_params_saved": n_s * E.indexer_params(m),
-                "indexer_flops_saved_per_token": n_s * E.indexer_flops_per_query(m, L_save),
-                "indexer_flops_saved_prefill": n_s * E.indexer_flops_prefill(m, L_save),
-                "indexer_flops_per_token": n_f * E.indexer_flops_per_query(m, L_save),
-                "kv_cache_bytes_per_token": sum(E.kv_bytes_per_token(m, l.role) for l in ls),
-                "kv_cache_bytes_per_seq": sum(E.kv_bytes_per_token(m, l.role) for l in ls) * L_kv,
-                # what a serving engine allocates: serve.max_batch sequences of serve.max_context tokens
-                "kv_cache_bytes_serve": sum(E.kv_bytes_per_token(m, l.role) for l in ls)
-                * cfg.serve.max_batch
-                * cfg.serve.max_context,
-                "activation_bytes_per_microbatch": act,
-                "microbatches_in_flight": in_flight,
-                "activation_bytes_peak": act * in_flight,
-                # training on a GPU under bf16 autocast, by term (dsaflow.plan.memory); {} when serving
-                "train_memory_bytes": memory,
-                # serving on a GPU in serve.weights' format, by term (dsaflow.plan.serve_memory); {} when training
-                "serve_memory_bytes": (
-                    serve_memory_terms(
-                        cfg,
-                        [l.role for l in ls],
-                        [l.index for l in ls],
-                        st.index == 0,
-                        st.index == last,
-                        serve_width(str(cfg.serve.dtype)),
-                    )
-                    if cfg.mode == "serve"
-                    else {}
-                ),
-                "train_peak_bytes": sum(memory.values()),
-                "forward_flops_per_token": cost,
-            }
-        )
-    boundaries = []
-    for st, nxt in zip(stages, stages[1:]):
-        first = layers[nxt.layers[0]]
-        boundaries.append(
-            {
-                "after_stage": st.index,
-                "first_layer": first.index,
-                "declared": first.declared,
-                "promoted": first.promoted,
-                # Sending the previous stage's indices would let a promoted layer stay S; these are the two sides.
-                "index_payload_bytes_per_microbatch": E.index_payload_bytes(m, tokens, seq),
-                "recompute_indexer_flops_per_microbatch": seqs_per_mb * E.indexer_flops_prefill(m, seq),
-                "index_payload_bytes_per_decode_token": E.index_payload_bytes(m, 1, L_save),
-                "recompute_indexer_flops_per_decode_token": E.indexer_flops_per_query(m, L_save),
-                "recompute_indexer_params": E.indexer_params(m),
-            }
-        )
-    # serving: each rank's KV tokens that fit on plan.device_memory_gib (and the stages' serve_* fields)
-    serve = serve_estimates(cfg, layers, stages, per_stage) if cfg.mode == "serve" else None
-    costs = [s["forward_flops_per_token"] for s in per_stage]
+    serve_memory = {}
+    if cfg.mode == "serve":
+        serve_memory = serve_memory_terms(cfg, roles, indices, is_first, is_last, serve_width(str(cfg.serve.dtype)))
+    kv_per_token = sum(E.kv_bytes_per_token(m, r) for r in roles)
+    return {
+        "index": st.index,
+        "rank": st.rank,
+        "num_layers": len(ls),
+        "f_layers": n_f,
+        "s_layers": n_s,
+        "promoted": sum(l.promoted for l in ls),
+        "params": params,
+        # the parameters one token runs (a MoE layer's chosen experts only), embedding and head included
+        "active_params": active,
+        "moe_layers": sum(moe),
+        "indexer_params_saved": n_s * E.indexer_params(m),
+        "indexer_flops_saved_per_token": n_s * E.indexer_flops_per_query(m, L_save),
+        "indexer_flops_saved_prefill": n_s * E.indexer_flops_prefill(m, L_save),
+        "indexer_flops_per_token": n_f * E.indexer_flops_per_query(m, L_save),
+        "kv_cache_bytes_per_token": kv_per_token,
+        "kv_cache_bytes_per_seq": kv_per_token * m.max_seq_len,
+        # what a serving engine allocates: serve.max_batch sequences of serve.max_context tokens
+        "kv_cache_bytes_serve": kv_per_token * cfg.serve.max_batch * cfg.serve.max_context,
+        "activation_bytes_per_microbatch": act,
+        "microbatches_in_flight": in_flight,
+        "activation_bytes_peak": act * in_flight,
+        # training on a GPU under bf16 autocast, by term (dsaflow.plan.memory); {} when serving
+        "train_memory_bytes": memory,
+        # serving on a GPU in serve.weights' format, by term (dsaflow.plan.serve_memory); {} when training
+        "serve_memory_bytes": serve_memory,
+        "train_peak_bytes": sum(memory.values()),
+        "forward_flops_per_token": cost,
+    }
+
+
+def _boundary_estimate(cfg, st: StagePlan, first: LayerPlan, tokens: int, seq: int) -> Dict[str, Any]:
+    """The boundary after stage `st`, whose next stage opens with layer `first`: what sending the previous stage's
+    indices (which would let a promoted layer stay S) costs against recomputing them; these are the two sides."""
+    m, L_save = cfg.model, cfg.estimate_context
+    return {
+        "after_stage": st.index,
+        "first_layer": first.index,
+        "declared": first.declared,
+        "promoted": first.promoted,
+        "index_payload_bytes_per_microbatch": E.index_payload_bytes(m, tokens, seq),
+        "recompute_indexer_flops_per_microbatch": max(1, tokens // seq) * E.indexer_flops_prefill(m, seq),
+        "index_payload_bytes_per_decode_token": E.index_payload_bytes(m, 1, L_save),
+        "recompute_indexer_flops_per_decode_token": E.indexer_flops_per_query(m, L_save),
+        "recompute_indexer_params": E.indexer_params(m),
+    }
+
+
+def _totals(cfg, layers: Sequence[LayerPlan], per_stage: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """The whole model's sums over its stages and layers."""
+    m, L_save = cfg.model, cfg.estimate_context
     n_f_all = sum(l.role == "F" for l in layers)
     n_s_all = len(layers) - n_f_all
     return {
-        "savings_context": L_save,
-        "kv_context": L_kv,
+        "params": sum(s["params"] for s in per_stage),
+        "active_params": sum(s["active_params"] for s in per_stage),
+        "f_layers": n_f_all,
+        "s_layers": n_s_all,
+        "promoted": sum(l.promoted for l in layers),
+        "indexer_flops_saved_per_token": n_s_all * E.indexer_flops_per_query(m, L_save),
+        "indexer_flops_all_full_per_token": len(layers) * E.indexer_flops_per_query(m, L_save),
+        "sparse_attn_flops_per_token": len(layers) * E.sparse_attn_flops_per_query(m, L_save),
+        "kv_cache_bytes_per_seq": sum(s["kv_cache_bytes_per_seq"] for s in per_stage),
+    }
+
+
+def build_estimates(
+    cfg, layers: Sequence[LayerPlan], stages: Sequence[StagePlan], pipeline: PipelinePlan
+) -> Dict[str, Any]:
+    """The plan's `estimates` object: per stage, per boundary, the totals, the cost balance and (serve mode) the KV
+    tokens that fit."""
+    seq = cfg.train.seq_len if cfg.mode == "train" else cfg.serve.prefill_chunk
+    tokens = microbatch_tokens(cfg, pipeline)
+    last = len(stages) - 1
+    per_stage = [
+        _stage_estimate(cfg, [layers[i] for i in st.layers], st, st.index == last, pipeline, tokens) for st in stages
+    ]
+    boundaries = [
+        _boundary_estimate(cfg, st, layers[nxt.layers[0]], tokens, seq) for st, nxt in zip(stages, stages[1:])
+    ]
+    # serving: each rank's KV tokens that fit on plan.device_memory_gib (and the stages' serve_* fields)
+    serve = serve_estimates(cfg, layers, stages, per_stage) if cfg.mode == "serve" else None
+    costs = [s["forward_flops_per_token"] for s in per_stage]
+    return {
+        "savings_context": cfg.estimate_context,
+        "kv_context": cfg.model.max_seq_len,
         "microbatch_tokens": tokens,
         "microbatch_seq_len": seq,
-        "cost_context": ctx,
+        "cost_context": cost_context(cfg),
         "stages": per_stage,
         "boundaries": boundaries,
-        "total": {
-            "params": sum(s["params"] for s in per_stage),
-            "active_params": sum(s["active_params"] for s in per_stage),
-            "f_layers": n_f_all,
-            "s_layers": n_s_all,
-            "promoted": sum(l.promoted for l in layers),
-            "indexer_flops_saved_per_token": n_s_all * E.indexer_flops_per_query(m, L_save),
-            "indexer_flops_all_full_per_token": len(layers) * E.indexer_flops_per_query(m, L_save),
-            "sparse_attn_flops_per_token": len(layers) * E.sparse_attn_flops_per_query(m, L_save),
-            "kv_cache_bytes_per_seq": sum(s["kv_cache_bytes_per_seq"] for s in per_stage),
-        },
+        "total": _totals(cfg, layers, per_stage),
         "balance": (max(costs) / (sum(costs) / len(costs))) if costs else 1.0,
         "serve": serve,
         "assumptions": (
