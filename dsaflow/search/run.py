@@ -176,6 +176,62 @@ def _md_table(rows: List[dict], starts) -> str:
     return "\n".join(out) + "\n"
 
 
+def _search_target(s, L: int, fixed: Tuple[int, ...], cross: bool, n_stages: int) -> int:
+    """The F count the search stops at: search.target_f, else round(search.ratio * L), never below the kept F
+    layers `fixed`. Raises PlanError (naming the field and the fix) for a ratio or target out of range."""
+    if s.target_f is not None:
+        target = s.target_f
+    else:
+        if not 0 < s.ratio <= 1:
+            raise PlanError(f"search.ratio={s.ratio}: must lie in (0, 1]. Fix: e.g. search.ratio=0.25.")
+        target = max(len(fixed), round(s.ratio * L))
+    if not len(fixed) <= target <= L:
+        kept = "layer 0 stays F" if cross else f"each of the {n_stages} stages keeps its first layer F"
+        raise PlanError(
+            f"search.target_f={target}: must lie in {len(fixed)}..{L} ({kept}). Fix: choose a target in that range"
+            + ("." if cross else ", or pipeline.cross_stage_indices=true to let stages open on S.")
+        )
+    return target
+
+
+def _steps_csv(steps: List[Step], L: int, starts) -> str:
+    """search.csv: one row per step of the greedy search."""
+    table = io.StringIO(newline="")
+    w = csv.writer(table)
+    w.writerow(["step", "removed_layer", "num_f", "f_ratio", "calib_loss", "calib_acc", "layout"])
+    for st in steps:
+        removed, acc = "" if st.removed is None else st.removed, "" if math.isnan(st.acc) else f"{st.acc:.4f}"
+        w.writerow(
+            [
+                st.step,
+                removed,
+                st.num_f,
+                f"{st.num_f / L:.4f}",
+                f"{st.loss:.6f}",
+                acc,
+                format_layout(tuple(st.roles), starts),
+            ]
+        )
+    return table.getvalue()
+
+
+def _write_eval(out, s, run_cfg, ckpt, evaluator_of, steps: List[Step], starts, fixed) -> List[dict]:
+    """Score all-F, uniform and searched patterns on search.eval_batches (`s.eval_batches`) held-out batches into
+    out/eval.json and out/eval.md -> the table's rows ([] without eval batches). evaluator_of(batches): a
+    PatternEvaluator of the searched model on those batches."""
+    if not s.eval_batches:
+        return []
+    vb, _ = _batches(run_cfg, s.eval_batches, calib=False)
+    rows = eval_table(evaluator_of(vb), steps, starts, s.eval_ratios, fixed)
+    if run_cfg.data.kind == "text":  # byte tokens: bits per byte = nats per byte / ln 2
+        for r in rows:
+            r["bpb"] = r["loss"] / math.log(2)
+    record = {"checkpoint": str(ckpt), "eval_batches": s.eval_batches, "rows": rows}
+    atomic_write(out / "eval.json", json.dumps(record, indent=2) + "\n")
+    atomic_write(out / "eval.md", _md_table(rows, starts))
+    return rows
+
+
 def run_search(cfg) -> int:
     """The `dsaflow search` command (parent process, no torchrun). Returns 0."""
     from dsaflow.pipeline.devices import resolve_device_type
@@ -189,94 +245,50 @@ def run_search(cfg) -> int:
     dev = torch.device(resolve_device_type(s.device))
     torch.set_num_threads(max(1, cfg.train.cpu_threads)) if dev.type == "cpu" else None
     run_cfg, plan, stages, ckpt = load_search_model(cfg, dev)
-    L = plan.num_layers
-    starts = stage_starts_of(plan)
-    cross = bool(cfg.pipeline.cross_stage_indices)
+    L, starts, cross = plan.num_layers, stage_starts_of(plan), bool(cfg.pipeline.cross_stage_indices)
     fixed = kept_f(plan, cross)
-    if s.target_f is not None:
-        target = s.target_f
-    else:
-        if not 0 < s.ratio <= 1:
-            raise PlanError(f"search.ratio={s.ratio}: must lie in (0, 1]. Fix: e.g. search.ratio=0.25.")
-        target = max(len(fixed), round(s.ratio * L))
-    if not len(fixed) <= target <= L:
-        kept = "layer 0 stays F" if cross else f"each of the {len(starts)} stages keeps its first layer F"
-        raise PlanError(
-            f"search.target_f={target}: must lie in {len(fixed)}..{L} ({kept}). Fix: choose a target in that range"
-            + ("." if cross else ", or pipeline.cross_stage_indices=true to let stages open on S.")
-        )
-    eval_targets = [max(len(fixed), round(r * L)) for r in s.eval_ratios]
-    floor = min([target] + eval_targets)  # search far enough for every ratio of the eval table
+    target = _search_target(s, L, fixed, cross, len(starts))
+    floor = min([target] + [max(len(fixed), round(r * L)) for r in s.eval_ratios])  # far enough for the eval table
     # its own folder, which may sit in the run dir (the default), never onto the run's files or a checkpoint
     out = check_output_dir(
         "search.out_dir", s.out_dir or ckpt.parent.parent / "search", {"checkpoint": str(ckpt)}, True
     )
     out.mkdir(parents=True, exist_ok=True)
+    t = run_cfg.train
     header = {
         "checkpoint": str(ckpt.resolve()),
         "stage_starts": list(starts),
         "num_layers": L,
         "calib_batches": s.calib_batches,
-        "seq_len": run_cfg.train.seq_len,
-        "batch_size": run_cfg.train.batch_size,
-        "seed": run_cfg.train.seed,
+        "seq_len": t.seq_len,
+        "batch_size": t.batch_size,
+        "seed": t.seed,
         "data": run_cfg.data.name,
     }
     if cross:  # only then: logs of searches without crossing keep their header
         header["cross_stage_indices"] = True
     log = SearchLog(out / "search.jsonl", header, restart=s.restart)
     kept = "only layer 0 kept F: cross-stage indices" if cross else "kept F"
+    batches_said = f"{s.calib_batches} calibration batches of {t.batch_size}x{t.seq_len}"
     print(
-        f"search: {L} layers, stages start at {list(starts)} ({kept}), target {target} F "
-        f"({target / L:.2f}), {s.calib_batches} calibration batches of {run_cfg.train.batch_size}x"
-        f"{run_cfg.train.seq_len} on {dev.type}; log {out / 'search.jsonl'}",
+        f"search: {L} layers, stages start at {list(starts)} ({kept}), target {target} F ({target / L:.2f}), "
+        f"{batches_said} on {dev.type}; log {out / 'search.jsonl'}",
         flush=True,
     )
     t0 = time.perf_counter()
     batches, nq = _batches(run_cfg, s.calib_batches, calib=True)
-    ev = PatternEvaluator(stages, batches, dev, nq, cross_stage=cross)
+    evaluator_of = lambda b: PatternEvaluator(stages, b, dev, nq, cross_stage=cross)
+    ev = evaluator_of(batches)
     steps = greedy_search(ev, fixed, floor, log, report=lambda m: print(m, flush=True))
     search_s = time.perf_counter() - t0
-    chosen = next(st for st in steps if st.num_f == target) if any(st.num_f == target for st in steps) else steps[-1]
-    table = io.StringIO(newline="")
-    w = csv.writer(table)
-    w.writerow(["step", "removed_layer", "num_f", "f_ratio", "calib_loss", "calib_acc", "layout"])
-    for st in steps:
-        w.writerow(
-            [
-                st.step,
-                "" if st.removed is None else st.removed,
-                st.num_f,
-                f"{st.num_f / L:.4f}",
-                f"{st.loss:.6f}",
-                "" if math.isnan(st.acc) else f"{st.acc:.4f}",
-                format_layout(tuple(st.roles), starts),
-            ]
-        )
-    atomic_write(out / "search.csv", table.getvalue())
-    png_note = write_search_png(
-        out / "search.png",
-        [st.num_f for st in steps],
-        [st.loss for st in steps],
-        [st.removed for st in steps],
-        f"IndexCache greedy search: {ckpt.parent.parent.name}\n{L} layers, "
-        f"{s.calib_batches} calibration batches of {run_cfg.train.batch_size}x"
-        f"{run_cfg.train.seq_len}",
-    )
+    chosen = next((st for st in steps if st.num_f == target), steps[-1])
+    atomic_write(out / "search.csv", _steps_csv(steps, L, starts))
+    title = f"IndexCache greedy search: {ckpt.parent.parent.name}\n{L} layers, {batches_said}"
+    steps_f, losses, removed = [st.num_f for st in steps], [st.loss for st in steps], [st.removed for st in steps]
+    png_note = write_search_png(out / "search.png", steps_f, losses, removed, title)
     if png_note:
         print(f"search: note: {png_note}", file=sys.stderr, flush=True)
-    rows: List[dict] = []
-    if s.eval_batches:
-        vb, _ = _batches(run_cfg, s.eval_batches, calib=False)
-        rows = eval_table(PatternEvaluator(stages, vb, dev, nq, cross_stage=cross), steps, starts, s.eval_ratios, fixed)
-        if run_cfg.data.kind == "text":  # byte tokens: bits per byte = nats per byte / ln 2
-            for r in rows:
-                r["bpb"] = r["loss"] / math.log(2)
-        atomic_write(
-            out / "eval.json",
-            json.dumps({"checkpoint": str(ckpt), "eval_batches": s.eval_batches, "rows": rows}, indent=2) + "\n",
-        )
-        atomic_write(out / "eval.md", _md_table(rows, starts))
+    rows = _write_eval(out, s, run_cfg, ckpt, evaluator_of, steps, starts, fixed)
     layout = format_layout(tuple(chosen.roles), starts)
     atomic_write(out / "layout.txt", layout + "\n")
     wrote = ", ".join(["search.csv"] + ([] if png_note else ["search.png"]) + (["eval.md"] if rows else []))
