@@ -99,6 +99,15 @@ def dp1(dp2, tmp_path_factory):
 # this is the summation order, not the sharding), against 1e-5 and about 1e-8 across pipeline layouts.
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-5
 INDEXER_LOSS_ATOL, INDEXER_GRAD_RTOL = 3e-8, 5e-5
+# A gradient relative to its own norm is the wrong yardstick where that norm is a small difference of large terms
+# (a norm weight's gradient sums dy * x over every token, with both signs: layer 7's q_norm one step after a
+# checkpoint is 1e-7 of the clipped total). Reassociating a sum of fp32 terms moves it by about sqrt(n) * u *
+# (their magnitude), u = 2^-24; here n = 4 microbatch partials, each bounded by the step's gradient norm G (the
+# clipped global norm, 1 with grad_clip=1), so sqrt(4) * u * G; step 1 adds step 0's update difference, which
+# Adam passes on at most 1:1 in relative terms (d(g / (|g| + eps)) / dg * |g| <= 1), so twice that: each tensor may
+# differ by GRAD_RTOL of its own norm plus 4 * u * G. Measured: at most 6e-10 * G (a bug, such as a replica's
+# gradient dropped or counted twice, moves a tensor by a fair part of its norm, 1e-7 * G and up).
+REASSOCIATION_FLOOR = 4 * 2.0**-24
 
 
 def _assert_same(ref, got, label):
@@ -115,10 +124,14 @@ def _assert_same(ref, got, label):
         r, g = ref["grads"][step], got["grads"][step]
         assert g.keys() == r.keys(), f"{label} step {step}: {sorted(set(g) ^ set(r))[:4]}"
         assert any(g[k].abs().sum() > 0 for k in r if ".attn.indexer." in k), f"{label}: no indexer gradient"
+        floor = REASSOCIATION_FLOOR * torch.sqrt(sum(t.double().norm() ** 2 for t in r.values())).item()
         for k in r:
-            err = (g[k] - r[k]).norm() / r[k].norm().clamp_min(1e-12)
-            tol = INDEXER_GRAD_RTOL if ".attn.indexer." in k else GRAD_RTOL
-            assert err < tol, f"{label} step {step} {k}: relative gradient error {err:.2e}"
+            err, norm = (g[k] - r[k]).norm().item(), r[k].norm().item()
+            rtol = INDEXER_GRAD_RTOL if ".attn.indexer." in k else GRAD_RTOL
+            assert err <= rtol * norm + floor, (
+                f"{label} step {step} {k}: gradient error {err:.2e}, {err / max(norm, 1e-30):.2e} of its norm "
+                f"{norm:.2e} (allowed {rtol:.0e} of it + {floor:.1e})"
+            )
 
 
 @pytest.mark.slow
