@@ -2,7 +2,8 @@
 
 - one FP8 projection against its fp32 weights within the bound e4m3 rounding gives (below), a converted stage's
   logits against the unconverted stage's on the same weights;
-- a trained tiny_moe: greedy tokens with FP8 weights equal the fp32 weights' on at least 30 of 32 prompts;
+- a trained tiny_moe: greedy tokens with FP8 weights equal the fp32 weights' wherever the fp32 top-1 margin exceeds
+  what FP8 moves the logits by, and a typical position's logits move by less than one e4m3 rounding (2^-4);
 - an FP8 Hugging Face checkpoint keeps its e4m3 bytes and scales as stored, and `dsaflow generate` serves it;
 - the planner's weight bytes equal the converted modules' bytes;
 - an FP8 checkpoint whose packed experts cannot keep their stored scales exits 2, naming the tensor.
@@ -23,7 +24,7 @@ import random
 import pytest
 import torch
 from test_moe_serve import MOE_MODEL
-from test_serve_pipelined import SERVE, train_checkpoint, workload
+from test_serve_pipelined import SERVE, shared_checkpoint, workload
 
 from dsaflow.cli import main
 from dsaflow.config.compose import compose
@@ -73,7 +74,7 @@ def test_a_moved_fp8_module_keeps_its_bytes():
     assert torch.equal(fp8.weight.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(fp8.weight_scale_inv, s)
 
 
-PASSAGE_BYTES = 256  # the passage the model learns by heart
+PASSAGE_BYTES = 256  # the text the prompts are cut from (tests/test_fp8_serve_gpu.py trains on it by heart)
 
 
 def passage() -> bytes:
@@ -81,14 +82,6 @@ def passage() -> bytes:
     return bytes(b if b < 128 else 32 for b in open(os.path.join(REPO, "docs", "training.md"), "rb").read())[
         :PASSAGE_BYTES
     ]
-
-
-def train_on_passage(root):
-    """tiny_moe trained (150 steps, as the other serving tests train) on one passage repeated, which it learns by
-    heart (loss about 0.08): it continues the passage with clear margins between its top two logits, as a trained
-    language model does on most tokens, so FP8 rounding meets few near-ties -> the run dir."""
-    (root / "passage.txt").write_bytes(passage() * 80)
-    return train_checkpoint(root / "run", "model=tiny_moe", f"data.path={root / 'passage.txt'}")
 
 
 def passage_prompts(n: int = 32, seed: int = 1) -> list:
@@ -101,7 +94,8 @@ def passage_prompts(n: int = 32, seed: int = 1) -> list:
 
 @pytest.fixture(scope="module")
 def trained_moe(tmp_path_factory):
-    return train_on_passage(tmp_path_factory.mktemp("trained_moe_fp8"))
+    """tiny_moe trained briefly on a doc (the checkpoint test_moe_serve.py serves, made once per session)."""
+    return shared_checkpoint(tmp_path_factory, "model=tiny_moe")
 
 
 def _serve_cfg(run, weights, pipeline="single"):
@@ -139,11 +133,28 @@ def test_a_converted_stage_matches_the_unconverted_one(trained_moe):
     assert cos.min() > 0.99 and rel < 0.1, (cos.min().item(), rel)
 
 
+# Per generated position, ||fp8 logits - fp32 logits|| / ||fp32 logits|| for the median position. e4m3 moves each
+# weight and activation by at most 2^-4 of itself (half a unit in the last of 3 mantissa bits); rounding errors
+# that are independent across the K terms of a dot product leave its result off by an RMS of at most
+# sqrt(2) * 2^-4 / sqrt(3) ~= 0.05 of the terms' scale (two operands, each uniform within +-2^-4 relative), and
+# the residual stream carries each layer's FP8 branch next to its exact input, so the logits of a typical position
+# move by less than one rounding, 2^-4. The median leaves out the few positions where a rounding flips a discrete
+# choice (a MoE layer's experts, the indexer's top-k keys), which moves the logits by more than any rounding bound
+# and depends on the model's weights, not on the arithmetic. A wrong scale or layout moves them by 1 or more.
+FP8_MEDIAN_RELATIVE_LOGIT_ERROR = 2.0**-4
+# The engines' logits and the stages' (used for the margins and errors below) are the same fp32 arithmetic in
+# another order (cached decode, chunked prefill): they differ by about sqrt(n) * 2^-24 per reduction of n terms,
+# far below 1e-4 of the largest logit over the few dozen reductions on a token's path.
+REORDER_SLACK = 1e-4
+
+
 def test_greedy_tokens_with_fp8_weights_equal_full_precision(trained_moe):
-    """32 prompts cut from the learned passage (16 to 48 bytes), 8 new tokens each: FP8 weights give the fp32
-    weights' greedy tokens on at least 30 (on CPU: all 32, the smallest top-2 margin about 3 logits), and next-token
-    logits with cosine similarity above 0.999. A prompt that differs may only differ at a near-tie: where the fp32
-    weights' top two logits are closer than twice the FP8 logits' largest error there."""
+    """32 prompts, 8 new tokens each, served by the engine with FP8 weights and with fp32 weights. Where the two
+    first differ (position j, same context before it) the fp32 logits la and the FP8 logits lb of that context
+    must have a near-tie: FP8 picked b != a = argmax la, so la[a] - la[b] <= (la[a] - lb[a]) + (lb[b] - la[b]) <=
+    2 max|la - lb| (plus REORDER_SLACK for the engine's fp32 order). Everywhere else the tokens must agree, which
+    this checks without a threshold on how many: that count depends on how confident the trained model is. What
+    FP8 does to the logits is bounded separately (FP8_MEDIAN_RELATIVE_LOGIT_ERROR)."""
     prompts = passage_prompts()
     limits = [8] * len(prompts)
     runs = {}
@@ -153,27 +164,27 @@ def test_greedy_tokens_with_fp8_weights_equal_full_precision(trained_moe):
         eng.capture()
         runs[weights] = eng.generate(prompts, limits)
     ref, fp8 = _stage(trained_moe, "bf16"), _stage(trained_moe, "fp8")
-    same, cos, ties = 0, [], []
+    same, rel, ties = 0, [], []
     with torch.no_grad():
         for p, a, b in zip(prompts, runs["bf16"], runs["fp8"]):
+            seen = torch.tensor([p + a])  # the fp32 continuation: logits of every generated position at once
+            la, lb = ref(seen)[0, len(p) - 1 : -1], fp8(seen)[0, len(p) - 1 : -1]
+            rel.append((la - lb).norm(dim=-1) / la.norm(dim=-1))
             j = next((i for i in range(len(a)) if a[i] != b[i]), len(a))
-            seen = torch.tensor([p + a[:j]])
-            la, lb = ref(seen)[0, -1], fp8(seen)[0, -1]
-            cos.append(_cosines(la[None], lb[None]))
             if j == len(a):
                 same += 1
                 continue
-            margin, error = (la[a[j]] - la[b[j]]).item(), (la - lb).abs().max().item()
-            ties.append((margin, error))
-    cos = torch.cat(cos)
+            margin, error = (la[j, a[j]] - la[j, b[j]]).item(), (la[j] - lb[j]).abs().max().item()
+            ties.append((margin, error, REORDER_SLACK * la[j].abs().max().item()))
+    rel = torch.cat(rel)
     msg = (
-        f"{same} of 32 prompts' greedy tokens equal; next-token logits cosine mean {cos.mean():.5f}, min "
-        f"{cos.min():.5f}; at each first difference (fp32 top-2 margin, FP8 max logit error): "
-        + ", ".join(f"({m:.3f}, {e:.3f})" for m, e in ties)
+        f"{same} of 32 prompts' greedy tokens equal; relative logit error median {rel.median():.4f}, max "
+        f"{rel.max():.4f}; at each first difference (fp32 top-2 margin, FP8 max logit error): "
+        + ", ".join(f"({m:.3f}, {e:.3f})" for m, e, _ in ties)
     )
     print(msg)
-    assert same >= 30 and cos.mean() > 0.999, msg
-    assert all(m <= 2 * e for m, e in ties), msg
+    assert all(m <= 2 * e + slack for m, e, slack in ties), msg
+    assert 0 < rel.median() < FP8_MEDIAN_RELATIVE_LOGIT_ERROR, msg
 
 
 def test_fp8_serving_runs_through_pp2_with_gloo(trained_moe, tmp_path):
