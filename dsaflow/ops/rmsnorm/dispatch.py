@@ -13,14 +13,19 @@ from __future__ import annotations
 import torch
 
 from ..kernel_table import Choice, walk
-from .triton_rmsnorm import rms_norm_supports
 
 
 def _reference_rule(x, weight):
     return f"device {x.device.type} runs the kernels" if x.is_cuda else None
 
 
-KERNELS = (("reference", _reference_rule), ("triton_rmsnorm", rms_norm_supports))
+def _triton_rule(x, weight):
+    from .triton_rmsnorm import rms_norm_supports  # imports triton: only where a kernel may run (CUDA tensors)
+
+    return rms_norm_supports(x, weight)
+
+
+KERNELS = (("reference", _reference_rule), ("triton_rmsnorm", _triton_rule))
 
 
 def explain_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> Choice:

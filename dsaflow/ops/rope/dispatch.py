@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from ..kernel_table import Choice, walk
-from .triton_rope import rope_supports
 
 
 def _reference_rule(x, cos, sin, rope_dim, out):
@@ -29,6 +28,8 @@ def _identity_rule(x, cos, sin, rope_dim, out):
 
 
 def _triton_rule(x, cos, sin, rope_dim, out):
+    from .triton_rope import rope_supports  # imports triton: only where a kernel may run (CUDA tensors)
+
     return rope_supports(x, cos, sin, rope_dim)
 
 

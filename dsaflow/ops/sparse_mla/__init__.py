@@ -14,11 +14,7 @@ import torch
 from ..kernel_table import chosen, describe
 from .determinism import deterministic, is_deterministic, set_deterministic
 from .dispatch import ENV_KERNEL, explain_sparse_mla, forced_kernels, normalised
-from .function import SparseMLAFunction
-from .hopper_seesaw import sparse_mla_fwd_hopper
 from .naive import sparse_mla_naive
-from .triton_decode import sparse_mla_decode_triton
-from .triton_prefill import sparse_mla_fwd_triton
 
 
 def sparse_mla(
@@ -68,12 +64,11 @@ def sparse_mla(
             return _empty_result(q, kv, indices, sm_scale, d_v)
         out, lse = _empty_result(q, kv, indices, sm_scale, d_v)
     elif grad:
-        forward = sparse_mla_fwd_hopper if kernel == "hopper_seesaw" else sparse_mla_fwd_triton
-        return SparseMLAFunction.apply(q, kv, indices, sm_scale, d_v, probs_into, forward)
-    elif kernel == "hopper_seesaw":
-        out, lse = sparse_mla_fwd_hopper(q, kv, indices, sm_scale, d_v)
+        from .function import SparseMLAFunction  # the Triton backward's module: imported by CUDA calls only
+
+        return SparseMLAFunction.apply(q, kv, indices, sm_scale, d_v, probs_into, _forward_kernel(kernel))
     else:
-        out, lse = sparse_mla_decode_triton(q, kv, indices, sm_scale, d_v)
+        out, lse = _forward_kernel(kernel, grad=False)(q, kv, indices, sm_scale, d_v)
     if probs_into is not None:
         from dsaflow.ops.indexer_loss import attention_target
 
@@ -81,6 +76,22 @@ def sparse_mla(
         with torch.autocast(q.device.type, enabled=False):
             attention_target(q.detach(), kv.detach(), indices, lse.detach(), sm_scale, target, weight)
     return out, lse
+
+
+def _forward_kernel(kernel: str, grad: bool = True):
+    """The forward launcher of `kernel` ("hopper_seesaw", else the Triton prefill with grad, the Triton decode
+    without), imported here: the kernel modules import triton, which only a CUDA call needs."""
+    if kernel == "hopper_seesaw":
+        from .hopper_seesaw import sparse_mla_fwd_hopper
+
+        return sparse_mla_fwd_hopper
+    if grad:
+        from .triton_prefill import sparse_mla_fwd_triton
+
+        return sparse_mla_fwd_triton
+    from .triton_decode import sparse_mla_decode_triton
+
+    return sparse_mla_decode_triton
 
 
 def _forced(setting: str) -> str:

@@ -44,10 +44,9 @@ from dsaflow.errors import PlanError
 from ..kernel_table import Choice, walk
 from . import cudnn_backward as cb
 from .determinism import is_deterministic
-from .hopper_backward import hopper_bwd_supports
-from .hopper_seesaw import hopper_fwd_supports
-from .triton_decode import choose_num_splits
-from .triton_prefill import fwd_config
+
+# The kernel modules (triton_*, hopper_*) import triton, which costs a process about 0.3 s: the rules that ask them
+# import them when they run, i.e. on CUDA tensors only (the reference rule takes every CPU call first).
 
 ENV_KERNEL = "DSAFLOW_SPARSE_MLA_KERNEL"
 ENV_BACKWARD = "DSAFLOW_SPARSE_MLA_BACKWARD"
@@ -89,6 +88,9 @@ def no_grad_takes_hopper_forward(q: torch.Tensor, indices: torch.Tensor, d_v: in
     """Without grad, the Hopper forward (one work item per query and 64-head block, whole key range) runs when its
     items cover at least half the SMs, i.e. where the split-K kernel would take at most 2 splits; below that the
     split-K kernel's extra programs win (`scripts/bench_hopper.py --part decode` of commit 7881c5d, docs/kernels.md)."""
+    from .triton_decode import choose_num_splits
+    from .triton_prefill import fwd_config
+
     cfg = fwd_config(q, d_v, q.shape[-1] - d_v, indices.shape[2])
     return choose_num_splits(q, indices.shape[2], cfg["BLOCK_H"], cfg["BLOCK_K"]) <= 2
 
@@ -111,6 +113,8 @@ def _empty_rule(q, kv, indices, d_v, needs):
 
 
 def _seesaw_rule(q, kv, indices, d_v, needs):
+    from .hopper_seesaw import hopper_fwd_supports
+
     reason = hopper_fwd_supports(q, kv, indices, d_v)
     if reason is None and not needs.grad and not no_grad_takes_hopper_forward(q, indices, d_v):
         return (
@@ -159,6 +163,8 @@ def _cudnn_rule(q, kv, indices, d_v, needs):
 
 
 def _hopper_backward_rule(q, kv, indices, d_v, needs):
+    from .hopper_backward import hopper_bwd_supports
+
     return hopper_bwd_supports(q, kv, indices, d_v)
 
 
