@@ -253,14 +253,16 @@ def test_only_hydra_private_reaches_into_hydra_internals():
 
 
 def test_dsaflow_plan_does_not_import_torch(tmp_path):
-    """`dsaflow plan` composes and checks a config without torch (importing it costs more than the rest of the
-    command): what it reads of a checkpoint it reads from file headers."""
+    """`dsaflow plan` composes and checks a config without torch or triton (importing torch costs more than the
+    rest of the command): what it reads of a checkpoint it reads from file headers. A training plan and an FP8
+    serving plan."""
     import subprocess
     import sys
 
     code = (
         "import sys; from dsaflow.cli import main; rc = main(['plan', 'model=tiny']); "
-        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc)"
+        "rc += main(['plan', 'model=dsv32', 'pipeline=pp8', 'mode=serve', 'serve.weights=fp8']); "
+        "print('TORCH' if {'torch', 'triton'} & set(sys.modules) else 'NO-TORCH', rc)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert r.stdout.strip().splitlines()[-1] == "NO-TORCH 0", r.stdout + r.stderr
