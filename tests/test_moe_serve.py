@@ -35,4 +35,7 @@ def test_moe_greedy_tokens_identical_across_pipelines_and_groups(trained_moe):
     assert len({tuple(o) for o in ref}) > 32  # the trained model does not say one thing to everyone
     for pipeline in PIPELINES:
         for mb in (1, None):
-            assert moe_engine(trained_moe, pipeline, mb).generate(prompts, limits) == ref, (pipeline, mb)
+            eng = moe_engine(trained_moe, pipeline, mb)
+            if eng.groups == 1 and pipeline == "single":  # the configuration `ref` was served with
+                continue
+            assert eng.generate(prompts, limits) == ref, (pipeline, mb)

@@ -152,6 +152,8 @@ def test_greedy_tokens_identical_across_pipelines_and_groups(trained, trained_re
         for mb in (1, None):
             eng = engine(trained, pipeline, mb)
             assert eng.groups == (1 if mb == 1 else {"single": 1, "pp2": 2, "pp4": 4}[pipeline])
+            if pipeline == "single":  # one stage, one group either way: the configuration `ref` was served with
+                continue
             assert eng.generate(prompts, limits) == ref, (pipeline, mb)
 
 
