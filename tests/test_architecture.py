@@ -268,24 +268,19 @@ def test_dsaflow_plan_does_not_import_torch(tmp_path):
     assert r.stdout.strip().splitlines()[-1] == "NO-TORCH 0", r.stdout + r.stderr
 
 
-# Op folders whose import pulls in triton: fp8_gemm imports its Gluon kernels with the package, and moe imports
-# fp8_gemm (its FP8 grouped GEMMs)
-OPS_IMPORTING_TRITON = {"fp8_gemm", "moe"}
-
-
-def test_importing_the_ops_does_not_import_triton():
-    """Importing an op (its dispatch table, its reference and its public entry point) leaves triton unimported:
-    triton costs every process about 0.3 s and only a kernel launch needs it, so each kernel module is imported by
-    the rule or call that uses it, on CUDA tensors. Checked in a fresh interpreter."""
+def test_importing_the_ops_and_the_model_does_not_import_triton():
+    """Importing an op (its dispatch table, its reference and its public entry point), or the model, leaves triton
+    unimported: triton costs every process about 0.3 s and only a kernel launch needs it, so each kernel module is
+    imported by the rule or call that uses it, on CUDA tensors. Checked in a fresh interpreter."""
     import subprocess
     import sys
 
     ops = sorted(p.name for p in (PKG / "ops").iterdir() if (p / "__init__.py").is_file())
-    ops = [op for op in ops if op not in OPS_IMPORTING_TRITON]
-    assert len(ops) >= 7
+    assert len(ops) >= 9
     code = (
         "import sys\n"
         + "".join(f"import dsaflow.ops.{op}\n" for op in ops)
+        + "import dsaflow.model\n"
         + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent)

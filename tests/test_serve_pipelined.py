@@ -361,7 +361,7 @@ def test_decode_transfers_replayed_from_graphs_serve_the_same_tokens():
     import queue
 
     from test_graphs_cpu import FakeCapturer
-    from test_schedule import QueueLink, RecordingCapturer, run_ranks
+    from test_ticks import QueueLink, RecordingCapturer, run_ranks
 
     prompts, _ = workload(16, seed=13)
     limits = [2 + (5 * i) % 11 for i in range(16)]

@@ -13,7 +13,7 @@ import queue
 from collections import defaultdict
 
 import pytest
-from test_schedule import QueueLink, run_ranks
+from test_ticks import QueueLink, run_ranks
 
 from dsaflow.config.compose import compose
 from dsaflow.plan import build_plan

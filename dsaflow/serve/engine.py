@@ -8,7 +8,7 @@ last stage, exchange with the neighbours, hand the pass that left the pipeline b
 The cache rows [0, serve.max_batch) are split into serve.microbatches groups (default: the number of pipeline ranks),
 each a contiguous row range with its own slice of every stage's caches and its own index slot. A pass is one forward
 of one group through every stage (built by dsaflow.serve.scheduler), and the pipeline schedule
-(dsaflow.pipeline.schedule) moves passes through the stages in ticks: stage s runs group g while stage s+1 runs group
+(dsaflow.pipeline.ticks) moves passes through the stages in ticks: stage s runs group g while stage s+1 runs group
 g-1. The last stage samples the group's next tokens and sends them, with one EOS flag per row ([rows, 2] int64), to
 stage 0's rank, which feeds them into the group's next pass, and with serve.eos_id set to every rank.
 
@@ -47,8 +47,8 @@ from torch import nn
 
 from dsaflow.model import dense_prefill
 from dsaflow.pipeline.p2p import post_tick
-from dsaflow.pipeline.schedule import HOST_PHASES, PipelineSchedule, Timeline
 from dsaflow.pipeline.stages import stage_cache
+from dsaflow.pipeline.ticks import HOST_PHASES, PipelineSchedule, Timeline
 from dsaflow.pipeline.transfer_graphs import TransferGraphs
 from dsaflow.plan.plan import Plan
 
@@ -278,7 +278,7 @@ class PipelineEngine:
     # --- one tick ----------------------------------------------------------------------------------------------
     def _tick(self, t: int) -> bool:
         """Tick t of this rank -> False once no pass is left. Every rank walks the same ticks: segment j of the
-        pipeline runs the pass that started j ticks ago (dsaflow.pipeline.schedule)."""
+        pipeline runs the pass that started j ticks ago (dsaflow.pipeline.ticks)."""
         schedule, timeline, clock = self.schedule, self.timeline, time.perf_counter
         if self.hold_ticks is not None:
             timeline.hold_back(self.hold_ticks)  # before picking: what it schedules sees the latest arrivals

@@ -68,7 +68,7 @@ class Pass:
     The engine fills the rest (`PipelineEngine._prepare`): graph, whether the pass replays graphs; hint, a short
     prefill pass's attention path (dsaflow.model.dense_prefill; None = sparse); path, the label of the prefill graph
     it replays; inputs, its device tensors (`PassInputs`); and what the pipeline schedule moves
-    (dsaflow.pipeline.schedule): hidden [batch, T, dim] / hidden_dtype, the activation between stages; extra, the
+    (dsaflow.pipeline.ticks): hidden [batch, T, dim] / hidden_dtype, the activation between stages; extra, the
     (shape, dtype) of the cross-stage indices that travel with it; feedback, the shape of the [rows, 2] int64
     message (tokens, EOS flags) the last stage sends back. The schedule sets `start`; the last stage's rank sets
     `finished_at` (the timeline mark that ends the pass's last span)."""

@@ -9,7 +9,7 @@ indexer's small graph, and backpropagates its own `indexer_loss_weight * indexer
 gradients equal the ones the schedule's backward produced (the same per-microbatch seeds, summed, then divided by
 the number of microbatches as the schedule's `scale_grads` does).
 
-The microbatches move through the stages on the pipeline schedule that serving uses (dsaflow.pipeline.schedule), in
+The microbatches move through the stages on the pipeline schedule that serving uses (dsaflow.pipeline.ticks), in
 a straight loop of their own: stage s runs microbatch m while stage s+1 runs m-1, each stage sees the microbatches in
 order, and the moves of one tick are posted together. Hidden states travel in fp32 (the residual stream's dtype under
 autocast).
@@ -26,7 +26,7 @@ import torch
 from dsaflow.model import StageModule, trim_indices
 from dsaflow.pipeline.p2p import StageLink, post_tick
 from dsaflow.pipeline.run_context import RunContext
-from dsaflow.pipeline.schedule import PipelineSchedule
+from dsaflow.pipeline.ticks import PipelineSchedule
 
 from .pipeline import ChunkTimer
 
@@ -46,7 +46,7 @@ def frozen(params: Sequence[torch.nn.Parameter]):
 
 @dataclass
 class Microbatch:
-    """One microbatch's forward through every stage, as the pipeline schedule moves it (dsaflow.pipeline.schedule):
+    """One microbatch's forward through every stage, as the pipeline schedule moves it (dsaflow.pipeline.ticks):
     group = its index; hidden [rows, T, dim] / hidden_dtype, the activation between stages; extra, the (shape,
     dtype) of the cross-stage indices that travel with it. No feedback: nothing returns to stage 0."""
 

@@ -3,7 +3,7 @@
     python scripts/bench_serve.py p2p --out bench_out/p2p
 
 Two NCCL ranks (torchrun, one GPU each) walk the tick loop of a two-group, two-stage decode
-(dsaflow/pipeline/schedule.py): in every tick each GPU runs a compute span of fixed length (a spin kernel, standing in
+(dsaflow/pipeline/ticks.py): in every tick each GPU runs a compute span of fixed length (a spin kernel, standing in
 for a stage's decode pass), then one batch of point-to-point ops moves rank 0's activation ([rows, 1, dim] bf16)
 to rank 1 and rank 1's feedback ([2, rows] int64: sampled tokens, EOS flags) to rank 0, and the next span reads
 what arrived. So every tick depends on the partner's previous one, as with as many groups as ranks.

@@ -3,7 +3,7 @@ figure, and the one-line host summary of a row."""
 
 from __future__ import annotations
 
-from dsaflow.pipeline.schedule import HOST_PHASES
+from dsaflow.pipeline.ticks import HOST_PHASES
 
 
 def host_line(row: dict) -> str:

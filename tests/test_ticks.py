@@ -1,4 +1,4 @@
-"""The pipeline schedule (dsaflow/pipeline/schedule.py) driven by a straight tick loop like the serving engine's, with
+"""The pipeline schedule (dsaflow/pipeline/ticks.py) driven by a straight tick loop like the serving engine's, with
 ranks as threads joined by an in-memory link (FIFO per pair, so a send and a receive that were posted in different
 orders on the two sides would mismatch and fail)."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dsaflow.pipeline.p2p import post_tick
-from dsaflow.pipeline.schedule import PipelineSchedule, Timeline, segments_of
+from dsaflow.pipeline.ticks import PipelineSchedule, Timeline, segments_of
 from dsaflow.pipeline.transfer_graphs import TransferGraphs
 
 
