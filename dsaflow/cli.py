@@ -31,7 +31,7 @@ EXAMPLES = {
   dsaflow plan model=small index.freq=4 index.offset=1 pipeline.boundaries=[0,5]
   dsaflow plan --cfg job model=small            # the composed config, as Hydra prints it""",
     "train": """examples:
-  dsaflow train                                  # the embedded job: tiny model, retrieval, ~3 min on 2 CPU cores
+  dsaflow train                                  # the embedded job: tiny model, retrieval (docs/performance.md)
   dsaflow train pipeline=pp2 train.steps=600     # two pipeline ranks (gloo on CPU, NCCL on GPUs)
   dsaflow train model=small data=text data.path=README.md track=online
   dsaflow train -m index=all_full,every4 train.steps=100          # a sweep: one run dir per job + summary
@@ -44,7 +44,7 @@ examples:
   dsaflow generate serve.checkpoint=runs/<name> serve.prompts_file=prompts.jsonl pipeline=pp2
       # prompts.jsonl: one JSON object per line, {"prompt": "qmzj xwv K7; pllr ?K", "answer": "7"} ("answer":
       # optional; generate marks each completion against it and counts the right ones)
-  dsaflow generate graphs=decode_prefill serve.checkpoint=runs/<name>   # CUDA graphs (GPU)""",
+  dsaflow generate graphs=decode_prefill serve.checkpoint=runs/<name> serve.prompts_file=prompts.jsonl  # CUDA graphs""",
     "search": """search.checkpoint is an index=all_full run; the stage split comes from pipeline.* (each stage's
 first layer stays F); out_dir defaults to RUN_DIR/search.
 
