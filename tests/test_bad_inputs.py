@@ -83,7 +83,7 @@ CONFIG_CASES = [
     ("train", ["pipeline.stages=0"], "pipeline.stages=0"),
     ("train", ["pipeline.ranks=0"], "pipeline.ranks=0"),
     ("train", ["pipeline.microbatches=0"], "pipeline.microbatches=0"),
-    ("train", ["pipeline.ticks=Zigzag"], "pipeline.ticks='Zigzag'"),
+    ("train", ["pipeline.schedule=Zigzag"], "pipeline.schedule='Zigzag'"),
     ("train", ["pipeline.balance=flops"], "pipeline.balance='flops'"),
     ("train", ["index.promote=false", "layout=FS|SF"], "index.promote=false"),
     ("train", ["graphs.on_failure=ignore"], "graphs.on_failure='ignore'"),

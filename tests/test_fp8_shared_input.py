@@ -228,7 +228,7 @@ def forward(stage, cfg, tokens, cached: bool) -> torch.Tensor:
     specs = [types.SimpleNamespace(index=int(k), role=layer.attn.role) for k, layer in stage.layers.items()]
     B, T = tokens.shape
     cache = StageCache.allocate(cfg.model, specs, B, 32, T)
-    return stage(tokens, positions=torch.arange(T).expand(B, T), cache=cache)
+    return stage.forward_prefill(tokens, torch.arange(T).expand(B, T), cache)
 
 
 @pytest.mark.parametrize("kernels", ["triton", "triton fused"], indirect=True)

@@ -33,7 +33,7 @@ BAD = [
     (["train.dsa_stage=warmup"], "train.dsa_stage='warmup'"),
     (["track.mode=sometimes"], "track.mode='sometimes'"),
     (["train.stop_at_step=500"], "train.stop_at_step=500"),
-    (["pipeline=pp2", "pipeline.ticks=Interleaved1F1B"], "pipeline.ticks=Interleaved1F1B"),
+    (["pipeline=pp2", "pipeline.schedule=Interleaved1F1B"], "pipeline.schedule=Interleaved1F1B"),
     (["pipeline=pp2", "nproc=3"], "--nproc 3 but the plan has 2"),
     (["pipeline=pp2", "--nproc", "3"], "--nproc 3 but the plan has 2"),
     (["train.batch_size=6", "pipeline.microbatches=4"], "train.batch_size=6"),

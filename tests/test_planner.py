@@ -171,7 +171,7 @@ def test_looped_placement_for_interleaved():
         **{
             "pipeline.stages": 8,
             "pipeline.ranks": 4,
-            "pipeline.ticks": "Interleaved1F1B",
+            "pipeline.schedule": "Interleaved1F1B",
             "pipeline.microbatches": 8,
         }
     )
@@ -183,7 +183,7 @@ def test_looped_placement_for_interleaved():
 
 def test_v_placement_for_zbv():
     cfg = make_cfg(
-        **{"pipeline.stages": 8, "pipeline.ranks": 4, "pipeline.ticks": "ZBVZeroBubble", "pipeline.microbatches": 8}
+        **{"pipeline.stages": 8, "pipeline.ranks": 4, "pipeline.schedule": "ZBVZeroBubble", "pipeline.microbatches": 8}
     )
     plan = build_plan(cfg)
     assert [s.rank for s in plan.stages] == [0, 1, 2, 3, 3, 2, 1, 0]
@@ -193,28 +193,28 @@ def test_v_placement_for_zbv():
     "knobs, needle",
     [
         (
-            {"pipeline.stages": 6, "pipeline.ranks": 4, "pipeline.ticks": "Interleaved1F1B"},
+            {"pipeline.stages": 6, "pipeline.ranks": 4, "pipeline.schedule": "Interleaved1F1B"},
             "does not divide the 6 stages",
         ),
         (
             {
                 "pipeline.stages": 8,
                 "pipeline.ranks": 4,
-                "pipeline.ticks": "Interleaved1F1B",
+                "pipeline.schedule": "Interleaved1F1B",
                 "pipeline.microbatches": 6,
             },
             "not a multiple of pipeline.ranks=4",
         ),
         (
-            {"pipeline.stages": 4, "pipeline.ranks": 4, "pipeline.ticks": "Interleaved1F1B"},
+            {"pipeline.stages": 4, "pipeline.ranks": 4, "pipeline.schedule": "Interleaved1F1B"},
             "at least 2 stages per rank",
         ),
-        ({"pipeline.stages": 4, "pipeline.ranks": 2, "pipeline.ticks": "1F1B"}, "runs one stage per rank"),
+        ({"pipeline.stages": 4, "pipeline.ranks": 2, "pipeline.schedule": "1F1B"}, "runs one stage per rank"),
         (
-            {"pipeline.stages": 6, "pipeline.ranks": 2, "pipeline.ticks": "ZBVZeroBubble"},
+            {"pipeline.stages": 6, "pipeline.ranks": 2, "pipeline.schedule": "ZBVZeroBubble"},
             "exactly 2 stages per rank",
         ),
-        ({"pipeline.stages": 2, "pipeline.ticks": "Zigzag"}, "pipeline.ticks='Zigzag' is not a valid choice"),
+        ({"pipeline.stages": 2, "pipeline.schedule": "Zigzag"}, "pipeline.schedule='Zigzag' is not a valid choice"),
         ({"pipeline.stages": 4, "pipeline.microbatches": 2}, "below the 4 stages"),
         (
             {"pipeline.stages": 2, "pipeline.microbatches": 3, "train.batch_size": 8},
@@ -223,7 +223,7 @@ def test_v_placement_for_zbv():
         ({"pipeline.stages": 2, "pipeline.microbatches": 0}, "pipeline.microbatches=0"),
     ],
 )
-def test_ticks_rank_errors(knobs, needle):
+def test_schedule_rank_errors(knobs, needle):
     with pytest.raises(PlanError) as e:
         build_plan(make_cfg(**knobs))
     assert needle in str(e.value) and "Fix:" in str(e.value)
@@ -241,12 +241,14 @@ def test_serving_skips_training_microbatch_rules_but_keeps_placement():
     assert plan.num_stages == 8 and [s.rank for s in plan.stages] == list(range(8))
     with pytest.raises(PlanError, match="does not divide"):
         build_plan(
-            make_cfg(mode="serve", **{"pipeline.stages": 6, "pipeline.ranks": 4, "pipeline.ticks": "Interleaved1F1B"})
+            make_cfg(
+                mode="serve", **{"pipeline.stages": 6, "pipeline.ranks": 4, "pipeline.schedule": "Interleaved1F1B"}
+            )
         )
 
 
 def test_gpipe_accepts_fewer_microbatches_than_stages():
-    plan = build_plan(make_cfg(**{"pipeline.stages": 4, "pipeline.microbatches": 2, "pipeline.ticks": "GPipe"}))
+    plan = build_plan(make_cfg(**{"pipeline.stages": 4, "pipeline.microbatches": 2, "pipeline.schedule": "GPipe"}))
     assert plan.pipeline.microbatches == 2
 
 
@@ -256,7 +258,7 @@ def test_gpipe_accepts_fewer_microbatches_than_stages():
         ({}, 1),  # one stage: the whole batch per step, no gradient accumulation
         ({"pipeline.stages": 2}, 2),
         ({"layout": "FS|SS|FS|SF"}, 4),
-        ({"pipeline.stages": 4, "pipeline.ranks": 2, "pipeline.ticks": "Interleaved1F1B"}, 4),
+        ({"pipeline.stages": 4, "pipeline.ranks": 2, "pipeline.schedule": "Interleaved1F1B"}, 4),
         ({"pipeline.microbatches": 8}, 8),  # an explicit count stays
     ],
 )

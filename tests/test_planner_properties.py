@@ -19,7 +19,7 @@ def layout_cases(draw):
 
 def plan_for(roles, starts, via):
     n = len(roles)
-    knobs = {"model.num_layers": n, "pipeline.ticks": "GPipe", "pipeline.microbatches": 2, "train.batch_size": 2}
+    knobs = {"model.num_layers": n, "pipeline.schedule": "GPipe", "pipeline.microbatches": 2, "train.batch_size": 2}
     if via == "layout":
         knobs["layout"] = format_layout(tuple(roles), tuple(starts))
     else:
@@ -71,7 +71,7 @@ def test_balanced_splits_keep_invariants_and_estimates_add_up(case, k, balance):
             "index.pattern": roles,
             "pipeline.stages": k,
             "pipeline.balance": balance,
-            "pipeline.ticks": "GPipe",
+            "pipeline.schedule": "GPipe",
             "pipeline.microbatches": 1,
             "train.batch_size": 1,
         }
@@ -103,7 +103,7 @@ def plan_or_error(**knobs):
 def knobs_for(roles, starts, via, **extra):
     knobs = {
         "model.num_layers": len(roles),
-        "pipeline.ticks": "GPipe",
+        "pipeline.schedule": "GPipe",
         "pipeline.microbatches": 1,
         "train.batch_size": 1,
         **extra,

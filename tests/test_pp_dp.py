@@ -220,10 +220,10 @@ def test_bad_layouts_name_the_field_and_the_fix():
 @pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble"])
 def test_sharding_refuses_split_backward_schedules(schedule):
     cfg = ppdp_cfg("Interleaved1F1B", 2)
-    cfg.pipeline.ticks = schedule
+    cfg.pipeline.schedule = schedule
     msg = _plan_error(cfg)
-    assert f"pipeline.ticks={schedule}" in msg and "weight-gradient pass" in msg, msg
-    assert "Fix: parallel.dp_shard=false" in msg and "pipeline.ticks=Interleaved1F1B" in msg, msg
+    assert f"pipeline.schedule={schedule}" in msg and "weight-gradient pass" in msg, msg
+    assert "Fix: parallel.dp_shard=false" in msg and "pipeline.schedule=Interleaved1F1B" in msg, msg
     cfg.parallel.dp_shard = False
     build_plan(cfg)  # replicated stages run it
 

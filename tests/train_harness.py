@@ -45,7 +45,7 @@ def tiny_cfg(stages: int = 1, ranks=None, schedule: str = "1F1B", steps: int = 3
     m = cfg.model
     m.num_layers, m.dim, m.inter_dim, m.index_topk = 8, 32, 64, 8
     cfg.index.pattern = "FS"
-    cfg.pipeline.stages, cfg.pipeline.ranks, cfg.pipeline.ticks = stages, ranks, schedule
+    cfg.pipeline.stages, cfg.pipeline.ranks, cfg.pipeline.schedule = stages, ranks, schedule
     cfg.pipeline.balance, cfg.pipeline.microbatches = "layers", 4
     t = cfg.train
     t.steps, t.seq_len, t.batch_size, t.warmup_steps, t.eval_every, t.eval_batches = steps, 32, 8, 1, 0, 1

@@ -190,6 +190,6 @@ def build_schedule(
     cls = get_schedule_class(name)
     if issubclass(cls, PipelineScheduleSingle):
         if len(stages) != 1:
-            raise ValueError(f"pipeline.ticks={name} runs one stage per rank, this rank has {len(stages)}.")
+            raise ValueError(f"pipeline.schedule={name} runs one stage per rank, this rank has {len(stages)}.")
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)

@@ -96,7 +96,7 @@ class Trainer:
         )
         self.loss_fn = LMLoss(cfg.data.num_queries if self.data.has_answers else 0)
         self.schedule = build_schedule(
-            plan.pipeline.ticks,
+            plan.pipeline.schedule,
             self.pstages,
             plan.pipeline.microbatches,
             self.loss_fn,
@@ -284,7 +284,7 @@ class Trainer:
             replicas = f" x dp {dp} {how} = {p.pipeline.world_size} ranks"
         return (
             f"training {self.params:,} parameters on {ranks} rank{'s' * (ranks != 1)}{replicas} x "
-            f"{self.ctx.device.type}, {stages} stage{'s' * (stages != 1)}, schedule {p.pipeline.ticks}, "
+            f"{self.ctx.device.type}, {stages} stage{'s' * (stages != 1)}, schedule {p.pipeline.schedule}, "
             f"{mbs} microbatch{'es' * (mbs != 1)}{' per replica' if dp > 1 else ''}"
         )
 

@@ -49,7 +49,7 @@ def run_one(schedule: str, ranks: int, steps: int, overrides, out: Path) -> dict
         *overrides,
         f"pipeline.stages={stages}",
         f"pipeline.ranks={ranks}",
-        f"pipeline.ticks={schedule}",
+        f"pipeline.schedule={schedule}",
         f"train.steps={steps}",
         "track=none",
         "train.eval_every=0",
