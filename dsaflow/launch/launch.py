@@ -110,10 +110,11 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
             raise PlanError(
                 f"train.stop_at_step={t.stop_at_step}: must lie in 1..train.steps={t.steps}. Fix: adjust it or drop it."
             )
+        from dsaflow.checkpoint.hf_folder import tokenizer_json
         from dsaflow.data import BatchSource
         from dsaflow.data.hf_tokenizer import checkpoint_tokenizer
 
-        tok = checkpoint_tokenizer(cfg.model.hf_path)
+        tok = checkpoint_tokenizer(tokenizer_json(cfg.model.hf_path))
         BatchSource(cfg.data, t.seq_len, min(t.batch_size, 2), t.seed, cfg.model.vocab_size, tok).check_first_batch()
         check_track(cfg)
     check_run_dir(cfg, plan, job)

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from dsaflow.checkpoint.hf_folder import tokenizer_json
 from dsaflow.config.fp8_policy import FP8
 from dsaflow.data.hf_tokenizer import checkpoint_tokenizer
 from dsaflow.errors import ServeError, shown
@@ -101,7 +102,7 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None, hf_headers: 
     check_transfers(cfg.graphs, plan, device_type)
     if hf_headers and not s.checkpoint and cfg.model.hf_path:  # the workers' loads check their own tensors again
         check_hf_checkpoint(cfg, plan, ServeError)
-    tok = checkpoint_tokenizer(cfg.model.hf_path)
+    tok = checkpoint_tokenizer(tokenizer_json(cfg.model.hf_path))
     answers: List[Optional[str]] = []
     loaded = load_requests(s, answers)
     ids = [list(p) if isinstance(p, list) else tok.encode(p) for p, _, _ in loaded]
@@ -167,7 +168,7 @@ def output_rows(
 ) -> List[dict]:
     """One JSON row per request, in input order: prompt, completion, tokens, num_tokens, ttft_s, tpot_s; a
     rejected request gets its message under "error" instead."""
-    tok, stats = checkpoint_tokenizer(hf_path), stats or {}
+    tok, stats = checkpoint_tokenizer(tokenizer_json(hf_path)), stats or {}
     rows = []
     for i, p in enumerate(reqs.prompts):
         if reqs.rejected[i] is not None:

@@ -1,0 +1,105 @@
+"""Messages that point the right way (issue class "messages that point the wrong way"): each case exits 2 with one
+paragraph naming the file or field and the fix, no traceback, and nothing written on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dsaflow.cli import main
+from tests.script_helpers import load_script
+
+HF = load_script("hf_tiny_checkpoint")
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory):
+    folder = HF.save_checkpoint("deepseek_v32", tmp_path_factory.mktemp("bf16") / "ckpt")
+    HF.save_tokenizer(folder)
+    return folder
+
+
+def snapshot(root: Path) -> dict:
+    """{relative path: bytes or link target}: what is on disk under root."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        key = str(p.relative_to(root))
+        out[key] = ("link", os.readlink(p)) if p.is_symlink() else (p.read_bytes() if p.is_file() else "dir")
+    return out
+
+
+def exits_2(argv, capsys, root: Path, *needles: str) -> str:
+    """`dsaflow ARGV` exits 2 with every needle and a Fix in one paragraph on stderr, no traceback, and leaves the
+    files under root as they were."""
+    before = snapshot(root)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in needles) and "Fix:" in err and "Traceback" not in err, err
+    assert snapshot(root) == before
+    return err
+
+
+def without_tokenizer(bf16: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "ckpt"
+    shutil.copytree(bf16, folder)
+    (folder / "tokenizer.json").unlink()
+    return folder
+
+
+@pytest.mark.parametrize("job", ["generate", "train"])
+def test_a_folder_without_tokenizer_json_says_so(bf16, tmp_path, capsys, job):
+    folder = without_tokenizer(bf16, tmp_path)
+    argv = [job, "model=hf", f"model.hf_path={folder}", "track=none", f"run_dir={tmp_path / 'run'}"]
+    argv += ['serve.prompts=["hello"]'] if job == "generate" else ["train.steps=1"]
+    err = exits_2(argv, capsys, tmp_path, f"model.hf_path={folder} has no tokenizer.json", "huggingface-cli")
+    assert "outside vocab" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_tokenizer_json_that_leads_outside_the_folder_is_refused(bf16, tmp_path, capsys):
+    folder = without_tokenizer(bf16, tmp_path)
+    outside = tmp_path / "elsewhere.json"
+    shutil.copy(bf16 / "tokenizer.json", outside)
+    os.symlink(outside, folder / "tokenizer.json")
+    argv = ["generate", "model=hf", f"model.hf_path={folder}", 'serve.prompts=["hello"]', "track=none"]
+    exits_2(argv + [f"run_dir={tmp_path / 'run'}"], capsys, tmp_path, "tokenizer.json", "outside")
+
+
+# --- serve.prompts: token ids inline, as in a prompts file -----------------------------------------------------------
+
+
+def generated(tmp_path: Path, name: str, prompt_args: list) -> list:
+    out = tmp_path / f"{name}.jsonl"
+    argv = ["generate", *prompt_args, "serve.max_new_tokens=3", f"serve.output_file={out}", "track=none"]
+    assert main(argv + [f"run_dir={tmp_path / name}"]) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_inline_token_ids_serve_as_the_same_ids_from_a_prompts_file(tmp_path):
+    rows = [{"prompt": [1, 2, 3]}, {"prompt": "hi"}, {"prompt": [7]}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from_file = generated(tmp_path, "file", [f"serve.prompts_file={path}"])
+    inline = generated(tmp_path, "inline", ['serve.prompts=[[1,2,3],"hi",[7]]'])
+    assert [r["prompt"] for r in inline] == [r["prompt"] for r in rows]
+    assert [r["tokens"] for r in inline] == [r["tokens"] for r in from_file]
+    assert all(r["num_tokens"] == 3 for r in inline)
+
+
+@pytest.mark.parametrize("value", ["[[1,-2]]", "[[]]", "[[1,[2]]]", "[[1.5]]", "[{a: 1}]", "[[true]]"])
+def test_inline_prompts_that_are_not_token_ids_exit_2(tmp_path, capsys, value, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["generate", f"serve.prompts={value}", "track=none", f"run_dir={tmp_path / 'run'}"]
+    exits_2(argv, capsys, tmp_path, "serve.prompts[0]=", "token ids")
+    assert not (tmp_path / "run").exists()
+
+
+def test_inline_token_ids_outside_the_vocabulary_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["generate", "serve.prompts=[[1,99999999]]", "track=none", f"run_dir={tmp_path / 'run'}"]
+    exits_2(argv, capsys, tmp_path, "99999999")
+    assert not (tmp_path / "run").exists()
