@@ -103,3 +103,29 @@ def test_inline_token_ids_outside_the_vocabulary_exit_2(tmp_path, capsys, monkey
     argv = ["generate", "serve.prompts=[[1,99999999]]", "track=none", f"run_dir={tmp_path / 'run'}"]
     exits_2(argv, capsys, tmp_path, "99999999")
     assert not (tmp_path / "run").exists()
+
+
+# --- generate: the weights it says it serves are the weights it serves --------------------------------------------
+
+
+def test_generate_from_an_hf_folder_says_where_its_weights_come_from_not_random(bf16, tmp_path, capfd):
+    """The worker prints the bytes it read (its own process: capfd)."""
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "model=hf", f"model.hf_path={bf16}", 'serve.prompts=["the lazy dog"]']
+    argv += ["serve.max_new_tokens=2", f"serve.output_file={out}", "track=none", f"run_dir={tmp_path / 'run'}"]
+    assert main(argv) == 0
+    got = capfd.readouterr()
+    assert "RANDOM" not in got.err and f"MiB of weights from {bf16}" in got.out, got.err[-2000:]
+    argv = ["generate", "serve.prompts=[hi]", "serve.max_new_tokens=1", "track=none", f"run_dir={tmp_path / 'r2'}"]
+    assert main(argv) == 0
+    assert "weights are RANDOM" in capfd.readouterr().err
+
+
+def test_generate_from_an_hf_folder_without_weights_exits_2(bf16, tmp_path, capsys):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(bf16 / name, folder / name)
+    argv = ["generate", "model=hf", f"model.hf_path={folder}", 'serve.prompts=["the"]', "track=none"]
+    err = exits_2(argv + [f"run_dir={tmp_path / 'run'}"], capsys, tmp_path, str(folder))
+    assert "RANDOM" not in err and "MiB of weights" not in err
