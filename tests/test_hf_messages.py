@@ -129,3 +129,37 @@ def test_generate_from_an_hf_folder_without_weights_exits_2(bf16, tmp_path, caps
     argv = ["generate", "model=hf", f"model.hf_path={folder}", 'serve.prompts=["the"]', "track=none"]
     err = exits_2(argv + [f"run_dir={tmp_path / 'run'}"], capsys, tmp_path, str(folder))
     assert "RANDOM" not in err and "MiB of weights" not in err
+
+
+# --- a failed generate names the logs it wrote ----------------------------------------------------------------------
+
+
+def test_a_failed_generate_names_its_serve_logs_not_train_log(tmp_path, capsys, monkeypatch):
+    """Workers that die (here: a stand-in that writes both ranks' serve logs and exits 1, as a replica killed under
+    parallel.dp=2 leaves them) -> the message names serve_rank<r>.log, which exist, and no train.log."""
+    import sys
+
+    from dsaflow.launch import launch as launch_module
+
+    def dying_workers(run_dir, nproc, job="train"):
+        code = f"import pathlib,sys\nfor r in range({nproc}): (pathlib.Path({str(run_dir)!r}) / f'serve_rank{{r}}.log')"
+        return [sys.executable, "-c", code + ".write_text('x')\nsys.exit(1)"]
+
+    monkeypatch.setattr(launch_module, "torchrun_command", dying_workers)
+    run = tmp_path / "run"
+    argv = ["generate", "parallel.dp=2", "serve.prompts=[hi,there]", "track=none", f"run_dir={run}"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"{run}/serve_rank0.log, {run}/serve_rank1.log" in err and "train.log" not in err, err
+    assert (run / "serve_rank1.log").is_file() and not (run / "train.log").exists()
+
+
+def test_the_train_log_is_named_for_training_and_a_missing_serve_log_is_said_to_be_missing(tmp_path):
+    from dsaflow.launch.launch import worker_logs
+
+    assert worker_logs(tmp_path, "train") == str(tmp_path / "train.log")
+    assert "none was written" in worker_logs(tmp_path, "generate")
+    for r in range(12):
+        (tmp_path / f"serve_rank{r}.log").write_text("x")
+    named = worker_logs(tmp_path, "generate")
+    assert named.startswith(f"{tmp_path}/serve_rank0.log, {tmp_path}/serve_rank1.log,") and "and 8 more" in named

@@ -34,7 +34,7 @@ from dsaflow.files import UnsafeFile, read_text
 from dsaflow.outputs import check_output_file
 from dsaflow.pipeline.devices import resolve_device_type
 from dsaflow.plan.plan import Plan
-from dsaflow.rundir.folder import TMP, check_run_dir, write_run_dir
+from dsaflow.rundir.folder import LOG, TMP, check_run_dir, write_run_dir
 from dsaflow.rundir.lock import LOCK_ENV, run_dir_lock
 
 from .interrupts import STOP_SIGNALS, Interrupted, name_of, raise_interrupted, status_of, stopping
@@ -294,11 +294,22 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str, time
             print(f"dsaflow {job}: error: {text}", file=sys.stderr, flush=True)
     elif rc != 0:
         print(
-            f"dsaflow {job}: workers exited with status {rc}; see the output above and {run_dir}/train.log",
+            f"dsaflow {job}: workers exited with status {rc}; see the output above and {worker_logs(run_dir, job)}",
             file=sys.stderr,
             flush=True,
         )
     return rc
+
+
+def worker_logs(run_dir: Path, job: str) -> str:
+    """The log files a failed job's workers left in run_dir, for its message: train.log for training (the
+    logging rank's), serve_rank<r>.log for generate (one per rank, dsaflow.serve.generate)."""
+    if job == "train":
+        return str(run_dir / LOG)
+    logs = sorted(run_dir.glob("serve_rank*.log"), key=lambda p: (len(p.name), p.name))
+    if not logs:
+        return f"{run_dir}/serve_rank<r>.log (none was written: the workers stopped before serving)"
+    return ", ".join(str(p) for p in logs[:4]) + (f" and {len(logs) - 4} more" if len(logs) > 4 else "")
 
 
 def launch(cfg, plan: Plan, job: str = "train") -> int:
