@@ -163,3 +163,59 @@ def test_the_train_log_is_named_for_training_and_a_missing_serve_log_is_said_to_
         (tmp_path / f"serve_rank{r}.log").write_text("x")
     named = worker_logs(tmp_path, "generate")
     assert named.startswith(f"{tmp_path}/serve_rank0.log, {tmp_path}/serve_rank1.log,") and "and 8 more" in named
+
+
+# --- a run outlives the Hugging Face folder it was trained from ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run_of_a_deleted_folder(bf16, tmp_path_factory):
+    """A 2-step run trained from a copy of the tiny checkpoint, whose folder is then deleted -> (run, the files)."""
+    root = tmp_path_factory.mktemp("gone")
+    folder = root / "ckpt"
+    shutil.copytree(bf16, folder)
+    corpus = root / "corpus.txt"
+    corpus.write_text((HF.TEXT + "\n") * 40)  # bytes such as 'q' (113) lie outside the model's 96 ids
+    run = root / "run"
+    argv = ["train", "model=hf", f"model.hf_path={folder}", "data=text", f"data.path={corpus}", "train.steps=2"]
+    argv += ["train.seq_len=32", "train.batch_size=2", "train.eval_every=0", "train.eval_batches=1", "track=none"]
+    assert main(argv + [f"run_dir={run}"]) == 0
+    kept = {p.name: p.read_bytes() for p in (folder).iterdir() if not p.name.endswith("safetensors")}
+    shutil.rmtree(folder)
+    return run, kept
+
+
+@pytest.mark.slow
+def test_a_run_keeps_its_tokenizer_and_resumes_serves_and_exports_without_the_folder(run_of_a_deleted_folder, capfd):
+    run, kept = run_of_a_deleted_folder
+    copy = {p.name: p.read_bytes() for p in (run / "hf_files").iterdir()}
+    from dsaflow.checkpoint.hf_run_copy import COPIED
+
+    assert {"config.json", "tokenizer.json"} <= set(copy) == {n for n in kept if n in COPIED}
+    assert all(copy[n] == kept[n] for n in copy)
+    assert main(["train", "train.resume=true", "train.steps=3", f"run_dir={run}"]) == 0
+    out = run.parent / "out.jsonl"
+    argv = ["generate", f"serve.checkpoint={run}", 'serve.prompts=["the lazy dog"]', "serve.max_new_tokens=2"]
+    assert main(argv + [f"serve.output_file={out}", "track=none", f"run_dir={run.parent / 'gen'}"]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    from dsaflow.data.hf_tokenizer import HFTokenizer
+
+    tok = HFTokenizer(run / "hf_files" / "tokenizer.json")  # the completion is decoded by the run's tokenizer
+    assert row["completion"] == tok.decode(row["tokens"]) and max(row["tokens"]) < 96
+    assert main(["export", f"export.checkpoint={run}", f"export.out_dir={run.parent / 'exp'}"]) == 0
+    assert (run.parent / "exp" / "tokenizer.json").read_bytes() == kept["tokenizer.json"]
+    assert json.loads((run.parent / "exp" / "config.json").read_text())["model_type"] == "deepseek_v32"
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_run_without_a_copy_whose_folder_is_gone_exits_2_naming_both(run_of_a_deleted_folder, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(run_of_a_deleted_folder[0], run)
+    shutil.rmtree(run / "hf_files")
+    needles = ("does not exist, and the run", str(run / "hf_files"))
+    exits_2(["train", "train.resume=true", "train.steps=3", f"run_dir={run}"], capsys, tmp_path, *needles)
+    argv = ["generate", f"serve.checkpoint={run}", 'serve.prompts=["the"]', "track=none", f"run_dir={tmp_path / 'g'}"]
+    exits_2(argv, capsys, tmp_path, *needles)
+    exits_2(["export", f"export.checkpoint={run}", f"export.out_dir={tmp_path / 'exp'}"], capsys, tmp_path, *needles)
+    assert not (tmp_path / "g").exists() and not (tmp_path / "exp").exists()
