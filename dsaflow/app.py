@@ -246,10 +246,10 @@ def run_command(command: str, cfg, plan, fmt: str = "table") -> int:
         from dsaflow.search.run import run_search
 
         return run_search(cfg)
-    if command == "generate" and not cfg.serve.checkpoint:
+    if command == "generate" and not cfg.serve.checkpoint and not cfg.model.hf_path:  # hf_path: its weights load
         print(
-            "dsaflow generate: WARNING: no serve.checkpoint: the weights are RANDOM and the output is noise. "
-            "Fix: serve.checkpoint=runs/<a dsaflow train run>.",
+            "dsaflow generate: WARNING: no serve.checkpoint and no model.hf_path: the weights are RANDOM and the "
+            "output is noise. Fix: serve.checkpoint=runs/<a dsaflow train run>, or model=hf model.hf_path=DIR.",
             file=sys.stderr,
             flush=True,
         )

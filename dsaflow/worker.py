@@ -24,6 +24,21 @@ from dsaflow.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, PlanError
 
 ERROR_FILE = "error-rank{rank}.txt"
 JOBS = ("train", "generate")
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what the env:// rendezvous reads
+
+
+def torchrun_problem(run_dir: str, job: str) -> str:
+    """Why this process was not started by torchrun (one paragraph naming the missing variables), or ''."""
+    missing = [v for v in TORCHRUN_ENV if not os.environ.get(v)]
+    if not missing:
+        return ""
+    return (
+        f"dsaflow {job}: error: {', '.join(missing)} not set: python -m dsaflow.worker is the entry torchrun starts on "
+        "every rank, not a command to run by hand. Fix: run `dsaflow "
+        f"{job}`, or start the workers under torchrun: python -m dsaflow.launch.agent --standalone "
+        f"--nproc-per-node N -m dsaflow.worker {run_dir} --job {job} (N = the pipeline ranks x parallel.dp of "
+        f"{Path(run_dir) / 'plan.json'}; `torchrun` takes the same arguments)."
+    )
 
 
 def check_world_size(plan, run_dir: str) -> None:
@@ -98,6 +113,10 @@ def main(argv=None) -> None:
     ap.add_argument("run_dir", help="a run dir written by `dsaflow train` (config.yaml + plan.json)")
     ap.add_argument("--job", default="train", choices=JOBS)
     args = ap.parse_args(argv)
+    problem = torchrun_problem(args.run_dir, args.job)
+    if problem:  # before anything touches the run dir: no lock, no error file
+        print(problem, file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
     from dsaflow.launch.lifecycle import die_with_parent
     from dsaflow.launch.pipes import survive_closed_stdout
 

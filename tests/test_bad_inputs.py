@@ -331,6 +331,30 @@ def test_ctrl_c_during_the_prelaunch_checks_is_one_line(empty_cwd, capsys, monke
     assert list(empty_cwd.iterdir()) == []
 
 
+def as_torchrun_rank(monkeypatch, rank: str) -> None:
+    """The environment torchrun gives a worker (no dsaflow parent), so the worker's own checks are reached."""
+    for name, value in {"RANK": rank, "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("DSAFLOW_PARENT", raising=False)
+
+
+@pytest.mark.parametrize("job", ["train", "generate"])
+def test_a_worker_run_by_hand_outside_torchrun_says_how_to_start_it(tmp_path, capsys, monkeypatch, job):
+    from dsaflow import worker
+
+    run = good_run_dir(tmp_path / "run")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DSAFLOW_PARENT"):
+        monkeypatch.delenv(name, raising=False)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    with pytest.raises(SystemExit) as e:
+        worker.main([str(run), "--job", job])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set" in err and "torchrun" in err
+    assert f"-m dsaflow.worker {run} --job {job}" in err and "dsaflow.launch.agent" in err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+
+
 def test_a_hand_started_worker_refuses_an_edited_plan(tmp_path, capsys, monkeypatch):
     import json
 
@@ -340,8 +364,7 @@ def test_a_hand_started_worker_refuses_an_edited_plan(tmp_path, capsys, monkeypa
     plan = json.loads((run / "plan.json").read_text())
     plan["stages"][0]["layers"] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     (run / "plan.json").write_text(json.dumps(plan))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.delenv("DSAFLOW_PARENT", raising=False)
+    as_torchrun_rank(monkeypatch, "0")
     monkeypatch.setattr("dsaflow.launch.lifecycle.die_with_parent", lambda *a: None)
     with pytest.raises(SystemExit) as e:
         worker.main([str(run)])
@@ -430,8 +453,7 @@ def test_a_user_error_in_a_worker_exits_2_with_one_paragraph(tmp_path, capsys, m
     <run_dir>/error-rank<r>.txt for the parent, and no traceback."""
     from dsaflow import worker
 
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.delenv("DSAFLOW_PARENT", raising=False)
+    as_torchrun_rank(monkeypatch, "1")
     monkeypatch.setattr("dsaflow.launch.lifecycle.die_with_parent", lambda *a: None)
     with pytest.raises(SystemExit) as e:
         worker.main([str(tmp_path)])

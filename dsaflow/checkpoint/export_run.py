@@ -5,7 +5,7 @@ safetensors (dsaflow.checkpoint.weights: manifest checked, nothing unpickled) wh
 training run's rotation cannot delete it mid-read (one it pruned first is replaced by the next newest); the model is
 the run dir's config.yaml.
 dsaflow.checkpoint.hf_export writes config.json, the sharded safetensors and the index (and the tokenizer of
-model.hf_path, if the run started from a Hugging Face checkpoint).
+model.hf_path, if the run started from a Hugging Face checkpoint, or of the run's copy once that folder is gone).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import List
 
 from dsaflow.checkpoint.hf_export import write_hf_checkpoint
+from dsaflow.checkpoint.hf_run_copy import hf_files_folder
 from dsaflow.checkpoint.safetensors_io import load_tensors
 from dsaflow.checkpoint.store import CheckpointGone, pinned
 from dsaflow.checkpoint.weights import resolve_checkpoint, weight_files
@@ -49,6 +50,7 @@ def export_hf(checkpoint: str, out_dir: str) -> Path:
         ckpt = resolve_checkpoint(checkpoint, field="export.checkpoint")
         try:
             model_cfg, tensors = _read_pinned(checkpoint, ckpt, out_dir)
+            hf_files = hf_files_folder(model_cfg.hf_path, ckpt.parent.parent)  # the run's copy once it is gone
             break
         except CheckpointGone as exc:
             if Path(checkpoint) == ckpt or attempt == ROTATION_RETRIES:  # a folder named itself: nothing newer
@@ -56,7 +58,7 @@ def export_hf(checkpoint: str, out_dir: str) -> Path:
                     f"export.checkpoint={checkpoint}: {exc}. Fix: export a checkpoint the run keeps (train.keep), "
                     "or export the run dir once it has stopped."
                 ) from None
-    return write_hf_checkpoint(tensors, model_cfg, out_dir)
+    return write_hf_checkpoint(tensors, model_cfg, out_dir, hf_files=hf_files)
 
 
 def _read_pinned(checkpoint: str, ckpt: Path, out_dir: str):

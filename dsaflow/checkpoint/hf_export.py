@@ -22,7 +22,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -49,11 +49,11 @@ def indexer_layers(state_dict: Dict[str, torch.Tensor]) -> set:
     return {int(m.group(1)) for m in map(_INDEXER.match, state_dict) if m}
 
 
-def export_family(model_cfg, full: set) -> str:
+def export_family(model_cfg, full: set, hf_files=None) -> str:
     if len(full) < model_cfg.num_layers:
         return "glm_moe_dsa"
-    if model_cfg.hf_path:
-        return hf_model(read_config_json(model_cfg.hf_path)).family
+    if hf_files:
+        return hf_model(read_config_json(hf_files)).family
     return "deepseek_v32"
 
 
@@ -133,13 +133,17 @@ def _norm_notes(model_cfg) -> List[str]:
     return notes
 
 
-def write_hf_checkpoint(state_dict: Dict[str, torch.Tensor], model_cfg, out_dir, report=None) -> Path:
+def write_hf_checkpoint(
+    state_dict: Dict[str, torch.Tensor], model_cfg, out_dir, report=None, hf_files: Optional[Path] = None
+) -> Path:
     """state_dict: the whole model's (dsaflow keys) -> out_dir (created, or an empty folder; claimed atomically, so
     a second export into it exits 2). Everything is checked and gathered before out_dir is touched; a failure while
-    writing removes what this export wrote."""
+    writing removes what this export wrote. hf_files: the folder holding model.hf_path's config.json and tokenizer
+    files (a run's copy once the folder is gone, dsaflow.checkpoint.hf_run_copy); model.hf_path by default."""
     out = Path(out_dir)
     full = indexer_layers(state_dict)
-    family = export_family(model_cfg, full)
+    hf_files = hf_files or model_cfg.hf_path
+    family = export_family(model_cfg, full, hf_files)
     config = hf_config_json(model_cfg, family, full)
     tensors: Dict[str, torch.Tensor] = {}
     for key, t in state_dict.items():
@@ -151,7 +155,7 @@ def write_hf_checkpoint(state_dict: Dict[str, torch.Tensor], model_cfg, out_dir,
         for name, part in zip(src.names, src.to_theirs(t.detach().cpu())):
             tensors[name] = part.contiguous()
     say = report or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    extras = tokenizer_files(model_cfg.hf_path, say)
+    extras = tokenizer_files(hf_files, say)
     created = claim_out_dir(out)
     written: List[Path] = []
     try:

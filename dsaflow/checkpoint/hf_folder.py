@@ -74,3 +74,22 @@ def checkpoint_file(folder, name, what: str = "file", required: bool = True) -> 
     if not stat.S_ISREG(mode):
         raise CheckpointError(f"{given} ({what}) is {kind_of(mode)}, not a regular file. Fix: restore the file.")
     return real
+
+
+TOKENIZER_JSON = "tokenizer.json"
+
+
+def tokenizer_json(hf_path) -> Optional[Path]:
+    """The resolved tokenizer.json of checkpoint folder `hf_path` (None without an hf_path), checked against the
+    rule. A folder without one is refused: its weights' ids mean nothing in bytes, so there is no fallback."""
+    if not hf_path:
+        return None
+    path = checkpoint_file(hf_path, TOKENIZER_JSON, "tokenizer", required=False)
+    if path is None:
+        raise CheckpointError(
+            f"model.hf_path={hf_path} has no {TOKENIZER_JSON}: model=hf turns prompts and training text into the "
+            "checkpoint's own token ids with it, and bytes would mean nothing to its weights. Fix: put the "
+            f"checkpoint's {TOKENIZER_JSON} into {hf_path} (e.g. `huggingface-cli download ORG/NAME "
+            f"{TOKENIZER_JSON} --local-dir {hf_path}`), or point model.hf_path at the whole checkpoint folder."
+        )
+    return path

@@ -237,7 +237,8 @@ class TrackConfig:
 @dataclass
 class ServeConfig:
     checkpoint: Optional[str] = None  # a run dir or a checkpoint folder (its weights-only model-rank*.safetensors)
-    prompts: List[str] = field(default_factory=list)
+    # each a string, or a list of token ids as in a prompts file's {"prompt": [0, 17, 4]} (dsaflow.serve.prompts)
+    prompts: List[Any] = field(default_factory=list)
     prompts_file: Optional[str] = None
     output_file: Optional[str] = None
     max_new_tokens: int = num(32, 1, 1 << 22)

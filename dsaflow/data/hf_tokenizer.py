@@ -1,7 +1,8 @@
 """A Hugging Face checkpoint's tokenizer.json through the `tokenizers` library, with the ByteTokenizer's interface.
 
-`checkpoint_tokenizer(hf_path)` is the tokenizer of a `model=hf` run: DIR/tokenizer.json when the checkpoint ships
-one, else the byte tokenizer (ids 0..255). Encoding adds what the tokenizer's post-processor adds (a BOS token for
+`checkpoint_tokenizer(path)` is the tokenizer of a `model=hf` run: the checkpoint's tokenizer.json, resolved and
+checked by the caller (dsaflow.checkpoint.hf_folder.tokenizer_json, which refuses a folder without one); without a
+path (no model.hf_path) it is the byte tokenizer (ids 0..255). Encoding adds what the tokenizer's post-processor adds (a BOS token for
 DeepSeek's and GLM's), as `AutoTokenizer` does by default; decoding skips nothing, so special tokens show.
 """
 
@@ -15,8 +16,6 @@ import numpy as np
 from dsaflow.errors import ConfigError
 
 from .tokenizer import ByteTokenizer
-
-TOKENIZER_JSON = "tokenizer.json"
 
 
 class HFTokenizer:
@@ -43,8 +42,7 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def checkpoint_tokenizer(hf_path: Optional[str]):
-    """HFTokenizer of hf_path/tokenizer.json, or ByteTokenizer when there is no such file (or no hf_path)."""
-    if hf_path and (Path(hf_path) / TOKENIZER_JSON).is_file():
-        return HFTokenizer(Path(hf_path) / TOKENIZER_JSON)
-    return ByteTokenizer()
+def checkpoint_tokenizer(tokenizer_json: Optional[Path]):
+    """HFTokenizer of the file `tokenizer_json` (a path the checkpoint folder rule resolved), or ByteTokenizer for
+    None (a model without a Hugging Face checkpoint)."""
+    return HFTokenizer(Path(tokenizer_json)) if tokenizer_json is not None else ByteTokenizer()

@@ -34,7 +34,7 @@ from dsaflow.files import UnsafeFile, read_text
 from dsaflow.outputs import check_output_file
 from dsaflow.pipeline.devices import resolve_device_type
 from dsaflow.plan.plan import Plan
-from dsaflow.rundir.folder import TMP, check_run_dir, write_run_dir
+from dsaflow.rundir.folder import LOG, TMP, check_run_dir, write_run_dir
 from dsaflow.rundir.lock import LOCK_ENV, run_dir_lock
 
 from .interrupts import STOP_SIGNALS, Interrupted, name_of, raise_interrupted, status_of, stopping
@@ -102,7 +102,7 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
             )
         if t.init_from:
             check_init_from(cfg)
-        if cfg.model.hf_path:  # the checkpoint's headers against the plan's stages, before any worker starts
+        if cfg.model.hf_path and not t.resume:  # the headers against the plan's stages (resume: the run's weights)
             from dsaflow.pipeline.stages import check_hf_checkpoint
 
             check_hf_checkpoint(cfg, plan)
@@ -110,10 +110,13 @@ def check_launch(cfg, plan: Plan, job: str = "train", local: bool = True) -> Non
             raise PlanError(
                 f"train.stop_at_step={t.stop_at_step}: must lie in 1..train.steps={t.steps}. Fix: adjust it or drop it."
             )
+        from dsaflow.checkpoint.hf_folder import tokenizer_json
+        from dsaflow.checkpoint.hf_run_copy import hf_files_folder
         from dsaflow.data import BatchSource
         from dsaflow.data.hf_tokenizer import checkpoint_tokenizer
 
-        tok = checkpoint_tokenizer(cfg.model.hf_path)
+        hf_files = hf_files_folder(cfg.model.hf_path, cfg.run_dir if t.resume else None)
+        tok = checkpoint_tokenizer(tokenizer_json(hf_files))
         BatchSource(cfg.data, t.seq_len, min(t.batch_size, 2), t.seed, cfg.model.vocab_size, tok).check_first_batch()
         check_track(cfg)
     check_run_dir(cfg, plan, job)
@@ -293,11 +296,22 @@ def supervise(cmd: List[str], env: Dict[str, str], run_dir: Path, job: str, time
             print(f"dsaflow {job}: error: {text}", file=sys.stderr, flush=True)
     elif rc != 0:
         print(
-            f"dsaflow {job}: workers exited with status {rc}; see the output above and {run_dir}/train.log",
+            f"dsaflow {job}: workers exited with status {rc}; see the output above and {worker_logs(run_dir, job)}",
             file=sys.stderr,
             flush=True,
         )
     return rc
+
+
+def worker_logs(run_dir: Path, job: str) -> str:
+    """The log files a failed job's workers left in run_dir, for its message: train.log for training (the
+    logging rank's), serve_rank<r>.log for generate (one per rank, dsaflow.serve.generate)."""
+    if job == "train":
+        return str(run_dir / LOG)
+    logs = sorted(run_dir.glob("serve_rank*.log"), key=lambda p: (len(p.name), p.name))
+    if not logs:
+        return f"{run_dir}/serve_rank<r>.log (none was written: the workers stopped before serving)"
+    return ", ".join(str(p) for p in logs[:4]) + (f" and {len(logs) - 4} more" if len(logs) > 4 else "")
 
 
 def launch(cfg, plan: Plan, job: str = "train") -> int:
@@ -319,7 +333,7 @@ def launch(cfg, plan: Plan, job: str = "train") -> int:
     if resume:  # the run dir exists: lock it before rewriting its files
         with run_dir_lock(cfg.run_dir, job, report_stderr):
             return _launch_in(cfg, plan, job, write_run_dir(cfg, plan, render_table(plan, cfg), job))
-    run_dir = write_run_dir(cfg, plan, render_table(plan, cfg), job)  # new and unique: nobody else has it
+    run_dir = write_run_dir(cfg, plan, render_table(plan, cfg), job, kept_files(cfg, job))  # new and unique
     with run_dir_lock(run_dir, job, report_stderr):
         return _launch_in(cfg, plan, job, run_dir)
 
@@ -351,7 +365,17 @@ def prepare(cfg, plan: Plan, job: str = "train") -> Path:
     check_launch(cfg, plan, job, local=False)
     from dsaflow.plan import render_table
 
-    return write_run_dir(cfg, plan, render_table(plan, cfg), job)
+    return write_run_dir(cfg, plan, render_table(plan, cfg), job, kept_files(cfg, job))
+
+
+def kept_files(cfg, job: str) -> Dict[str, bytes]:
+    """What a new training run keeps of its inputs: the Hugging Face files of model.hf_path (config.json, the
+    tokenizer), so that resume, generate and export work after that folder is gone (dsaflow.checkpoint.hf_run_copy)."""
+    if job != "train" or not cfg.model.hf_path or cfg.train.resume:
+        return {}
+    from dsaflow.checkpoint.hf_run_copy import run_copy_files
+
+    return run_copy_files(cfg.model.hf_path)
 
 
 def main(argv=None) -> int:

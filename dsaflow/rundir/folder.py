@@ -5,6 +5,7 @@
               plan.txt        the plan table, as printed
               metrics.jsonl   one JSON object per logged step (logging rank)
               train.log       plain-text log of the logging rank
+              hf_files/       model=hf: config.json and the tokenizer files of model.hf_path (hf_run_copy.py)
               checkpoints/step-000100/   see dsaflow.checkpoint.store (manifest, weights-only safetensors)
               wandb/          the tracker's files (offline runs: `wandb sync <run_dir>/wandb/offline-run-*`)
               tmp/            temporary files of torchrun and the workers (removed when the launch ends)
@@ -25,7 +26,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from dsaflow.errors import PlanError
 from dsaflow.files import UnsafeFile, atomic_write, explain_os_error, parse_json, read_text
@@ -149,9 +150,11 @@ def check_run_dir(cfg, plan: Plan, job: str = "train") -> None:
         raise PlanError(f"run_dir={p}: {parent} is not writable. Fix: choose a run_dir in a folder you can write.")
 
 
-def write_run_dir(cfg, plan: Plan, table: str, job: str = "train") -> Path:
+def write_run_dir(cfg, plan: Plan, table: str, job: str = "train", kept: Optional[Dict[str, bytes]] = None) -> Path:
     """Create the run dir atomically (or, for `train.resume=true`, rewrite its config in place) and write
-    config.yaml, plan.json and plan.txt. Call check_run_dir first."""
+    config.yaml, plan.json and plan.txt. kept: {relative path: bytes} of inputs the new run keeps a copy of (the
+    Hugging Face files of dsaflow.checkpoint.hf_run_copy), written inside the atomic creation; a resumed run keeps
+    the copy it has. Call check_run_dir first."""
     from dsaflow.config.compose import to_yaml
 
     files = {CONFIG: to_yaml(cfg), PLAN: plan.to_json(), PLAN_TXT: table + "\n"}
@@ -178,6 +181,9 @@ def write_run_dir(cfg, plan: Plan, table: str, job: str = "train") -> Path:
         tmp.mkdir()
         for name, text in files.items():
             atomic_write(tmp / name, text)
+        for name, data in (kept or {}).items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(tmp / name, data)
         for attempt in range(1, 1000):
             target = base if attempt == 1 else base.with_name(f"{base.name}-{attempt}")
             try:

@@ -30,6 +30,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from dsaflow.checkpoint.hf_folder import tokenizer_json
+from dsaflow.checkpoint.hf_run_copy import hf_files_folder
 from dsaflow.config.fp8_policy import FP8
 from dsaflow.data.hf_tokenizer import checkpoint_tokenizer
 from dsaflow.errors import ServeError, shown
@@ -37,6 +39,7 @@ from dsaflow.files import atomic_write
 from dsaflow.model.fp8_weights import materialize_, quantize_stage_
 from dsaflow.pipeline.stages import check_hf_checkpoint, stage_module
 from dsaflow.plan.plan import Plan
+from dsaflow.rundir.folder import CONFIG
 
 from .checks import check_graph_blocks, check_mixed_passes, check_prompts, check_transfers, fit_problem
 from .engine import PipelineEngine
@@ -101,7 +104,7 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None, hf_headers: 
     check_transfers(cfg.graphs, plan, device_type)
     if hf_headers and not s.checkpoint and cfg.model.hf_path:  # the workers' loads check their own tensors again
         check_hf_checkpoint(cfg, plan, ServeError)
-    tok = checkpoint_tokenizer(cfg.model.hf_path)
+    tok = job_tokenizer(cfg.model, s)
     answers: List[Optional[str]] = []
     loaded = load_requests(s, answers)
     ids = [list(p) if isinstance(p, list) else tok.encode(p) for p, _, _ in loaded]
@@ -162,12 +165,26 @@ def build_engine(
     )
 
 
-def output_rows(
-    reqs: Requests, outputs: Dict[int, List[int]], stats: Optional[dict] = None, hf_path: Optional[str] = None
-) -> List[dict]:
+def trained_run_dir(checkpoint: Optional[str]) -> Optional[Path]:
+    """The run dir of serve.checkpoint (a run dir, or one of its checkpoints/step-N folders); None without one."""
+    if not checkpoint:
+        return None
+    p = Path(checkpoint)
+    return p if os.path.lexists(p / CONFIG) else p.parent.parent
+
+
+def job_tokenizer(model_cfg, serve_cfg):
+    """The tokenizer of a generate job: model.hf_path's tokenizer.json, or the trained run's copy of it once that
+    folder is gone (dsaflow.checkpoint.hf_run_copy); the byte tokenizer without model.hf_path."""
+    folder = hf_files_folder(model_cfg.hf_path, trained_run_dir(serve_cfg.checkpoint))
+    return checkpoint_tokenizer(tokenizer_json(folder))
+
+
+def output_rows(reqs: Requests, outputs: Dict[int, List[int]], stats: Optional[dict] = None, tok=None) -> List[dict]:
     """One JSON row per request, in input order: prompt, completion, tokens, num_tokens, ttft_s, tpot_s; a
-    rejected request gets its message under "error" instead."""
-    tok, stats = checkpoint_tokenizer(hf_path), stats or {}
+    rejected request gets its message under "error" instead. tok: the job's tokenizer (`job_tokenizer`; bytes
+    when None)."""
+    tok, stats = tok or checkpoint_tokenizer(None), stats or {}
     rows = []
     for i, p in enumerate(reqs.prompts):
         if reqs.rejected[i] is not None:
@@ -204,7 +221,8 @@ def serve_requests(engine: PipelineEngine, reqs: Requests) -> Optional[List[dict
     got = serve_share(engine, reqs, reqs.served)
     if got is None:
         return None
-    return output_rows(reqs, got.tokens, {"ttft_s": got.ttft_s, "tpot_s": got.tpot_s}, engine.model_cfg.hf_path)
+    tok = job_tokenizer(engine.model_cfg, engine.serve)
+    return output_rows(reqs, got.tokens, {"ttft_s": got.ttft_s, "tpot_s": got.tpot_s}, tok)
 
 
 def write_outputs(
@@ -333,7 +351,8 @@ def serve_share(engine: PipelineEngine, reqs: Requests, share: List[int], replic
 def _write_results(ctx, reqs: Requests, results: List[ReplicaResult], summary: str) -> None:
     """Replica 0's last stage: every replica's outputs -> rows in input order, written once; the summaries."""
     job = merged(results)
-    rows = output_rows(reqs, job.tokens, {"ttft_s": job.ttft_s, "tpot_s": job.tpot_s}, ctx.cfg.model.hf_path)
+    tok = job_tokenizer(ctx.cfg.model, ctx.cfg.serve)
+    rows = output_rows(reqs, job.tokens, {"ttft_s": job.ttft_s, "tpot_s": job.tpot_s}, tok)
     write_outputs(reqs.prompts, [], ctx.cfg.serve.output_file, rows)
     lines = [summary] + (replica_lines(results, ctx.plan.pipeline.ranks) if ctx.dp > 1 else [])
     marked = accuracy_line(rows)

@@ -1,6 +1,6 @@
 """The prompts of a generate job, read and checked as text before any process starts.
 
-serve.prompts (a list of strings) or serve.prompts_file (JSONL, one {"prompt": "...", "max_new_tokens": n
+serve.prompts (a list of strings; an entry may be a list of token ids, serve.prompts='[[0,17,4]]') or serve.prompts_file (JSONL, one {"prompt": "...", "max_new_tokens": n
 (optional)} per line; a prompt may also be a list of token ids, {"prompt": [0, 17, 4]}). Lines are split on "\\n" only: a U+2028 or a form feed inside a JSON string is part of the
 prompt, not a line break. Every prompt must be valid Unicode that encodes to UTF-8 (a lone surrogate, which is what
 an invalid byte on the command line becomes, is refused naming where it is), and every per-line max_new_tokens a
@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 from typing import List, Optional, Tuple
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dsaflow.errors import ServeError, shown
 from dsaflow.files import UnsafeFile, read_text
@@ -56,6 +58,21 @@ def _checked(prompt, where: str):
     return prompt
 
 
+def _inline(prompt, i: int):
+    """serve.prompts[i] -> its text, or its token ids (a list of whole numbers >= 0, as a prompts file's). A
+    number typed on the command line (serve.prompts=[123]) is the text "123"."""
+    if isinstance(prompt, (str, int, float, bool)):
+        return _checked(str(prompt), f"prompt {i}")
+    ids = OmegaConf.to_container(prompt) if isinstance(prompt, (ListConfig, DictConfig)) else prompt
+    ids = list(ids) if isinstance(ids, tuple) else ids
+    if not token_ids(ids):
+        raise ServeError(
+            f"serve.prompts[{i}]={shown(str(ids))} is neither text nor a non-empty list of token ids (whole "
+            "numbers >= 0). Fix: a string, or token ids as in serve.prompts='[[0,17,4]]'."
+        )
+    return ids
+
+
 def load_requests(serve_cfg, answers: Optional[List[Optional[str]]] = None) -> List[Tuple[str, int, str]]:
     """serve.prompts or serve.prompts_file -> (prompt, max_new_tokens, where) per request, where = "prompt i" or
     "serve.prompts_file=<file> line n". Raises ServeError naming the prompt or line. `answers`, when given, receives
@@ -71,7 +88,7 @@ def load_requests(serve_cfg, answers: Optional[List[Optional[str]]] = None) -> L
             '(one {"prompt": "..."} per line).'
         )
     if given:
-        return [(_checked(str(p), f"prompt {i}"), serve_cfg.max_new_tokens, f"prompt {i}") for i, p in enumerate(given)]
+        return [(_inline(p, i), serve_cfg.max_new_tokens, f"prompt {i}") for i, p in enumerate(given)]
     field = f"serve.prompts_file={path if len(str(path)) <= 200 else shown(str(path), 120)}"
     try:  # a regular file only (a FIFO or a folder is named as such, never waited on); the user's own link is fine
         text = read_text(os.path.realpath(path))

@@ -20,6 +20,8 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from dsaflow.checkpoint.hf_folder import tokenizer_json
+from dsaflow.checkpoint.hf_run_copy import hf_files_folder
 from dsaflow.checkpoint.store import newest_good_checkpoint
 from dsaflow.checkpoint.training_state import load_checkpoint, rank_state, save_checkpoint
 from dsaflow.checkpoint.weights import WEIGHTLESS_MODEL_FIELDS, load_model_weights
@@ -92,7 +94,12 @@ class Trainer:
             self.wrappers, [s.index for s in self.local], plan.num_stages, ctx.device, ctx.group
         )
         self.data = BatchSource(
-            cfg.data, t.seq_len, t.batch_size, t.seed, cfg.model.vocab_size, checkpoint_tokenizer(cfg.model.hf_path)
+            cfg.data,
+            t.seq_len,
+            t.batch_size,
+            t.seed,
+            cfg.model.vocab_size,
+            checkpoint_tokenizer(tokenizer_json(hf_files_folder(cfg.model.hf_path, ctx.run_dir))),
         )
         self.loss_fn = LMLoss(cfg.data.num_queries if self.data.has_answers else 0)
         self.schedule = build_schedule(
