@@ -17,6 +17,15 @@ class Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
+def snapshot(root: Path) -> dict:
+    """{relative path: bytes or link target}: what is on disk under root."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        key = str(p.relative_to(root))
+        out[key] = ("link", os.readlink(p)) if p.is_symlink() else (p.read_bytes() if p.is_file() else "dir")
+    return out
+
+
 def crafted_checkpoint(folder: Path, marker: Path, step: int = 1) -> Path:
     """A checkpoint folder whose `.metadata` executes a command when unpickled, with a matching manifest (an
     attacker writes the manifest too), so only the metadata reader stands between the file and the command."""

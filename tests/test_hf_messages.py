@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from bad_input_helpers import snapshot
 
 from dsaflow.cli import main
 from tests.script_helpers import load_script
@@ -21,15 +22,6 @@ def bf16(tmp_path_factory):
     folder = HF.save_checkpoint("deepseek_v32", tmp_path_factory.mktemp("bf16") / "ckpt")
     HF.save_tokenizer(folder)
     return folder
-
-
-def snapshot(root: Path) -> dict:
-    """{relative path: bytes or link target}: what is on disk under root."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        key = str(p.relative_to(root))
-        out[key] = ("link", os.readlink(p)) if p.is_symlink() else (p.read_bytes() if p.is_file() else "dir")
-    return out
 
 
 def exits_2(argv, capsys, root: Path, *needles: str) -> str:

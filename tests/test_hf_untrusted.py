@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bad_input_helpers import snapshot
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -51,15 +52,6 @@ def weight_map(folder: Path) -> dict:
 
 def set_weight_map(folder: Path, wm: dict) -> None:
     (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": wm}))
-
-
-def snapshot(root: Path) -> dict:
-    """{relative path: bytes or link target}: what is on disk under root."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        key = str(p.relative_to(root))
-        out[key] = ("link", os.readlink(p)) if p.is_symlink() else (p.read_bytes() if p.is_file() else "dir")
-    return out
 
 
 def model_of(folder: Path):
