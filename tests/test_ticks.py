@@ -355,7 +355,11 @@ def test_decode_ticks_begin_k_minus_1_ticks_after_a_prefill_leaves():
         after = tl.resolve()["busy_after_prefill"]
         # ticks 7 and 8 come 1 and 2 ticks after the prefill left; rank r runs its span of pass i in tick i + r
         spans_in = {t: tl.spans[t - rank] for t in (7, 8)}
-        want = [tl.seconds(*spans_in[t][:2]) / tl.seconds(*tl.ticks[t][:2]) for t in (7, 8)]
+        span, tick = (
+            {t: spans_in[t][1] - spans_in[t][0] for t in (7, 8)},
+            {t: tl.ticks[t][1] - tl.ticks[t][0] for t in (7, 8)},
+        )
+        want = [span[t] / tick[t] for t in (7, 8)]  # seconds after resolve
         assert after == pytest.approx(want)
         seen[rank] = (ticks, [d for _, _, d in tl.ticks], [d for _, _, d in tl.spans], tl.decode_ticks, after)
 

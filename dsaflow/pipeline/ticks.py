@@ -277,10 +277,6 @@ class Timeline:
         phases["exchange"] += h3 - h2
         phases["feedback"] += h4 - h3
 
-    def seconds(self, a, b) -> float:
-        """Seconds between two marks (events on GPU; after `resolve`, floats on both devices)."""
-        return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
-
     def latencies(self, first: Dict[int, Any], last: Dict[int, Any], counts: Dict[int, int]):
         """Marks of each request's first and last token, and its token count -> ({request: seconds from the start
         to its first token}, {request: mean seconds per later token, None for one token}); call after `resolve`."""
