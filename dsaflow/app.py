@@ -246,13 +246,17 @@ def run_command(command: str, cfg, plan, fmt: str = "table") -> int:
         from dsaflow.search.run import run_search
 
         return run_search(cfg)
-    if command == "generate" and not cfg.serve.checkpoint and not cfg.model.hf_path:  # hf_path: its weights load
+    if command in ("generate", "serve") and not cfg.serve.checkpoint and not cfg.model.hf_path:  # hf_path: loads
         print(
-            "dsaflow generate: WARNING: no serve.checkpoint and no model.hf_path: the weights are RANDOM and the "
+            f"dsaflow {command}: WARNING: no serve.checkpoint and no model.hf_path: the weights are RANDOM and the "
             "output is noise. Fix: serve.checkpoint=runs/<a dsaflow train run>, or model=hf model.hf_path=DIR.",
             file=sys.stderr,
             flush=True,
         )
+    if command == "serve":
+        from dsaflow.launch.serve_launch import launch_serve
+
+        return launch_serve(cfg, plan)
     from dsaflow.launch.launch import launch
 
     return launch(cfg, plan, command) or 0

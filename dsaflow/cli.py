@@ -19,6 +19,7 @@ COMMANDS = {
     "plan": "resolve and check the config; print the plan table (--format json: only the plan JSON)",
     "train": "plan, write the run dir, launch training (torchrun, one process per pipeline rank)",
     "generate": "plan, write the run dir, launch generation (sets mode=serve unless given)",
+    "serve": "plan, launch the pipeline and an OpenAI-compatible HTTP server in front of it (mode=serve)",
     "search": "training-free IndexCache layer search: which layers keep their indexer (from an all-F checkpoint)",
     "export": "write a run's model as a Hugging Face checkpoint that transformers' from_pretrained loads",
 }
@@ -45,6 +46,12 @@ examples:
       # prompts.jsonl: one JSON object per line, {"prompt": "qmzj xwv K7; pllr ?K", "answer": "7"} ("answer":
       # optional; generate marks each completion against it and counts the right ones)
   dsaflow generate graphs=decode_prefill serve.checkpoint=runs/<name> serve.prompts_file=prompts.jsonl  # CUDA graphs""",
+    "serve": """serve.checkpoint=RUN serves RUN's model and layout; server.* says how (docs/serving.md, "Online serving").
+
+examples:
+  dsaflow serve serve.checkpoint=runs/<name>                       # http://127.0.0.1:8000/v1, Ctrl-C drains and stops
+  dsaflow serve serve.checkpoint=runs/<name> pipeline=pp2 parallel.dp=2 server.port=9000
+  DSAFLOW_API_KEY=secret dsaflow serve model=hf model.hf_path=DIR server.host=0.0.0.0""",
     "search": """search.checkpoint is an index=all_full run; the stage split comes from pipeline.* (each stage's
 first layer stays F); out_dir defaults to RUN_DIR/search.
 
@@ -84,7 +91,7 @@ def _groups_help() -> str:
 
 
 # The config section each command reads besides the model, index and pipeline groups (listed in its help).
-COMMAND_SECTIONS = {"plan": "plan", "generate": "serve", "search": "search"}
+COMMAND_SECTIONS = {"plan": "plan", "generate": "serve", "serve": "server", "search": "search"}
 
 
 def _type_text(tp) -> str:
@@ -137,7 +144,7 @@ def usage_epilog(command: str = "plan") -> str:
 def _own_options(command: str) -> str:
     if command == "plan":
         return "[--format table|json] "
-    if command in ("train", "generate"):
+    if command in ("train", "generate", "serve"):
         return "[--nproc N] "
     return ""
 
@@ -153,7 +160,7 @@ def command_help(command: str) -> str:
         )
         + (
             "  --nproc N             processes to launch; must equal pipeline ranks x parallel.dp (also: nproc=N)\n"
-            if command in ("train", "generate")
+            if command in ("train", "generate", "serve")
             else ""
         )
         + "\n"
@@ -203,8 +210,8 @@ def split_options(command: str, rest: List[str]) -> Tuple[List[str], Optional[in
                 raise PlanError(f"format={val!r} is not an output format. Fix: use --format table or --format json.")
             fmt = val
         elif key in ("--nproc", "nproc") and eq:
-            if command not in ("train", "generate"):
-                raise PlanError(f"{a}: only train and generate launch processes. Fix: drop it.")
+            if command not in ("train", "generate", "serve"):
+                raise PlanError(f"{a}: only train, generate and serve launch processes. Fix: drop it.")
             try:
                 nproc = int(val)
             except ValueError:
@@ -223,7 +230,7 @@ def _compose_and_plan(overrides: List[str], nproc: Optional[int] = None, command
     overrides, hyd = split_hydra_overrides(overrides)
     run_dir = single_run_dir(hyd, overrides)
     refuse_sweeps(overrides)
-    if command == "generate" and not any(o.lstrip("+").startswith("mode=") for o in overrides):
+    if command in ("generate", "serve") and not any(o.lstrip("+").startswith("mode=") for o in overrides):
         overrides = ["mode=serve"] + overrides  # generating is serving: decode/prefill graph blocks are allowed
     from dsaflow.checkpoint.hf_config import apply_hf_model
 
@@ -233,9 +240,10 @@ def _compose_and_plan(overrides: List[str], nproc: Optional[int] = None, command
     from dsaflow.checkpoint.indexer_weights import plan_for_checkpoint
     from dsaflow.config.from_run import settings_from_run
 
-    cfg = settings_from_run(cfg, overrides, command)  # resume, serve, search: the run's own settings
+    reads = "generate" if command == "serve" else command  # serve reads serve.checkpoint as generate does
+    cfg = settings_from_run(cfg, overrides, reads)  # resume, serve, search: the run's own settings
 
-    return cfg, plan_for_checkpoint(cfg, command, lambda c: build_plan(c, nproc=nproc))
+    return cfg, plan_for_checkpoint(cfg, reads, lambda c: build_plan(c, nproc=nproc))
 
 
 def cmd_single(command: str, overrides: List[str], nproc: Optional[int], fmt: str) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 from dsaflow.errors import EXIT_INTERRUPTED, EXIT_USER_ERROR, PlanError
 
 ERROR_FILE = "error-rank{rank}.txt"
-JOBS = ("train", "generate")
+JOBS = ("train", "generate", "serve")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what the env:// rendezvous reads
 
 
@@ -83,7 +83,7 @@ def run_worker(run_dir: str, job: str = "train") -> None:
     from dsaflow.rundir.lock import claim_run_dir
 
     if job not in JOBS:
-        raise PlanError(f"job={job!r} is not one of {JOBS}. Fix: --job train or --job generate.")
+        raise PlanError(f"job={job!r} is not one of {JOBS}. Fix: --job train, generate or serve.")
     cfg, plan = read_run_dir(run_dir)
     check_world_size(plan, run_dir)
     check_node_size(plan)
@@ -102,6 +102,10 @@ def _run_job(cfg, plan, run_dir: str, job: str) -> None:
             from dsaflow.train.trainer import run_train
 
             run_train(ctx)
+        elif job == "serve":
+            from dsaflow.serve.online import run_online
+
+            run_online(ctx)
         else:
             from dsaflow.serve.generate import run_serve
 

@@ -16,7 +16,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 .venv/bin/python -c "import torch" || { echo "setup: torch did not install (see above)" >&2; exit 1; }
-if ! .venv/bin/python -c "import dsaflow, hydra, omegaconf, wandb, rich, safetensors, pytest, hypothesis, matplotlib, ruff, transformers, tokenizers" 2>/dev/null; then
+if ! .venv/bin/python -c "import dsaflow, hydra, omegaconf, wandb, rich, safetensors, pytest, hypothesis, matplotlib, ruff, transformers, tokenizers, aiohttp, prometheus_client, jinja2, openai" 2>/dev/null; then
   pip_q -e ".[dev]"
 fi
 .venv/bin/python -c "import dsaflow, torch; print(f'setup: dsaflow ready (torch {torch.__version__}, cuda={torch.cuda.is_available()})')"

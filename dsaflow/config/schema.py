@@ -25,6 +25,7 @@ from .moe_schema import MoEConfig, check_moe
 from .parallel_schema import ParallelConfig
 from .plan_schema import PlanConfig
 from .rope_schema import YarnConfig
+from .server_schema import ServerConfig
 
 Schedule = make_choice(
     "Schedule", ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"], __name__
@@ -304,6 +305,7 @@ class DSAFlowConfig:
     data: DataConfig = field(default_factory=DataConfig)
     track: TrackConfig = field(default_factory=TrackConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)  # `dsaflow serve`'s HTTP front end
     search: SearchConfig = field(default_factory=SearchConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)

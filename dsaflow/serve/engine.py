@@ -90,6 +90,7 @@ class PipelineEngine:
         force_eager: bool = False,
         capturer=None,
         peer: Optional[Callable[[int], int]] = None,
+        per_request_sampling: bool = False,
     ):
         self.peer = peer or (lambda r: r)
         self.model_cfg, self.plan, self.stages, self.serve = model_cfg, plan, stages, serve_cfg
@@ -120,7 +121,11 @@ class PipelineEngine:
             capturer=capturer,
             rank=self.peer(rank),  # its messages and graphs_rank<r>.json name the global rank
         )
-        self.keyed = serve_cfg.temperature > 0  # sampling reads each row's key (request, token index)
+        # per_request_sampling (`dsaflow serve`): each row samples with its request's own temperature, top_p and
+        # seed, [rows, 3] keys (dsaflow.serve.sampling.sample_rowwise); key_ids[request] is then a (key, temperature
+        # bits, top_p bits) triple
+        self.rowwise = per_request_sampling
+        self.keyed = serve_cfg.temperature > 0 or self.rowwise  # sampling reads each row's key (request, token index)
         # the last stage's sampling: (logits [rows, V], keys) -> (message [rows, 2], fp32 logits)
         sampling = {k: getattr(serve_cfg, k) for k in ("temperature", "top_p", "seed", "eos_id")}
         self._sample_logits = functools.partial(sample_message, **sampling)
@@ -136,6 +141,10 @@ class PipelineEngine:
         self.timings: Dict[str, float] = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
         self.stats: Dict[str, object] = {}
         self.on_finished: Optional[Callable[[int, int], None]] = None  # last rank: (requests done, tokens so far)
+        # every rank, as each pass leaves the pipeline: (pass, message [rows, 2] or None, requests that ended there);
+        # online serving streams tokens from it (dsaflow.serve.online)
+        self.on_pass: Optional[Callable] = None
+        self.picked: Optional[torch.Tensor] = None  # the last stage's fp32 logits [rows, V] of the latest sample
 
     # --- setup -------------------------------------------------------------------------------------------------
     def _shape_classes(self, plan: Plan, serve_cfg, graphs_cfg) -> None:
@@ -174,6 +183,7 @@ class PipelineEngine:
             prefill_rule=self.prefill_rule,
             row_classes=tuple(self.row_classes),
             groups=self.groups,
+            key_width=3 if self.rowwise else 1,
         )
         blocks = self.plan.blocks_of_stage(stage)
         return register_stage_graphs(self.graphs, stage, self.stages[stage], self.group_caches[stage], blocks, spec)
@@ -234,9 +244,10 @@ class PipelineEngine:
         tokens = self.out_tokens.tolist()  # the one device -> host copy of the tokens
         return [tokens[r.index][: self.scheduler.generated[r.index]] for r in requests]
 
-    def _scheduler(self, requests: List[Request]) -> Scheduler:
+    def _scheduler(self, requests: List[Request], kind=Scheduler) -> Scheduler:
+        """The run's scheduler, of class `kind` (online serving passes its subclass)."""
         s = self.serve
-        return Scheduler(
+        return kind(
             requests,
             self.ranges,
             s.prefill_chunk,
@@ -251,9 +262,11 @@ class PipelineEngine:
         )
 
     def _start_run(self, requests: int, out_width: int, is_last: bool) -> None:
-        """The run's device buffers, schedule and timeline."""
+        """The run's device buffers, schedule and timeline. out_width 0: no output buffer (online serving streams
+        each pass's tokens through `on_pass` instead)."""
         s = self.serve
-        self.out_tokens = torch.zeros(requests, out_width, dtype=torch.long, device=self.device) if is_last else None
+        keep = is_last and out_width > 0
+        self.out_tokens = torch.zeros(requests, out_width, dtype=torch.long, device=self.device) if keep else None
         self.last_tokens = [torch.zeros(b - a, dtype=torch.long, device=self.device) for a, b in self.ranges]
         self.out_width = out_width  # out_tokens [requests, out_width]
         self.row_ids = torch.arange(max(b - a for a, b in self.ranges), device=self.device)
@@ -388,7 +401,8 @@ class PipelineEngine:
             else:
                 logits = out[:, 0] if p.T == 1 else out[self.row_ids[: p.rows], v.cols]
             message, picked = self._sample_logits(logits, v.keys)
-        if p.emit:
+        self.picked = picked
+        if p.emit and self.out_tokens is not None:
             tok = message[:, 0]
             emitted = tok.index_select(0, v.emit_rows) if v.emit_rows is not None else tok
             self.out_tokens.view(-1).index_copy_(0, v.emit_slots, emitted)
@@ -421,6 +435,8 @@ class PipelineEngine:
         self.timings["decode_steps"] += int(p.decode_only)
         if done and self.on_finished is not None and self.owner[self.last] == self.rank:
             self.on_finished(self.scheduler.finished, int(self.timings["tokens"]))
+        if self.on_pass is not None:
+            self.on_pass(p, message, done)
 
     # --- a pass, ready to run ----------------------------------------------------------------------------------
     def _prepare(self, p: Pass) -> Pass:
@@ -446,7 +462,8 @@ class PipelineEngine:
             if graph and p.hint is not None and p.hint.path == "masked":
                 p.hint = None  # no masked graphs (dense_prefill.graph_classes): the sparse graph replays
             p.path = dense_prefill.graph_label(p.hint, topk, cache_rows)
-        vectors = pass_vectors(p, self.first_here, self.last_here, self.key_ids, self.out_width, self.keyed)
+        keyed = 3 if self.rowwise else int(self.keyed)
+        vectors = pass_vectors(p, self.first_here, self.last_here, self.key_ids, self.out_width, keyed)
         p.inputs = PassInputs(**self.uploader(vectors))  # one host-to-device copy
         # what travels: with graphs.transfers a decode pass's rows padded to their class (the tick's shapes recur)
         rows = p.rows
@@ -471,11 +488,13 @@ class PipelineEngine:
 
 
 def pass_vectors(
-    p: Pass, first: bool, last: bool, key_ids: Sequence[int], out_width: int, keyed: bool
+    p: Pass, first: bool, last: bool, key_ids, out_width: int, keyed: int
 ) -> List[Tuple[str, List[int], Tuple[int, ...]]]:
     """[(name, host ints, shape)] of every `PassInputs` tensor a rank reads for pass p: `first` / `last`, whether
-    it runs stage 0 / the last stage; key_ids[request]: the id its sampling is keyed by; out_width: the output
-    tokens' row length; keyed: sampling reads keys (temperature > 0). A shape (-1,) is the vector's length."""
+    it runs stage 0 / the last stage; key_ids[request]: the id its sampling is keyed by (keyed=3: a (key id,
+    temperature bits, top_p bits) triple); out_width: the output tokens' row length (0: no output buffer); keyed:
+    0 = sampling reads no keys (greedy), 1 = keys [rows] (temperature > 0), 3 = per-request sampling, keys
+    [rows, 3]. A shape (-1,) is the vector's length."""
     rows, T = p.rows, p.T
     shape = (1, T) if p.token_major else (rows, T)
     vectors: List[Tuple[str, List[int], Tuple[int, ...]]] = [
@@ -503,14 +522,21 @@ def pass_vectors(
             for r, c, _, _ in p.emit:
                 cols[r] = c
             vectors.append(("cols", cols, (-1,)))
-        if keyed:  # each emitting row's key (request, token index); the others' are moot
+        if keyed == 1:  # each emitting row's key (request, token index); the others' are moot
             keys = [0] * rows
             for r, _, req, k in p.emit:
                 keys[r] = key_ids[req] * TOKEN_KEY + k
             vectors.append(("keys", keys, (-1,)))
-        if not every_row:
+        elif keyed == 3:  # and its request's temperature and top_p (float64 bits); idle rows: 0, 0 = greedy
+            keys = [0] * (3 * rows)
+            for r, _, req, k in p.emit:
+                key, temperature, top_p = key_ids[req]
+                keys[3 * r : 3 * r + 3] = (key * TOKEN_KEY + k, temperature, top_p)
+            vectors.append(("keys", keys, (rows, 3)))
+        if not every_row and out_width:
             vectors.append(("emit_rows", emitted, (-1,)))
-        vectors.append(("emit_slots", [req * out_width + k for _, _, req, k in p.emit], (-1,)))
+        if out_width:
+            vectors.append(("emit_slots", [req * out_width + k for _, _, req, k in p.emit], (-1,)))
     return vectors
 
 

@@ -83,6 +83,24 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None, hf_headers: 
     fit serve.max_context is rejected (named, the others are served); the job fails only when none fits.
     hf_headers: with model.hf_path, check the headers of every tensor the plan needs (the parent; a worker's load
     checks its own stages' again)."""
+    check_serve_model(cfg, plan, device_type, hf_headers)
+    s = cfg.serve
+    tok = job_tokenizer(cfg.model, s)
+    answers: List[Optional[str]] = []
+    loaded = load_requests(s, answers)
+    ids = [list(p) if isinstance(p, list) else tok.encode(p) for p, _, _ in loaded]
+    check_prompts(ids, cfg.model.vocab_size)
+    rejected = [fit_problem(i, q, m, s.max_context, where) for i, (q, (_, m, where)) in enumerate(zip(ids, loaded))]
+    reqs = Requests([p for p, _, _ in loaded], ids, [m for _, m, _ in loaded], [w for _, _, w in loaded], rejected)
+    reqs.answers = answers if any(a is not None for a in answers) else []
+    if not reqs.served:
+        raise ServeError(f"no request fits: {rejected[0]}")
+    return reqs
+
+
+def check_serve_model(cfg, plan: Plan, device_type: Optional[str] = None, hf_headers: bool = True) -> None:
+    """What `dsaflow generate` and `dsaflow serve` check before serving any request: the serve config against the
+    model and plan, the checkpoint, the graph blocks. Raises ServeError."""
     s = cfg.serve  # ranges and choices: dsaflow.config.schema (checked at compose); cross-field rules here
     if s.eos_id is not None and not 0 <= s.eos_id < cfg.model.vocab_size:
         raise ServeError(
@@ -104,17 +122,6 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None, hf_headers: 
     check_transfers(cfg.graphs, plan, device_type)
     if hf_headers and not s.checkpoint and cfg.model.hf_path:  # the workers' loads check their own tensors again
         check_hf_checkpoint(cfg, plan, ServeError)
-    tok = job_tokenizer(cfg.model, s)
-    answers: List[Optional[str]] = []
-    loaded = load_requests(s, answers)
-    ids = [list(p) if isinstance(p, list) else tok.encode(p) for p, _, _ in loaded]
-    check_prompts(ids, cfg.model.vocab_size)
-    rejected = [fit_problem(i, q, m, s.max_context, where) for i, (q, (_, m, where)) in enumerate(zip(ids, loaded))]
-    reqs = Requests([p for p, _, _ in loaded], ids, [m for _, m, _ in loaded], [w for _, _, w in loaded], rejected)
-    reqs.answers = answers if any(a is not None for a in answers) else []
-    if not reqs.served:
-        raise ServeError(f"no request fits: {rejected[0]}")
-    return reqs
 
 
 def build_stage_modules(cfg, plan: Plan, rank: Optional[int], device, dtype) -> dict:
@@ -153,15 +160,29 @@ def build_engine(
     capturer=None,
     all_stages: bool = False,
     peer=None,
+    per_request_sampling: bool = False,
 ):
     """This rank's PipelineEngine (stages built, caches allocated; call `.capture()` before generating).
     all_stages=True: this one process runs every stage of the plan (no p2p). peer: pipeline rank -> global rank
-    (serving replicas; identity by default)."""
+    (serving replicas; identity by default). per_request_sampling: each request's own temperature, top_p and seed
+    (`dsaflow serve`)."""
     device = torch.device(device)
     dtype = serve_dtype(cfg.serve.dtype, device)
     stages = build_stage_modules(cfg, plan, None if all_stages else rank, device, dtype)
     return PipelineEngine(
-        cfg.model, plan, stages, cfg.serve, cfg.graphs, device, dtype, rank, link, force_eager, capturer, peer
+        cfg.model,
+        plan,
+        stages,
+        cfg.serve,
+        cfg.graphs,
+        device,
+        dtype,
+        rank,
+        link,
+        force_eager,
+        capturer,
+        peer,
+        per_request_sampling,
     )
 
 

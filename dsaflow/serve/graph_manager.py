@@ -319,6 +319,7 @@ class StageGraphSpec:
     prefill_rule: Dict[str, int]
     row_classes: Tuple[int, ...]
     groups: int
+    key_width: int = 1  # 3 with per-request sampling: keys [rows, 3] (dsaflow.serve.sampling.sample_rowwise)
 
 
 def graph_block_name(block_name: str, group: int, groups: int, path: str = "sparse") -> str:
@@ -371,7 +372,7 @@ def _register_decode(graphs, stage, module, cache, name, classes, spec: StageGra
     top = max(classes)
     inputs = {"x": _stage_input(spec, top, 1), "positions": StaticInput((top, 1), torch.long, -1)}
     if spec.last and spec.keyed:
-        inputs["keys"] = StaticInput((top,), torch.long, 0)
+        inputs["keys"] = StaticInput((top,) if spec.key_width == 1 else (top, spec.key_width), torch.long, 0)
 
     def fn(v):
         out = module.forward_decode(v["x"], v["positions"], cache, indices_in=_received(spec, cache, v["positions"]))

@@ -88,6 +88,22 @@ def sample_keyed(logits: torch.Tensor, temperature: float, top_p: float, seed: i
     return _race_sample(logits, temperature, top_p, race, "sample_keyed")
 
 
+def sample_rowwise(logits: torch.Tensor, params: torch.Tensor, seed: int) -> torch.Tensor:
+    """Each row with its own settings (online serving: one request per row): logits [B, V] fp32, params [B, 3]
+    int64 = (key, float64 bits of temperature, float64 bits of top_p) -> token ids [B]. A row at temperature 0 takes
+    the argmax; the others race as `sample_keyed` does, with their own temperature and nucleus. Branchless (the
+    choice is a `where` over both results), so a decode graph can hold it."""
+    keys = params[:, 0].contiguous()
+    temperature = params[:, 1].contiguous().view(torch.float64).float().unsqueeze(1)  # [B, 1]
+    top_p = params[:, 2].contiguous().view(torch.float64).float().unsqueeze(1)
+    greedy = logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature.clamp_min(1e-6), dim=-1)
+    probs = torch.where(top_p_mask(probs, top_p), probs, torch.zeros_like(probs))
+    race = -torch.log(keyed_uniform(seed, keys, logits.shape[-1]))
+    sampled = (probs / race.clamp_min(torch.finfo(race.dtype).tiny)).argmax(dim=-1)
+    return torch.where(temperature[:, 0] > 0, sampled, greedy)
+
+
 def sample_message(
     logits: torch.Tensor, keys: torch.Tensor | None, *, temperature: float, top_p: float, seed: int, eos_id: int | None
 ):
@@ -95,7 +111,11 @@ def sample_message(
     [rows, 2] int64: tokens, EOS flags (0 without an eos_id); the fp32 logits [rows, V]). Fixed-shape ops only, so
     the last stage's decode graphs run it inside the graph."""
     picked = logits.float()
-    # greedy: the argmax (what the race gives at temperature 0), without its call chain on every pass
-    tok = picked.argmax(dim=-1) if temperature == 0 else sample_keyed(picked, temperature, top_p, seed, keys)
+    if keys is not None and keys.dim() == 2:  # per-request sampling: [rows, 3] (key, temperature, top_p)
+        tok = sample_rowwise(picked, keys, seed)
+    elif temperature == 0:  # greedy: the argmax (what the race gives at temperature 0), without its call chain
+        tok = picked.argmax(dim=-1)
+    else:
+        tok = sample_keyed(picked, temperature, top_p, seed, keys)
     flags = (tok == eos_id).long() if eos_id is not None else torch.zeros_like(tok)
     return torch.stack([tok, flags], dim=1), picked

@@ -330,7 +330,8 @@ class Scheduler:
         pass) sampled a token past its end: that token is dropped, and `p.emit` keeps only the tokens that count."""
         rows, done, kept = self.rows[p.group], [], []
         for r, offset in p.advance.items():
-            rows[p.row0 + r].offset = offset
+            if rows[p.row0 + r] is not None:  # a row cancelled while its pass was in flight (online serving)
+                rows[p.row0 + r].offset = offset
         for e in p.emit:
             r, _, req, _ = e
             row = rows[p.row0 + r]

@@ -1,0 +1,1 @@
+"""`dsaflow serve`: the OpenAI-compatible HTTP front end that runs in the parent process (docs/serving.md)."""
