@@ -140,10 +140,15 @@ class TokenStream:
 
     def __init__(self, engine, scheduler: OnlineScheduler, send):
         self.engine, self.scheduler, self.send = engine, scheduler, send
+        self.reported = 0  # the running rows last sent
+
+    def idle(self) -> None:
+        """The end of a busy period: rows freed by cancellations after the last pass are free now."""
+        self(None, None, [])
 
     def __call__(self, p, message, done: List[int]) -> None:
         out = []
-        if p.emit and message is not None:
+        if p is not None and p.emit and message is not None:
             tokens = message[:, 0].tolist()  # the host read that streaming needs, once per pass
             logp = None
             picked = self.engine.picked
@@ -158,8 +163,10 @@ class TokenStream:
                 out.append((rid, k, tokens[r], *extra))
         for rid in done:
             self.scheduler.forget(rid)
-        if out or done:
-            self.send(("tokens", out, list(done), len(self.scheduler.queue), self.scheduler.running()))
+        running = self.scheduler.running()
+        if out or done or running != self.reported:  # a cancelled row frees with no token: say so too
+            self.reported = running
+            self.send(("tokens", out, list(done), len(self.scheduler.queue), running))
 
 
 def forget_done(scheduler: OnlineScheduler):
@@ -264,12 +271,16 @@ def run_online(ctx) -> None:
     send(("ready", me))
     while True:
         scheduler.apply(scheduler.tidings.exchange(wait_s=IDLE_WAIT_S))
+        if is_last:
+            engine.on_pass.idle()  # a cancellation may have freed a row outside any pass
         if scheduler.idle():
             if scheduler.stopping:
                 break
             continue
         t0 = time.perf_counter()
         stats = busy_period(engine, scheduler, is_last)
+        if is_last:
+            engine.on_pass.idle()
         send(
             ("stats", me, float(stats.get("busy_fraction", 0.0)), int(stats.get("tokens", 0)), time.perf_counter() - t0)
         )
