@@ -6,6 +6,7 @@ CUDA graphs, and the cost of a pipeline tick's transfers.
     python scripts/bench_serve.py decode --gpus 1,2,4
     python scripts/bench_serve.py p2p --out bench_out/p2p                                       # 2 GPUs
     python scripts/bench_serve.py stage --out bench_out          # a DeepSeek-V3.2 pp8 stage, FP8 weights, one H200
+    python scripts/bench_serve.py http --device cpu --requests 64 --rate 8   # `dsaflow serve` beside the engine
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ SUBCOMMANDS = {
     "decode": "serve_decode",
     "p2p": "serve_p2p",
     "stage": "serve_stage",
+    "http": "serve_http",
 }
 
 

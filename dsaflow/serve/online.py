@@ -136,37 +136,69 @@ class OnlineScheduler(Scheduler):
 
 
 class TokenStream:
-    """The last stage's rank: each pass's sampled tokens (and top-1 log-probabilities) to the parent."""
+    """The last stage's rank: each pass's sampled tokens (and top-1 log-probabilities) to the parent.
+
+    On a GPU the values of a pass are copied to pinned memory without waiting and sent at the next pass (or when the
+    replica goes idle), one pass late, as the EOS flags are read (dsaflow/serve/eos.py): the host never waits for
+    its GPU to stream. On a CPU they are sent at once."""
 
     def __init__(self, engine, scheduler: OnlineScheduler, send):
         self.engine, self.scheduler, self.send = engine, scheduler, send
+        self.cuda = engine.device.type == "cuda"
         self.reported = 0  # the running rows last sent
+        self.pending = None  # (emit, done, host values [rows, 4], copy event) of the pass not sent yet
 
     def idle(self) -> None:
-        """The end of a busy period: rows freed by cancellations after the last pass are free now."""
+        """The end of a busy period: send what is pending, and rows freed by cancellations since the last pass."""
         self(None, None, [])
 
     def __call__(self, p, message, done: List[int]) -> None:
-        out = []
-        if p is not None and p.emit and message is not None:
-            tokens = message[:, 0].tolist()  # the host read that streaming needs, once per pass
-            logp = None
-            picked = self.engine.picked
-            wanted = any(e[2] in self.scheduler.logprob_ids for e in p.emit)
-            if wanted and picked is not None and picked.shape[0] >= p.rows:
-                lp = torch.log_softmax(picked[: p.rows].float(), dim=-1)
-                top_lp, top_tok = lp.max(dim=-1)
-                chosen = lp.gather(1, message[:, :1].to(lp.device)).squeeze(1)
-                logp = (chosen.tolist(), top_tok.tolist(), top_lp.tolist())
-            for r, _, rid, k in p.emit:
-                extra = (logp[0][r], logp[1][r], logp[2][r]) if logp else (None, None, None)
-                out.append((rid, k, tokens[r], *extra))
         for rid in done:
             self.scheduler.forget(rid)
+        previous, self.pending = self.pending, None
+        if p is not None and p.emit and message is not None:
+            values = self._values(p, message)  # [rows, 4] float64: token, its logprob, top token, top logprob
+            if self.cuda:
+                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                host.copy_(values, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+                self.pending = (list(p.emit), list(done), host, copied)
+                done = []
+            else:
+                self._send(list(p.emit), list(done), values, None)
+                done = []
+        if previous is not None:
+            self._send(*previous)
         running = self.scheduler.running()
-        if out or done or running != self.reported:  # a cancelled row frees with no token: say so too
-            self.reported = running
-            self.send(("tokens", out, list(done), len(self.scheduler.queue), running))
+        if done or running != self.reported:  # a cancelled row frees with no token: say so too
+            self._send([], list(done), None, None)
+
+    def _values(self, p, message) -> torch.Tensor:
+        rows = message.shape[0]
+        tok = message[:, 0].double()
+        values = torch.full((rows, 4), float("nan"), dtype=torch.float64, device=message.device)
+        values[:, 0] = tok
+        picked = self.engine.picked
+        if picked is not None and picked.shape[0] >= rows and any(e[2] in self.scheduler.logprob_ids for e in p.emit):
+            lp = torch.log_softmax(picked[:rows].float(), dim=-1)
+            top_lp, top_tok = lp.max(dim=-1)
+            values[:, 1] = lp.gather(1, message[:, :1]).squeeze(1).double()
+            values[:, 2], values[:, 3] = top_tok.double(), top_lp.double()
+        return values
+
+    def _send(self, emit, done, values, copied) -> None:
+        out = []
+        if values is not None:
+            if copied is not None:
+                copied.synchronize()  # long done: the next pass has run since
+            rows = values.tolist()
+            for r, _, rid, k in emit:
+                tok, lp, top, top_lp = rows[r]
+                extra = (None, None, None) if lp != lp else (lp, int(top), top_lp)  # NaN: no logprobs asked
+                out.append((rid, k, int(tok), *extra))
+        self.reported = self.scheduler.running()
+        self.send(("tokens", out, done, len(self.scheduler.queue), self.reported))
 
 
 def forget_done(scheduler: OnlineScheduler):
