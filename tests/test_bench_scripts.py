@@ -28,6 +28,7 @@ FAMILIES = {
         "decode": "--merge",
         "p2p": "--compute-ms",
         "stage": "--decode-context",
+        "http": "--concurrency",
     },
     "bench_topk": {"select": "--keys", "indexer": "--no-sweeps", "decode": "--out", "finish": "--out"},
 }

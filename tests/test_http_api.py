@@ -189,3 +189,20 @@ def test_random_prompts_round_trip_through_the_request_check():
     for _ in range(20):
         ids = [r.randrange(256) for _ in range(r.randrange(1, 30))]
         assert completion_request({"model": "m", "prompt": ids}, TOK, 256).prompt == ids
+
+
+def test_serve_user_errors_exit_2_and_write_nothing(tmp_path, capsys):
+    import socket
+
+    from dsaflow.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["serve", f"server.port={port}", f"run_dir={tmp_path / 'run'}", "track=none"]) == 2
+    assert f"server.port={port}" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    assert main(["serve", "server.port=70000"]) == 2 and "server.port=70000" in capsys.readouterr().err
+    missing = tmp_path / "none.jinja"
+    assert main(["serve", f"server.chat_template={missing}", f"run_dir={tmp_path / 'run'}", "track=none"]) == 2
+    assert "server.chat_template" in capsys.readouterr().err and not (tmp_path / "run").exists()

@@ -52,7 +52,31 @@ def check_serve_launch(cfg, plan) -> None:
             "takes its requests over HTTP. Fix: drop them, or run dsaflow generate."
         )
     chat_template(cfg)  # a server.chat_template file that is missing or does not parse
+    check_listen(cfg.server.host, cfg.server.port)
     check_run_dir(cfg, plan, "generate")
+
+
+def check_listen(host: str, port: int) -> None:
+    """The server can listen at host:port (bound and released at once: a port taken later still fails at start,
+    with the same message, and the run dir then stays behind)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise PlanError(
+            f"server.host={host}: not an address of this machine ({exc}). Fix: 127.0.0.1 or 0.0.0.0."
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise PlanError(
+                f"server.host={host} server.port={port}: cannot listen there ({exc.strerror}). Fix: another "
+                "server.port (0 picks a free one), or stop what holds it."
+            ) from None
 
 
 def chat_template(cfg):

@@ -94,6 +94,10 @@ def engine_row(a, cfg, prompts, arrivals) -> dict:
     from dsaflow.plan import build_plan
     from dsaflow.serve.generate import build_engine
 
+    if a.device == "cpu":  # as a worker does (dsaflow.pipeline.run_context)
+        import torch
+
+        torch.set_num_threads(max(1, int(cfg.train.cpu_threads)))
     eng = build_engine(cfg, build_plan(cfg), 0, a.device, all_stages=True)
     eng.capture()
     limits = [a.output_len] * len(prompts)
@@ -200,7 +204,7 @@ def markdown(rows: dict, a) -> str:
         "|---" * (len(keys) + 1) + "|",
     ]
     for name, r in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{r[k]:.2f}" for k in keys) + " |")
+        lines.append(f"| {name} | " + " | ".join(f"{r[k]:.2f}" if r[k] == r[k] else "-" for k in keys) + " |")
     e, h = rows["engine"], rows["http"]
     lines += [
         "",
