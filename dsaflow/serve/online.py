@@ -153,11 +153,13 @@ class TokenStream:
         self(None, None, [])
 
     def __call__(self, p, message, done: List[int]) -> None:
+        previous, self.pending = self.pending, None
+        values = None
+        if p is not None and p.emit and message is not None:  # before `forget`: a request's last token counts
+            values = self._values(p, message)  # [rows, 4] float64: token, its logprob, top token, top logprob
         for rid in done:
             self.scheduler.forget(rid)
-        previous, self.pending = self.pending, None
-        if p is not None and p.emit and message is not None:
-            values = self._values(p, message)  # [rows, 4] float64: token, its logprob, top token, top logprob
+        if values is not None:
             if self.cuda:
                 host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
                 host.copy_(values, non_blocking=True)

@@ -216,6 +216,13 @@ class Frontend:
             return self.error_response(ApiError(413, f"the request body is over server.max_body_bytes={limit}."))
         except web.HTTPException as exc:  # unknown route (404), wrong method (405): as OpenAI error JSON
             return self.error_response(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}."))
+        except (asyncio.CancelledError, ConnectionError):  # the client left: nobody to answer
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug answers 500 in OpenAI's shape; the log has the traceback
+            import traceback
+
+            traceback.print_exc()
+            return self.error_response(ApiError(500, f"internal error ({type(exc).__name__}); see the server log."))
 
     def error_response(self, exc: ApiError) -> web.Response:
         self.metrics.errors.labels(status=str(exc.status)).inc()
@@ -334,7 +341,7 @@ class Shape:
         if not entries:
             return None
         texts = [self.tok.decode([t]) for t, *_ in entries]
-        tops = [self.tok.decode([top]) for _, _, top, _ in entries]
+        tops = [self.tok.decode([top]) if top is not None else "" for _, _, top, _ in entries]
         if self.chat:
             return {
                 "content": [
