@@ -351,6 +351,13 @@ def _main(args: List[str]) -> int:
         return EXIT_USER_ERROR
     from dsaflow.app import run_hydra_app, wants_hydra_app
 
+    if command == "serve" and any(a in ("-m", "--multirun") for a in rest):
+        print(
+            "dsaflow: error: dsaflow serve -m: a sweep would start one server after another, each serving until it "
+            "is stopped. Fix: drop -m and start one server per configuration.",
+            file=sys.stderr,
+        )
+        return EXIT_USER_ERROR
     if wants_hydra_app(rest):
         return run_cli_errors(run_hydra_app, command, rest, nproc, fmt)
     flags = [a for a in rest if a.startswith("-")]

@@ -206,3 +206,39 @@ def test_serve_user_errors_exit_2_and_write_nothing(tmp_path, capsys):
     missing = tmp_path / "none.jinja"
     assert main(["serve", f"server.chat_template={missing}", f"run_dir={tmp_path / 'run'}", "track=none"]) == 2
     assert "server.chat_template" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_eos_and_stop_token_ids_end_the_text_without_their_own():
+    s = completion_request({"model": "m", "prompt": "x", "stop_token_ids": [7], "max_tokens": 9}, TOK, 256)
+    stream = TextStream(s, TOK, eos_id=3)
+    assert stream.token(ord("a"), None, None, None) == ("a", [], None)
+    assert stream.token(3, None, None, None) == ("", [], "stop")  # serve.eos_id
+    stream = TextStream(s, TOK, eos_id=3)
+    assert [stream.token(t, None, None, None)[2] for t in (ord("b"), 7)] == [None, "stop"]
+
+
+def test_the_checkpoints_chat_template_renders_with_its_special_tokens(tmp_path):
+    import json
+
+    from dsaflow.serve.http.chat import load_chat_template
+
+    template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    config = {"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = load_chat_template(None, tmp_path)
+    assert chat.render([{"role": "user", "content": "hi"}]) == "<s>[user] hi\n[assistant]"
+    assert load_chat_template(None, tmp_path / "elsewhere") is None  # no tokenizer_config.json: no template
+    # a template cannot reach Python internals (the sandbox), and its own raise_exception is the client's 400
+    (tmp_path / "t.jinja").write_text("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ApiError):
+        load_chat_template(str(tmp_path / "t.jinja"), None).render([{"role": "user", "content": "x"}])
+    (tmp_path / "r.jinja").write_text("{{ raise_exception('only user turns') }}")
+    with pytest.raises(ApiError, match="only user turns"):
+        load_chat_template(str(tmp_path / "r.jinja"), None).render([{"role": "user", "content": "x"}])
+
+
+def test_serve_refuses_a_sweep(capsys):
+    from dsaflow.cli import main
+
+    assert main(["serve", "-m", "server.port=8001,8002"]) == 2
+    assert "-m" in capsys.readouterr().err
