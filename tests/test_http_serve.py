@@ -42,7 +42,7 @@ COMMON = [
 ]
 CONFIGS = {"single": [], "pp2": ["pipeline=pp2"], "pp2x2": ["pipeline=pp2", "parallel.dp=2"]}
 PROMPTS = ["hello", "hi there, friend", "abc", "the quick brown fox", "x", "0123456789", "a b c d e", "?!"]
-MAX_NEW = 12
+MAX_NEW = 8
 CHAT = (REPO / "tests" / "fixtures" / "chat_template.jinja").resolve()
 TOK = ByteTokenizer()
 
@@ -149,7 +149,8 @@ def test_stops_seeds_and_chat(server, reference):
     assert got.choices[0].finish_reason == "stop" and got.choices[0].text == TOK.decode(toks[: toks.index(cut)])
     # a stop string: the text ends before its first occurrence, streamed and not
     full = text_of(reference, "hi there, friend")
-    stop = full[5:7]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop
     for stream in (False, True):
         res = server.client.completions.create(
             model="tiny", prompt="hi there, friend", max_tokens=MAX_NEW, temperature=0, stop=[stop], stream=stream
@@ -257,7 +258,7 @@ def test_stop(server, reference):
 
     def client():
         try:
-            got = server.client.completions.create(model="tiny", prompt="hello", max_tokens=60, temperature=0)
+            got = server.client.completions.create(model="tiny", prompt="hello", max_tokens=30, temperature=0)
             results["text"] = got.choices[0].text
         except openai.APIStatusError as exc:
             results["status"] = exc.status_code
