@@ -242,3 +242,34 @@ def test_serve_refuses_a_sweep(capsys):
 
     assert main(["serve", "-m", "server.port=8001,8002"]) == 2
     assert "-m" in capsys.readouterr().err
+
+
+def byte_level_tokenizer(path):
+    """A byte-level BPE tokenizer.json (no merges: one token per byte, as GPT-2's alphabet) whose post-processor
+    adds a BOS token, as DeepSeek's and GLM's do -> the HFTokenizer dsaflow reads it with."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    from dsaflow.data.hf_tokenizer import HFTokenizer
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["<bos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    tok.save(str(path))
+    return HFTokenizer(path)
+
+
+def test_byte_level_tokenizer_streams_whole_characters_and_chat_adds_no_second_bos(tmp_path):
+    from dsaflow.serve.http.chat import encode_rendered
+
+    hf = byte_level_tokenizer(tmp_path / "tokenizer.json")
+    text = "héllo wörld 漢字 🙂 done"
+    ids = hf.encode(text)
+    assert ids[0] == hf.vocab_size - 1 and encode_rendered(hf, text) == ids[1:]  # the template writes its own BOS
+    d = IncrementalDetokenizer(hf)
+    pieces = [d.add(i) for i in ids[1:]] + [d.flush()]
+    assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+    assert "漢" in pieces and "🙂" in pieces  # each multi-byte character arrives in one piece, once complete

@@ -106,6 +106,11 @@ def engine_row(a, cfg, prompts, arrivals) -> dict:
     out = eng.generate(prompts, limits, arrivals=arrivals if a.rate else None)
     duration = time.perf_counter() - t0
     st = eng.stats
+    del eng  # its caches and graphs leave the device before the server's workers take it
+    if a.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
     ttft = list(st["ttft_s"].values())
     tpot = [v for v in st["tpot_s"].values() if v is not None]
     e2el = [ttft[i] + (tpot[i] if i < len(tpot) else 0) * (len(o) - 1) for i, o in enumerate(out)]

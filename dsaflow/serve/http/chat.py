@@ -71,3 +71,10 @@ def load_chat_template(template_file: Optional[str], hf_folder: Optional[Path]) 
     if isinstance(source, list):  # several named templates: the default one
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     return ChatTemplate(source, specials, str(cfg_file)) if isinstance(source, str) else None
+
+
+def encode_rendered(tokenizer, text: str):
+    """A rendered conversation -> token ids, without the special tokens the tokenizer's post-processor adds: the
+    template writes its own (transformers' apply_chat_template does the same)."""
+    inner = getattr(tokenizer, "tok", None)  # dsaflow.data.hf_tokenizer.HFTokenizer's `tokenizers` object
+    return inner.encode(text, add_special_tokens=False).ids if inner is not None else tokenizer.encode(text)

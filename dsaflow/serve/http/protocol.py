@@ -124,8 +124,6 @@ NEUTRAL = {
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
     "logit_bias": ({},),
-    "user": None,
-    "parallel_tool_calls": None,
 }
 COMMON = {
     "model",
@@ -150,7 +148,7 @@ def _unsupported(body: dict, allowed: set) -> None:
             400, f"unknown field '{unknown[0]}'; this server accepts {', '.join(sorted(allowed))}.", unknown[0]
         )
     for name, neutral in NEUTRAL.items():
-        if neutral is None or name not in body or body[name] is None:
+        if name not in body or body[name] is None:
             continue
         if body[name] not in neutral or isinstance(body[name], bool) != isinstance(neutral[0], bool):
             why = (

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 
 from aiohttp import web
 
+from .chat import encode_rendered
 from .detok import IncrementalDetokenizer
 from .protocol import ApiError, Sampling, chat_request, completion_request, fit
 from .server_metrics import ServerMetrics
@@ -279,7 +280,7 @@ class Frontend:
                 "use /v1/completions, or start the server with server.chat_template=FILE.",
                 "messages",
             )
-        s.prompt = self.tok.encode(self.chat.render(messages))
+        s.prompt = encode_rendered(self.tok, self.chat.render(messages))
         return await self.answer(request, self._checked(s), chat=True)
 
     async def answer(self, request, s: Sampling, chat: bool) -> web.StreamResponse:
