@@ -151,7 +151,8 @@ def _own_options(command: str) -> str:
 
 def command_help(command: str) -> str:
     return (
-        f"usage: dsaflow {command} [-h] {_own_options(command)}[-m] [--cfg job|hydra|all [--resolve]] [--info] "
+        f"usage: dsaflow {command} [-h] {_own_options(command)}{'' if command == 'serve' else '[-m] '}"
+        "[--cfg job|hydra|all [--resolve]] [--info] "
         f"[OVERRIDE ...]\n\n{COMMANDS[command]}\n\noptions:\n  -h, --help            show this help and exit\n"
         + (
             "  --format table|json   table (default) or only the plan JSON on stdout (also: format=json)\n"

@@ -91,25 +91,27 @@ def chat_template(cfg):
 def launch_serve(cfg, plan) -> int:
     """Check, write the run dir, serve until stopped -> exit status (0 after a drain)."""
     from dsaflow.checkpoint.store import report_stderr
+    from dsaflow.config.server_schema import API_KEY_ENV
     from dsaflow.plan import render_table
     from dsaflow.rundir.folder import write_run_dir
     from dsaflow.rundir.lock import run_dir_lock
 
     check_serve_launch(cfg, plan)
+    api_key = cfg.server.api_key or os.environ.get(API_KEY_ENV) or None
+    cfg.server.api_key = None  # a secret stays out of the run dir's config.yaml (the workers never need it)
     run_dir = write_run_dir(cfg, plan, render_table(plan, cfg), "generate")
+    cfg.server.api_key = api_key
     with run_dir_lock(run_dir, "serve", report_stderr):
         return ServerProcess(cfg, plan, run_dir).run()
 
 
 class ServerProcess:
     def __init__(self, cfg, plan, run_dir: Path):
-        from dsaflow.config.server_schema import API_KEY_ENV
         from dsaflow.serve.generate import job_tokenizer
         from dsaflow.serve.http.server import Frontend
         from dsaflow.serve.http.workers import WorkerHub
 
         self.cfg, self.plan, self.run_dir = cfg, plan, Path(run_dir)
-        cfg.server.api_key = cfg.server.api_key or os.environ.get(API_KEY_ENV) or None
         p = plan.pipeline
         self.hub = WorkerHub(p.world_size, p.ranks, self._on_message, self._on_lost)
         name = cfg.server.model_name or cfg.model.name
