@@ -28,13 +28,13 @@ CONFIG = ["mode=serve", "track=none", "serve.max_batch=2", "serve.max_context=64
 def per_tick(short: pstats.Stats, long: pstats.Stats, extra: int) -> dict:
     """{file under dsaflow/: [function]} of the functions whose call count grew by a multiple of `extra`."""
     grown = defaultdict(list)
-    for (path, _, name), (_, calls, *_rest) in long.stats.items():
+    for (path, line, name), (_, calls, *_rest) in long.stats.items():
         if "/dsaflow/" not in path or name.startswith("<"):
             continue
         room = path.split("/dsaflow/", 1)[1]
         if room.startswith(("model/", "ops/")):
             continue
-        before = next((v[1] for (p, _, n), v in short.stats.items() if p == path and n == name), 0)
+        before = short.stats.get((path, line, name), (0, 0))[1]  # by line too: two methods may share a name
         delta = calls - before
         if delta >= extra and delta % extra == 0:
             grown[room].append(name)
@@ -87,3 +87,40 @@ def test_the_count_sees_a_function_called_on_every_tick():
     short = stats_of({"_tick": SHORT, "generate": 1, "<listcomp>": SHORT})
     long = stats_of({"_tick": LONG, "generate": 1, "<listcomp>": LONG})
     assert per_tick(short, long, LONG - SHORT) == {"serve/engine.py": ["_tick"]}
+
+
+def test_an_online_decode_tick_stays_within_five_files_and_25_functions():
+    """`dsaflow serve`'s tick (dsaflow/serve/online.py: the tick's news applied before the pick, each pass's tokens
+    streamed to the front end) on one rank, greedy requests of their own sampling settings, measured the same way."""
+    from dsaflow.serve.online import OnlineScheduler, TokenStream, busy_period, float_bits
+
+    class OneShot:  # the request arrives at the first tick; no news after it
+        def __init__(self, item):
+            self.items = [[item]]
+
+        def exchange(self, wait_s: float = 0.0):
+            return self.items.pop() if self.items else []
+
+    cfg = compose([*CONFIG, "pipeline=single"])
+    eng = build_engine(cfg, build_plan(cfg), 0, "cpu", per_request_sampling=True)
+    eng.capture()
+    eng.key_ids, eng.arrivals = {}, None
+    sched = eng._scheduler([], kind=OnlineScheduler)
+    sched.key_ids, sched.logprob_ids = eng.key_ids, set()
+    eng.scheduler = sched
+    sent = []
+    eng.on_pass = TokenStream(eng, sched, sent.append)
+    stats = []
+    for rid, new in enumerate((SHORT, LONG)):
+        greedy = (rid, float_bits(0.0), float_bits(1.0))
+        sched.tidings = OneShot(("add", rid, PROMPT[0], new, greedy, False))
+        prof = cProfile.Profile()
+        prof.enable()
+        busy_period(eng, sched, is_last=True)
+        prof.disable()
+        stats.append(pstats.Stats(prof))
+    assert sum(len(m[1]) for m in sent) == SHORT + LONG  # every token streamed
+    files = per_tick(*stats, LONG - SHORT)
+    functions = sum(len(names) for names in files.values())
+    assert "serve/online.py" in files and "_tick" in files["serve/engine.py"]
+    assert len(files) <= MAX_FILES and functions <= MAX_FUNCTIONS, files

@@ -128,9 +128,12 @@ class PipelineEngine:
         self.keyed = serve_cfg.temperature > 0 or self.rowwise  # sampling reads each row's key (request, token index)
         # the last stage's sampling: (logits [rows, V], keys) -> (message [rows, 2], fp32 logits)
         sampling = {k: getattr(serve_cfg, k) for k in ("temperature", "top_p", "seed", "eos_id")}
+        if self.rowwise:  # each request brings its own; a pass without keys (eager, every row greedy) takes argmax
+            sampling["temperature"] = 0.0
         self._sample_logits = functools.partial(sample_message, **sampling)
         self._shape_classes(plan, serve_cfg, graphs_cfg)
         self.graph_names = {s: self._register_graphs(s) for s in stages}  # (kind, group, path) -> graph name
+        self.last_graphs = bool(self.graph_names.get(self.last))  # this rank replays graphs of the last stage
         self.transfers: Optional[TransferGraphs] = None  # built at the first generate on a rank with a link
         self.transfer_capturer = None  # TransferGraphs' capturer (tests inject one; default: CUDA)
         self.record_logits = False
@@ -462,7 +465,9 @@ class PipelineEngine:
             if graph and p.hint is not None and p.hint.path == "masked":
                 p.hint = None  # no masked graphs (dense_prefill.graph_classes): the sparse graph replays
             p.path = dense_prefill.graph_label(p.hint, topk, cache_rows)
-        keyed = 3 if self.rowwise else int(self.keyed)
+        keyed = int(self.keyed)
+        if self.rowwise:  # a graph on the last stage always reads keys; else a pass of greedy rows needs none
+            keyed = 3 if self.last_graphs or any(self.key_ids[e[2]][1] for e in p.emit) else 0
         vectors = pass_vectors(p, self.first_here, self.last_here, self.key_ids, self.out_width, keyed)
         p.inputs = PassInputs(**self.uploader(vectors))  # one host-to-device copy
         # what travels: with graphs.transfers a decode pass's rows padded to their class (the tick's shapes recur)

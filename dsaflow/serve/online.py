@@ -95,7 +95,9 @@ class OnlineScheduler(Scheduler):
     logprob_ids: set
 
     def pick(self, busy):
-        self.apply(self.tidings.exchange())
+        news = self.tidings.exchange()
+        if news:
+            self.apply(news)
         return super().pick(busy)
 
     def apply(self, news: List[tuple]) -> None:
@@ -153,28 +155,39 @@ class TokenStream:
         self(None, None, [])
 
     def __call__(self, p, message, done: List[int]) -> None:
-        previous, self.pending = self.pending, None
-        values = None
+        ready = [] if self.pending is None else [self.pending]  # GPU: the previous pass, copied by now
+        self.pending = None
         if p is not None and p.emit and message is not None:  # before `forget`: a request's last token counts
-            values = self._values(p, message)  # [rows, 4] float64: token, its logprob, top token, top logprob
-        for rid in done:
-            self.scheduler.forget(rid)
-        if values is not None:
+            wanted = any(e[2] in self.scheduler.logprob_ids for e in p.emit)
+            # [rows, 4] float64: token, its logprob, top token, top logprob; [rows, 1] when none asked for them
+            values = self._values(p, message) if wanted else message[:, :1].double()
             if self.cuda:
                 host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
                 host.copy_(values, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record()
                 self.pending = (list(p.emit), list(done), host, copied)
-                done = []
             else:
-                self._send(list(p.emit), list(done), values, None)
-                done = []
-        if previous is not None:
-            self._send(*previous)
-        running = self.scheduler.running()
-        if done or running != self.reported:  # a cancelled row frees with no token: say so too
-            self._send([], list(done), None, None)
+                ready.append((list(p.emit), list(done), values, None))
+            done = []
+        for rid in done:
+            self.scheduler.forget(rid)
+        running = sum(r is not None for g in self.scheduler.rows for r in g)
+        if done or (not ready and running != self.reported):  # a cancelled row frees with no token: say so too
+            ready.append(([], list(done), None, None))
+        for emit, ended, values, copied in ready:
+            if copied is not None:
+                copied.synchronize()  # long done: the next pass has run since
+            rows = values.tolist() if values is not None else []
+            out = [
+                (rid, k, int(v[0]), *((v[1], int(v[2]), v[3]) if len(v) == 4 and v[1] == v[1] else (None,) * 3))
+                for r, _, rid, k in emit
+                for v in (rows[r],)
+            ]
+            for rid in ended:
+                self.scheduler.forget(rid)
+            self.reported = running
+            self.send(("tokens", out, ended, len(self.scheduler.queue), running))
 
     def _values(self, p, message) -> torch.Tensor:
         rows = message.shape[0]
@@ -182,25 +195,12 @@ class TokenStream:
         values = torch.full((rows, 4), float("nan"), dtype=torch.float64, device=message.device)
         values[:, 0] = tok
         picked = self.engine.picked
-        if picked is not None and picked.shape[0] >= rows and any(e[2] in self.scheduler.logprob_ids for e in p.emit):
+        if picked is not None and picked.shape[0] >= rows:
             lp = torch.log_softmax(picked[:rows].float(), dim=-1)
             top_lp, top_tok = lp.max(dim=-1)
             values[:, 1] = lp.gather(1, message[:, :1]).squeeze(1).double()
             values[:, 2], values[:, 3] = top_tok.double(), top_lp.double()
         return values
-
-    def _send(self, emit, done, values, copied) -> None:
-        out = []
-        if values is not None:
-            if copied is not None:
-                copied.synchronize()  # long done: the next pass has run since
-            rows = values.tolist()
-            for r, _, rid, k in emit:
-                tok, lp, top, top_lp = rows[r]
-                extra = (None, None, None) if lp != lp else (lp, int(top), top_lp)  # NaN: no logprobs asked
-                out.append((rid, k, int(tok), *extra))
-        self.reported = self.scheduler.running()
-        self.send(("tokens", out, done, len(self.scheduler.queue), self.reported))
 
 
 def forget_done(scheduler: OnlineScheduler):
