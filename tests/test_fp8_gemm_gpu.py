@@ -69,7 +69,7 @@ def gen(seed: int) -> torch.Generator:
 
 def weight(*shape, seed: int):
     """Random e4m3 weights [N, K] or [E, N, K] with their block scales. An expert stack is drawn and quantized one
-    expert at a time: DeepSeek-V3's 256 x 4096 x 7168 stack is 30 GB in fp32, more than an 80 GB card holds twice."""
+    expert at a time: DeepSeek-V3's 256 x 4096 x 7168 stack is 30 GB in fp32, and quantizing it whole needs twice that."""
     g = gen(seed)
     if len(shape) == 2:
         return quantize_blocks_128(torch.randn(*shape, device="cuda", generator=g) * 0.02)
