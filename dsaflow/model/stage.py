@@ -26,6 +26,7 @@ from .dense_prefill import PrefillHint
 from .indexer_loss import IndexerLossInBackward, IndexerLossRecorder
 from .init import init_stage_weights
 from .layer_spec import LayerSpec
+from .loss_head import chunked_lm_loss
 from .norms import RMSNorm
 from .rope import RopeTables
 
@@ -73,6 +74,9 @@ class StageModule(nn.Module):
         # train.recompute: "none" | "attention" | "block" (see TrainContext.recompute); the trainer sets it.
         self.recompute = "none"
         self.recompute_chunk_tokens = TrainConfig.recompute_chunk_tokens  # queries per recomputed attention chunk
+        # True (the trainer sets it): forward_train on the last stage returns the final hidden state and the loss
+        # applies norm and head in chunks (`lm_loss`), so no [B, T, vocab] logits exist
+        self.head_in_loss = False
         self.indexer_loss: Optional[torch.Tensor] = None
         self.indices_out: Optional[torch.Tensor] = None
         self.rope_tables = RopeTables.of(model_cfg)  # the rotary constants, computed once, not per forward
@@ -98,7 +102,7 @@ class StageModule(nn.Module):
         x: token ids [B, T] int64 on the first stage, hidden [B, T, dim] otherwise. positions [B, T] int64 (< 0 =
         padding query; default arange(T): token t at position t). attn: "sparse" (indexer top-k) | "dense" (every
         causal key). indices_in: see `_begin_slot`. Returns hidden [B, T, dim], or fp32 logits [B, T, vocab] on the
-        last stage. Sets `self.indexer_loss` (scalar, graph only through indexer weights) when training with the
+        last stage (its final hidden state [B, T, dim] before the norm when `head_in_loss`: see `lm_loss`). Sets `self.indexer_loss` (scalar, graph only through indexer weights) when training with the
         indexer loss on (`compute_indexer_loss`, default the attribute of that name), else None.
         indexer_loss_in_backward (train mode, grad enabled, sparse attention; implies compute_indexer_loss): the loss
         runs inside this forward's backward instead (dsaflow.model.indexer_loss): the attention's backward fills its
@@ -134,7 +138,7 @@ class StageModule(nn.Module):
             recompute_chunk_tokens=self.recompute_chunk_tokens,
             record_expert_load=record_expert_load,
         )
-        out = self._run_layers(h, ctx)
+        out = self._run_layers(h, ctx, logits=not self.head_in_loss)
         self.indexer_loss = recorder.loss() if recorder is not None else None
         return out
 
@@ -252,15 +256,24 @@ class StageModule(nn.Module):
         self.indexer_loss = None
         return self._run_layers(h, ctx)
 
-    def _run_layers(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _run_layers(self, h: torch.Tensor, ctx: ForwardContext, logits: bool = True) -> torch.Tensor:
         """The block loop of every forward: h [B, T, dim] through the stage's layers over `ctx`, then norm and LM
-        head on the last stage (fp32 logits [B, T, vocab]). Leaves the next stage's indices in `indices_out`."""
+        head on the last stage (fp32 logits [B, T, vocab]; logits=False: h as the last layer left it). Leaves the
+        next stage's indices in `indices_out`."""
         for layer in self.layers.values():
             h = layer(h, ctx)
         self.indices_out = ctx.index_slot.indices if ctx.attn == "sparse" else None
-        if self.head is not None:
+        if self.head is not None and logits:
             return self.head(self.norm(h)).float()
         return h
+
+    def lm_loss(self, hidden: torch.Tensor, target: torch.Tensor, chunk_tokens: int, want_argmax: bool = False):
+        """Last stage: mean cross-entropy of head(norm(hidden)) against target [B, T] (-100 = ignored), computed
+        `chunk_tokens` rows at a time (dsaflow.model.loss_head), from hidden [B, T, dim], the output of
+        `forward_train` with `head_in_loss`. Returns (loss, argmax [B, T] or None)."""
+        return chunked_lm_loss(
+            hidden, self.norm.weight, self.head.weight, target, chunk_tokens, self.norm.eps, want_argmax
+        )
 
     def forward_with_indices(self, x: torch.Tensor, indices_in: Optional[torch.Tensor] = None, **kwargs):
         """`forward_train` -> (its output, `take_indices`): what the pipeline runtime sends on."""

@@ -83,6 +83,7 @@ class Trainer:
         ]
         for m in self.modules:
             m.recompute, m.recompute_chunk_tokens = str(t.recompute), t.recompute_chunk_tokens
+            m.head_in_loss = m.is_last  # the loss applies norm and head in chunks (train.loss_chunk_tokens)
         # train.init_from / model.hf_path: whole weights into whole stages, before the dp sharding below
         self.init_lines = [] if t.resume else self._load_initial_weights()
         # parallel.dp: FSDP2-shards the modules over the dp group (before the optimisers see their parameters)
@@ -101,7 +102,10 @@ class Trainer:
             cfg.model.vocab_size,
             checkpoint_tokenizer(tokenizer_json(hf_files_folder(cfg.model.hf_path, ctx.run_dir))),
         )
-        self.loss_fn = LMLoss(cfg.data.num_queries if self.data.has_answers else 0)
+        last = [m for m in self.modules if m.is_last]
+        self.loss_fn = LMLoss(
+            cfg.data.num_queries if self.data.has_answers else 0, last[0] if last else None, t.loss_chunk_tokens
+        )
         self.schedule = build_schedule(
             plan.pipeline.schedule,
             self.pstages,
