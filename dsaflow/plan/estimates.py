@@ -261,10 +261,23 @@ def layer_backward_transient_bytes(
     return max(tokens * (rebuilt - kept) + mlp_bwd, tokens * (rebuilt - kept - mlp) + after)
 
 
-def head_activation_bytes_per_token(m, width: int = BF16) -> int:
-    """Last stage: the final norm's fp32 input and its cast for the head, the fp32 logits and the loss's
-    log-softmax (fp32, vocab each)."""
-    return m.dim * (FP32 + width) + 2 * m.vocab_size * FP32
+def head_activation_bytes_per_token(m) -> int:
+    """Last stage: what the loss head in chunks (dsaflow.model.loss_head) keeps for its backward per token, the
+    final hidden state (fp32 dim) and one fp32 log-sum-exp. No logits: they exist one chunk at a time
+    (`head_transient_bytes`)."""
+    return m.dim * FP32 + FP32
+
+
+def head_transient_bytes(m, tokens: int, chunk_tokens: int, width: int = BF16) -> int:
+    """The most the loss head in chunks allocates at once for c = min(tokens, chunk_tokens) rows
+    (train.loss_chunk_tokens): its forward holds a chunk's fp32 logits and logsumexp's fp32 exponentials
+    (2 * c * vocab * 4); its backward the recomputed fp32 logits turned into dlogits and their cast to the compute
+    dtype (c * vocab * (4 + width)), plus the head's fp32 gradient sum, one chunk's product in the compute dtype and
+    its fp32 cast (vocab * dim * (4 + width + 4)), plus the head weight's compute-dtype copy (vocab * dim * width)."""
+    c, v, d = min(tokens, chunk_tokens), m.vocab_size, m.dim
+    forward = 2 * c * v * FP32 + v * d * width
+    backward = c * v * (FP32 + width) + v * d * (FP32 + width + FP32) + v * d * width
+    return max(forward, backward)
 
 
 def stage_output_bytes_per_token(m) -> int:
