@@ -77,6 +77,9 @@ class StageModule(nn.Module):
         # True (the trainer sets it): forward_train on the last stage returns the final hidden state and the loss
         # applies norm and head in chunks (`lm_loss`), so no [B, T, vocab] logits exist
         self.head_in_loss = False
+        # context parallel (dsaflow.model.context_parallel.ContextParallel; the trainer sets it): forward_train
+        # takes this rank's zigzag shard of each sequence, at its global positions; None: whole sequences
+        self.cp = None
         self.indexer_loss: Optional[torch.Tensor] = None
         self.indices_out: Optional[torch.Tensor] = None
         self.rope_tables = RopeTables.of(model_cfg)  # the rotary constants, computed once, not per forward
@@ -115,7 +118,9 @@ class StageModule(nn.Module):
         want_loss = self._wants_indexer_loss(attn, compute_indexer_loss, indexer_loss_in_backward)
         h = self.embed(x) if self.embed is not None else x
         B, T = h.shape[:2]
-        causal_rows = no_padding = positions is None  # see TrainContext.causal_rows (only dense attention reads it)
+        causal_rows = no_padding = positions is None and self.cp is None  # TrainContext.causal_rows (dense only)
+        if self.cp is not None:
+            positions = self._cp_positions(positions, attn, B, T, h.device)
         if positions is None:
             positions = torch.arange(T, device=h.device).expand(B, T)
         elif attn == "dense":  # caller-given positions (padding): one host sync, a rare path
@@ -137,12 +142,23 @@ class StageModule(nn.Module):
             recompute=self.recompute,
             recompute_chunk_tokens=self.recompute_chunk_tokens,
             record_expert_load=record_expert_load,
+            cp=self.cp,
         )
         out = self._run_layers(h, ctx, logits=not self.head_in_loss)
         self.indexer_loss = recorder.loss() if recorder is not None else None
         return out
 
     forward = forward_train  # what `module(x)` runs (torch.distributed.pipelining calls the stage so)
+
+    def _cp_positions(self, positions, attn: str, B: int, T: int, device) -> torch.Tensor:
+        """Context parallel: the global positions of this rank's shard (sparse attention only; the dense warm-up
+        attends per head over whole sequences)."""
+        if positions is not None or attn != "sparse":
+            raise ValueError(
+                f"a context-parallel forward (cp={self.cp.size}) runs sparse attention at the positions of its zigzag "
+                f"shard, got attn={attn!r}, positions given={positions is not None}."
+            )
+        return self.cp.positions(B, T, device)
 
     def _wants_indexer_loss(self, attn: str, compute: Optional[bool], in_backward) -> bool:
         """Whether a forward without a cache computes the indexer loss (`forward_train`'s arguments)."""
