@@ -109,6 +109,7 @@ def chunked_lm_loss(
     chunk_tokens: int,
     eps: float,
     want_argmax: bool = False,
+    reduction: str = "mean",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Mean cross-entropy of `head(rms_norm(hidden))` against `target`, `chunk_tokens` rows at a time.
 
@@ -119,16 +120,22 @@ def chunked_lm_loss(
         chunk_tokens: rows per chunk (>= 1).
         eps: the final norm's epsilon.
         want_argmax: also return the argmax of each row's logits (accuracy counters).
+        reduction: "mean" over the non-ignored targets, or their "sum" (a context-parallel shard, whose share of
+            the targets may be empty, divides by the count of the whole sequence itself).
 
     Returns:
         (loss, argmax): the fp32 mean over the non-ignored targets (NaN when every target is ignored, as
-        F.cross_entropy), differentiable in hidden and both weights; argmax [...] int64 or None.
+        F.cross_entropy) or their sum, differentiable in hidden and both weights; argmax [...] int64 or None.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}: use 'mean' or 'sum'.")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens}: need at least one row per chunk.")
     lead = hidden.shape[:-1]
     flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     dtype = compute_dtype(hidden.device, head_weight.dtype)
     total, argmax = ChunkedLMLoss.apply(flat_h, norm_weight, head_weight, flat_t, chunk_tokens, eps, dtype, want_argmax)
-    count = (flat_t != IGNORE_INDEX).sum()
-    return total / count, (argmax.view(lead) if want_argmax else None)
+    argmax = argmax.view(lead) if want_argmax else None
+    if reduction == "sum":
+        return total, argmax
+    return total / (flat_t != IGNORE_INDEX).sum(), argmax

@@ -283,12 +283,14 @@ class StageModule(nn.Module):
             return self.head(self.norm(h)).float()
         return h
 
-    def lm_loss(self, hidden: torch.Tensor, target: torch.Tensor, chunk_tokens: int, want_argmax: bool = False):
-        """Last stage: mean cross-entropy of head(norm(hidden)) against target [B, T] (-100 = ignored), computed
-        `chunk_tokens` rows at a time (dsaflow.model.loss_head), from hidden [B, T, dim], the output of
-        `forward_train` with `head_in_loss`. Returns (loss, argmax [B, T] or None)."""
+    def lm_loss(
+        self, hidden: torch.Tensor, target: torch.Tensor, chunk_tokens: int, want_argmax: bool = False, reduction="mean"
+    ):
+        """Last stage: cross-entropy of head(norm(hidden)) against target [B, T] (-100 = ignored), its mean or sum
+        (`reduction`), computed `chunk_tokens` rows at a time (dsaflow.model.loss_head), from hidden [B, T, dim], the
+        output of `forward_train` with `head_in_loss`. Returns (loss, argmax [B, T] or None)."""
         return chunked_lm_loss(
-            hidden, self.norm.weight, self.head.weight, target, chunk_tokens, self.norm.eps, want_argmax
+            hidden, self.norm.weight, self.head.weight, target, chunk_tokens, self.norm.eps, want_argmax, reduction
         )
 
     def forward_with_indices(self, x: torch.Tensor, indices_in: Optional[torch.Tensor] = None, **kwargs):

@@ -45,7 +45,8 @@ def promotion_costs(cfg, roles: Sequence[str]) -> List[float]:
 def microbatch_tokens(cfg, pipeline: PipelinePlan) -> int:
     if cfg.mode == "serve":
         return cfg.serve.prefill_chunk
-    return cfg.train.seq_len * max(1, cfg.train.batch_size // (pipeline.dp * pipeline.microbatches))
+    # per rank: with parallel.cp each rank holds seq_len / cp tokens of every sequence
+    return cfg.train.seq_len // pipeline.cp * max(1, cfg.train.batch_size // (pipeline.dp * pipeline.microbatches))
 
 
 def dp_shards(pipeline: PipelinePlan) -> int:

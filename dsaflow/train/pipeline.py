@@ -25,6 +25,7 @@ import time
 from typing import Callable, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
@@ -146,11 +147,16 @@ class LMLoss:
     built with head_in_loss) its final hidden state [b, T, dim], turned into the loss by `head.lm_loss` in chunks of
     `chunk_tokens` rows (train.loss_chunk_tokens), so no [b, T, vocab] logits exist; without, fp32 logits
     [b, T, V]. A query counts as correct when the argmax matches at every one of its answer positions (exact
-    match)."""
+    match).
 
-    def __init__(self, num_queries: int = 0, head: Optional[nn.Module] = None, chunk_tokens: int = 0):
+    Context parallel (`cp`, the head's ContextParallel): out and target hold this rank's zigzag shard. The loss is
+    cp x (this shard's sum) / (the whole sequences' count of targets), so that its mean over the cp ranks (what the
+    dp x cp gradient average and metrics take) is the whole sequences' mean; a query's answer positions may sit on
+    several ranks, so their hits are combined over the cp group and cp rank 0 alone counts them."""
+
+    def __init__(self, num_queries: int = 0, head: Optional[nn.Module] = None, chunk_tokens: int = 0, cp=None):
         self.num_queries = num_queries  # answers per sample (0: no accuracy); static, so no host sync
-        self.head, self.chunk_tokens = head, chunk_tokens
+        self.head, self.chunk_tokens, self.cp = head, chunk_tokens, cp
         self.reset()
 
     def reset(self) -> None:
@@ -160,7 +166,12 @@ class LMLoss:
     def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         lm, ans, qid = target[:, 0], target[:, 1], target[:, 2]
         n_q = self.num_queries
-        if self.head is not None:
+        if self.cp is not None:
+            total, argmax = self.head.lm_loss(out, lm, self.chunk_tokens, want_argmax=n_q > 0, reduction="sum")
+            count = (lm != IGNORE).sum()
+            dist.all_reduce(count, group=self.cp.comm.group)
+            loss = total * self.cp.size / count
+        elif self.head is not None:
             loss, argmax = self.head.lm_loss(out, lm, self.chunk_tokens, want_argmax=n_q > 0)
         else:
             loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), lm.reshape(-1), ignore_index=IGNORE)
@@ -172,6 +183,10 @@ class LMLoss:
                 ok = torch.ones(qid.shape[0], n_q + 1, dtype=torch.long, device=qid.device)
                 ok.scatter_reduce_(1, slot, hit, reduce="amin")
                 seen = torch.zeros_like(ok).scatter_reduce_(1, slot, torch.ones_like(hit), reduce="amax")
+                if self.cp is not None:  # every rank's answer positions of each query
+                    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.cp.comm.group)
+                    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.cp.comm.group)
+                    seen = seen * int(self.cp.rank == 0)
                 self.correct = self.correct + (ok[:, :n_q] * seen[:, :n_q]).sum()
                 self.total = self.total + seen[:, :n_q].sum()
         return loss
