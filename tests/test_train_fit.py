@@ -47,3 +47,50 @@ def test_a_larger_device_or_a_shorter_sequence_fits(capsys):
     assert main(["plan", *short]) == 0
     assert main(["plan", *short, "plan.device_memory_gib=79.6"]) == 2  # an H100: 94.7 GiB on stage 0 is too much
     assert "plan.device_memory_gib=79.6" in capsys.readouterr().err
+
+
+# parallel.cp: a V3.2-attention stage split at 256K tokens, one sequence per step (GPipe, one microbatch)
+CP_BASE = [
+    "model=dsv32",
+    "model.moe=null",
+    "model.inter_dim=2048",
+    "index=every4",
+    "pipeline=pp4",
+    "pipeline.schedule=GPipe",
+    "pipeline.microbatches=1",
+    "train.batch_size=1",
+    "train.seq_len=262144",
+    "model.max_seq_len=262144",
+    "train.recompute=block",
+]
+
+
+def test_cp_halves_each_ranks_activations_and_counts_the_keys_it_gathers():
+    one, two = (build_plan(compose(CP_BASE + [f"parallel.cp={cp}"])) for cp in (1, 2))
+    m = compose(CP_BASE).model
+    assert two.estimates["microbatch_tokens"] * 2 == one.estimates["microbatch_tokens"] == 262144
+    for s1, s2 in zip(one.estimates["stages"], two.estimates["stages"]):
+        assert s2["activation_bytes_per_microbatch"] * 2 == s1["activation_bytes_per_microbatch"]
+        roles = [two.layers[i].role for i in two.stages[s2["index"]].layers]
+        # each layer: the other rank's half of the latent rows (and indexer keys on F), gathered, gathered again in
+        # backward and reduce-scattered, in bf16
+        want = [3 * 131072 * (576 + (128 if r == "F" else 0)) * 2 for r in roles]
+        assert s2["cp_comm_bytes_per_layer"] == want
+        assert s1["cp_comm_bytes_per_layer"] == [0] * len(roles)
+    # the transient adds every rank's keys: latent + indexer key of 262144 tokens, (3 x bf16 + fp32) each
+    gathered = E.cp_gathered_key_bytes(m, "F", 262144)
+    assert gathered == 262144 * (576 + 128) * 10
+    terms = train_memory_terms_of(two, 0)
+    assert terms[TRANSIENT] >= gathered
+
+
+def train_memory_terms_of(plan, stage: int) -> dict:
+    return plan.estimates["stages"][stage]["train_memory_bytes"]
+
+
+def test_256k_fits_16_h200s_with_cp_and_not_4_without(capsys):
+    assert main(["plan", *CP_BASE, "parallel.cp=4"]) == 0
+    assert "context parallel: cp 4 ranks per sequence" in capsys.readouterr().out
+    assert main(["plan", *CP_BASE]) == 2
+    err = capsys.readouterr().err
+    assert "The largest term is activations" in err and "parallel.cp" in err

@@ -280,6 +280,31 @@ def head_transient_bytes(m, tokens: int, chunk_tokens: int, width: int = BF16) -
     return max(forward, backward)
 
 
+def cp_key_elems_per_token(m, role: str) -> int:
+    """What context parallelism gathers per token of a layer: the latent row (kv_lora + rope) and, on F layers, the
+    indexer key (index_head_dim). S layers reuse their source's indices and gather no indexer key."""
+    return m.kv_lora_rank + m.qk_rope_head_dim + (m.index_head_dim if role == "F" else 0)
+
+
+def cp_gathered_key_bytes(m, role: str, seq_tokens: int, width: int = BF16) -> int:
+    """One layer's transient under context parallelism, for `seq_tokens` tokens of whole sequences (the gathered
+    key rows are every rank's): in its backward the keys gathered again (width), their gradient over every key (fp32
+    accumulation and its cast, FP32 + width) and the reduce-scatter's per-rank parts (width); the forward's gather
+    (width) is smaller."""
+    return seq_tokens * cp_key_elems_per_token(m, role) * (3 * width + FP32)
+
+
+def cp_comm_bytes_per_layer(m, role: str, seq_tokens: int, cp: int, recompute: str, width: int = BF16) -> int:
+    """Bytes one rank receives for one layer per microbatch under context parallelism of `cp` ranks: the forward's
+    all-gather of the other ranks' key rows, the backward's gather again (saved keys under recompute=none, the
+    block's recomputation under block) and the reduce-scatter of their gradient: 3 x (cp - 1) / cp of the
+    sequences' key rows."""
+    if cp == 1:
+        return 0
+    rows = seq_tokens * (cp - 1) // cp * cp_key_elems_per_token(m, role) * width
+    return 3 * rows
+
+
 def stage_output_bytes_per_token(m) -> int:
     """Non-last stages: the fp32 hidden state the pipeline keeps for the stage's backward."""
     return m.dim * FP32
