@@ -39,6 +39,13 @@ def check_context_parallel(cfg, pipeline: PipelinePlan) -> None:
             f"train.recompute=attention with {where} would keep every layer's gathered keys for its recomputed "
             "attention chunks, which context parallelism exists to avoid. Fix: train.recompute=block (or none)."
         )
+    moe = cfg.model.moe
+    if moe is not None and moe.aux_loss_weight > 0:
+        raise PlanError(
+            f"model.moe.aux_loss_weight={moe.aux_loss_weight} with {where}: the sequence-wise balance loss needs each "
+            "sequence's routing statistics whole, and a cp rank sees only its shard. Fix: model.moe.aux_loss_weight=0 "
+            "(the bias update balances the experts without it), or parallel.cp=1."
+        )
     if str(t.dsa_stage) == "dense_warmup" or t.dense_warmup_steps > 0:
         raise PlanError(
             f"train.dsa_stage={t.dsa_stage} / train.dense_warmup_steps={t.dense_warmup_steps} with {where}: the dense "
