@@ -3,6 +3,7 @@ and its zigzag shard over the cp group, and reports both, so the test compares t
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 from pathlib import Path
@@ -10,11 +11,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.reductions import StorageWeakRef
 from train_harness import FORKSERVER_PRELOAD, free_port
 
 from dsaflow.config.schema import ModelConfig
 from dsaflow.model import IndexerLossInBackward, build_model
-from dsaflow.model.context_parallel import zigzag_shard
+from dsaflow.model.context_parallel import GatheredKeys, zigzag_shard
 from dsaflow.train.cp_comm import context_parallel
 
 CFG = ModelConfig(num_layers=4, dim=32, inter_dim=64, index_topk=8, vocab_size=61, n_heads=2)
@@ -67,11 +69,24 @@ def case(rank: int, world: int, recompute: str, kl_in_backward: bool) -> dict:
 
     cp.gather_values = counted
     xs, ys = zigzag_shard(x, world, rank), zigzag_shard(y, world, rank)
-    forward_gathers = []
-    lm, kl, grads = _run(
-        model, xs, ys, 1.0 / world, kl_in_backward, (y != -100).sum(), lambda: forward_gathers.append(calls["n"])
-    )
-    forward_gathers = forward_gathers[0]
+    storages, after = [], []  # weak references to every gathered storage; (gathers, alive) after the forward
+    inner_gather = GatheredKeys.gather
+
+    def gather(self, local):
+        whole = inner_gather(self, local)
+        storages.append(StorageWeakRef(whole.untyped_storage()))
+        return whole
+
+    def after_forward():
+        gc.collect()
+        after.append((calls["n"], sum(not s.expired() for s in storages)))
+
+    GatheredKeys.gather = gather
+    try:
+        lm, kl, grads = _run(model, xs, ys, 1.0 / world, kl_in_backward, (y != -100).sum(), after_forward)
+    finally:
+        GatheredKeys.gather = inner_gather
+    forward_gathers, alive = after[0]
     flat = torch.stack([lm, kl])
     dist.all_reduce(flat)
     for g in grads.values():
@@ -80,6 +95,7 @@ def case(rank: int, world: int, recompute: str, kl_in_backward: bool) -> dict:
         "ref": ref,
         "cp": (flat[0], flat[1] / world, grads),
         "gathers": (forward_gathers, calls["n"] - forward_gathers),
+        "alive_after_forward": alive,
     }
 
 

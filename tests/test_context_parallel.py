@@ -60,3 +60,5 @@ def test_the_backward_gathers_the_keys_again(cp2):
     want = {("none", True): 2, ("none", False): 0, ("block", True): 6}
     for key, got in zip(CASES, cp2):
         assert got["gathers"] == (6, want[key]), (key, got["gathers"])
+        # no gathered storage outlives the forward: between forward and backward a rank holds only its own rows
+        assert got["alive_after_forward"] == 0, key

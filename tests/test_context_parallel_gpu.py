@@ -58,9 +58,9 @@ def test_each_ranks_shard_equals_the_rows_of_the_whole_sequence(cp):
         positions = zigzag_positions(T, cp, r, "cuda").view(1, -1)
         idx, out, dq, dkv = _attend(shard["q"], x["kv"], shard["q_i"], x["k_i"], shard["w"], positions, shard["g"])
         # a query's top-k, attention and query gradient read only its own row and the keys: the same kernels on
-        # a subset of the queries give the same bits
+        # a subset of the queries compute the same sums (the attention within one bf16 rounding of its output)
         assert torch.equal(idx, zigzag_shard(ref_idx, cp, r)), r
-        assert torch.equal(out, zigzag_shard(ref_out, cp, r)), r
+        torch.testing.assert_close(out, zigzag_shard(ref_out, cp, r), rtol=2**-8, atol=1e-6)
         torch.testing.assert_close(dq, zigzag_shard(ref_dq, cp, r), rtol=2**-7, atol=1e-5)
         dkv_sum += dkv.float()
     # every key's gradient is a sum over the queries that chose it, accumulated in fp32 and rounded to bf16 once per

@@ -36,8 +36,9 @@ def check_context_parallel(cfg, pipeline: PipelinePlan) -> None:
         )
     if str(t.recompute) == "attention":
         raise PlanError(
-            f"train.recompute=attention with {where} would keep every layer's gathered keys for its recomputed "
-            "attention chunks, which context parallelism exists to avoid. Fix: train.recompute=block (or none)."
+            f"train.recompute=attention with {where} would gather every layer's keys again for each of its "
+            "recomputed attention chunks in the backward (train.seq_len / parallel.cp / train.recompute_chunk_tokens "
+            "gathers per layer instead of one). Fix: train.recompute=block (or none)."
         )
     moe = cfg.model.moe
     if moe is not None and moe.aux_loss_weight > 0:
