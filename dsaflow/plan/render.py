@@ -233,17 +233,22 @@ def mesh_text(plan: Plan, cfg) -> str:
     """The data-parallel mesh: world size, which global ranks form each replica and each dp group, the global
     batch, and how each stage's state is held."""
     p = plan.pipeline
-    lines = [
-        f"mesh (dp, pp) = ({p.dp}, {p.ranks}): world size {p.world_size}; global rank = dp index x {p.ranks} + "
-        f"pipeline rank (each replica's pipeline on consecutive ranks)"
-    ]
+    if p.cp == 1:
+        head = f"mesh (dp, pp) = ({p.dp}, {p.ranks}): world size {p.world_size}; global rank = dp index x {p.ranks} + "
+    else:
+        head = (
+            f"mesh (dp, cp, pp) = ({p.dp}, {p.cp}, {p.ranks}): world size {p.world_size}; global rank = (dp index x "
+            f"{p.cp} + cp index) x {p.ranks} + "
+        )
+    lines = [head + "pipeline rank (each replica's pipeline on consecutive ranks)"]
     show = range(p.dp) if p.dp <= 8 else (*range(3), p.dp - 1)
     for d in show:
         if p.dp > 8 and d == p.dp - 1:
             lines.append("  ...")
-        lines.append(f"  replica dp={d}: ranks {_rank_span(p.global_rank(d, 0), p.ranks)}")
+        spans = ", ".join(_rank_span(p.global_rank(d, 0, c), p.ranks) for c in range(p.cp))
+        lines.append(f"  replica dp={d}: ranks {spans}" + (" (one pipeline per cp rank)" if p.cp > 1 else ""))
     for r in range(min(p.ranks, 8)):
-        members = [p.global_rank(d, r) for d in range(p.dp)]
+        members = [p.global_rank(d, r, c) for d in range(p.dp) for c in range(p.cp)]
         shown = ", ".join(map(str, members[:8])) + (", ..." if len(members) > 8 else "")
         stages = [s.index for s in plan.stages if s.rank == r]
         lines.append(f"  dp group of pipeline rank {r} (stages {stages}): ranks {shown}")
@@ -278,7 +283,7 @@ def cp_text(plan: Plan, est) -> str:
         f"{2 * p.cp - 1}-r), {est['microbatch_tokens']:,} tokens per rank and microbatch; {p.world_size} ranks = pp "
         f"{p.ranks} x dp {p.dp} x cp {p.cp}. Keys gathered per layer (latent rows, indexer keys on F layers), received "
         f"per rank and microbatch in gather + backward gather + reduce-scatter: up to "
-        f"{per_stage[worst] / 2**30:.2f} GiB for stage {worst}'s {len(est['stages'][worst]['cp_comm_bytes_per_layer'])} "
+        f"{nbytes(per_stage[worst])} for stage {worst}'s {len(est['stages'][worst]['cp_comm_bytes_per_layer'])} "
         "layers."
     )
 
