@@ -182,6 +182,9 @@ class TrainConfig:
     recompute: Recompute = Recompute.none
     # queries per recomputed attention chunk: bounds one layer's backward transient (docs/training.md)
     recompute_chunk_tokens: int = num(16384, 1, 1 << 22)
+    # tokens per chunk of the last stage's norm + LM head + cross-entropy (forward and backward): the [tokens, vocab]
+    # logits never exist at once, only one chunk's (docs/training.md, "Long context")
+    loss_chunk_tokens: int = num(2048, 1, 1 << 22)
     log_every: int = num(10, 1, 10**9)
     eval_every: int = num(50, 0, 10**9)  # 0 = only at the end
     eval_batches: int = num(4, 1, 10**6)

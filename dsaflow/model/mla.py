@@ -40,6 +40,7 @@ from dsaflow.ops.head_proj import absorb_query, head_output
 
 from .cache import flat_indices, flat_rows, write_rows
 from .context import ForwardContext, causal_indices
+from .context_parallel import keys_regathered
 from .dense_prefill import prefill_attention, rotate_query_pe_, zero_padding
 from .fp8_weights import matrix_weight
 from .indexer import Indexer
@@ -184,14 +185,27 @@ class MLA(nn.Module):
 
         Inside a recomputed block (`ctx.replay`) the layer's second run repeats the first one's computation (the
         same saved tensors, in the same order) without its side effects: the indices come from the first run, and
-        neither the index slot nor the recorder is touched again."""
+        neither the index slot nor the recorder is touched again.
+
+        Context parallel (`ctx.cp`): x holds this rank's tokens; the latent rows and indexer keys of every rank are
+        gathered (global key order), and what autograd saves of them is gathered again in backward
+        (dsaflow.model.context_parallel)."""
+        if ctx.cp is None:
+            return self._sparse_attention(x, x_fp8, ctx, None)
+        with keys_regathered(ctx.cp, replaced=ctx.replay is None) as keys:
+            return self._sparse_attention(x, x_fp8, ctx, keys.gather)
+
+    def _sparse_attention(self, x, x_fp8, ctx: ForwardContext, gather) -> torch.Tensor:
+        """`_forward_sparse`'s body; gather: None, or the cp gather of key rows [B, t, D] -> [B, T, D]."""
         cos, sin = ctx.rope_mla
         replaying = ctx.replay is not None and ctx.replay.replaying
         recorder = None if replaying else ctx.recorder
         q_latent, q, c_kv, k_pe = self._project(x, x_fp8)
         kv = self._latent_rows(c_kv, k_pe, ctx)
+        kv = kv if gather is None else gather(kv)
         if self.role == "F":
             q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index, x_fp8)
+            k_i = k_i if gather is None else gather(k_i)
             if replaying:
                 indices = ctx.replay.indices
             else:

@@ -26,6 +26,7 @@ from .dense_prefill import PrefillHint
 from .indexer_loss import IndexerLossInBackward, IndexerLossRecorder
 from .init import init_stage_weights
 from .layer_spec import LayerSpec
+from .loss_head import chunked_lm_loss
 from .norms import RMSNorm
 from .rope import RopeTables
 
@@ -73,6 +74,12 @@ class StageModule(nn.Module):
         # train.recompute: "none" | "attention" | "block" (see TrainContext.recompute); the trainer sets it.
         self.recompute = "none"
         self.recompute_chunk_tokens = TrainConfig.recompute_chunk_tokens  # queries per recomputed attention chunk
+        # True (the trainer sets it): forward_train on the last stage returns the final hidden state and the loss
+        # applies norm and head in chunks (`lm_loss`), so no [B, T, vocab] logits exist
+        self.head_in_loss = False
+        # context parallel (dsaflow.model.context_parallel.ContextParallel; the trainer sets it): forward_train
+        # takes this rank's zigzag shard of each sequence, at its global positions; None: whole sequences
+        self.cp = None
         self.indexer_loss: Optional[torch.Tensor] = None
         self.indices_out: Optional[torch.Tensor] = None
         self.rope_tables = RopeTables.of(model_cfg)  # the rotary constants, computed once, not per forward
@@ -98,7 +105,7 @@ class StageModule(nn.Module):
         x: token ids [B, T] int64 on the first stage, hidden [B, T, dim] otherwise. positions [B, T] int64 (< 0 =
         padding query; default arange(T): token t at position t). attn: "sparse" (indexer top-k) | "dense" (every
         causal key). indices_in: see `_begin_slot`. Returns hidden [B, T, dim], or fp32 logits [B, T, vocab] on the
-        last stage. Sets `self.indexer_loss` (scalar, graph only through indexer weights) when training with the
+        last stage (its final hidden state [B, T, dim] before the norm when `head_in_loss`: see `lm_loss`). Sets `self.indexer_loss` (scalar, graph only through indexer weights) when training with the
         indexer loss on (`compute_indexer_loss`, default the attribute of that name), else None.
         indexer_loss_in_backward (train mode, grad enabled, sparse attention; implies compute_indexer_loss): the loss
         runs inside this forward's backward instead (dsaflow.model.indexer_loss): the attention's backward fills its
@@ -111,7 +118,9 @@ class StageModule(nn.Module):
         want_loss = self._wants_indexer_loss(attn, compute_indexer_loss, indexer_loss_in_backward)
         h = self.embed(x) if self.embed is not None else x
         B, T = h.shape[:2]
-        causal_rows = no_padding = positions is None  # see TrainContext.causal_rows (only dense attention reads it)
+        causal_rows = no_padding = positions is None and self.cp is None  # TrainContext.causal_rows (dense only)
+        if self.cp is not None:
+            positions = self._cp_positions(positions, attn, B, T, h.device)
         if positions is None:
             positions = torch.arange(T, device=h.device).expand(B, T)
         elif attn == "dense":  # caller-given positions (padding): one host sync, a rare path
@@ -133,12 +142,23 @@ class StageModule(nn.Module):
             recompute=self.recompute,
             recompute_chunk_tokens=self.recompute_chunk_tokens,
             record_expert_load=record_expert_load,
+            cp=self.cp,
         )
-        out = self._run_layers(h, ctx)
+        out = self._run_layers(h, ctx, logits=not self.head_in_loss)
         self.indexer_loss = recorder.loss() if recorder is not None else None
         return out
 
     forward = forward_train  # what `module(x)` runs (torch.distributed.pipelining calls the stage so)
+
+    def _cp_positions(self, positions, attn: str, B: int, T: int, device) -> torch.Tensor:
+        """Context parallel: the global positions of this rank's shard (sparse attention only; the dense warm-up
+        attends per head over whole sequences)."""
+        if positions is not None or attn != "sparse":
+            raise ValueError(
+                f"a context-parallel forward (cp={self.cp.size}) runs sparse attention at the positions of its zigzag "
+                f"shard, got attn={attn!r}, positions given={positions is not None}."
+            )
+        return self.cp.positions(B, T, device)
 
     def _wants_indexer_loss(self, attn: str, compute: Optional[bool], in_backward) -> bool:
         """Whether a forward without a cache computes the indexer loss (`forward_train`'s arguments)."""
@@ -252,15 +272,26 @@ class StageModule(nn.Module):
         self.indexer_loss = None
         return self._run_layers(h, ctx)
 
-    def _run_layers(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _run_layers(self, h: torch.Tensor, ctx: ForwardContext, logits: bool = True) -> torch.Tensor:
         """The block loop of every forward: h [B, T, dim] through the stage's layers over `ctx`, then norm and LM
-        head on the last stage (fp32 logits [B, T, vocab]). Leaves the next stage's indices in `indices_out`."""
+        head on the last stage (fp32 logits [B, T, vocab]; logits=False: h as the last layer left it). Leaves the
+        next stage's indices in `indices_out`."""
         for layer in self.layers.values():
             h = layer(h, ctx)
         self.indices_out = ctx.index_slot.indices if ctx.attn == "sparse" else None
-        if self.head is not None:
+        if self.head is not None and logits:
             return self.head(self.norm(h)).float()
         return h
+
+    def lm_loss(
+        self, hidden: torch.Tensor, target: torch.Tensor, chunk_tokens: int, want_argmax: bool = False, reduction="mean"
+    ):
+        """Last stage: cross-entropy of head(norm(hidden)) against target [B, T] (-100 = ignored), its mean or sum
+        (`reduction`), computed `chunk_tokens` rows at a time (dsaflow.model.loss_head), from hidden [B, T, dim], the
+        output of `forward_train` with `head_in_loss`. Returns (loss, argmax [B, T] or None)."""
+        return chunked_lm_loss(
+            hidden, self.norm.weight, self.head.weight, target, chunk_tokens, self.norm.eps, want_argmax, reduction
+        )
 
     def forward_with_indices(self, x: torch.Tensor, indices_in: Optional[torch.Tensor] = None, **kwargs):
         """`forward_train` -> (its output, `take_indices`): what the pipeline runtime sends on."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import List, Tuple
 
 from dsaflow.errors import PlanError
+from dsaflow.plan.cp_rules import check_context_parallel
 from dsaflow.plan.graph_blocks import plan_graph_blocks
 from dsaflow.plan.partition import (
     cost_balance,
@@ -120,6 +121,7 @@ def build_plan(cfg, nproc=None) -> Plan:
         nproc=nproc,
         parallel=getattr(cfg, "parallel", None),
     )
+    check_context_parallel(cfg, pipeline)
     check_sharded_training(cfg, pipeline)
     ranks = stage_ranks(len(starts), pipeline)
     bounds = list(starts[1:]) + [n]

@@ -45,12 +45,14 @@ def promotion_costs(cfg, roles: Sequence[str]) -> List[float]:
 def microbatch_tokens(cfg, pipeline: PipelinePlan) -> int:
     if cfg.mode == "serve":
         return cfg.serve.prefill_chunk
-    return cfg.train.seq_len * max(1, cfg.train.batch_size // (pipeline.dp * pipeline.microbatches))
+    # per rank: with parallel.cp each rank holds seq_len / cp tokens of every sequence
+    return cfg.train.seq_len // pipeline.cp * max(1, cfg.train.batch_size // (pipeline.dp * pipeline.microbatches))
 
 
 def dp_shards(pipeline: PipelinePlan) -> int:
-    """The ranks each stage's parameters and optimiser state are sharded over: dp with parallel.dp_shard, else 1."""
-    return pipeline.dp if pipeline.dp_shard else 1
+    """The ranks each stage's parameters and optimiser state are sharded over: dp x cp with parallel.dp_shard,
+    else 1."""
+    return pipeline.replicas if pipeline.dp_shard else 1
 
 
 def _stage_estimate(
@@ -87,6 +89,7 @@ def _stage_estimate(
             pipeline.microbatches,
             layer_indices=indices,
             shards=dp_shards(pipeline),
+            cp=pipeline.cp,
         )
     serve_memory = {}
     if cfg.mode == "serve":
@@ -119,6 +122,10 @@ def _stage_estimate(
         # serving on a GPU in serve.weights' format, by term (dsaflow.plan.serve_memory); {} when training
         "serve_memory_bytes": serve_memory,
         "train_peak_bytes": sum(memory.values()),
+        # parallel.cp: what one rank receives per microbatch for each layer's keys (gather, gather again, reduce-scatter)
+        "cp_comm_bytes_per_layer": [
+            E.cp_comm_bytes_per_layer(m, r, tokens * pipeline.cp, pipeline.cp, recompute) for r in roles
+        ],
         "forward_flops_per_token": cost,
     }
 

@@ -152,7 +152,7 @@ class ForwardPipeline:
         """[sequences per microbatch, T, dim] of a hidden state (train and eval batches have train.batch_size
         sequences, train.batch_size / parallel.dp per replica; the planner requires them to split evenly)."""
         t = self.ctx.cfg.train
-        return (self._microbatch_rows(), t.seq_len, self.ctx.cfg.model.dim)
+        return (self._microbatch_rows(), t.seq_len // self.plan.pipeline.cp, self.ctx.cfg.model.dim)
 
     def _microbatch_rows(self) -> int:
         p = self.plan.pipeline

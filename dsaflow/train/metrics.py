@@ -95,7 +95,7 @@ class StepMetrics:
         expert load | LM loss, correct answers, answers (parallel.dp > 1: the last stage of every replica)]."""
         self.t0 = time.perf_counter()
         S, R = self.ctx.plan.num_stages, self.ctx.plan.pipeline.ranks
-        width = 2 * S + R + 1 + self.balance.width() + (3 if self.ctx.dp > 1 else 0)
+        width = 2 * S + R + 1 + self.balance.width() + (3 if self.ctx.replicas > 1 else 0)
         self.vec = torch.zeros(width, dtype=torch.float64, device=self.ctx.device)
         # the ExpertBalance writes here after the optimizer step
         self.expert_load = self.vec[2 * S + R + 1 : 2 * S + R + 1 + self.balance.width()]
@@ -120,7 +120,7 @@ class StepMetrics:
                 vec[S + index] = torch.stack(indexer_losses).mean().double()
         stage_losses = [*losses, *(x for _, _, indexer_losses in self.stages for x in indexer_losses)]
         vec[nonfinite_slot] = nonfinite_flag(stage_losses, vec.device)
-        dp = ctx.dp
+        dp = ctx.replicas  # dp x cp: a cp rank's loss is scaled so that the mean over cp is the sequences' loss
         if dp > 1 and self.has_last:  # the replica's loss and answer counts, reduced with the rest over the world
             vec[-3] = torch.stack([l.detach().float() for l in losses]).mean().double()
             vec[-2], vec[-1] = torch.as_tensor(self.loss_fn.correct), torch.as_tensor(self.loss_fn.total)

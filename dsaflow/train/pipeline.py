@@ -25,6 +25,7 @@ import time
 from typing import Callable, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
@@ -141,29 +142,51 @@ class TimedPipelineStage(PipelineStage):
 class LMLoss:
     """Per-microbatch loss for the schedule, plus retrieval-accuracy counters (no host sync).
 
-    logits [b, T, V] fp32, target [b, 3, T] (row 0 LM targets, row 1 answers, -100 = ignored; row 2 query id of
-    each answer position, -1 = none) -> scalar mean cross-entropy. A query counts as correct when the argmax
-    matches at every one of its answer positions (exact match)."""
+    out, target [b, 3, T] (row 0 LM targets, row 1 answers, -100 = ignored; row 2 query id of each answer position,
+    -1 = none) -> scalar mean cross-entropy. `out` is the last stage's output: with `head` (the last StageModule,
+    built with head_in_loss) its final hidden state [b, T, dim], turned into the loss by `head.lm_loss` in chunks of
+    `chunk_tokens` rows (train.loss_chunk_tokens), so no [b, T, vocab] logits exist; without, fp32 logits
+    [b, T, V]. A query counts as correct when the argmax matches at every one of its answer positions (exact
+    match).
 
-    def __init__(self, num_queries: int = 0):
+    Context parallel (`cp`, the head's ContextParallel): out and target hold this rank's zigzag shard. The loss is
+    cp x (this shard's sum) / (the whole sequences' count of targets), so that its mean over the cp ranks (what the
+    dp x cp gradient average and metrics take) is the whole sequences' mean; a query's answer positions may sit on
+    several ranks, so their hits are combined over the cp group and cp rank 0 alone counts them."""
+
+    def __init__(self, num_queries: int = 0, head: Optional[nn.Module] = None, chunk_tokens: int = 0, cp=None):
         self.num_queries = num_queries  # answers per sample (0: no accuracy); static, so no host sync
+        self.head, self.chunk_tokens, self.cp = head, chunk_tokens, cp
         self.reset()
 
     def reset(self) -> None:
         self.correct: torch.Tensor | int = 0
         self.total: torch.Tensor | int = 0
 
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         lm, ans, qid = target[:, 0], target[:, 1], target[:, 2]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lm.reshape(-1), ignore_index=IGNORE)
-        with torch.no_grad():
-            n_q = self.num_queries
-            if n_q > 0:
+        n_q = self.num_queries
+        if self.cp is not None:
+            total, argmax = self.head.lm_loss(out, lm, self.chunk_tokens, want_argmax=n_q > 0, reduction="sum")
+            count = (lm != IGNORE).sum()
+            dist.all_reduce(count, group=self.cp.comm.group)
+            loss = total * self.cp.size / count
+        elif self.head is not None:
+            loss, argmax = self.head.lm_loss(out, lm, self.chunk_tokens, want_argmax=n_q > 0)
+        else:
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), lm.reshape(-1), ignore_index=IGNORE)
+            argmax = out.detach().argmax(dim=-1) if n_q > 0 else None
+        if n_q > 0:
+            with torch.no_grad():
                 slot = torch.where(qid >= 0, qid, torch.full_like(qid, n_q))  # non-answers go to a spare slot
-                hit = (logits.argmax(dim=-1) == ans).long()
+                hit = (argmax == ans).long()
                 ok = torch.ones(qid.shape[0], n_q + 1, dtype=torch.long, device=qid.device)
                 ok.scatter_reduce_(1, slot, hit, reduce="amin")
                 seen = torch.zeros_like(ok).scatter_reduce_(1, slot, torch.ones_like(hit), reduce="amax")
+                if self.cp is not None:  # every rank's answer positions of each query
+                    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.cp.comm.group)
+                    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.cp.comm.group)
+                    seen = seen * int(self.cp.rank == 0)
                 self.correct = self.correct + (ok[:, :n_q] * seen[:, :n_q]).sum()
                 self.total = self.total + seen[:, :n_q].sum()
         return loss
