@@ -287,3 +287,12 @@ def test_a_model_the_packed_rows_cannot_hold_exits_2(capsys):
     assert main(["plan", "mode=serve", "model.kv_lora_rank=30", "serve.kv_dtype=fp8"]) == 2
     err = capsys.readouterr().err
     assert "serve.kv_dtype=fp8" in err and "model.kv_lora_rank=30" in err and "serve.kv_dtype=bf16" in err
+
+
+def test_a_plan_short_of_kv_room_offers_the_fp8_cache(capsys):
+    v32 = ["mode=serve", "model=dsv32", "pipeline=pp8", "serve.weights=fp8", "serve.max_batch=64"]
+    assert main(["plan", *v32, "serve.max_context=131072"]) == 2
+    err = capsys.readouterr().err
+    assert "serve.kv_dtype=fp8 (788 instead of 1,408 cache bytes per token of an F layer)" in err
+    assert main(["plan", *v32, "serve.max_context=65536", "serve.kv_dtype=fp8"]) == 0  # 64 x 64K: over 3.6M in bf16
+    assert "KV B/tok" in capsys.readouterr().out

@@ -1,38 +1,22 @@
-"""The FP8 serving cache (`serve.kv_dtype=fp8`): its buffers and its writes, beside `cache.py`'s bf16 ones.
+"""The FP8 serving cache (`serve.kv_dtype=fp8`): its writes and reads, beside `cache.py`'s bf16 ones.
 
 A layer's latent cache is one packed byte row per position, uint8 [max_batch, max_context + 1, nbytes]: kv_lora_rank
 e4m3 values, one fp32 scale per 128 of them, the RoPE dims in bf16 (656 bytes at V3.2's dims); an F layer's indexer
 keys likewise, index_head_dim e4m3 and one fp32 scale (132 bytes). Layout and rounding: dsaflow.config.
 kv_cache_format and dsaflow.ops.kv_fp8. The buffers keep `cache.py`'s shape contract (rows on dim 0, positions on
-dim 1, the trash row last), so row moves, resets, row views and the flat token-major view apply unchanged; only a
-write differs (quantize, then scatter: `write_cache_rows`), and the readers (`sparse_mla`, `indexer_topk`) take the
-packed rows as they are.
+dim 1, the trash row last; `StageCache.allocate(kv_dtype="fp8")` makes them), so row moves, resets, row views and
+the flat token-major view apply unchanged; only a write differs (quantize, then scatter: `write_cache_rows`), and
+the readers (`sparse_mla`, `indexer_topk`) take the packed rows as they are.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
-
 import torch
 
-from dsaflow.config.kv_cache_format import Fp8RowFormat, index_key_format, latent_format
+from dsaflow.config.kv_cache_format import Fp8RowFormat
 from dsaflow.ops.kv_fp8 import dequantize_fp8_rows, write_fp8_rows
 
 from .cache import write_rows
-
-
-def allocate_fp8_buffers(
-    model_cfg, layers: Sequence, max_batch: int, rows: int, device
-) -> Tuple[Dict[int, torch.Tensor], Dict[int, torch.Tensor]]:
-    """(kv, index_k) of `layers` (LayerSpec-like: index, role) as packed FP8 rows: kv[i] uint8 [max_batch, rows,
-    latent bytes] for every layer, index_k[i] uint8 [max_batch, rows, key bytes] for F layers. Zeros decode to 0."""
-    lat, key = latent_format(model_cfg).nbytes, index_key_format(model_cfg).nbytes
-    kv, index_k = {}, {}
-    for layer in layers:
-        kv[layer.index] = torch.zeros(max_batch, rows, lat, device=device, dtype=torch.uint8)
-        if layer.role == "F":
-            index_k[layer.index] = torch.zeros(max_batch, rows, key, device=device, dtype=torch.uint8)
-    return kv, index_k
 
 
 def is_fp8_cache(buffer: torch.Tensor) -> bool:

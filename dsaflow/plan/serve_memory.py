@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from dsaflow.config.fp8_policy import FP8, total_stored_bytes
+from dsaflow.config.kv_cache_format import FP8 as KV_FP8
 from dsaflow.config.kv_cache_format import kv_bytes_per_token as layer_kv_bytes
 from dsaflow.config.moe_schema import is_moe_layer
 from dsaflow.plan import estimates as E
@@ -254,6 +255,7 @@ def serve_fix(
         parts = [
             f"a shorter serve.max_context or a smaller serve.max_batch ({room:,} KV tokens fit beside the weights and "
             f"work buffers, serve.max_batch x (serve.max_context + 1) = {fit.asked_tokens:,} are asked: {shorter})",
+            _fp8_kv_hint(cfg),
             fp8,
             more_stages,
         ]
@@ -263,6 +265,18 @@ def serve_fix(
             f"serve.prefill_chunk = {sv.max_batch * sv.prefill_chunk:,} tokens)"
         ]
     return "; or ".join(p for p in parts if p)
+
+
+def _fp8_kv_hint(cfg) -> Optional[str]:
+    """The FP8 KV cache as a fix, with its bytes per token of an F layer (None when it is on, or cannot hold this
+    model's rows)."""
+    from dsaflow.config.kv_cache_format import fp8_kv_problem
+
+    if str(cfg.serve.kv_dtype) == KV_FP8 or fp8_kv_problem(cfg.model) is not None:
+        return None
+    width = serve_width(str(cfg.serve.dtype))
+    now, fp8 = layer_kv_bytes(cfg.model, "F", "bf16", width), layer_kv_bytes(cfg.model, "F", KV_FP8, width)
+    return f"serve.kv_dtype=fp8 ({fp8:,} instead of {now:,} cache bytes per token of an F layer)"
 
 
 def largest_term(terms: Dict[str, float]) -> Tuple[str, float]:

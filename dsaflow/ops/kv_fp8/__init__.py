@@ -13,7 +13,14 @@ from dsaflow.config.kv_cache_format import Fp8RowFormat, index_key_format, laten
 
 from ..kernel_table import chosen, describe
 from .dispatch import explain_write_fp8_rows
-from .naive import dequantize_fp8_rows, quantize_fp8_rows, unpack_fp8_rows, write_fp8_rows_naive
+from .naive import (
+    dequantize_fp8_rows,
+    fp8_format_of,
+    fp8_row_views,
+    quantize_fp8_rows,
+    unpack_fp8_rows,
+    write_fp8_rows_naive,
+)
 
 
 def write_fp8_rows(buffer: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fmt: Fp8RowFormat) -> torch.Tensor:
@@ -34,24 +41,6 @@ def write_fp8_rows(buffer: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor
     from .triton_write import write_fp8_rows_triton
 
     return write_fp8_rows_triton(buffer, slots, rows, fmt)
-
-
-def fp8_row_views(packed: torch.Tensor, fmt: Fp8RowFormat):
-    """packed uint8 [..., nbytes] (unit last stride, 4-byte aligned rows) -> zero-copy typed views (values e4m3
-    [..., width], scales fp32 [..., blocks], rope bf16 [..., rope]): what a kernel reads the rows through."""
-    return (
-        packed[..., : fmt.width].view(torch.float8_e4m3fn),
-        packed[..., fmt.width : fmt.scale_end].view(torch.float32),
-        packed[..., fmt.scale_end :].view(torch.bfloat16),
-    )
-
-
-def fp8_format_of(packed: torch.Tensor, width: int, rope: int) -> Fp8RowFormat | None:
-    """The row format of a packed uint8 cache [..., nbytes] holding `width` e4m3 values (blocks of 128, or the
-    whole width when narrower) and `rope` bf16 values; None if its bytes do not match (not a packed FP8 cache)."""
-    fmt = Fp8RowFormat(width, min(128, width), rope)
-    ok = packed.dtype == torch.uint8 and width % fmt.block == 0 and packed.shape[-1] == fmt.nbytes
-    return fmt if ok else None
 
 
 __all__ = [

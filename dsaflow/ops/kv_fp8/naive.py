@@ -65,3 +65,21 @@ def write_fp8_rows_naive(buffer: torch.Tensor, slots: torch.Tensor, rows: torch.
     view = buffer[: rows.shape[0]]
     view.scatter_(1, slots.expand(-1, -1, fmt.nbytes), quantize_fp8_rows(rows, fmt))
     return view
+
+
+def fp8_row_views(packed: torch.Tensor, fmt: Fp8RowFormat):
+    """packed uint8 [..., nbytes] (unit last stride, 4-byte aligned rows) -> zero-copy typed views (values e4m3
+    [..., width], scales fp32 [..., blocks], rope bf16 [..., rope]): what a kernel reads the rows through."""
+    return (
+        packed[..., : fmt.width].view(torch.float8_e4m3fn),
+        packed[..., fmt.width : fmt.scale_end].view(torch.float32),
+        packed[..., fmt.scale_end :].view(torch.bfloat16),
+    )
+
+
+def fp8_format_of(packed: torch.Tensor, width: int, rope: int) -> Fp8RowFormat | None:
+    """The row format of a packed uint8 cache [..., nbytes] holding `width` e4m3 values (blocks of 128, or the
+    whole width when narrower) and `rope` bf16 values; None if its bytes do not match (not a packed FP8 cache)."""
+    fmt = Fp8RowFormat(width, min(128, width), rope)
+    ok = packed.dtype == torch.uint8 and width % fmt.block == 0 and packed.shape[-1] == fmt.nbytes
+    return fmt if ok else None

@@ -14,6 +14,8 @@ import triton.language as tl
 
 from dsaflow.config.kv_cache_format import Fp8RowFormat
 
+from .naive import fp8_row_views
+
 
 @triton.jit
 def _e4m3_bits(y):
@@ -74,8 +76,6 @@ def write_fp8_rows_triton(
 ) -> torch.Tensor:
     """`naive.write_fp8_rows_naive` in one launch: rows [B, T, width + rope] (unit last stride), slots [B, T, 1]
     int64, buffer uint8 [B', S, nbytes] with B <= B' (unit last stride, rows 4-byte aligned) -> buffer[:B]."""
-    from . import fp8_row_views
-
     B, T, _ = rows.shape
     view = buffer[:B]
     if rows.stride(-1) != 1:
