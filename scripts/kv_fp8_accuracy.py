@@ -35,6 +35,7 @@ import torch
 from bench_lib import command_line, environment, out_dir, resolve_device, user_error, write_results
 
 import dsaflow.model.mla as mla_module
+from dsaflow.checkpoint.hf_config import apply_hf_model
 from dsaflow.config.compose import compose
 from dsaflow.config.kv_cache_format import Fp8RowFormat
 from dsaflow.ops.kv_fp8 import quantize_fp8_rows
@@ -90,7 +91,7 @@ def prompts_for(vocab: int, n: int, seed: int = 0) -> list:
 
 
 def stages_of(overrides: list, weights: str, device: str):
-    cfg = compose(["mode=serve", "track=none", *overrides, f"serve.weights={weights}"])
+    cfg = compose(["mode=serve", "track=none", *overrides, f"serve.weights={weights}"], model_source=apply_hf_model)
     dtype = serve_dtype(cfg.serve.dtype, torch.device(device))
     return cfg, build_stage_modules(cfg, build_plan(cfg), None, device, dtype)
 
@@ -138,19 +139,19 @@ def evaluate(name: str, overrides: list, device: str, n_prompts: int, new: int) 
     prompts = prompts_for(cfg.model.vocab_size, n_prompts)
     with torch.no_grad():
         base = greedy(exact_stages, "bf16", prompts, new)
-        base_logits = [context_logits(exact_stages, "bf16", p + o)[len(p) - 1 : -1] for p, o in zip(prompts, base)]
+        overlap: list = []  # the exact run's indexer calls, repeated with FP8-rounded keys
+        with topk_overlap_probe(overlap):
+            base_logits = [context_logits(exact_stages, "bf16", p + o)[len(p) - 1 : -1] for p, o in zip(prompts, base)]
         rows = []
         for variant, (weights, kv) in VARIANTS.items():
             stages = exact_stages if weights == "bf16" else stages_of(overrides, weights, device)[1]
             out = greedy(stages, kv, prompts, new)
-            overlap: list = []
-            probe = topk_overlap_probe(overlap) if variant == "fp8 KV" else contextlib.nullcontext()
             agree, cos = [], []
-            with probe:
-                for p, o, lb in zip(prompts, base, base_logits):
-                    lv = context_logits(stages, kv, p + o)[len(p) - 1 : -1]
-                    agree += (lv.argmax(-1) == torch.tensor(o, device=lv.device)).tolist()
-                    cos += torch.nn.functional.cosine_similarity(lv, lb, dim=-1).tolist()
+            for p, o, lb in zip(prompts, base, base_logits):
+                lv = context_logits(stages, kv, p + o)[len(p) - 1 : -1]
+                agree += (lv.argmax(-1) == torch.tensor(o, device=lv.device)).tolist()
+                cos += torch.nn.functional.cosine_similarity(lv, lb, dim=-1).tolist()
+            keys = overlap if variant == "fp8 KV" else []
             rows.append(
                 dict(
                     model=name,
@@ -160,8 +161,8 @@ def evaluate(name: str, overrides: list, device: str, n_prompts: int, new: int) 
                     logit_cosine_mean=statistics.fmean(cos),
                     logit_cosine_min=min(cos),
                     same_output=sum(a == b for a, b in zip(out, base)) / len(base),
-                    topk_overlap=statistics.fmean(overlap) if overlap else None,
-                    topk_overlap_min=min(overlap) if overlap else None,
+                    topk_overlap=statistics.fmean(keys) if keys else None,
+                    topk_overlap_min=min(keys) if keys else None,
                 )
             )
             print(f"{PROG}: {name}, {variant}: agreement {rows[-1]['greedy_agreement']:.4f}", flush=True)
@@ -179,7 +180,7 @@ def markdown(rows: list, env: dict, command: str) -> str:
         ov = "-" if r["topk_overlap"] is None else f"{r['topk_overlap']:.4f} / {r['topk_overlap_min']:.4f}"
         lines.append(
             f"| {r['model']} | {r['variant']} | {r['greedy_agreement']:.2%} ({r['positions']}) | "
-            f"{r['logit_cosine_mean']:.5f} / {r['logit_cosine_min']:.5f} | {r['same_output']:.0%} | {ov} |"
+            f"{r['logit_cosine_mean']:.6f} / {r['logit_cosine_min']:.6f} | {r['same_output']:.0%} | {ov} |"
         )
     return "\n".join(lines)
 
