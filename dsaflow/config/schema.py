@@ -47,6 +47,7 @@ Mode = make_choice("Mode", ["train", "serve"], __name__)
 Batching = make_choice("Batching", ["fixed", "continuous"], __name__)
 OnNonFinite = make_choice("OnNonFinite", ["stop", "skip"], __name__)
 ServeWeights = make_choice("ServeWeights", ["bf16", "fp8"], __name__)
+KvDtype = make_choice("KvDtype", ["bf16", "fp8"], __name__)
 
 BIG = 1 << 31  # int32 sizes: beyond this an index tensor or an embedding row id overflows
 
@@ -268,6 +269,9 @@ class ServeConfig:
     # bf16: every weight in serve.dtype | fp8: the projections in e4m3 with 128x128 block scales, the embedding, head,
     # norms and indexer weights_proj in serve.dtype, the router in fp32 (dsaflow/config/fp8_policy.py)
     weights: ServeWeights = ServeWeights.bf16
+    # bf16: the KV and indexer-key caches in serve.dtype | fp8: DeepSeek's layout, the latent in e4m3 with an fp32
+    # scale per 128 values and its RoPE part in bf16, the indexer keys in e4m3 with one scale (docs/serving.md)
+    kv_dtype: KvDtype = KvDtype.bf16
 
 
 @dataclass

@@ -133,7 +133,7 @@ def _serve_memory_table(est) -> Optional[Table]:
     if not sv:
         return None
     gib = 2**30
-    caches = "bf16" if sv["dtype_bytes"] == 2 else "fp32"
+    caches = "fp8" if sv.get("kv_dtype") == "fp8" else "bf16" if sv["dtype_bytes"] == 2 else "fp32"
     t = Table(
         title=f"serving memory per stage (GiB) on a {sv['device_memory_bytes'] / gib:.1f} GiB device "
         f"(plan.device_memory_gib), {sv['usable_fraction']:.0%} usable",
