@@ -20,7 +20,7 @@ import pytest
 import torch
 from model_helpers import planned_sharp, tokens
 from test_dense_prefill import _prefill_then_decode
-from test_fp8_serve import REORDER_SLACK, passage_prompts
+from test_fp8_serve import assert_greedy_follows, passage_prompts
 from test_serve_pipelined import MODEL, SERVE, shared_checkpoint
 
 import dsaflow.model.mla as mla_module
@@ -244,26 +244,11 @@ def test_greedy_tokens_with_an_fp8_cache_follow_bf16(trained):
     assert engine_greedy(trained, "fp8", prompts[:3], limits[:3], "pp2") == fp8[:3]
     cfg = serve_cfg(trained, "bf16")
     stages = build_stage_modules(cfg, build_plan(cfg), None, "cpu", torch.float32)
-    same, rel, ties = 0, [], []
-    with torch.no_grad():
-        for p, a, b in zip(prompts, exact, fp8):
-            seen = torch.tensor([p + a])
-            la = context_logits(stages, "bf16", seen)[len(p) - 1 : -1]
-            lb = context_logits(stages, "fp8", seen)[len(p) - 1 : -1]
-            rel.append((la - lb).norm(dim=-1) / la.norm(dim=-1))
-            j = next((i for i in range(len(a)) if a[i] != b[i]), len(a))
-            if j == len(a):
-                same += 1
-                continue
-            margin, error = (la[j, a[j]] - la[j, b[j]]).item(), (la[j] - lb[j]).abs().max().item()
-            ties.append((margin, error, REORDER_SLACK * la[j].abs().max().item()))
-    rel = torch.cat(rel)
-    msg = f"{same} of {len(prompts)} equal; relative logit error median {rel.median():.5f}, max {rel.max():.5f}; " + (
-        ", ".join(f"(margin {m:.3f}, error {e:.3f})" for m, e, _ in ties)
-    )
-    print(msg)
-    assert all(m <= 2 * e + slack for m, e, slack in ties), msg
-    assert 0 < rel.median() < FP8_KV_MEDIAN_RELATIVE_LOGIT_ERROR, msg
+
+    def logits(seen: torch.Tensor, start: int):
+        return context_logits(stages, "bf16", seen)[start:-1], context_logits(stages, "fp8", seen)[start:-1]
+
+    assert_greedy_follows(prompts, exact, fp8, logits, FP8_KV_MEDIAN_RELATIVE_LOGIT_ERROR, "FP8 KV cache")
 
 
 def test_planner_counts_the_bytes_the_cache_allocates():
