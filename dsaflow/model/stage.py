@@ -3,7 +3,9 @@
 `StageModule(model_cfg, layers, is_first=True, is_last=True, seed=0)`:
   layers  nn.ModuleDict keyed by the GLOBAL layer index (str), one DSABlock per LayerSpec (index, role, source);
   embed   nn.Embedding(vocab, dim) when is_first (else None);
-  norm    RMSNorm(dim) + head Linear(dim, vocab) when is_last (else None).
+  norm    RMSNorm(dim) + head Linear(dim, vocab) when is_last (else None);
+  mtp     nn.ModuleDict of the model's `model.mtp_layers` MTPLayers (dsaflow.model.mtp) keyed by global index, on the
+          last stage (else None); a training forward given `mtp_tokens` runs them too.
 `build_model(model_cfg)` is the whole model (every layer F unless roles are given). The model knows nothing of plans:
 the runtime cuts stages by passing each stage's layers (dsaflow.pipeline.stages). State-dict keys are global and stable,
 e.g. `layers.5.attn.wkv_b.weight`, `layers.4.attn.indexer.wk.weight` (docs/model.md lists them all).
@@ -26,6 +28,7 @@ from .dense_prefill import PrefillHint
 from .indexer_loss import IndexerLossInBackward, IndexerLossRecorder
 from .init import init_stage_weights
 from .layer_spec import LayerSpec
+from .mtp import MTPLayer, mtp_inputs, mtp_layer_indices
 from .norms import RMSNorm
 from .rope import RopeTables
 
@@ -61,6 +64,8 @@ class StageModule(nn.Module):
         self.embed = nn.Embedding(model_cfg.vocab_size, model_cfg.dim) if self.is_first else None
         self.norm = RMSNorm(model_cfg.dim, model_cfg.norm_eps) if self.is_last else None
         self.head = nn.Linear(model_cfg.dim, model_cfg.vocab_size, bias=False) if self.is_last else None
+        mtp = {str(i): MTPLayer(model_cfg, i) for i in mtp_layer_indices(model_cfg)} if self.is_last else {}
+        self.mtp = nn.ModuleDict(mtp) if mtp else None
         if model_cfg.tie_embeddings:
             if not (self.is_first and self.is_last):
                 raise ValueError(
@@ -92,6 +97,7 @@ class StageModule(nn.Module):
         compute_indexer_loss: Optional[bool] = None,
         indexer_loss_in_backward: Optional[IndexerLossInBackward] = None,
         record_expert_load: bool = False,
+        mtp_tokens: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """A forward without a cache (training, evaluation, the dense warm-up): the keys are the T tokens themselves.
 
@@ -104,7 +110,10 @@ class StageModule(nn.Module):
         runs inside this forward's backward instead (dsaflow.model.indexer_loss): the attention's backward fills its
         target, `self.indexer_loss` stays None, and the values go to `indexer_loss_in_backward.values`.
         record_expert_load: MoE layers count their routed tokens and attach their balance loss (a training forward
-        of the pipeline runtime; `dsaflow.model.moe`)."""
+        of the pipeline runtime; `dsaflow.model.moe`).
+        mtp_tokens [B, T] int64: the microbatch's input ids, on a last stage with MTP layers: they run too, and the
+        output is fp32 logits [B, 1 + mtp_layers, T, vocab] (index 0 the model's, index k MTP depth k's;
+        dsaflow.model.mtp). Their F layers join the indexer loss."""
         self._check_attn_and_indices(attn, indices_in)
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={self.recompute!r} is not a recompute mode: use one of {RECOMPUTE_MODES}.")
@@ -119,6 +128,8 @@ class StageModule(nn.Module):
             causal_rows = bool(((positions == row) | (positions < 0)).all())
         # Distillation is stage-local: S layers reading an earlier stage's indices add nothing to any target here.
         own = [(layer, src) for layer, src in self.sources() if src != self.incoming_source]
+        run_mtp = mtp_tokens is not None and self.mtp is not None
+        own += [(int(i), int(i)) for i in self.mtp or ()] if run_mtp else []
         recorder = IndexerLossRecorder(own, indexer_loss_in_backward) if want_loss and self.training else None
         rope_mla, rope_index = self.rope_tables(positions)
         ctx = TrainContext(
@@ -134,7 +145,7 @@ class StageModule(nn.Module):
             recompute_chunk_tokens=self.recompute_chunk_tokens,
             record_expert_load=record_expert_load,
         )
-        out = self._run_layers(h, ctx)
+        out = self._run_layers(h, ctx, mtp_tokens if run_mtp else None)
         self.indexer_loss = recorder.loss() if recorder is not None else None
         return out
 
@@ -252,15 +263,24 @@ class StageModule(nn.Module):
         self.indexer_loss = None
         return self._run_layers(h, ctx)
 
-    def _run_layers(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _run_layers(self, h: torch.Tensor, ctx: ForwardContext, mtp_tokens=None) -> torch.Tensor:
         """The block loop of every forward: h [B, T, dim] through the stage's layers over `ctx`, then norm and LM
-        head on the last stage (fp32 logits [B, T, vocab]). Leaves the next stage's indices in `indices_out`."""
+        head on the last stage (fp32 logits [B, T, vocab]; with mtp_tokens [B, T] the MTP depths' logits too,
+        [B, 1 + mtp_layers, T, vocab]). Leaves the next stage's indices in `indices_out`."""
         for layer in self.layers.values():
             h = layer(h, ctx)
         self.indices_out = ctx.index_slot.indices if ctx.attn == "sparse" else None
-        if self.head is not None:
-            return self.head(self.norm(h)).float()
-        return h
+        if self.head is None:
+            return h
+        h = self.norm(h)
+        logits = self.head(h).float()
+        if mtp_tokens is None:
+            return logits
+        depths = [logits]
+        for depth, layer in enumerate(self.mtp.values(), start=1):
+            h = layer.predict(h, mtp_inputs(mtp_tokens, depth), ctx)
+            depths.append(self.head(h).float())
+        return torch.stack(depths, dim=1)
 
     def forward_with_indices(self, x: torch.Tensor, indices_in: Optional[torch.Tensor] = None, **kwargs):
         """`forward_train` -> (its output, `take_indices`): what the pipeline runtime sends on."""
