@@ -153,7 +153,13 @@ def save_tokenizer(folder: Path, vocab_size: int = COMMON["vocab_size"]) -> None
 def _keeps_precision(name: str, t: torch.Tensor) -> bool:
     """What DeepSeek's and GLM's FP8 checkpoints keep in bf16 / fp32: embeddings, lm_head, norms, the router,
     the indexer's weights_proj (and every 1-D tensor)."""
-    keep = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight", "mlp.gate.weight", "weights_proj.weight")
+    keep = (
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "shared_head.head.weight",
+        "mlp.gate.weight",
+        "weights_proj.weight",
+    )
     return t.dim() != 2 or name.endswith(keep)
 
 

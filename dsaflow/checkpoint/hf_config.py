@@ -330,7 +330,9 @@ def _stored_names(folder: Path) -> Optional[set]:
                 size = struct.unpack("<Q", f.read(8))[0]
                 return set(json.loads(f.read(min(size, MAX_INDEX_BYTES)))) - {"__metadata__"}
     except (UnsafeFile, ValueError, AttributeError, struct.error) as exc:
-        raise ConfigError(f"model.hf_path={folder}: its weights index cannot be read ({exc}). Fix: download it again.")
+        raise ConfigError(
+            f"model.hf_path={folder}: its weights index cannot be read ({exc}). Fix: download it again."
+        ) from None
     return None
 
 

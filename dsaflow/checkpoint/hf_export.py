@@ -158,7 +158,9 @@ def write_hf_checkpoint(
         for name, part in zip(src.names, src.to_theirs(t.detach().cpu())):
             tensors[name] = part.contiguous()
     for name in mtp_head_copies(model_cfg):  # each MTP layer's `shared_head.head`: the model's head, as stored
-        tensors[name] = tensors["lm_head.weight" if not model_cfg.tie_embeddings else "model.embed_tokens.weight"].clone()
+        tensors[name] = tensors[
+            "lm_head.weight" if not model_cfg.tie_embeddings else "model.embed_tokens.weight"
+        ].clone()
     say = report or (lambda msg: print(msg, file=sys.stderr, flush=True))
     extras = tokenizer_files(hf_files, say)
     created = claim_out_dir(out)

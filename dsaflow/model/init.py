@@ -49,7 +49,9 @@ def init_stage_weights(stage: nn.Module, seed: int, std: float) -> None:
         init_module(layer, _generator(seed, i), std, skip=("attn.indexer",))
         if layer.attn.indexer is not None:
             init_module(layer.attn.indexer, _generator(seed, i, "indexer"), std)
-    for key, layer in (stage.mtp or {}).items():  # an MTP layer: its block like a layer, its embedding copy the main one
+    for key, layer in (
+        stage.mtp or {}
+    ).items():  # an MTP layer: its block like a layer, its embedding copy the main one
         i = int(key)
         init_module(layer, _generator(seed, i), std, skip=("attn.indexer", "embed"))
         init_module(layer.attn.indexer, _generator(seed, i, "indexer"), std)

@@ -96,7 +96,9 @@ def _stage_estimate(
         )
     serve_memory = {}
     if cfg.mode == "serve":
-        serve_memory = serve_memory_terms(cfg, main_roles, main_indices, is_first, is_last, serve_width(str(cfg.serve.dtype)))
+        serve_memory = serve_memory_terms(
+            cfg, main_roles, main_indices, is_first, is_last, serve_width(str(cfg.serve.dtype))
+        )
     kv_per_token = sum(E.kv_bytes_per_token(m, r) for r in roles)
     return {
         "index": st.index,
