@@ -32,6 +32,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from dsaflow.data import IGNORE
 from dsaflow.model import IndexerLossInBackward, attach_aux_loss, trim_indices
+from dsaflow.model.mtp import mtp_targets
 
 
 class TrainStage(nn.Module):
@@ -53,6 +54,23 @@ class TrainStage(nn.Module):
         self.sends_indices = sends_indices
         self.in_backward = IndexerLossInBackward(indexer_loss_weight)  # holds the weight for both loss paths
         self.indexer_losses: List[torch.Tensor] = self.in_backward.values
+        self.mtp_tokens: List[torch.Tensor] = []  # the MTP layers' input ids, one [b, T] per microbatch, in order
+
+    def feed_mtp_tokens(self, x: torch.Tensor, microbatches: int) -> None:
+        """A last stage with MTP layers: the step's input ids x [B, T], split as the schedule splits the batch.
+        The MTP layers read the tokens after each position (dsaflow.model.mtp), which only stage 0 receives; every
+        rank draws the same batch, so this rank splits its own copy. Every schedule runs a stage's forwards in
+        microbatch order, so each live forward takes the next one."""
+        self.mtp_tokens = list(x.tensor_split(microbatches)) if getattr(self.stage, "mtp", None) is not None else []
+
+    def _next_mtp_tokens(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        if getattr(self.stage, "mtp", None) is None:
+            return None
+        if not self.live:  # shape inference: any ids of the microbatch's shape
+            return torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+        if not self.mtp_tokens:
+            raise RuntimeError("the last stage's MTP layers ran a microbatch with no input ids fed (feed_mtp_tokens)")
+        return self.mtp_tokens.pop(0)
 
     def forward(self, x: torch.Tensor, indices: Optional[torch.Tensor] = None):
         """x: token ids [b, T] (first stage) or hidden [b, T, dim]; indices int32 [b, T, topk]: what the previous
@@ -62,13 +80,19 @@ class TrainStage(nn.Module):
         learn = self.live and torch.is_grad_enabled()
         if indices is not None and not self.live:  # shape inference hands in uninitialised ids: keep them in range
             indices = torch.zeros_like(indices)
+        mtp = self._next_mtp_tokens(x)
         if learn and self.attn == "sparse":
             out, sent = self.stage.forward_with_indices(
-                x, indices, attn="sparse", indexer_loss_in_backward=self.in_backward, record_expert_load=True
+                x,
+                indices,
+                attn="sparse",
+                indexer_loss_in_backward=self.in_backward,
+                record_expert_load=True,
+                mtp_tokens=mtp,
             )
             return (out, trim_indices(sent)) if self.sends_indices else out
         out, sent = self.stage.forward_with_indices(
-            x, indices, attn=self.attn, compute_indexer_loss=learn, record_expert_load=learn
+            x, indices, attn=self.attn, compute_indexer_loss=learn, record_expert_load=learn, mtp_tokens=mtp
         )
         loss = self.stage.indexer_loss
         self.stage.indexer_loss = None
@@ -145,16 +169,23 @@ class LMLoss:
     each answer position, -1 = none) -> scalar mean cross-entropy. A query counts as correct when the argmax
     matches at every one of its answer positions (exact match)."""
 
-    def __init__(self, num_queries: int = 0):
+    def __init__(self, num_queries: int = 0, mtp_weight: float = 0.0):
         self.num_queries = num_queries  # answers per sample (0: no accuracy); static, so no host sync
+        self.mtp_weight = mtp_weight  # train.mtp_loss_weight
         self.reset()
 
     def reset(self) -> None:
         self.correct: torch.Tensor | int = 0
         self.total: torch.Tensor | int = 0
+        self.lm_losses: List[torch.Tensor] = []  # with MTP logits: each microbatch's LM loss and MTP loss, detached
+        self.mtp_losses: List[torch.Tensor] = []
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """logits [b, T, V], or [b, 1 + D, T, V] from a last stage with D MTP layers: then the LM loss plus
+        mtp_weight x the mean over depths of each depth's cross-entropy (depth k learns lm[i + k] at position i)."""
         lm, ans, qid = target[:, 0], target[:, 1], target[:, 2]
+        mtp = logits[:, 1:] if logits.dim() == 4 else None
+        logits = logits[:, 0] if mtp is not None else logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lm.reshape(-1), ignore_index=IGNORE)
         with torch.no_grad():
             n_q = self.num_queries
@@ -166,7 +197,22 @@ class LMLoss:
                 seen = torch.zeros_like(ok).scatter_reduce_(1, slot, torch.ones_like(hit), reduce="amax")
                 self.correct = self.correct + (ok[:, :n_q] * seen[:, :n_q]).sum()
                 self.total = self.total + seen[:, :n_q].sum()
-        return loss
+        if mtp is None:
+            return loss
+        mtp_loss = torch.stack([self._depth_loss(mtp[:, k - 1], lm, k) for k in range(1, mtp.shape[1] + 1)]).mean()
+        self.lm_losses.append(loss.detach())
+        self.mtp_losses.append(mtp_loss.detach())
+        return loss + self.mtp_weight * mtp_loss
+
+    @staticmethod
+    def _depth_loss(logits: torch.Tensor, lm: torch.Tensor, depth: int) -> torch.Tensor:
+        """Mean cross-entropy of MTP depth `depth` (logits [b, T, V]) over its positions with a target (0 when
+        there are none, without a host sync)."""
+        want = mtp_targets(lm, depth, IGNORE).reshape(-1)
+        total = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), want, ignore_index=IGNORE, reduction="sum"
+        )
+        return total / (want != IGNORE).sum().clamp_min(1)
 
     def accuracy(self) -> float:
         total = int(self.total)

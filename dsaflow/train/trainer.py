@@ -101,7 +101,7 @@ class Trainer:
             cfg.model.vocab_size,
             checkpoint_tokenizer(tokenizer_json(hf_files_folder(cfg.model.hf_path, ctx.run_dir))),
         )
-        self.loss_fn = LMLoss(cfg.data.num_queries if self.data.has_answers else 0)
+        self.loss_fn = LMLoss(cfg.data.num_queries if self.data.has_answers else 0, t.mtp_loss_weight)
         self.schedule = build_schedule(
             plan.pipeline.schedule,
             self.pstages,
@@ -122,7 +122,8 @@ class Trainer:
         )
         self.tokens_per_step = t.batch_size * t.seq_len  # the global batch: every replica's tokens
         moe = cfg.model.moe
-        self.balance = ExpertBalance(self.modules, cfg.model.num_layers, moe.bias_update_rate if moe else 0.0)
+        all_layers = cfg.model.num_layers + cfg.model.mtp_layers  # MTP layers have MoE MLPs like any other
+        self.balance = ExpertBalance(self.modules, all_layers, moe.bias_update_rate if moe else 0.0)
         self.params, embedding_params = count_parameters(self.modules, ctx.device, ctx.group)
         timed = [(s.index, ps.timer, w.indexer_losses) for s, ps, w in zip(self.local, self.pstages, self.wrappers)]
         self.metrics = StepMetrics(
@@ -142,6 +143,8 @@ class Trainer:
         return replica_rows(x, self.ctx.dp, self.ctx.dp_rank), replica_rows(y, self.ctx.dp, self.ctx.dp_rank)
 
     def _run_schedule(self, x, y, losses: list) -> None:
+        for w in self.wrappers:  # the last stage's MTP layers read the input ids too
+            w.feed_mtp_tokens(x.to(self.ctx.device), self.ctx.plan.pipeline.microbatches)
         args = (x.to(self.ctx.device),) if self.has_first else ()
         kwargs = {"target": y.to(self.ctx.device), "losses": losses} if self.has_last else {}
         with self.autocast():
@@ -150,7 +153,7 @@ class Trainer:
     def _run_forward(self, x, y, losses: list, attn: str, learn: bool) -> None:
         sinks = {sp.index: w.indexer_losses for sp, w in zip(self.local, self.wrappers)}
         self.forward_only.run(
-            x if self.has_first else None,
+            x if self.has_first or self.ctx.cfg.model.mtp_layers else None,  # MTP layers read the input ids too
             y if self.has_last else None,
             losses,
             self.loss_fn,
@@ -214,7 +217,9 @@ class Trainer:
         self.dp.after_forward_only()
         if not self.has_last:
             return {}
-        mean_loss = torch.stack([l.detach().float() for l in all_losses]).mean()
+        mtp = self.loss_fn.mtp_losses
+        lm_losses = self.loss_fn.lm_losses or all_losses  # with MTP layers, the totals hold their loss too
+        mean_loss = torch.stack([l.detach().float() for l in lm_losses]).mean()
         if self.ctx.dp > 1:  # every replica's share of the held-out rows: the dp group of the last stage's rank
             counts = (self.loss_fn.correct, self.loss_fn.total)
             sums = torch.stack([mean_loss.double(), *(torch.as_tensor(c, dtype=torch.float64) for c in counts)])
@@ -222,6 +227,8 @@ class Trainer:
             mean_loss = sums[0] / self.ctx.dp
             self.loss_fn.correct, self.loss_fn.total = int(sums[1]), int(sums[2])
         out = {"eval_loss": float(mean_loss)}
+        if mtp:  # this replica's held-out rows (a dp group reduces the LM loss above)
+            out["eval_mtp_loss"] = float(torch.stack(mtp).float().mean())
         if self.data.bytes:  # byte tokens: nats per byte / ln 2 = bits per byte
             out["eval_bpb"] = out["eval_loss"] / math.log(2)
         if self.data.has_answers:
