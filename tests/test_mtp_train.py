@@ -89,3 +89,19 @@ def test_pp2_with_mtp_matches_pp1_under_every_tested_schedule(runs):
     # block recompute computes the same step
     for a, b in zip(ref["history"], ref_block["history"]):
         assert abs(a["mtp_loss"] - b["mtp_loss"]) <= 1e-5 * a["mtp_loss"]
+
+
+def test_the_plan_counts_the_mtp_layer_on_the_last_stage():
+    """Parameters per stage in the plan equal the built stages' (MoE block, indexer, embedding copy, eh_proj, norms)."""
+    from dsaflow.config.compose import compose
+    from dsaflow.pipeline.stages import build_stages
+    from dsaflow.plan import build_plan
+
+    cfg = compose(["model=tiny_moe", "model.mtp_layers=1", "pipeline=pp2", "track=none"])
+    plan = build_plan(cfg)
+    stages = build_stages(cfg.model, plan)
+    for st, module in zip(plan.estimates["stages"], stages):
+        assert st["params"] == sum(p.numel() for p in module.parameters()), st["index"]
+    last = plan.estimates["stages"][-1]
+    assert last["mtp_layers"] == 1 and last["mtp_params"] == sum(p.numel() for p in stages[-1].mtp.parameters())
+    assert plan.estimates["stages"][0]["mtp_layers"] == 0
