@@ -80,6 +80,7 @@ class StageModule(nn.Module):
         self.recompute_chunk_tokens = TrainConfig.recompute_chunk_tokens  # queries per recomputed attention chunk
         self.indexer_loss: Optional[torch.Tensor] = None
         self.indices_out: Optional[torch.Tensor] = None
+        self.head_input: Optional[torch.Tensor] = None  # last stage with MTP layers: the last forward's norm(h)
         self.rope_tables = RopeTables.of(model_cfg)  # the rotary constants, computed once, not per forward
         self.init_weights(seed)
 
@@ -274,6 +275,7 @@ class StageModule(nn.Module):
             return h
         h = self.norm(h)
         logits = self.head(h).float()
+        self.head_input = h if self.mtp is not None else None  # what MTP drafting extends (dsaflow.serve.speculative)
         if mtp_tokens is None:
             return logits
         depths = [logits]

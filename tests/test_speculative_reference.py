@@ -1,0 +1,99 @@
+"""Speculative decoding with the MTP layer in plain torch (dsaflow/serve/speculative.py): greedy tokens with
+K = 1..3 drafts equal plain greedy decoding (reference.generate) for a whole model, a 2-stage and a 4-stage split
+(cross-stage indices), on a tiny model whose MTP layer learned a few steps (so drafts are accepted and rejected),
+and on Hugging Face tiny models of both families carrying an MTP layer; roll-back leaves the caches as a run that
+never saw the rejected tokens."""
+
+import pytest
+import torch
+
+from dsaflow.config.schema import ModelConfig
+from dsaflow.model import LayerSpec, StageModule, build_model, load_full_state_dict
+from dsaflow.serve import reference as R
+from dsaflow.serve.speculative import allocate_speculative_caches, generate_speculative
+from dsaflow.train.pipeline import LMLoss
+
+V = 16
+CFG = ModelConfig(num_layers=4, mtp_layers=1, vocab_size=V, index_topk=4, dim=32, inter_dim=64)
+ROLES = "FSFS"
+
+
+def arithmetic(batch: int, T: int, g: torch.Generator) -> torch.Tensor:
+    """Sequences t[i] = a + i b (mod V), a and b random per row: the next token (and the one after) follow from
+    the context, so the MTP layer can learn to draft."""
+    a, b = torch.randint(0, V, (batch, 1), generator=g), torch.randint(1, 4, (batch, 1), generator=g)
+    return (a + b * torch.arange(T)) % V
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The whole model's state dict after 25 Adam steps on `arithmetic` (LM + MTP loss)."""
+    torch.manual_seed(0)
+    model = build_model(CFG, roles=ROLES, seed=0).train()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-2)
+    g, loss_fn = torch.Generator().manual_seed(0), LMLoss(0, mtp_weight=1.0)
+    for _ in range(25):
+        x = arithmetic(8, 16, g)
+        lm = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
+        target = torch.stack([lm, torch.full_like(lm, -100), torch.full_like(lm, -1)], dim=1)
+        loss = loss_fn(model.forward_train(x, mtp_tokens=x), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.state_dict()
+
+
+SPLITS = {"single": [[0, 1, 2, 3]], "pp2": [[0, 1], [2, 3]], "pp4": [[0], [1], [2], [3]]}
+
+
+def stages_of(split, state):
+    spans = SPLITS[split]
+    stages = {}
+    for s, span in enumerate(spans):
+        specs = [LayerSpec(i, ROLES[i], i if ROLES[i] == "F" else i - 1) for i in span]
+        stage = StageModule(CFG, specs, s == 0, s == len(spans) - 1, receives_indices=ROLES[span[0]] == "S")
+        load_full_state_dict(stage, state)
+        stages[s] = stage.eval()
+    return stages
+
+
+def prompts_and_limits():
+    g = torch.Generator().manual_seed(5)
+    prompts = [row[:n].tolist() for row, n in zip(arithmetic(4, 12, g), (6, 9, 4, 12))]
+    prompts.append(torch.randint(0, V, (7,), generator=g).tolist())  # no pattern: drafts get rejected
+    return prompts, [14, 9, 20, 6, 11]
+
+
+@pytest.mark.parametrize("split,ks", [("single", (1, 2, 3)), ("pp2", (2,)), ("pp4", (3,))])
+def test_speculative_greedy_tokens_equal_plain_greedy(trained, split, ks):
+    stages = stages_of(split, trained)
+    prompts, limits = prompts_and_limits()
+    want = R.generate(stages, R.allocate_caches(stages, 5, 64, 16), prompts, limits)
+    for k in ks:
+        got, stats = generate_speculative(stages, allocate_speculative_caches(stages, 5, 64, 16), prompts, limits, k)
+        assert got == want, (split, k)
+        summary = stats.summary()
+        assert 5 <= stats.accepted[0] < stats.passes, summary  # drafts both accepted and rejected
+        assert summary["mean_accept_length"] == pytest.approx(1 + sum(summary["per_position"]))
+
+
+def test_roll_back_leaves_the_caches_of_a_run_without_the_rejected_tokens(trained):
+    """After speculative generation the main layers' cached rows equal plain decoding's at every position a row
+    fed (up to float rounding of another pass shape) and are zero beyond, where rejected drafts were written."""
+    stages = stages_of("single", trained)
+    prompts, limits = prompts_and_limits()
+    plain = R.allocate_caches(stages, 5, 64, 16)
+    R.generate(stages, plain, prompts, limits)
+    spec = allocate_speculative_caches(stages, 5, 64, 16)
+    out, _ = generate_speculative(stages, spec, prompts, limits, 3)
+    for layer, kv in plain[0].kv.items():
+        for r, (p, o) in enumerate(zip(prompts, out)):
+            fed = len(p) + len(o) - 1  # the last emitted token is never fed
+            got = spec[0].kv[layer][r]
+            assert torch.allclose(got[:fed], kv[r, :fed], atol=1e-5), (layer, r)
+            assert not got[fed:-1].any(), (layer, r)  # rejected positions rolled back (the trash row aside)
+    for layer, keys in plain[0].index_k.items():
+        for r, (p, o) in enumerate(zip(prompts, out)):
+            fed = len(p) + len(o) - 1
+            assert torch.allclose(spec[0].index_k[layer][r, :fed], keys[r, :fed], atol=1e-5), (layer, r)
+            assert not spec[0].index_k[layer][r, fed:-1].any(), (layer, r)
