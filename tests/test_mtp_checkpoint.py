@@ -128,3 +128,19 @@ def test_a_checkpoint_without_the_declared_mtp_tensors_plans_without_mtp(plain, 
     model_cfg, _ = planned_model(plain)
     assert model_cfg.mtp_layers == 0
     assert "no model.layers.3.* tensors: planned without multi-token prediction" in capsys.readouterr().err
+
+
+def test_speculative_greedy_tokens_of_a_checkpoint_with_mtp_equal_plain_greedy(with_mtp):
+    """The checkpoint's MTP layer drafts (random weights: mostly rejected); the tokens are the model's greedy ones."""
+    from dsaflow.serve import reference as R
+    from dsaflow.serve.speculative import allocate_speculative_caches, generate_speculative
+
+    family, bf16, _ = with_mtp
+    _, model = loaded(bf16)
+    stages = {0: model}
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (5, 11, 8)]
+    limits = [9, 6, 12]
+    want = R.generate(stages, R.allocate_caches(stages, 3, 48, 16), prompts, limits)
+    got, stats = generate_speculative(stages, allocate_speculative_caches(stages, 3, 48, 16), prompts, limits, 2)
+    assert got == want and stats.passes > 0
