@@ -1,11 +1,12 @@
 """Tiny random Hugging Face checkpoints of both DSA families (needs the dev extra: transformers, tokenizers).
 
     python scripts/hf_tiny_checkpoint.py --family glm_moe_dsa --out /tmp/tiny-glm [--fp8 /tmp/tiny-glm-fp8]
-        [--moe-inter 128]
+        [--moe-inter 128] [--mtp]
 
 writes a random `GlmMoeDsaForCausalLM` (or `--family deepseek_v32`: `DeepseekV32ForCausalLM`) with save_pretrained in
 bf16, sharded with its index, a small BPE tokenizer.json, and with --fp8 a block-quantized FP8 copy (e4m3 weights,
-128x128 `weight_scale_inv`, an MTP layer loaders skip). The Hugging Face tests build their checkpoints with it.
+128x128 `weight_scale_inv`) holding a multi-token-prediction layer (`--mtp` adds one to the bf16 checkpoint too; the
+released checkpoints' tensor names). The Hugging Face tests build their checkpoints with it.
 
 DeepSeek-V3.2: 3 layers (layer 0 dense, 1-2 MoE), 8 experts in 4 groups (2 kept), 2 per token, YaRN (factor 4 over
 64 positions, mscale_all_dim != mscale so both the cos/sin factor and the softmax mscale differ from 1).
@@ -276,9 +277,12 @@ def main(argv=None) -> int:
         default=COMMON["moe_intermediate_size"],
         help="moe_intermediate_size; a multiple of 128 lets serve.weights=fp8 keep the FP8 copy's experts as stored",
     )
+    parser.add_argument("--mtp", action="store_true", help="add an MTP layer to the bf16 checkpoint (add_mtp_layer)")
     args = parser.parse_args(argv)
     save_checkpoint(args.family, args.out, args.seed, moe_intermediate_size=args.moe_inter)
     save_tokenizer(args.out)
+    if args.mtp:
+        add_mtp_layer(args.out)
     print(f"wrote {args.family} to {args.out}")
     if args.fp8:
         write_fp8_copy(args.out, args.fp8)

@@ -97,3 +97,16 @@ def test_roll_back_leaves_the_caches_of_a_run_without_the_rejected_tokens(traine
             fed = len(p) + len(o) - 1
             assert torch.allclose(spec[0].index_k[layer][r, :fed], keys[r, :fed], atol=1e-5), (layer, r)
             assert not spec[0].index_k[layer][r, fed:-1].any(), (layer, r)
+
+
+@pytest.mark.gpu
+def test_speculative_greedy_tokens_equal_plain_greedy_on_a_gpu(trained):
+    """The same identity with the CUDA kernels (fp32): verify passes of K + 1 tokens run the prefill path, plain
+    decoding the decode path."""
+    stages = {s: m.cuda() for s, m in stages_of("pp2", trained).items()}
+    prompts, limits = prompts_and_limits()
+    want = R.generate(stages, R.allocate_caches(stages, 5, 64, 16), prompts, limits)
+    for k in (1, 2, 3):
+        got, stats = generate_speculative(stages, allocate_speculative_caches(stages, 5, 64, 16), prompts, limits, k)
+        assert got == want, k
+        assert stats.accepted[0] > 0
