@@ -144,3 +144,12 @@ def test_speculative_greedy_tokens_of_a_checkpoint_with_mtp_equal_plain_greedy(w
     want = R.generate(stages, R.allocate_caches(stages, 3, 48, 16), prompts, limits)
     got, stats = generate_speculative(stages, allocate_speculative_caches(stages, 3, 48, 16), prompts, limits, 2)
     assert got == want and stats.passes > 0
+
+
+def test_glm_index_share_for_mtp_iteration_plans():
+    """GLM-5.x config.json files carry index_share_for_mtp_iteration (a draft-chain knob): it is accepted."""
+    from pathlib import Path
+
+    raw = read_config_json(Path(__file__).parent / "fixtures" / "hf" / "glm_52")
+    hf = hf_model({**raw, "index_share_for_mtp_iteration": True})
+    assert hf.mtp_layers == 1 and hf.model.num_layers == 78

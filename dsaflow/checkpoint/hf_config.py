@@ -77,6 +77,9 @@ _IGNORED = {
     "qk_head_dim",
     "layer_types",
     "num_nextn_predict_layers",
+    # GLM-5.x: chained MTP draft steps reuse the first step's top-k. It changes which tokens are drafted, never what
+    # the model computes or emits; dsaflow's draft chain runs the MTP layer's own indexer at every step
+    "index_share_for_mtp_iteration",
     "pretraining_tp",
     "quantization_config",
     "scale_fmt",
