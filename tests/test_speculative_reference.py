@@ -105,3 +105,40 @@ def test_speculative_greedy_tokens_equal_plain_greedy_on_a_gpu(trained):
         got, stats = generate_speculative(stages, allocate_speculative_caches(stages, 5, 64, 16), prompts, limits, k)
         assert got == want, k
         assert stats.accepted[0] > 0
+
+
+def test_sampled_speculation_keeps_the_models_distribution():
+    """temperature 1, K = 2, one prompt in 3000 rows, 3 tokens each: the first comes from the prefill, the next two
+    from one verify pass (accepted drafts, a residual resample or the bonus token). Their frequencies match the
+    model's own p(t1) p(t2 | t1) and the marginal of t3, computed exactly by full forwards (chi-square, cells with
+    fewer than 5 expected pooled). The untrained MTP layer's q is close to the near-uniform p: most drafts are
+    accepted and some rejected, so both paths of the rule run."""
+    from scipy.stats import chisquare
+
+    cfg = ModelConfig(num_layers=2, mtp_layers=1, vocab_size=8, index_topk=4, dim=32, inter_dim=64)
+    model = build_model(cfg, seed=2).eval()
+    with torch.no_grad():  # scale the head up: distributions far from uniform, so a wrong rule shows
+        model.head.weight.mul_(40)
+    prompt, B = [3, 1, 4, 1], 3000
+    stages = {0: model}
+    out, stats = generate_speculative(
+        stages, allocate_speculative_caches(stages, B, 16, 8), [prompt] * B, [3] * B, 2, temperature=1.0, seed=0
+    )
+    assert 0 < stats.accepted[0] < stats.passes
+    with torch.no_grad():
+        p1 = torch.softmax(model.forward_train(torch.tensor([prompt]))[0, -1], -1)
+        pairs = torch.tensor([[*prompt, a] for a in range(8)])
+        p2 = torch.softmax(model.forward_train(pairs)[:, -1], -1)  # [t1, t2]
+        triples = torch.tensor([[*prompt, a, b] for a in range(8) for b in range(8)])
+        p3 = torch.softmax(model.forward_train(triples)[:, -1], -1).view(8, 8, 8)
+    joint12 = (p1[:, None] * p2).double()
+    marginal3 = (joint12[..., None] * p3.double()).sum((0, 1))
+    seen = torch.tensor(out)
+    counts12 = torch.bincount(seen[:, 0] * 8 + seen[:, 1], minlength=64).double()
+    counts3 = torch.bincount(seen[:, 2], minlength=8).double()
+    for counts, probs in ((counts12, joint12.flatten()), (counts3, marginal3)):
+        expected = probs / probs.sum() * B
+        small = expected < 5
+        obs = torch.cat([counts[~small], counts[small].sum().view(1)])
+        exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+        assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
