@@ -1,8 +1,9 @@
 """Speculative decoding with the MTP layer in plain torch (dsaflow/serve/speculative.py): greedy tokens with
 K = 1..3 drafts equal plain greedy decoding (reference.generate) for a whole model (K = 1, 3), a 2-stage (K = 2)
-and a 4-stage split (K = 3, cross-stage indices), on a tiny model whose MTP layer learned a few steps (so drafts are accepted and rejected),
-and on Hugging Face tiny models of both families carrying an MTP layer; roll-back leaves the caches as a run that
-never saw the rejected tokens (latent KV and indexer keys of every stage)."""
+and a 4-stage split (K = 3, cross-stage indices), on a tiny model whose MTP layer learned a few steps (so drafts
+are accepted and rejected), and on Hugging Face tiny models of both families carrying an MTP layer
+(tests/test_mtp_checkpoint.py); roll-back leaves the caches as a run that never saw the rejected tokens (latent KV
+and indexer keys of every stage); sampled speculation keeps the model's distribution."""
 
 import pytest
 import torch
