@@ -105,7 +105,7 @@ def measure(model, prompts, new: int, k: int, device, dtype) -> tuple:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--model", default="small", help="configs/model/<name>.yaml (a dense model)")
     p.add_argument("--steps", type=int, default=1200)
