@@ -39,6 +39,7 @@ OWN_OPTION = {
     "bench_indexcache": "--sdpa-repeats",
     "bench_moe": "--decode-rows",
     "bench_fp8": "--grouped-tokens",
+    "bench_speculative": "--mtp-weight",
 }
 
 

@@ -10,6 +10,7 @@ from train_harness import GRAD_STEPS, run_configs, stop_and_resume_cfgs, tiny_cf
 from dsaflow.cli import main
 from dsaflow.config.compose import compose
 from dsaflow.errors import PlanError
+from dsaflow.model.mtp import mtp_runs_in_training
 from dsaflow.plan import build_plan
 
 STEPS = 4
@@ -108,6 +109,7 @@ BAD = [
     (["parallel.cp=2", "train.dense_warmup_steps=2"], "dense warm-up"),
     (["parallel.cp=2", "mode=serve"], "mode=serve does not train"),
     (["parallel.cp=2", "model=tiny_moe", "model.moe.aux_loss_weight=0.01"], "model.moe.aux_loss_weight=0.01 with"),
+    (["parallel.cp=2", "model.mtp_layers=1"], "model.mtp_layers=1 with train.mtp_loss_weight=0.1 and parallel.cp=2"),
 ]
 
 
@@ -129,3 +131,12 @@ def test_cross_stage_indices_are_refused_with_cp():
     cfg = compose(["pipeline=pp2", "parallel.cp=2", "pipeline.cross_stage_indices=true", "index=every4"])
     with pytest.raises(PlanError, match="pipeline.cross_stage_indices=true with parallel.cp=2"):
         build_plan(cfg)
+
+
+def test_mtp_layers_plan_under_cp_untrained_only():
+    """With train.mtp_loss_weight=0 the MTP layers (a checkpoint's, say) plan under cp: training does not run them
+    there (their depth-k tokens cross the zigzag chunks); at cp=1 it does."""
+    cfg = compose(["parallel.cp=2", "model.mtp_layers=1", "train.mtp_loss_weight=0"])
+    assert build_plan(cfg, nproc=2).pipeline.cp == 2
+    assert not mtp_runs_in_training(cfg)
+    assert mtp_runs_in_training(compose(["model.mtp_layers=1"]))
