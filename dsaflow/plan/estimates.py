@@ -279,8 +279,13 @@ def layer_backward_transient_bytes(
 def head_activation_bytes_per_token(m) -> int:
     """Last stage: what the loss head in chunks (dsaflow.model.loss_head) keeps for its backward per token, the
     final hidden state (fp32 dim) and one fp32 log-sum-exp. No logits: they exist one chunk at a time
-    (`head_transient_bytes`)."""
-    return m.dim * FP32 + FP32
+    (`head_transient_bytes`). With D = model.mtp_layers the head runs once per depth on 1 + D hidden states, which
+    the stage's output also holds stacked ([b, 1 + D, T, dim] fp32; each depth's slice is copied into the head's
+    rows): (1 + D) x (the above + one more fp32 dim)."""
+    one_depth = m.dim * FP32 + FP32
+    if not m.mtp_layers:
+        return one_depth
+    return (1 + m.mtp_layers) * (one_depth + m.dim * FP32)
 
 
 def head_transient_bytes(m, tokens: int, chunk_tokens: int, width: int = BF16) -> int:

@@ -58,6 +58,28 @@ def dp_shards(pipeline: PipelinePlan) -> int:
     return pipeline.replicas if pipeline.dp_shard else 1
 
 
+def _memory_by_mode(cfg, roles, indices, is_first: bool, is_last: bool, tokens: int, in_flight: int, pipeline):
+    """(training memory terms, serving memory terms) of a stage of the main layers `roles` / `indices` (the terms
+    add the MTP layers on the last stage); the mode's other one is {}."""
+    memory, serve_memory = {}, {}
+    if cfg.mode == "train":
+        memory = train_memory_terms(
+            cfg,
+            roles,
+            is_first,
+            is_last,
+            tokens,
+            in_flight,
+            pipeline.microbatches,
+            layer_indices=indices,
+            shards=dp_shards(pipeline),
+            cp=pipeline.cp,
+        )
+    if cfg.mode == "serve":
+        serve_memory = serve_memory_terms(cfg, roles, indices, is_first, is_last, serve_width(str(cfg.serve.dtype)))
+    return memory, serve_memory
+
+
 def _stage_estimate(
     cfg, ls: Sequence[LayerPlan], st: StagePlan, is_last: bool, pipeline: PipelinePlan, tokens: int
 ) -> Dict[str, Any]:
@@ -83,25 +105,9 @@ def _stage_estimate(
     params, active = params + ends, active + ends
     cost += (1 + n_mtp) * E.head_forward_flops_per_token(m) + n_mtp * 4 * m.dim * m.dim if is_last else 0
     in_flight = microbatches_in_flight(st.index, st.rank, pipeline)
-    memory = {}
-    if cfg.mode == "train":
-        memory = train_memory_terms(
-            cfg,
-            main_roles,
-            is_first,
-            is_last,
-            tokens,
-            in_flight,
-            pipeline.microbatches,
-            layer_indices=main_indices,
-            shards=dp_shards(pipeline),
-            cp=pipeline.cp,
-        )
-    serve_memory = {}
-    if cfg.mode == "serve":
-        serve_memory = serve_memory_terms(
-            cfg, main_roles, main_indices, is_first, is_last, serve_width(str(cfg.serve.dtype))
-        )
+    memory, serve_memory = _memory_by_mode(
+        cfg, main_roles, main_indices, is_first, is_last, tokens, in_flight, pipeline
+    )
     kv_per_token = sum(E.kv_bytes_per_token(m, r) for r in roles)
     return {
         "index": st.index,
