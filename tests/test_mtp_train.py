@@ -102,19 +102,41 @@ def test_mtp_through_the_chunked_head_equals_the_logits_path():
         assert (grads[n] - r).norm() <= 1e-5 * r.norm().clamp_min(1e-12), n
 
 
+def dp2_cfg():
+    """PP=1 x dp 2 with the PP=1 run's global batch (8) and microbatch size (2): each replica runs 2 of them."""
+    cfg = mtp_cfg()
+    cfg.parallel.dp, cfg.pipeline.microbatches = 2, 2
+    return cfg
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
     ref = run_configs(1, [mtp_cfg(), mtp_cfg(recompute="block")], root / "pp1")
-    got = run_configs(2, [mtp_cfg(*lay) for lay in LAYOUTS], root / "pp2")
-    return ref, dict(zip(LAYOUTS, got))
+    got = run_configs(2, [*(mtp_cfg(*lay) for lay in LAYOUTS), dp2_cfg()], root / "pp2")
+    return ref, dict(zip([*LAYOUTS, "dp2"], got))
+
+
+def test_dp2_reduces_mtp_loss_and_eval_mtp_loss_over_replicas(runs):
+    """Every microbatch has the same count of MTP targets (loss_on=all), so the mean over replicas of each one's
+    microbatch means is the PP=1 run's mean: per step `loss` and `mtp_loss`, and the final evaluation's `eval_loss`
+    and `eval_mtp_loss` (each replica evaluates half of the held-out rows)."""
+    (ref, _), got = runs
+    run = got["dp2"]
+    for r, g in zip(ref["history"], run["history"], strict=True):
+        for key in ("loss", "mtp_loss", "eval_loss", "eval_mtp_loss"):
+            assert (key in r) == (key in g), key
+            if key in r:
+                assert abs(r[key] - g[key]) <= 1e-5 * abs(r[key]), (key, r[key], g[key])
+    assert "eval_mtp_loss" in ref["history"][-1]
 
 
 def test_pp2_with_mtp_matches_pp1_under_every_tested_schedule(runs):
     (ref, ref_block), got = runs
     assert all("mtp_loss" in h for h in ref["history"])
     assert ref["history"][-1]["mtp_loss"] < ref["history"][0]["mtp_loss"]  # it learns
-    for layout, run in got.items():
+    for layout in LAYOUTS:
+        run = got[layout]
         base = ref_block if layout[3] == "block" else ref
         for r, g in zip(base["history"], run["history"], strict=True):
             for key in ("loss", "mtp_loss"):
