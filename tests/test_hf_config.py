@@ -28,8 +28,12 @@ def test_deepseek_v32_plans_671b_parameters_on_pp8():
     )  # fmt: skip
     assert (m.rope_scaling.factor, m.rope_scaling.original_max_position_embeddings) == (40, 4096)
     plan = build_plan(cfg)
-    # DeepSeek-V3's 671.03B plus V3.2's 61 indexers (14.0M each); the MTP layer is not part of the model
-    assert 671e9 <= plan.estimates["total"]["params"] < 672e9
+    # DeepSeek-V3's 671.03B plus V3.2's 61 indexers (14.0M each), plus the MTP layer on the last stage: a MoE block
+    # (256 experts x 3 x 7168 x 2048 = 11.27B, attention, shared expert, indexer: 11.52B), its embedding copy
+    # (129280 x 7168 = 0.93B) and eh_proj (2 x 7168^2 = 0.10B); the published 685B also counts its lm_head copy
+    assert cfg.model.mtp_layers == 1
+    assert 684e9 <= plan.estimates["total"]["params"] < 685e9
+    assert 12.5e9 < plan.estimates["stages"][-1]["mtp_params"] < 12.6e9
     assert plan.num_stages == 8 and cfg.index.promote
 
 

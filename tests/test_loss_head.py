@@ -54,6 +54,19 @@ def test_chunked_equals_unchunked_in_loss_gradients_and_argmax(chunk):
     assert grads[0][0, :6].abs().max() == 0 and grads[0][1, -3:].abs().max() == 0
 
 
+def test_already_normed_hidden_takes_no_norm():
+    """norm_weight=None (an MTP depth's output, normed by its own head_norm): the head reads the hidden state as is,
+    equal to F.cross_entropy(h @ w.T) in loss and both gradients."""
+    h, _, w, target = _inputs(3)
+    ref = F.cross_entropy((h @ w.t()).reshape(-1, V), target.reshape(-1), ignore_index=IGNORE_INDEX)
+    ref_grads = torch.autograd.grad(ref, (h, w))
+    loss, _ = chunked_lm_loss(h, None, w, target, 7, EPS)
+    grads = torch.autograd.grad(loss, (h, w))
+    assert abs(loss.item() - ref.item()) <= RTOL * ref.item()
+    for name, g, r in zip(("hidden", "head weight"), grads, ref_grads):
+        assert _close(g, r) < RTOL, name
+
+
 def test_the_graph_never_keeps_tokens_by_vocab():
     """What the autograd graph saves is the inputs plus one log-sum-exp per token: no tensor of N*T*V elements (the
     unchunked head saves its logits)."""

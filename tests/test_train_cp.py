@@ -10,6 +10,7 @@ from train_harness import GRAD_STEPS, run_configs, stop_and_resume_cfgs, tiny_cf
 from dsaflow.cli import main
 from dsaflow.config.compose import compose
 from dsaflow.errors import PlanError
+from dsaflow.model.mtp import mtp_runs_in_training
 from dsaflow.plan import build_plan
 
 STEPS = 4
@@ -29,7 +30,9 @@ def runs(tmp_path_factory):
     (ref,) = run_configs(1, [tiny_cfg(1, None, "1F1B", **COMMON)], root / "cp1")
     resume = dict(COMMON, ckpt_every=2)  # the stopped run saves at step 2, where it stops (saving changes nothing)
     cfgs2 = [_cp(c, 2) for c in stop_and_resume_cfgs(root / "resume", 1, None, "1F1B", 2, **resume)]
-    full_r, _, resumed_r = run_configs(2, cfgs2, root / "cp2")
+    untrained_mtp = _cp(tiny_cfg(1, None, "1F1B", **COMMON, mtp_loss_weight=0.0), 2)
+    untrained_mtp.model.mtp_layers = 1
+    full_r, _, resumed_r, mtp_r = run_configs(2, [*cfgs2, untrained_mtp], root / "cp2")
     cfgs4 = [_cp(tiny_cfg(2, 2, "1F1B", **COMMON), 2), _cp(tiny_cfg(4, 2, "Interleaved1F1B", **COMMON), 2)]
     pp2_1f1b, pp2_interleaved = run_configs(4, cfgs4, root / "pp2cp2")
     return {
@@ -39,6 +42,7 @@ def runs(tmp_path_factory):
         "pp2 x cp2 Interleaved1F1B": pp2_interleaved,
         "full": full_r,
         "resumed": resumed_r,
+        "cp2 with an untrained MTP layer": mtp_r,
     }
 
 
@@ -108,6 +112,7 @@ BAD = [
     (["parallel.cp=2", "train.dense_warmup_steps=2"], "dense warm-up"),
     (["parallel.cp=2", "mode=serve"], "mode=serve does not train"),
     (["parallel.cp=2", "model=tiny_moe", "model.moe.aux_loss_weight=0.01"], "model.moe.aux_loss_weight=0.01 with"),
+    (["parallel.cp=2", "model.mtp_layers=1"], "model.mtp_layers=1 with train.mtp_loss_weight=0.1 and parallel.cp=2"),
 ]
 
 
@@ -129,3 +134,22 @@ def test_cross_stage_indices_are_refused_with_cp():
     cfg = compose(["pipeline=pp2", "parallel.cp=2", "pipeline.cross_stage_indices=true", "index=every4"])
     with pytest.raises(PlanError, match="pipeline.cross_stage_indices=true with parallel.cp=2"):
         build_plan(cfg)
+
+
+def test_an_untrained_mtp_layer_under_cp_is_carried_through(runs):
+    """model.mtp_layers=1 at train.mtp_loss_weight=0 under cp2: the MTP layer never runs (no gradient, no
+    `mtp_loss`) and the main model trains exactly as without it."""
+    got, ref = runs["cp2 with an untrained MTP layer"], runs["cp2"]
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    assert not any("mtp_loss" in h for h in got["history"])
+    for step in GRAD_STEPS:
+        assert got["grads"][step].keys() == ref["grads"][step].keys()
+
+
+def test_mtp_layers_plan_under_cp_untrained_only():
+    """With train.mtp_loss_weight=0 the MTP layers (a checkpoint's, say) plan under cp: training does not run them
+    there (their depth-k tokens cross the zigzag chunks); at cp=1 it does."""
+    cfg = compose(["parallel.cp=2", "model.mtp_layers=1", "train.mtp_loss_weight=0"])
+    assert build_plan(cfg, nproc=2).pipeline.cp == 2
+    assert not mtp_runs_in_training(cfg)
+    assert mtp_runs_in_training(compose(["model.mtp_layers=1"]))

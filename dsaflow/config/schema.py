@@ -86,6 +86,9 @@ class ModelConfig:
     index_norm_eps: float = num(1e-5, 0, 1, lo_open=True, hi_open=True)
     rope_scaling: Optional[YarnConfig] = None  # YaRN (dsaflow/config/rope_schema.py); None = plain RoPE
     tie_embeddings: bool = False
+    # multi-token-prediction layers after the last layer, on the last stage (dsaflow/model/mtp.py; config.json's
+    # num_nextn_predict_layers); 0 = none
+    mtp_layers: int = num(0, 0, 16)
     init_std: float = num(0.02, 0, 1, lo_open=True)
     # mixture-of-experts MLPs (DeepSeek-V3 / GLM-5 recipe); None = every layer dense (dsaflow/config/moe_schema.py)
     moe: Optional[MoEConfig] = None
@@ -173,6 +176,9 @@ class TrainConfig:
     dense_warmup_steps: int = num(0, 0, 10**9)  # steps of dense_warmup before `sparse` (when dsa_stage=sparse)
     indexer_lr: float = num(1e-3, 0, 10)
     indexer_loss_weight: float = num(1.0, 0, 1e6)
+    # the MTP layers' mean cross-entropy joins the loss with this weight (model.mtp_layers > 0; DeepSeek-V3 uses 0.1
+    # late in training); logged as `mtp_loss`
+    mtp_loss_weight: float = num(0.1, 0, 1e6)
     dtype: TrainDtype = TrainDtype.auto  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     # Fixed reduction orders instead of atomics (sparse-attention backward, torch ops that have a deterministic
     # implementation): repeated runs give bit-identical results; slower (docs/training.md).

@@ -31,8 +31,9 @@ def compute_dtype(device: torch.device, fallback: torch.dtype) -> torch.dtype:
 
 
 class ChunkedLMLoss(torch.autograd.Function):
-    """(hidden [N, D], norm_weight [D], head_weight [V, D], target [N] int64) -> (loss sum over the non-ignored
-    targets (fp32 scalar), argmax [N] int64 of the logits, or an empty tensor when not asked for)."""
+    """(hidden [N, D], norm_weight [D] or None (hidden is already normed), head_weight [V, D], target [N] int64) ->
+    (loss sum over the non-ignored targets (fp32 scalar), argmax [N] int64 of the logits, or an empty tensor when not
+    asked for)."""
 
     @staticmethod
     def forward(ctx, hidden, norm_weight, head_weight, target, chunk_tokens, eps, dtype, want_argmax):
@@ -58,31 +59,40 @@ class ChunkedLMLoss(torch.autograd.Function):
     def backward(ctx, grad_total, _grad_argmax):
         hidden, norm_weight, head_weight, target, lse = ctx.saved_tensors
         d_hidden = torch.empty_like(hidden)
-        d_norm = torch.zeros(norm_weight.shape, dtype=torch.float32, device=hidden.device)
+        normed_in = norm_weight is None  # hidden is what the head reads: no norm to differentiate through
+        d_norm = None if normed_in else torch.zeros(norm_weight.shape, dtype=torch.float32, device=hidden.device)
         d_head = torch.zeros(head_weight.shape, dtype=torch.float32, device=hidden.device)
         w = head_weight.to(ctx.dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for lo in range(0, hidden.shape[0], ctx.chunk_tokens):
                 hi = min(lo + ctx.chunk_tokens, hidden.shape[0])
-                with torch.enable_grad():
-                    h = hidden[lo:hi].detach().requires_grad_()
-                    nw = norm_weight.detach().requires_grad_()
-                    normed = rms_norm(h, nw, ctx.eps)
+                if normed_in:
+                    normed = hidden[lo:hi]
+                else:
+                    with torch.enable_grad():
+                        h = hidden[lo:hi].detach().requires_grad_()
+                        nw = norm_weight.detach().requires_grad_()
+                        normed = rms_norm(h, nw, ctx.eps)
                 n_c = normed.detach().to(ctx.dtype)
                 logits = (n_c @ w.t()).float()
                 d_logits = _softmax_minus_onehot(logits, lse[lo:hi], target[lo:hi], grad_total).to(ctx.dtype)
                 del logits
                 d_head += (d_logits.t() @ n_c).float()
                 d_normed = (d_logits @ w).to(normed.dtype)
+                if normed_in:
+                    d_hidden[lo:hi] = d_normed
+                    continue
                 d_h, d_nw = torch.autograd.grad(normed, (h, nw), d_normed)
                 d_hidden[lo:hi] = d_h
                 d_norm += d_nw.float()
-        return d_hidden, d_norm.to(norm_weight.dtype), d_head.to(head_weight.dtype), None, None, None, None, None
+        d_norm = None if normed_in else d_norm.to(norm_weight.dtype)
+        return d_hidden, d_norm, d_head.to(head_weight.dtype), None, None, None, None, None
 
 
-def _chunk_logits(h: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """h [n, D] -> fp32 logits [n, V]: the head's matmul in w's dtype."""
-    return (rms_norm(h, norm_weight, eps).to(w.dtype) @ w.t()).float()
+def _chunk_logits(h: torch.Tensor, norm_weight: Optional[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
+    """h [n, D] -> fp32 logits [n, V]: the head's matmul in w's dtype (norm_weight None: h is already normed)."""
+    normed = h if norm_weight is None else rms_norm(h, norm_weight, eps)
+    return (normed.to(w.dtype) @ w.t()).float()
 
 
 def _chunk_nll(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -103,7 +113,7 @@ def _softmax_minus_onehot(logits, lse, target, scale) -> torch.Tensor:
 
 def chunked_lm_loss(
     hidden: torch.Tensor,
-    norm_weight: torch.Tensor,
+    norm_weight: Optional[torch.Tensor],
     head_weight: torch.Tensor,
     target: torch.Tensor,
     chunk_tokens: int,
@@ -115,7 +125,8 @@ def chunked_lm_loss(
 
     Args:
         hidden: [..., D] the last layer's output (before the final norm).
-        norm_weight: [D] the final RMSNorm's weight; head_weight: [V, D] the LM head's.
+        norm_weight: [D] the final RMSNorm's weight, or None when hidden is already normed (an MTP depth's output,
+            `MTPLayer.predict`): then the head reads hidden itself. head_weight: [V, D] the LM head's.
         target: [...] int64 next-token ids, IGNORE_INDEX (-100) = no loss.
         chunk_tokens: rows per chunk (>= 1).
         eps: the final norm's epsilon.

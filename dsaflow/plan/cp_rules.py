@@ -47,6 +47,14 @@ def check_context_parallel(cfg, pipeline: PipelinePlan) -> None:
             "sequence's routing statistics whole, and a cp rank sees only its shard. Fix: model.moe.aux_loss_weight=0 "
             "(the bias update balances the experts without it), or parallel.cp=1."
         )
+    mtp = cfg.model.mtp_layers
+    if mtp > 0 and t.mtp_loss_weight > 0:
+        raise PlanError(
+            f"model.mtp_layers={mtp} with train.mtp_loss_weight={t.mtp_loss_weight} and {where}: MTP depth k reads and "
+            "predicts the tokens k places after each position, which at the end of every zigzag chunk lie on another "
+            "cp rank, so a rank's shard cannot compute the MTP loss. Fix: train.mtp_loss_weight=0 (the MTP layers are "
+            "then carried through untrained, as loaded), or parallel.cp=1."
+        )
     if str(t.dsa_stage) == "dense_warmup" or t.dense_warmup_steps > 0:
         raise PlanError(
             f"train.dsa_stage={t.dsa_stage} / train.dense_warmup_steps={t.dense_warmup_steps} with {where}: the dense "

@@ -66,6 +66,21 @@ def head_params(m) -> int:
     return m.dim + m.dim * m.vocab_size
 
 
+def with_mtp(m, roles, indices, last: bool):
+    """(roles, global indices) of a stage's layers, with the model's MTP layers appended on the last stage: each is
+    an F layer (its own indexer) of the model's kind, counted like any layer (dsaflow/model/mtp.py)."""
+    if not last or not m.mtp_layers:
+        return list(roles), None if indices is None else list(indices)
+    mtp = list(range(m.num_layers, m.num_layers + m.mtp_layers))
+    return list(roles) + ["F"] * len(mtp), None if indices is None else list(indices) + mtp
+
+
+def mtp_extra_params(m) -> int:
+    """What the MTP layers hold beyond their blocks, on the last stage: each its copy of the embedding (vocab x dim,
+    the first stage's lives elsewhere), eh_proj (2 dim -> dim) and three RMSNorms (enorm, hnorm, head_norm)."""
+    return m.mtp_layers * (m.vocab_size * m.dim + 2 * m.dim * m.dim + 3 * m.dim)
+
+
 def indexer_proj_flops_per_token(m) -> int:
     """Indexer projections per token: q (from the shared q_lora latent), k and the per-head weights."""
     hi, di = m.index_n_heads, m.index_head_dim
@@ -264,8 +279,13 @@ def layer_backward_transient_bytes(
 def head_activation_bytes_per_token(m) -> int:
     """Last stage: what the loss head in chunks (dsaflow.model.loss_head) keeps for its backward per token, the
     final hidden state (fp32 dim) and one fp32 log-sum-exp. No logits: they exist one chunk at a time
-    (`head_transient_bytes`)."""
-    return m.dim * FP32 + FP32
+    (`head_transient_bytes`). With D = model.mtp_layers the head runs once per depth on 1 + D hidden states, which
+    the stage's output also holds stacked ([b, 1 + D, T, dim] fp32; each depth's slice is copied into the head's
+    rows): (1 + D) x (the above + one more fp32 dim)."""
+    one_depth = m.dim * FP32 + FP32
+    if not m.mtp_layers:
+        return one_depth
+    return (1 + m.mtp_layers) * (one_depth + m.dim * FP32)
 
 
 def head_transient_bytes(m, tokens: int, chunk_tokens: int, width: int = BF16) -> int:

@@ -69,9 +69,10 @@ def train_memory_terms(
     recompute = str(t.recompute)
     if layer_indices is None and m.moe is not None:
         raise ValueError("train_memory_terms: a model with model.moe needs layer_indices (which layers are MoE)")
+    roles, layer_indices = E.with_mtp(m, roles, layer_indices, last)  # the MTP layers ride on the last stage
     moe = [is_moe_layer(m, i) for i in layer_indices] if layer_indices is not None else [False] * len(roles)
     layer_params = [E.layer_params(m, r, x) for r, x in zip(roles, moe)]
-    edge = (E.embed_params(m) if first else 0) + (E.head_params(m) if last else 0)
+    edge = (E.embed_params(m) if first else 0) + (E.head_params(m) + E.mtp_extra_params(m) if last else 0)
     params = sum(layer_params) + edge
     copies = (params - (E.embed_params(m) if first else 0)) * E.BF16 if autocast else 0
     every_grad = microbatches > in_flight

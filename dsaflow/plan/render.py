@@ -288,6 +288,16 @@ def cp_text(plan: Plan, est) -> str:
     )
 
 
+def _mtp_line(m, se) -> str:
+    """Where the MTP layers live and what they hold, the explicit embedding copy named."""
+    copy = m.mtp_layers * m.vocab_size * m.dim
+    return (
+        f"multi-token prediction: {_n(se['mtp_layers'], 'MTP layer')} on stage {se['index']} (the last), "
+        f"{human(se['mtp_params'])} params counted there, of which {human(copy)} are its own copy of the token "
+        f"embedding ({m.vocab_size} x {m.dim}, `mtp.<i>.embed`)"
+    )
+
+
 def render_table(plan: Plan, cfg, width: Optional[int] = None) -> str:
     """The `dsaflow plan` text: header, stage table, promotions, boundary trade-offs, graph blocks, totals.
     width: columns to fit (default: the terminal's, 60..160); long cells and headers wrap to fit."""
@@ -330,6 +340,9 @@ def render_table(plan: Plan, cfg, width: Optional[int] = None) -> str:
         else:
             con.print(_boundary_table(est, "microbatch"))
             con.print(_boundary_table(est, "decode"))
+    mtp = next((se for se in est["stages"] if se.get("mtp_layers")), None)
+    if mtp is not None:
+        con.print(_mtp_line(m, mtp))
     if plan.graph_blocks:
         con.print("graph blocks:")
         for b in plan.graph_blocks:

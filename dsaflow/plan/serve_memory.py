@@ -100,9 +100,15 @@ def layer_weight_shapes(m, role: str, moe: bool = False) -> List[Tuple[str, Shap
 
 
 def edge_weight_shapes(m, first: bool, last: bool) -> List[Tuple[str, Shape]]:
-    """The embedding on the first stage; the final norm and the (untied) head on the last."""
+    """The embedding on the first stage; the final norm, the (untied) head and the MTP layers' own tensors (their
+    embedding copy, eh_proj, norms; their blocks count as layers) on the last."""
+    mtp = []
+    for i in range(m.num_layers, m.num_layers + m.mtp_layers) if last else ():
+        p = f"mtp.{i}."
+        mtp += [(p + "embed.weight", (m.vocab_size, m.dim)), (p + "eh_proj.weight", (m.dim, 2 * m.dim))]
+        mtp += [(p + n, (m.dim,)) for n in ("enorm.weight", "hnorm.weight", "head_norm.weight")]
     return ([("embed.weight", (m.vocab_size, m.dim))] if first else []) + (
-        [("norm.weight", (m.dim,)), ("head.weight", (m.vocab_size, m.dim))] if last else []
+        [("norm.weight", (m.dim,)), ("head.weight", (m.vocab_size, m.dim))] + mtp if last else []
     )
 
 
@@ -125,9 +131,10 @@ def serve_memory_terms(
     cfg, roles, layer_indices, first: bool, last: bool, width: int, stages: int = 1
 ) -> Dict[str, int]:
     """{term: bytes} a serving rank holds for `stages` stages whose layers have `roles` and global `layer_indices`,
-    with the embedding (`first`) and the head (`last`), in a serve dtype `width` bytes wide (see the module
+    with the embedding (`first`) and the head and the MTP layers (`last`), in a serve dtype `width` bytes wide (see the module
     docstring). Every term is present (0 where it does not apply), so the per-stage rows of a table line up."""
     m, sv = cfg.model, cfg.serve
+    roles, layer_indices = E.with_mtp(m, roles, layer_indices, last)
     moe = [is_moe_layer(m, i) for i in layer_indices]
     tokens = sv.max_batch * sv.prefill_chunk
     e = m.moe
@@ -184,6 +191,7 @@ def rank_fits(cfg, layers, stages, width: int, usable: float) -> List[RankFit]:
         roles = [layers[i].role for i in ids]
         first_here, last_here = any(s.index == 0 for s in owned), any(s.index == last for s in owned)
         terms = serve_memory_terms(cfg, roles, ids, first_here, last_here, width, len(owned))
+        roles, ids = E.with_mtp(m, roles, ids, last_here)  # what serve_memory_terms counted
         moe = [is_moe_layer(m, i) for i in ids]
         fp8 = weight_bytes(m, roles, moe, first_here, last_here, FP8, width)
         kv = kv_bytes_per_token(m, roles, width, str(sv.kv_dtype))

@@ -30,6 +30,7 @@ from dsaflow.data.hf_tokenizer import checkpoint_tokenizer
 from dsaflow.errors import CheckpointError
 from dsaflow.model import StageModule
 from dsaflow.model.context_parallel import zigzag_shard
+from dsaflow.model.mtp import mtp_runs_in_training
 from dsaflow.pipeline.run_context import RunContext
 from dsaflow.pipeline.stages import stage_module
 from dsaflow.rundir.folder import checkpoint_dir
@@ -94,7 +95,8 @@ class Trainer:
         # parallel.dp: FSDP2-shards the modules over the dp group (before the optimisers see their parameters)
         self.dp = DataParallel(ctx, self.modules)
         self.wrappers = [
-            TrainStage(m, t.indexer_loss_weight, plan.sends_indices(s.index)) for m, s in zip(self.modules, self.local)
+            TrainStage(m, t.indexer_loss_weight, plan.sends_indices(s.index), mtp_runs_in_training(cfg))
+            for m, s in zip(self.modules, self.local)
         ]
         self.pstages = build_pipeline_stages(
             self.wrappers, [s.index for s in self.local], plan.num_stages, ctx.device, ctx.group
@@ -113,6 +115,7 @@ class Trainer:
             last[0] if last else None,
             t.loss_chunk_tokens,
             self.cp,
+            t.mtp_loss_weight,
         )
         self.schedule = build_schedule(
             plan.pipeline.schedule,
@@ -134,7 +137,8 @@ class Trainer:
         )
         self.tokens_per_step = t.batch_size * t.seq_len  # the global batch: every replica's tokens
         moe = cfg.model.moe
-        self.balance = ExpertBalance(self.modules, cfg.model.num_layers, moe.bias_update_rate if moe else 0.0)
+        all_layers = cfg.model.num_layers + cfg.model.mtp_layers  # MTP layers have MoE MLPs like any other
+        self.balance = ExpertBalance(self.modules, all_layers, moe.bias_update_rate if moe else 0.0)
         self.params, embedding_params = count_parameters(self.modules, ctx.device, ctx.group)
         timed = [(s.index, ps.timer, w.indexer_losses) for s, ps, w in zip(self.local, self.pstages, self.wrappers)]
         self.metrics = StepMetrics(
@@ -157,6 +161,8 @@ class Trainer:
         return zigzag_shard(x, ctx.cp, ctx.cp_rank, dim=1), zigzag_shard(y, ctx.cp, ctx.cp_rank, dim=2)
 
     def _run_schedule(self, x, y, losses: list) -> None:
+        for w in self.wrappers:  # the last stage's MTP layers read the input ids too
+            w.feed_mtp_tokens(x.to(self.ctx.device), self.ctx.plan.pipeline.microbatches)
         args = (x.to(self.ctx.device),) if self.has_first else ()
         kwargs = {"target": y.to(self.ctx.device), "losses": losses} if self.has_last else {}
         with self.autocast():
@@ -165,7 +171,7 @@ class Trainer:
     def _run_forward(self, x, y, losses: list, attn: str, learn: bool) -> None:
         sinks = {sp.index: w.indexer_losses for sp, w in zip(self.local, self.wrappers)}
         self.forward_only.run(
-            x if self.has_first else None,
+            x if self.has_first or mtp_runs_in_training(self.ctx.cfg) else None,  # MTP layers read the ids too
             y if self.has_last else None,
             losses,
             self.loss_fn,
@@ -229,14 +235,22 @@ class Trainer:
         self.dp.after_forward_only()
         if not self.has_last:
             return {}
-        mean_loss = torch.stack([l.detach().float() for l in all_losses]).mean()
+        mtp = self.loss_fn.mtp_losses
+        lm_losses = self.loss_fn.lm_losses or all_losses  # with MTP layers, the totals hold their loss too
+        mean_loss = torch.stack([l.detach().float() for l in lm_losses]).mean()
+        mean_mtp = torch.stack(mtp).float().mean() if mtp else None
         if self.ctx.replicas > 1:  # every replica's (and cp rank's) share: the dp group of the last stage's rank
             counts = (self.loss_fn.correct, self.loss_fn.total)
             sums = torch.stack([mean_loss.double(), *(torch.as_tensor(c, dtype=torch.float64) for c in counts)])
+            if mean_mtp is not None:  # MTP runs only at cp=1 (mtp_runs_in_training): the replicas' mean too
+                sums = torch.cat([sums, mean_mtp.double().view(1)])
             dist.all_reduce(sums, group=self.ctx.dp_group)
             mean_loss = sums[0] / self.ctx.replicas
+            mean_mtp = sums[3] / self.ctx.replicas if mean_mtp is not None else None
             self.loss_fn.correct, self.loss_fn.total = int(sums[1]), int(sums[2])
         out = {"eval_loss": float(mean_loss)}
+        if mean_mtp is not None:
+            out["eval_mtp_loss"] = float(mean_mtp)
         if self.data.bytes:  # byte tokens: nats per byte / ln 2 = bits per byte
             out["eval_bpb"] = out["eval_loss"] / math.log(2)
         if self.data.has_answers:
