@@ -236,11 +236,15 @@ def run_command(command: str, cfg, plan, fmt: str = "table") -> int:
         from dsaflow.plan.render import render_table
 
         sys.stdout.write(plan.to_json() + "\n" if fmt == "json" else render_table(plan, cfg))
-        if cfg.mode == "serve":  # the numbers above, then why they do not fit: exit 2
+        sys.stdout.flush()  # the numbers above, then why they do not fit plan.device_memory_gib: exit 2
+        if cfg.mode == "serve":
             from dsaflow.plan.serve_fit import check_serve_fit
 
-            sys.stdout.flush()
             check_serve_fit(cfg, plan)
+        else:
+            from dsaflow.plan.train_fit import check_train_fit
+
+            check_train_fit(cfg, plan)
         return 0
     if command == "search":
         from dsaflow.search.run import run_search

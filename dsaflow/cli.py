@@ -160,7 +160,7 @@ def command_help(command: str) -> str:
             else ""
         )
         + (
-            "  --nproc N             processes to launch; must equal pipeline ranks x parallel.dp (also: nproc=N)\n"
+            "  --nproc N             processes to launch; must equal pipeline ranks x parallel.dp x parallel.cp (nproc=N)\n"
             if command in ("train", "generate", "serve")
             else ""
         )

@@ -36,7 +36,7 @@ def torchrun_problem(run_dir: str, job: str) -> str:
         f"dsaflow {job}: error: {', '.join(missing)} not set: python -m dsaflow.worker is the entry torchrun starts on "
         "every rank, not a command to run by hand. Fix: run `dsaflow "
         f"{job}`, or start the workers under torchrun: python -m dsaflow.launch.agent --standalone "
-        f"--nproc-per-node N -m dsaflow.worker {run_dir} --job {job} (N = the pipeline ranks x parallel.dp of "
+        f"--nproc-per-node N -m dsaflow.worker {run_dir} --job {job} (N = the pipeline ranks x parallel.dp x parallel.cp of "
         f"{Path(run_dir) / 'plan.json'}; `torchrun` takes the same arguments)."
     )
 
@@ -46,10 +46,12 @@ def check_world_size(plan, run_dir: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     ranks = plan.pipeline.world_size
     if world != ranks:
-        dp = plan.pipeline.dp
+        dp, cp = plan.pipeline.dp, plan.pipeline.cp
         what = (
-            f"{plan.pipeline.ranks} pipeline ranks x parallel.dp={dp} = {ranks} ranks"
-            if dp > 1
+            f"{plan.pipeline.ranks} pipeline ranks x parallel.dp={dp}"
+            + (f" x parallel.cp={cp}" if cp > 1 else "")
+            + f" = {ranks} ranks"
+            if dp * cp > 1
             else (f"{ranks} pipeline rank{'s' if ranks != 1 else ''}")
         )
         raise PlanError(
@@ -66,7 +68,7 @@ def check_node_size(plan) -> None:
     Anything else puts parts of two replicas' pipelines on one node, and a pipeline's every-tick transfers cross
     the network on some replicas only, so the slowest replica sets every step's pace."""
     ranks, local = plan.pipeline.ranks, int(os.environ.get("LOCAL_WORLD_SIZE", 0))
-    if plan.pipeline.dp == 1 or local <= 0 or local % ranks == 0 or ranks % local == 0:
+    if plan.pipeline.replicas == 1 or local <= 0 or local % ranks == 0 or ranks % local == 0:
         return
     raise PlanError(
         f"LOCAL_WORLD_SIZE={local}: {local} processes per node would split pipelines of {ranks} ranks across nodes "

@@ -1,11 +1,12 @@
 """Tiny random Hugging Face checkpoints of both DSA families (needs the dev extra: transformers, tokenizers).
 
     python scripts/hf_tiny_checkpoint.py --family glm_moe_dsa --out /tmp/tiny-glm [--fp8 /tmp/tiny-glm-fp8]
-        [--moe-inter 128]
+        [--moe-inter 128] [--mtp]
 
 writes a random `GlmMoeDsaForCausalLM` (or `--family deepseek_v32`: `DeepseekV32ForCausalLM`) with save_pretrained in
 bf16, sharded with its index, a small BPE tokenizer.json, and with --fp8 a block-quantized FP8 copy (e4m3 weights,
-128x128 `weight_scale_inv`, an MTP layer loaders skip). The Hugging Face tests build their checkpoints with it.
+128x128 `weight_scale_inv`) holding a multi-token-prediction layer (`--mtp` adds one to the bf16 checkpoint too; the
+released checkpoints' tensor names). The Hugging Face tests build their checkpoints with it.
 
 DeepSeek-V3.2: 3 layers (layer 0 dense, 1-2 MoE), 8 experts in 4 groups (2 kept), 2 per token, YaRN (factor 4 over
 64 positions, mscale_all_dim != mscale so both the cos/sin factor and the softmax mscale differ from 1).
@@ -153,39 +154,93 @@ def save_tokenizer(folder: Path, vocab_size: int = COMMON["vocab_size"]) -> None
 def _keeps_precision(name: str, t: torch.Tensor) -> bool:
     """What DeepSeek's and GLM's FP8 checkpoints keep in bf16 / fp32: embeddings, lm_head, norms, the router,
     the indexer's weights_proj (and every 1-D tensor)."""
-    keep = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "weights_proj.weight")
+    keep = (
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "shared_head.head.weight",
+        "mlp.gate.weight",
+        "weights_proj.weight",
+    )
     return t.dim() != 2 or name.endswith(keep)
+
+
+def mtp_tensors(tensors: dict, num_layers: int, seed: int = 1) -> dict:
+    """A multi-token-prediction layer (index num_layers) for a checkpoint's `tensors`, named as DeepSeek's and GLM's
+    releases name it: a block copied from the last layer (MoE, with an indexer) with its weights perturbed, a copy
+    of the embedding (`embed_tokens`) and of lm_head (`shared_head.head`), random enorm / hnorm /
+    `shared_head.norm`, and a random eh_proj [dim, 2 dim]."""
+    g = torch.Generator().manual_seed(seed)
+    last, mtp = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith(last) and not name.endswith("_scale_inv"):
+            noise = 0.05 * torch.randn(t.shape, generator=g) * t.float().abs().mean()
+            out[mtp + name[len(last) :]] = (t.float() + noise).to(t.dtype)
+    embed = tensors["model.embed_tokens.weight"]
+    dim = embed.shape[1]
+    out[mtp + "embed_tokens.weight"] = embed.clone()
+    out[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    for norm in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+        out[mtp + norm] = (1 + 0.1 * torch.randn(dim, generator=g)).to(embed.dtype)
+    out[mtp + "eh_proj.weight"] = (torch.randn(dim, 2 * dim, generator=g) / (2 * dim) ** 0.5).to(embed.dtype)
+    return out
+
+
+def read_tensors(folder: Path) -> dict:
+    """Every tensor of a sharded checkpoint folder, by name."""
+    import json
+
+    from safetensors import safe_open
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    tensors = {}
+    for name, shard in index.items():
+        with safe_open(str(folder / shard), "pt") as f:
+            tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def add_mtp_layer(folder: Path, seed: int = 1) -> Path:
+    """Add `mtp_tensors` to the bf16 checkpoint `folder` (save_pretrained drops MTP layers) as one more shard in
+    its index, with num_nextn_predict_layers=1 in config.json."""
+    import json
+
+    from safetensors.torch import save_file
+
+    raw = json.loads((folder / "config.json").read_text())
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    extra = mtp_tensors(read_tensors(folder), raw["num_hidden_layers"], seed)
+    save_file({k: v.contiguous() for k, v in extra.items()}, str(folder / "model-mtp.safetensors"), {"format": "pt"})
+    index["weight_map"].update({k: "model-mtp.safetensors" for k in extra})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    raw["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder
 
 
 def write_fp8_copy(src: Path, dst: Path, mtp: bool = True) -> Path:
     """A block-quantized FP8 copy of the bf16 checkpoint `src` (e4m3 + 128x128 `weight_scale_inv`, the
     quantization_config of DeepSeek's releases), two shards with an index; `mtp` adds a multi-token-prediction
-    layer (index num_layers) that loaders skip."""
+    layer (index num_layers, `mtp_tensors`) when `src` has none."""
     import json
     import shutil
 
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     from dsaflow.ops.fp8_gemm import quantize_blocks_128
 
     dst.mkdir(parents=True)
     raw = json.loads((src / "config.json").read_text())
-    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
-    tensors = {}
-    for name, shard in index.items():
-        with safe_open(str(src / shard), "pt") as f:
-            tensors[name] = f.get_tensor(name)
+    tensors = read_tensors(src)
+    n = raw["num_hidden_layers"]
+    if mtp and not any(k.startswith(f"model.layers.{n}.") for k in tensors):
+        tensors.update(mtp_tensors(tensors, n))
     out = {}
     for name, t in tensors.items():
         if _keeps_precision(name, t):
             out[name] = t
         else:
             out[name], out[name + "_scale_inv"] = quantize_blocks_128(t.float())
-    if mtp:
-        n = raw["num_hidden_layers"]
-        for name in [k for k in tensors if k.startswith("model.layers.0.")]:
-            out[name.replace("model.layers.0.", f"model.layers.{n}.")] = tensors[name].clone()
     names = sorted(out)
     halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
     weight_map = {}
@@ -222,9 +277,12 @@ def main(argv=None) -> int:
         default=COMMON["moe_intermediate_size"],
         help="moe_intermediate_size; a multiple of 128 lets serve.weights=fp8 keep the FP8 copy's experts as stored",
     )
+    parser.add_argument("--mtp", action="store_true", help="add an MTP layer to the bf16 checkpoint (add_mtp_layer)")
     args = parser.parse_args(argv)
     save_checkpoint(args.family, args.out, args.seed, moe_intermediate_size=args.moe_inter)
     save_tokenizer(args.out)
+    if args.mtp:
+        add_mtp_layer(args.out)
     print(f"wrote {args.family} to {args.out}")
     if args.fp8:
         write_fp8_copy(args.out, args.fp8)

@@ -19,4 +19,10 @@ fi
 if ! .venv/bin/python -c "import dsaflow, hydra, omegaconf, wandb, rich, safetensors, pytest, hypothesis, matplotlib, ruff, transformers, tokenizers, aiohttp, prometheus_client, jinja2, openai" 2>/dev/null; then
   pip_q -e ".[dev]"
 fi
+# Triton before 3.7 runs its CPU interpreter (the CPU tests' kernel runner) with numpy conversions that numpy 2.4
+# refuses (triton-lang/triton#9171); such a triton gets a numpy it works with.
+if .venv/bin/python -c "import numpy, triton, sys; v = lambda m: tuple(int(p) for p in m.__version__.split('.')[:2]); sys.exit(not (v(triton) < (3, 7) and v(numpy) >= (2, 4)))" 2>/dev/null; then
+  echo "setup: triton < 3.7 with numpy >= 2.4 (triton-lang/triton#9171): installing numpy<2.4"
+  pip_q "numpy<2.4"
+fi
 .venv/bin/python -c "import dsaflow, torch; print(f'setup: dsaflow ready (torch {torch.__version__}, cuda={torch.cuda.is_available()})')"

@@ -40,6 +40,8 @@ OWN_OPTION = {
     "bench_indexcache": "--sdpa-repeats",
     "bench_moe": "--decode-rows",
     "bench_fp8": "--grouped-tokens",
+    "bench_kv_fp8": "--context",
+    "bench_speculative": "--mtp-weight",
 }
 
 

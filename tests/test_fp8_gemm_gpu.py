@@ -68,7 +68,17 @@ def gen(seed: int) -> torch.Generator:
 
 
 def weight(*shape, seed: int):
-    return quantize_blocks_128(torch.randn(*shape, device="cuda", generator=gen(seed)) * 0.02)
+    """Random e4m3 weights [N, K] or [E, N, K] with their block scales. An expert stack is drawn and quantized one
+    expert at a time: DeepSeek-V3's 256 x 4096 x 7168 stack is 30 GB in fp32, and quantizing it whole needs twice that."""
+    g = gen(seed)
+    if len(shape) == 2:
+        return quantize_blocks_128(torch.randn(*shape, device="cuda", generator=g) * 0.02)
+    E, N, K = shape
+    w8 = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device="cuda")
+    scale = torch.empty(E, -(-N // 128), -(-K // 128), device="cuda")
+    for e in range(E):
+        w8[e], scale[e] = quantize_blocks_128(torch.randn(N, K, device="cuda", generator=g) * 0.02)
+    return w8, scale
 
 
 def assert_within_bound(out, ref, absprod, what=""):

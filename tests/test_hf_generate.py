@@ -49,10 +49,17 @@ def transformers_tokens(folder, rows):
     return out
 
 
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """(prompt rows, transformers' greedy tokens for them) of `checkpoint`: one reference for both pipelines."""
+    rows = prompts()
+    return rows, transformers_tokens(checkpoint, rows)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pipeline", ["single", "pp2"])
-def test_generate_matches_transformers(checkpoint, pipeline, tmp_path):
-    rows = prompts()
+def test_generate_matches_transformers(checkpoint, reference, pipeline, tmp_path):
+    rows, want = reference
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
@@ -63,5 +70,5 @@ def test_generate_matches_transformers(checkpoint, pipeline, tmp_path):
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["tokens"] for r in got] == transformers_tokens(checkpoint, rows)
+    assert [r["tokens"] for r in got] == want
     assert "MiB of weights from" in res.stdout

@@ -27,12 +27,20 @@ def trained(tmp_path_factory):
     return rd
 
 
-def test_a_new_run_starts_from_the_weights_with_a_new_topk_and_layout(trained, tmp_path):
-    """all-F at top-16 -> every4 at top-8: one step at a negligible lr leaves every weight the new model has where
-    the checkpoint put it (S layers simply have no indexer), and the run's log names the checkpoint."""
-    new = tmp_path / "every4"
+@pytest.fixture(scope="module")
+def every4(trained, tmp_path_factory):
+    """all-F at top-16 -> every4 at top-8: one step at a negligible lr from `trained`'s weights (a launch of its own,
+    shared by the two tests that read an every4 run)."""
+    new = tmp_path_factory.mktemp("init") / "every4"
     args = ["train", *TINY, "train.steps=1", "train.lr=1e-9", "train.indexer_lr=1e-9", "index=every4"]
     assert cli.main([*args, "model.index_topk=8", f"train.init_from={trained}", f"run_dir={new}"]) == 0
+    return new
+
+
+def test_a_new_run_starts_from_the_weights_with_a_new_topk_and_layout(trained, every4):
+    """all-F at top-16 -> every4 at top-8 (`every4`): one step at a negligible lr leaves every weight the new model
+    has where the checkpoint put it (S layers simply have no indexer), and the run's log names the checkpoint."""
+    new = every4
     before, after = _weights(trained), _weights(new)
     assert set(after) < set(before) and any(".attn.indexer." in k for k in set(before) - set(after))
     for k, t in after.items():
@@ -59,10 +67,10 @@ def test_missing_path_exits_2(tmp_path, capsys):
     assert rc == 2 and "train.init_from=" in err and "does not exist" in err
 
 
-def test_a_layer_trained_as_s_cannot_become_f(tmp_path, capsys):
-    """every4 -> all-F: the S layers' indexers were never trained; the run stops with the field and the fix."""
-    src = tmp_path / "src"
-    assert cli.main(["train", *TINY, "train.steps=1", "index=every4", f"run_dir={src}"]) == 0
+def test_a_layer_trained_as_s_cannot_become_f(every4, tmp_path, capsys):
+    """every4 -> all-F: the S layers' indexers were never trained (`every4` has none); the run stops with the field
+    and the fix."""
+    src = every4
     rc = cli.main(["train", *TINY, "train.steps=1", f"train.init_from={src}", f"run_dir={tmp_path / 'r'}"])
     assert rc == 2
     err = capsys.readouterr().err

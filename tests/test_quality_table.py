@@ -4,6 +4,8 @@ time budget, the paired statistics of collect, and the GPU recipes composing int
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 
@@ -18,10 +20,50 @@ qt = load_script("quality_table")
 ROW_FIELDS = {"task", "seed", "pattern", "roles", "num_f", "loss", "acc", "train", "eval_batches", "recipe"}
 
 
-def test_cpu_preset_end_to_end_then_resume_and_collect(tmp_path, capsys):
-    out = tmp_path / "q"
-    run = ["run", "--device", "cpu", "--seeds", "0", "--out", str(out), "--continued-steps", "2"]
-    assert qt.main(run) == 0
+# The CPU preset's `run` with a two-stage curriculum (`--pre-stage`, as the GPU recipe trains retrieval_long) and the
+# continued row: every row of the table, each from a real `dsaflow train` / `dsaflow search` / eval-run subprocess
+# (seconds of imports each). The first call stops at the every4 step (as at a time budget), the second finishes it,
+# the third has nothing to do; then collect. Both tests below read this one sequence, run once.
+CURRICULUM_STAGES = ["--pre-stage", "2:48", "--pre-stage", "2:56"]
+
+
+@pytest.fixture(scope="module")
+def preset_run(tmp_path_factory):
+    """-> {out, logs: the three `run` calls' stdout, rcs, results (row files after the second call with their mtimes),
+    curriculum dirs and whether each was finished after the first call, collect's JSON and markdown}."""
+    tmp = tmp_path_factory.mktemp("quality")
+    out = tmp / "q"
+    run = ["run", "--device", "cpu", "--seeds", "0", "--out", str(out), "--continued-steps", "2", *CURRICULUM_STAGES]
+    curriculum = [out / "runs" / f"retrieval_long-s0-{qt.CURRICULUM}-pre{i}" for i in (0, 1)]
+    got: dict = {"out": out, "curriculum": curriculum, "logs": [], "rcs": []}
+    real_every4 = qt.STEPS["every4"]
+    buf = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(buf):
+        mp.setitem(qt.STEPS, "every4", (lambda *args: False, real_every4[1]))  # stopped, e.g. at the budget
+        got["rcs"].append(qt.main(run))
+    got["logs"].append(buf.getvalue())
+    got["finished_after_stop"] = [qt.finished(d) for d in curriculum]
+    for _ in range(2):  # the rest of the work, then nothing left to do
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            got["rcs"].append(qt.main(run))
+        got["logs"].append(buf.getvalue())
+        if len(got["logs"]) == 2:
+            files = sorted((out / "results").glob("*.json"))
+            got["stamps"] = {f.name: f.stat().st_mtime_ns for f in files}
+    md = tmp / "quality.md"
+    md.write_text(f"# title\n\n{qt.BEGIN}\nold table\n{qt.END}\n\nafter\n")
+    got["collect_rc"] = qt.main(["collect", str(out), "--json", str(tmp / "q.json"), "--md", str(md)])
+    got["collected"] = json.loads((tmp / "q.json").read_text())["rows"]
+    got["md"] = md.read_text()
+    return got
+
+
+def test_cpu_preset_end_to_end_then_resume_and_collect(preset_run):
+    """Every row of the table from the CPU preset (`preset_run`); a rerun once all is done trains and rewrites
+    nothing; collect merges the rows into the JSON and the markdown between its markers."""
+    out = preset_run["out"]
+    assert preset_run["rcs"] == [qt.EXIT_WORK_LEFT, 0, 0]
     files = sorted((out / "results").glob("*.json"))
     assert [f.name for f in files] == sorted(f"retrieval_long-s0-{qt.slug(p)}.json" for p in qt.ORDER)
     rows = {r["pattern"]: r for r in (json.loads(f.read_text()) for f in files)}
@@ -36,23 +78,18 @@ def test_cpu_preset_end_to_end_then_resume_and_collect(tmp_path, capsys):
     assert any(o.startswith("train.init_from=") and o.endswith("all_full") for o in cont["overrides"])
     assert not list(out.glob("runs/*/checkpoints")), "checkpoints are deleted once a step's rows are written"
     assert set(json.loads((out / "timings.json").read_text())) == {"retrieval_long/base", "retrieval_long/every4"}
-    stamps = {f.name: f.stat().st_mtime_ns for f in files}
-    capsys.readouterr()
 
-    assert qt.main(run) == 0  # resume: nothing to do
-    log = capsys.readouterr().out
+    log = preset_run["logs"][2]  # resume: nothing to do
     assert "retrieval_long s0 base: done already" in log and "retrieval_long s0 every4: done already" in log
-    assert "training" not in log and {f.name: f.stat().st_mtime_ns for f in files} == stamps
+    assert "training" not in log and {f.name: f.stat().st_mtime_ns for f in files} == preset_run["stamps"]
 
-    md = tmp_path / "quality.md"
-    md.write_text(f"# title\n\n{qt.BEGIN}\nold table\n{qt.END}\n\nafter\n")
-    assert qt.main(["collect", str(out), "--json", str(tmp_path / "q.json"), "--md", str(md)]) == 0
-    got = json.loads((tmp_path / "q.json").read_text())["rows"]
+    assert preset_run["collect_rc"] == 0
+    got = preset_run["collected"]
     assert [r["pattern"] for r in got] == list(qt.ORDER)
     for r in got:
         assert {"pattern", "task", "seeds", "acc_mean", "acc_sd", "loss_mean", "loss_sd"} <= set(r)
         assert r["seeds"] == [0] and r["acc_sd"] is None  # one seed: no spread to report
-    doc = md.read_text()
+    doc = preset_run["md"]
     assert "old table" not in doc and doc.startswith("# title") and doc.rstrip().endswith("after")
     assert "| every4 trained | 1 |" in doc and "| every4 continued | 1 |" in doc
 
@@ -186,28 +223,26 @@ def test_probe_pre_stages_chain_then_task_length_from_the_last(tmp_path, capsys)
     assert "data.copy_len=8" in first and f"train.init_from={main_dir}-pre0" in second
 
 
-def test_run_shares_one_curriculum_per_seed_and_keeps_it_across_an_interruption(tmp_path, capsys, monkeypatch):
-    """`run --pre-stage`: the all-F and every4 models of a seed start from the same curriculum, trained once. A step
-    that stops leaves the finished pre-stages in place; the rerun reuses them, and they go once the seed is done."""
+def test_run_shares_one_curriculum_per_seed_and_keeps_it_across_an_interruption(preset_run):
+    """`run --pre-stage` (`preset_run`): the all-F and every4 models of a seed start from the same curriculum,
+    trained once. A step that stops leaves the finished pre-stages in place; the rerun reuses them, and they go once
+    the seed is done. The continued row trains on from the all-F model, not from the curriculum."""
     from omegaconf import OmegaConf
 
-    out = tmp_path / "q"
-    run = ["run", "--device", "cpu", "--seeds", "0", "--out", str(out), "--pre-stage", "2:48", "--pre-stage", "2:56"]
-    real_every4 = qt.STEPS["every4"]
-    monkeypatch.setitem(qt.STEPS, "every4", (lambda *args: False, real_every4[1]))  # stopped, e.g. at the budget
-    assert qt.main(run) == qt.EXIT_WORK_LEFT
-    log = capsys.readouterr().out
+    out, curriculum = preset_run["out"], preset_run["curriculum"]
+    log = preset_run["logs"][0]
+    assert preset_run["rcs"][0] == qt.EXIT_WORK_LEFT
     assert log.count("pre-stage 0 index=all_full") == 1 and log.count("pre-stage 1 index=all_full") == 1
-    curriculum = [out / "runs" / f"retrieval_long-s0-{qt.CURRICULUM}-pre{i}" for i in (0, 1)]
-    assert all(qt.finished(d) for d in curriculum), "the finished pre-stages outlive the interruption"
+    assert preset_run["finished_after_stop"] == [True, True], "the finished pre-stages outlive the interruption"
 
-    monkeypatch.setitem(qt.STEPS, "every4", real_every4)
-    assert qt.main(run) == 0
-    log = capsys.readouterr().out
+    log = preset_run["logs"][1]
+    assert preset_run["rcs"][1] == 0
     assert "pre-stage" not in log and "training index=every4" in log
     for index in ("all_full", "every4"):
         cfg = OmegaConf.load(out / "runs" / f"retrieval_long-s0-{index}" / "config.yaml")
         assert cfg.train.init_from == str(curriculum[1]) and cfg.train.seq_len == 64
+    cfg = OmegaConf.load(out / "runs" / "retrieval_long-s0-every4_continued" / "config.yaml")
+    assert cfg.train.init_from == str(out / "runs" / "retrieval_long-s0-all_full")
     assert not any(d.exists() for d in curriculum) and not list(out.glob("runs/*/checkpoints"))
 
 

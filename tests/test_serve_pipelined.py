@@ -172,20 +172,20 @@ def test_eos_ends_rows_one_pass_late_and_keeps_the_tokens(trained, trained_ref):
 
 @pytest.mark.slow
 def test_torchrun_pp2_and_pp4_serve_the_same_tokens(trained, tmp_path):
-    """Real ranks (gloo, one process per stage), groups in flight, per-request limits from the JSONL."""
+    """Real ranks (gloo, one process per stage), groups in flight, per-request limits from the JSONL: pp2 serves the
+    one-process tokens; pp4 serves them with serve.eos_id set (one launch for both checks: a start of 4 ranks costs
+    seconds of imports each), so every rank also receives the EOS flags and applies them one pass late, at the same
+    point: the ranks must still build the same passes (a mismatch would hang or fail the transfers), and each output
+    is the reference up to and with its first EOS (the outputs without one, whole)."""
     prompts, limits = workload(24, seed=1)
     ref = engine(trained, "single", 1).generate(prompts, limits)
-    for pipeline in ("pp2", "pp4"):
-        rows, res = generate_cli(tmp_path, pipeline, pipeline, trained, prompts, limits)
-        assert [r["num_tokens"] for r in rows] == limits
-        assert all(r["ttft_s"] > 0 for r in rows)
-        assert [r["tokens"] for r in rows] == ref, pipeline
-        assert "requests done" in res.stdout  # the progress lines of the last stage's rank
-    # with serve.eos_id every rank receives the flags and applies them one pass late, at the same point: the ranks
-    # must still build the same passes (a mismatch would hang or fail the transfers) and the outputs stop at EOS
     eos, cut = eos_cut(ref, 4)
-    rows, _ = generate_cli(tmp_path, "pp4-eos", "pp4", trained, prompts, limits, f"serve.eos_id={eos}")
-    assert [r["tokens"] for r in rows] == cut
+    for pipeline, extra, want in (("pp2", (), ref), ("pp4", (f"serve.eos_id={eos}",), cut)):
+        rows, res = generate_cli(tmp_path, pipeline, pipeline, trained, prompts, limits, *extra)
+        assert [r["num_tokens"] for r in rows] == [len(w) for w in want], pipeline
+        assert all(r["ttft_s"] > 0 for r in rows)
+        assert [r["tokens"] for r in rows] == want, pipeline
+        assert "requests done" in res.stdout  # the progress lines of the last stage's rank
 
 
 def test_s_layers_read_only_their_groups_indices(monkeypatch):

@@ -64,18 +64,19 @@ def test_triton_key_rows_refuse_the_tiled_kernels_overrides():
         indexer_logits_triton(q, k, w, pos, key_rows=rows[0], overrides={"BLOCK_T": 16})
 
 
-def stage_and_caches(*overrides):
+def stage_and_caches(*overrides, kv_dtype="bf16"):
     cfg = compose(["model=tiny", "model.index_topk=8", SHARP_INIT, *overrides]).model
     model = build_model(cfg, roles="FSF" + "S" * (cfg.num_layers - 3), seed=3).eval()
     specs = [LayerSpec(b.layer_index, b.role, b.source) for b in model.layers.values()]
-    return model, [StageCache.allocate(cfg, specs, 4, 64, 32) for _ in range(2)]
+    return model, [StageCache.allocate(cfg, specs, 4, 64, 32, kv_dtype=kv_dtype) for _ in range(2)]
 
 
-@pytest.mark.parametrize("attn", ["sparse", "dense"])
-def test_token_major_pass_equals_the_padded_rows_pass(attn):
+@pytest.mark.parametrize("attn,kv_dtype", [("sparse", "bf16"), ("dense", "bf16"), ("sparse", "fp8")])
+def test_token_major_pass_equals_the_padded_rows_pass(attn, kv_dtype):
     """Rows 0-3 first prefill prompts of different lengths; then one pass with row 0 decoding, row 1 idle, rows 2
-    and 3 prefilling chunks of 5 and 9 tokens: [4, 9] right-padded against [1, 14 + 2 padding tokens]."""
-    model, (padded, major) = stage_and_caches()
+    and 3 prefilling chunks of 5 and 9 tokens: [4, 9] right-padded against [1, 14 + 2 padding tokens]. fp8: the
+    packed FP8 caches (serve.kv_dtype=fp8), written through the flat view, byte for byte as the padded pass writes."""
+    model, (padded, major) = stage_and_caches(kv_dtype=kv_dtype)
     g = torch.Generator().manual_seed(4)
     lengths = [12, 7, 3, 20]
     first = torch.randint(0, 256, (4, 20), generator=g)

@@ -132,7 +132,7 @@ def _worker(rank: int, world: int, port: int, cfgs: List[DSAFlowConfig], out_dir
             plan = build_plan(cfg)
             run_dir = Path(cfg.run_dir or Path(out_dir) / f"run{i}")
             run_dir.mkdir(parents=True, exist_ok=True)
-            if cfg.parallel.dp > 1:  # the ("dp", "pp") mesh, as the worker builds it
+            if cfg.parallel.dp * cfg.parallel.cp > 1:  # the ("dp", "pp") mesh, as the worker builds it
                 ctx = context_in_world(cfg, plan, run_dir, torch.device("cpu"), rank)
             else:
                 ctx = RunContext(cfg, plan, rank, world, rank, torch.device("cpu"), run_dir)

@@ -21,6 +21,8 @@ is allowed), and num_hidden_layers is read and bounded (MAX_LAYERS) before any p
 from __future__ import annotations
 
 import dataclasses
+import json
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,7 @@ CONFIG_JSON = "config.json"
 # eps of transformers' q_a_layernorm / kv_a_layernorm (RMSNorm default) and of the indexer's k_norm (LayerNorm)
 HF_LATENT_NORM_EPS = 1e-6
 HF_INDEX_NORM_EPS = 1e-6
+MAX_INDEX_BYTES = 256 << 20  # an index of a 671B model is about 9 MB
 MAX_CONFIG_BYTES = 1 << 20  # published config.json files are a few KiB
 # The schema's bound on model.num_layers: far above every public model (DeepSeek-V3.2 has 61 layers, GLM-5 78), and
 # read before any per-layer list is built, so `num_hidden_layers: 1000000000` is an error, not a hang.
@@ -74,6 +77,9 @@ _IGNORED = {
     "qk_head_dim",
     "layer_types",
     "num_nextn_predict_layers",
+    # GLM-5.x: chained MTP draft steps reuse the first step's top-k. It changes which tokens are drafted, never what
+    # the model computes or emits; dsaflow's draft chain runs the MTP layer's own indexer at every step
+    "index_share_for_mtp_iteration",
     "pretraining_tp",
     "quantization_config",
     "scale_fmt",
@@ -118,7 +124,8 @@ OVERRIDABLE = ("hf_path", "max_seq_len", "index_topk", "index_fp8", "init_std")
 @dataclass
 class HFModel:
     """What config.json says: the family, the model, each layer's role (F runs its indexer, S shares) and how many
-    multi-token-prediction layers follow the model's (their tensors are skipped)."""
+    multi-token-prediction layers follow the model's (`mtp_layers`, config.json's num_nextn_predict_layers). The
+    model itself has none (model.mtp_layers=0): `apply_hf_model` turns them on when the checkpoint stores them."""
 
     family: str
     model: ModelConfig
@@ -294,6 +301,44 @@ def _moe(cj: ConfigJson, layers: int) -> Optional[MoEConfig]:
     return moe
 
 
+def stored_mtp_layers(folder, hf: HFModel) -> int:
+    """The MTP layers a model=hf run builds: config.json's num_nextn_predict_layers when the checkpoint stores
+    their tensors (`model.layers.<num_hidden_layers>.*`) or holds no weights at all (a plan from config.json alone),
+    else 0 with one line saying why (transformers' save_pretrained writes the count but drops the layers). Reads
+    the index (or the single file's header) only: planning imports no torch."""
+    names = None if hf.mtp_layers == 0 else _stored_names(Path(folder))
+    first = f"model.layers.{hf.model.num_layers}."
+    if names is None or any(n.startswith(first) for n in names):
+        return hf.mtp_layers
+    print(
+        f"dsaflow: model.hf_path={folder}: config.json declares num_nextn_predict_layers={hf.mtp_layers}, but the "
+        f"checkpoint holds no {first}* tensors: planned without multi-token prediction (model.mtp_layers=0).",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 0
+
+
+def _stored_names(folder: Path) -> Optional[set]:
+    """The tensor names of the checkpoint in `folder` (its index's weight_map, or the single file's header), or
+    None when it holds no weights."""
+    index = checkpoint_file(folder, "model.safetensors.index.json", "safetensors index", required=False)
+    single = checkpoint_file(folder, "model.safetensors", "weights", required=False)
+    try:
+        if index is not None:
+            weight_map = read_json(index, max_bytes=MAX_INDEX_BYTES).get("weight_map")
+            return set(weight_map) if isinstance(weight_map, dict) else set()
+        if single is not None:
+            with open(single, "rb") as f:
+                size = struct.unpack("<Q", f.read(8))[0]
+                return set(json.loads(f.read(min(size, MAX_INDEX_BYTES)))) - {"__metadata__"}
+    except (UnsafeFile, ValueError, AttributeError, struct.error) as exc:
+        raise ConfigError(
+            f"model.hf_path={folder}: its weights index cannot be read ({exc}). Fix: download it again."
+        ) from None
+    return None
+
+
 def apply_hf_model(cfg) -> None:
     """The compose hook: with `model.hf_path` set, config.json's model replaces the composed one (a ModelConfig
     field also set on the command line must agree, except those in OVERRIDABLE), and its layer roles become the
@@ -323,6 +368,7 @@ def apply_hf_model(cfg) -> None:
                 f"the model.{f.name} override (with model.hf_path the checkpoint decides the architecture)."
             )
     hf.model.hf_path = str(path)
+    hf.model.mtp_layers = stored_mtp_layers(path, hf)
     cfg.model = hf.model
     if "S" not in hf.roles:
         return

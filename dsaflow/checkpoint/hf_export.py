@@ -5,7 +5,9 @@
 - a model whose every layer carries an indexer -> `deepseek_v32` (or the family model.hf_path came from);
 - a model with layers that carry none (S layers trained with index sharing) -> `glm_moe_dsa`, those layers marked
   "shared" in `indexer_types` (transformers' GLM reuses the previous full layer's top-k there, as our S layers do).
-Tensor names and RoPE row orders are hf_names.py's, run backwards; tensors keep the dtype they were stored in.
+Tensor names and RoPE row orders are hf_names.py's, run backwards; tensors keep the dtype they were stored in. The
+MTP layers (model.mtp_layers) are written as `model.layers.<num_layers + k>.*` with num_nextn_predict_layers, each
+with its `shared_head.head` (the model's head).
 The tokenizer files are read under the checkpoint folder rule (hf_folder.py): one that leads outside model.hf_path
 is refused, never copied. out_dir is claimed atomically (created, or taken empty, then CLAIM created exclusively
 in it), so of two exports into one folder the second exits 2; everything is checked before out_dir is touched,
@@ -33,7 +35,7 @@ from dsaflow.files import UnsafeFile, atomic_write, explain_os_error, read_bytes
 
 from .hf_config import HF_INDEX_NORM_EPS, HF_LATENT_NORM_EPS, hf_model, read_config_json
 from .hf_folder import checkpoint_file
-from .hf_names import hf_source
+from .hf_names import hf_source, mtp_head_copies
 from .safetensors_io import save_file
 
 SHARD_BYTES = 2 << 30
@@ -113,6 +115,7 @@ def hf_config_json(model_cfg, family: str, full: set) -> dict:
         "norm_topk_prob": moe.norm_topk_prob,
         "routed_scaling_factor": moe.routed_scaling_factor,
         "mlp_layer_types": ["sparse" if is_moe_layer(m, i) else "dense" for i in range(m.num_layers)],
+        "num_nextn_predict_layers": m.mtp_layers,
         "bos_token_id": None,
         "eos_token_id": None,
         "dtype": "float32",
@@ -154,6 +157,10 @@ def write_hf_checkpoint(
             raise ConfigError(f"{key} has no Hugging Face counterpart in {family}. Fix: a bug; report it.")
         for name, part in zip(src.names, src.to_theirs(t.detach().cpu())):
             tensors[name] = part.contiguous()
+    for name in mtp_head_copies(model_cfg):  # each MTP layer's `shared_head.head`: the model's head, as stored
+        tensors[name] = tensors[
+            "lm_head.weight" if not model_cfg.tie_embeddings else "model.embed_tokens.weight"
+        ].clone()
     say = report or (lambda msg: print(msg, file=sys.stderr, flush=True))
     extras = tokenizer_files(hf_files, say)
     created = claim_out_dir(out)

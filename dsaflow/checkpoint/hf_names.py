@@ -11,6 +11,9 @@ Per layer `i` (prefix `model.layers.i.`):
   mlp.experts.down_proj [E, D, I]       mlp.experts.{e}.down_proj [D, I], stacked
   mlp.shared_experts.w1 / w3 / w2       mlp.shared_experts.gate_proj / up_proj / down_proj
 Top level: embed <- model.embed_tokens, norm <- model.norm, head <- lm_head (tied: model.embed_tokens).
+MTP layer `i` (i >= num_hidden_layers, `mtp.i.` here, `model.layers.i.` there): its block as any layer, and
+  embed / enorm / hnorm / eh_proj / head_norm   embed_tokens / enorm / hnorm / eh_proj / shared_head.norm
+  (the checkpoints also store `shared_head.head`, a copy of lm_head: `mtp_head_copies` names it)
 
 RoPE layouts. dsaflow rotates half-split pairs (x[j], x[j + R/2]). Hugging Face's MLA (both families) and GLM's
 indexer rotate interleaved pairs (x[2j], x[2j + 1]) and write the result half-split. Reordering the rotary rows of
@@ -27,7 +30,15 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"^(?:layers|mtp)\.(\d+)\.(.+)$")
+_MTP_OWN = {  # an MTP layer's own tensors beside its block: dsaflow suffix -> Hugging Face suffix
+    "embed.weight": "embed_tokens.weight",
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "head_norm.weight": "shared_head.norm.weight",
+}
+MTP_HEAD = "shared_head.head.weight"  # an MTP layer's copy of lm_head in the checkpoints (ours is the head itself)
 _SIMPLE = {  # dsaflow suffix -> Hugging Face suffix, tensors as they are
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -103,6 +114,8 @@ def hf_source(key: str, shape, cfg, family: str) -> Optional[Source]:
     i, rest = int(m.group(1)), m.group(2)
     p = f"model.layers.{i}."
     R = cfg.qk_rope_head_dim
+    if key.startswith("mtp.") and rest in _MTP_OWN:
+        return _same(p + _MTP_OWN[rest], shape)
     if rest in _SIMPLE:
         return _same(p + _SIMPLE[rest], shape)
     if rest == "attn.wq_b.weight":
@@ -135,3 +148,9 @@ def layer_of(hf_name: str) -> Optional[int]:
     """The layer index in a Hugging Face tensor name (`model.layers.N.`), else None."""
     m = re.match(r"^model\.layers\.(\d+)\.", hf_name)
     return int(m.group(1)) if m else None
+
+
+def mtp_head_copies(cfg) -> List[str]:
+    """The Hugging Face names of the MTP layers' copies of lm_head (`model.layers.i.shared_head.head.weight`):
+    our MTP layers read the model's head, so a load checks each copy equals lm_head and an export writes it."""
+    return [f"model.layers.{i}.{MTP_HEAD}" for i in range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers)]

@@ -20,7 +20,10 @@ The loads:
   its scales as stored, only moved (rows permuted, experts stacked; `stored_fp8`), a bf16 one quantized per
   128x128 block. The model's 128-row blocks must each come from one block of the file: true of every released
   checkpoint; a packed gate/up whose moe_intermediate_size is not a multiple of 128 is refused (named).
-Tensors of the multi-token-prediction layers (layer index >= num_layers) are skipped, with one line saying so.
+Multi-token-prediction layers (layer index >= num_layers, config.json's num_nextn_predict_layers of them) load into
+the last stage's MTP layers (model.mtp_layers; hf_names.py); their `shared_head.head`, a copy of lm_head, must equal
+lm_head. Layers config.json declares but the model does not build are skipped with one line; a tensor of a layer
+beyond those config.json declares is refused.
 Any problem is a CheckpointError naming the file and the tensor; the stages are untouched then.
 """
 
@@ -42,7 +45,7 @@ from dsaflow.ops.fp8_gemm import dequantize_blocks_128, quantize_blocks_128
 from .config_json import show
 from .hf_config import hf_model, read_config_json
 from .hf_folder import checkpoint_file
-from .hf_names import Source, hf_source, layer_of
+from .hf_names import Source, hf_source, layer_of, mtp_head_copies
 from .safetensors_io import HF_DTYPES, read_header
 
 INDEX_JSON = "model.safetensors.index.json"
@@ -261,6 +264,14 @@ def _sources(stages: Dict[int, torch.nn.Module], folder, model_cfg):
     hf = hf_model(read_config_json(folder), Path(folder) / "config.json")
     fp8_checkpoint = hf.fp8_block is not None
     index = HFIndex.read(folder)
+    declared = hf.model.num_layers + hf.mtp_layers
+    stray = sorted((n for n in index.where if (layer_of(n) or 0) >= declared), key=lambda n: (layer_of(n), n))
+    if stray:
+        raise CheckpointError(
+            f"{index.where[stray[0]]}: tensor {stray[0]} belongs to layer {layer_of(stray[0])}, but config.json "
+            f"declares {hf.model.num_layers} layers and num_nextn_predict_layers={hf.mtp_layers} multi-token-"
+            f"prediction layer(s) after them. Fix: use the config.json that came with these weights."
+        )
     wanted: Dict[str, torch.Tensor] = {k: v for m in stages.values() for k, v in m.state_dict().items()}
     sources: Dict[str, Source] = {}
     for key, t in wanted.items():
@@ -283,12 +294,13 @@ def load_hf_weights(stages: Dict[int, torch.nn.Module], folder, model_cfg, repor
     """Load `stages` ({stage index: StageModule}) in place from the Hugging Face checkpoint `folder`; returns the
     bytes read from disk (this rank's). Raises CheckpointError (nothing loaded) on any bad input."""
     index, sources, wanted = _sources(stages, folder, model_cfg)
-    mtp = sorted({n for n in index.where if (layer_of(n) or 0) >= model_cfg.num_layers})
-    if mtp:
-        layers = sorted({layer_of(n) for n in mtp})
+    built = model_cfg.num_layers + model_cfg.mtp_layers
+    skipped = sorted({n for n in index.where if (layer_of(n) or 0) >= built})
+    if skipped:
+        layers = sorted({layer_of(n) for n in skipped})
         (report or _stderr)(
-            f"dsaflow: {folder}: skipping {len(mtp)} tensors of the multi-token-prediction layer(s) {layers} "
-            "(dsaflow decodes one token per step)."
+            f"dsaflow: {folder}: skipping {len(skipped)} tensors of the multi-token-prediction layer(s) {layers} "
+            f"(the model builds {model_cfg.mtp_layers} of them: model.mtp_layers)."
         )
     loaded: Dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -298,9 +310,27 @@ def load_hf_weights(stages: Dict[int, torch.nn.Module], folder, model_cfg, repor
                 loaded[key], loaded[key + SCALE] = fp8_pair(index, key, src)
                 continue
             loaded[key] = src.to_ours([index.tensor(n, torch.float32) for n in src.names]).to(dtype)
+        _check_mtp_heads(index, loaded, model_cfg)
         for key, t in loaded.items():  # every tensor read and checked: only now touch the stages
             wanted[key].copy_(t)
     return index.bytes_read
+
+
+def _check_mtp_heads(index: HFIndex, loaded: Dict[str, torch.Tensor], model_cfg) -> None:
+    """Our MTP layers read the model's head: each stored copy (`shared_head.head`) must equal lm_head bit for bit,
+    or the checkpoint's MTP layer would predict with a head we do not have."""
+    head = loaded.get("head.weight")
+    if head is None:
+        return
+    for name in mtp_head_copies(model_cfg):
+        if name not in index.where:
+            continue
+        copy = index.tensor(name, torch.float32).to(head.dtype)
+        if not torch.equal(copy, head):
+            raise CheckpointError(
+                f"{index.where[name]}: {name} differs from lm_head.weight, but dsaflow's MTP layers predict with the "
+                "model's own head (as DeepSeek-V3 trains them). Fix: use the checkpoint as published."
+            )
 
 
 def fp8_pair(index: HFIndex, key: str, src: Source) -> tuple[torch.Tensor, torch.Tensor]:

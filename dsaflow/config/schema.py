@@ -48,6 +48,7 @@ Mode = make_choice("Mode", ["train", "serve"], __name__)
 Batching = make_choice("Batching", ["fixed", "continuous"], __name__)
 OnNonFinite = make_choice("OnNonFinite", ["stop", "skip"], __name__)
 ServeWeights = make_choice("ServeWeights", ["bf16", "fp8"], __name__)
+KvDtype = make_choice("KvDtype", ["bf16", "fp8"], __name__)
 
 BIG = 1 << 31  # int32 sizes: beyond this an index tensor or an embedding row id overflows
 
@@ -86,6 +87,9 @@ class ModelConfig:
     index_norm_eps: float = num(1e-5, 0, 1, lo_open=True, hi_open=True)
     rope_scaling: Optional[YarnConfig] = None  # YaRN (dsaflow/config/rope_schema.py); None = plain RoPE
     tie_embeddings: bool = False
+    # multi-token-prediction layers after the last layer, on the last stage (dsaflow/model/mtp.py; config.json's
+    # num_nextn_predict_layers); 0 = none
+    mtp_layers: int = num(0, 0, 16)
     init_std: float = num(0.02, 0, 1, lo_open=True)
     # mixture-of-experts MLPs (DeepSeek-V3 / GLM-5 recipe); None = every layer dense (dsaflow/config/moe_schema.py)
     moe: Optional[MoEConfig] = None
@@ -173,6 +177,9 @@ class TrainConfig:
     dense_warmup_steps: int = num(0, 0, 10**9)  # steps of dense_warmup before `sparse` (when dsa_stage=sparse)
     indexer_lr: float = num(1e-3, 0, 10)
     indexer_loss_weight: float = num(1.0, 0, 1e6)
+    # the MTP layers' mean cross-entropy joins the loss with this weight (model.mtp_layers > 0; DeepSeek-V3 uses 0.1
+    # late in training); logged as `mtp_loss`
+    mtp_loss_weight: float = num(0.1, 0, 1e6)
     dtype: TrainDtype = TrainDtype.auto  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     # Fixed reduction orders instead of atomics (sparse-attention backward, torch ops that have a deterministic
     # implementation): repeated runs give bit-identical results; slower (docs/training.md).
@@ -183,6 +190,9 @@ class TrainConfig:
     recompute: Recompute = Recompute.none
     # queries per recomputed attention chunk: bounds one layer's backward transient (docs/training.md)
     recompute_chunk_tokens: int = num(16384, 1, 1 << 22)
+    # tokens per chunk of the last stage's norm + LM head + cross-entropy (forward and backward): the [tokens, vocab]
+    # logits never exist at once, only one chunk's (docs/training.md, "Long context")
+    loss_chunk_tokens: int = num(2048, 1, 1 << 22)
     log_every: int = num(10, 1, 10**9)
     eval_every: int = num(50, 0, 10**9)  # 0 = only at the end
     eval_batches: int = num(4, 1, 10**6)
@@ -266,6 +276,9 @@ class ServeConfig:
     # bf16: every weight in serve.dtype | fp8: the projections in e4m3 with 128x128 block scales, the embedding, head,
     # norms and indexer weights_proj in serve.dtype, the router in fp32 (dsaflow/config/fp8_policy.py)
     weights: ServeWeights = ServeWeights.bf16
+    # bf16: the KV and indexer-key caches in serve.dtype | fp8: DeepSeek's layout, the latent in e4m3 with an fp32
+    # scale per 128 values and its RoPE part in bf16, the indexer keys in e4m3 with one scale (docs/serving.md)
+    kv_dtype: KvDtype = KvDtype.bf16
 
 
 @dataclass

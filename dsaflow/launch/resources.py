@@ -63,6 +63,7 @@ def rank_memory(cfg, plan, rank: int, device_type: str, job: str) -> Dict[str, f
             device_type,
             layer_indices=list(st.layers),
             shards=dp_shards(plan.pipeline),
+            cp=plan.pipeline.cp,
         )
         for name, b in terms.items():
             out[name] = out.get(name, 0) + b if name != TRANSIENT else max(out.get(name, 0), b)

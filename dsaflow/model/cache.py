@@ -4,6 +4,8 @@ Buffers (all allocated by `StageCache.allocate`, never inside forward):
 - `kv[layer]`      [max_batch, max_context + 1, kv_lora_rank + qk_rope_head_dim] per DSA layer: the latent MLA row
                    (kv_norm(c_kv) | rope(k_pe)) of every cached position.
 - `index_k[layer]` [max_batch, max_context + 1, index_head_dim], F layers only: the indexer key of every position.
+  With serve.kv_dtype=fp8 both hold packed FP8 byte rows instead (uint8 [.., latent / key bytes], `cache_fp8.py`,
+  dsaflow.config.kv_cache_format), with the same shape contract.
 - `index`          [max_batch, max_tokens, topk] int32, one per stage: top-k indices written by the F layer that ran
                    last and read by the S layers it serves (max_tokens = the largest chunk of one forward).
 
@@ -23,6 +25,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from dsaflow.config.kv_cache_format import index_key_format, latent_format
 from dsaflow.config.schema import ModelConfig
 
 from .layer_spec import LayerSpec
@@ -139,20 +142,25 @@ class StageCache:
         max_tokens: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        kv_dtype: str = "bf16",
     ) -> StageCache:
         """Allocate every buffer of a span of `layers` (LayerSpec-like: index, role), kv/index_k in `dtype`, index int32
-        = -1."""
+        = -1. kv_dtype="fp8" (serve.kv_dtype): kv/index_k as packed FP8 byte rows instead (`cache_fp8`)."""
         for name, value in (("max_batch", max_batch), ("max_context", max_context), ("max_tokens", max_tokens)):
             if value < 1:
                 raise ValueError(f"StageCache.allocate: {name}={value} must be >= 1.")
-        d_kv = model_cfg.kv_lora_rank + model_cfg.qk_rope_head_dim
+        if kv_dtype not in ("bf16", "fp8"):
+            raise ValueError(f"StageCache.allocate: kv_dtype={kv_dtype!r} (bf16 | fp8)")
+        d_kv, d_key = model_cfg.kv_lora_rank + model_cfg.qk_rope_head_dim, model_cfg.index_head_dim
+        if kv_dtype == "fp8":  # packed byte rows (`cache_fp8.py`): zeros decode to 0 as in a bf16 cache
+            d_kv, d_key, dtype = latent_format(model_cfg).nbytes, index_key_format(model_cfg).nbytes, torch.uint8
         rows = max_context + 1  # + trash row
         kv, index_k = {}, {}
         for layer in layers:
             i = layer.index
             kv[i] = torch.zeros(max_batch, rows, d_kv, device=device, dtype=dtype)
             if layer.role == "F":
-                index_k[i] = torch.zeros(max_batch, rows, model_cfg.index_head_dim, device=device, dtype=dtype)
+                index_k[i] = torch.zeros(max_batch, rows, d_key, device=device, dtype=dtype)
         index = torch.full((max_batch, max_tokens, model_cfg.index_topk), -1, device=device, dtype=torch.int32)
         return cls(max_batch, max_context, max_tokens, kv, index_k, IndexSlot(index))
 

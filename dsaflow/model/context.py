@@ -18,6 +18,7 @@ import torch
 from .cache import IndexSlot, StageCache, cache_slots, token_slots
 
 if TYPE_CHECKING:
+    from .context_parallel import ContextParallel
     from .dense_prefill import PrefillHint
     from .indexer_loss import IndexerLossRecorder
 
@@ -58,6 +59,8 @@ class TrainContext(ForwardContext):
     replay: set by a recomputed block for its layer (see `LayerReplay`), else None.
     record_expert_load: a training forward whose MoE layers count their routed tokens (for the bias update) and
     attach their balance loss; off for evaluation and the pipelining runtime's shape inference.
+    cp: context parallel (`dsaflow.model.context_parallel.ContextParallel`): the T tokens are this rank's zigzag
+    shard, positions are global, and sparse attention gathers the keys of every rank; None: the whole sequence.
     """
 
     recorder: Optional[IndexerLossRecorder] = None
@@ -67,6 +70,7 @@ class TrainContext(ForwardContext):
     recompute_chunk_tokens: int = 16384
     replay: Optional[LayerReplay] = None
     record_expert_load: bool = False
+    cp: Optional[ContextParallel] = None
 
 
 @dataclass

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from dsaflow.ops.rope import rope_into
 
+from .cache_fp8 import latent_rows_for_heads
 from .fp8_weights import matrix_weight
 
 # Masked SDPA's rate over every (query, visible key) pair of its query blocks, as a fraction of the sparse kernel's
@@ -329,7 +330,8 @@ def prefill_attention(
     # Rows past a row's last position were not written by its request (stale, or never written): zero them, so that
     # a masked-out key can never bring a NaN into the sum (0 * NaN), as sparse_mla never reads unselected rows.
     live = torch.arange(S, device=q.device).view(1, S) <= positions.amax(dim=1, keepdim=True)
-    rows = torch.where(live.unsqueeze(-1), kv[:, :S], torch.zeros((), dtype=kv.dtype, device=kv.device))
+    cached = latent_rows_for_heads(kv[:, :S], mla.kv_fmt, q.dtype)  # an FP8 cache's rows dequantized
+    rows = torch.where(live.unsqueeze(-1), cached, torch.zeros((), dtype=cached.dtype, device=kv.device))
     qh, kh, vh = head_tensors(mla, q, rows)
     outs = []  # [B, H, t, V] per SDPA call
     if causal:

@@ -2,7 +2,8 @@
 
 Every layer draws from its own CPU generator seeded by (seed, layer index), and its indexer from a separate one
 seeded by (seed, layer index, "indexer"), so a layer gets the same weights whichever stage builds it (PP=1 vs PP=N)
-and its non-indexer weights do not depend on its role. Embedding and head have their own generators.
+and its non-indexer weights do not depend on its role. Embedding and head have their own generators; an MTP layer's embedding copy draws from the embedding's, so it starts
+equal to the main embedding.
 Linear / Embedding / MoE router and experts: normal(0, init_std) (the router's selection bias starts at 0); RMSNorm and LayerNorm weights: 1; LayerNorm bias: 0.
 """
 
@@ -48,6 +49,13 @@ def init_stage_weights(stage: nn.Module, seed: int, std: float) -> None:
         init_module(layer, _generator(seed, i), std, skip=("attn.indexer",))
         if layer.attn.indexer is not None:
             init_module(layer.attn.indexer, _generator(seed, i, "indexer"), std)
+    for key, layer in (
+        stage.mtp or {}
+    ).items():  # an MTP layer: its block like a layer, its embedding copy the main one
+        i = int(key)
+        init_module(layer, _generator(seed, i), std, skip=("attn.indexer", "embed"))
+        init_module(layer.attn.indexer, _generator(seed, i, "indexer"), std)
+        init_module(layer.embed, _generator(seed, "embed"), std)
     if stage.embed is not None:
         init_module(stage.embed, _generator(seed, "embed"), std)
     if stage.norm is not None:

@@ -32,14 +32,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dsaflow.config.kv_cache_format import index_key_format, latent_format
 from dsaflow.config.rope_schema import softmax_mscale
 from dsaflow.config.schema import ModelConfig
 from dsaflow.ops import indexer_topk, sparse_mla
 from dsaflow.ops.fp8_gemm import Fp8Activation, shared_fp8_input
 from dsaflow.ops.head_proj import absorb_query, head_output
 
-from .cache import flat_indices, flat_rows, write_rows
+from .cache import flat_indices, flat_rows
+from .cache_fp8 import write_cache_rows
 from .context import ForwardContext, causal_indices
+from .context_parallel import keys_regathered
 from .dense_prefill import prefill_attention, rotate_query_pe_, zero_padding
 from .fp8_weights import matrix_weight
 from .indexer import Indexer
@@ -65,6 +68,8 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, latent_eps)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
+        # the packed rows of an FP8 serving cache (serve.kv_dtype=fp8; dsaflow.model.cache_fp8)
+        self.kv_fmt, self.key_fmt = latent_format(cfg), index_key_format(cfg)
         # S layers reuse their source's indices and carry no indexer weights at all.
         self.indexer = Indexer(cfg) if role == "F" else None
 
@@ -108,17 +113,20 @@ class MLA(nn.Module):
             return self._forward_token_major(x, x_fp8, ctx)
         cos, sin = ctx.rope_mla
         q_latent, q, c_kv, k_pe = self._project(x, x_fp8)
-        kv = write_rows(ctx.cache.kv[self.layer_index], ctx.slots, self._latent_rows(c_kv, k_pe, ctx))
+        kv = write_cache_rows(
+            ctx.cache.kv[self.layer_index], ctx.slots, self._latent_rows(c_kv, k_pe, ctx), self.kv_fmt
+        )
         num_keys = kv.shape[1]  # max_context + 1
         hint = ctx.prefill
         if hint is not None and hint.path == "dense":  # the top-k would select every visible key: none is computed
             if self.role == "F":  # decode reads these keys
-                write_rows(ctx.cache.index_k[self.layer_index], ctx.slots, self.indexer.keys(x, ctx.rope_index, x_fp8))
+                keys = self.indexer.keys(x, ctx.rope_index, x_fp8)
+                write_cache_rows(ctx.cache.index_k[self.layer_index], ctx.slots, keys, self.key_fmt)
             q = rotate_query_pe_(q, cos, sin, self.nope)
             return zero_padding(self.wo(prefill_attention(self, q, kv, ctx.positions, hint)), ctx.positions)
         if self.role == "F":  # F layers keep their indexer keys current, whatever the attention mode
             q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index, x_fp8)
-            k_i = write_rows(ctx.cache.index_k[self.layer_index], ctx.slots, k_i)
+            k_i = write_cache_rows(ctx.cache.index_k[self.layer_index], ctx.slots, k_i, self.key_fmt)
         if ctx.attn == "dense":
             indices = causal_indices(ctx.positions, num_keys)
         elif self.role == "F":
@@ -150,11 +158,13 @@ class MLA(nn.Module):
         cos, sin = ctx.rope_mla
         rows, cache = ctx.token_rows, ctx.cache
         q_latent, q, c_kv, k_pe = self._project(x, x_fp8)
-        kv = write_rows(flat_rows(cache.kv[self.layer_index]), ctx.slots, self._latent_rows(c_kv, k_pe, ctx))
+        kv = write_cache_rows(
+            flat_rows(cache.kv[self.layer_index]), ctx.slots, self._latent_rows(c_kv, k_pe, ctx), self.kv_fmt
+        )
         num_keys = cache.max_context + 1  # per row
         if self.role == "F":
             q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index, x_fp8)
-            write_rows(flat_rows(cache.index_k[self.layer_index]), ctx.slots, k_i)
+            write_cache_rows(flat_rows(cache.index_k[self.layer_index]), ctx.slots, k_i, self.key_fmt)
         if ctx.attn == "dense":
             indices = causal_indices(ctx.positions, num_keys)
         elif self.role == "F":
@@ -184,14 +194,27 @@ class MLA(nn.Module):
 
         Inside a recomputed block (`ctx.replay`) the layer's second run repeats the first one's computation (the
         same saved tensors, in the same order) without its side effects: the indices come from the first run, and
-        neither the index slot nor the recorder is touched again."""
+        neither the index slot nor the recorder is touched again.
+
+        Context parallel (`ctx.cp`): x holds this rank's tokens; the latent rows and indexer keys of every rank are
+        gathered (global key order), and what autograd saves of them is gathered again in backward
+        (dsaflow.model.context_parallel)."""
+        if ctx.cp is None:
+            return self._sparse_attention(x, x_fp8, ctx, None)
+        with keys_regathered(ctx.cp, replaced=ctx.replay is None) as keys:
+            return self._sparse_attention(x, x_fp8, ctx, keys.gather)
+
+    def _sparse_attention(self, x, x_fp8, ctx: ForwardContext, gather) -> torch.Tensor:
+        """`_forward_sparse`'s body; gather: None, or the cp gather of key rows [B, t, D] -> [B, T, D]."""
         cos, sin = ctx.rope_mla
         replaying = ctx.replay is not None and ctx.replay.replaying
         recorder = None if replaying else ctx.recorder
         q_latent, q, c_kv, k_pe = self._project(x, x_fp8)
         kv = self._latent_rows(c_kv, k_pe, ctx)
+        kv = kv if gather is None else gather(kv)
         if self.role == "F":
             q_i, k_i, w_i = self.indexer(x, q_latent, ctx.rope_index, x_fp8)
+            k_i = k_i if gather is None else gather(k_i)
             if replaying:
                 indices = ctx.replay.indices
             else:

@@ -3,7 +3,9 @@
 `StageModule(model_cfg, layers, is_first=True, is_last=True, seed=0)`:
   layers  nn.ModuleDict keyed by the GLOBAL layer index (str), one DSABlock per LayerSpec (index, role, source);
   embed   nn.Embedding(vocab, dim) when is_first (else None);
-  norm    RMSNorm(dim) + head Linear(dim, vocab) when is_last (else None).
+  norm    RMSNorm(dim) + head Linear(dim, vocab) when is_last (else None);
+  mtp     nn.ModuleDict of the model's `model.mtp_layers` MTPLayers (dsaflow.model.mtp) keyed by global index, on the
+          last stage (else None); a training forward given `mtp_tokens` runs them too.
 `build_model(model_cfg)` is the whole model (every layer F unless roles are given). The model knows nothing of plans:
 the runtime cuts stages by passing each stage's layers (dsaflow.pipeline.stages). State-dict keys are global and stable,
 e.g. `layers.5.attn.wkv_b.weight`, `layers.4.attn.indexer.wk.weight` (docs/model.md lists them all).
@@ -26,6 +28,8 @@ from .dense_prefill import PrefillHint
 from .indexer_loss import IndexerLossInBackward, IndexerLossRecorder
 from .init import init_stage_weights
 from .layer_spec import LayerSpec
+from .loss_head import chunked_lm_loss
+from .mtp import MTPLayer, mtp_inputs, mtp_layer_indices
 from .norms import RMSNorm
 from .rope import RopeTables
 
@@ -61,6 +65,8 @@ class StageModule(nn.Module):
         self.embed = nn.Embedding(model_cfg.vocab_size, model_cfg.dim) if self.is_first else None
         self.norm = RMSNorm(model_cfg.dim, model_cfg.norm_eps) if self.is_last else None
         self.head = nn.Linear(model_cfg.dim, model_cfg.vocab_size, bias=False) if self.is_last else None
+        mtp = {str(i): MTPLayer(model_cfg, i) for i in mtp_layer_indices(model_cfg)} if self.is_last else {}
+        self.mtp = nn.ModuleDict(mtp) if mtp else None
         if model_cfg.tie_embeddings:
             if not (self.is_first and self.is_last):
                 raise ValueError(
@@ -73,8 +79,15 @@ class StageModule(nn.Module):
         # train.recompute: "none" | "attention" | "block" (see TrainContext.recompute); the trainer sets it.
         self.recompute = "none"
         self.recompute_chunk_tokens = TrainConfig.recompute_chunk_tokens  # queries per recomputed attention chunk
+        # True (the trainer sets it): forward_train on the last stage returns the final hidden state and the loss
+        # applies norm and head in chunks (`lm_loss`), so no [B, T, vocab] logits exist
+        self.head_in_loss = False
+        # context parallel (dsaflow.model.context_parallel.ContextParallel; the trainer sets it): forward_train
+        # takes this rank's zigzag shard of each sequence, at its global positions; None: whole sequences
+        self.cp = None
         self.indexer_loss: Optional[torch.Tensor] = None
         self.indices_out: Optional[torch.Tensor] = None
+        self.head_input: Optional[torch.Tensor] = None  # last stage with MTP layers: the last forward's norm(h)
         self.rope_tables = RopeTables.of(model_cfg)  # the rotary constants, computed once, not per forward
         self.init_weights(seed)
 
@@ -92,26 +105,33 @@ class StageModule(nn.Module):
         compute_indexer_loss: Optional[bool] = None,
         indexer_loss_in_backward: Optional[IndexerLossInBackward] = None,
         record_expert_load: bool = False,
+        mtp_tokens: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """A forward without a cache (training, evaluation, the dense warm-up): the keys are the T tokens themselves.
 
         x: token ids [B, T] int64 on the first stage, hidden [B, T, dim] otherwise. positions [B, T] int64 (< 0 =
         padding query; default arange(T): token t at position t). attn: "sparse" (indexer top-k) | "dense" (every
         causal key). indices_in: see `_begin_slot`. Returns hidden [B, T, dim], or fp32 logits [B, T, vocab] on the
-        last stage. Sets `self.indexer_loss` (scalar, graph only through indexer weights) when training with the
-        indexer loss on (`compute_indexer_loss`, default the attribute of that name), else None.
+        last stage (its final hidden state [B, T, dim] before the norm when `head_in_loss`: see `lm_loss`). Sets
+        `self.indexer_loss` (scalar, graph only through indexer weights) when training with the indexer loss on (`compute_indexer_loss`, default the attribute of that name), else None.
         indexer_loss_in_backward (train mode, grad enabled, sparse attention; implies compute_indexer_loss): the loss
         runs inside this forward's backward instead (dsaflow.model.indexer_loss): the attention's backward fills its
         target, `self.indexer_loss` stays None, and the values go to `indexer_loss_in_backward.values`.
         record_expert_load: MoE layers count their routed tokens and attach their balance loss (a training forward
-        of the pipeline runtime; `dsaflow.model.moe`)."""
+        of the pipeline runtime; `dsaflow.model.moe`).
+        mtp_tokens [B, T] int64: the microbatch's input ids, on a last stage with MTP layers: they run too, and the
+        output is fp32 logits [B, 1 + mtp_layers, T, vocab] (index 0 the model's, index k MTP depth k's;
+        dsaflow.model.mtp), or with `head_in_loss` the hidden states [B, 1 + mtp_layers, T, dim] the loss turns into
+        them (`_last_stage_output`). Their F layers join the indexer loss."""
         self._check_attn_and_indices(attn, indices_in)
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute={self.recompute!r} is not a recompute mode: use one of {RECOMPUTE_MODES}.")
         want_loss = self._wants_indexer_loss(attn, compute_indexer_loss, indexer_loss_in_backward)
         h = self.embed(x) if self.embed is not None else x
         B, T = h.shape[:2]
-        causal_rows = no_padding = positions is None  # see TrainContext.causal_rows (only dense attention reads it)
+        causal_rows = no_padding = positions is None and self.cp is None  # TrainContext.causal_rows (dense only)
+        if self.cp is not None:
+            positions = self._cp_positions(positions, attn, B, T, h.device)
         if positions is None:
             positions = torch.arange(T, device=h.device).expand(B, T)
         elif attn == "dense":  # caller-given positions (padding): one host sync, a rare path
@@ -119,6 +139,8 @@ class StageModule(nn.Module):
             causal_rows = bool(((positions == row) | (positions < 0)).all())
         # Distillation is stage-local: S layers reading an earlier stage's indices add nothing to any target here.
         own = [(layer, src) for layer, src in self.sources() if src != self.incoming_source]
+        run_mtp = mtp_tokens is not None and self.mtp is not None
+        own += [(int(i), int(i)) for i in self.mtp or ()] if run_mtp else []
         recorder = IndexerLossRecorder(own, indexer_loss_in_backward) if want_loss and self.training else None
         rope_mla, rope_index = self.rope_tables(positions)
         ctx = TrainContext(
@@ -133,12 +155,23 @@ class StageModule(nn.Module):
             recompute=self.recompute,
             recompute_chunk_tokens=self.recompute_chunk_tokens,
             record_expert_load=record_expert_load,
+            cp=self.cp,
         )
-        out = self._run_layers(h, ctx)
+        out = self._run_layers(h, ctx, logits=not self.head_in_loss, mtp_tokens=mtp_tokens if run_mtp else None)
         self.indexer_loss = recorder.loss() if recorder is not None else None
         return out
 
     forward = forward_train  # what `module(x)` runs (torch.distributed.pipelining calls the stage so)
+
+    def _cp_positions(self, positions, attn: str, B: int, T: int, device) -> torch.Tensor:
+        """Context parallel: the global positions of this rank's shard (sparse attention only; the dense warm-up
+        attends per head over whole sequences)."""
+        if positions is not None or attn != "sparse":
+            raise ValueError(
+                f"a context-parallel forward (cp={self.cp.size}) runs sparse attention at the positions of its zigzag "
+                f"shard, got attn={attn!r}, positions given={positions is not None}."
+            )
+        return self.cp.positions(B, T, device)
 
     def _wants_indexer_loss(self, attn: str, compute: Optional[bool], in_backward) -> bool:
         """Whether a forward without a cache computes the indexer loss (`forward_train`'s arguments)."""
@@ -252,15 +285,54 @@ class StageModule(nn.Module):
         self.indexer_loss = None
         return self._run_layers(h, ctx)
 
-    def _run_layers(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The block loop of every forward: h [B, T, dim] through the stage's layers over `ctx`, then norm and LM
-        head on the last stage (fp32 logits [B, T, vocab]). Leaves the next stage's indices in `indices_out`."""
+    def _run_layers(self, h: torch.Tensor, ctx: ForwardContext, logits: bool = True, mtp_tokens=None) -> torch.Tensor:
+        """The block loop of every forward: h [B, T, dim] through the stage's layers over `ctx`, then on the last
+        stage `_last_stage_output`. Leaves the next stage's indices in `indices_out`."""
         for layer in self.layers.values():
             h = layer(h, ctx)
         self.indices_out = ctx.index_slot.indices if ctx.attn == "sparse" else None
-        if self.head is not None:
-            return self.head(self.norm(h)).float()
-        return h
+        if self.head is None:
+            return h
+        return self._last_stage_output(h, ctx, logits, mtp_tokens)
+
+    def _last_stage_output(self, h: torch.Tensor, ctx: ForwardContext, logits: bool, mtp_tokens) -> torch.Tensor:
+        """The last layer's output h [B, T, dim] -> what the last stage returns:
+        logits=True:  fp32 logits head(norm(h)) [B, T, vocab]; with mtp_tokens [B, T] the MTP depths' too,
+                      [B, 1 + mtp_layers, T, vocab] (index k: depth k's head(h_k)).
+        logits=False (head_in_loss; the loss applies the head in chunks, `lm_loss`): h itself; with mtp_tokens
+                      [B, 1 + mtp_layers, T, dim], what the head reads at each depth: index 0 norm(h) (the
+                      final norm applied here, once, since depth 1 reads it too), index k depth k's output h_k (normed
+                      by its head_norm, `MTPLayer.predict`); the loss applies no norm to any of them. (One norm node
+                      for norm.weight, not two: torch's split backward, `stage_backward_weight`, mis-groups a weight
+                      used both by a norm and inside the loss head's autograd Function.)"""
+        normed = self.norm(h) if logits or mtp_tokens is not None else None
+        # what MTP drafting extends (dsaflow.serve.speculative; cached forwards, which return logits)
+        self.head_input = normed if self.mtp is not None and logits else None
+        if mtp_tokens is None:
+            return self.head(normed).float() if logits else h
+        depths = [self.head(normed).float() if logits else normed]
+        for depth, layer in enumerate(self.mtp.values(), start=1):
+            normed = layer.predict(normed, mtp_inputs(mtp_tokens, depth), ctx)
+            depths.append(self.head(normed).float() if logits else normed)
+        return torch.stack(depths, dim=1)  # dtypes promote (autocast may leave h fp32 and h_k bf16)
+
+    def lm_loss(
+        self,
+        hidden: torch.Tensor,
+        target: torch.Tensor,
+        chunk_tokens: int,
+        want_argmax: bool = False,
+        reduction="mean",
+        normed: bool = False,
+    ):
+        """Last stage: cross-entropy of head(norm(hidden)) against target [B, T] (-100 = ignored), its mean or sum
+        (`reduction`), computed `chunk_tokens` rows at a time (dsaflow.model.loss_head), from hidden [B, T, dim], the
+        output of `forward_train` with `head_in_loss`. normed=True: hidden is an MTP depth's output, already normed
+        by its head_norm, so the head reads it as is. Returns (loss, argmax [B, T] or None)."""
+        norm_weight = None if normed else self.norm.weight
+        return chunked_lm_loss(
+            hidden, norm_weight, self.head.weight, target, chunk_tokens, self.norm.eps, want_argmax, reduction
+        )
 
     def forward_with_indices(self, x: torch.Tensor, indices_in: Optional[torch.Tensor] = None, **kwargs):
         """`forward_train` -> (its output, `take_indices`): what the pipeline runtime sends on."""

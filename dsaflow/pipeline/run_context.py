@@ -3,8 +3,9 @@
 Built from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). Training and serving
 (`dsaflow.serve.generate.run_serve(ctx)`) both receive this object.
 
-With data parallelism (parallel.dp > 1) the world is a 2-D DeviceMesh ("dp", "pp"): global rank = dp index x
-pipeline ranks + pipeline rank (`PipelinePlan.global_rank`). `rank` and `group` are then the pipeline rank and the
+With data parallelism (parallel.dp > 1) or context parallelism (parallel.cp > 1) the world is a 2-D DeviceMesh
+("dp", "pp") whose "dp" dimension holds the dp x cp ranks of each pipeline rank: global rank = (dp index x cp + cp
+index) x pipeline ranks + pipeline rank (`PipelinePlan.global_rank`). `rank` and `group` are then the pipeline rank and the
 replica's pipeline group (its p2p peers are that replica's ranks), `dp_rank` and `dp_group` the replica index and
 the ranks that hold the same stages in every replica (gradients, expert load and metrics reduce there).
 """
@@ -35,12 +36,29 @@ class RunContext:
     run_dir: Path
     group: Optional[dist.ProcessGroup] = None  # the replica's pipeline group; None = the default (world) group
     dp_rank: int = 0  # which replica this process belongs to (parallel.dp)
-    dp_group: Optional[dist.ProcessGroup] = None  # this pipeline rank in every replica; None when dp == 1
-    dp_mesh: Any = None  # the 1-D DeviceMesh of dp_group (FSDP2 shards over it); None when dp == 1
+    # this pipeline rank in every replica and cp rank (dp x cp ranks); None when dp x cp == 1
+    dp_group: Optional[dist.ProcessGroup] = None
+    dp_mesh: Any = None  # the 1-D DeviceMesh of dp_group (FSDP2 shards over it); None when dp x cp == 1
+    cp_rank: int = 0  # this process's place among the cp ranks that share its sequences (parallel.cp)
+    cp_group: Optional[dist.ProcessGroup] = None  # those cp ranks; None when cp == 1
 
     @property
     def dp(self) -> int:
         return self.plan.pipeline.dp
+
+    @property
+    def cp(self) -> int:
+        return self.plan.pipeline.cp
+
+    @property
+    def replicas(self) -> int:
+        """The size of dp_group: the ranks holding this rank's stages (dp x cp)."""
+        return self.plan.pipeline.replicas
+
+    @property
+    def replica_index(self) -> int:
+        """This rank's place in dp_group (0 for replica 0's cp rank 0)."""
+        return self.dp_rank * self.cp + self.cp_rank
 
     @property
     def stages(self):
@@ -54,8 +72,8 @@ class RunContext:
 
     @property
     def is_logging_rank(self) -> bool:
-        """The last stage's rank of replica 0: metrics are reduced over dp before it logs them."""
-        return self.rank == self.logging_rank and self.dp_rank == 0
+        """The last stage's rank of replica 0 (cp rank 0): metrics are reduced over dp x cp before it logs them."""
+        return self.rank == self.logging_rank and self.replica_index == 0
 
     @property
     def is_cuda(self) -> bool:
@@ -89,20 +107,29 @@ def init_distributed(cfg, plan: Plan, run_dir: Path) -> RunContext:
 
 def context_in_world(cfg, plan: Plan, run_dir, device: torch.device, local_rank: int = 0) -> RunContext:
     """The RunContext of this process in an initialised default process group of plan.pipeline.world_size ranks.
-    dp == 1: the world is the pipeline. dp > 1: a ("dp", "pp") DeviceMesh; this process's pipeline rank, replica,
-    and the two groups come from it."""
+    dp x cp == 1: the world is the pipeline. Otherwise a ("dp", "pp") DeviceMesh whose "dp" dimension is the
+    dp x cp ranks holding the same stages (FSDP2 shards over it), plus, with cp > 1, one group per pipeline rank and
+    replica holding the cp ranks that share its sequences."""
     world = dist.get_world_size()
-    if world != plan.pipeline.world_size:
-        raise RuntimeError(f"world size {world} but the plan has {plan.pipeline.world_size} ranks")
-    if plan.pipeline.dp == 1:
+    p = plan.pipeline
+    if world != p.world_size:
+        raise RuntimeError(f"world size {world} but the plan has {p.world_size} ranks")
+    if p.replicas == 1:
         return RunContext(cfg, plan, dist.get_rank(), world, local_rank, device, Path(run_dir))
     from torch.distributed.device_mesh import init_device_mesh
 
-    p = plan.pipeline
-    mesh = init_device_mesh(device.type, (p.dp, p.ranks), mesh_dim_names=("dp", "pp"))
-    dp_rank, pp_rank = p.mesh_coords(dist.get_rank())
-    if (mesh.get_local_rank("dp"), mesh.get_local_rank("pp")) != (dp_rank, pp_rank):  # the layout the plan prints
-        raise RuntimeError(f"DeviceMesh placed rank {dist.get_rank()} apart from PipelinePlan.global_rank")
+    mesh = init_device_mesh(device.type, (p.replicas, p.ranks), mesh_dim_names=("dp", "pp"))
+    me = dist.get_rank()
+    dp_rank, pp_rank = p.mesh_coords(me)
+    cp_rank = p.cp_index(me)
+    if (mesh.get_local_rank("dp"), mesh.get_local_rank("pp")) != (dp_rank * p.cp + cp_rank, pp_rank):
+        raise RuntimeError(f"DeviceMesh placed rank {me} apart from PipelinePlan.global_rank")
+    cp_group = None
+    for d in range(p.dp):  # every process creates every group, in the same order
+        for r in range(p.ranks):
+            if p.cp > 1:
+                group = dist.new_group([p.global_rank(d, r, c) for c in range(p.cp)])
+                cp_group = group if (d, r) == (dp_rank, pp_rank) else cp_group
     return RunContext(
         cfg,
         plan,
@@ -115,4 +142,6 @@ def context_in_world(cfg, plan: Plan, run_dir, device: torch.device, local_rank:
         dp_rank=dp_rank,
         dp_group=mesh.get_group("dp"),
         dp_mesh=mesh["dp"],
+        cp_rank=cp_rank,
+        cp_group=cp_group,
     )

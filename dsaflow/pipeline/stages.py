@@ -47,9 +47,11 @@ def stage_cache(
     max_tokens: int,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    kv_dtype: str = "bf16",
 ) -> StageCache:
-    """Preallocated serving caches of stage `stage` (see dsaflow.model.cache)."""
-    return StageCache.allocate(model_cfg, stage_layers(plan, stage), max_batch, max_context, max_tokens, device, dtype)
+    """Preallocated serving caches of stage `stage` (see dsaflow.model.cache; kv_dtype: serve.kv_dtype)."""
+    layers = stage_layers(plan, stage)
+    return StageCache.allocate(model_cfg, layers, max_batch, max_context, max_tokens, device, dtype, kv_dtype)
 
 
 def check_hf_checkpoint(cfg, plan: Plan, error=None) -> None:

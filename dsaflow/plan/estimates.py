@@ -66,6 +66,21 @@ def head_params(m) -> int:
     return m.dim + m.dim * m.vocab_size
 
 
+def with_mtp(m, roles, indices, last: bool):
+    """(roles, global indices) of a stage's layers, with the model's MTP layers appended on the last stage: each is
+    an F layer (its own indexer) of the model's kind, counted like any layer (dsaflow/model/mtp.py)."""
+    if not last or not m.mtp_layers:
+        return list(roles), None if indices is None else list(indices)
+    mtp = list(range(m.num_layers, m.num_layers + m.mtp_layers))
+    return list(roles) + ["F"] * len(mtp), None if indices is None else list(indices) + mtp
+
+
+def mtp_extra_params(m) -> int:
+    """What the MTP layers hold beyond their blocks, on the last stage: each its copy of the embedding (vocab x dim,
+    the first stage's lives elsewhere), eh_proj (2 dim -> dim) and three RMSNorms (enorm, hnorm, head_norm)."""
+    return m.mtp_layers * (m.vocab_size * m.dim + 2 * m.dim * m.dim + 3 * m.dim)
+
+
 def indexer_proj_flops_per_token(m) -> int:
     """Indexer projections per token: q (from the shared q_lora latent), k and the per-head weights."""
     hi, di = m.index_n_heads, m.index_head_dim
@@ -261,10 +276,53 @@ def layer_backward_transient_bytes(
     return max(tokens * (rebuilt - kept) + mlp_bwd, tokens * (rebuilt - kept - mlp) + after)
 
 
-def head_activation_bytes_per_token(m, width: int = BF16) -> int:
-    """Last stage: the final norm's fp32 input and its cast for the head, the fp32 logits and the loss's
-    log-softmax (fp32, vocab each)."""
-    return m.dim * (FP32 + width) + 2 * m.vocab_size * FP32
+def head_activation_bytes_per_token(m) -> int:
+    """Last stage: what the loss head in chunks (dsaflow.model.loss_head) keeps for its backward per token, the
+    final hidden state (fp32 dim) and one fp32 log-sum-exp. No logits: they exist one chunk at a time
+    (`head_transient_bytes`). With D = model.mtp_layers the head runs once per depth on 1 + D hidden states, which
+    the stage's output also holds stacked ([b, 1 + D, T, dim] fp32; each depth's slice is copied into the head's
+    rows): (1 + D) x (the above + one more fp32 dim)."""
+    one_depth = m.dim * FP32 + FP32
+    if not m.mtp_layers:
+        return one_depth
+    return (1 + m.mtp_layers) * (one_depth + m.dim * FP32)
+
+
+def head_transient_bytes(m, tokens: int, chunk_tokens: int, width: int = BF16) -> int:
+    """The most the loss head in chunks allocates at once for c = min(tokens, chunk_tokens) rows
+    (train.loss_chunk_tokens): its forward holds a chunk's fp32 logits and logsumexp's fp32 exponentials
+    (2 * c * vocab * 4); its backward the recomputed fp32 logits turned into dlogits and their cast to the compute
+    dtype (c * vocab * (4 + width)), plus the head's fp32 gradient sum, one chunk's product in the compute dtype and
+    its fp32 cast (vocab * dim * (4 + width + 4)), plus the head weight's compute-dtype copy (vocab * dim * width)."""
+    c, v, d = min(tokens, chunk_tokens), m.vocab_size, m.dim
+    forward = 2 * c * v * FP32 + v * d * width
+    backward = c * v * (FP32 + width) + v * d * (FP32 + width + FP32) + v * d * width
+    return max(forward, backward)
+
+
+def cp_key_elems_per_token(m, role: str) -> int:
+    """What context parallelism gathers per token of a layer: the latent row (kv_lora + rope) and, on F layers, the
+    indexer key (index_head_dim). S layers reuse their source's indices and gather no indexer key."""
+    return m.kv_lora_rank + m.qk_rope_head_dim + (m.index_head_dim if role == "F" else 0)
+
+
+def cp_gathered_key_bytes(m, role: str, seq_tokens: int, width: int = BF16) -> int:
+    """One layer's transient under context parallelism, for `seq_tokens` tokens of whole sequences (the gathered
+    key rows are every rank's): in its backward the keys gathered again (width), their gradient over every key (fp32
+    accumulation and its cast, FP32 + width) and the reduce-scatter's per-rank parts (width); the forward's gather
+    (width) is smaller."""
+    return seq_tokens * cp_key_elems_per_token(m, role) * (3 * width + FP32)
+
+
+def cp_comm_bytes_per_layer(m, role: str, seq_tokens: int, cp: int, recompute: str, width: int = BF16) -> int:
+    """Bytes one rank receives for one layer per microbatch under context parallelism of `cp` ranks: the forward's
+    all-gather of the other ranks' key rows, the backward's gather again (saved keys under recompute=none, the
+    block's recomputation under block) and the reduce-scatter of their gradient: 3 x (cp - 1) / cp of the
+    sequences' key rows."""
+    if cp == 1:
+        return 0
+    rows = seq_tokens * (cp - 1) // cp * cp_key_elems_per_token(m, role) * width
+    return 3 * rows
 
 
 def stage_output_bytes_per_token(m) -> int:

@@ -10,10 +10,14 @@
                               backpropagated and the head; sharded over dp they are still whole during the step
                               (reduce-scattered once, after the last microbatch's backward)
     activations               one microbatch's (`estimates.activation_bytes_per_token` under the recompute mode, per
-                              layer, + RoPE tables + the stage output or the head's logits), times the microbatches
-                              the schedule holds at once on this stage (`schedule.microbatches_in_flight`)
+                              layer, + RoPE tables + the stage output, or on the last stage what the loss head in
+                              chunks keeps: its input and one log-sum-exp per token, no logits), times the
+                              microbatches the schedule holds at once on this stage
+                              (`schedule.microbatches_in_flight`)
     backward transient        the largest one layer's backward allocates on top
-                              (`estimates.layer_backward_transient_bytes`)
+                              (`estimates.layer_backward_transient_bytes`); on the last stage the loss head's chunk
+                              of logits (`estimates.head_transient_bytes`, train.loss_chunk_tokens) when larger: it
+                              never coexists with a layer's backward
 
 Serving memory is dsaflow.plan.serve_memory's.
 
@@ -31,7 +35,7 @@ from dsaflow.plan import estimates as E
 WEIGHTS = "weights and AdamW state"
 GRADS = "gradients"
 ACTIVATIONS = "activations"
-TRANSIENT = "one layer's backward transient"
+TRANSIENT = "one layer's backward transient"  # on the last stage also the loss head's chunk, if larger
 
 
 def compute_dtype(cfg, device_type: str) -> tuple[int, bool]:
@@ -52,33 +56,41 @@ def train_memory_terms(
     device_type: str = "cuda",
     layer_indices: Sequence[int] | None = None,
     shards: int = 1,
+    cp: int = 1,
 ) -> dict[str, int]:
     """{term: bytes} for one training stage holding layers of `roles`, `microbatches` (the plan's) of `tokens`
     tokens each, `in_flight` of them at once (see the module docstring). layer_indices: the layers' global indices,
     which say which are MoE layers (required for a model with `model.moe`); every expert's weights, gradients and
-    AdamW state count. shards: the dp ranks the stage's parameters and AdamW state are sharded over (1 = none)."""
+    AdamW state count. shards: the dp (x cp) ranks the stage's parameters and AdamW state are sharded over (1 =
+    none). cp: context-parallel ranks (`tokens` are this rank's share of cp x tokens): a layer's transient adds the
+    keys gathered from every rank (`estimates.cp_gathered_key_bytes`)."""
     m, t = cfg.model, cfg.train
     width, autocast = compute_dtype(cfg, device_type)
     recompute = str(t.recompute)
     if layer_indices is None and m.moe is not None:
         raise ValueError("train_memory_terms: a model with model.moe needs layer_indices (which layers are MoE)")
+    roles, layer_indices = E.with_mtp(m, roles, layer_indices, last)  # the MTP layers ride on the last stage
     moe = [is_moe_layer(m, i) for i in layer_indices] if layer_indices is not None else [False] * len(roles)
     layer_params = [E.layer_params(m, r, x) for r, x in zip(roles, moe)]
-    edge = (E.embed_params(m) if first else 0) + (E.head_params(m) if last else 0)
+    edge = (E.embed_params(m) if first else 0) + (E.head_params(m) + E.mtp_extra_params(m) if last else 0)
     params = sum(layer_params) + edge
     copies = (params - (E.embed_params(m) if first else 0)) * E.BF16 if autocast else 0
     every_grad = microbatches > in_flight
     grads = 4 * (params if every_grad else max(layer_params, default=0) + (E.head_params(m) if last else 0))
     per_token = sum(E.activation_bytes_per_token(m, r, recompute, width, autocast, x) for r, x in zip(roles, moe))
     per_token += E.rope_table_bytes_per_token(m)
-    per_token += E.head_activation_bytes_per_token(m, width) if last else E.stage_output_bytes_per_token(m)
+    per_token += E.head_activation_bytes_per_token(m) if last else E.stage_output_bytes_per_token(m)
+    gathered = {r: E.cp_gathered_key_bytes(m, r, tokens * cp, width) if cp > 1 else 0 for r in roles}
     transient = max(
         (
             E.layer_backward_transient_bytes(m, r, tokens, recompute, t.recompute_chunk_tokens, width, autocast, x)
+            + gathered[r]
             for r, x in set(zip(roles, moe))
         ),
         default=0,
     )
+    if last:
+        transient = max(transient, E.head_transient_bytes(m, tokens, t.loss_chunk_tokens, width))
     # sharded: the rank's fp32 shard and moments, plus the gathered weights the whole step computes with
     weights = 12 * params if shards == 1 else -(-12 * params // shards) + 4 * params
     return {
@@ -95,7 +107,8 @@ def largest_term_fix(name: str) -> str:
         return (
             "recompute more (train.recompute=attention keeps each layer's attention inputs, "
             "train.recompute=block only each layer's input), fewer tokens per microbatch (train.batch_size / "
-            "pipeline.microbatches sequences of train.seq_len), or more pipeline stages (pipeline.stages) so "
-            "each holds fewer layers"
+            "pipeline.microbatches sequences of train.seq_len), more pipeline stages (pipeline.stages) so "
+            "each holds fewer layers, or context parallelism (parallel.cp) so each rank holds a share of every "
+            "sequence"
         )
     return "more pipeline stages (pipeline.stages), so each rank holds fewer layers"

@@ -7,7 +7,7 @@ Frozen dataclasses that round-trip through `plan.json` (the JSON contract is doc
      "layers": [{"index": i, "stage": s, "declared": "F"|"S", "role": "F"|"S", "promoted": bool, "source": j,
                  "reason": str|null}],
      "graph_blocks": [{"name", "kind", "stages", "layers", "shape_classes"}],
-     "pipeline": {"ranks", "schedule", "microbatches", "stages_per_rank", "dp", "dp_shard"},
+     "pipeline": {"ranks", "schedule", "microbatches", "stages_per_rank", "dp", "dp_shard", "cp"},
      "estimates": {..},
      "index_boundaries": [s, ..]}   # stages whose boundary to the next carries top-k indices (cross-stage)
 
@@ -56,22 +56,33 @@ class PipelinePlan:
     microbatches: int  # per replica and step
     stages_per_rank: int
     dp: int = 1  # data-parallel replicas of the whole pipeline (parallel.dp)
-    dp_shard: bool = True  # FSDP2-shard each stage over its dp group (parallel.dp_shard); no effect at dp=1
+    dp_shard: bool = True  # FSDP2-shard each stage over its dp x cp group (parallel.dp_shard); no effect at 1
+    cp: int = 1  # context-parallel ranks per sequence (parallel.cp)
 
     @property
     def world_size(self) -> int:
-        """Processes of the run: pipeline ranks x dp."""
-        return self.ranks * self.dp
+        """Processes of the run: pipeline ranks x dp x cp."""
+        return self.ranks * self.dp * self.cp
 
-    def global_rank(self, dp_index: int, pp_rank: int) -> int:
-        """The process of pipeline rank `pp_rank` in replica `dp_index`: the pipeline rank is the inner dimension,
-        so one replica's ranks are contiguous (a pp group stays on one node when nproc-per-node is a multiple of
-        the pipeline ranks)."""
-        return dp_index * self.ranks + pp_rank
+    @property
+    def replicas(self) -> int:
+        """The ranks that hold the same stages (dp x cp): a stage's parameters are sharded or averaged over them."""
+        return self.dp * self.cp
+
+    def global_rank(self, dp_index: int, pp_rank: int, cp_index: int = 0) -> int:
+        """The process of pipeline rank `pp_rank` in replica `dp_index`, cp rank `cp_index`: the pipeline rank is
+        the inner dimension, so one pipeline's ranks are contiguous (a pp group stays on one node when
+        nproc-per-node is a multiple of the pipeline ranks), then cp, then dp."""
+        return (dp_index * self.cp + cp_index) * self.ranks + pp_rank
 
     def mesh_coords(self, global_rank: int) -> tuple:
         """(dp index, pipeline rank) of a global rank."""
-        return divmod(global_rank, self.ranks)
+        outer, pp = divmod(global_rank, self.ranks)
+        return outer // self.cp, pp
+
+    def cp_index(self, global_rank: int) -> int:
+        """The cp rank of a global rank (0 without context parallelism)."""
+        return (global_rank // self.ranks) % self.cp
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+from dsaflow.config.kv_cache_format import FP8 as FP8_KV
+from dsaflow.config.kv_cache_format import fp8_kv_problem
 from dsaflow.errors import PlanError
+from dsaflow.plan.cp_rules import check_context_parallel
 from dsaflow.plan.graph_blocks import plan_graph_blocks
 from dsaflow.plan.partition import (
     cost_balance,
@@ -44,6 +47,11 @@ def check_fields(cfg) -> None:
             f"model.index_rope_head_dim={m.index_rope_head_dim} exceeds model.index_head_dim={m.index_head_dim} "
             f"(RoPE rotates part of the index head). Fix: e.g. model.index_rope_head_dim="
             f"{min(64, m.index_head_dim // 2 * 2)}."
+        )
+    if str(cfg.serve.kv_dtype) == FP8_KV and (problem := fp8_kv_problem(m)) is not None:
+        raise PlanError(
+            f"serve.kv_dtype=fp8 stores the caches in DeepSeek's packed FP8 rows, but {problem} (each fp32 scale "
+            "covers a whole block of e4m3 values at a 4-byte aligned offset). Fix: serve.kv_dtype=bf16 for this model."
         )
 
 
@@ -120,6 +128,7 @@ def build_plan(cfg, nproc=None) -> Plan:
         nproc=nproc,
         parallel=getattr(cfg, "parallel", None),
     )
+    check_context_parallel(cfg, pipeline)
     check_sharded_training(cfg, pipeline)
     ranks = stage_ranks(len(starts), pipeline)
     bounds = list(starts[1:]) + [n]

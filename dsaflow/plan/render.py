@@ -113,7 +113,8 @@ def _memory_table(plan: Plan, est) -> Optional[Table]:
     if not any(se.get("train_memory_bytes") for se in est["stages"]):
         return None
     p = plan.pipeline
-    sharded = f"; per rank, weights and AdamW state sharded over dp {p.dp}" if p.dp > 1 and p.dp_shard else ""
+    group = f"dp {p.dp}" + (f" x cp {p.cp}" if p.cp > 1 else "")
+    sharded = f"; per rank, weights and AdamW state sharded over {group}" if p.replicas > 1 and p.dp_shard else ""
     t = Table(title=f"training memory per stage (GPU, bf16 autocast; GiB{sharded})", box=box.SIMPLE_HEAD)
     for col in ("stage", "weights\n+AdamW", "grads", "activations\n(x in flight)", "backward\ntransient", "peak"):
         t.add_column(col, no_wrap=True, justify="right")
@@ -132,7 +133,7 @@ def _serve_memory_table(est) -> Optional[Table]:
     if not sv:
         return None
     gib = 2**30
-    caches = "bf16" if sv["dtype_bytes"] == 2 else "fp32"
+    caches = "fp8" if sv.get("kv_dtype") == "fp8" else "bf16" if sv["dtype_bytes"] == 2 else "fp32"
     t = Table(
         title=f"serving memory per stage (GiB) on a {sv['device_memory_bytes'] / gib:.1f} GiB device "
         f"(plan.device_memory_gib), {sv['usable_fraction']:.0%} usable",
@@ -232,17 +233,22 @@ def mesh_text(plan: Plan, cfg) -> str:
     """The data-parallel mesh: world size, which global ranks form each replica and each dp group, the global
     batch, and how each stage's state is held."""
     p = plan.pipeline
-    lines = [
-        f"mesh (dp, pp) = ({p.dp}, {p.ranks}): world size {p.world_size}; global rank = dp index x {p.ranks} + "
-        f"pipeline rank (each replica's pipeline on consecutive ranks)"
-    ]
+    if p.cp == 1:
+        head = f"mesh (dp, pp) = ({p.dp}, {p.ranks}): world size {p.world_size}; global rank = dp index x {p.ranks} + "
+    else:
+        head = (
+            f"mesh (dp, cp, pp) = ({p.dp}, {p.cp}, {p.ranks}): world size {p.world_size}; global rank = (dp index x "
+            f"{p.cp} + cp index) x {p.ranks} + "
+        )
+    lines = [head + "pipeline rank (each replica's pipeline on consecutive ranks)"]
     show = range(p.dp) if p.dp <= 8 else (*range(3), p.dp - 1)
     for d in show:
         if p.dp > 8 and d == p.dp - 1:
             lines.append("  ...")
-        lines.append(f"  replica dp={d}: ranks {_rank_span(p.global_rank(d, 0), p.ranks)}")
+        spans = ", ".join(_rank_span(p.global_rank(d, 0, c), p.ranks) for c in range(p.cp))
+        lines.append(f"  replica dp={d}: ranks {spans}" + (" (one pipeline per cp rank)" if p.cp > 1 else ""))
     for r in range(min(p.ranks, 8)):
-        members = [p.global_rank(d, r) for d in range(p.dp)]
+        members = [p.global_rank(d, r, c) for d in range(p.dp) for c in range(p.cp)]
         shown = ", ".join(map(str, members[:8])) + (", ..." if len(members) > 8 else "")
         stages = [s.index for s in plan.stages if s.rank == r]
         lines.append(f"  dp group of pipeline rank {r} (stages {stages}): ranks {shown}")
@@ -267,6 +273,31 @@ def mesh_text(plan: Plan, cfg) -> str:
     return "\n".join(lines)
 
 
+def cp_text(plan: Plan, est) -> str:
+    """parallel.cp: the sequence split, and the keys each rank receives per microbatch (dsaflow.plan.estimates)."""
+    p = plan.pipeline
+    per_stage = [sum(se["cp_comm_bytes_per_layer"]) for se in est["stages"]]
+    worst = max(range(len(per_stage)), key=per_stage.__getitem__)
+    return (
+        f"context parallel: cp {p.cp} ranks per sequence (2 x {p.cp} zigzag chunks, rank r holds r and "
+        f"{2 * p.cp - 1}-r), {est['microbatch_tokens']:,} tokens per rank and microbatch; {p.world_size} ranks = pp "
+        f"{p.ranks} x dp {p.dp} x cp {p.cp}. Keys gathered per layer (latent rows, indexer keys on F layers), received "
+        f"per rank and microbatch in gather + backward gather + reduce-scatter: up to "
+        f"{nbytes(per_stage[worst])} for stage {worst}'s {len(est['stages'][worst]['cp_comm_bytes_per_layer'])} "
+        "layers."
+    )
+
+
+def _mtp_line(m, se) -> str:
+    """Where the MTP layers live and what they hold, the explicit embedding copy named."""
+    copy = m.mtp_layers * m.vocab_size * m.dim
+    return (
+        f"multi-token prediction: {_n(se['mtp_layers'], 'MTP layer')} on stage {se['index']} (the last), "
+        f"{human(se['mtp_params'])} params counted there, of which {human(copy)} are its own copy of the token "
+        f"embedding ({m.vocab_size} x {m.dim}, `mtp.<i>.embed`)"
+    )
+
+
 def render_table(plan: Plan, cfg, width: Optional[int] = None) -> str:
     """The `dsaflow plan` text: header, stage table, promotions, boundary trade-offs, graph blocks, totals.
     width: columns to fit (default: the terminal's, 60..160); long cells and headers wrap to fit."""
@@ -278,11 +309,14 @@ def render_table(plan: Plan, cfg, width: Optional[int] = None) -> str:
         f"model={m.name}: {plan.num_layers} layers, dim {m.dim}, {m.n_heads} heads, indexer {m.index_n_heads}x"
         f"{m.index_head_dim}, topk {m.index_topk} | {_n(plan.num_stages, 'stage')} on {_n(p.ranks, 'rank')} "
         f"({p.stages_per_rank} per rank), schedule {p.schedule}, {p.microbatches} microbatches"
-        + (f" | x dp {p.dp} = {p.world_size} ranks" if p.dp > 1 else "")
+        + (f" | x dp {p.dp} = {p.world_size // p.cp} ranks" if p.dp > 1 else "")
+        + (f" | x cp {p.cp} = {p.world_size} ranks" if p.cp > 1 else "")
         + f" | mode={cfg.mode}"
     )
     if p.dp > 1:
         con.print(mesh_text(plan, cfg))
+    if p.cp > 1:
+        con.print(cp_text(plan, est))
     if con.width >= 140:
         con.print(_stage_table(plan, est))
     else:  # narrow terminal: roles and estimates side by side would not fit
@@ -306,6 +340,9 @@ def render_table(plan: Plan, cfg, width: Optional[int] = None) -> str:
         else:
             con.print(_boundary_table(est, "microbatch"))
             con.print(_boundary_table(est, "decode"))
+    mtp = next((se for se in est["stages"] if se.get("mtp_layers")), None)
+    if mtp is not None:
+        con.print(_mtp_line(m, mtp))
     if plan.graph_blocks:
         con.print("graph blocks:")
         for b in plan.graph_blocks:

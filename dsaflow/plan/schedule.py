@@ -23,6 +23,7 @@ def resolve_pipeline(pipe, num_stages: int, *, mode: str, batch_size: int, nproc
     """Check the schedule against the stage count and the data parallelism (`parallel`: the config's
     ParallelConfig, None = one replica); returns ranks, schedule, microbatches, stages per rank and dp."""
     dp = 1 if parallel is None else int(parallel.dp)
+    cp = 1 if parallel is None else int(getattr(parallel, "cp", 1))
     dp_shard = True if parallel is None else bool(parallel.dp_shard)
     ranks = num_stages if pipe.ranks is None else pipe.ranks
     if num_stages % ranks != 0:
@@ -54,15 +55,20 @@ def resolve_pipeline(pipe, num_stages: int, *, mode: str, batch_size: int, nproc
         _check_data_parallel_batch(batch_size, dp, mb)
         _check_training_microbatches(pipe, mb, ranks, num_stages, batch_size // dp)
     # mode=serve: parallel.dp is the number of serving replicas, each a whole pipeline with a share of the requests
-    world = ranks * dp
+    world = ranks * dp * cp
     if nproc is not None and nproc != world:
+        cp_text = f" x parallel.cp={cp}" if cp > 1 else ""
         raise PlanError(
-            f"--nproc {nproc} but the plan has {ranks} pipeline rank{'s' * (ranks != 1)} x parallel.dp={dp} = "
-            f"{world} processes (one process per rank of every replica). Fix: drop --nproc or use --nproc {world}"
-            + (f", or parallel.dp={nproc // ranks} for {nproc} processes." if nproc % ranks == 0 else ".")
+            f"--nproc {nproc} but the plan has {ranks} pipeline rank{'s' * (ranks != 1)} x parallel.dp={dp}{cp_text} "
+            f"= {world} processes (one process per rank of every replica). Fix: drop --nproc or use --nproc {world}"
+            + (
+                f", or parallel.dp={nproc // (ranks * cp)} for {nproc} processes."
+                if nproc % (ranks * cp) == 0
+                else f" ({nproc} is not a multiple of the {ranks * cp} ranks of one replica)."
+            )
         )
     return PipelinePlan(
-        ranks=ranks, schedule=str(pipe.schedule), microbatches=mb, stages_per_rank=v, dp=dp, dp_shard=dp_shard
+        ranks=ranks, schedule=str(pipe.schedule), microbatches=mb, stages_per_rank=v, dp=dp, dp_shard=dp_shard, cp=cp
     )
 
 
@@ -75,7 +81,7 @@ def check_sharded_training(cfg, pipeline: PipelinePlan) -> None:
     schedules. FSDP2 reduces gradients from autograd hooks on a stage's inputs, which fire in the input-gradient
     pass, before the weight gradients exist; the weight pass (torch's stage_backward_weight) runs outside them, so
     the weight gradients would stay on the gathered weights and never reach the shards."""
-    if pipeline.dp == 1 or not pipeline.dp_shard or cfg.mode != "train":
+    if pipeline.replicas == 1 or not pipeline.dp_shard or cfg.mode != "train":
         return
     if pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
         raise PlanError(

@@ -6,7 +6,9 @@ the plan's serving table (`mode=serve`), `dsaflow plan`'s fit check and the pre-
                                fp8 = the projections in e4m3 + one fp32 scale per 128x128 block, the router fp32,
                                the rest in the serve dtype; bf16 = the serve dtype, the router fp32)
     KV and indexer-key caches  serve.max_batch rows of serve.max_context + 1 tokens: per token and layer the MLA latent
-                               (kv_lora + rope) and, on F layers, the indexer key, in the serve dtype
+                               (kv_lora + rope) and, on F layers, the indexer key, as serve.kv_dtype stores them
+                               (bf16: the serve dtype; fp8: e4m3 + fp32 scales, RoPE bf16:
+                               dsaflow.config.kv_cache_format)
     work buffers               the stages' index caches and, on the last stage, the fp32 logits of one prefill pass
                                (serve.max_batch x serve.prefill_chunk tokens); a MoE layer's work buffers over that
                                pass (each token's k expert rows: gathered input, gate/up, activation and output)
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from dsaflow.config.fp8_policy import FP8, total_stored_bytes
+from dsaflow.config.kv_cache_format import FP8 as KV_FP8
+from dsaflow.config.kv_cache_format import kv_bytes_per_token as layer_kv_bytes
 from dsaflow.config.moe_schema import is_moe_layer
 from dsaflow.plan import estimates as E
 
@@ -96,9 +100,15 @@ def layer_weight_shapes(m, role: str, moe: bool = False) -> List[Tuple[str, Shap
 
 
 def edge_weight_shapes(m, first: bool, last: bool) -> List[Tuple[str, Shape]]:
-    """The embedding on the first stage; the final norm and the (untied) head on the last."""
+    """The embedding on the first stage; the final norm, the (untied) head and the MTP layers' own tensors (their
+    embedding copy, eh_proj, norms; their blocks count as layers) on the last."""
+    mtp = []
+    for i in range(m.num_layers, m.num_layers + m.mtp_layers) if last else ():
+        p = f"mtp.{i}."
+        mtp += [(p + "embed.weight", (m.vocab_size, m.dim)), (p + "eh_proj.weight", (m.dim, 2 * m.dim))]
+        mtp += [(p + n, (m.dim,)) for n in ("enorm.weight", "hnorm.weight", "head_norm.weight")]
     return ([("embed.weight", (m.vocab_size, m.dim))] if first else []) + (
-        [("norm.weight", (m.dim,)), ("head.weight", (m.vocab_size, m.dim))] if last else []
+        [("norm.weight", (m.dim,)), ("head.weight", (m.vocab_size, m.dim))] + mtp if last else []
     )
 
 
@@ -111,24 +121,26 @@ def weight_bytes(
     return total_stored_bytes(shapes, weights, width)
 
 
-def kv_bytes_per_token(m, roles: Sequence[str], width: int) -> int:
-    """KV + indexer-key cache bytes per token over layers of `roles`, in the serve dtype."""
-    return sum(E.kv_bytes_per_token(m, r) for r in roles) // E.BF16 * width
+def kv_bytes_per_token(m, roles: Sequence[str], width: int, kv_dtype: str = "bf16") -> int:
+    """KV + indexer-key cache bytes per token over layers of `roles`, as serve.kv_dtype=`kv_dtype` stores them (bf16:
+    in the serve dtype, `width` bytes wide)."""
+    return sum(layer_kv_bytes(m, r, kv_dtype, width) for r in roles)
 
 
 def serve_memory_terms(
     cfg, roles, layer_indices, first: bool, last: bool, width: int, stages: int = 1
 ) -> Dict[str, int]:
     """{term: bytes} a serving rank holds for `stages` stages whose layers have `roles` and global `layer_indices`,
-    with the embedding (`first`) and the head (`last`), in a serve dtype `width` bytes wide (see the module
+    with the embedding (`first`) and the head and the MTP layers (`last`), in a serve dtype `width` bytes wide (see the module
     docstring). Every term is present (0 where it does not apply), so the per-stage rows of a table line up."""
     m, sv = cfg.model, cfg.serve
+    roles, layer_indices = E.with_mtp(m, roles, layer_indices, last)
     moe = [is_moe_layer(m, i) for i in layer_indices]
     tokens = sv.max_batch * sv.prefill_chunk
     e = m.moe
     return {
         WEIGHTS: weight_bytes(m, roles, moe, first, last, str(sv.weights), width),
-        KV: kv_bytes_per_token(m, roles, width) * sv.max_batch * (sv.max_context + 1),
+        KV: kv_bytes_per_token(m, roles, width, str(sv.kv_dtype)) * sv.max_batch * (sv.max_context + 1),
         INDEX_CACHE: tokens * m.index_topk * E.INT32 * stages,
         LOGITS: tokens * m.vocab_size * E.FP32 if last else 0,
         MOE_BUFFERS: tokens * e.num_experts_per_tok * (2 * m.dim + 4 * e.moe_inter_dim) * width if any(moe) else 0,
@@ -179,9 +191,10 @@ def rank_fits(cfg, layers, stages, width: int, usable: float) -> List[RankFit]:
         roles = [layers[i].role for i in ids]
         first_here, last_here = any(s.index == 0 for s in owned), any(s.index == last for s in owned)
         terms = serve_memory_terms(cfg, roles, ids, first_here, last_here, width, len(owned))
+        roles, ids = E.with_mtp(m, roles, ids, last_here)  # what serve_memory_terms counted
         moe = [is_moe_layer(m, i) for i in ids]
         fp8 = weight_bytes(m, roles, moe, first_here, last_here, FP8, width)
-        kv = kv_bytes_per_token(m, roles, width)
+        kv = kv_bytes_per_token(m, roles, width, str(sv.kv_dtype))
         out.append(RankFit(rank, [s.index for s in owned], terms, kv, usable, sv.max_batch * (sv.max_context + 1), fp8))
     return out
 
@@ -250,6 +263,7 @@ def serve_fix(
         parts = [
             f"a shorter serve.max_context or a smaller serve.max_batch ({room:,} KV tokens fit beside the weights and "
             f"work buffers, serve.max_batch x (serve.max_context + 1) = {fit.asked_tokens:,} are asked: {shorter})",
+            _fp8_kv_hint(cfg),
             fp8,
             more_stages,
         ]
@@ -259,6 +273,18 @@ def serve_fix(
             f"serve.prefill_chunk = {sv.max_batch * sv.prefill_chunk:,} tokens)"
         ]
     return "; or ".join(p for p in parts if p)
+
+
+def _fp8_kv_hint(cfg) -> Optional[str]:
+    """The FP8 KV cache as a fix, with its bytes per token of an F layer (None when it is on, or cannot hold this
+    model's rows)."""
+    from dsaflow.config.kv_cache_format import fp8_kv_problem
+
+    if str(cfg.serve.kv_dtype) == KV_FP8 or fp8_kv_problem(cfg.model) is not None:
+        return None
+    width = serve_width(str(cfg.serve.dtype))
+    now, fp8 = layer_kv_bytes(cfg.model, "F", "bf16", width), layer_kv_bytes(cfg.model, "F", KV_FP8, width)
+    return f"serve.kv_dtype=fp8 ({fp8:,} instead of {now:,} cache bytes per token of an F layer)"
 
 
 def largest_term(terms: Dict[str, float]) -> Tuple[str, float]:
@@ -284,7 +310,9 @@ def serve_estimates(cfg, layers, stages, per_stage: List[dict]) -> dict:
         se.update(
             serve_weights=str(cfg.serve.weights),
             serve_weight_bytes=terms[WEIGHTS],
-            serve_kv_bytes_per_token=kv_bytes_per_token(cfg.model, [layers[i].role for i in ids], width),
+            serve_kv_bytes_per_token=kv_bytes_per_token(
+                cfg.model, [layers[i].role for i in ids], width, str(cfg.serve.kv_dtype)
+            ),
             serve_work_buffer_bytes=sum(terms[k] for k in WORK_BUFFERS),
             serve_kv_tokens_fit=fit.tokens_fit,  # the rank's: every stage it holds shares one device
             serve_fits=fit.fits,
@@ -294,6 +322,7 @@ def serve_estimates(cfg, layers, stages, per_stage: List[dict]) -> dict:
         "usable_fraction": USABLE_FRACTION,
         "usable_bytes": usable,
         "weights": str(cfg.serve.weights),
+        "kv_dtype": str(cfg.serve.kv_dtype),
         "dtype_bytes": width,
         "max_batch": cfg.serve.max_batch,
         "max_context": cfg.serve.max_context,

@@ -32,6 +32,9 @@ def layer_costs(cfg, roles: Sequence[str]) -> List[float]:
     m, ctx = cfg.model, cost_context(cfg)
     costs = [float(E.layer_forward_flops_per_token(m, r, ctx, is_moe_layer(m, i))) for i, r in enumerate(roles)]
     costs[-1] += E.head_forward_flops_per_token(m)
+    for i in range(m.num_layers, m.num_layers + m.mtp_layers):  # the MTP layers also always land there
+        costs[-1] += float(E.layer_forward_flops_per_token(m, "F", ctx, is_moe_layer(m, i)))
+        costs[-1] += E.head_forward_flops_per_token(m) + 2 * 2 * m.dim * m.dim
     return costs
 
 
@@ -45,37 +48,20 @@ def promotion_costs(cfg, roles: Sequence[str]) -> List[float]:
 def microbatch_tokens(cfg, pipeline: PipelinePlan) -> int:
     if cfg.mode == "serve":
         return cfg.serve.prefill_chunk
-    return cfg.train.seq_len * max(1, cfg.train.batch_size // (pipeline.dp * pipeline.microbatches))
+    # per rank: with parallel.cp each rank holds seq_len / cp tokens of every sequence
+    return cfg.train.seq_len // pipeline.cp * max(1, cfg.train.batch_size // (pipeline.dp * pipeline.microbatches))
 
 
 def dp_shards(pipeline: PipelinePlan) -> int:
-    """The ranks each stage's parameters and optimiser state are sharded over: dp with parallel.dp_shard, else 1."""
-    return pipeline.dp if pipeline.dp_shard else 1
+    """The ranks each stage's parameters and optimiser state are sharded over: dp x cp with parallel.dp_shard,
+    else 1."""
+    return pipeline.replicas if pipeline.dp_shard else 1
 
 
-def _stage_estimate(
-    cfg, ls: Sequence[LayerPlan], st: StagePlan, is_last: bool, pipeline: PipelinePlan, tokens: int
-) -> Dict[str, Any]:
-    """One stage's entry of `stages`: its layers `ls`, parameters, FLOPs, KV cache, activations and memory."""
-    m, L_save = cfg.model, cfg.estimate_context
-    roles, indices = [l.role for l in ls], [l.index for l in ls]
-    is_first = st.index == 0
-    n_f = roles.count("F")
-    n_s = len(ls) - n_f
-    moe = [is_moe_layer(m, i) for i in indices]
-    params = sum(E.layer_params(m, r, x) for r, x in zip(roles, moe))
-    active = sum(E.layer_params(m, r, x, active=True) for r, x in zip(roles, moe))
-    cost = sum(E.layer_forward_flops_per_token(m, r, cost_context(cfg), x) for r, x in zip(roles, moe))
-    recompute = str(cfg.train.recompute) if cfg.mode == "train" else "none"
-    act = sum(E.activation_bytes_per_token(m, r, recompute, moe=x) for r, x in zip(roles, moe))
-    act += E.rope_table_bytes_per_token(m)
-    act += E.head_activation_bytes_per_token(m) if is_last else E.stage_output_bytes_per_token(m)
-    act *= tokens
-    ends = (E.embed_params(m) if is_first else 0) + (E.head_params(m) if is_last else 0)
-    params, active = params + ends, active + ends
-    cost += E.head_forward_flops_per_token(m) if is_last else 0
-    in_flight = microbatches_in_flight(st.index, st.rank, pipeline)
-    memory = {}
+def _memory_by_mode(cfg, roles, indices, is_first: bool, is_last: bool, tokens: int, in_flight: int, pipeline):
+    """(training memory terms, serving memory terms) of a stage of the main layers `roles` / `indices` (the terms
+    add the MTP layers on the last stage); the mode's other one is {}."""
+    memory, serve_memory = {}, {}
     if cfg.mode == "train":
         memory = train_memory_terms(
             cfg,
@@ -87,15 +73,51 @@ def _stage_estimate(
             pipeline.microbatches,
             layer_indices=indices,
             shards=dp_shards(pipeline),
+            cp=pipeline.cp,
         )
-    serve_memory = {}
     if cfg.mode == "serve":
         serve_memory = serve_memory_terms(cfg, roles, indices, is_first, is_last, serve_width(str(cfg.serve.dtype)))
+    return memory, serve_memory
+
+
+def _stage_estimate(
+    cfg, ls: Sequence[LayerPlan], st: StagePlan, is_last: bool, pipeline: PipelinePlan, tokens: int
+) -> Dict[str, Any]:
+    """One stage's entry of `stages`: its layers `ls`, parameters, FLOPs, KV cache, activations and memory."""
+    m, L_save = cfg.model, cfg.estimate_context
+    is_first = st.index == 0
+    # the MTP layers (last stage) count as F layers of the stage, plus their own tensors and heads
+    main_roles, main_indices = [l.role for l in ls], [l.index for l in ls]  # the memory terms add the MTP layers
+    roles, indices = E.with_mtp(m, main_roles, main_indices, is_last)
+    n_mtp = len(roles) - len(ls)
+    n_f = roles.count("F")
+    n_s = len(roles) - n_f
+    moe = [is_moe_layer(m, i) for i in indices]
+    params = sum(E.layer_params(m, r, x) for r, x in zip(roles, moe))
+    active = sum(E.layer_params(m, r, x, active=True) for r, x in zip(roles, moe))
+    cost = sum(E.layer_forward_flops_per_token(m, r, cost_context(cfg), x) for r, x in zip(roles, moe))
+    recompute = str(cfg.train.recompute) if cfg.mode == "train" else "none"
+    act = sum(E.activation_bytes_per_token(m, r, recompute, moe=x) for r, x in zip(roles, moe))
+    act += E.rope_table_bytes_per_token(m)
+    act += E.head_activation_bytes_per_token(m) if is_last else E.stage_output_bytes_per_token(m)
+    act *= tokens
+    ends = (E.embed_params(m) if is_first else 0) + (E.head_params(m) + E.mtp_extra_params(m) if is_last else 0)
+    params, active = params + ends, active + ends
+    cost += (1 + n_mtp) * E.head_forward_flops_per_token(m) + n_mtp * 4 * m.dim * m.dim if is_last else 0
+    in_flight = microbatches_in_flight(st.index, st.rank, pipeline)
+    memory, serve_memory = _memory_by_mode(
+        cfg, main_roles, main_indices, is_first, is_last, tokens, in_flight, pipeline
+    )
     kv_per_token = sum(E.kv_bytes_per_token(m, r) for r in roles)
     return {
         "index": st.index,
         "rank": st.rank,
         "num_layers": len(ls),
+        # MTP layers on this stage (the last), counted in the fields below: F layers, params (their blocks, embedding
+        # copies, eh_proj and norms), FLOPs, activations, KV cache and memory
+        "mtp_layers": n_mtp,
+        "mtp_params": sum(E.layer_params(m, "F", is_moe_layer(m, i)) for i in indices[len(ls) :])
+        + (E.mtp_extra_params(m) if is_last else 0),
         "f_layers": n_f,
         "s_layers": n_s,
         "promoted": sum(l.promoted for l in ls),
@@ -119,6 +141,10 @@ def _stage_estimate(
         # serving on a GPU in serve.weights' format, by term (dsaflow.plan.serve_memory); {} when training
         "serve_memory_bytes": serve_memory,
         "train_peak_bytes": sum(memory.values()),
+        # parallel.cp: what one rank receives per microbatch for each layer's keys (gather, gather again, reduce-scatter)
+        "cp_comm_bytes_per_layer": [
+            E.cp_comm_bytes_per_layer(m, r, tokens * pipeline.cp, pipeline.cp, recompute) for r in roles
+        ],
         "forward_flops_per_token": cost,
     }
 

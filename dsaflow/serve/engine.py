@@ -111,7 +111,8 @@ class PipelineEngine:
             serve_cfg.max_context,
             max(serve_cfg.prefill_chunk, serve_cfg.max_pass_tokens or 0),
         )
-        self.caches = {s: stage_cache(model_cfg, plan, s, *sizes, self.device, dtype) for s in stages}
+        kv_dtype = str(serve_cfg.kv_dtype)
+        self.caches = {s: stage_cache(model_cfg, plan, s, *sizes, self.device, dtype, kv_dtype) for s in stages}
         self.group_caches = {s: [c.rows(a, b) for a, b in self.ranges] for s, c in self.caches.items()}
         self.graphs = GraphManager(
             self.device,

@@ -36,14 +36,17 @@ Stages = Dict[int, StageModule]
 Caches = Dict[int, StageCache]
 
 
-def allocate_caches(stages: Stages, batch: int, max_context: int, max_tokens: int) -> Caches:
-    """One StageCache per stage, for `batch` rows of up to `max_context` positions, in the stages' dtype and device.
-    max_tokens: the most tokens one forward writes per row (the longest prompt)."""
+def allocate_caches(stages: Stages, batch: int, max_context: int, max_tokens: int, kv_dtype: str = "bf16") -> Caches:
+    """One StageCache per stage, for `batch` rows of up to `max_context` positions, in the stages' dtype and device
+    (kv_dtype="fp8": the packed FP8 caches of serve.kv_dtype=fp8). max_tokens: the most tokens one forward writes per
+    row (the longest prompt)."""
     caches = {}
     for s, stage in stages.items():
         weight = next(stage.parameters())
         layers = [LayerSpec(b.layer_index, b.role, b.source) for b in stage.layers.values()]
-        caches[s] = StageCache.allocate(stage.cfg, layers, batch, max_context, max_tokens, weight.device, weight.dtype)
+        caches[s] = StageCache.allocate(
+            stage.cfg, layers, batch, max_context, max_tokens, weight.device, weight.dtype, kv_dtype
+        )
     return caches
 
 

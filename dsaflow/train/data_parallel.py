@@ -52,7 +52,9 @@ class DataParallel:
 
     def __init__(self, ctx, modules: Sequence[nn.Module]):
         self.ctx, self.modules = ctx, list(modules)
-        self.dp = ctx.dp
+        # the ranks holding these stages: the dp replicas, each with its cp ranks (parallel.cp), whose gradients
+        # are averaged alike (a cp rank's loss is scaled so that the average is the whole sequences' gradient)
+        self.dp = ctx.replicas
         self.shard = self.dp > 1 and ctx.plan.pipeline.dp_shard
         if self.shard:
             from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from dsaflow.model import StageModule, trim_indices
+from dsaflow.model.mtp import mtp_runs_in_training
 from dsaflow.pipeline.p2p import StageLink, post_tick
 from dsaflow.pipeline.run_context import RunContext
 from dsaflow.pipeline.ticks import PipelineSchedule
@@ -89,14 +90,15 @@ class ForwardPipeline:
         indexer_weight: Optional[float] = None,
         indexer_losses: Optional[Dict[int, List[torch.Tensor]]] = None,
     ) -> None:
-        """One batch in plan.pipeline.microbatches microbatches. x [B, T] token ids (ranks with stage 0) and
+        """One batch in plan.pipeline.microbatches microbatches. x [B, T] token ids (ranks with stage 0, and with the
+        last stage when it has MTP layers) and
         y [B, 3, T] targets (ranks with the last stage; the per-microbatch LM losses are appended to `losses`).
         indexer_weight None: no grad anywhere (evaluation). A float: every stage's indexer loss is backpropagated
         with that weight and its value appended to indexer_losses[stage]; the indexer gradients are the
         microbatch mean."""
         n_mb, S = self.plan.pipeline.microbatches, self.plan.num_stages
         learn = indexer_weight is not None
-        xs = x.to(self.ctx.device).tensor_split(n_mb) if x is not None else None
+        xs = x.to(self.ctx.device).tensor_split(n_mb) if x is not None else None  # MTP layers read them too
         ys = y.to(self.ctx.device).tensor_split(n_mb) if y is not None else None
 
         def stage_fn(m: int, s: int, inp):
@@ -116,6 +118,7 @@ class ForwardPipeline:
                 indexer_weight,
                 None if indexer_losses is None else indexer_losses.setdefault(s, []),
                 indices if self.plan.receives_indices(s) else None,
+                xs[m] if module.mtp is not None and mtp_runs_in_training(self.ctx.cfg) else None,
             )
             if s == S - 1:
                 with torch.no_grad():
@@ -152,7 +155,7 @@ class ForwardPipeline:
         """[sequences per microbatch, T, dim] of a hidden state (train and eval batches have train.batch_size
         sequences, train.batch_size / parallel.dp per replica; the planner requires them to split evenly)."""
         t = self.ctx.cfg.train
-        return (self._microbatch_rows(), t.seq_len, self.ctx.cfg.model.dim)
+        return (self._microbatch_rows(), t.seq_len // self.plan.pipeline.cp, self.ctx.cfg.model.dim)
 
     def _microbatch_rows(self) -> int:
         p = self.plan.pipeline
@@ -175,10 +178,14 @@ class ForwardPipeline:
         weight: Optional[float],
         sink: Optional[list],
         indices: Optional[torch.Tensor],
+        mtp_tokens: Optional[torch.Tensor] = None,
     ):
-        """-> (output detached, the indices the next stage reads)."""
+        """-> (output detached, the indices the next stage reads). mtp_tokens: the microbatch's input ids, for a
+        last stage with MTP layers."""
         with torch.set_grad_enabled(learn), frozen(self.main_params if learn else []), autocast():
-            out, sent = module.forward_with_indices(inp, indices, attn=attn, compute_indexer_loss=learn)
+            out, sent = module.forward_with_indices(
+                inp, indices, attn=attn, compute_indexer_loss=learn, mtp_tokens=mtp_tokens
+            )
         loss, module.indexer_loss = module.indexer_loss, None
         if learn and loss is not None and loss.requires_grad:
             if sink is not None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from dsaflow.config.moe_schema import is_moe_layer
 from dsaflow.files import append_text, atomic_write, open_append
+from dsaflow.model.mtp import mtp_runs_in_training
 from dsaflow.rundir.folder import LOG, METRICS, read_metrics
 
 from .nonfinite import json_record, nonfinite_flag
@@ -80,7 +81,9 @@ class StepMetrics:
     ):
         self.ctx, self.stages, self.loss_fn, self.tokens_per_step = ctx, list(stages), loss_fn, tokens_per_step
         self.balance = balance
-        self.moe_layer_ids = [i for i in range(ctx.cfg.model.num_layers) if is_moe_layer(ctx.cfg.model, i)]
+        m = ctx.cfg.model
+        self.moe_layer_ids = [i for i in range(m.num_layers + m.mtp_layers) if is_moe_layer(m, i)]
+        self.mtp = mtp_runs_in_training(ctx.cfg)  # the step's vector carries the MTP loss (`mtp_loss`)
         t, plan = ctx.cfg.train, ctx.plan
         self.has_last = any(plan.is_last(index) for index, _, _ in self.stages)
         self.has_answers = loss_fn.num_queries > 0
@@ -92,10 +95,12 @@ class StepMetrics:
     def start(self) -> None:
         """Before a step: its clock starts; timers, indexer losses, accuracy counters and the vector the step
         all-reduces start from zero: [busy per stage | indexer loss per stage | memory per rank | non-finite flag |
-        expert load | LM loss, correct answers, answers (parallel.dp > 1: the last stage of every replica)]."""
+        expert load | MTP loss (model.mtp_layers > 0) | LM loss, correct answers, answers (parallel.dp > 1: the last
+        stage of every replica)]."""
         self.t0 = time.perf_counter()
         S, R = self.ctx.plan.num_stages, self.ctx.plan.pipeline.ranks
-        width = 2 * S + R + 1 + self.balance.width() + (3 if self.ctx.dp > 1 else 0)
+        self.mtp_slot = 2 * S + R + 1 + self.balance.width()
+        width = self.mtp_slot + int(self.mtp) + (3 if self.ctx.replicas > 1 else 0)
         self.vec = torch.zeros(width, dtype=torch.float64, device=self.ctx.device)
         # the ExpertBalance writes here after the optimizer step
         self.expert_load = self.vec[2 * S + R + 1 : 2 * S + R + 1 + self.balance.width()]
@@ -120,9 +125,14 @@ class StepMetrics:
                 vec[S + index] = torch.stack(indexer_losses).mean().double()
         stage_losses = [*losses, *(x for _, _, indexer_losses in self.stages for x in indexer_losses)]
         vec[nonfinite_slot] = nonfinite_flag(stage_losses, vec.device)
-        dp = ctx.dp
+        # with MTP layers the totals hold their loss too: the LM and MTP parts are the loss function's last
+        # len(losses) calls (torch's shape inference at the first step calls it once more, before them)
+        lm_losses = self.loss_fn.lm_losses[-len(losses) :] if self.loss_fn.lm_losses else losses
+        if self.mtp and self.has_last:  # one last stage per replica writes its microbatch mean
+            vec[self.mtp_slot] = torch.stack(self.loss_fn.mtp_losses[-len(losses) :]).float().mean().double()
+        dp = ctx.replicas  # dp x cp: a cp rank's loss is scaled so that the mean over cp is the sequences' loss
         if dp > 1 and self.has_last:  # the replica's loss and answer counts, reduced with the rest over the world
-            vec[-3] = torch.stack([l.detach().float() for l in losses]).mean().double()
+            vec[-3] = torch.stack([l.detach().float() for l in lm_losses]).mean().double()
             vec[-2], vec[-1] = torch.as_tensor(self.loss_fn.correct), torch.as_tensor(self.loss_fn.total)
         # dp > 1: over every replica too; per-stage and per-rank entries then hold dp times a replica's value (the
         # expert load is the same on every replica: reduced over dp before the bias update)
@@ -130,6 +140,7 @@ class StepMetrics:
         if dp > 1:
             vec[:nonfinite_slot].div_(dp)
             self.expert_load.div_(dp)
+            vec[self.mtp_slot : self.mtp_slot + int(self.mtp)].div_(dp)
         if ctx.is_cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - self.t0
@@ -151,12 +162,14 @@ class StepMetrics:
         m.update(self.balance.metrics(self.expert_load, self.moe_layer_ids))
         if self.peak_flops:
             m["mfu"] = self.flops_per_token * m["tokens_per_s"] / self.peak_flops
+        if self.mtp:
+            m["mtp_loss"] = float(vec[self.mtp_slot])
         if dp > 1 and self.has_last:  # the mean over replicas of equal shares: the global batch's mean
             m["loss"] = float(vec[-3] / dp)
             if self.has_answers:
                 m["acc"] = float(vec[-2] / vec[-1]) if vec[-1] > 0 else float("nan")
         elif self.has_last:
-            m["loss"] = float(torch.stack([l.detach().float() for l in losses]).mean())
+            m["loss"] = float(torch.stack([l.detach().float() for l in lm_losses]).mean())
             if self.has_answers:
                 m["acc"] = self.loss_fn.accuracy()
         return m

@@ -25,6 +25,7 @@ import time
 from typing import Callable, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
@@ -32,6 +33,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from dsaflow.data import IGNORE
 from dsaflow.model import IndexerLossInBackward, attach_aux_loss, trim_indices
+from dsaflow.model.mtp import mtp_targets
 
 
 class TrainStage(nn.Module):
@@ -45,7 +47,9 @@ class TrainStage(nn.Module):
     module to infer shapes (2.13: under enable_grad, on uninitialised tensors for non-first stages); such calls
     must not compute an indexer loss, or garbage gradients could reach the indexers, nor count MoE expert load."""
 
-    def __init__(self, stage: nn.Module, indexer_loss_weight: float = 1.0, sends_indices: bool = False):
+    def __init__(
+        self, stage: nn.Module, indexer_loss_weight: float = 1.0, sends_indices: bool = False, runs_mtp: bool = True
+    ):
         super().__init__()
         self.stage = stage
         self.attn = "sparse"
@@ -53,6 +57,26 @@ class TrainStage(nn.Module):
         self.sends_indices = sends_indices
         self.in_backward = IndexerLossInBackward(indexer_loss_weight)  # holds the weight for both loss paths
         self.indexer_losses: List[torch.Tensor] = self.in_backward.values
+        self.mtp_tokens: List[torch.Tensor] = []  # the MTP layers' input ids, one [b, T] per microbatch, in order
+        # whether a last stage's MTP layers run in its training forwards (runs_mtp=False: parallel.cp > 1, where the
+        # planner allows them only at train.mtp_loss_weight=0; they are then carried through untouched)
+        self.runs_mtp = runs_mtp and getattr(stage, "mtp", None) is not None
+
+    def feed_mtp_tokens(self, x: torch.Tensor, microbatches: int) -> None:
+        """A last stage with MTP layers: the step's input ids x [B, T], split as the schedule splits the batch.
+        The MTP layers read the tokens after each position (dsaflow.model.mtp), which only stage 0 receives; every
+        rank draws the same batch, so this rank splits its own copy. Every schedule runs a stage's forwards in
+        microbatch order, so each live forward takes the next one."""
+        self.mtp_tokens = list(x.tensor_split(microbatches)) if self.runs_mtp else []
+
+    def _next_mtp_tokens(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        if not self.runs_mtp:
+            return None
+        if not self.live:  # shape inference: any ids of the microbatch's shape
+            return torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+        if not self.mtp_tokens:
+            raise RuntimeError("the last stage's MTP layers ran a microbatch with no input ids fed (feed_mtp_tokens)")
+        return self.mtp_tokens.pop(0)
 
     def forward(self, x: torch.Tensor, indices: Optional[torch.Tensor] = None):
         """x: token ids [b, T] (first stage) or hidden [b, T, dim]; indices int32 [b, T, topk]: what the previous
@@ -62,13 +86,19 @@ class TrainStage(nn.Module):
         learn = self.live and torch.is_grad_enabled()
         if indices is not None and not self.live:  # shape inference hands in uninitialised ids: keep them in range
             indices = torch.zeros_like(indices)
+        mtp = self._next_mtp_tokens(x)
         if learn and self.attn == "sparse":
             out, sent = self.stage.forward_with_indices(
-                x, indices, attn="sparse", indexer_loss_in_backward=self.in_backward, record_expert_load=True
+                x,
+                indices,
+                attn="sparse",
+                indexer_loss_in_backward=self.in_backward,
+                record_expert_load=True,
+                mtp_tokens=mtp,
             )
             return (out, trim_indices(sent)) if self.sends_indices else out
         out, sent = self.stage.forward_with_indices(
-            x, indices, attn=self.attn, compute_indexer_loss=learn, record_expert_load=learn
+            x, indices, attn=self.attn, compute_indexer_loss=learn, record_expert_load=learn, mtp_tokens=mtp
         )
         loss = self.stage.indexer_loss
         self.stage.indexer_loss = None
@@ -141,32 +171,103 @@ class TimedPipelineStage(PipelineStage):
 class LMLoss:
     """Per-microbatch loss for the schedule, plus retrieval-accuracy counters (no host sync).
 
-    logits [b, T, V] fp32, target [b, 3, T] (row 0 LM targets, row 1 answers, -100 = ignored; row 2 query id of
-    each answer position, -1 = none) -> scalar mean cross-entropy. A query counts as correct when the argmax
-    matches at every one of its answer positions (exact match)."""
+    out, target [b, 3, T] (row 0 LM targets, row 1 answers, -100 = ignored; row 2 query id of each answer position,
+    -1 = none) -> scalar mean cross-entropy. `out` is the last stage's output: with `head` (the last StageModule,
+    built with head_in_loss) its final hidden state [b, T, dim], turned into the loss by `head.lm_loss` in chunks of
+    `chunk_tokens` rows (train.loss_chunk_tokens), so no [b, T, vocab] logits exist; without, fp32 logits
+    [b, T, V]. A query counts as correct when the argmax matches at every one of its answer positions (exact
+    match).
 
-    def __init__(self, num_queries: int = 0):
+    A last stage with D MTP layers returns [b, 1 + D, T, dim] (with `head`: what the head reads at every depth,
+    index 0 the final hidden state after the final norm, index k MTP depth k's output after its head_norm; no norm
+    is applied here) or [b, 1 + D, T, V] logits: the loss is then the LM loss
+    plus mtp_weight (train.mtp_loss_weight) x the mean over depths of each depth's cross-entropy (depth k learns
+    lm[i + k] at position i), each depth through the same chunked head.
+
+    Context parallel (`cp`, the head's ContextParallel): out and target hold this rank's zigzag shard. The loss is
+    cp x (this shard's sum) / (the whole sequences' count of targets), so that its mean over the cp ranks (what the
+    dp x cp gradient average and metrics take) is the whole sequences' mean; a query's answer positions may sit on
+    several ranks, so their hits are combined over the cp group and cp rank 0 alone counts them. (The planner
+    refuses MTP training under cp: dsaflow/plan/cp_rules.py.)"""
+
+    def __init__(
+        self,
+        num_queries: int = 0,
+        head: Optional[nn.Module] = None,
+        chunk_tokens: int = 0,
+        cp=None,
+        mtp_weight: float = 0.0,
+    ):
         self.num_queries = num_queries  # answers per sample (0: no accuracy); static, so no host sync
+        self.head, self.chunk_tokens, self.cp = head, chunk_tokens, cp
+        self.mtp_weight = mtp_weight  # train.mtp_loss_weight
         self.reset()
 
     def reset(self) -> None:
         self.correct: torch.Tensor | int = 0
         self.total: torch.Tensor | int = 0
+        self.lm_losses: List[torch.Tensor] = []  # with MTP outputs: each microbatch's LM loss and MTP loss, detached
+        self.mtp_losses: List[torch.Tensor] = []
 
-    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         lm, ans, qid = target[:, 0], target[:, 1], target[:, 2]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), lm.reshape(-1), ignore_index=IGNORE)
-        with torch.no_grad():
-            n_q = self.num_queries
-            if n_q > 0:
-                slot = torch.where(qid >= 0, qid, torch.full_like(qid, n_q))  # non-answers go to a spare slot
-                hit = (logits.argmax(dim=-1) == ans).long()
-                ok = torch.ones(qid.shape[0], n_q + 1, dtype=torch.long, device=qid.device)
-                ok.scatter_reduce_(1, slot, hit, reduce="amin")
-                seen = torch.zeros_like(ok).scatter_reduce_(1, slot, torch.ones_like(hit), reduce="amax")
-                self.correct = self.correct + (ok[:, :n_q] * seen[:, :n_q]).sum()
-                self.total = self.total + seen[:, :n_q].sum()
-        return loss
+        mtp = out[:, 1:] if out.dim() == 4 else None
+        out = out[:, 0] if mtp is not None else out
+        loss, argmax = self._lm_loss(out, lm, normed=mtp is not None)
+        if self.num_queries > 0:
+            self._count_answers(argmax, ans, qid)
+        if mtp is None:
+            return loss
+        if self.cp is not None:
+            raise RuntimeError("MTP outputs under context parallelism: the planner refuses this (cp_rules.py)")
+        mtp_loss = torch.stack([self._depth_loss(mtp[:, k - 1], lm, k) for k in range(1, mtp.shape[1] + 1)]).mean()
+        self.lm_losses.append(loss.detach())
+        self.mtp_losses.append(mtp_loss.detach())
+        return loss + self.mtp_weight * mtp_loss
+
+    def _lm_loss(self, out: torch.Tensor, lm: torch.Tensor, normed: bool):
+        """The LM loss of `out` (with `head` hidden [b, T, dim], after the final norm when `normed`; else logits
+        [b, T, V]) -> (loss, argmax [b, T] or None, when no accuracy is counted)."""
+        want_argmax = self.num_queries > 0
+        if self.cp is not None:
+            total, argmax = self.head.lm_loss(
+                out, lm, self.chunk_tokens, want_argmax=want_argmax, reduction="sum", normed=normed
+            )
+            count = (lm != IGNORE).sum()
+            dist.all_reduce(count, group=self.cp.comm.group)
+            return total * self.cp.size / count, argmax
+        if self.head is not None:
+            return self.head.lm_loss(out, lm, self.chunk_tokens, want_argmax=want_argmax, normed=normed)
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), lm.reshape(-1), ignore_index=IGNORE)
+        return loss, out.detach().argmax(dim=-1) if want_argmax else None
+
+    @torch.no_grad()
+    def _count_answers(self, argmax: torch.Tensor, ans: torch.Tensor, qid: torch.Tensor) -> None:
+        """Adds this microbatch's exactly matched queries and seen queries to the counters."""
+        n_q = self.num_queries
+        slot = torch.where(qid >= 0, qid, torch.full_like(qid, n_q))  # non-answers go to a spare slot
+        hit = (argmax == ans).long()
+        ok = torch.ones(qid.shape[0], n_q + 1, dtype=torch.long, device=qid.device)
+        ok.scatter_reduce_(1, slot, hit, reduce="amin")
+        seen = torch.zeros_like(ok).scatter_reduce_(1, slot, torch.ones_like(hit), reduce="amax")
+        if self.cp is not None:  # every rank's answer positions of each query
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.cp.comm.group)
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.cp.comm.group)
+            seen = seen * int(self.cp.rank == 0)
+        self.correct = self.correct + (ok[:, :n_q] * seen[:, :n_q]).sum()
+        self.total = self.total + seen[:, :n_q].sum()
+
+    def _depth_loss(self, out: torch.Tensor, lm: torch.Tensor, depth: int) -> torch.Tensor:
+        """Mean cross-entropy of MTP depth `depth` (its output [b, T, dim], already normed, with `head`; else its
+        logits [b, T, V]) over its positions with a target (0 when there are none, without a host sync)."""
+        want = mtp_targets(lm, depth, IGNORE)
+        if self.head is not None:  # the shared LM head in chunks, no second norm
+            total, _ = self.head.lm_loss(out, want, self.chunk_tokens, reduction="sum", normed=True)
+        else:
+            total = F.cross_entropy(
+                out.reshape(-1, out.shape[-1]).float(), want.reshape(-1), ignore_index=IGNORE, reduction="sum"
+            )
+        return total / (want != IGNORE).sum().clamp_min(1)
 
     def accuracy(self) -> float:
         total = int(self.total)

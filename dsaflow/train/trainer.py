@@ -29,11 +29,14 @@ from dsaflow.data import BatchSource
 from dsaflow.data.hf_tokenizer import checkpoint_tokenizer
 from dsaflow.errors import CheckpointError
 from dsaflow.model import StageModule
+from dsaflow.model.context_parallel import zigzag_shard
+from dsaflow.model.mtp import mtp_runs_in_training
 from dsaflow.pipeline.run_context import RunContext
 from dsaflow.pipeline.stages import stage_module
 from dsaflow.rundir.folder import checkpoint_dir
 from dsaflow.track import Progress, make_tracker
 
+from .cp_comm import context_parallel
 from .data_parallel import DataParallel, full_tensor, replica_rows
 from .expert_balance import ExpertBalance
 from .forward_pass import ForwardPipeline
@@ -81,14 +84,19 @@ class Trainer:
         self.modules: List[StageModule] = [
             stage_module(cfg.model, plan, s.index, t.seed).to(ctx.device) for s in self.local
         ]
+        # parallel.cp: each rank runs its zigzag shard of every sequence and gathers the keys over its cp group
+        self.cp = context_parallel(ctx.cp_group) if ctx.cp > 1 else None
         for m in self.modules:
             m.recompute, m.recompute_chunk_tokens = str(t.recompute), t.recompute_chunk_tokens
+            m.head_in_loss = m.is_last  # the loss applies norm and head in chunks (train.loss_chunk_tokens)
+            m.cp = self.cp
         # train.init_from / model.hf_path: whole weights into whole stages, before the dp sharding below
         self.init_lines = [] if t.resume else self._load_initial_weights()
         # parallel.dp: FSDP2-shards the modules over the dp group (before the optimisers see their parameters)
         self.dp = DataParallel(ctx, self.modules)
         self.wrappers = [
-            TrainStage(m, t.indexer_loss_weight, plan.sends_indices(s.index)) for m, s in zip(self.modules, self.local)
+            TrainStage(m, t.indexer_loss_weight, plan.sends_indices(s.index), mtp_runs_in_training(cfg))
+            for m, s in zip(self.modules, self.local)
         ]
         self.pstages = build_pipeline_stages(
             self.wrappers, [s.index for s in self.local], plan.num_stages, ctx.device, ctx.group
@@ -101,7 +109,14 @@ class Trainer:
             cfg.model.vocab_size,
             checkpoint_tokenizer(tokenizer_json(hf_files_folder(cfg.model.hf_path, ctx.run_dir))),
         )
-        self.loss_fn = LMLoss(cfg.data.num_queries if self.data.has_answers else 0)
+        last = [m for m in self.modules if m.is_last]
+        self.loss_fn = LMLoss(
+            cfg.data.num_queries if self.data.has_answers else 0,
+            last[0] if last else None,
+            t.loss_chunk_tokens,
+            self.cp,
+            t.mtp_loss_weight,
+        )
         self.schedule = build_schedule(
             plan.pipeline.schedule,
             self.pstages,
@@ -122,7 +137,8 @@ class Trainer:
         )
         self.tokens_per_step = t.batch_size * t.seq_len  # the global batch: every replica's tokens
         moe = cfg.model.moe
-        self.balance = ExpertBalance(self.modules, cfg.model.num_layers, moe.bias_update_rate if moe else 0.0)
+        all_layers = cfg.model.num_layers + cfg.model.mtp_layers  # MTP layers have MoE MLPs like any other
+        self.balance = ExpertBalance(self.modules, all_layers, moe.bias_update_rate if moe else 0.0)
         self.params, embedding_params = count_parameters(self.modules, ctx.device, ctx.group)
         timed = [(s.index, ps.timer, w.indexer_losses) for s, ps, w in zip(self.local, self.pstages, self.wrappers)]
         self.metrics = StepMetrics(
@@ -138,10 +154,15 @@ class Trainer:
         return self.t.dsa_stage == "dense_warmup" or step < self.t.dense_warmup_steps
 
     def _replica_batch(self, x, y):
-        """This replica's rows of a global batch (all of it at parallel.dp=1)."""
-        return replica_rows(x, self.ctx.dp, self.ctx.dp_rank), replica_rows(y, self.ctx.dp, self.ctx.dp_rank)
+        """This replica's rows of a global batch (all of it at parallel.dp=1), and with parallel.cp this rank's
+        zigzag shard of each: x [b, T / cp], y [b, 3, T / cp]."""
+        ctx = self.ctx
+        x, y = replica_rows(x, ctx.dp, ctx.dp_rank), replica_rows(y, ctx.dp, ctx.dp_rank)
+        return zigzag_shard(x, ctx.cp, ctx.cp_rank, dim=1), zigzag_shard(y, ctx.cp, ctx.cp_rank, dim=2)
 
     def _run_schedule(self, x, y, losses: list) -> None:
+        for w in self.wrappers:  # the last stage's MTP layers read the input ids too
+            w.feed_mtp_tokens(x.to(self.ctx.device), self.ctx.plan.pipeline.microbatches)
         args = (x.to(self.ctx.device),) if self.has_first else ()
         kwargs = {"target": y.to(self.ctx.device), "losses": losses} if self.has_last else {}
         with self.autocast():
@@ -150,7 +171,7 @@ class Trainer:
     def _run_forward(self, x, y, losses: list, attn: str, learn: bool) -> None:
         sinks = {sp.index: w.indexer_losses for sp, w in zip(self.local, self.wrappers)}
         self.forward_only.run(
-            x if self.has_first else None,
+            x if self.has_first or mtp_runs_in_training(self.ctx.cfg) else None,  # MTP layers read the ids too
             y if self.has_last else None,
             losses,
             self.loss_fn,
@@ -214,14 +235,22 @@ class Trainer:
         self.dp.after_forward_only()
         if not self.has_last:
             return {}
-        mean_loss = torch.stack([l.detach().float() for l in all_losses]).mean()
-        if self.ctx.dp > 1:  # every replica's share of the held-out rows: the dp group of the last stage's rank
+        mtp = self.loss_fn.mtp_losses
+        lm_losses = self.loss_fn.lm_losses or all_losses  # with MTP layers, the totals hold their loss too
+        mean_loss = torch.stack([l.detach().float() for l in lm_losses]).mean()
+        mean_mtp = torch.stack(mtp).float().mean() if mtp else None
+        if self.ctx.replicas > 1:  # every replica's (and cp rank's) share: the dp group of the last stage's rank
             counts = (self.loss_fn.correct, self.loss_fn.total)
             sums = torch.stack([mean_loss.double(), *(torch.as_tensor(c, dtype=torch.float64) for c in counts)])
+            if mean_mtp is not None:  # MTP runs only at cp=1 (mtp_runs_in_training): the replicas' mean too
+                sums = torch.cat([sums, mean_mtp.double().view(1)])
             dist.all_reduce(sums, group=self.ctx.dp_group)
-            mean_loss = sums[0] / self.ctx.dp
+            mean_loss = sums[0] / self.ctx.replicas
+            mean_mtp = sums[3] / self.ctx.replicas if mean_mtp is not None else None
             self.loss_fn.correct, self.loss_fn.total = int(sums[1]), int(sums[2])
         out = {"eval_loss": float(mean_loss)}
+        if mean_mtp is not None:
+            out["eval_mtp_loss"] = float(mean_mtp)
         if self.data.bytes:  # byte tokens: nats per byte / ln 2 = bits per byte
             out["eval_bpb"] = out["eval_loss"] / math.log(2)
         if self.data.has_answers:
@@ -284,11 +313,12 @@ class Trainer:
         """The run's header line: parameters, ranks, stages, schedule, microbatches."""
         p = self.ctx.plan
         ranks, stages, mbs = p.pipeline.ranks, p.num_stages, p.pipeline.microbatches
-        dp = p.pipeline.dp
+        dp, cp = p.pipeline.dp, p.pipeline.cp
         replicas = ""
-        if dp > 1:
+        if dp * cp > 1:
             how = "sharded (FSDP2)" if p.pipeline.dp_shard else "replicated"
-            replicas = f" x dp {dp} {how} = {p.pipeline.world_size} ranks"
+            split = f" x cp {cp}" if cp > 1 else ""
+            replicas = f" x dp {dp}{split} {how} = {p.pipeline.world_size} ranks"
         return (
             f"training {self.params:,} parameters on {ranks} rank{'s' * (ranks != 1)}{replicas} x "
             f"{self.ctx.device.type}, {stages} stage{'s' * (stages != 1)}, schedule {p.pipeline.schedule}, "
@@ -352,9 +382,9 @@ class Trainer:
         at any parallel.dp."""
         ctx = self.ctx
         state = None
-        if ctx.dp > 1:
+        if ctx.replicas > 1:
             state = {k: full_tensor(v) for k, v in rank_state(self.modules, self.opt, ctx.rank, step, False).items()}
-        if ctx.dp_rank == 0:
+        if ctx.replica_index == 0:
             save_checkpoint(
                 checkpoint_dir(ctx.run_dir, step),
                 self.modules,
@@ -365,5 +395,5 @@ class Trainer:
                 self.t.keep_checkpoints,
                 state=state,
             )
-        if ctx.dp > 1:  # the other replicas go on once the checkpoint is complete (or its save failed everywhere)
+        if ctx.replicas > 1:  # the other replicas go on once the checkpoint is complete (or its save failed everywhere)
             dist.barrier()

@@ -85,10 +85,14 @@ def stage_and_optimisers(cfg, plan):
 
 
 def make_step(stage, opts, x):
-    """The trainer's step for one microbatch: autocast around forward and backward (as around schedule.step)."""
+    """The trainer's step for one microbatch: autocast around forward and backward (as around schedule.step), the
+    loss head in chunks of the default train.loss_chunk_tokens on next-token targets."""
+    from dsaflow.config.schema import TrainConfig
     from dsaflow.model import IndexerLossInBackward
 
     sink = IndexerLossInBackward(1.0)
+    stage.head_in_loss = True
+    target = x.roll(-1, dims=1)
 
     def step():
         for o in opts:
@@ -96,7 +100,7 @@ def make_step(stage, opts, x):
         sink.values.clear()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = stage(x, indexer_loss_in_backward=sink)
-            out.float().logsumexp(-1).mean().backward()
+            stage.lm_loss(out, target, TrainConfig.loss_chunk_tokens)[0].backward()
         for o in opts:
             o.step()
 

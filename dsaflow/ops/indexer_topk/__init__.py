@@ -28,7 +28,8 @@ def indexer_topk(
 
     Args:
         q: [B, T, H_I, D_I] index queries (any float dtype; accumulation is fp32).
-        k: [B, S, D_I] index keys.
+        k: [B, S, D_I] index keys, or a packed FP8 key cache uint8 [B, S, D_I + 4] (serve.kv_dtype=fp8: e4m3 keys
+            and one fp32 scale each, dsaflow.ops.kv_fp8), read in place and dequantized in registers.
         w: [B, T, H_I] per-head weights.
         positions: [B, T] int, the absolute position of each query; key s is visible iff s <= position (< 0 =
             padding, nothing visible).

@@ -3,7 +3,7 @@
 | kernel         | runs when                                                                                   |
 |----------------|---------------------------------------------------------------------------------------------|
 | `reference`    | CPU tensors (`naive.py`: fp32 scores, fp8 by the same rounding in fp32)                      |
-| `triton_radix` | any CUDA call; fp8 needs sm_89+                                                             |
+| `triton_radix` | any CUDA call; fp8 and a packed FP8 key cache (uint8 k) need sm_89+                         |
 
 `triton_radix` (`triton_indexer.indexer_topk_triton`) computes the logits kernel into fp32 scores and runs the exact
 radix select (`triton_select`), which reads only each row's visible prefix. fp8=True (model.index_fp8) is a
@@ -24,6 +24,10 @@ def _reference_rule(q, k, fp8):
 
 
 def _radix_rule(q, k, fp8):
+    if k.dtype == torch.uint8:  # a packed FP8 key cache
+        major, minor = torch.cuda.get_device_capability(q.device)
+        if (major, minor) < (8, 9):
+            return f"sm_{major}{minor}: serve.kv_dtype=fp8 needs fp8 loads (compute capability 8.9+); set serve.kv_dtype=bf16"
     return (fp8 and fp8_reason(q)) or None
 
 

@@ -71,10 +71,22 @@ def indexer_topk_naive(
     chunk: queries per step; default keeps the per-head logits [B, chunk, H, S] near 2^26 elements, so a 128K
     context with 64 index heads never holds more than a few hundred MB at once.
     fp8: score the values q and k take after per-row fp8 e4m3 rounding (`fp8.quantize_rows`), as the CUDA op does.
+    k may be a packed FP8 key cache uint8 [B, S, D + 4] (serve.kv_dtype=fp8): its keys are scored as stored.
     key_rows int [B, T]: query (b, t) scores the keys k[key_rows[b, t]] of a k [R, S, D] with any R (a token-major
     serving pass); each chunk gathers its queries' key rows.
     """
-    if fp8:
+    if k.dtype == torch.uint8:  # a packed FP8 key cache: its keys as stored (an fp8 score keeps them, unrounded again)
+        from dsaflow.ops.kv_fp8 import dequantize_fp8_rows, fp8_format_of
+
+        fmt = fp8_format_of(k, q.shape[-1], 0)
+        if fmt is None or fmt.blocks != 1:
+            raise ValueError(f"indexer_topk: a uint8 k of {k.shape[-1]} bytes per key is no FP8 key cache")
+        k = dequantize_fp8_rows(k, fmt)
+        if fp8:
+            from .fp8 import dequantize_rows, quantize_rows
+
+            q = dequantize_rows(*quantize_rows(q))
+    elif fp8:
         from .fp8 import dequantize_rows, quantize_rows
 
         q, k = dequantize_rows(*quantize_rows(q)), dequantize_rows(*quantize_rows(k))

@@ -30,7 +30,7 @@ def _indexer_logits_kernel(
     q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, kscale_ptr,
     T, S, H, D,
     s_qb, s_qt, s_qh,
-    s_kb, s_ks, s_ksb,
+    s_kb, s_ks, s_ksb, s_kss,
     s_wb, s_wt, s_wh,
     s_pb, s_pt,
     s_ob, s_ot,
@@ -56,7 +56,7 @@ def _indexer_logits_kernel(
     if any_visible:  # some key of this tile is visible to some query of the tile
         k = tl.load(k_ptr + b * s_kb + offs_s[:, None] * s_ks + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                     other=0.0)
-        k_t = tl.trans(k)
+        k_t = tl.trans(k.to(q_ptr.dtype.element_ty))  # e4m3 keys of an FP8 cache meet bf16 queries exactly
         q_rows = q_ptr + b * s_qb + offs_t[:, None] * s_qt + offs_d[None, :]
         w_rows = w_ptr + b * s_wb + offs_t * s_wt
         for h in range(H):
@@ -64,7 +64,7 @@ def _indexer_logits_kernel(
             wh = tl.load(w_rows + h * s_wh, mask=t_ok, other=0.0).to(tl.float32)
             acc += tl.maximum(tl.dot(qh, k_t, input_precision=DOT_PREC), 0.0) * wh[:, None]
         if K_SCALED:  # fp8 keys: relu(s_k x) = s_k relu(x) for the positive per-key scale, so it applies once here
-            acc = acc * tl.load(kscale_ptr + b * s_ksb + offs_s, mask=s_ok, other=0.0)[None, :]
+            acc = acc * tl.load(kscale_ptr + b * s_ksb + offs_s * s_kss, mask=s_ok, other=0.0)[None, :]
     visible = (offs_s[None, :] <= pos[:, None]) & s_ok[None, :]
     acc = tl.where(visible, acc, float("-inf"))
     offs_t = offs_t.to(tl.int64)  # rows x S can pass 2^31 elements
@@ -78,7 +78,7 @@ def _indexer_logits_one_query_kernel(
     q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, kscale_ptr, key_rows_ptr,
     S, H, D,
     s_qb, s_qh,
-    s_kb, s_ks, s_ksb,
+    s_kb, s_ks, s_ksb, s_kss,
     s_wb, s_wh,
     s_pb,
     s_ob,
@@ -110,10 +110,10 @@ def _indexer_logits_one_query_kernel(
         w = tl.load(w_ptr + b * s_wb + offs_h * s_wh, mask=h_ok, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + kb * s_kb + offs_s[:, None] * s_ks + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                     other=0.0)
-        logits = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_S]
+        logits = tl.dot(q, tl.trans(k.to(q_ptr.dtype.element_ty)), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_S]
         acc = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
         if K_SCALED:
-            acc = acc * tl.load(kscale_ptr + kb * s_ksb + offs_s, mask=s_ok, other=0.0)
+            acc = acc * tl.load(kscale_ptr + kb * s_ksb + offs_s * s_kss, mask=s_ok, other=0.0)
     acc = tl.where((offs_s <= pos) & s_ok, acc, float("-inf"))
     store_ok = s_ok if WRITE_INVISIBLE else s_ok & (offs_s * 0 + pid_s * BLOCK_S <= pos)
     tl.store(out_ptr + b * s_ob + offs_s, acc, mask=store_ok)
@@ -138,6 +138,18 @@ def _quantize_rows_kernel(x_ptr, x8_ptr, scale_ptr, w_ptr, w_out_ptr, n_rows, D,
     if HAS_W:
         wv = tl.load(w_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
         tl.store(w_out_ptr + rows, wv * scale, mask=r_ok)
+
+
+def fp8_key_views(k: torch.Tensor, d: int):
+    """A packed FP8 key cache uint8 [R, S, d + 4] (serve.kv_dtype=fp8, dsaflow.ops.kv_fp8) -> its e4m3 keys [R, S, d]
+    and fp32 scales [R, S], views of the cache."""
+    from dsaflow.ops.kv_fp8 import fp8_format_of, fp8_row_views
+
+    fmt = fp8_format_of(k, d, 0)
+    if fmt is None or fmt.blocks != 1:
+        raise ValueError(f"indexer_topk: a uint8 k of {k.shape[-1]} bytes per key is no FP8 key cache of {d} dims")
+    keys, scales, _ = fp8_row_views(k, fmt)
+    return keys, scales[..., 0]
 
 
 def quantize_rows_triton(x: torch.Tensor, w: torch.Tensor | None = None):
@@ -185,8 +197,9 @@ def indexer_logits_triton(
     key_rows int [B] (T == 1 only): query b scores the keys k[key_rows[b]] of a k [R, S, D] with any R (a
     token-major serving pass); k_scale is then [R, S].
 
-    fp8 q and k (float8_e4m3fn, `fp8.quantize_rows`) need k_scale [B, S] fp32, the keys' scales; the queries' scales
-    are folded into w by the caller (w[b, t, h] * q_scale[b, t, h]).
+    fp8 k (float8_e4m3fn, `fp8.quantize_rows`, or an FP8 cache's keys) needs k_scale [B, S] fp32 (any strides), the
+    keys' scales; q is fp8 too (its scales folded into w by the caller: w[b, t, h] * q_scale[b, t, h]) or bf16/fp32,
+    which the e4m3 keys are converted to exactly.
 
     `out` may be a preallocated fp32 [B, T, S] buffer with a contiguous last dim (reused across chunks).
     write_invisible=False leaves key tiles that no query of the tile can see unwritten (the radix select reads only
@@ -202,9 +215,10 @@ def indexer_logits_triton(
     if grid[0] >= 2**31:
         raise ValueError(f"indexer logits: {grid[0]} programs for B={B} T={T} S={S} exceed the grid limit")
     fp8 = torch.float8_e4m3fn
-    if (q.dtype == fp8) != (k_scale is not None) or (k.dtype == fp8) != (k_scale is not None):
+    if (k.dtype == fp8) != (k_scale is not None) or (q.dtype == fp8 and k.dtype != fp8):
         raise ValueError(f"indexer logits: q {q.dtype} / k {k.dtype} with k_scale "
-                         f"{'given' if k_scale is not None else 'missing'}: fp8 needs both fp8 and k_scale [B, S]")
+                         f"{'given' if k_scale is not None else 'missing'}: fp8 keys need k_scale [B, S], and fp8 "
+                         "queries fp8 keys")
     ks = k_scale if k_scale is not None else w  # any tensor: K_SCALED=False never reads it
     # fp32 inputs mean fp32 scores (IEEE, not TF32): rounded scores can reorder near-ties and change the top-k
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -218,7 +232,7 @@ def indexer_logits_triton(
             q, k, w, positions, out, ks, rows,
             S, H, D,
             q.stride(0), q.stride(2),
-            k.stride(0), k.stride(1), ks.stride(0),
+            k.stride(0), k.stride(1), ks.stride(0), ks.stride(1),
             w.stride(0), w.stride(2),
             positions.stride(0),
             out.stride(0),
@@ -231,7 +245,7 @@ def indexer_logits_triton(
         q, k, w, positions, out, ks,
         T, S, H, D,
         q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), ks.stride(0),
+        k.stride(0), k.stride(1), ks.stride(0), ks.stride(1),
         w.stride(0), w.stride(1), w.stride(2),
         positions.stride(0), positions.stride(1),
         out.stride(0), out.stride(1),
@@ -260,9 +274,12 @@ def indexer_topk_triton(
     if fp8 and (reason := fp8_reason(q)) is not None:
         raise ValueError(f"indexer_topk: {reason}")
     k_scale = None
+    if k.dtype == torch.uint8:  # a packed FP8 key cache: its e4m3 keys and scales, read in place
+        k, k_scale = fp8_key_views(k, q.shape[-1])
     if fp8:
         q, _, w = quantize_rows_triton(q, w)  # the queries' scales folded into w
-        k, k_scale = quantize_rows_triton(k)
+        if k_scale is None:
+            k, k_scale = quantize_rows_triton(k)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:

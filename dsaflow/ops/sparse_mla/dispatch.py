@@ -8,7 +8,9 @@ in order by `explain_sparse_mla`.
 | `hopper_seesaw`  | forward  | sm_90, DeepSeek MLA shapes (d_qk 576, d_v 512, H % 64 == 0), bf16/fp16, triton     |
 |                  |          | 3.6's Gluon; without grad also only when its grid covers at least half the SMs     |
 | `triton_prefill` | forward  | grad; bf16/fp16/fp32, 0 < d_v <= 512, 0 <= d_qk - d_v <= 128 (fp32: d_qk <= 256)   |
-| `triton_decode`  | forward  | no grad; the same shapes (split-K over the selected rows)                          |
+| `triton_decode`  | forward  | no grad; the same shapes (split-K over the selected rows); also kv as a packed FP8 |
+|                  |          | cache (uint8 rows of dsaflow.ops.kv_fp8, serve.kv_dtype=fp8; sm_89+), read in      |
+|                  |          | place and dequantized in registers                                                 |
 | `cudnn`          | backward | cuDNN-Frontend's CuTe DSL backward (`cudnn_backward.py`, the optional `peers`      |
 |                  |          | extra) imports; sm_90 (H >= 2) or sm_100/sm_103 (H 16/32/64/96/128); bf16/fp16;    |
 |                  |          | d_qk 512 or 576 with d_v 512; q and kv under 2^31 elements; lse gets no gradient;  |
@@ -75,12 +77,35 @@ class Needs:
 def kernel_supports(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> str | None:
     """None if the portable Triton kernels take these shapes, else the reason they do not."""
     d_qk = q.shape[-1]
-    if q.dtype not in _DTYPES or kv.dtype != q.dtype:
+    if kv.dtype == torch.uint8:  # a packed FP8 cache (serve.kv_dtype=fp8), dequantized in the kernel's registers
+        if (reason := fp8_cache_reason(q, kv, d_v)) is not None:
+            return reason
+    elif q.dtype not in _DTYPES or kv.dtype != q.dtype:
         return f"dtypes q={q.dtype} kv={kv.dtype} (kernels take bf16/fp16/fp32 with q.dtype == kv.dtype)"
     if not 0 < d_v <= MAX_D_V or not 0 <= d_qk - d_v <= MAX_D_TAIL:
         return f"d_v={d_v}, d_qk={d_qk} (kernels take 0 < d_v <= {MAX_D_V} and 0 <= d_qk - d_v <= {MAX_D_TAIL})"
     if q.dtype == torch.float32 and d_qk > 256:
         return f"fp32 with d_qk={d_qk} > 256 (the fp32 tiles do not fit in shared memory; use bf16)"
+    return None
+
+
+def fp8_cache_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
+    """None if the Triton kernels read kv as a packed FP8 cache for q, else why not: the bytes must match the
+    format (`ops.kv_fp8.fp8_format_of`), q bf16/fp16/fp32, rows 4-byte aligned, fp8 loads need sm_89+."""
+    from dsaflow.ops.kv_fp8 import fp8_format_of
+
+    if q.dtype not in _DTYPES:
+        return f"q dtype {q.dtype} (the FP8 cache is read with bf16/fp16/fp32 queries)"
+    if fp8_format_of(kv, d_v, q.shape[-1] - d_v) is None:
+        return f"a uint8 kv of {kv.shape[-1]} bytes per row is no FP8 cache of d_v={d_v}, d_qk={q.shape[-1]}"
+    if kv.stride(-1) != 1 or kv.stride(0) % 4 or kv.stride(1) % 4:
+        return f"FP8 cache strides {tuple(kv.stride())} (rows must start 4-byte aligned: fp32 scales)"
+    cap = device_capability(q)
+    if cap is not None and cap < (8, 9):
+        return (
+            f"sm_{cap[0]}{cap[1]}: serve.kv_dtype=fp8 needs fp8 loads (compute capability 8.9+); "
+            "set serve.kv_dtype=bf16"
+        )
     return None
 
 
@@ -127,6 +152,8 @@ def _seesaw_rule(q, kv, indices, d_v, needs):
 def _triton_prefill_rule(q, kv, indices, d_v, needs):
     if not needs.grad:
         return "no grad (triton_decode runs it as one split, or splits the keys)"
+    if kv.dtype == torch.uint8:
+        return "an FP8 cache is read without grad (serving), and no backward writes one"
     return kernel_supports(q, kv, indices, d_v)
 
 

@@ -59,15 +59,17 @@ def key_extent(indices: torch.Tensor, S: int) -> torch.Tensor:
 
 @triton.jit
 def _sparse_mla_fwd_kernel(
-    q_ptr, kv_ptr, idx_ptr, nk_ptr, out_ptr, lse_ptr,
+    q_ptr, kv_ptr, idx_ptr, nk_ptr, out_ptr, lse_ptr, kvs_ptr, kvr_ptr,
     T, S, K, H, D_V, D_T, k_per_split, scale_log2, n_q, n_hb,
     s_qb, s_qt, s_qh,
     s_kvb, s_kvs,
+    s_ksb, s_kss, s_krb, s_krs,
     s_ib, s_it,
     s_osplit, s_ob, s_ot, s_oh,
     s_lsplit, s_lb, s_lt,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
-    HAS_TAIL: tl.constexpr, DOT_PREC: tl.constexpr, USE_EXTENT: tl.constexpr,
+    HAS_TAIL: tl.constexpr, DOT_PREC: tl.constexpr, USE_EXTENT: tl.constexpr, KV_FP8: tl.constexpr,
+    QB: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     pid_h = (pid % n_hb).to(tl.int32)  # fastest: head blocks of one query run together and share rows in L2
@@ -91,6 +93,8 @@ def _sparse_mla_fwd_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     kv_base = kv_ptr + b * s_kvb
+    kvs_base = kvs_ptr + b * s_ksb  # KV_FP8 only: the rows' fp32 scales and bf16 rope parts
+    kvr_base = kvr_ptr + b * s_krb
     idx_base = idx_ptr + b * s_ib + t * s_it
     k_lo = pid_s * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)  # the split's slots (masks: a block never crosses a split)
@@ -103,11 +107,22 @@ def _sparse_mla_fwd_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_base + offs_k, mask=offs_k < k_hi, other=-1)
         valid = (idx >= 0) & (idx < S)
-        rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * s_kvs
-        k_nope = tl.load(rows + offs_dv[None, :], mask=valid[:, None] & dv_ok[None, :], other=0.0)  # [BK, DV]
+        row_ids = tl.where(valid, idx, 0).to(tl.int64)[:, None]
+        rows = kv_base + row_ids * s_kvs
+        if KV_FP8:  # packed FP8 rows: e4m3 values times their block's fp32 scale, dequantized here in registers
+            nope_ok = valid[:, None] & dv_ok[None, :]
+            k8 = tl.load(rows + offs_dv[None, :], mask=nope_ok, other=0.0).to(tl.float32)
+            scales = tl.load(kvs_base + row_ids * s_kss + (offs_dv // QB)[None, :], mask=nope_ok, other=0.0)
+            k_nope = (k8 * scales).to(q_nope.dtype)  # [BK, DV]
+        else:
+            k_nope = tl.load(rows + offs_dv[None, :], mask=valid[:, None] & dv_ok[None, :], other=0.0)  # [BK, DV]
         s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
         if HAS_TAIL:
-            k_tail = tl.load(rows + D_V + offs_dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0)
+            if KV_FP8:  # the rope part stays bf16 in the packed row
+                k_tail = tl.load(kvr_base + row_ids * s_krs + offs_dt[None, :], mask=valid[:, None] & dt_ok[None, :],
+                                 other=0.0).to(q_tail.dtype)
+            else:
+                k_tail = tl.load(rows + D_V + offs_dt[None, :], mask=valid[:, None] & dt_ok[None, :], other=0.0)
             s = tl.dot(q_tail, tl.trans(k_tail), s, input_precision=DOT_PREC)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -142,6 +157,22 @@ def _rotated_blocks(query, n_k, BLOCK_K: tl.constexpr):
     return n_blk, (query % tl.maximum(n_blk, 1)).to(tl.int32)
 
 
+def fp8_cache_views(kv: torch.Tensor, d_v: int, d_tail: int):
+    """(values, scales, rope, block) the kernel reads: for a packed FP8 cache (serve.kv_dtype=fp8, uint8 rows of
+    dsaflow.ops.kv_fp8) its e4m3 values [B, S, d_v], fp32 scales [B, S, d_v / block] and bf16 rope [B, S, d_tail],
+    views of the cache, and its scale block; otherwise (kv, kv, kv, 0): the unused pointers are never read."""
+    if kv.dtype != torch.uint8:
+        return kv, kv, kv, 0
+    from dsaflow.ops.kv_fp8 import fp8_format_of, fp8_row_views
+
+    fmt = fp8_format_of(kv, d_v, d_tail)
+    if fmt is None:
+        raise ValueError(f"sparse MLA: a uint8 kv of {kv.shape[-1]} bytes per row is no FP8 cache of d_v={d_v} and "
+                         f"rope {d_tail}")
+    values, scales, rope = fp8_row_views(kv, fmt)
+    return values, scales, rope if d_tail else scales, fmt.block
+
+
 def fwd_config(q: torch.Tensor, d_v: int, d_tail: int, K: int, overrides: dict | None = None) -> dict:
     """Block sizes and launch options for a shape. Deterministic in the shape (fixed grids for CUDA graphs)."""
     H = q.shape[2]
@@ -167,7 +198,8 @@ def launch_sparse_mla_fwd(
     out: torch.Tensor, lse: torch.Tensor, num_splits: int = 1, overrides: dict | None = None,
     n_keys: torch.Tensor | None = None, use_extent: bool = True,
 ):
-    """Fill out/lse for q [B, T, H, D_qk], kv [B, S, D_qk], indices [B, T, K] int32 (last dims contiguous).
+    """Fill out/lse for q [B, T, H, D_qk], kv [B, S, D_qk] (or a packed FP8 cache uint8 [B, S, nbytes],
+    `fp8_cache_views`), indices [B, T, K] int32 (last dims contiguous).
     n_keys [B, T] int32 contiguous: `key_extent(indices, S)`, computed here when not given. use_extent=False loops
     over every slot and launches no extent kernel (decode: a few queries over a long cache, whose rows are full,
     where the extra launch and the dependent load would cost a large share of a ~0.1 ms call).
@@ -180,6 +212,7 @@ def launch_sparse_mla_fwd(
     S, K = kv.shape[1], indices.shape[2]
     d_tail = D_qk - d_v
     cfg = fwd_config(q, d_v, d_tail, K, overrides)
+    kv, kv_scales, kv_rope, block = fp8_cache_views(kv, d_v, d_tail)
     if not use_extent:
         n_keys = indices  # a placeholder pointer, never read
     elif n_keys is None:
@@ -193,15 +226,16 @@ def launch_sparse_mla_fwd(
     n_hb = triton.cdiv(H, cfg["BLOCK_H"])
     grid = (n_hb * B * T * num_splits,)  # 1-D: axis 0 takes 2^31 - 1 programs
     return _sparse_mla_fwd_kernel[grid](
-        q, kv, indices, n_keys, out, lse,
+        q, kv, indices, n_keys, out, lse, kv_scales, kv_rope,
         T, S, K, H, d_v, d_tail, k_per_split, sm_scale * LOG2E, B * T, n_hb,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
+        kv_scales.stride(0), kv_scales.stride(1), kv_rope.stride(0), kv_rope.stride(1),
         indices.stride(0), indices.stride(1),
         *s_o, *s_l,
         BLOCK_H=cfg["BLOCK_H"], BLOCK_K=bk, BLOCK_DV=cfg["BLOCK_DV"], BLOCK_DT=cfg["BLOCK_DT"],
-        HAS_TAIL=d_tail > 0, DOT_PREC=dot_precision(q.dtype), USE_EXTENT=use_extent, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        HAS_TAIL=d_tail > 0, DOT_PREC=dot_precision(q.dtype), USE_EXTENT=use_extent, KV_FP8=block > 0, QB=max(block, 1),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
