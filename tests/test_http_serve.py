@@ -258,7 +258,7 @@ def test_stop(server, reference):
 
     def client():
         try:
-            got = server.client.completions.create(model="tiny", prompt="hello", max_tokens=30, temperature=0)
+            got = server.client.completions.create(model="tiny", prompt="hello", max_tokens=90, temperature=0)
             results["text"] = got.choices[0].text
         except openai.APIStatusError as exc:
             results["status"] = exc.status_code
@@ -277,7 +277,8 @@ def test_stop(server, reference):
         assert "worker" in server.log.read_text() and "503" in server.log.read_text()
         return
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    while server.curl("/health")[0] == 200:  # until the signal is handled: then it says "draining"
+        time.sleep(0.02)
     assert server.curl("/v1/completions", {"model": "tiny", "prompt": "x"})[0] == 503
     t.join(60)
     assert server.proc.wait(60) == 0
