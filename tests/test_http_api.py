@@ -184,6 +184,34 @@ def test_a_cancelled_request_stops_at_the_tick_its_cancellation_arrives():
     assert tokens == ref.generate([list(b"hello")], [5])[0]  # greedy, per-request sampling: the engine's tokens
 
 
+def test_a_long_busy_period_is_summarised_window_by_window(monkeypatch):
+    """A server that is never idle keeps a bounded timeline: with 4-tick windows, a 20-token request reports one
+    window per 4 ticks (each with its own ticks and tokens, together all 20), and no timeline holds more than a
+    window's ticks; the tokens are the engine's."""
+    import dsaflow.serve.online as online
+
+    monkeypatch.setattr(online, "TIMELINE_WINDOW_TICKS", 4)
+    cfg = compose(["mode=serve", "model.num_layers=2", "serve.max_batch=2", "serve.max_context=64", "track=none"])
+    eng = build_engine(cfg, build_plan(cfg), 0, "cpu", per_request_sampling=True)
+    eng.capture()
+    eng.key_ids, eng.arrivals = {}, None
+    sched = eng._scheduler([], kind=OnlineScheduler)
+    sched.key_ids, sched.logprob_ids = eng.key_ids, set()
+    greedy = (7, float_bits(0.0), float_bits(1.0))
+    sched.tidings = ScriptedTidings({0: [("add", 41, list(b"hello"), 20, greedy, False)]})
+    eng.scheduler = sched
+    sent, windows = [], []
+    eng.on_pass = TokenStream(eng, sched, sent.append)
+    busy_period(eng, sched, True, lambda stats, seconds: windows.append((stats, len(eng.timeline.ticks))))
+    tokens = [t for m in sent for (rid, _k, t, *_rest) in m[1] if rid == 41]
+    assert len(tokens) == 20 and len(windows) >= 5
+    assert all(ticks <= 5 for _, ticks in windows), windows  # a window's ticks (+ the one that closed it)
+    assert sum(stats["tokens"] for stats, _ in windows) == 20
+    ref = build_engine(cfg, build_plan(cfg), 0, "cpu")
+    ref.capture()
+    assert tokens == ref.generate([list(b"hello")], [20])[0]
+
+
 def test_random_prompts_round_trip_through_the_request_check():
     r = random.Random(0)
     for _ in range(20):

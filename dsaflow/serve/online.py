@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..pipeline.ticks import Timeline
 from .passes import Request
 from .scheduler import Scheduler
 
@@ -213,22 +214,42 @@ def forget_done(scheduler: OnlineScheduler):
     return on_pass
 
 
-def busy_period(engine, scheduler: OnlineScheduler, is_last: bool) -> dict:
-    """Tick until nothing is queued, running or in flight (what `PipelineEngine.generate` does for a batch) ->
-    the period's stats (busy fractions, tokens)."""
+# A busy period is summarised window by window: a server that is never idle would otherwise keep every tick's
+# marks (on a GPU, CUDA events) of its whole busy period. 2048 ticks are a few seconds of decode.
+TIMELINE_WINDOW_TICKS = 2048
+
+
+def busy_period(engine, scheduler: OnlineScheduler, is_last: bool, report=None) -> dict:
+    """Tick until nothing is queued, running or in flight (what `PipelineEngine.generate` does for a batch). Every
+    TIMELINE_WINDOW_TICKS ticks and at the end, the window's stats (busy fractions, tokens) go to
+    report(stats, seconds), and the next window starts a fresh timeline. -> the last window's stats."""
     engine.logits_log, engine.first_mark, engine.last_mark = {}, {}, {}
-    engine.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
     with engine._on_device():
         engine._start_run(0, 0, is_last)
         scheduler.start_clock()
-        engine.timeline.begin()
-        t = 0
-        while engine._tick(t):
-            t += 1
-        engine.timeline.end = engine.timeline.mark()
-        tl = engine.timeline.resolve()
-    engine.first_mark, engine.last_mark = {}, {}  # per-request latencies are the front end's to measure
-    engine._summarise(tl, t, [])
+        t, more = 0, True
+        while more:
+            engine.timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0, "tokens": 0}
+            window_start, t0 = t, time.perf_counter()
+            engine.timeline.begin()
+            while (more := engine._tick(t)) and t - window_start < TIMELINE_WINDOW_TICKS:
+                t += 1
+            t += more  # the tick that ended a full window ran
+            stats = _window_stats(engine, t - window_start)
+            if report is not None:
+                report(stats, time.perf_counter() - t0)
+            if more:
+                engine.timeline = Timeline(engine.device, len(engine.schedule.segments))
+    return stats
+
+
+def _window_stats(engine, ticks: int) -> dict:
+    """The stats of the timeline's window of `ticks` ticks. Per-request latencies are the front end's to measure (a
+    request's marks may belong to an earlier window), so none are read here."""
+    engine.timeline.end = engine.timeline.mark()
+    tl = engine.timeline.resolve()
+    engine.first_mark, engine.last_mark = {}, {}
+    engine._summarise(tl, ticks, [])
     return engine.stats
 
 
@@ -311,13 +332,13 @@ def run_online(ctx) -> None:
             if scheduler.stopping:
                 break
             continue
-        t0 = time.perf_counter()
-        stats = busy_period(engine, scheduler, is_last)
+
+        def report(stats: dict, seconds: float) -> None:
+            send(("stats", me, float(stats.get("busy_fraction", 0.0)), int(stats.get("tokens", 0)), seconds))
+
+        busy_period(engine, scheduler, is_last, report)
         if is_last:
             engine.on_pass.idle()
-        send(
-            ("stats", me, float(stats.get("busy_fraction", 0.0)), int(stats.get("tokens", 0)), time.perf_counter() - t0)
-        )
         if scheduler.stopping and scheduler.idle():
             break
     conn.close()
