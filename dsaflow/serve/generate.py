@@ -45,6 +45,7 @@ from .checks import check_graph_blocks, check_mixed_passes, check_prompts, check
 from .engine import PipelineEngine
 from .prompts import load_requests
 from .replicas import ReplicaResult, gather_results, merged, replica_lines, replica_share
+from .speculative_engine import check_speculation
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -96,6 +97,7 @@ def check_serve(cfg, plan: Plan, device_type: Optional[str] = None, hf_headers: 
         check_same_model(cfg.model, resolve_checkpoint(s.checkpoint))
     check_graph_blocks(plan, s)
     check_mixed_passes(s, plan)
+    check_speculation(cfg.model, s, plan)
     if plan.graph_blocks and device_type == "cpu" and cfg.graphs.on_failure == "error":
         raise ServeError(
             f"graphs={cfg.graphs.name} requests CUDA graph blocks {[b.name for b in plan.graph_blocks]} but the "
