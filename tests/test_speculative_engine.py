@@ -3,6 +3,7 @@ greedy tokens with K = 1..3 drafts equal those without speculation, on one stage
 flight, with continuous batching refills, per-request limits and EOS; a tiny model whose MTP layer learned a few
 steps, so that drafts are both accepted and rejected; the unsupported combinations are refused with exit status 2."""
 
+import json
 import subprocess
 import sys
 
@@ -177,3 +178,23 @@ def test_the_cli_exits_2_without_an_mtp_layer(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "serve.speculative_tokens=2" in r.stderr and "model.mtp_layers=0" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
+
+
+def test_generate_cli_speculates_and_reports_the_acceptance(tmp_path):
+    """`dsaflow generate serve.speculative_tokens=2` (seeded random weights: drafts mostly rejected) writes the
+    tokens of the engine without speculation and says how many drafts its verify passes accepted."""
+    extra = ["serve.max_new_tokens=6", "serve.prompts=[[1,2,3,4,5],[7,7,7]]"]
+    cfg = config("single", *extra)
+    want = build_engine(cfg, build_plan(cfg), 0, "cpu", all_stages=True).generate([[1, 2, 3, 4, 5], [7, 7, 7]])
+    out = tmp_path / "out.jsonl"
+    args = ["generate", *MODEL, *SERVE, *extra, "serve.speculative_tokens=2", f"serve.output_file={out}"]
+    r = subprocess.run(
+        [sys.executable, "-m", "dsaflow.cli", *args, f"run_dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert [json.loads(line)["tokens"] for line in out.read_text().splitlines()] == want
+    assert "speculation: 2 MTP drafts per verify pass" in r.stdout

@@ -235,3 +235,12 @@ class EngineSpeculation:
 
     def summary(self) -> dict:
         return {"speculative_tokens": self.k, **self.stats.summary()}
+
+
+def speculation_line(summary: dict) -> str:
+    """`EngineSpeculation.summary()` -> the generate summary's words for it."""
+    per = ", ".join(f"{a:.2f}" for a in summary["per_position"])
+    return (
+        f"speculation: {summary['speculative_tokens']} MTP drafts per verify pass, {summary['acceptance_rate']:.2f} "
+        f"of them accepted (by position: {per}), {summary['mean_accept_length']:.2f} tokens per verify pass"
+    )
