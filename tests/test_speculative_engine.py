@@ -198,3 +198,25 @@ def test_generate_cli_speculates_and_reports_the_acceptance(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert [json.loads(line)["tokens"] for line in out.read_text().splitlines()] == want
     assert "speculation: 2 MTP drafts per verify pass" in r.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", ["single", "pp2"])
+def test_speculative_tokens_equal_plain_greedy_on_a_gpu(trained, pipeline):
+    """The same identity with the CUDA kernels (fp32; pp2: both stages in this process, two groups in flight):
+    verify passes of K + 1 tokens run the prefill kernels, plain decoding the decode kernels."""
+
+    def gpu_engine(*extra):
+        cfg = config(pipeline, "serve.dtype=fp32", *extra)
+        eng = build_engine(cfg, build_plan(cfg), 0, "cuda", all_stages=True)
+        for stage in eng.stages.values():
+            load_full_state_dict(stage, trained)
+        eng.capture()
+        return eng
+
+    prompts, limits = workload()
+    want = gpu_engine().generate(prompts, limits)
+    for k in (1, 2, 3):
+        eng = gpu_engine(f"serve.speculative_tokens={k}")
+        assert eng.generate(prompts, limits) == want, k
+        check_stats(eng, k, sum(limits))

@@ -439,7 +439,7 @@ class PipelineEngine:
                     self.first_mark[req] = p.finished_at
                 self.last_mark[req] = p.finished_at
         self.timings["tokens"] += len(p.emit)
-        self.timings["decode_steps"] += int(p.decode_only)
+        self.timings["decode_steps"] += int(p.decode_only or p.speculative)
         if done and self.on_finished is not None and self.owner[self.last] == self.rank:
             self.on_finished(self.scheduler.finished, int(self.timings["tokens"]))
 
