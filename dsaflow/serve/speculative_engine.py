@@ -131,7 +131,9 @@ class EngineSpeculation:
         if p.speculative:
             accepted, best = accept_greedy(logits, mine)
             width = (positions >= 0).sum(dim=1)
-            emitted = torch.minimum(accepted + 1, width).clamp_min(1)
+            # a row near its max_new_tokens feeds fewer positions: drafts past them are not verified, not accepted
+            accepted = torch.minimum(accepted, width - 1).clamp_min(0)
+            emitted = accepted + 1
             start = positions[:, 0]
             roll_back_positions(cache, start + emitted, start + width, self.k + 1)
             cols = torch.arange(self.k + 1, device=logits.device)
@@ -198,7 +200,7 @@ class EngineSpeculation:
             run = host[r][3 + k : 3 + k + host[r][2]]
             if self.eos_id is not None and self.eos_id in run:
                 run, eos[r] = run[: run.index(self.eos_id) + 1], True
-            tokens += [(r, c, req, first + j, t) for j, t in enumerate(run)]
+            tokens += [(r, c + j, req, first + j, t) for j, t in enumerate(run)]
         if p.speculative:
             self.stats.add(torch.tensor([host[r][1] for r, *_ in p.emit]), torch.ones(len(p.emit), dtype=torch.bool))
             self._roll_back(engine, p, host)
