@@ -3,6 +3,7 @@ of each draft position and decode tokens/s at batch 1 and batch 64 for K = 0 (pl
 
     python scripts/bench_speculative.py --out bench_out/speculative                  # one GPU: model=small, ~6 min
     python scripts/bench_speculative.py --device cpu --model tiny --steps 3 --new 4 --batches 1,2 --out DIR  # smoke
+    python scripts/bench_speculative.py --engine --out bench_out/speculative_engine   # the engine (eager passes)
 
 Training (no Hydra, one process): the model's YAML (configs/model/<name>.yaml) with model.mtp_layers=1, bytes of
 Python's standard library sources (`data.kind=text`, every .py file under the running interpreter's stdlib), AdamW
@@ -10,7 +11,9 @@ at --lr with a linear warm-up, bf16 autocast on a GPU, the LM loss plus --mtp-we
 (dsaflow.train.pipeline.LMLoss). Decoding: the plain-torch references dsaflow.serve.reference.generate (K = 0) and
 dsaflow.serve.speculative.generate_speculative (K >= 1), eager, in the serve dtype (bf16 on a GPU), over the
 same prompts (held-out text, --prompt bytes each) with --new tokens each; tokens/s = generated tokens / wall time of
-the whole generate after one warm-up call. `same_tokens` says whether the tokens equal K = 0's (greedy: they are
+the whole generate after one warm-up call. --engine: the serving engine instead (dsaflow.serve.engine.PipelineEngine,
+one stage, one group of --batch rows, eager passes, serve.speculative_tokens=K; the acceptance from its stats).
+`same_tokens` says whether the tokens equal K = 0's (greedy: they are
 in exact arithmetic; bf16 rounds a verify pass of K + 1 tokens differently from single-token steps).
 """
 
@@ -104,6 +107,27 @@ def measure(model, prompts, new: int, k: int, device, dtype) -> tuple:
     return out, time.perf_counter() - t0, summary
 
 
+def measure_engine(model, prompts, new: int, k: int, device, dtype) -> tuple:
+    """`measure` through the serving engine: one stage, one group of len(prompts) rows, eager passes."""
+    from dsaflow.config.schema import DSAFlowConfig
+    from dsaflow.plan import build_plan
+    from dsaflow.serve.engine import PipelineEngine
+
+    cfg = DSAFlowConfig()
+    cfg.model = model.cfg
+    s = cfg.serve
+    s.max_batch, s.max_new_tokens, s.speculative_tokens = len(prompts), new, k
+    s.max_context, s.prefill_chunk = max(len(p) for p in prompts) + new + 1, max(len(p) for p in prompts)
+    engine = PipelineEngine(cfg.model, build_plan(cfg), {0: model}, s, cfg.graphs, device, dtype)
+    engine.capture()
+    engine.generate(prompts)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    out = engine.generate(prompts)
+    sync(device)
+    return out, time.perf_counter() - t0, engine.stats.get("speculation")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -118,6 +142,7 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=128, help="generated tokens per prompt")
     p.add_argument("--batches", default="1,64")
     p.add_argument("--out", default="bench_out/speculative")
+    p.add_argument("--engine", action="store_true", help="measure the serving engine, not the references")
     a = p.parse_args(argv)
     device = torch.device(resolve_device(PROG, a.device))
     out = out_dir(PROG, a.out)
@@ -133,7 +158,9 @@ def main(argv=None) -> int:
         prompts = [held_out[r % len(held_out), : a.prompt].tolist() for r in range(batch)]
         base = None
         for k in range(4):
-            tokens, seconds, summary = measure(model, prompts, a.new, k, device, dtype)
+            tokens, seconds, summary = (measure_engine if a.engine else measure)(
+                model, prompts, a.new, k, device, dtype
+            )
             base = tokens if k == 0 else base
             row = {"batch": batch, "k": k, "tokens_per_s": batch * a.new / seconds, "seconds": seconds}
             row.update(summary or {"acceptance_rate": None, "mean_accept_length": 1.0, "per_position": []})
@@ -145,7 +172,8 @@ def main(argv=None) -> int:
         row["speedup"] = row["tokens_per_s"] / k0["tokens_per_s"]
     md = [
         f"Speculative decoding, model={a.model} + 1 MTP layer trained {a.steps} steps on stdlib .py bytes "
-        f"(final loss {log[-1][1]:.3f}, mtp_loss {log[-1][2]:.3f}); {environment(device)['device_name']}; "
+        f"(final loss {log[-1][1]:.3f}, mtp_loss {log[-1][2]:.3f}); {'the engine' if a.engine else 'the references'}; "
+        f"{environment(device)['device_name']}; "
         f"`{command_line(PROG, argv)}`",
         "",
         "| batch | K | tokens/s | x K=0 | accept rate | mean accept length | per draft position | same tokens |",

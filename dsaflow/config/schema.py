@@ -268,6 +268,9 @@ class ServeConfig:
     # None: the host runs as far ahead as its launch ring (64 passes) allows
     max_ticks_ahead: Optional[int] = num(3, 1, 64)
     temperature: float = num(0.0, 0, 100)  # 0 = greedy
+    # speculative decoding: the MTP layer drafts this many tokens per decoding row, verified in one pass (needs
+    # model.mtp_layers >= 1; docs/serving.md, "Speculative decoding"); 0 = off
+    speculative_tokens: int = num(0, 0, 16)
     top_p: float = num(1.0, 0, 1, lo_open=True)
     seed: int = num(0, 0, 2**63 - 1)
     eos_id: Optional[int] = num(None, 0, 1 << 21)  # stop a row at this token id (one small host sync per step)

@@ -11,7 +11,8 @@ from typing import List
 
 import torch
 
-from dsaflow.model import StageCache, StageModule
+from dsaflow.model import LayerSpec, StageCache, StageModule
+from dsaflow.model.mtp import mtp_layer_indices
 from dsaflow.plan.plan import Plan
 
 
@@ -48,9 +49,13 @@ def stage_cache(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     kv_dtype: str = "bf16",
+    mtp: bool = False,
 ) -> StageCache:
-    """Preallocated serving caches of stage `stage` (see dsaflow.model.cache; kv_dtype: serve.kv_dtype)."""
+    """Preallocated serving caches of stage `stage` (see dsaflow.model.cache; kv_dtype: serve.kv_dtype); mtp: with
+    rows for the model's MTP layers too (the last stage, speculative decoding)."""
     layers = stage_layers(plan, stage)
+    if mtp:
+        layers = layers + [LayerSpec(i, "F", i) for i in mtp_layer_indices(model_cfg)]
     return StageCache.allocate(model_cfg, layers, max_batch, max_context, max_tokens, device, dtype, kv_dtype)
 
 

@@ -96,7 +96,8 @@ class PipelineSchedule:
             p.start = t
             self.in_flight[t] = p
             self.busy_groups.add(p.group)
-        self.decoding = all(q.decode_only for q in self.in_flight.values())  # the same on every rank
+        # the same on every rank; verify passes (speculative decoding) are the decode steps of their rows
+        self.decoding = all(q.decode_only or getattr(q, "speculative", False) for q in self.in_flight.values())
         return [
             (j, self.in_flight[t - j], self.inbox.pop((t - j, j), None)) for j in self.mine if (t - j) in self.in_flight
         ]

@@ -60,6 +60,7 @@ from .passes import Pass, PassInputs, Request
 from .report import CaptureReport, run_stats
 from .sampling import TOKEN_KEY, sample_message
 from .scheduler import Scheduler, group_ranges, online_arrivals, prefill_row_classes
+from .speculative_engine import EngineSpeculation, check_speculation
 
 NO_GUARD = contextlib.nullcontext()
 plan_prefill = dense_prefill.plan_prefill  # the engine's one call into the short-prefill rule (tests spy on it)
@@ -97,6 +98,7 @@ class PipelineEngine:
         self.device, self.dtype, self.rank, self.link = torch.device(device), dtype, rank, link
         check_graph_blocks(plan, serve_cfg)
         check_mixed_passes(serve_cfg, plan)
+        check_speculation(model_cfg, serve_cfg, plan)
         # stage -> rank that runs it; when this process was handed every stage, it runs them all locally
         local_all = len(stages) == plan.num_stages
         self.owner = {s.index: (rank if local_all else s.rank) for s in plan.stages}
@@ -109,10 +111,17 @@ class PipelineEngine:
         sizes = (
             serve_cfg.max_batch,
             serve_cfg.max_context,
-            max(serve_cfg.prefill_chunk, serve_cfg.max_pass_tokens or 0),
+            max(serve_cfg.prefill_chunk, serve_cfg.max_pass_tokens or 0, serve_cfg.speculative_tokens + 1),
         )
+        k = serve_cfg.speculative_tokens  # speculative decoding: the last stage caches its MTP layer's rows too
         kv_dtype = str(serve_cfg.kv_dtype)
-        self.caches = {s: stage_cache(model_cfg, plan, s, *sizes, self.device, dtype, kv_dtype) for s in stages}
+        self.caches = {
+            s: stage_cache(model_cfg, plan, s, *sizes, self.device, dtype, kv_dtype, k > 0 and s == self.last)
+            for s in stages
+        }
+        self.speculation = (
+            EngineSpeculation(k, self.ranges, self.device, serve_cfg.eos_id, serve_cfg.max_context) if k else None
+        )
         self.group_caches = {s: [c.rows(a, b) for a, b in self.ranges] for s, c in self.caches.items()}
         self.graphs = GraphManager(
             self.device,
@@ -263,6 +272,7 @@ class PipelineEngine:
             # groups share ticks only across ranks; eager passes cost their rows x tokens on a CPU (launches on a GPU)
             balance=self.groups > 1 and len(set(self.owner.values())) > 1 and self.device.type == "cpu",
             arrivals=self.arrivals,
+            speculative_tokens=s.speculative_tokens,
         )
 
     def _start_run(self, requests: int, out_width: int, is_last: bool) -> None:
@@ -277,7 +287,8 @@ class PipelineEngine:
         # a decode pass uploads at most 8 ints per row (`pass_vectors`); longer prefill passes take their own buffer
         self.uploader = Uploader(self.device, 8 * len(self.row_ids) + 64, stages=self.plan.num_stages)
         # the feedback: stage 0's rank feeds the tokens back in; the others read only the EOS flags
-        feedback = None if s.eos_id is not None else [self.owner[self.first]]
+        # with speculation every rank reads how far each row advanced (dsaflow.serve.speculative_engine)
+        feedback = None if s.eos_id is not None or self.speculation else [self.owner[self.first]]
         self.schedule = PipelineSchedule(
             self.owner, self.rank, self.peer, carries=self.plan.sends_indices, feedback_ranks=feedback
         )
@@ -285,7 +296,10 @@ class PipelineEngine:
             raise ValueError("PipelineEngine: stages live on several ranks but no link was given.")
         self.timeline = Timeline(self.device, len(self.schedule.segments))
         self.transfers = self._transfer_graphs()
-        self.late_eos = LateFlags(self.device, [b - a for a, b in self.ranges]) if s.eos_id is not None else None
+        late = s.eos_id is not None and self.speculation is None  # speculation reads EOS with the tokens, at once
+        self.late_eos = LateFlags(self.device, [b - a for a, b in self.ranges]) if late else None
+        if self.speculation is not None:
+            self.speculation.start_run()
         self.hold_ticks = s.max_ticks_ahead if self.device.type == "cuda" else None  # `Timeline.hold_back`
         self.first_here, self.last_here = self.first in self.stages, self.last in self.stages
         self._post = functools.partial(post_tick, self.link, device=self.device)  # a tick's transfers, eagerly
@@ -391,7 +405,7 @@ class PipelineEngine:
             x.view(-1).index_copy_(0, v.swap_cols, last.index_select(0, v.swap_rows))
         elif v.decode is not None:  # prompt chunks; the decoding rows of a mixed pass feed their previous token
             x[:, 0] = torch.where(v.decode.bool(), last, x[:, 0])
-        return x
+        return x if self.speculation is None else self.speculation.first_input(p, v, x)
 
     def _sample(self, p: Pass, out) -> torch.Tensor:
         """Last stage: sample every emitting row -> [rows, 2] int64 (tokens, EOS flags). out: the last stage's
@@ -413,6 +427,11 @@ class PipelineEngine:
         if self.record_logits:
             for r, _, req, _ in p.emit:
                 self.logits_log.setdefault(req, []).append(picked[r].clone())
+        if self.speculation is not None:  # verify the drafts, draft the next ones: the [rows, 2k + 4] message
+            cache = self.group_caches[self.last][p.group]
+            cache = cache.rows(p.row0, p.row0 + p.rows) if p.row0 > 0 else cache
+            rows = self.scheduler.rows[p.group]
+            message = self.speculation.after_sample(self.stages[self.last], cache, p, out, message, rows)
         return message
 
     def _finish(self, p: Pass, message: Optional[torch.Tensor]) -> None:
@@ -427,7 +446,10 @@ class PipelineEngine:
                 last.copy_(message[:, 0])
         late = self.late_eos.take(p.group) if self.late_eos else None  # the group's previous pass (eos.py)
         done = self.scheduler.end(*late) if late else []
-        done += self.scheduler.finish(p)  # drops the tokens of rows that just ended (p.emit keeps the rest)
+        if self.speculation is not None:  # each row's tokens of the pass, read from the message
+            done += self.speculation.finish(self, p, message)
+        else:
+            done += self.scheduler.finish(p)  # drops the tokens of rows that just ended (p.emit keeps the rest)
         if self.late_eos and p.emit:
             self.late_eos.put(p.group, p, message)
         if p.finished_at is not None:  # the last stage's rank: when the pass was sampled
@@ -436,7 +458,7 @@ class PipelineEngine:
                     self.first_mark[req] = p.finished_at
                 self.last_mark[req] = p.finished_at
         self.timings["tokens"] += len(p.emit)
-        self.timings["decode_steps"] += int(p.decode_only)
+        self.timings["decode_steps"] += int(p.decode_only or p.speculative)
         if done and self.on_finished is not None and self.owner[self.last] == self.rank:
             self.on_finished(self.scheduler.finished, int(self.timings["tokens"]))
         if self.on_pass is not None:
@@ -475,7 +497,8 @@ class PipelineEngine:
         rows = p.rows
         sent = choose_shape_class(self.transfer_classes, rows) if self.transfer_classes and p.decode_only else rows
         batch = 1 if p.token_major else sent  # a mixed pass's activations are [1, T, dim]; its message [rows, 2]
-        p.hidden, p.hidden_dtype, p.feedback = (batch, p.T, self.model_cfg.dim), self.dtype, (sent, 2)
+        width = 2 if self.speculation is None else self.speculation.width
+        p.hidden, p.hidden_dtype, p.feedback = (batch, p.T, self.model_cfg.dim), self.dtype, (sent, width)
         p.extra = (((batch, p.T, self.model_cfg.index_topk), torch.int32),) if self.cross_stage else ()
         return p
 
@@ -491,6 +514,8 @@ class PipelineEngine:
         done = {r.index: self.scheduler.generated[r.index] for r in requests}
         ttft, tpot = self.timeline.latencies(self.first_mark, self.last_mark, done)
         self.stats = run_stats(tl, ticks, (self.scheduler.from_arrival(ttft), tpot), int(self.timings["tokens"]))
+        if self.speculation is not None:
+            self.stats["speculation"] = self.speculation.summary()
 
 
 def pass_vectors(

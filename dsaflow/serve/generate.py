@@ -45,6 +45,7 @@ from .checks import check_graph_blocks, check_mixed_passes, check_prompts, check
 from .engine import PipelineEngine
 from .prompts import load_requests
 from .replicas import ReplicaResult, gather_results, merged, replica_lines, replica_share
+from .speculative_engine import check_speculation, speculation_line
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -114,6 +115,7 @@ def check_serve_model(cfg, plan: Plan, device_type: Optional[str] = None, hf_hea
         check_same_model(cfg.model, resolve_checkpoint(s.checkpoint))
     check_graph_blocks(plan, s)
     check_mixed_passes(s, plan)
+    check_speculation(cfg.model, s, plan)
     if plan.graph_blocks and device_type == "cpu" and cfg.graphs.on_failure == "error":
         raise ServeError(
             f"graphs={cfg.graphs.name} requests CUDA graph blocks {[b.name for b in plan.graph_blocks]} but the "
@@ -343,6 +345,8 @@ def run_serve(ctx) -> None:
     tg = engine.transfers
     if tg is not None:  # graphs.transfers: how this rank's decode ticks posted their transfers
         summary += f"; transfer graphs: {tg.captures} captured, {tg.replays} replays, {tg.eager_ticks} ticks eager"
+    if st.get("speculation"):  # serve.speculative_tokens: how many drafts the verify passes kept
+        summary += "; " + speculation_line(st["speculation"])
     _log(ctx.run_dir, me, summary)
     if mine is not None:
         mine.wall_s = wall

@@ -87,6 +87,7 @@ class Pass:
     move_len: int = 0  # cached positions [0, move_len) hold every moved row's keys: only they need copying
     token_rows: List[int] = field(default_factory=list)
     token_major: bool = False  # a mixed pass: token_rows addresses each token's row
+    speculative: bool = False  # a verify pass (dsaflow.serve.speculative_engine): last token + drafts per row
     graph: bool = field(default=False, compare=False)
     hint: Any = field(default=None, compare=False)
     path: str = field(default="sparse", compare=False)

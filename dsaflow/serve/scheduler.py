@@ -43,6 +43,7 @@ from typing import Container, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .mixed import mixed_pass
 from .passes import Pass, Request, Row
+from .speculative_engine import verify_pass
 
 
 def prefill_row_classes(group_rows: int) -> Tuple[int, ...]:
@@ -108,7 +109,9 @@ class Scheduler:
         balance: bool = False,
         max_pass_tokens: Optional[int] = None,
         arrivals: Optional[Sequence[float]] = None,
+        speculative_tokens: int = 0,
     ):
+        self.speculative_tokens = speculative_tokens  # > 0: decoding rows run verify passes (speculative_engine)
         self.queue: Deque[Request] = deque(requests)
         # online arrivals (`online_arrivals`): request i joins the queue once clock() reaches arrivals[i]; until then
         # it is pending
@@ -253,7 +256,10 @@ class Scheduler:
         return self._decode_pass(group, decoding)
 
     def _decode_pass(self, group: int, decoding: List[int]) -> Pass:
-        """One token for every decoding row: rows [0, last decoding row], the others idle."""
+        """One token for every decoding row: rows [0, last decoding row], the others idle (with speculation, the
+        last token and the drafts of every decoding row: `verify_pass`)."""
+        if self.speculative_tokens:
+            return verify_pass(group, self.rows[group], decoding, self.speculative_tokens)
         rows, n = self.rows[group], decoding[-1] + 1
         p = Pass(group, 0, n, 1, [[0] for _ in range(n)], [[-1] for _ in range(n)], [False] * n, decode_only=True)
         for i in decoding:
