@@ -234,6 +234,9 @@ def test_serve_user_errors_exit_2_and_write_nothing(tmp_path, capsys):
     missing = tmp_path / "none.jinja"
     assert main(["serve", f"server.chat_template={missing}", f"run_dir={tmp_path / 'run'}", "track=none"]) == 2
     assert "server.chat_template" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    spec = ["model.mtp_layers=1", "serve.speculative_tokens=2", f"run_dir={tmp_path / 'run'}", "track=none"]
+    assert main(["serve", *spec]) == 2  # generate verifies drafts; the server does not yet
+    assert "serve.speculative_tokens=2" in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
 def test_eos_and_stop_token_ids_end_the_text_without_their_own():

@@ -51,6 +51,12 @@ def check_serve_launch(cfg, plan) -> None:
             "serve.prompts, serve.prompts_file and serve.output_file belong to `dsaflow generate`; `dsaflow serve` "
             "takes its requests over HTTP. Fix: drop them, or run dsaflow generate."
         )
+    if cfg.serve.speculative_tokens > 0:
+        raise PlanError(
+            f"serve.speculative_tokens={cfg.serve.speculative_tokens}: speculative decoding runs in `dsaflow "
+            "generate` only; `dsaflow serve` samples each request with its own settings and does not verify drafts "
+            "yet. Fix: serve.speculative_tokens=0."
+        )
     chat_template(cfg)  # a server.chat_template file that is missing or does not parse
     check_listen(cfg.server.host, cfg.server.port)
     check_run_dir(cfg, plan, "generate")
