@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from dsaflow.model import dense_prefill
+from dsaflow.model.cache import StageCache
 from dsaflow.pipeline.p2p import post_tick
 from dsaflow.pipeline.stages import stage_cache
 from dsaflow.pipeline.ticks import PipelineSchedule, Timeline
@@ -107,18 +108,8 @@ class PipelineEngine:
         self.receives = {s: plan.receives_indices(s) for s in stages}  # known at start: never asked per tick
         self.groups = serve_groups(serve_cfg, plan)
         self.ranges = group_ranges(serve_cfg.max_batch, self.groups)
-        # the index slot holds one forward's tokens: a prefill chunk's per row, or a mixed pass's (max_pass_tokens)
-        sizes = (
-            serve_cfg.max_batch,
-            serve_cfg.max_context,
-            max(serve_cfg.prefill_chunk, serve_cfg.max_pass_tokens or 0, serve_cfg.speculative_tokens + 1),
-        )
-        k = serve_cfg.speculative_tokens  # speculative decoding: the last stage caches its MTP layer's rows too
-        kv_dtype = str(serve_cfg.kv_dtype)
-        self.caches = {
-            s: stage_cache(model_cfg, plan, s, *sizes, self.device, dtype, kv_dtype, k > 0 and s == self.last)
-            for s in stages
-        }
+        self.caches = self._allocate_caches(model_cfg, serve_cfg, stages)
+        k = serve_cfg.speculative_tokens
         self.speculation = (
             EngineSpeculation(k, self.ranges, self.device, serve_cfg.eos_id, serve_cfg.max_context) if k else None
         )
@@ -160,6 +151,15 @@ class PipelineEngine:
         self.picked: Optional[torch.Tensor] = None  # the last stage's fp32 logits [rows, V] of the latest sample
 
     # --- setup -------------------------------------------------------------------------------------------------
+    def _allocate_caches(self, model_cfg, serve_cfg, stages) -> Dict[int, StageCache]:
+        """Every local stage's serving caches in serve.kv_dtype. The index slot holds one forward's tokens: a prefill
+        chunk's per row, a mixed pass's (max_pass_tokens) or a verify pass's (K + 1); with speculative decoding the
+        last stage also caches its MTP layers' rows."""
+        k = serve_cfg.speculative_tokens
+        tokens = max(serve_cfg.prefill_chunk, serve_cfg.max_pass_tokens or 0, k + 1)
+        sizes = (serve_cfg.max_batch, serve_cfg.max_context, tokens, self.device, self.dtype, str(serve_cfg.kv_dtype))
+        return {s: stage_cache(model_cfg, self.plan, s, *sizes, k > 0 and s == self.last) for s in stages}
+
     def _shape_classes(self, plan: Plan, serve_cfg, graphs_cfg) -> None:
         """The shape classes passes are padded to, from the plan's graph blocks."""
         # prefill graphs have a static row count: prefill passes then run every row of the group (on every rank)
