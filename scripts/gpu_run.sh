@@ -105,7 +105,7 @@ mixed)
   step mixed_tests 300 python3 -m pytest -q -m "gpu or multigpu" tests/test_serve_mixed_gpu.py \
     tests/test_serve_mixed_graphs_gpu.py
   summary
-  # mixed passes from graphs: eager ones of model=small serve a tenth of the tokens/s (docs/serving.md)
+  # mixed passes from graphs: eager ones of model=small serve a tenth of the tokens/s (docs/performance.md)
   STEP_LOG="$OUT/bench.log" step bench_mixed "${BENCH_LIMIT:-480}" python3 scripts/bench_serve.py engine --device cuda \
     --pipelines "${PIPELINES:-single}" --workloads mixed,uniform --model small --max-pass-tokens "${BUDGETS:-1024,2048,4096}" \
     --mixed-graphs on --out "$OUT/bench_mixed" ${BENCH_ARGS:-}
