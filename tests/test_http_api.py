@@ -162,26 +162,42 @@ class ScriptedTidings:
         return news
 
 
-def test_a_cancelled_request_stops_at_the_tick_its_cancellation_arrives():
-    """One stage: each tick picks a pass and finishes it. The cancellation arrives at the 6th tick's pick, so the
-    request has exactly the 5 tokens of the ticks before it, and its row is free for that tick's pass."""
-    cfg = compose(["mode=serve", "model.num_layers=2", "serve.max_batch=2", "serve.max_context=64", "track=none"])
+ONLINE_CFG = ["mode=serve", "model.num_layers=2", "serve.max_batch=2", "serve.max_context=64", "track=none"]
+GREEDY = (7, float_bits(0.0), float_bits(1.0))  # a request's (key id, temperature bits, top_p bits)
+
+
+def online_engine(script):
+    """A one-stage engine driven as a replica's rank 0 is, its news scripted per exchange -> (engine, scheduler,
+    the messages its TokenStream sends)."""
+    cfg = compose(ONLINE_CFG)
     eng = build_engine(cfg, build_plan(cfg), 0, "cpu", per_request_sampling=True)
     eng.capture()
     eng.key_ids, eng.arrivals = {}, None
     sched = eng._scheduler([], kind=OnlineScheduler)
     sched.key_ids, sched.logprob_ids = eng.key_ids, set()
-    greedy = (7, float_bits(0.0), float_bits(1.0))
-    sched.tidings = ScriptedTidings({0: [("add", 41, list(b"hello"), 30, greedy, False)], 5: [("cancel", 41)]})
+    sched.tidings = ScriptedTidings(script)
     eng.scheduler = sched
     sent = []
     eng.on_pass = TokenStream(eng, sched, sent.append)
+    return eng, sched, sent
+
+
+def engine_tokens(prompt, n):
+    """The batch engine's greedy tokens for one prompt."""
+    cfg = compose(ONLINE_CFG)
+    ref = build_engine(cfg, build_plan(cfg), 0, "cpu")
+    ref.capture()
+    return ref.generate([prompt], [n])[0]
+
+
+def test_a_cancelled_request_stops_at_the_tick_its_cancellation_arrives():
+    """One stage: each tick picks a pass and finishes it. The cancellation arrives at the 6th tick's pick, so the
+    request has exactly the 5 tokens of the ticks before it, and its row is free for that tick's pass."""
+    eng, sched, sent = online_engine({0: [("add", 41, list(b"hello"), 30, GREEDY, False)], 5: [("cancel", 41)]})
     busy_period(eng, sched, is_last=True)
     tokens = [t for m in sent for (rid, _k, t, *_rest) in m[1] if rid == 41]
     assert len(tokens) == 5 and sched.idle() and sched.tidings.calls == 6
-    ref = build_engine(cfg, build_plan(cfg), 0, "cpu")
-    ref.capture()
-    assert tokens == ref.generate([list(b"hello")], [5])[0]  # greedy, per-request sampling: the engine's tokens
+    assert tokens == engine_tokens(list(b"hello"), 5)  # greedy, per-request sampling: the engine's tokens
 
 
 def test_a_long_busy_period_is_summarised_window_by_window(monkeypatch):
@@ -191,25 +207,14 @@ def test_a_long_busy_period_is_summarised_window_by_window(monkeypatch):
     import dsaflow.serve.online as online
 
     monkeypatch.setattr(online, "TIMELINE_WINDOW_TICKS", 4)
-    cfg = compose(["mode=serve", "model.num_layers=2", "serve.max_batch=2", "serve.max_context=64", "track=none"])
-    eng = build_engine(cfg, build_plan(cfg), 0, "cpu", per_request_sampling=True)
-    eng.capture()
-    eng.key_ids, eng.arrivals = {}, None
-    sched = eng._scheduler([], kind=OnlineScheduler)
-    sched.key_ids, sched.logprob_ids = eng.key_ids, set()
-    greedy = (7, float_bits(0.0), float_bits(1.0))
-    sched.tidings = ScriptedTidings({0: [("add", 41, list(b"hello"), 20, greedy, False)]})
-    eng.scheduler = sched
-    sent, windows = [], []
-    eng.on_pass = TokenStream(eng, sched, sent.append)
+    eng, sched, sent = online_engine({0: [("add", 41, list(b"hello"), 20, GREEDY, False)]})
+    windows = []
     busy_period(eng, sched, True, lambda stats, seconds: windows.append((stats, len(eng.timeline.ticks))))
     tokens = [t for m in sent for (rid, _k, t, *_rest) in m[1] if rid == 41]
     assert len(tokens) == 20 and len(windows) >= 5
     assert all(ticks <= 5 for _, ticks in windows), windows  # a window's ticks (+ the one that closed it)
     assert sum(stats["tokens"] for stats, _ in windows) == 20
-    ref = build_engine(cfg, build_plan(cfg), 0, "cpu")
-    ref.capture()
-    assert tokens == ref.generate([list(b"hello")], [20])[0]
+    assert tokens == engine_tokens(list(b"hello"), 20)
 
 
 def test_random_prompts_round_trip_through_the_request_check():

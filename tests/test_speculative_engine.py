@@ -11,15 +11,14 @@ import sys
 
 import pytest
 import torch
+from test_speculative_reference import V, arithmetic, train_on_arithmetic  # V = 16 tokens of a 32-token vocabulary
 
 from dsaflow.config.compose import compose
 from dsaflow.errors import ServeError
-from dsaflow.model import build_model, load_full_state_dict
+from dsaflow.model import load_full_state_dict
 from dsaflow.plan import build_plan
 from dsaflow.serve.generate import build_engine, check_serve
-from dsaflow.train.pipeline import LMLoss
 
-V = 16  # the tokens of the arithmetic sequences (the model's vocabulary is larger)
 MODEL = [
     "model.num_layers=4",
     "model.dim=32",
@@ -33,12 +32,6 @@ MODEL = [
 SERVE = ["serve.max_batch=6", "serve.max_context=64", "serve.prefill_chunk=8"]
 
 
-def arithmetic(batch: int, T: int, g: torch.Generator) -> torch.Tensor:
-    """t[i] = a + i b (mod V): the next tokens follow from the context, so the MTP layer learns to draft."""
-    a, b = torch.randint(0, V, (batch, 1), generator=g), torch.randint(1, 4, (batch, 1), generator=g)
-    return (a + b * torch.arange(T)) % V
-
-
 def config(pipeline: str, *extra):
     # stages that open on an S layer read the indices of the previous stage (the roles of every split are the same)
     cross = [] if pipeline == "single" else ["pipeline.cross_stage_indices=true"]
@@ -50,20 +43,7 @@ def trained():
     """The whole model's state dict after 20 Adam steps on `arithmetic` (LM + MTP loss)."""
     cfg = config("single")
     plan = build_plan(cfg)
-    roles = "".join(plan.layer(i).role for i in range(cfg.model.num_layers))
-    torch.manual_seed(0)
-    model = build_model(cfg.model, roles=roles, seed=0).train()
-    opt = torch.optim.Adam(model.parameters(), lr=2e-2)
-    g, loss_fn = torch.Generator().manual_seed(0), LMLoss(0, mtp_weight=1.0)
-    for _ in range(20):
-        x = arithmetic(8, 16, g)
-        lm = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
-        target = torch.stack([lm, torch.full_like(lm, -100), torch.full_like(lm, -1)], dim=1)
-        loss = loss_fn(model.forward_train(x, mtp_tokens=x), target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.state_dict()
+    return train_on_arithmetic(cfg.model, "".join(plan.layer(i).role for i in range(cfg.model.num_layers)))
 
 
 def engine(state, pipeline: str, *extra):

@@ -19,22 +19,22 @@ CFG = ModelConfig(num_layers=4, mtp_layers=1, vocab_size=V, index_topk=4, dim=32
 ROLES = "FSFS"
 
 
-def arithmetic(batch: int, T: int, g: torch.Generator) -> torch.Tensor:
-    """Sequences t[i] = a + i b (mod V), a and b random per row: the next token (and the one after) follow from
-    the context, so the MTP layer can learn to draft."""
-    a, b = torch.randint(0, V, (batch, 1), generator=g), torch.randint(1, 4, (batch, 1), generator=g)
-    return (a + b * torch.arange(T)) % V
+def arithmetic(batch: int, T: int, g: torch.Generator, vocab: int = V) -> torch.Tensor:
+    """Sequences t[i] = a + i b (mod vocab), a and b random per row: the next token (and the one after) follow
+    from the context, so the MTP layer can learn to draft."""
+    a, b = torch.randint(0, vocab, (batch, 1), generator=g), torch.randint(1, 4, (batch, 1), generator=g)
+    return (a + b * torch.arange(T)) % vocab
 
 
-@pytest.fixture(scope="module")
-def trained():
-    """The whole model's state dict after 20 Adam steps on `arithmetic` (LM + MTP loss)."""
+def train_on_arithmetic(model_cfg: ModelConfig, roles: str, vocab: int = V) -> dict:
+    """The whole model's state dict after 20 Adam steps on `arithmetic` sequences over `vocab` (LM + MTP loss):
+    drafts that are both accepted and rejected."""
     torch.manual_seed(0)
-    model = build_model(CFG, roles=ROLES, seed=0).train()
+    model = build_model(model_cfg, roles=roles, seed=0).train()
     opt = torch.optim.Adam(model.parameters(), lr=2e-2)
     g, loss_fn = torch.Generator().manual_seed(0), LMLoss(0, mtp_weight=1.0)
     for _ in range(20):
-        x = arithmetic(8, 16, g)
+        x = arithmetic(8, 16, g, vocab)
         lm = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
         target = torch.stack([lm, torch.full_like(lm, -100), torch.full_like(lm, -1)], dim=1)
         loss = loss_fn(model.forward_train(x, mtp_tokens=x), target)
@@ -42,6 +42,11 @@ def trained():
         loss.backward()
         opt.step()
     return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return train_on_arithmetic(CFG, ROLES)
 
 
 SPLITS = {"single": [[0, 1, 2, 3]], "pp2": [[0, 1], [2, 3]], "pp4": [[0], [1], [2], [3]]}
