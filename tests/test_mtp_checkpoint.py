@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from dsaflow.checkpoint.hf_config import apply_hf_model, hf_model, read_config_json
 from dsaflow.checkpoint.hf_export import write_hf_checkpoint
@@ -40,22 +39,13 @@ def loaded(folder):
     return model_cfg, model
 
 
-def file_tensors(folder):
-    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-    out = {}
-    for name, shard in index.items():
-        with safe_open(str(folder / shard), "pt") as f:
-            out[name] = f.get_tensor(name)
-    return out
-
-
 def test_mtp_tensors_load_export_and_load_again_bit_identical(with_mtp, tmp_path):
     family, bf16, fp8 = with_mtp
     for name, folder in (("bf16", bf16), ("fp8", fp8)):
         model_cfg, model = loaded(folder)
         assert model_cfg.mtp_layers == 1 and model.mtp is not None
         n = model_cfg.num_layers
-        stored = file_tensors(folder)
+        stored = HF.read_tensors(folder)
         mtp = model.mtp[str(n)]
         # the MTP layer's own tensors, as stored (bf16 -> fp32 exactly; FP8 ones dequantized by the loader)
         assert torch.equal(mtp.enorm.weight, stored[f"model.layers.{n}.enorm.weight"].float())
@@ -65,7 +55,7 @@ def test_mtp_tensors_load_export_and_load_again_bit_identical(with_mtp, tmp_path
         if name == "bf16":
             assert torch.equal(mtp.eh_proj.weight, stored[f"model.layers.{n}.eh_proj.weight"].float())
         out = write_hf_checkpoint(model.state_dict(), model_cfg, tmp_path / name, report=lambda m: None)
-        exported = file_tensors(out)
+        exported = HF.read_tensors(out)
         want = {k for k in stored if not k.endswith("_scale_inv")}
         assert set(exported) == want  # tensor for tensor, the MTP layer's and its shared_head.head included
         if name == "bf16":
@@ -102,7 +92,7 @@ def test_an_mtp_head_copy_that_differs_from_lm_head_is_refused(with_mtp, tmp_pat
     family, bf16, _ = with_mtp
     bad = tmp_path / "bad"
     shutil.copytree(bf16, bad)
-    tensors = file_tensors(bad)
+    tensors = HF.read_tensors(bad)
     n = json.loads((bad / "config.json").read_text())["num_hidden_layers"]
     name = f"model.layers.{n}.shared_head.head.weight"
     mtp_shard = {k: v for k, v in tensors.items() if k.startswith(f"model.layers.{n}.")}
