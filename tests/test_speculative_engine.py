@@ -145,20 +145,16 @@ def test_unsupported_speculation_is_refused_before_launch(extra, needle):
     assert "serve.speculative_tokens=2" in str(err.value) and "Fix:" in str(err.value)
 
 
-def test_the_cli_exits_2_without_an_mtp_layer(tmp_path):
+def test_the_cli_exits_2_without_an_mtp_layer(tmp_path, capsys):
     """`dsaflow generate` refuses speculation on a model without MTP layers in the parent: exit 2, one message
-    naming both fields, no traceback, no run dir written."""
+    naming both fields, no traceback, no run dir written (in process, through the CLI's own entry)."""
+    from dsaflow.cli import main
+
     args = ["generate", *MODEL, "model.mtp_layers=0", "serve.speculative_tokens=2", "serve.prompts=[hi]"]
-    r = subprocess.run(
-        [sys.executable, "-m", "dsaflow.cli", *args, f"run_dir={tmp_path / 'run'}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2, r.stderr
-    assert "serve.speculative_tokens=2" in r.stderr and "model.mtp_layers=0" in r.stderr
-    assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
+    assert main([*args, f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "serve.speculative_tokens=2" in err and "model.mtp_layers=0" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
 
 
 def test_generate_cli_speculates_and_reports_the_acceptance(tmp_path):
